@@ -1,0 +1,8 @@
+# Quickstart targets; each does its own setup (.venv with CPU torch).
+.PHONY: setup demo test
+setup:
+	@bash scripts/setup.sh
+demo: setup
+	.venv/bin/recipe apply recipes/fusenorm_smollm2.yaml --force
+test: setup
+	.venv/bin/python -m pytest -q

@@ -1,0 +1,1 @@
+"""Built-in modifiers: one file per modifier, each registered with ``@register``."""

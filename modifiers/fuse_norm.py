@@ -1,0 +1,53 @@
+"""FuseNorm: fold RMSNorm weights into the linears that read them (output-preserving)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from recipe_engine import Modifier, register
+
+
+@torch.no_grad()
+def fold_norm_into(norm: torch.nn.Module, linears: list[torch.nn.Linear]) -> None:
+    """``W ← W diag(g)`` for every linear reading ``RMSNorm(x) = g ⊙ x / rms(x)``, then ``g ← 1``.
+
+    Computed in fp32 and cast back to the weights' dtype; biases are unchanged.
+    """
+    gain = norm.weight.detach().float()
+    for linear in linears:
+        linear.weight.copy_((linear.weight.float() * gain[None, :]).to(linear.weight.dtype))
+    norm.weight.fill_(1.0)
+
+
+@register
+class FuseNorm(Modifier):
+    """Fold every RMSNorm weight into the projections that read it and set the norm weights to 1.
+
+    q/k/v absorb ``input_layernorm``, gate/up absorb ``post_attention_layernorm``. The final norm is
+    folded into ``lm_head`` only when the embeddings are untied, or with ``untie: true`` (which gives
+    ``lm_head`` its own copy of the embedding matrix, adding vocab × hidden parameters). With tied
+    embeddings and ``untie: false`` the final norm is left as it is: folding it into a tied matrix would
+    also rescale the input embeddings. Output-preserving up to floating-point rounding.
+    """
+
+    final_norm: bool = Field(True, description="also fold the final norm into lm_head when allowed")
+    untie: bool = Field(False, description="untie lm_head from the embeddings so the final norm can be folded")
+
+    def apply(self, session) -> dict[str, Any]:
+        adapter, model = session.adapter, session.model
+        for layer in session.progress.track(session.layers, "FuseNorm layers"):
+            fold_norm_into(layer.input_layernorm, adapter.attention_projections(layer))
+            fold_norm_into(layer.post_attention_layernorm, adapter.mlp_projections(layer))
+        head = adapter.lm_head(model)
+        tied = head.weight is adapter.embeddings(model).weight
+        folded_final = False
+        if self.final_norm and tied and self.untie:
+            head.weight = torch.nn.Parameter(head.weight.detach().clone())
+            model.config.tie_word_embeddings = False
+            tied = False
+        if self.final_norm and not tied:
+            fold_norm_into(adapter.final_norm(model), [head])
+            folded_final = True
+        return {"layers": len(session.layers), "final_norm_folded": folded_final, "untied": self.untie and folded_final}

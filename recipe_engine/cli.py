@@ -1,0 +1,159 @@
+"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, eval, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .errors import QualityGateError, RecipeError
+from .registry import REGISTRY, RegistryError
+
+out = Console()
+err = Console(stderr=True)
+
+
+def _overrides(args) -> list[str]:
+    sets = list(args.set or [])
+    if getattr(args, "model", None):
+        sets.append(f"model={args.model}")
+    if getattr(args, "output", None):
+        sets.append(f"output={args.output}")
+    if getattr(args, "device", None):
+        sets.append(f"device={args.device}")
+    return sets
+
+
+def cmd_apply(args) -> int:
+    from .runner import apply
+    from .summary import print_summary
+
+    _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet)
+    print_summary(report, out)
+    return 0
+
+
+def cmd_show(args) -> int:
+    from .recipe_io import load_recipe
+    from .schema import dump_recipe
+
+    out.print(dump_recipe(load_recipe(args.recipe, _overrides(args)).recipe), end="", markup=False,
+              highlight=False)
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from .models import load_config
+    from .recipe_io import load_recipe
+    from .validate import check_against_config
+
+    for spec in args.recipes:
+        loaded = load_recipe(spec, _overrides(args))
+        try:
+            config = load_config(loaded.recipe.model)
+        except RecipeError as exc:
+            raise exc.located(file=loaded.path) from None
+        shape = check_against_config(loaded.recipe, config, loaded.path)
+        out.print(f"{spec}: ok ({config.model_type}, {config.num_hidden_layers} → {shape.num_layers} layers)",
+                  markup=False, highlight=False)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .plan import print_plan
+    from .recipe_io import load_recipe
+
+    print_plan(load_recipe(args.recipe, _overrides(args)).recipe, out)
+    return 0
+
+
+def cmd_diff(args) -> int:
+    from .recipe_io import diff_recipes, load_recipe
+
+    lines = diff_recipes(load_recipe(args.old).recipe, load_recipe(args.new).recipe)
+    for line in lines or ["no semantic difference"]:
+        out.print(line, markup=False, highlight=False)
+    return 0
+
+
+def cmd_list(args) -> int:
+    for cls in REGISTRY.classes():
+        table = Table(title=escape(f"{cls.step_name()} [{cls.scope}] — {cls.summary()}"), title_justify="left")
+        for column in ("parameter", "type", "default", "description"):
+            table.add_column(column)
+        for name, field in cls.model_fields.items():
+            annotation = getattr(field.annotation, "__name__", None) or str(field.annotation)
+            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            table.add_row(name, annotation.replace("typing.", ""), default, field.description or "")
+        out.print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recipe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_overrides(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--set", action="append", metavar="PATH=VALUE",
+                       help="override a recipe field, e.g. calibration.samples=32 or modifiers.2.n=4")
+        p.add_argument("--model", help="override the recipe's model")
+        p.add_argument("--output", help="override the recipe's output directory")
+        p.add_argument("--device", help="auto | cpu | cuda | cuda:i")
+
+    p = sub.add_parser("apply", help="run a recipe and write the compressed checkpoint")
+    p.add_argument("recipe")
+    with_overrides(p)
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("show", help="print the canonical resolved recipe")
+    p.add_argument("recipe")
+    with_overrides(p)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("validate", help="validate recipes against their model's config (no weights)")
+    p.add_argument("recipes", nargs="+")
+    with_overrides(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("plan", help="print steps, statistics and calibration passes")
+    p.add_argument("recipe")
+    with_overrides(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("diff", help="semantic difference of two recipes (path or path@gitrev)")
+    p.add_argument("old")
+    p.add_argument("new")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("list-modifiers", help="every registered modifier with its parameters")
+    p.set_defaults(func=cmd_list)
+
+    from .evaluation.cli import add_commands
+
+    add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Callable = args.func
+    try:
+        return handler(args)
+    except (RecipeError, RegistryError) as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        return RecipeError.exit_code
+    except QualityGateError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        return QualityGateError.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted; nothing written", markup=False)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

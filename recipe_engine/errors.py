@@ -1,0 +1,46 @@
+"""User-facing errors: one line naming the file, the step and the field."""
+from __future__ import annotations
+
+
+class RecipeError(Exception):
+    """A mistake in a recipe or in the command line: exit code 2, nothing written.
+
+    The message is one line: ``FILE: step N (Name): field 'x': what was expected``.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, file: str | None = None, step: int | None = None,
+                 modifier: str | None = None, field: str | None = None):
+        self.file, self.step, self.modifier, self.field = file, step, modifier, field
+        self.detail = message
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        parts = []
+        if self.file:
+            parts.append(str(self.file))
+        if self.step is not None:
+            parts.append(f"step {self.step}" + (f" ({self.modifier})" if self.modifier else ""))
+        elif self.modifier:
+            parts.append(self.modifier)
+        if self.field:
+            parts.append(f"field '{self.field}'")
+        return ": ".join(parts + [self.detail])
+
+    def located(self, *, file: str | None = None, step: int | None = None,
+                modifier: str | None = None) -> "RecipeError":
+        """Return a copy with missing location parts filled in."""
+        return RecipeError(self.detail, file=self.file or file,
+                           step=self.step if self.step is not None else step,
+                           modifier=self.modifier or modifier, field=self.field)
+
+
+class SourceError(RecipeError):
+    """A model or data source that cannot be found or read (exit code 2)."""
+
+
+class QualityGateError(Exception):
+    """The compressed model fell below ``evaluate.min_retained`` (exit code 3, output kept)."""
+
+    exit_code = 3

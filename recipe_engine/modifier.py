@@ -1,0 +1,99 @@
+"""The modifier contract: a pydantic parameter model plus the code that acts on the session.
+
+Two kinds (the engine reads ``scope``, never a modifier's name):
+
+* ``Modifier`` (``scope = "model"``): ``apply(session)`` sees the whole model. Steps that choose layers
+  to merge or drop use ``session.layer_pass`` / ``session.calibration_nll`` for their statistics.
+* ``LayerModifier`` (``scope = "layer"``): consecutive layer modifiers share one layer-sequential
+  calibration pass. For each target layer the session collects the union of the statistics they declare
+  (``statistics``), then calls ``compress_layer`` of each in recipe order. A ``compress_layer`` that
+  returns with the layer changed marks collected statistics stale; the next modifier gets fresh ones.
+
+Parameters are pydantic fields (``extra="forbid"``): the schema is the only place defaults live.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .errors import RecipeError
+from .shape import ModelShape
+
+if TYPE_CHECKING:
+    from .session import Session
+    from .stats import Statistic
+
+
+class Modifier(BaseModel):
+    """Base class of every recipe step."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    scope: ClassVar[Literal["model", "layer"]] = "model"
+    #: Full calibration passes this step runs (shown by ``recipe plan``).
+    calibration_passes: ClassVar[int] = 0
+    #: Human-readable statistics this step needs (shown by ``recipe plan``).
+    needs: ClassVar[tuple[str, ...]] = ()
+    #: False when the output is no longer a stock checkpoint (``recipe_engine.load_model`` restores it).
+    stock_output: ClassVar[bool] = True
+
+    @classmethod
+    def step_name(cls) -> str:
+        return cls.__name__
+
+    @classmethod
+    def summary(cls) -> str:
+        """First line of the class docstring."""
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    def fail(self, message: str, field: str | None = None) -> RecipeError:
+        """Build a :class:`RecipeError` for this step (the engine adds file and step index)."""
+        return RecipeError(message, modifier=self.step_name(), field=field)
+
+    def passes(self) -> int:
+        """Calibration passes for ``recipe plan`` (override when it depends on parameters)."""
+        return self.calibration_passes
+
+    def check(self, shape: ModelShape) -> None:
+        """Validate against the symbolic model shape and update it to what this step produces.
+
+        Raise ``self.fail(...)`` on a mistake. Runs on config only, before any weight is loaded.
+        """
+
+    def apply(self, session: "Session") -> dict[str, Any]:
+        """Act on the whole model; return JSON-serialisable report entries."""
+        raise NotImplementedError(f"{self.step_name()} is a model-scope step and must implement apply()")
+
+    @classmethod
+    def restore_extra(cls, model, config: dict[str, Any], tensors: dict[str, Any]) -> None:
+        """Re-apply a non-stock addition saved with ``session.add_extra`` (see ``recipe_engine.extras``)."""
+        raise NotImplementedError(f"{cls.step_name()} saved no extras it can restore")
+
+
+class LayerModifier(Modifier):
+    """A step that compresses layers one at a time inside the shared layer-sequential pass."""
+
+    scope: ClassVar[Literal["model", "layer"]] = "layer"
+    calibration_passes: ClassVar[int] = 1
+    #: Submodules (paths inside a decoder layer) that ``compress_layer`` changes; statistics downstream
+    #: of the earliest one are recollected for the next modifier (see ``recipe_engine.stats``).
+    modifies: ClassVar[tuple[str, ...]] = ("self_attn", "mlp")
+
+    def target_layers(self, session: "Session") -> list[int]:
+        """Current indices of the layers this step acts on."""
+        raise NotImplementedError
+
+    def statistics(self, session: "Session", layer_index: int) -> list["Statistic"]:
+        """Statistics to collect on ``layer_index`` before ``compress_layer`` (may be empty)."""
+        return []
+
+    def compress_layer(self, session: "Session", layer_index: int,
+                       stats: dict[str, "Statistic"]) -> dict[str, Any]:
+        """Compress one layer in place (replacing its submodules is fine, the layer list is not);
+        ``stats`` maps ``Statistic.key`` to the collected statistic. Returns the layer's report entry."""
+        raise NotImplementedError
+
+    def finish(self, session: "Session") -> dict[str, Any]:
+        """Called once after every target layer was compressed; returns report entries."""
+        return {}

@@ -1,0 +1,37 @@
+"""``recipe plan``: steps, the statistics each needs, and how many calibration passes will run."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .runner import group_steps
+from .schema import Recipe
+
+
+def plan_rows(recipe: Recipe) -> tuple[list[tuple[str, str, str, str]], int]:
+    """Rows (step, scope, statistics, passes) and the total number of calibration passes.
+
+    Consecutive layer-scope steps share one layer-sequential pass.
+    """
+    rows, total = [], 0
+    for group in group_steps(recipe.modifiers):
+        passes = max(step.passes() for _, step in group) if group[0][1].scope == "layer" \
+            else group[0][1].passes()
+        total += passes
+        for position, (index, step) in enumerate(group):
+            shared = f"{passes} (shared by steps {group[0][0]}-{group[-1][0]})" if len(group) > 1 else str(passes)
+            rows.append((f"{index} {step.step_name()}", step.scope, ", ".join(step.needs) or "-",
+                         shared if position == 0 else "↑ same pass"))
+    return rows, total
+
+
+def print_plan(recipe: Recipe, console: Console) -> None:
+    rows, total = plan_rows(recipe)
+    cal = recipe.calibration
+    table = Table(title=f"plan: {recipe.name} ({cal.samples} × {cal.seq_len} tokens from {cal.dataset})")
+    for column in ("step", "scope", "statistics", "calibration passes"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"total calibration passes: {total}")

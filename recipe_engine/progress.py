@@ -1,0 +1,47 @@
+"""rich progress bars for every loop over layers or batches (on stderr)."""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, TypeVar
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+
+T = TypeVar("T")
+
+
+class Progress:
+    """Thin wrapper so the session and modifiers share one live display (or none when disabled)."""
+
+    def __init__(self, enabled: bool = True, console: Console | None = None):
+        self.enabled = enabled
+        self.console = console or Console(stderr=True)
+        self._rich: RichProgress | None = None
+
+    def __enter__(self) -> "Progress":
+        if self.enabled:
+            self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), console=self.console, transient=True)
+            self._rich.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._rich is not None:
+            self._rich.__exit__(*exc)
+            self._rich = None
+
+    def track(self, items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
+        if self._rich is None:
+            yield from items
+            return
+        items = list(items) if total is None else items
+        task = self._rich.add_task(description, total=total if total is not None else len(items))
+        try:
+            for item in items:
+                yield item
+                self._rich.advance(task)
+        finally:
+            self._rich.remove_task(task)
+
+    def log(self, message: str) -> None:
+        self.console.print(message)

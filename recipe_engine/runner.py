@@ -1,0 +1,167 @@
+"""``recipe apply``: validate, load, calibrate, run the steps, evaluate, write atomically."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .adapters import adapter_for, count_parameters
+from .data import fingerprint, load_text, sample_windows, tokenize
+from .errors import QualityGateError, RecipeError
+from .extras import save_extras
+from .modifier import LayerModifier, Modifier
+from .models import load_config, load_model, resolve_device
+from .output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
+from .progress import Progress
+from .recipe_io import LoadedRecipe, load_recipe
+from .schema import Recipe, dump_recipe, recipe_from_dict
+from .session import Session
+from .validate import check_against_config
+
+
+def group_steps(steps: list[Modifier]) -> list[list[tuple[int, Modifier]]]:
+    """Consecutive layer-scope steps share one pass; each model-scope step is its own group."""
+    groups: list[list[tuple[int, Modifier]]] = []
+    for index, step in enumerate(steps):
+        if step.scope == "layer" and groups and groups[-1][0][1].scope == "layer":
+            groups[-1].append((index, step))
+        else:
+            groups.append([(index, step)])
+    return groups
+
+
+def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> LoadedRecipe:
+    if isinstance(recipe, (str, Path)):
+        return load_recipe(str(recipe), overrides)
+    if overrides:
+        raise RecipeError("overrides apply to recipe files; edit the Recipe object instead")
+    if isinstance(recipe, dict):
+        recipe = recipe_from_dict(recipe)
+    return LoadedRecipe(recipe, "<python>", dump_recipe(recipe))
+
+
+def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
+          force: bool = False, write: bool = True, progress: bool = True) -> tuple[Any, dict]:
+    """Run a recipe; returns ``(model, report)``. Writes the output directory unless ``write=False``.
+
+    ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
+    """
+    loaded = _resolve(recipe, list(overrides))
+    recipe, file = loaded.recipe, loaded.path
+    if write:
+        check_output_free(recipe.output, force, file)
+    config = model.config if model is not None else _config(recipe.model, file)
+    check_against_config(recipe, config, file)
+    cal = recipe.calibration
+    text = load_text(cal.dataset, cal.split, cal.text_field)
+    device = resolve_device(recipe.device)
+    report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
+                              "device": str(device), "dtype": recipe.dtype}
+    with Progress(enabled=progress) as bar:
+        if model is None:
+            bar.log(f"loading {recipe.model}")
+            model, tokenizer, source = load_model(recipe.model, recipe.dtype)
+            report["model"] = {"spec": recipe.model, "kind": source.kind, "location": source.location}
+        else:
+            report["model"] = {"spec": recipe.model, "kind": "in-memory"}
+        ids = tokenize(tokenizer, text.text)
+        windows = sample_windows(ids, cal.samples, cal.seq_len, cal.seed, text.origin)
+        report["data"] = {"dataset": cal.dataset, "origin": text.origin, "tokens_available": ids.numel(),
+                          "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
+                          "fingerprint": fingerprint(windows)}
+        report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}
+        if recipe.evaluate is not None:
+            from .evaluation import evaluate_model
+
+            report["evaluation"] = {"before": evaluate_model(model, tokenizer, recipe.evaluate, device, bar)}
+        session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar)
+        report["steps"] = run_steps(session, recipe.modifiers, bar)
+        _check_uniform(session)
+        report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
+                           "layer_origin": [list(o) for o in session.layer_origin]}
+        report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers)
+        gate = None
+        if recipe.evaluate is not None:
+            from .evaluation import evaluate_model, retained
+
+            after = evaluate_model(model, tokenizer, recipe.evaluate, device, bar)
+            report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
+            gate = _quality_gate(recipe, report["evaluation"]["retained"])
+            report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
+        report["calibration_layer_runs"] = session.layer_runs
+        report["peak_memory"] = peak_memory()
+        if write:
+            _write(recipe, model, tokenizer, session, report, force)
+    if gate:
+        raise QualityGateError(gate)
+    return model, report
+
+
+def _config(spec: str, file: str):
+    try:
+        return load_config(spec)
+    except RecipeError as exc:
+        raise exc.located(file=file) from None
+
+
+def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for group in group_steps(steps):
+        start = time.perf_counter()
+        names = ", ".join(step.step_name() for _, step in group)
+        bar.log(f"step {group[0][0]}: {names}")
+        if group[0][1].scope == "layer":
+            layer_steps: list[LayerModifier] = [step for _, step in group]  # type: ignore[misc]
+            outputs = session.run_layer_modifiers(layer_steps)
+            results = [outputs[str(k)] for k in range(len(group))]
+        else:
+            results = [group[0][1].apply(session)]
+        elapsed = time.perf_counter() - start
+        for (index, step), result in zip(group, results):
+            records.append({"index": index, "modifier": step.step_name(),
+                            "params": step.model_dump(mode="json"), "wall_s": elapsed / len(group),
+                            "shared_pass": len(group) > 1, "layers_after": len(session.layers),
+                            "result": result})
+    return records
+
+
+def _check_uniform(session: Session) -> None:
+    odd = session.oversized_layers()
+    if odd:
+        raise RecipeError(f"layers {odd} are wider than the config after the last step; "
+                          f"not a stock checkpoint (add pruning steps)", field="modifiers")
+
+
+def _quality_gate(recipe: Recipe, retained: dict) -> str | None:
+    floor = recipe.evaluate.min_retained if recipe.evaluate else None
+    if floor is None:
+        return None
+    low = {k: v for k, v in retained.items() if v is not None and v < floor}
+    if not low:
+        return None
+    return (f"quality gate failed: retained {', '.join(f'{k}={v:.3f}' for k, v in low.items())} "
+            f"below min_retained={floor}; output kept at {recipe.output} and marked")
+
+
+def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
+    resolved = dump_recipe(loaded.recipe)
+    return {"name": loaded.recipe.name, "file": loaded.path, "sha256": loaded.sha256,
+            "resolved_sha256": hashlib.sha256(resolved.encode()).hexdigest(),
+            "git": git_info(loaded.path), "overrides": loaded.recipe.overrides}
+
+
+def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, force: bool) -> None:
+    with atomic_directory(recipe.output, force) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        save_extras(tmp, session.extras)
+        (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
+        gate = report.get("evaluation", {}).get("quality_gate")
+        if gate == "failed":
+            (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
+        (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))

@@ -1,0 +1,232 @@
+"""The shared calibration session: layer-sequential execution over one set of calibration tokens.
+
+Inputs of the first decoder layer are captured with a forward pre-hook (no fx tracing); then decoder layers
+run one at a time over all calibration batches. Only the layer in use sits on the accelerator; activations
+live on CPU between layers when ``offload`` is true, so peak accelerator memory is about one layer plus one
+layer's activations. With ``propagate: compressed`` a layer's inputs come from the already-compressed layers
+before it; with ``original`` from the layers as they were when the pass started.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .adapters import ArchitectureAdapter
+from .modifier import LayerModifier
+from .progress import Progress
+from .schema import CalibrationConfig
+from .stats import Statistic, change_position
+
+
+class _Captured(Exception):
+    pass
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class Session:
+    """Explicit state of one recipe run; passed to every modifier (no globals)."""
+
+    def __init__(self, model: nn.Module, tokenizer, adapter: ArchitectureAdapter,
+                 calibration: torch.Tensor, config: CalibrationConfig, device: torch.device,
+                 progress: Progress | None = None):
+        self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
+        self.calibration, self.config, self.device = calibration, config, device
+        self.progress = progress or Progress(enabled=False)
+        cfg = model.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layer_origin: list[tuple[int, ...]] = [(i,) for i in range(cfg.num_hidden_layers)]
+        self.extras: list[dict[str, Any]] = []
+        self.layer_runs = 0
+        self._active_step: str | None = None
+
+    # -- structure ---------------------------------------------------------------------------
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.adapter.layers(self.model)
+
+    def set_layers(self, layers: list[nn.Module], origin: list[tuple[int, ...]],
+                   inherit: list[int]) -> None:
+        """Replace the decoder layers; ``origin`` gives the original indices each new layer covers,
+        ``inherit`` the current index whose per-layer config entries it keeps."""
+        self.adapter.set_layers(self.model, layers, inherit)
+        self.layer_origin = list(origin)
+
+    def oversized_layers(self) -> list[int]:
+        """Layers wider than the config (heads or intermediate size), read from the weights."""
+        cfg = self.model.config
+        standard = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+        return [i for i, layer in enumerate(self.layers)
+                if self.adapter.layer_widths(layer, self.head_dim) != standard]
+
+    def add_extra(self, modifier: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.extras``)."""
+        self.extras.append({"modifier": modifier, "config": config, "tensors": tensors})
+
+    # -- execution primitives ----------------------------------------------------------------
+    @property
+    def storage(self) -> torch.device:
+        return torch.device("cpu") if self.config.offload else self.device
+
+    def batches(self) -> list[torch.Tensor]:
+        return list(self.calibration.split(self.config.batch_size))
+
+    @contextlib.contextmanager
+    def on_device(self, *modules: nn.Module) -> Iterator[None]:
+        """Move modules to the session device for the duration of the block."""
+        if self.device.type == "cpu":
+            yield
+            return
+        for module in modules:
+            module.to(self.device)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.to("cpu")
+
+    @torch.no_grad()
+    def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """Hidden states and keyword arguments entering decoder layer 0, one entry per batch."""
+        inputs: list[torch.Tensor] = []
+        kwargs_list: list[dict[str, Any]] = []
+
+        def catch(_module, args, kwargs):
+            inputs.append(_first_tensor(args, kwargs).to(self.storage))
+            kwargs_list.append({k: _to(v, self.storage) for k, v in kwargs.items()
+                                if k != "hidden_states" and k != "past_key_values"})
+            raise _Captured
+
+        first = self.layers[0]
+        handle = first.register_forward_pre_hook(catch, with_kwargs=True)
+        base = self.model.model
+        try:
+            with self.on_device(self.adapter.embeddings(self.model), self.adapter.rotary(self.model)):
+                for batch in self.batches():
+                    try:
+                        base(input_ids=batch.to(self.device), use_cache=False)
+                    except _Captured:
+                        pass
+        finally:
+            handle.remove()
+        return inputs, kwargs_list
+
+    @torch.no_grad()
+    def run_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]],
+                  hooks: list[Statistic] = ()) -> list[torch.Tensor]:
+        """Run one (already placed) layer over all batches, feeding ``hooks``; returns its outputs."""
+        handles = []
+        for stat in hooks:
+            module = layer.get_submodule(stat.module) if stat.module else layer
+
+            def hook(_m, args, kwargs, output, stat=stat):
+                stat.update(_first_tensor(args, kwargs), _hidden(output))
+
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        outputs = []
+        try:
+            for x, kwargs in zip(inputs, kwargs_list):
+                out = layer(x.to(self.device), **_to(kwargs, self.device))
+                outputs.append(_hidden(out).to(self.storage))
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.layer_runs += 1
+        return outputs
+
+    def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
+                   description: str = "calibration pass", skip: tuple[int, ...] = ()) -> None:
+        """Whole-model pass: ``visit(index, inputs, outputs)`` for every layer (skipped layers pass
+        their inputs through unchanged and are not visited)."""
+        inputs, kwargs_list = self.capture_inputs()
+        for index in self.progress.track(range(len(self.layers)), description):
+            if index in skip:
+                continue
+            layer = self.layers[index]
+            with self.on_device(layer):
+                outputs = self.run_layer(layer, inputs, kwargs_list)
+            visit(index, inputs, outputs)
+            inputs = outputs
+
+    @torch.no_grad()
+    def calibration_nll(self, skip: tuple[int, ...] = ()) -> float:
+        """Token-weighted mean next-token NLL of the calibration windows (layers in ``skip`` bypassed;
+        at least one layer must run)."""
+        finals: list[torch.Tensor] = []
+
+        def keep_last(index: int, _inputs, outputs) -> None:
+            finals[:] = outputs
+
+        self.layer_pass(keep_last, "calibration NLL", skip=skip)
+        total, count = 0.0, 0
+        norm, head = self.adapter.final_norm(self.model), self.adapter.lm_head(self.model)
+        with self.on_device(norm, head):
+            for hidden, batch in zip(finals, self.batches()):
+                logits = head(norm(hidden.to(self.device))).float()
+                targets = batch[:, 1:].to(self.device)
+                loss = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+                total += float(loss)
+                count += targets.numel()
+        return total / count
+
+    # -- layer-sequential compression --------------------------------------------------------
+    @torch.no_grad()
+    def run_layer_modifiers(self, group: list[LayerModifier]) -> dict[str, dict[str, Any]]:
+        """One layer-sequential pass applying every modifier of ``group`` to its target layers.
+
+        For each layer: collect the statistics the next modifier needs (reusing those still valid),
+        compress, invalidate statistics downstream of what changed, then compute the layer's outputs
+        as the next layer's inputs (from the compressed layer, or the original one with
+        ``propagate: original``). Returns per-modifier reports keyed by ``"{step index}"``.
+        """
+        targets = [set(m.target_layers(self)) for m in group]
+        reports: list[dict[str, Any]] = [{"layers": {}} for _ in group]
+        last = max((max(t) for t in targets if t), default=-1)
+        inputs, kwargs_list = self.capture_inputs()
+        for index in self.progress.track(range(last + 1), "layer-sequential pass"):
+            layer = self.layers[index]
+            active = [k for k, t in enumerate(targets) if index in t]
+            with self.on_device(layer):
+                if not active:
+                    inputs = self.run_layer(layer, inputs, kwargs_list)
+                    continue
+                original_outputs = None
+                cache: dict[str, Statistic] = {}
+                for k in active:
+                    modifier = group[k]
+                    needed = modifier.statistics(self, index)
+                    missing = [s for s in needed if s.key not in cache]
+                    if missing or original_outputs is None:
+                        outputs = self.run_layer(layer, inputs, kwargs_list, hooks=missing)
+                        original_outputs = original_outputs if original_outputs is not None else outputs
+                        cache.update({s.key: s for s in missing})
+                    entry = modifier.compress_layer(self, index, {s.key: cache[s.key] for s in needed})
+                    reports[k]["layers"][str(index)] = entry
+                    changed = min((change_position(m) for m in modifier.modifies), default=99)
+                    cache = {key: s for key, s in cache.items() if s.position <= changed}
+                layer = self.layers[index]
+                if self.config.propagate == "original":
+                    inputs = original_outputs
+                else:
+                    inputs = self.run_layer(layer, inputs, kwargs_list)
+        for k, modifier in enumerate(group):
+            reports[k].update(modifier.finish(self))
+        return {str(k): r for k, r in enumerate(reports)}

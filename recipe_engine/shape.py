@@ -1,0 +1,58 @@
+"""Symbolic model shape used to validate a recipe without loading weights.
+
+Each modifier's ``check`` reads and updates a :class:`ModelShape` built from the model's config
+(no weights, see ``recipe validate --model``), so structural mistakes (``n`` too large, head counts that
+cannot be pruned, a non-uniform final model) are caught before anything is loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Width of one decoder layer; ``origin`` lists the original layer indices it was built from."""
+
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    origin: tuple[int, ...]
+
+
+@dataclass
+class ModelShape:
+    model_type: str
+    hidden_size: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    layers: list[LayerShape] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layers = [LayerShape(heads, kv, config.intermediate_size, (i,))
+                  for i in range(config.num_hidden_layers)]
+        return cls(config.model_type, config.hidden_size, head_dim, heads, kv,
+                   config.intermediate_size, bool(getattr(config, "tie_word_embeddings", False)), layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def is_standard(self, index: int) -> bool:
+        """True when layer ``index`` has the config's head count and intermediate size."""
+        layer = self.layers[index]
+        return (layer.num_heads, layer.num_kv_heads, layer.intermediate_size) == (
+            self.num_heads, self.num_kv_heads, self.intermediate_size)
+
+    def oversized_layers(self) -> list[int]:
+        """Layers wider than the config (e.g. merged by layer flattening and not yet pruned)."""
+        return [i for i in range(self.num_layers) if not self.is_standard(i)]
+
+    def copy(self) -> "ModelShape":
+        return replace(self, layers=list(self.layers))

@@ -1,0 +1,91 @@
+"""Per-layer calibration statistics, accumulated by forward hooks in fp64.
+
+A :class:`Statistic` names the module it hooks by its path inside a decoder layer (``""`` is the layer
+itself) and accumulates over calibration batches. Modifiers may define their own subclasses in their file;
+the engine only calls ``update`` and reads ``key``/``position``.
+
+Positions order what a statistic depends on inside a layer (0: layer input and q/k/v inputs,
+1: ``o_proj`` input, 2: MLP input, 3: ``down_proj`` input, 4: layer output); a change to a module at
+position p invalidates statistics at positions > p.
+"""
+from __future__ import annotations
+
+import torch
+
+POSITIONS = {
+    "self_attn": 0, "self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
+    "self_attn.o_proj": 1,
+    "mlp": 2, "mlp.gate_proj": 2, "mlp.up_proj": 2,
+    "mlp.down_proj": 3,
+    "": 4,
+}
+
+
+def position(module: str) -> int:
+    """Dataflow position of a module path; unknown paths count as the layer output (always stale)."""
+    return POSITIONS.get(module, 4)
+
+
+def change_position(module: str) -> int:
+    """Position of a changed module; unknown paths invalidate everything."""
+    return POSITIONS.get(module, -1)
+
+
+class Statistic:
+    """Base class: ``update(inputs, output)`` is called once per calibration batch."""
+
+    def __init__(self, module: str):
+        self.module = module
+
+    @property
+    def key(self) -> str:
+        return f"{type(self).__name__}:{self.module}"
+
+    @property
+    def position(self) -> int:
+        return position(self.module)
+
+    def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class InputCovariance(Statistic):
+    """Gram matrix ``G = Σ_t x_t x_tᵀ`` (fp64) of a module's input over all calibration tokens.
+
+    ``count`` is the number of tokens; ``covariance = G / count`` (uncentred second moment).
+    """
+
+    def __init__(self, module: str):
+        super().__init__(module)
+        self.gram: torch.Tensor | None = None
+        self.count = 0
+
+    def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        x = inputs.reshape(-1, inputs.shape[-1]).to(torch.float64)
+        gram = x.T @ x
+        self.gram = gram if self.gram is None else self.gram + gram
+        self.count += x.shape[0]
+
+    @property
+    def covariance(self) -> torch.Tensor:
+        if self.gram is None:
+            raise RuntimeError(f"{self.key}: no batch was collected")
+        return self.gram / self.count
+
+
+class LayerCosine(Statistic):
+    """Mean over tokens of cos(layer input, layer output) along the hidden axis (fp32 cosine)."""
+
+    def __init__(self) -> None:
+        super().__init__("")
+        self.total = 0.0
+        self.count = 0
+
+    def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        cos = torch.nn.functional.cosine_similarity(inputs.float(), output.float(), dim=-1)
+        self.total += float(cos.sum(dtype=torch.float64))
+        self.count += cos.numel()
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count

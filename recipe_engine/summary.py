@@ -1,0 +1,44 @@
+"""The rich summary table printed at the end of ``recipe apply``."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+def _ppl(evaluation: dict, when: str) -> str:
+    ppl = evaluation.get(when, {}).get("perplexity")
+    return f"{ppl['ppl']:.2f}" if ppl else "-"
+
+
+def print_summary(report: dict, console: Console) -> None:
+    before, after = report["before"], report["after"]
+    table = Table(title=f"recipe {report['recipe']['name']}")
+    table.add_column("")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    table.add_column("ratio", justify="right")
+    table.add_row("parameters", f"{before['parameters'] / 1e6:.2f}M", f"{after['parameters'] / 1e6:.2f}M",
+                  f"{after['parameters'] / before['parameters']:.3f}")
+    table.add_row("layers", str(before["layers"]), str(after["layers"]),
+                  f"{after['layers'] / before['layers']:.3f}")
+    evaluation = report.get("evaluation")
+    if evaluation:
+        ppl = evaluation["before"].get("perplexity")
+        if ppl:
+            note = escape(f" [{ppl['dataset']}, {ppl['windows']}×{ppl['seq_len']} tokens]")
+            ratio = evaluation.get("retained", {}).get("perplexity")
+            table.add_row("perplexity" + note, _ppl(evaluation, "before"), _ppl(evaluation, "after"),
+                          f"{1 / ratio:.3f}" if ratio else "-")
+        zs_before = evaluation["before"].get("zero_shot")
+        if zs_before:
+            zs_after = evaluation.get("after", {}).get("zero_shot", {})
+            for task, res in zs_before["tasks"].items():
+                a = zs_after.get("tasks", {}).get(task, {})
+                table.add_row(f"{task} {res['metric']}", f"{res['value']:.4f}",
+                              f"{a.get('value', float('nan')):.4f}", "")
+            table.add_row("zero-shot average", f"{zs_before['average']:.4f}",
+                          f"{zs_after.get('average', float('nan')):.4f}", "")
+    for step in report["steps"]:
+        table.add_row(f"step {step['index']} {step['modifier']}", "", f"{step['wall_s']:.1f}s", "")
+    console.print(table)

@@ -1,0 +1,41 @@
+"""Validate a recipe against a model's config without loading weights (meta device)."""
+from __future__ import annotations
+
+from .adapters import adapter_for
+from .errors import RecipeError
+from .schema import Recipe
+from .shape import ModelShape
+
+
+def check_against_config(recipe: Recipe, config, file: str | None = None) -> ModelShape:
+    """Run every step's ``check`` on the symbolic shape; the final model must be uniform.
+
+    The architecture is also instantiated on the meta device to prove transformers can build it.
+    """
+    try:
+        adapter_for(config)
+    except RecipeError as exc:
+        raise exc.located(file=file) from None
+    _build_on_meta(config, file)
+    shape = ModelShape.from_config(config)
+    for index, step in enumerate(recipe.modifiers):
+        try:
+            step.check(shape)
+        except RecipeError as exc:
+            raise exc.located(file=file, step=index, modifier=step.step_name()) from None
+    odd = shape.oversized_layers()
+    if odd:
+        raise RecipeError(f"the recipe leaves layers {odd} wider than the config; a stock checkpoint needs "
+                          f"uniform layers (add pruning steps that cover them)", file=file, field="modifiers")
+    return shape
+
+
+def _build_on_meta(config, file: str | None) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # the config itself is unusable
+        raise RecipeError(f"cannot build {config.model_type} from its config: {exc}", file=file) from None

