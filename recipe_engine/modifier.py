@@ -35,6 +35,8 @@ class Modifier(BaseModel):
     calibration_passes: ClassVar[int] = 0
     #: Human-readable statistics this step needs (shown by ``recipe plan``).
     needs: ClassVar[tuple[str, ...]] = ()
+    #: True when the step calls ``session.reference_session()`` (an in-memory model is then copied first).
+    needs_reference: ClassVar[bool] = False
     #: False when the output is no longer a stock checkpoint (``recipe_engine.load_model`` restores it).
     stock_output: ClassVar[bool] = True
 

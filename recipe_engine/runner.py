@@ -1,6 +1,7 @@
 """``recipe apply``: validate, load, calibrate, run the steps, evaluate, write atomically."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -61,6 +62,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     device = resolve_device(recipe.device)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype}
+    in_memory = model is not None
     with Progress(enabled=progress) as bar:
         if model is None:
             bar.log(f"loading {recipe.model}")
@@ -78,7 +80,8 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
             from .evaluation import evaluate_model
 
             report["evaluation"] = {"before": evaluate_model(model, tokenizer, recipe.evaluate, device, bar)}
-        session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar)
+        session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar,
+                          reference_loader=_reference_loader(recipe, model, in_memory))
         report["steps"] = run_steps(session, recipe.modifiers, bar)
         _check_uniform(session)
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
@@ -99,6 +102,17 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     if gate:
         raise QualityGateError(gate)
     return model, report
+
+
+def _reference_loader(recipe: Recipe, model, in_memory: bool):
+    """Original weights for ``session.reference_session()``: reloaded from the source on first use,
+    or, for an in-memory model, a CPU copy taken now (before any step changes it)."""
+    if in_memory:
+        if not any(step.needs_reference for step in recipe.modifiers):
+            return None
+        snapshot = copy.deepcopy(model).to("cpu")
+        return lambda: snapshot
+    return lambda: load_model(recipe.model, recipe.dtype)[0]
 
 
 def _config(spec: str, file: str):
@@ -156,7 +170,12 @@ def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
 
 def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, force: bool) -> None:
     with atomic_directory(recipe.output, force) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if session.checkpoint_writer is not None:
+            session.checkpoint_writer(model, tmp)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+        for filename, data in session.artifacts.items():
+            (tmp / filename).write_bytes(data)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         save_extras(tmp, session.extras)

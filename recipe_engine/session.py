@@ -46,7 +46,7 @@ class Session:
 
     def __init__(self, model: nn.Module, tokenizer, adapter: ArchitectureAdapter,
                  calibration: torch.Tensor, config: CalibrationConfig, device: torch.device,
-                 progress: Progress | None = None):
+                 progress: Progress | None = None, reference_loader: Callable[[], nn.Module] | None = None):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
         self.calibration, self.config, self.device = calibration, config, device
         self.progress = progress or Progress(enabled=False)
@@ -54,8 +54,12 @@ class Session:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layer_origin: list[tuple[int, ...]] = [(i,) for i in range(cfg.num_hidden_layers)]
         self.extras: list[dict[str, Any]] = []
+        self.artifacts: dict[str, bytes] = {}
+        #: Replaces ``save_pretrained`` when set (e.g. a packed quantized export): ``writer(model, dir)``.
+        self.checkpoint_writer: Callable[[nn.Module, Any], None] | None = None
         self.layer_runs = 0
-        self._active_step: str | None = None
+        self._reference_loader = reference_loader
+        self._reference: Session | None = None
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -79,6 +83,22 @@ class Session:
     def add_extra(self, modifier: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.extras``)."""
         self.extras.append({"modifier": modifier, "config": config, "tensors": tensors})
+
+    def add_artifact(self, filename: str, data: bytes) -> None:
+        """A file (e.g. a PNG heatmap) to write into the output directory beside the checkpoint."""
+        if "/" in filename or filename.startswith("."):
+            raise ValueError(f"artifact name must be a plain file name, got {filename!r}")
+        self.artifacts[filename] = data
+
+    def reference_session(self) -> "Session":
+        """A session over the original, unmodified model (loaded again from its source on first use,
+        kept on CPU) with the same calibration tokens; for steps that compare against the original."""
+        if self._reference is None:
+            if self._reference_loader is None:
+                raise RuntimeError("this session has no reference model loader")
+            self._reference = Session(self._reference_loader(), self.tokenizer, self.adapter, self.calibration,
+                                      self.config, self.device, self.progress)
+        return self._reference
 
     # -- execution primitives ----------------------------------------------------------------
     @property
