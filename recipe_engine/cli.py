@@ -13,7 +13,6 @@ from .errors import QualityGateError, RecipeError
 from .registry import REGISTRY, RegistryError
 
 out = Console()
-err = Console(stderr=True)
 
 
 def _overrides(args) -> list[str]:
@@ -40,8 +39,7 @@ def cmd_show(args) -> int:
     from .recipe_io import load_recipe
     from .schema import dump_recipe
 
-    out.print(dump_recipe(load_recipe(args.recipe, _overrides(args)).recipe), end="", markup=False,
-              highlight=False)
+    print(dump_recipe(load_recipe(args.recipe, _overrides(args)).recipe), end="")
     return 0
 
 
@@ -57,8 +55,7 @@ def cmd_validate(args) -> int:
         except RecipeError as exc:
             raise exc.located(file=loaded.path) from None
         shape = check_against_config(loaded.recipe, config, loaded.path)
-        out.print(f"{spec}: ok ({config.model_type}, {config.num_hidden_layers} → {shape.num_layers} layers)",
-                  markup=False, highlight=False)
+        print(f"{spec}: ok ({config.model_type}, {config.num_hidden_layers} → {shape.num_layers} layers)")
     return 0
 
 
@@ -75,7 +72,7 @@ def cmd_diff(args) -> int:
 
     lines = diff_recipes(load_recipe(args.old).recipe, load_recipe(args.new).recipe)
     for line in lines or ["no semantic difference"]:
-        out.print(line, markup=False, highlight=False)
+        print(line)
     return 0
 
 
@@ -145,13 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except (RecipeError, RegistryError) as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
+        print(f"error: {exc}", file=sys.stderr)
         return RecipeError.exit_code
     except QualityGateError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
+        print(f"error: {exc}", file=sys.stderr)
         return QualityGateError.exit_code
     except KeyboardInterrupt:
-        err.print("interrupted; nothing written", markup=False)
+        print("interrupted; nothing written", file=sys.stderr)
         return 130
 
 

@@ -44,4 +44,5 @@ class Progress:
             self._rich.remove_task(task)
 
     def log(self, message: str) -> None:
-        self.console.print(message)
+        if self.enabled:
+            self.console.print(message, markup=False, highlight=False)

@@ -16,6 +16,7 @@ from .suggest import did_you_mean
 
 ENTRY_POINT_GROUP = "recipe_engine.modifiers"
 BUILTIN_PACKAGE = "modifiers"
+_MARK = "__recipe_step__"
 
 
 class RegistryError(RuntimeError):
@@ -48,7 +49,10 @@ class Registry:
         package = importlib.import_module(BUILTIN_PACKAGE)
         for info in pkgutil.iter_modules(package.__path__):
             if not info.name.startswith("_"):
-                importlib.import_module(f"{BUILTIN_PACKAGE}.{info.name}")
+                module = importlib.import_module(f"{BUILTIN_PACKAGE}.{info.name}")
+                for value in vars(module).values():
+                    if isinstance(value, type) and value.__dict__.get(_MARK):
+                        self.register(value)
         for entry in entry_points(group=ENTRY_POINT_GROUP):
             try:
                 loaded = entry.load()
@@ -79,4 +83,6 @@ REGISTRY = Registry()
 
 def register(cls: type[Modifier]) -> type[Modifier]:
     """Class decorator: ``@register`` adds a modifier under its class name."""
-    return REGISTRY.register(cls)
+    REGISTRY.register(cls)
+    setattr(cls, _MARK, True)
+    return cls

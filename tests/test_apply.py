@@ -1,0 +1,98 @@
+"""End to end through recipe_engine.apply on tiny models: atomic output, stock reload, report."""
+import json
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+import recipe_engine
+from recipe_engine.modifier import Modifier
+from recipe_engine.registry import REGISTRY
+from tests.helpers import CharTokenizer, random_tokens, tiny_model
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 200
+
+
+def tiny_recipe(tmp_path, **changes):
+    data_file = tmp_path / "cal.txt"
+    data_file.write_text(TEXT)
+    return {"version": 1, "name": "tiny", "model": "tiny-in-memory", "output": str(tmp_path / "out"),
+            "calibration": {"dataset": str(data_file), "samples": 4, "seq_len": 32, "batch_size": 2},
+            "modifiers": ["FuseNorm"], **changes}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_apply_writes_a_stock_checkpoint(tmp_path, model_type):
+    model = tiny_model(model_type)
+    tokens = random_tokens()
+    expected = model(tokens).logits
+    _, report = recipe_engine.apply(tiny_recipe(tmp_path), model=model, tokenizer=CharTokenizer(),
+                                    progress=False)
+    out = tmp_path / "out"
+    assert {"config.json", "model.safetensors", "recipe.yaml", "report.json"} <= {p.name for p in out.iterdir()}
+    assert not list(out.glob("*.bin")) and not list(tmp_path.glob(".out.tmp-*"))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-4, atol=1e-4)
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["data"]["fingerprint"] == report["data"]["fingerprint"]
+    assert len(saved["data"]["fingerprint"]) == 64
+    assert saved["before"]["layers"] == saved["after"]["layers"] == 4
+    assert saved["steps"][0]["modifier"] == "FuseNorm" and saved["steps"][0]["wall_s"] >= 0
+    assert {"torch", "transformers", "pydantic"} <= set(saved["packages"])
+    assert "rss_mib" in saved["peak_memory"]
+    resolved = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert resolved["modifiers"] == [{"FuseNorm": {"final_norm": True, "untie": False}}]
+
+
+def test_fingerprint_is_deterministic_and_seeded(tmp_path):
+    reports = [recipe_engine.apply(tiny_recipe(tmp_path, calibration={**tiny_recipe(tmp_path)["calibration"],
+                                                                      "seed": seed}),
+                                   model=tiny_model(), tokenizer=CharTokenizer(), write=False,
+                                   progress=False)[1] for seed in (0, 0, 1)]
+    prints = [r["data"]["fingerprint"] for r in reports]
+    assert prints[0] == prints[1] != prints[2]
+
+
+class Interrupting(Modifier):
+    """Test double: raises KeyboardInterrupt while the output is being written."""
+
+    def apply(self, session):
+        session.checkpoint_writer = self.write
+
+    @staticmethod
+    def write(model, directory):
+        (directory / "partial.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+
+def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setitem(REGISTRY._classes, "Interrupting", Interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Interrupting"]), model=tiny_model(),
+                            tokenizer=CharTokenizer(), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt"]
+
+
+def test_force_replaces_existing_output_only_after_success(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    monkeypatch.setitem(REGISTRY._classes, "Interrupting", Interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Interrupting"]), model=tiny_model(),
+                            tokenizer=CharTokenizer(), force=True, progress=False)
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    recipe_engine.apply(tiny_recipe(tmp_path), model=tiny_model(), tokenizer=CharTokenizer(), force=True,
+                        progress=False)
+    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "out"]
+
+
+def test_too_little_calibration_text_says_how_much(tmp_path):
+    recipe = tiny_recipe(tmp_path)
+    recipe["calibration"]["samples"] = 1000
+    with pytest.raises(recipe_engine.RecipeError, match=r"has 9000 tokens = 281 windows of 32; need "
+                                                        r"samples × seq_len = 1000 × 32 = 32000"):
+        recipe_engine.apply(recipe, model=tiny_model(), tokenizer=CharTokenizer(), progress=False)
+    assert not (tmp_path / "out").exists()
