@@ -39,6 +39,9 @@ class Modifier(BaseModel):
     needs_reference: ClassVar[bool] = False
     #: False when the output is no longer a stock checkpoint (``recipe_engine.load_model`` restores it).
     stock_output: ClassVar[bool] = True
+    #: Steps of a minimal valid recipe that exercises this modifier on a tiny model (contract tests);
+    #: empty means the modifier alone with its defaults.
+    example: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def step_name(cls) -> str:
@@ -48,6 +51,10 @@ class Modifier(BaseModel):
     def summary(cls) -> str:
         """First line of the class docstring."""
         return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    @classmethod
+    def example_steps(cls) -> list[str]:
+        return list(cls.example) or [cls.step_name()]
 
     def fail(self, message: str, field: str | None = None) -> RecipeError:
         """Build a :class:`RecipeError` for this step (the engine adds file and step index)."""
