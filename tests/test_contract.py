@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import recipe_engine
 from recipe_engine.registry import REGISTRY
 from recipe_engine.schema import dump_recipe, recipe_from_dict
-from tests.helpers import CharTokenizer, random_tokens, tiny_model
+from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, random_tokens, tiny_model
 
 TEXT = "Calibration text for the contract tests, repeated to have enough tokens. " * 300
 NAMES = REGISTRY.names()
@@ -50,10 +50,12 @@ def test_yaml_round_trip(tmp_path, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_runs_on_tiny_model_and_reloads(tmp_path, name):
-    model = tiny_model(num_hidden_layers=6)
-    tokens = random_tokens()
+    # load_model (non-stock outputs) needs a tokenizer AutoTokenizer can reload: CharTokenizer is not one
+    stock = REGISTRY.get(name).stock_output
+    model = tiny_model(num_hidden_layers=6) if stock else tiny_model(num_hidden_layers=6, vocab_size=BYTE_VOCAB)
+    tokens = random_tokens() if stock else random_tokens(vocab=BYTE_VOCAB)
     result, report = recipe_engine.apply(example_recipe(tmp_path, name), model=model,
-                                         tokenizer=CharTokenizer(), progress=False)
+                                         tokenizer=CharTokenizer() if stock else byte_tokenizer(), progress=False)
     with torch.no_grad():
         expected = result(tokens).logits
     out = tmp_path / "out"

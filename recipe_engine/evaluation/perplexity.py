@@ -1,8 +1,13 @@
-"""Perplexity as every paper in ``shared/papers`` measures it.
+"""Perplexity as every paper in ``shared/papers`` measures it (the HF / GPTQ WikiText-2 protocol).
 
-WikiText-2 raw test rows joined with ``"\\n\\n"``, tokenized once, cut into non-overlapping windows of
-``seq_len`` tokens (the tail shorter than a window is dropped); NLL is the token-weighted mean over every
-predicted token (``seq_len - 1`` per window), PPL = exp(NLL).
+* Text: WikiText-2 raw test rows joined with ``"\\n\\n"`` (``data.load_text``), tokenized once, no special
+  tokens added (no BOS per window).
+* Windows: non-overlapping, ``seq_len`` tokens each, from the start; the tail shorter than a window is
+  dropped; ``limit`` keeps the first N windows. Text shorter than one window is an error.
+* Loss: each window is an independent forward pass; its first token has no context and is not predicted,
+  so a window contributes ``seq_len - 1`` shifted next-token losses (log-softmax in fp32).
+  NLL = token-weighted mean over all predicted tokens, PPL = exp(NLL). Since every window has the same
+  number of predictions, this equals GPTQ's ``exp(mean over windows of the per-window mean loss)``.
 """
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import math
 
 import torch
 
-from ..data import tokenize
+from ..data import fingerprint, tokenize
 from ..errors import SourceError
 
 
@@ -29,6 +34,7 @@ def window_nll(model, windows: torch.Tensor, device: torch.device, progress=None
 
 
 def make_windows(ids: torch.Tensor, seq_len: int, limit: int | None, source: str) -> torch.Tensor:
+    """The first ``limit`` (default: all) complete non-overlapping windows, shape ``(windows, seq_len)``."""
     available = ids.numel() // seq_len
     if available == 0:
         raise SourceError(f"{source}: {ids.numel()} tokens, shorter than one window of {seq_len}")
@@ -38,10 +44,11 @@ def make_windows(ids: torch.Tensor, seq_len: int, limit: int | None, source: str
 
 def perplexity(model, tokenizer, text: str, seq_len: int = 2048, limit: int | None = None,
                device: torch.device | str = "cpu", source: str = "text", progress=None) -> dict:
-    """Perplexity of ``text``; returns ``{"ppl", "nll", "tokens", "windows", "windows_available"}``."""
+    """Perplexity of ``text``; returns ppl, nll, tokens (predicted), windows (evaluated), windows_available,
+    seq_len and the sha256 fingerprint of the evaluated token ids."""
     ids = tokenize(tokenizer, text)
     windows = make_windows(ids, seq_len, limit, source)
     total, count = window_nll(model, windows, torch.device(device), progress)
     nll = total / count
     return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "windows": windows.shape[0],
-            "windows_available": ids.numel() // seq_len, "seq_len": seq_len}
+            "windows_available": ids.numel() // seq_len, "seq_len": seq_len, "fingerprint": fingerprint(windows)}

@@ -31,7 +31,7 @@ def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=No
         if config.tasks:
             from .zeroshot import zero_shot
 
-            results["zero_shot"] = zero_shot(model, tokenizer, config.tasks, config.limit, device)
+            results["zero_shot"] = zero_shot(model, tokenizer, config.tasks, config.limit, device, config.task_data)
     finally:
         model.to("cpu")
     return results

@@ -1,0 +1,87 @@
+"""Zero-shot accuracy through lm-evaluation-harness on the in-memory model (wrapped by ``HFLM``, no reload).
+
+``task_data: local`` (default) runs the offline task configs in ``tasks/`` (stock prompts and metrics, rows
+read from disk, see ``task_data.py``); ``task_data: hub`` runs lm-eval's stock tasks by name (needs the
+network or an HF cache). The headline metric of a task is ``acc_norm`` where the task reports it, else
+``acc`` (the convention of the SliceGPT/SLEB/FlattenGPT tables); the average is their plain mean, like
+the papers' "Avg." column.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SourceError
+from . import task_data
+
+TASKS_DIR = Path(__file__).with_name("tasks")
+PAPER_TASKS = ["arc_easy", "arc_challenge", "piqa", "hellaswag", "winogrande"]
+
+
+def task_manager(data: str):
+    """Offline: only the configs in ``tasks/`` (fast to index); hub: lm-eval's stock task index."""
+    from lm_eval.tasks import TaskManager
+
+    if data == "local":
+        return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    return TaskManager()
+
+
+def check_tasks(tasks: list[str], data: str) -> None:
+    unknown = [t for t in tasks if data == "local" and t not in task_data.LOCAL_TASKS]
+    if unknown:
+        raise SourceError(f"no offline config for task(s) {', '.join(unknown)} (offline: "
+                          f"{', '.join(task_data.LOCAL_TASKS)}); use task_data: hub for lm-eval's stock tasks")
+    for task in tasks if data == "local" else []:
+        task_data.source_files(task)  # raises the one-line install hint before lm-eval starts
+
+
+def headline(metrics: dict) -> tuple[str, float]:
+    """(metric name, value): ``acc_norm`` when reported, else ``acc``."""
+    for name in ("acc_norm", "acc"):
+        if f"{name},none" in metrics:
+            return name, float(metrics[f"{name},none"])
+    raise SourceError(f"task reports neither acc nor acc_norm (metrics: {', '.join(metrics)})")
+
+
+def summarize(results: dict, tasks: list[str], data: str) -> dict:
+    """lm-eval's result dict → ``{"tasks": {task: {...}}, "average": mean headline value}``."""
+    summary: dict = {"tasks": {}, "data": data}
+    for task in tasks:
+        metrics = results["results"][task]
+        metric, value = headline(metrics)
+        record = {"metric": metric, "value": value, "samples": results["n-samples"][task]["effective"],
+                  "samples_available": results["n-samples"][task]["original"]}
+        for name in ("acc", "acc_norm", "perplexity"):
+            if f"{name},none" in metrics:
+                record[name] = float(metrics[f"{name},none"])
+                stderr = metrics.get(f"{name}_stderr,none")
+                record[f"{name}_stderr"] = float(stderr) if isinstance(stderr, (int, float)) else None
+        record["fingerprint"] = task_data.fingerprint(task) if data == "local" else None
+        summary["tasks"][task] = record
+    summary["average"] = sum(r["value"] for r in summary["tasks"].values()) / len(tasks)
+    return summary
+
+
+def run_harness(model, tokenizer, tasks: list[str], limit: int | None, data: str, batch_size: int = 1,
+                log_samples: bool = False) -> dict:
+    """``lm_eval.simple_evaluate`` on the in-memory model; returns lm-eval's raw result dict."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    check_tasks(tasks, data)
+    wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    return lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), num_fewshot=0, limit=limit,
+                                   task_manager=task_manager(data), log_samples=log_samples,
+                                   bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
+                                   torch_random_seed=0)
+
+
+def zero_shot(model, tokenizer, tasks: list[str], limit: int | None, device, data: str = "local",
+              batch_size: int = 1) -> dict:
+    """Zero-shot accuracies of ``tasks`` (first ``limit`` rows each) on the model, already on ``device``."""
+    from importlib.metadata import version
+
+    results = run_harness(model, tokenizer, tasks, limit, data, batch_size)
+    summary = summarize(results, tasks, data)
+    summary.update(limit=limit, lm_eval_version=version("lm_eval"), device=str(device))
+    return summary

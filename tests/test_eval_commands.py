@@ -1,0 +1,164 @@
+"""``recipe eval`` / ``recipe bench`` on tiny saved models, and the recipe ``evaluate:`` block with its gate."""
+import json
+from importlib.metadata import version
+
+import pytest
+import torch
+
+import recipe_engine
+from recipe_engine.cli import main
+from recipe_engine.errors import QualityGateError
+from recipe_engine.evaluation import perplexity
+from recipe_engine.evaluation.bench import alternate, protocol_note, ratios
+from recipe_engine.modifier import Modifier
+from recipe_engine.schema import recipe_from_dict
+from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, shared_data, tiny_model
+
+TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 6  # 480 bytes
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A tiny model + byte tokenizer saved as an HF dir, a text file, and a copy with fewer layers."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    dirs = {}
+    for name, layers in (("dense", 4), ("shallow", 2)):
+        model = tiny_model(vocab_size=BYTE_VOCAB, num_hidden_layers=layers)
+        model.save_pretrained(tmp_path / name, safe_serialization=True)
+        byte_tokenizer().save_pretrained(tmp_path / name)
+        dirs[name] = tmp_path / name
+    return dirs["dense"], dirs["shallow"], text
+
+
+def test_eval_cli_writes_json_record(saved, tmp_path, capsys):
+    dense, _, text = saved
+    (dense / "report.json").write_text(json.dumps({"recipe": {"sha256": "ab" * 32}}))
+    out = tmp_path / "eval.json"
+    code = main(["eval", str(dense), "--dataset", str(text), "--seq-len", "64", "--limit", "3", "--device", "cpu",
+                 "--json", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["model"] == {"spec": str(dense), "location": str(dense), "recipe_sha256": "ab" * 32}
+    ppl = record["perplexity"]
+    assert (ppl["windows"], ppl["windows_available"], ppl["seq_len"], ppl["tokens"]) == (3, 7, 64, 3 * 63)
+    assert len(ppl["fingerprint"]) == 64 and ppl["origin"] == str(text)
+    assert record["lm_eval_version"] == version("lm_eval")
+    from recipe_engine.models import load_model
+
+    model, tokenizer, _ = load_model(str(dense))
+    assert ppl["ppl"] == pytest.approx(perplexity(model, tokenizer, TEXT, 64, 3)["ppl"], rel=1e-6)
+    printed = capsys.readouterr().out
+    assert "first 3 of 7 windows" in printed and "--limit" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shared_data() / "arc").is_dir(), reason="needs shared/data")
+def test_eval_cli_zero_shot_record(saved, tmp_path, capsys):
+    dense, _, _ = saved
+    out = tmp_path / "zs.json"
+    assert main(["eval", str(dense), "--no-ppl", "--tasks", "arc_easy", "winogrande", "--task-limit", "4",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    zero = json.loads(out.read_text())["zero_shot"]
+    assert zero["data"] == "local" and zero["limit"] == 4 and zero["lm_eval_version"] == version("lm_eval")
+    arc, wino = zero["tasks"]["arc_easy"], zero["tasks"]["winogrande"]
+    assert (arc["metric"], wino["metric"]) == ("acc_norm", "acc")
+    assert (arc["samples"], arc["samples_available"], wino["samples_available"]) == (4, 2376, 1267)
+    assert arc["fingerprint"] == "ce32a0774b4beb1977d2c6b16dda5dd2b24fdc9c7f506882c452678676bd09be"  # SOURCES.md
+    assert zero["average"] == pytest.approx((arc["acc_norm"] + wino["acc"]) / 2)
+    assert "Avg." in capsys.readouterr().out
+
+
+def test_eval_cli_retained_against_baseline(saved, tmp_path):
+    dense, shallow, text = saved
+    common = ["--dataset", str(text), "--seq-len", "64", "--device", "cpu"]
+    assert main(["eval", str(dense), *common, "--json", str(tmp_path / "a.json")]) == 0
+    assert main(["eval", str(shallow), *common, "--baseline", str(tmp_path / "a.json"),
+                 "--json", str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert b["retained"]["perplexity"] == pytest.approx(a["perplexity"]["ppl"] / b["perplexity"]["ppl"])
+    assert b["baseline"]["file"] == str(tmp_path / "a.json")
+
+
+def test_eval_cli_text_shorter_than_a_window_exits_2(saved, capsys):
+    dense, _, text = saved
+    assert main(["eval", str(dense), "--dataset", str(text), "--seq-len", "4096", "--device", "cpu"]) == 2
+    assert "shorter than one window of 4096" in capsys.readouterr().err
+
+
+def test_bench_cli_reports_ratios(saved, tmp_path, capsys):
+    dense, shallow, _ = saved
+    out = tmp_path / "bench.json"
+    code = main(["bench", str(dense), str(shallow), "--batch", "2", "--gen-tokens", "4", "--prefill-tokens", "64",
+                 "--repeats", "2", "--device", "cpu", "--json", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    a, b = record["models"]
+    assert a["layers"] == 4 and b["layers"] == 2
+    assert b["parameters"] < a["parameters"]
+    assert a["checkpoint_bytes"] == sum(p.stat().st_size for p in dense.glob("*.safetensors")) > 0
+    ratio = record["ratio_b_over_a"]
+    assert ratio["parameters"] == pytest.approx(b["parameters"] / a["parameters"])
+    assert ratio["throughput"] == pytest.approx(b["throughput_tok_s"] / a["throughput_tok_s"])
+    assert ratio["prefill_speedup"] == pytest.approx(a["prefill_latency_ms"] / b["prefill_latency_ms"])
+    assert "device cpu (paper: GPU)" in record["protocol_note"] and "batch 2 (paper 64)" in record["protocol_note"]
+    assert "B/A" in capsys.readouterr().out
+
+
+def test_bench_alternates_models_after_warmup():
+    calls = []
+    medians = alternate(["A", "B"], lambda m: calls.append(m) or {"A": 2.0, "B": 1.0}[m], warmup=1, repeats=3)
+    assert calls == ["A", "B"] + ["A", "B"] * 3 and medians == [2.0, 1.0]
+    assert protocol_note(64, 128, 2048, torch.device("cuda")) is None
+    assert ratios({"throughput_tok_s": 10, "prefill_latency_ms": 30, "parameters": 4, "checkpoint_bytes": 8},
+                  {"throughput_tok_s": 20, "prefill_latency_ms": 10, "parameters": 3, "checkpoint_bytes": 6}) == {
+        "throughput": 2.0, "prefill_speedup": 3.0, "parameters": 0.75, "checkpoint_bytes": 0.75}
+
+
+class NoisyHead(Modifier):
+    """Test double (not registered): adds Gaussian noise to lm_head, so quality drops."""
+
+    scale: float = 1.0
+
+    def apply(self, session):
+        with torch.no_grad():
+            head = session.model.lm_head.weight
+            head.add_(self.scale * torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
+        return {}
+
+
+def tiny_recipe(text, step, min_retained, **extra):
+    return dict(version=1, name="gate", model="tiny", device="cpu", output="unused",
+                calibration=dict(dataset=str(text), samples=2, seq_len=32),
+                evaluate=dict(perplexity=dict(dataset=[str(text)], seq_len=64), min_retained=min_retained),
+                modifiers=[step], **extra)
+
+
+def test_evaluate_block_before_after_and_gate(saved):
+    _, _, text = saved
+    recipe = recipe_from_dict(tiny_recipe(text, "FuseNorm", 0.9))
+    _, report = recipe_engine.apply(recipe, model=tiny_model(), tokenizer=CharTokenizer(), write=False,
+                                    progress=False)
+    evaluation = report["evaluation"]
+    assert evaluation["retained"]["perplexity"] == pytest.approx(1.0, abs=1e-4)  # FuseNorm preserves outputs
+    assert evaluation["quality_gate"] == "passed" and evaluation["after"]["perplexity"]["windows"] == 7
+
+    recipe = recipe_from_dict(tiny_recipe(text, "FuseNorm", 0.9)).model_copy(update={"modifiers": [NoisyHead()]})
+    with pytest.raises(QualityGateError, match="retained perplexity=0.* below min_retained=0.9"):
+        recipe_engine.apply(recipe, model=tiny_model(), tokenizer=CharTokenizer(), write=False, progress=False)
+
+
+def test_apply_cli_quality_gate_exit_code_3(saved, tmp_path):
+    import yaml
+
+    dense, _, text = saved
+    data = tiny_recipe(text, "FuseNorm", 1.2)  # FuseNorm keeps PPL (retained 1.0) < 1.2: the gate fails
+    data.update(model=str(dense), output=str(tmp_path / "out"))
+    path = tmp_path / "gate.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["apply", str(path), "--quiet"]) == 3
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert (tmp_path / "out" / "QUALITY_GATE_FAILED").is_file()
+    assert report["evaluation"]["quality_gate"] == "failed"
+    assert report["evaluation"]["retained"]["perplexity"] == pytest.approx(
+        report["evaluation"]["before"]["perplexity"]["ppl"] / report["evaluation"]["after"]["perplexity"]["ppl"])
