@@ -3,6 +3,6 @@
 setup:
 	@bash scripts/setup.sh
 demo: setup
-	.venv/bin/recipe apply recipes/fusenorm_smollm2.yaml --force
+	.venv/bin/recipe apply recipes/flatten20_smollm2.yaml --force
 test: setup
 	.venv/bin/python -m pytest -q

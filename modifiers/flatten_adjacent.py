@@ -1,0 +1,181 @@
+"""FlattenAdjacent: merge adjacent decoder layers with similar inputs into wide parallel layers
+(FlattenGPT §3.1, Algorithm 1)."""
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from modifiers.fuse_norm import fold_norm_into
+from recipe_engine import Modifier, register
+from recipe_engine.shape import LayerShape, ModelShape
+
+
+def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]], list[float]]:
+    """Greedy adjacent merging with the paper's row/column deletion (Algorithm 1, lines 3 and 10).
+
+    Blocks start as single layers; a block ``a..b`` and its right neighbour ``c..d`` are scored by
+    ``S[a][d]`` (input of the block's first layer vs input of the neighbour's last layer). The best-scoring
+    adjacent pair is merged, ``merges`` times; ties go to the lowest index. Returns the blocks (lists of
+    layer indices) and the score of each merge in the order done.
+    """
+    blocks = [[i] for i in range(similarity.shape[0])]
+    scores: list[float] = []
+    for _ in range(merges):
+        pair_scores = [float(similarity[blocks[j][0], blocks[j + 1][-1]]) for j in range(len(blocks) - 1)]
+        best = max(range(len(pair_scores)), key=lambda j: (pair_scores[j], -j))
+        blocks[best: best + 2] = [blocks[best] + blocks[best + 1]]
+        scores.append(pair_scores[best])
+    return blocks, scores
+
+
+def symbolic_blocks(num_layers: int, merges: int) -> list[list[int]]:
+    """Stand-in grouping for config-only validation (the real one needs calibration data): repeatedly
+    merge the smallest adjacent pair, scanning from the last layer. Layer count and widths are exact in
+    kind (merged layers are oversized by whole layers), not in position."""
+    blocks = [[i] for i in range(num_layers)]
+    for _ in range(merges):
+        best = min(range(len(blocks) - 2, -1, -1), key=lambda j: len(blocks[j]) + len(blocks[j + 1]))
+        blocks[best: best + 2] = [blocks[best] + blocks[best + 1]]
+    return blocks
+
+
+@torch.no_grad()
+def merge_layers(layers: list[torch.nn.Module], adapter) -> torch.nn.Module:
+    """One wide layer computing ``h = x + Σ_j Attn_j(x̂)``, then ``h + Σ_j MLP_j(ĥ)`` (Eqs. 7–11).
+
+    Each layer's RMSNorm gain is folded into its own q/k/v and gate/up (the merged norms are 1, so ``x̂``
+    is the shared ``x / rms(x)``); q/k/v (and their biases), gate/up are concatenated along the output
+    axis, o/down along the input axis. Heads keep their order: layer 0's heads, then layer 1's, ...
+    """
+    for layer in layers:
+        fold_norm_into(layer.input_layernorm, adapter.attention_projections(layer))
+        fold_norm_into(layer.post_attention_layernorm, adapter.mlp_projections(layer))
+    merged = copy.deepcopy(layers[0])
+    for path, axis in (("self_attn.q_proj", 0), ("self_attn.k_proj", 0), ("self_attn.v_proj", 0),
+                       ("self_attn.o_proj", 1), ("mlp.gate_proj", 0), ("mlp.up_proj", 0),
+                       ("mlp.down_proj", 1)):
+        parts = [layer.get_submodule(path) for layer in layers]
+        weight = torch.cat([p.weight for p in parts], dim=axis)
+        has_bias = parts[0].bias is not None
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
+                                 dtype=weight.dtype, device=weight.device)
+        linear.weight.copy_(weight)
+        if has_bias:
+            biases = [p.bias for p in parts]
+            linear.bias.copy_(torch.cat(biases) if axis == 0 else torch.stack(biases).sum(0))
+        parent, name = path.rsplit(".", 1)
+        setattr(merged.get_submodule(parent), name, linear)
+    return merged
+
+
+def similarity_heatmap(similarity: torch.Tensor, blocks: list[list[int]]) -> bytes:
+    """PNG of the input cosine-similarity matrix with each merged block outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    image = ax.imshow(similarity.numpy(), cmap="viridis", vmin=float(similarity.min()), vmax=1.0)
+    for block in (b for b in blocks if len(b) > 1):
+        ax.add_patch(Rectangle((block[0] - 0.5, block[0] - 0.5), len(block), len(block),
+                               fill=False, edgecolor="red", linewidth=2))
+    ax.set_xlabel("layer j")
+    ax.set_ylabel("layer i")
+    ax.set_title("input cosine similarity S[i][j]; merged blocks in red")
+    fig.colorbar(image, ax=ax)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+@register
+class FlattenAdjacent(Modifier):
+    """Merge adjacent layers with the most similar inputs into wide parallel layers (FlattenGPT §3.1).
+
+    ``S[i][j]`` is the mean over calibration tokens of the fp32 cosine similarity (hidden axis) between the
+    inputs of layers ``i`` and ``j``, from one whole-model pass. To bound memory on large models only a
+    seeded subsample of ``similarity_tokens`` token positions (the same positions in every layer) is kept,
+    as fp32 unit vectors: ``layers × tokens × hidden × 4`` bytes (Llama-3-8B, 4096 tokens: 2.1 GiB).
+    Exactly ``n`` merges are done (``select_blocks``); each removes one layer. Give exactly one of ``n``,
+    ``sparsity`` (``n = round(sparsity × layers)``) or ``target_layers`` (``n = layers − target_layers``).
+    The merged layers are wider than the config until HeadPrune and NystromMLP prune them back.
+    """
+
+    n: int | None = Field(None, ge=1, description="number of merges (layers removed)")
+    sparsity: float | None = Field(None, gt=0, lt=1, description="fraction of layers to remove")
+    target_layers: int | None = Field(None, ge=1, description="number of layers to keep")
+    similarity_tokens: int = Field(4096, ge=1, description="token positions sampled for S (memory bound)")
+    seed: int = Field(0, description="seed of the token subsample")
+
+    calibration_passes = 1
+    example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # merged layers must be pruned back
+    needs = ("input cosine similarity of every layer pair",)
+
+    def merges_for(self, num_layers: int) -> int:
+        """Resolve ``n`` / ``sparsity`` / ``target_layers`` against the current layer count."""
+        given = [k for k in ("n", "sparsity", "target_layers") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise self.fail(f"give exactly one of n, sparsity, target_layers (got {given or 'none'})",
+                            field="n")
+        if self.n is not None:
+            merges = self.n
+        elif self.sparsity is not None:
+            merges = round(self.sparsity * num_layers)
+        else:
+            merges = num_layers - self.target_layers
+        if not 1 <= merges < num_layers:
+            raise self.fail(f"{given[0]} resolves to {merges} merges of a {num_layers}-layer model; "
+                            f"need 1 ≤ merges < {num_layers}", field=given[0])
+        return merges
+
+    def check(self, shape: ModelShape) -> None:
+        blocks = symbolic_blocks(shape.num_layers, self.merges_for(shape.num_layers))
+        shape.layers = [LayerShape(sum(shape.layers[i].num_heads for i in block),
+                                   sum(shape.layers[i].num_kv_heads for i in block),
+                                   sum(shape.layers[i].intermediate_size for i in block),
+                                   tuple(o for i in block for o in shape.layers[i].origin))
+                        for block in blocks]
+
+    @torch.no_grad()
+    def input_similarity(self, session) -> torch.Tensor:
+        """``S[i][j] = mean_t cos(x_i,t, x_j,t)`` over a seeded token subsample (fp32)."""
+        tokens = session.calibration.numel()
+        generator = torch.Generator().manual_seed(self.seed)
+        picked = torch.randperm(tokens, generator=generator)[: self.similarity_tokens].sort().values
+        units: list[torch.Tensor] = []
+
+        def keep_units(_index: int, inputs: list[torch.Tensor], _outputs) -> None:
+            rows, offset = [], 0
+            for x in inputs:  # select batch by batch: no full copy of the layer's activations
+                flat = x.reshape(-1, x.shape[-1])
+                local = picked[(picked >= offset) & (picked < offset + flat.shape[0])] - offset
+                rows.append(flat[local.to(flat.device)].float().cpu())
+                offset += flat.shape[0]
+            units.append(torch.nn.functional.normalize(torch.cat(rows), dim=-1))
+
+        session.layer_pass(keep_units, "FlattenAdjacent similarity")
+        stacked = torch.stack(units)
+        return torch.einsum("itd,jtd->ij", stacked, stacked) / stacked.shape[1]
+
+    def apply(self, session) -> dict[str, Any]:
+        merges = self.merges_for(len(session.layers))
+        similarity = self.input_similarity(session)
+        blocks, scores = select_blocks(similarity, merges)
+        old_layers, old_origin = list(session.layers), session.layer_origin
+        new_layers = [old_layers[b[0]] if len(b) == 1 else merge_layers([old_layers[i] for i in b], session.adapter)
+                      for b in blocks]
+        session.set_layers(new_layers, [tuple(o for i in b for o in old_origin[i]) for b in blocks],
+                           [b[0] for b in blocks])
+        session.add_artifact("similarity.png", similarity_heatmap(similarity, blocks))
+        groups = [{"layer": index, "merged": block, "origin": list(session.layer_origin[index]),
+                   "similarity": float(similarity[block[0], block[-1]])}
+                  for index, block in enumerate(blocks) if len(block) > 1]
+        return {"merges": merges, "merge_scores": scores, "groups": groups,
+                "layers_after": len(new_layers), "similarity": similarity.tolist()}

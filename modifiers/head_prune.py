@@ -1,0 +1,142 @@
+"""HeadPrune: prune the attention of merged (wide) layers back to the config's head count
+(FlattenGPT §3.2 "MHA pruning", Algorithm 2, Appendix C.1 for GQA)."""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from recipe_engine import LayerModifier, register
+from recipe_engine.linalg import mean_eigenvalue, reconstruction_error, ridge_compensation, set_linear_weight
+from recipe_engine.shape import ModelShape
+from recipe_engine.stats import InputCovariance
+
+
+def group_channels(groups: list[int], queries_per_group: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query/o_proj channels, key/value channels) of the KV groups ``groups`` (ascending order).
+
+    Query head ``h`` reads KV head ``h // queries_per_group`` (HF ``repeat_kv`` layout), so a group is one
+    KV head plus its ``queries_per_group`` consecutive query heads.
+    """
+    query = [torch.arange(h * head_dim, (h + 1) * head_dim)
+             for g in groups for h in range(g * queries_per_group, (g + 1) * queries_per_group)]
+    kv = [torch.arange(g * head_dim, (g + 1) * head_dim) for g in groups]
+    return torch.cat(query), torch.cat(kv)
+
+
+def eq12_group_scores(o_weight: torch.Tensor, gram: torch.Tensor, count: int, groups: int,
+                      queries_per_group: int, head_dim: int) -> torch.Tensor:
+    """Eq. 12 per KV group: the sum over its query heads of ``f_h = (E‖z_h ⊙ r_h‖²)^{1/2}``.
+
+    ``z_h`` is head ``h``'s attention output (its slice of the ``o_proj`` input) and ``r_h`` the row norms
+    of ``W_O,h`` in the paper's orientation (column norms of torch's ``o_proj.weight`` slice), so
+    ``E‖z_h ⊙ r_h‖² = Σ_c r_c² G_cc / N`` is read from the ``o_proj`` input Gram ``G``. The paper's
+    expectation of a vector is taken as this root mean square (a norm is needed to rank heads).
+    """
+    weighted = o_weight.to(torch.float64).pow(2).sum(0) * torch.diagonal(gram.to(torch.float64)) / count
+    per_head = weighted.reshape(groups * queries_per_group, head_dim).sum(1).sqrt()
+    return per_head.reshape(groups, queries_per_group).sum(1)
+
+
+def best_groups_by_error(o_weight: torch.Tensor, gram: torch.Tensor, groups: int, keep: int,
+                         queries_per_group: int, head_dim: int, ridge: float | None,
+                         exhaustive_limit: int) -> list[int]:
+    """KV groups whose kept ``o_proj`` output has the least (compensated) reconstruction error.
+
+    Every ``C(groups, keep)`` subset is scored when there are at most ``exhaustive_limit``; otherwise
+    greedy backward elimination drops, one at a time, the group whose removal costs least.
+    """
+    def error(subset: tuple[int, ...]) -> float:
+        channels, _ = group_channels(list(subset), queries_per_group, head_dim)
+        return reconstruction_error(o_weight, gram, channels, ridge)
+
+    if math.comb(groups, keep) <= exhaustive_limit:
+        return list(min(itertools.combinations(range(groups), keep), key=error))
+    kept = tuple(range(groups))
+    while len(kept) > keep:
+        kept = min((tuple(g for g in kept if g != drop) for drop in kept), key=error)
+    return list(kept)
+
+
+@register
+class HeadPrune(LayerModifier):
+    """Remove whole KV groups (a KV head and its query heads) from merged layers down to the config's
+    head count, optionally refitting ``o_proj`` over the kept heads.
+
+    ``criterion: eq12`` ranks groups by the paper's head importance (Eq. 12, summed over a group's query
+    heads, Appendix C.1); ``criterion: reconstruction`` picks the groups whose ``o_proj`` output is best
+    reconstructed, ``min_K ‖Z_K W'_Kᵀ − Z Wᵀ‖²`` (``Z``: the ``o_proj`` input). ``compensate`` refits the
+    kept ``o_proj`` columns by ridge least squares, ``W'_K = W_K + W_D G_DK (G_KK + λI)⁻¹`` (the Theorem 3.1
+    solution applied to heads), with ``λ = lambda_scale × mean eigenvalue of G``; the reconstruction
+    criterion then scores the compensated error. The paper's method is ``criterion: eq12, compensate: false``.
+    Layers: ``layers`` if given, else every layer with more heads than the config.
+    """
+
+    layers: list[int] | None = Field(None, description="layer indices to prune (default: the merged layers)")
+    criterion: Literal["reconstruction", "eq12"] = Field(
+        "reconstruction", description="group choice: o_proj reconstruction error or the paper's Eq. 12")
+    compensate: bool = Field(True, description="refit kept o_proj columns by ridge least squares")
+    lambda_scale: float = Field(0.01, gt=0, description="o_proj ridge λ as a multiple of the mean eigenvalue")
+    exhaustive_limit: int = Field(1024, ge=1, description="score all subsets up to this many, else greedy")
+
+    modifies = ("self_attn",)
+    example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # needs merged layers
+    needs = ("o_proj input Gram (fp64)",)
+
+    def check(self, shape: ModelShape) -> None:
+        targets = self.layers if self.layers is not None else [
+            i for i in shape.oversized_layers() if shape.layers[i].num_heads != shape.num_heads]
+        if not targets:
+            raise self.fail("no layer has more heads than the config: put HeadPrune after FlattenAdjacent "
+                            "or list layers", field="layers")
+        ratio = shape.num_heads // shape.num_kv_heads
+        for index in targets:
+            if not 0 <= index < shape.num_layers:
+                raise self.fail(f"layer {index} out of range (model has {shape.num_layers})", field="layers")
+            layer = shape.layers[index]
+            if layer.num_kv_heads <= shape.num_kv_heads or layer.num_heads != ratio * layer.num_kv_heads:
+                raise self.fail(f"layer {index} has {layer.num_heads} heads / {layer.num_kv_heads} KV heads; "
+                                f"need more than {shape.num_kv_heads} KV groups of {ratio} query heads",
+                                field="layers")
+            shape.layers[index] = type(layer)(shape.num_heads, shape.num_kv_heads, layer.intermediate_size,
+                                              layer.origin)
+
+    def target_layers(self, session) -> list[int]:
+        if self.layers is not None:
+            return list(self.layers)
+        heads = session.model.config.num_attention_heads
+        return [i for i in session.oversized_layers()
+                if session.adapter.layer_widths(session.layers[i], session.head_dim)[0] != heads]
+
+    def statistics(self, session, layer_index: int) -> list[InputCovariance]:
+        return [InputCovariance("self_attn.o_proj")]
+
+    @torch.no_grad()
+    def compress_layer(self, session, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
+        cfg, head_dim = session.model.config, session.head_dim
+        attn = session.adapter.attention(session.layers[layer_index])
+        stat = stats["InputCovariance:self_attn.o_proj"]
+        per_group = cfg.num_attention_heads // cfg.num_key_value_heads
+        groups = attn.k_proj.out_features // head_dim
+        o_weight, gram = attn.o_proj.weight.detach(), stat.gram
+        ridge = self.lambda_scale * mean_eigenvalue(gram) if self.compensate else None
+        if self.criterion == "eq12":
+            scores = eq12_group_scores(o_weight, gram, stat.count, groups, per_group, head_dim)
+            kept = sorted(scores.topk(cfg.num_key_value_heads).indices.tolist())
+        else:
+            kept = best_groups_by_error(o_weight, gram, groups, cfg.num_key_value_heads, per_group,
+                                        head_dim, ridge, self.exhaustive_limit)
+        query, kv = group_channels(kept, per_group, head_dim)
+        error = reconstruction_error(o_weight, gram, query, ridge)
+        new_o = ridge_compensation(o_weight, gram, query, ridge) if self.compensate else o_weight[:, query]
+        for linear, rows in ((attn.q_proj, query), (attn.k_proj, kv), (attn.v_proj, kv)):
+            bias = linear.bias[rows] if linear.bias is not None else None
+            set_linear_weight(linear, linear.weight[rows], bias)
+        set_linear_weight(attn.o_proj, new_o, attn.o_proj.bias)
+        total = float(torch.einsum("oi,ij,oj->", o_weight.double(), gram, o_weight.double()))
+        return {"kv_groups_kept": kept, "kv_groups_before": groups,
+                "heads_kept": [h for g in kept for h in range(g * per_group, (g + 1) * per_group)],
+                "relative_error": error / total}

@@ -1,0 +1,77 @@
+"""NystromMLP: prune merged (wide) MLPs back to the config's intermediate size by ridge leverage scores and
+refit ``down_proj`` (FlattenGPT §3.2 "MLP pruning", Algorithm 3, Theorem 3.1)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from recipe_engine import LayerModifier, register
+from recipe_engine.linalg import mean_eigenvalue, ridge_compensation, ridge_leverage_scores, set_linear_weight
+from recipe_engine.shape import ModelShape
+from recipe_engine.stats import InputCovariance
+
+
+@register
+class NystromMLP(LayerModifier):
+    """Keep the ``intermediate_size`` channels with the highest ridge leverage and refit ``down_proj``.
+
+    ``G = Σ_t σ_tᵀ σ_t`` (fp64) is the Gram of the activation entering ``down_proj``
+    (``σ = up(x) ⊙ act(gate(x))``), ``λ = lambda_scale × trace(G)/n`` (Appendix C.2: 10 × the mean
+    eigenvalue), leverage ``s_i = [G (G + λI)⁻¹]_ii``. The top channels ``K`` (ascending order) are kept:
+    gate/up keep rows ``K``; with ``W = down_proj.weight`` (out × in) the kept columns become
+    ``W'_K = W_K + W_D G_DK (G_KK + λI)⁻¹`` (Theorem 3.1 in torch orientation; Algorithm 3 line 4 adds
+    the update to the full ``W_D`` — a dimension slip — it belongs to the kept rows of the paper's
+    ``W_D``, i.e. the kept columns here). ``compensation_scale`` sets the λ of this refit separately
+    (``None``: the leverage λ). Layers: ``layers`` if given, else every layer with a wider MLP than the config.
+    """
+
+    layers: list[int] | None = Field(None, description="layer indices to prune (default: the merged layers)")
+    lambda_scale: float = Field(10.0, gt=0, description="leverage ridge λ as a multiple of the mean eigenvalue")
+    compensation_scale: float | None = Field(None, gt=0, description="refit ridge λ multiple (None: lambda_scale)")
+
+    modifies = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # needs merged layers
+    needs = ("down_proj input Gram (fp64)",)
+
+    def check(self, shape: ModelShape) -> None:
+        targets = self.layers if self.layers is not None else [
+            i for i in shape.oversized_layers() if shape.layers[i].intermediate_size != shape.intermediate_size]
+        if not targets:
+            raise self.fail("no layer has a wider MLP than the config: put NystromMLP after FlattenAdjacent "
+                            "or list layers", field="layers")
+        for index in targets:
+            if not 0 <= index < shape.num_layers:
+                raise self.fail(f"layer {index} out of range (model has {shape.num_layers})", field="layers")
+            layer = shape.layers[index]
+            if layer.intermediate_size <= shape.intermediate_size:
+                raise self.fail(f"layer {index} has intermediate size {layer.intermediate_size}; nothing to "
+                                f"prune to {shape.intermediate_size}", field="layers")
+            shape.layers[index] = type(layer)(layer.num_heads, layer.num_kv_heads, shape.intermediate_size,
+                                              layer.origin)
+
+    def target_layers(self, session) -> list[int]:
+        if self.layers is not None:
+            return list(self.layers)
+        width = session.model.config.intermediate_size
+        return [i for i in session.oversized_layers()
+                if session.adapter.layer_widths(session.layers[i], session.head_dim)[2] != width]
+
+    def statistics(self, session, layer_index: int) -> list[InputCovariance]:
+        return [InputCovariance("mlp.down_proj")]
+
+    @torch.no_grad()
+    def compress_layer(self, session, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
+        mlp = session.adapter.mlp(session.layers[layer_index])
+        gram = stats["InputCovariance:mlp.down_proj"].gram
+        scale = mean_eigenvalue(gram)
+        leverage = ridge_leverage_scores(gram, self.lambda_scale * scale)
+        keep = leverage.topk(session.model.config.intermediate_size).indices.sort().values
+        refit_scale = self.compensation_scale if self.compensation_scale is not None else self.lambda_scale
+        down = ridge_compensation(mlp.down_proj.weight, gram, keep, refit_scale * scale)
+        for linear in (mlp.gate_proj, mlp.up_proj):
+            set_linear_weight(linear, linear.weight[keep], linear.bias[keep] if linear.bias is not None else None)
+        set_linear_weight(mlp.down_proj, down, mlp.down_proj.bias)
+        return {"channels_before": gram.shape[0], "channels_kept": len(keep),
+                "leverage_kept": float(leverage[keep].sum()), "leverage_total": float(leverage.sum())}

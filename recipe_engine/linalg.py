@@ -1,0 +1,72 @@
+"""Ridge-regularised column selection and compensation shared by pruning steps (fp64 throughout).
+
+Notation follows torch's ``Linear``: a weight ``W`` is ``out × in`` and reads inputs ``x`` (rows of ``X``,
+``tokens × in``). ``G = XᵀX`` is the input Gram matrix (``stats.InputCovariance.gram``). Pruning keeps the
+input channels ``K`` and drops ``D``; compensation refits the kept columns so that ``X_K W'_Kᵀ ≈ X Wᵀ``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def mean_eigenvalue(gram: torch.Tensor) -> float:
+    """Mean eigenvalue of a symmetric PSD matrix: ``trace(G) / n``."""
+    return float(torch.diagonal(gram).sum()) / gram.shape[0]
+
+
+def ridge_leverage_scores(gram: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Ridge leverage scores ``s_i = [G (G + λI)⁻¹]_ii`` (Musco & Musco 2017; FlattenGPT Alg. 3 line 2).
+
+    ``G (G + λI)⁻¹ = I − λ (G + λI)⁻¹``, so only one Cholesky solve is needed.
+    """
+    gram = gram.to(torch.float64)
+    eye = torch.eye(gram.shape[0], dtype=torch.float64, device=gram.device)
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(gram + ridge * eye))
+    return 1.0 - ridge * torch.diagonal(inverse)
+
+
+def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor,
+                       ridge: float) -> torch.Tensor:
+    """Kept columns refitted by ridge least squares (FlattenGPT Theorem 3.1, torch orientation).
+
+    ``W'_K = W_K + W_D G_DK (G_KK + λI)⁻¹`` minimises ``‖X_K W'_Kᵀ − X Wᵀ‖² + λ‖W'_K − W_K‖²``, i.e. the
+    stacked problem ``[X_K; √λ I] ΔWᵀ = [X_D W_Dᵀ; 0]``. Returns ``W'_K`` (``out × |K|``, fp64).
+    """
+    gram = gram.to(torch.float64)
+    weight = weight.to(torch.float64)
+    drop = _complement(keep, gram.shape[0])
+    g_kk = gram[keep][:, keep]
+    g_kd = gram[keep][:, drop]
+    eye = torch.eye(len(keep), dtype=torch.float64, device=gram.device)
+    # (G_KK + λI) Δᵀ = G_KD W_Dᵀ  →  Δ = W_D G_DK (G_KK + λI)⁻¹
+    delta_t = torch.linalg.solve(g_kk + ridge * eye, g_kd @ weight[:, drop].T)
+    return weight[:, keep] + delta_t.T
+
+
+def reconstruction_error(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor,
+                         ridge: float | None) -> float:
+    """``‖X_K W'_Kᵀ − X Wᵀ‖²_F`` for the kept columns ``K``: with ``W'_K`` from :func:`ridge_compensation`
+    when ``ridge`` is given, else the plain slice ``W'_K = W_K`` (then it equals ``tr(W_D G_DD W_Dᵀ)``)."""
+    gram = gram.to(torch.float64)
+    weight = weight.to(torch.float64)
+    kept = ridge_compensation(weight, gram, keep, ridge) if ridge is not None else weight[:, keep]
+    residual = -weight.clone()
+    residual[:, keep] += kept
+    return float(torch.einsum("oi,ij,oj->", residual, gram, residual))
+
+
+def _complement(keep: torch.Tensor, size: int) -> torch.Tensor:
+    mask = torch.ones(size, dtype=torch.bool, device=keep.device)
+    mask[keep] = False
+    return mask.nonzero().flatten()
+
+
+@torch.no_grad()
+def set_linear_weight(linear: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """Replace a Linear's weight (and bias, when it has one) by new tensors of any shape, cast to its
+    dtype, and update ``in_features`` / ``out_features``."""
+    dtype, grad = linear.weight.dtype, linear.weight.requires_grad
+    linear.weight = torch.nn.Parameter(weight.to(dtype).contiguous(), requires_grad=grad)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(bias.to(dtype).contiguous(), requires_grad=grad)
+    linear.out_features, linear.in_features = weight.shape

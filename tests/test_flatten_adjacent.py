@@ -1,0 +1,132 @@
+"""FlattenAdjacent: greedy selection, the parallel-sum merge, config bookkeeping and validation."""
+import copy
+
+import pytest
+import torch
+
+from modifiers.flatten_adjacent import FlattenAdjacent, merge_layers, select_blocks, symbolic_blocks
+from recipe_engine.adapters import adapter_for
+from recipe_engine.errors import RecipeError
+from recipe_engine.schema import CalibrationConfig
+from recipe_engine.session import Session
+from recipe_engine.shape import ModelShape
+from tests.helpers import random_tokens, tiny_config, tiny_model
+
+
+def make_session(model, tokens):
+    config = CalibrationConfig(samples=tokens.shape[0], seq_len=tokens.shape[1], batch_size=2)
+    return Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"))
+
+
+def hand_similarity(entries: dict, size: int) -> torch.Tensor:
+    similarity = torch.eye(size)
+    for (i, j), value in entries.items():
+        similarity[i, j] = similarity[j, i] = value
+    return similarity
+
+
+def test_greedy_selection_uses_first_row_last_column():
+    # pairs: (0,1)=.90 (1,2)=.95 (2,3)=.50 (3,4)=.80; spans: S[0][2]=.85, S[1][3]=.40, S[0][3]=.1
+    s = hand_similarity({(0, 1): .90, (1, 2): .95, (2, 3): .50, (3, 4): .80, (0, 2): .85, (1, 3): .40,
+                         (0, 3): .10, (2, 4): .30, (1, 4): .2, (0, 4): .05}, 5)
+    blocks, scores = select_blocks(s, 1)
+    assert blocks == [[0], [1, 2], [3], [4]] and scores == pytest.approx([.95])
+    # after merging 1..2, block [0] vs [1,2] is scored by S[0][2] = .85 (not S[0][1] = .90)
+    blocks, scores = select_blocks(s, 2)
+    assert blocks == [[0, 1, 2], [3], [4]] and scores == pytest.approx([.95, .85])
+    # [0,1,2] vs [3] scores S[0][3] = .10 < S[3][4] = .80
+    blocks, scores = select_blocks(s, 3)
+    assert blocks == [[0, 1, 2], [3, 4]] and scores == pytest.approx([.95, .85, .80])
+
+
+def test_greedy_ties_go_to_the_lowest_index():
+    s = hand_similarity({(0, 1): .7, (1, 2): .7, (2, 3): .7}, 4)
+    assert select_blocks(s, 1)[0] == [[0, 1], [2], [3]]
+
+
+def parallel_layer(layers, x, position_embeddings, mask):
+    """h = x + Σ_j Attn_j(norm_j(x)); out = h + Σ_j MLP_j(norm'_j(h)), with the original (unfolded) layers."""
+    h = x + sum(layer.self_attn(layer.input_layernorm(x), position_embeddings=position_embeddings,
+                                attention_mask=mask)[0] for layer in layers)
+    return h + sum(layer.mlp(layer.post_attention_layernorm(h)) for layer in layers)
+
+
+def causal_mask(length):
+    return torch.full((length, length), float("-inf")).triu(1)[None, None]
+
+
+@pytest.mark.parametrize("model_type,count", [("llama", 2), ("qwen2", 2), ("mistral", 3)])
+def test_merged_layer_is_the_parallel_sum(model_type, count):
+    model = tiny_model(model_type, attn_implementation="eager")
+    originals = [copy.deepcopy(model.model.layers[i]) for i in range(count)]
+    merged = merge_layers([model.model.layers[i] for i in range(count)], adapter_for(model.config))
+    x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(0))
+    position_embeddings = model.model.rotary_emb(x, torch.arange(10)[None].expand(2, -1))
+    with torch.no_grad():
+        got = merged(x, position_embeddings=position_embeddings, attention_mask=causal_mask(10))
+        expected = parallel_layer(originals, x, position_embeddings, causal_mask(10))
+    assert merged.self_attn.q_proj.out_features == count * 4 * 16
+    assert merged.mlp.down_proj.in_features == count * 96
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if model_type == "qwen2":
+        torch.testing.assert_close(merged.self_attn.k_proj.bias, torch.cat([o.self_attn.k_proj.bias for o in originals]))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_flatten_reproduces_the_parallel_model(model_type):
+    """Whole model after FlattenAdjacent equals the original layers run with each merged block in parallel."""
+    model = tiny_model(model_type, num_hidden_layers=5, attn_implementation="eager")
+    original = copy.deepcopy(model)
+    tokens = random_tokens(4, 24)
+    session = make_session(model, tokens)
+    report = FlattenAdjacent(n=2).apply(session)
+    blocks = [g["merged"] for g in report["groups"]]
+    blocks = [[i] for i in range(5) if not any(i in b for b in blocks)] + blocks
+    blocks.sort()
+    with torch.no_grad():
+        got = model(tokens).logits
+        x = original.model.embed_tokens(tokens)
+        position_embeddings = original.model.rotary_emb(x, torch.arange(24)[None].expand(4, -1))
+        for block in blocks:
+            x = parallel_layer([original.model.layers[i] for i in block], x, position_embeddings, causal_mask(24))
+        expected = original.lm_head(original.model.norm(x))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert model.config.num_hidden_layers == 3 == len(model.model.layers)
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2]
+    assert session.layer_origin == [tuple(b) for b in blocks]
+    assert session.oversized_layers() == [i for i, b in enumerate(blocks) if len(b) > 1]
+    assert "similarity.png" in session.artifacts and session.artifacts["similarity.png"][:4] == b"\x89PNG"
+
+
+def test_similarity_matches_hidden_states():
+    model = tiny_model()
+    tokens = random_tokens(2, 16)
+    session = make_session(model, tokens)
+    similarity = FlattenAdjacent(n=1, similarity_tokens=10_000).input_similarity(session)
+    with torch.no_grad():
+        hidden = model(tokens, output_hidden_states=True).hidden_states[:4]
+    for i in range(4):
+        for j in range(4):
+            cos = torch.nn.functional.cosine_similarity(hidden[i], hidden[j], dim=-1).mean()
+            assert similarity[i, j] == pytest.approx(float(cos), abs=1e-5)
+
+
+def test_check_updates_shape():
+    shape = ModelShape.from_config(tiny_config(num_hidden_layers=6))
+    FlattenAdjacent(sparsity=0.5).check(shape)
+    assert shape.num_layers == 3
+    assert [layer.origin for layer in shape.layers] == [(0, 1), (2, 3), (4, 5)]
+    assert all((layer.num_heads, layer.num_kv_heads, layer.intermediate_size) == (8, 4, 192)
+               for layer in shape.layers)
+    assert symbolic_blocks(4, 3) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"n": 4}, "n resolves to 4 merges of a 4-layer model"),
+    ({"target_layers": 4}, "target_layers resolves to 0 merges"),
+    ({"n": 2, "sparsity": 0.5}, "give exactly one of n, sparsity, target_layers"),
+    ({}, "give exactly one of n, sparsity, target_layers .got none"),
+])
+def test_check_rejects_bad_counts(params, message):
+    with pytest.raises(RecipeError, match=message):
+        FlattenAdjacent(**params).check(ModelShape.from_config(tiny_config()))

@@ -1,0 +1,57 @@
+"""recipe_engine.linalg against independent references (lstsq on the stacked ridge problem, explicit inverses)."""
+import torch
+
+from recipe_engine.linalg import (mean_eigenvalue, reconstruction_error, ridge_compensation,
+                                  ridge_leverage_scores)
+
+
+def correlated_inputs(tokens=200, channels=12, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(channels, channels, generator=generator, dtype=torch.float64)
+    return torch.randn(tokens, channels, generator=generator, dtype=torch.float64) @ mixing
+
+
+def test_ridge_compensation_equals_stacked_lstsq():
+    x = correlated_inputs()
+    weight = torch.randn(5, 12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    keep = torch.tensor([0, 3, 4, 7, 8, 11])
+    drop = torch.tensor([1, 2, 5, 6, 9, 10])
+    ridge = 3.7
+    # [X_K; √λ I] Δᵀ = [X_D W_Dᵀ; 0]
+    lhs = torch.cat([x[:, keep], ridge ** 0.5 * torch.eye(len(keep), dtype=torch.float64)])
+    rhs = torch.cat([x[:, drop] @ weight[:, drop].T, torch.zeros(len(keep), 5, dtype=torch.float64)])
+    delta = torch.linalg.lstsq(lhs, rhs).solution.T
+    got = ridge_compensation(weight, x.T @ x, keep, ridge)
+    torch.testing.assert_close(got, weight[:, keep] + delta, rtol=1e-9, atol=1e-9)
+
+
+def test_ridge_compensation_without_ridge_is_least_squares_optimum():
+    x = correlated_inputs()
+    weight = torch.randn(4, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    keep = torch.arange(0, 12, 2)
+    fitted = torch.linalg.lstsq(x[:, keep], x @ weight.T).solution.T
+    torch.testing.assert_close(ridge_compensation(weight, x.T @ x, keep, 0.0), fitted, rtol=1e-8, atol=1e-8)
+
+
+def test_leverage_scores_match_explicit_inverse():
+    x = correlated_inputs()
+    gram = x.T @ x
+    ridge = 10 * mean_eigenvalue(gram)
+    expected = torch.diagonal(gram @ torch.linalg.inv(gram + ridge * torch.eye(12, dtype=torch.float64)))
+    torch.testing.assert_close(ridge_leverage_scores(gram, ridge), expected, rtol=1e-10, atol=1e-12)
+    assert torch.all((expected > 0) & (expected < 1))
+    eigen_mean = torch.linalg.eigvalsh(gram).mean().item()
+    assert abs(mean_eigenvalue(gram) - eigen_mean) < 1e-10 * eigen_mean
+
+
+def test_reconstruction_error_matches_residual_norm():
+    x = correlated_inputs()
+    weight = torch.randn(5, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    keep = torch.tensor([1, 2, 3, 9])
+    gram = x.T @ x
+    plain = ((x[:, keep] @ weight[:, keep].T - x @ weight.T) ** 2).sum()
+    assert abs(reconstruction_error(weight, gram, keep, None) - float(plain)) < 1e-8 * float(plain)
+    refit = ridge_compensation(weight, gram, keep, 0.5)
+    fitted = ((x[:, keep] @ refit.T - x @ weight.T) ** 2).sum()
+    assert abs(reconstruction_error(weight, gram, keep, 0.5) - float(fitted)) < 1e-8 * float(fitted)
+    assert fitted < plain

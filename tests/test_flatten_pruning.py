@@ -1,0 +1,155 @@
+"""HeadPrune and NystromMLP on a merged layer, against independent references built from the layer's
+own activations (hooks) and torch.linalg.lstsq."""
+import copy
+import itertools
+
+import pytest
+import torch
+
+from modifiers.flatten_adjacent import merge_layers
+from modifiers.head_prune import HeadPrune
+from modifiers.nystrom_mlp import NystromMLP
+from recipe_engine.adapters import adapter_for
+from recipe_engine.errors import RecipeError
+from recipe_engine.schema import CalibrationConfig
+from recipe_engine.session import Session
+from recipe_engine.shape import ModelShape
+from tests.helpers import random_tokens, tiny_config, tiny_model
+
+HEAD_DIM, QUERIES_PER_GROUP = 16, 2
+
+
+def merged_session(model_type="llama", tokens=None):
+    """Tiny 4-layer model with layers 1 and 2 merged (layer 1: 8 heads / 4 KV groups, 192 channels)."""
+    model = tiny_model(model_type, attn_implementation="eager")
+    tokens = random_tokens(4, 24) if tokens is None else tokens
+    config = CalibrationConfig(samples=4, seq_len=24, batch_size=2)
+    session = Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"))
+    layers = list(model.model.layers)
+    merged = merge_layers(layers[1:3], session.adapter)
+    session.set_layers([layers[0], merged, layers[3]], [(0,), (1, 2), (3,)], [0, 1, 3])
+    return session, tokens
+
+
+def run_layer_with_hook(session, tokens, layer, module):
+    """Output of ``layer`` on its calibration input and the inputs it feeds to ``module`` (tokens × width)."""
+    with torch.no_grad():
+        x = session.model(tokens, output_hidden_states=True).hidden_states[1]
+        seen = []
+        handle = layer.get_submodule(module).register_forward_hook(lambda m, a, o: seen.append(a[0]))
+        out = layer(x, **layer_kwargs(session, x))
+        handle.remove()
+    return x, out, seen[0].reshape(-1, seen[0].shape[-1]).double()
+
+
+def layer_kwargs(session, x):
+    positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
+    return {"position_embeddings": session.model.model.rotary_emb(x, positions), "attention_mask": mask}
+
+
+def kept_query_channels(groups):
+    heads = [h for g in groups for h in range(g * QUERIES_PER_GROUP, (g + 1) * QUERIES_PER_GROUP)]
+    return torch.cat([torch.arange(h * HEAD_DIM, (h + 1) * HEAD_DIM) for h in heads])
+
+
+def ridge_fit(z, weight, keep, ridge):
+    """Independent ridge refit: lstsq on [Z_K; √λ I] Δᵀ = [Z_D W_Dᵀ; 0]; returns W_K + Δ and the error."""
+    weight = weight.detach()
+    drop = torch.tensor([c for c in range(z.shape[1]) if c not in set(keep.tolist())])
+    lhs = torch.cat([z[:, keep], ridge ** 0.5 * torch.eye(len(keep), dtype=torch.float64)])
+    rhs = torch.cat([z[:, drop] @ weight[:, drop].T, torch.zeros(len(keep), weight.shape[0], dtype=torch.float64)])
+    refit = weight[:, keep] + torch.linalg.lstsq(lhs, rhs).solution.T
+    return refit, float(((z[:, keep] @ refit.T - z @ weight.T) ** 2).sum())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_pruned_heads_keep_their_kv_groups(model_type, compensate):
+    """The pruned layer equals the merged layer with dropped heads' o_proj columns zeroed (and the kept ones
+    replaced by the refit), so every kept query head still reads its own KV head (and q/k/v biases)."""
+    session, tokens = merged_session(model_type)
+    reference = copy.deepcopy(session.layers[1])
+    report = session.run_layer_modifiers([HeadPrune(compensate=compensate)])["0"]["layers"]["1"]
+    pruned = session.layers[1]
+    assert pruned.self_attn.q_proj.out_features == 4 * HEAD_DIM and pruned.self_attn.k_proj.out_features == 2 * HEAD_DIM
+    keep = kept_query_channels(report["kv_groups_kept"])
+    with torch.no_grad():
+        o_weight = torch.zeros_like(reference.self_attn.o_proj.weight)
+        o_weight[:, keep] = pruned.self_attn.o_proj.weight
+        reference.self_attn.o_proj.weight.copy_(o_weight)
+        x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(5))
+        torch.testing.assert_close(pruned(x, **layer_kwargs(session, x)), reference(x, **layer_kwargs(session, x)),
+                                   rtol=1e-5, atol=1e-5)
+    assert session.oversized_layers() == [1]  # the MLP is still wide
+
+
+def test_eq12_keeps_the_groups_with_largest_head_importance():
+    session, tokens = merged_session()
+    layer = session.layers[1]
+    _, _, z = run_layer_with_hook(session, tokens, layer, "self_attn.o_proj")
+    row_norms = layer.self_attn.o_proj.weight.double().norm(dim=0)  # ‖W_O,h‖ rows in the paper's orientation
+    per_head = (z * row_norms).reshape(z.shape[0], 8, HEAD_DIM).pow(2).sum(-1).mean(0).sqrt()
+    expected = sorted(per_head.reshape(4, 2).sum(1).topk(2).indices.tolist())
+    o_weight = layer.self_attn.o_proj.weight.double().clone()
+    report = session.run_layer_modifiers([HeadPrune(criterion="eq12", compensate=False)])["0"]["layers"]["1"]
+    assert report["kv_groups_kept"] == expected
+    torch.testing.assert_close(session.layers[1].self_attn.o_proj.weight.double(),
+                               o_weight[:, kept_query_channels(expected)])
+
+
+@pytest.mark.parametrize("exhaustive_limit", [1024, 1])
+def test_reconstruction_choice_and_refit_match_lstsq(exhaustive_limit):
+    session, tokens = merged_session()
+    layer = copy.deepcopy(session.layers[1])
+    _, _, z = run_layer_with_hook(session, tokens, layer, "self_attn.o_proj")
+    weight = layer.self_attn.o_proj.weight.double()
+    ridge = 0.01 * float(torch.linalg.eigvalsh(z.T @ z).mean())
+
+    def error(groups):
+        return ridge_fit(z, weight, kept_query_channels(groups), ridge)[1]
+
+    if exhaustive_limit > 6:
+        expected = list(min(itertools.combinations(range(4), 2), key=error))
+    else:  # backward elimination, one group at a time
+        kept = [0, 1, 2, 3]
+        while len(kept) > 2:
+            kept = min(([g for g in kept if g != d] for d in kept), key=error)
+        expected = kept
+    head_prune = HeadPrune(lambda_scale=0.01, exhaustive_limit=exhaustive_limit)
+    report = session.run_layer_modifiers([head_prune])["0"]["layers"]["1"]
+    assert report["kv_groups_kept"] == expected
+    refit, fit_error = ridge_fit(z, weight, kept_query_channels(expected), ridge)
+    torch.testing.assert_close(session.layers[1].self_attn.o_proj.weight.double(), refit, rtol=1e-4, atol=1e-5)
+    total = float(((z @ weight.T) ** 2).sum())
+    assert report["relative_error"] == pytest.approx(fit_error / total, rel=1e-4)
+
+
+def test_nystrom_matches_leverage_and_stacked_lstsq():
+    session, tokens = merged_session()
+    layer = copy.deepcopy(session.layers[1])
+    _, _, act = run_layer_with_hook(session, tokens, layer, "mlp.down_proj")
+    gram = act.T @ act
+    ridge = 10 * float(torch.linalg.eigvalsh(gram).mean())
+    leverage = torch.diagonal(gram @ torch.linalg.inv(gram + ridge * torch.eye(192, dtype=torch.float64)))
+    keep = leverage.topk(96).indices.sort().values
+    refit, _ = ridge_fit(act, layer.mlp.down_proj.weight.double(), keep, ridge)
+    report = session.run_layer_modifiers([NystromMLP()])["0"]["layers"]["1"]
+    mlp = session.layers[1].mlp
+    assert report["channels_kept"] == 96 and report["channels_before"] == 192
+    torch.testing.assert_close(mlp.gate_proj.weight, layer.mlp.gate_proj.weight[keep])
+    torch.testing.assert_close(mlp.up_proj.weight, layer.mlp.up_proj.weight[keep])
+    torch.testing.assert_close(mlp.down_proj.weight.double(), refit, rtol=1e-4, atol=1e-5)
+    assert session.oversized_layers() == [1]  # the heads are still wide
+
+
+def test_pruning_steps_need_merged_layers():
+    shape = ModelShape.from_config(tiny_config())
+    with pytest.raises(RecipeError, match="no layer has more heads than the config"):
+        HeadPrune().check(shape)
+    with pytest.raises(RecipeError, match="no layer has a wider MLP than the config"):
+        NystromMLP().check(shape)
+    with pytest.raises(RecipeError, match="layer 2 has 4 heads / 2 KV heads"):
+        HeadPrune(layers=[2]).check(shape)
+    with pytest.raises(RecipeError, match="layer 9 out of range"):
+        NystromMLP(layers=[9]).check(shape)
