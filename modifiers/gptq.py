@@ -1,0 +1,161 @@
+"""GPTQ: layer-wise weight quantization with second-order error feedback (Frantar et al., ICLR 2023)."""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field, PositiveInt, PrivateAttr, field_validator
+
+from recipe_engine import LayerModifier, register
+from recipe_engine.stats import InputCovariance
+
+from ._quant import LINEARS, Grid, QuantizedWeight, grid_problem, known_targets, output_error, packed_writer
+
+
+def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)`` (GPTQ §4, Step 3:
+    row ``i`` of ``U`` divided by ``U_ii`` is the OBS update for column ``i`` given columns ``< i`` done)."""
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
+    damped = hessian + damp * torch.diagonal(hessian).mean() * eye
+    lower, info = torch.linalg.cholesky_ex(damped)
+    if int(info):
+        raise ValueError(f"damped Hessian not positive definite (damp={damp}); raise damp")
+    inverse, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+    if int(info):
+        raise ValueError(f"inverse Hessian not positive definite (damp={damp}); raise damp")
+    return inverse
+
+
+@torch.no_grad()
+def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_order: bool = False,
+                  damp: float = 0.01, block_size: int = 128) -> QuantizedWeight:
+    """GPTQ Algorithm 1 in fp64: quantize columns left to right, spreading each column's error
+    ``(w - q) / U_ii`` over the remaining columns with row ``i`` of ``U = chol((H + λI)⁻¹)ᵀ``;
+    updates to columns after the current block are applied lazily once per block ("lazy batch").
+
+    ``gram = Σ x xᵀ`` of the layer input (``H = 2 gram``; the factor cancels since ``λ`` is relative).
+    Inputs never seen (``H_ii = 0``) get ``H_ii = 1`` and zero weights, as in the reference code.
+    Groups: without ``act_order`` a group's scale/zero are computed from the already-updated weights when
+    its first column is reached (blocks hold whole groups, so the update is complete then).
+    ``act_order`` (§4 "act-order") quantizes columns in descending ``H_ii`` order with static groups: every
+    group's scale/zero come from the original weights of its contiguous original columns, so the
+    checkpoint needs no ``g_idx`` permutation. Per-channel (``group_size`` None) is static as well.
+    """
+    w = weight.detach().to(torch.float64).clone()
+    h = gram.detach().to(device=w.device, dtype=torch.float64).clone()
+    rows, columns = w.shape
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    width = grid.width(columns)
+    scale = torch.zeros(rows, columns // width, dtype=w.dtype, device=w.device)
+    zero = torch.zeros_like(scale)
+    static = act_order or grid.group_size is None
+    if static:
+        for g in range(columns // width):
+            scale[:, g], zero[:, g] = grid.params(w[:, g * width:(g + 1) * width])
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order \
+        else torch.arange(columns, device=w.device)
+    w, h = w[:, perm], h[perm][:, perm]
+    group_of = (perm // width).tolist()
+    factor = inverse_hessian_factor(h, damp)
+    block = block_size if static else width * max(1, block_size // width)
+    out = torch.empty_like(w)
+    for start in range(0, columns, block):
+        end = min(start + block, columns)
+        w1, hb = w[:, start:end].clone(), factor[start:end, start:end]
+        err = torch.empty_like(w1)
+        for i in range(end - start):
+            column = start + i
+            if not static and column % width == 0:
+                scale[:, column // width], zero[:, column // width] = grid.params(w1[:, i:i + width])
+            g = group_of[column]
+            q = grid.fake(w1[:, i], scale[:, g], zero[:, g])
+            err[:, i] = (w1[:, i] - q) / hb[i, i]
+            w1[:, i:] -= err[:, i:i + 1] * hb[i:i + 1, i:]
+            out[:, column] = q
+        w[:, end:] -= err @ factor[start:end, end:]
+    return QuantizedWeight(out[:, torch.argsort(perm)], scale, zero)
+
+
+@register
+class GPTQ(LayerModifier):
+    """Quantize every decoder layer's linears to ``bits``-bit integers with GPTQ inside the shared pass.
+
+    Hessians are the fp64 input grams collected while the layer's calibration batches pass (q/k/v share
+    one, as do gate/up), so GPTQ after other layer steps adds no model pass. All linears of a layer are
+    quantized from the same pass (no intra-layer re-run), as llm-compressor does. ``lm_head`` and the
+    embeddings stay in the model dtype. Output: dequantized weights in the model dtype (stock checkpoint),
+    or with ``export: compressed-tensors`` packed int32 weights + scales that vLLM loads.
+    """
+
+    example: ClassVar[tuple[str, ...]] = ("GPTQ<group_size:32>",)  # tiny contract model: widths 64 and 96
+
+    bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
+    group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
+    sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
+    act_order: bool = Field(False, description="quantize columns by descending Hessian diagonal (static groups)")
+    damp: float = Field(0.01, gt=0, lt=1, description="diagonal damping as a fraction of mean(diag H)")
+    block_size: PositiveInt = Field(128, description="columns per lazy-batch block (speed only)")
+    targets: list[str] = Field(list(LINEARS), min_length=1, description="linears inside each decoder layer")
+    export: Literal["dequantized", "compressed-tensors"] = Field(
+        "dequantized", description="checkpoint format: dequantized model-dtype weights or packed int (vLLM)")
+
+    _records: dict = PrivateAttr(default_factory=dict)
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        return known_targets(value)
+
+    def grid(self) -> Grid:
+        return Grid(self.bits, self.group_size, self.sym)
+
+    def check(self, shape) -> None:
+        problem = grid_problem(shape, self.targets, self.group_size, self.bits, self.export)
+        if problem:
+            raise self.fail(*problem)
+
+    def target_layers(self, session) -> list[int]:
+        self._records.clear()  # a run starts here: forget modules recorded by a previous run
+        return list(range(len(session.layers)))
+
+    def _hessian_source(self, session, target: str) -> str:
+        """Linears reading the same tensor share one gram (q/k/v; gate/up)."""
+        block, name = target.split(".")
+        shared = session.adapter.attention_inputs if block == "self_attn" else session.adapter.mlp_inputs
+        return f"{block}.{shared[0]}" if name in shared else target
+
+    def statistics(self, session, layer_index: int) -> list[InputCovariance]:
+        sources = dict.fromkeys(self._hessian_source(session, t) for t in self.targets)
+        return [InputCovariance(source) for source in sources]
+
+    def compress_layer(self, session, layer_index: int, stats) -> dict[str, Any]:
+        """Linears sharing a Hessian are quantized as one row-stacked matrix: GPTQ treats rows
+        independently given ``H`` (same factor, same order, per-row groups), so this equals quantizing
+        each alone, with one Cholesky and one column loop per input instead of per linear."""
+        layer, grid, errors = session.layers[layer_index], self.grid(), {}
+        sources: dict[str, list[str]] = {}
+        for target in self.targets:
+            sources.setdefault(self._hessian_source(session, target), []).append(target)
+        for source, targets in sources.items():
+            linears = [layer.get_submodule(t) for t in targets]
+            gram = stats[f"InputCovariance:{source}"].gram
+            stacked = torch.cat([linear.weight.detach() for linear in linears])
+            result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)
+            rows = [linear.out_features for linear in linears]
+            pieces = (t.split(rows) for t in (result.dequantized, result.scale, result.zero))
+            for target, linear, quantized, scale, zero in zip(targets, linears, *pieces):
+                errors[target] = output_error(linear.weight, quantized, gram)
+                with torch.no_grad():
+                    linear.weight.copy_(quantized.to(linear.weight.dtype))
+                if self.export == "compressed-tensors":
+                    self._records[linear] = (scale.cpu(), zero.cpu())
+        return {"output_error": errors}
+
+    def finish(self, session) -> dict[str, Any]:
+        if self.export == "compressed-tensors":
+            if session.checkpoint_writer is not None:
+                raise self.fail("another step already replaced the checkpoint writer", field="export")
+            session.checkpoint_writer = packed_writer(dict(self._records), self.grid())
+        return {"quantized_linears": len(self.targets) * len(session.layers), "export": self.export}

@@ -1,0 +1,54 @@
+"""Quantize: calibration-free round-to-nearest weight quantization (the baseline GPTQ is compared to)."""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field, PositiveInt, field_validator
+
+from recipe_engine import Modifier, register
+
+from ._quant import LINEARS, Grid, grid_problem, known_targets, packed_writer, rtn
+
+
+@register
+class Quantize(Modifier):
+    """Round every targeted decoder-layer weight to the nearest point of its group's min-max grid (RTN).
+
+    Same grid, targets and export as ``GPTQ`` (``lm_head`` and embeddings untouched); needs no data.
+    """
+
+    method: Literal["rtn"] = Field("rtn", description="rounding method (round-to-nearest)")
+    example: ClassVar[tuple[str, ...]] = ("Quantize<group_size:32>",)  # tiny contract model: widths 64 and 96
+
+    bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
+    group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
+    sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
+    targets: list[str] = Field(list(LINEARS), min_length=1, description="linears inside each decoder layer")
+    export: Literal["dequantized", "compressed-tensors"] = Field(
+        "dequantized", description="checkpoint format: dequantized model-dtype weights or packed int (vLLM)")
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        return known_targets(value)
+
+    def check(self, shape) -> None:
+        problem = grid_problem(shape, self.targets, self.group_size, self.bits, self.export)
+        if problem:
+            raise self.fail(*problem)
+
+    @torch.no_grad()
+    def apply(self, session) -> dict[str, Any]:
+        grid, records = Grid(self.bits, self.group_size, self.sym), {}
+        for layer in session.progress.track(session.layers, "Quantize layers"):
+            for target in self.targets:
+                linear = layer.get_submodule(target)
+                result = rtn(linear.weight, grid)
+                linear.weight.copy_(result.dequantized.to(linear.weight.dtype))
+                records[linear] = (result.scale, result.zero)
+        if self.export == "compressed-tensors":
+            if session.checkpoint_writer is not None:
+                raise self.fail("another step already replaced the checkpoint writer", field="export")
+            session.checkpoint_writer = packed_writer(records, grid)
+        return {"quantized_linears": len(records), "export": self.export}

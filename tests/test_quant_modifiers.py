@@ -1,0 +1,187 @@
+"""GPTQ / Quantize as recipe steps: grid membership, validation, recipe end to end, compressed-tensors export."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import recipe_engine
+from modifiers.gptq import GPTQ
+from recipe_engine.errors import RecipeError
+from recipe_engine.schema import recipe_from_dict
+from recipe_engine.validate import check_against_config
+from tests.helpers import CharTokenizer, random_tokens, tiny_config, tiny_model
+from tests.test_session import make_session
+
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def recipe(tmp_path, steps, **extra):
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    return dict(version=1, name="quant-test", model="tiny", device="cpu", output=str(tmp_path / "out"),
+                calibration=dict(dataset=str(text), samples=4, seq_len=32, batch_size=2), modifiers=steps,
+                **extra)
+
+
+def rtn_reference(w, bits, group, sym):
+    """Independent RTN: per row and group, min-max grid (symmetric: ±absmax on 2^b - 1 steps)."""
+    out = torch.empty_like(w, dtype=torch.float64)
+    for start in range(0, w.shape[1], group):
+        x = w[:, start:start + group].double()
+        lo, hi = x.min(1, keepdim=True).values.clamp(max=0), x.max(1, keepdim=True).values.clamp(min=0)
+        if sym:
+            hi = torch.maximum(-lo, hi)
+            lo = -hi
+        scale = (hi - lo) / (2 ** bits - 1)
+        zero = 2 ** (bits - 1) if sym else torch.round(-lo / scale)
+        out[:, start:start + group] = scale * (torch.clamp(torch.round(x / scale) + zero, 0, 2 ** bits - 1) - zero)
+    return out
+
+
+@pytest.mark.parametrize("bits,group,sym", [(4, 16, True), (3, 32, False), (8, 32, True)])
+def test_rtn_quantize_values_lie_on_grid(tmp_path, bits, group, sym):
+    model = tiny_model()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = {"Quantize": {"method": "rtn", "bits": bits, "group_size": group, "sym": sym}}
+    recipe_engine.apply(recipe(tmp_path, [step]), model=model, tokenizer=CharTokenizer(), write=False,
+                        progress=False)
+    for name, param in model.named_parameters():
+        if any(name.endswith(f"{t}.weight") for t in LINEARS):
+            expected = rtn_reference(original[name], bits, group, sym)
+            torch.testing.assert_close(param.double(), expected, rtol=0, atol=1e-6)
+            for start in range(0, param.shape[1], group):
+                assert all(len(row.unique()) <= 2 ** bits for row in param[:, start:start + group])
+        else:
+            assert torch.equal(param, original[name]), name
+
+
+def test_group_size_error_names_the_layer():
+    smollm2_shape = tiny_config(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                                num_key_value_heads=3, head_dim=64)
+    data = dict(version=1, name="v", model="smollm2-135m", output="out/x", modifiers=["GPTQ<group_size:128>"])
+    with pytest.raises(RecipeError, match=r"input width 576 of model\.layers\.0\.self_attn\.q_proj"):
+        check_against_config(recipe_from_dict(data), smollm2_shape)
+    data["modifiers"] = ["GPTQ<group_size:64,targets:[mlp.down_proj]>"]
+    check_against_config(recipe_from_dict(data), smollm2_shape)
+    data["modifiers"] = ["Quantize<group_size:64>"]
+    with pytest.raises(RecipeError, match=r"input width 96 of model\.layers\.0\.mlp\.down_proj"):
+        check_against_config(recipe_from_dict(data), tiny_config())
+
+
+def test_gptq_step_uses_layer_hessians_and_beats_rtn():
+    """In the shared pass each linear's error is measured on its own calibration inputs."""
+    tokens = random_tokens(4, 32)
+    results = {}
+    for name, step in [("gptq", GPTQ(group_size=16)), ("rtn", None)]:
+        model = tiny_model()
+        if step is None:
+            from modifiers.quantize import Quantize
+            Quantize(group_size=16).apply(make_session(model, tokens))
+        else:
+            make_session(model, tokens).run_layer_modifiers([step])
+        with torch.no_grad():
+            results[name] = model(tokens).logits
+    reference = tiny_model()(tokens).logits.detach()
+    gptq_error = (results["gptq"] - reference).norm()
+    rtn_error = (results["rtn"] - reference).norm()
+    assert gptq_error < rtn_error
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_fusenorm_gptq_recipe_exports_compressed_tensors(tmp_path, sym):
+    pytest.importorskip("compressed_tensors", reason="export needs: pip install 'recipe-engine[vllm]'")
+    from transformers import CompressedTensorsConfig
+
+    model = tiny_model()
+    steps = ["FuseNorm", {"GPTQ": {"bits": 4, "group_size": 32, "sym": sym, "export": "compressed-tensors"}}]
+    out, report = recipe_engine.apply(recipe(tmp_path, steps), model=model, tokenizer=CharTokenizer(),
+                                      progress=False)
+    errors = report["steps"][1]["result"]["layers"]["3"]["output_error"]
+    assert set(errors) == set(LINEARS) and all(0 < e < 0.1 for e in errors.values())
+    directory = tmp_path / "out"
+    config = json.loads((directory / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized" and config["ignore"] == ["lm_head"]
+    assert config["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    # symmetric loads compressed (CompressedLinear) and dequantized; asymmetric through dequantize
+    modes = [True, False] if sym else [False]
+    for run_compressed in modes:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            directory, quantization_config=CompressedTensorsConfig(run_compressed=run_compressed))
+        tokens = random_tokens(2, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(tokens).logits, out(tokens).logits, rtol=1e-4, atol=1e-4)
+    dense = loaded.model.layers[2].mlp.down_proj.weight
+    torch.testing.assert_close(dense, out.model.layers[2].mlp.down_proj.weight, rtol=0, atol=1e-6)
+
+
+def test_export_refuses_weights_moved_off_grid(tmp_path):
+    pytest.importorskip("compressed_tensors", reason="export needs: pip install 'recipe-engine[vllm]'")
+    model = tiny_model()
+    session = make_session(model, random_tokens(4, 32))
+    session.run_layer_modifiers([GPTQ(group_size=16, export="compressed-tensors")])
+    with torch.no_grad():
+        weight = model.model.layers[1].mlp.up_proj.weight
+        weight.add_(1e-3 * torch.randn_like(weight))
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.mlp\.up_proj: weights are .* off"):
+        session.checkpoint_writer(model, tmp_path)
+
+
+def test_default_output_is_stock_checkpoint(tmp_path):
+    model = tiny_model()
+    out, _ = recipe_engine.apply(recipe(tmp_path, ["GPTQ<group_size:32,act_order:true>"]), model=model,
+                                 tokenizer=CharTokenizer(), progress=False)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert getattr(loaded.config, "quantization_config", None) is None
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, out.get_parameter(name)), name
+
+
+def test_flattengpt_then_gptq_shares_the_layer_pass(tmp_path):
+    """FlattenAdjacent → HeadPrune → NystromMLP → GPTQ: GPTQ joins the pruning steps' layer-sequential pass
+    (no capture pass of its own; at most one statistics re-run per layer) and every weight ends on its grid."""
+    flatten = ["FuseNorm", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]
+    _, without = recipe_engine.apply(recipe(tmp_path, flatten), model=tiny_model(num_hidden_layers=6),
+                                     tokenizer=CharTokenizer(), write=False, progress=False)
+    out, report = recipe_engine.apply(recipe(tmp_path, flatten + ["GPTQ<group_size:32,sym:false>"]),
+                                      model=tiny_model(num_hidden_layers=6), tokenizer=CharTokenizer(),
+                                      progress=False)
+    assert report["steps"][4]["shared_pass"] and out.config.num_hidden_layers == 4
+    extra_runs = report["calibration_layer_runs"] - without["calibration_layer_runs"]
+    assert 0 <= extra_runs <= out.config.num_hidden_layers
+    for layer in out.model.layers:
+        for target in LINEARS:
+            weight = layer.get_submodule(target).weight
+            for start in range(0, weight.shape[1], 32):
+                assert max(len(row.unique()) for row in weight[:, start:start + 32]) <= 16
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    tokens = random_tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, out(tokens).logits)
+
+
+def test_gptq_step_equals_gptq_on_each_linear_with_its_own_gram():
+    """The step (Hessian sharing, row-stacked q/k/v and gate/up) equals ``gptq_quantize`` run alone on
+    each layer-0 linear with the gram of that linear's input, hooked on an untouched copy of the model."""
+    from modifiers._quant import Grid
+    from modifiers.gptq import gptq_quantize
+
+    tokens = random_tokens(4, 32)
+    reference = tiny_model()
+    grams, handles = {}, []
+    for target in LINEARS:
+        def hook(_module, args, _out, target=target):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            grams[target] = grams.get(target, 0) + x.T @ x
+        handles.append(reference.model.layers[0].get_submodule(target).register_forward_hook(hook))
+    with torch.no_grad():
+        for batch in tokens.split(2):
+            reference(batch)
+    model = tiny_model()
+    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16, sym=False, act_order=True)])
+    for target in LINEARS:
+        original = reference.model.layers[0].get_submodule(target).weight
+        expected = gptq_quantize(original, grams[target], Grid(4, 16, False), act_order=True).dequantized
+        torch.testing.assert_close(model.model.layers[0].get_submodule(target).weight.double(), expected,
+                                   rtol=0, atol=1e-5)
