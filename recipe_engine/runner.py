@@ -55,10 +55,10 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     recipe, file = loaded.recipe, loaded.path
     if write:
         check_output_free(recipe.output, force, file)
-    config = model.config if model is not None else _config(recipe.model, file)
-    check_against_config(recipe, config, file)
     cal = recipe.calibration
-    text = load_text(cal.dataset, cal.split, cal.text_field)
+    text = _located(lambda: load_text(cal.dataset, cal.split, cal.text_field), file)
+    config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
+    check_against_config(recipe, config, file)
     device = resolve_device(recipe.device)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype}
@@ -115,9 +115,10 @@ def _reference_loader(recipe: Recipe, model, in_memory: bool):
     return lambda: load_model(recipe.model, recipe.dtype)[0]
 
 
-def _config(spec: str, file: str):
+def _located(load, file: str):
+    """Run a source loader; its error names the recipe file."""
     try:
-        return load_config(spec)
+        return load()
     except RecipeError as exc:
         raise exc.located(file=file) from None
 
