@@ -87,8 +87,7 @@ class HeadPrune(LayerModifier):
     needs = ("o_proj input Gram (fp64)",)
 
     def check(self, shape: ModelShape) -> None:
-        targets = self.layers if self.layers is not None else [
-            i for i in shape.oversized_layers() if shape.layers[i].num_heads != shape.num_heads]
+        targets = self.layers if self.layers is not None else shape.oversized_layers("attention")
         if not targets:
             raise self.fail("no layer has more heads than the config: put HeadPrune after FlattenAdjacent "
                             "or list layers", field="layers")
@@ -105,11 +104,7 @@ class HeadPrune(LayerModifier):
                                               layer.origin)
 
     def target_layers(self, session) -> list[int]:
-        if self.layers is not None:
-            return list(self.layers)
-        heads = session.model.config.num_attention_heads
-        return [i for i in session.oversized_layers()
-                if session.adapter.layer_widths(session.layers[i], session.head_dim)[0] != heads]
+        return list(self.layers) if self.layers is not None else session.oversized_layers("attention")
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
         return [InputCovariance("self_attn.o_proj")]

@@ -36,8 +36,7 @@ class NystromMLP(LayerModifier):
     needs = ("down_proj input Gram (fp64)",)
 
     def check(self, shape: ModelShape) -> None:
-        targets = self.layers if self.layers is not None else [
-            i for i in shape.oversized_layers() if shape.layers[i].intermediate_size != shape.intermediate_size]
+        targets = self.layers if self.layers is not None else shape.oversized_layers("mlp")
         if not targets:
             raise self.fail("no layer has a wider MLP than the config: put NystromMLP after FlattenAdjacent "
                             "or list layers", field="layers")
@@ -52,11 +51,7 @@ class NystromMLP(LayerModifier):
                                               layer.origin)
 
     def target_layers(self, session) -> list[int]:
-        if self.layers is not None:
-            return list(self.layers)
-        width = session.model.config.intermediate_size
-        return [i for i in session.oversized_layers()
-                if session.adapter.layer_widths(session.layers[i], session.head_dim)[2] != width]
+        return list(self.layers) if self.layers is not None else session.oversized_layers("mlp")
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
         return [InputCovariance("mlp.down_proj")]

@@ -18,6 +18,7 @@ from .adapters import ArchitectureAdapter
 from .modifier import LayerModifier
 from .progress import Progress
 from .schema import CalibrationConfig
+from .shape import WIDTH_INDEX, WidthPart
 from .stats import Statistic, change_position
 
 
@@ -73,12 +74,15 @@ class Session:
         self.adapter.set_layers(self.model, layers, inherit)
         self.layer_origin = list(origin)
 
-    def oversized_layers(self) -> list[int]:
-        """Layers wider than the config (heads or intermediate size), read from the weights."""
+    def oversized_layers(self, part: WidthPart | None = None) -> list[int]:
+        """Layers wider than the config, read from the weights: in query heads (``part="attention"``),
+        in intermediate size (``"mlp"``), or in either (``None``, which also compares KV heads)."""
         cfg = self.model.config
         standard = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+        picked = WIDTH_INDEX[part]
         return [i for i, layer in enumerate(self.layers)
-                if self.adapter.layer_widths(layer, self.head_dim) != standard]
+                if [self.adapter.layer_widths(layer, self.head_dim)[k] for k in picked]
+                != [standard[k] for k in picked]]
 
     def add_extra(self, modifier: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.extras``)."""

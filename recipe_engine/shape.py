@@ -7,6 +7,11 @@ cannot be pruned, a non-uniform final model) are caught before anything is loade
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
+
+WidthPart = Literal["attention", "mlp"]
+#: Which of (query heads, KV heads, intermediate size) each part compares with the config.
+WIDTH_INDEX: dict[WidthPart | None, tuple[int, ...]] = {"attention": (0,), "mlp": (2,), None: (0, 1, 2)}
 
 
 @dataclass(frozen=True)
@@ -50,15 +55,14 @@ class ModelShape:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def is_standard(self, index: int) -> bool:
-        """True when layer ``index`` has the config's head count and intermediate size."""
-        layer = self.layers[index]
-        return (layer.num_heads, layer.num_kv_heads, layer.intermediate_size) == (
-            self.num_heads, self.num_kv_heads, self.intermediate_size)
-
-    def oversized_layers(self) -> list[int]:
-        """Layers wider than the config (e.g. merged by layer flattening and not yet pruned)."""
-        return [i for i in range(self.num_layers) if not self.is_standard(i)]
+    def oversized_layers(self, part: WidthPart | None = None) -> list[int]:
+        """Layers wider than the config (e.g. merged by layer flattening and not yet pruned): in query
+        heads (``part="attention"``), in intermediate size (``"mlp"``), or in either (``None``)."""
+        picked = WIDTH_INDEX[part]
+        standard = (self.num_heads, self.num_kv_heads, self.intermediate_size)
+        return [i for i, layer in enumerate(self.layers)
+                if [(layer.num_heads, layer.num_kv_heads, layer.intermediate_size)[k] for k in picked]
+                != [standard[k] for k in picked]]
 
     def copy(self) -> "ModelShape":
         return replace(self, layers=list(self.layers))
