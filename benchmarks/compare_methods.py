@@ -8,7 +8,8 @@ Perplexity: first 24 windows × 1024 tokens of WikiText-2 test. Each method runs
 of the steps' wall times. FlattenGPT rows need the FlattenAdjacent/HeadPrune/NystromMLP modifiers.
 
 Run: nice -n 10 python benchmarks/compare_methods.py [--only NAME ...]
-(prints a table, writes benchmarks/results/compare_methods.json after every row)
+(prints a table; merges each finished row into benchmarks/results/compare_methods.json, so runs with
+--only accumulate)
 """
 from __future__ import annotations
 
@@ -70,13 +71,16 @@ def main() -> None:
         names = [n for n in names if not n.startswith("FlattenGPT")]
     dense, tokenizer, _ = load_model("smollm2-135m", "float32")
     test_text = load_text("wikitext2", "test").text
-    rows = []
+    earlier = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
+    by_method = {row["method"]: row for row in earlier}
     for name in names:
-        rows.append(run_method(name, dense, tokenizer, test_text))
+        row = run_method(name, dense, tokenizer, test_text)
+        row["date"] = datetime.date.today().isoformat()
+        by_method[name] = row
+        rows = [by_method[m] for m in METHODS if m in by_method]
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({"date": datetime.date.today().isoformat(), "machine": platform.processor()
-                                       or platform.machine(), "rows": rows}, indent=2, default=str))
-        row = rows[-1]
+        RESULTS.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "rows": rows},
+                                      indent=2, default=str))
         print(f"{row['method']:<24} {row['layers']:>3} layers {row['params_pct']:6.1f}% params "
               f"PPL {row['ppl']:9.2f}  {row['compress_s']:7.1f} s", flush=True)
     print("\n| method | layers | params % | WikiText-2 PPL | compress s |\n|---|---|---|---|---|")

@@ -50,16 +50,23 @@ VARIANTS = {
                        "compressed"),
     "mlp_refit_lambda_0.1": ("defaults with NystromMLP refit λ = 0.1 × mean eig.",
                              ["HeadPrune", "NystromMLP<compensation_scale:0.1>"], "compressed"),
+    "mlp_target_serial": ("defaults + down_proj refit towards the serial original layers (λ = 1 × mean eig.)",
+                          ["HeadPrune", "NystromMLP<target:serial>"], "compressed"),
+    "mlp_target_original": ("defaults + down_proj refit towards the original model's hidden state",
+                            ["HeadPrune", "NystromMLP<target:original>"], "compressed"),
+    "mlp_target_serial_0.1": ("as mlp_target_serial with λ = 0.1 × mean eig.",
+                              ["HeadPrune", "NystromMLP<target:serial,target_scale:0.1>"], "compressed"),
     "flatten_nystrom": ("flatten + NystromMLP (λ = 10 × mean eig.), heads not pruned", [PAPER_MLP], "compressed"),
     "flatten_eq12": ("flatten + HeadPrune (Eq. 12), MLP not pruned", [PAPER_HEADS], "compressed"),
     "paper_sequential": ("paper, sequential statistics", [PAPER_HEADS, PAPER_MLP], "compressed"),
 }
 
 
-def calibration_session(model, tokenizer, windows, propagate: str) -> Session:
+def calibration_session(model, tokenizer, windows, propagate: str, original=None) -> Session:
     config = CalibrationConfig(dataset="wikitext2", split="validation", samples=windows.shape[0],
                                seq_len=windows.shape[1], batch_size=4, propagate=propagate)
-    return Session(model, tokenizer, adapter_for(model.config), windows, config, torch.device("cpu"))
+    return Session(model, tokenizer, adapter_for(model.config), windows, config, torch.device("cpu"),
+                   reference_loader=(lambda: original) if original is not None else None)
 
 
 @torch.no_grad()
@@ -144,7 +151,7 @@ def main() -> None:
             continue
         if name in VARIANTS:
             description, steps, propagate = VARIANTS[name]
-            session = calibration_session(copy.deepcopy(flat_session.model), tokenizer, windows, propagate)
+            session = calibration_session(copy.deepcopy(flat_session.model), tokenizer, windows, propagate, model)
             session.layer_origin = list(flat_session.layer_origin)
             records, prune_s = run_steps_timed(session, steps) if steps else ([], 0.0)
             compressed, seconds = session.model, flatten_s + prune_s

@@ -2,15 +2,23 @@
 refit ``down_proj`` (FlattenGPT §3.2 "MLP pruning", Algorithm 3, Theorem 3.1)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
 from recipe_engine import LayerModifier, register
-from recipe_engine.linalg import mean_eigenvalue, ridge_compensation, ridge_leverage_scores, set_linear_weight
+from recipe_engine.linalg import (mean_eigenvalue, ridge_compensation, ridge_leverage_scores, ridge_refit,
+                                  set_linear_weight)
 from recipe_engine.shape import ModelShape
-from recipe_engine.stats import InputCovariance
+from recipe_engine.stats import InputCovariance, Statistic
+
+
+class _LastInput(Statistic):
+    """The input of the hooked module in the batch that just ran (for per-batch cross moments)."""
+
+    def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        self.value = inputs
 
 
 @register
@@ -30,6 +38,9 @@ class NystromMLP(LayerModifier):
     layers: list[int] | None = Field(None, description="layer indices to prune (default: the merged layers)")
     lambda_scale: float = Field(10.0, gt=0, description="leverage ridge λ as a multiple of the mean eigenvalue")
     compensation_scale: float | None = Field(None, gt=0, description="refit ridge λ multiple (None: lambda_scale)")
+    target: Literal["merged", "serial", "original"] = Field(
+        "merged", description="what the kept down_proj is refitted to reproduce (merged = Theorem 3.1 only)")
+    target_scale: float = Field(1.0, gt=0, description="ridge λ multiple of the refit towards target")
 
     modifies = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # needs merged layers
@@ -50,6 +61,10 @@ class NystromMLP(LayerModifier):
             shape.layers[index] = type(layer)(layer.num_heads, layer.num_kv_heads, shape.intermediate_size,
                                               layer.origin)
 
+    @property
+    def needs_reference(self) -> bool:  # the serial/original targets run the original layers
+        return self.target != "merged"
+
     def target_layers(self, session) -> list[int]:
         return list(self.layers) if self.layers is not None else session.oversized_layers("mlp")
 
@@ -68,5 +83,36 @@ class NystromMLP(LayerModifier):
         for linear in (mlp.gate_proj, mlp.up_proj):
             set_linear_weight(linear, linear.weight[keep], linear.bias[keep] if linear.bias is not None else None)
         set_linear_weight(mlp.down_proj, down, mlp.down_proj.bias)
-        return {"channels_before": gram.shape[0], "channels_kept": len(keep),
-                "leverage_kept": float(leverage[keep].sum()), "leverage_total": float(leverage.sum())}
+        entry = {"channels_before": gram.shape[0], "channels_kept": len(keep),
+                 "leverage_kept": float(leverage[keep].sum()), "leverage_total": float(leverage.sum())}
+        if self.target != "merged":
+            entry.update(self._refit_towards_target(session, layer_index, gram[keep][:, keep]))
+        return entry
+
+    def _refit_towards_target(self, session, index: int, gram: torch.Tensor) -> dict[str, float]:
+        """Second ridge refit of the kept ``down_proj`` so the whole layer's output approaches the target
+        ``y*``: the original layers run serially on this layer's inputs (``serial``) or the original model's
+        hidden state at this depth (``original``). With the pruned layer's errors ``e = y* − layer(x)`` and
+        ``σ`` the kept ``down_proj`` input, ``W' = W + ((G_KK + λI)⁻¹ Σ σ eᵀ)ᵀ`` (``ridge_refit``)."""
+        inputs, kwargs_list = session.current_inputs()
+        targets = (session.reference_outputs(index) if self.target == "original"
+                   else session.original_outputs(index, inputs, kwargs_list))
+        layer = session.layers[index]
+        down = session.adapter.mlp(layer).down_proj
+        sigma = _LastInput("mlp.down_proj")
+        cross = torch.zeros(gram.shape[0], down.out_features, dtype=torch.float64, device=session.device)
+        error = [0.0]
+
+        def accumulate(k: int, output: torch.Tensor) -> None:
+            residual = (targets[k].to(output.device) - output).reshape(-1, output.shape[-1]).to(torch.float64)
+            cross.add_(sigma.value.reshape(-1, gram.shape[0]).to(torch.float64).T @ residual)
+            error[0] += float(residual.pow(2).sum())
+
+        session.run_layer(layer, inputs, kwargs_list, hooks=[sigma], on_batch=accumulate)
+        gram = gram.to(cross.device)
+        refit = ridge_refit(down.weight, gram, cross, self.target_scale * mean_eigenvalue(gram))
+        delta = refit - down.weight.to(torch.float64)
+        # ‖e − σΔᵀ‖² = ‖e‖² − 2⟨C, Δᵀ⟩ + tr(Δ G Δᵀ): the error left on the calibration tokens
+        after = error[0] - 2 * float((cross * delta.T).sum()) + float(torch.einsum("oi,ij,oj->", delta, gram, delta))
+        set_linear_weight(down, refit, down.bias)
+        return {"target_error_before": error[0], "target_error_after": after}

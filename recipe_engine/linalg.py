@@ -43,6 +43,17 @@ def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Ten
     return weight[:, keep] + delta_t.T
 
 
+def ridge_refit(weight: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Weight moved towards a new target: ``W' = W + ((G + λI)⁻¹ C)ᵀ`` with ``C = Σ_t x_t e_tᵀ`` the
+    cross-moment of the inputs and the current output errors ``e = y* − W x`` (fp64).
+
+    Minimises ``‖X W'ᵀ − Y*‖² + λ‖W' − W‖²``: ridge least squares shrunk towards the current weight.
+    """
+    gram = gram.to(torch.float64)
+    eye = torch.eye(gram.shape[0], dtype=torch.float64, device=gram.device)
+    return weight.to(torch.float64) + torch.linalg.solve(gram + ridge * eye, cross.to(torch.float64)).T
+
+
 def reconstruction_error(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor,
                          ridge: float | None) -> float:
     """``‖X_K W'_Kᵀ − X Wᵀ‖²_F`` for the kept columns ``K``: with ``W'_K`` from :func:`ridge_compensation`

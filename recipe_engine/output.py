@@ -19,6 +19,14 @@ REPORTED_PACKAGES = ("recipe-engine", "torch", "transformers", "pydantic", "data
                      "lm-eval", "peft", "rich", "pyyaml")
 
 
+def is_main_process() -> bool:
+    """False on every rank but 0 of a distributed launch (``torchrun`` / ``accelerate launch`` set
+    ``RANK``), so that only one process writes the output directory."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def check_output_free(output: str, force: bool, file: str | None = None) -> None:
     if Path(output).exists() and not force:
         raise RecipeError(f"output '{output}' already exists (use --force to replace it)",

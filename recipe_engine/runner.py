@@ -16,7 +16,8 @@ from .errors import QualityGateError, RecipeError
 from .extras import save_extras
 from .modifier import LayerModifier, Modifier
 from .models import load_config, load_model, resolve_device
-from .output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
+from .output import (atomic_directory, check_output_free, git_info, is_main_process, package_versions,
+                     peak_memory)
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict
@@ -97,7 +98,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
             report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
         report["calibration_layer_runs"] = session.layer_runs
         report["peak_memory"] = peak_memory()
-        if write:
+        if write and is_main_process():  # under torchrun every rank computes, rank 0 writes
             _write(recipe, model, tokenizer, session, report, force)
     if gate:
         raise QualityGateError(gate)

@@ -61,6 +61,10 @@ class Session:
         self.layer_runs = 0
         self._reference_loader = reference_loader
         self._reference: Session | None = None
+        #: Inputs of the layer being compressed by ``run_layer_modifiers`` (see ``current_inputs``).
+        self._current: tuple[list[torch.Tensor], list[dict[str, Any]]] | None = None
+        #: Original model's hidden states in lockstep with a pass: (next original layer, states, kwargs).
+        self._reference_stream: tuple[int, list[torch.Tensor], list[dict[str, Any]]] | None = None
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -154,8 +158,10 @@ class Session:
 
     @torch.no_grad()
     def run_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]],
-                  hooks: list[Statistic] = ()) -> list[torch.Tensor]:
-        """Run one (already placed) layer over all batches, feeding ``hooks``; returns its outputs."""
+                  hooks: list[Statistic] = (),
+                  on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
+        """Run one (already placed) layer over all batches, feeding ``hooks``; returns its outputs.
+        ``on_batch(k, output)`` is called after batch ``k`` (its hooks have fired), output on the device."""
         handles = []
         for stat in hooks:
             module = layer.get_submodule(stat.module) if stat.module else layer
@@ -167,8 +173,10 @@ class Session:
         outputs = []
         try:
             for x, kwargs in zip(inputs, kwargs_list):
-                out = layer(x.to(self.device), **_to(kwargs, self.device))
-                outputs.append(_hidden(out).to(self.storage))
+                out = _hidden(layer(x.to(self.device), **_to(kwargs, self.device)))
+                if on_batch is not None:
+                    on_batch(len(outputs), out)
+                outputs.append(out.to(self.storage))
         finally:
             for handle in handles:
                 handle.remove()
@@ -211,6 +219,44 @@ class Session:
                 count += targets.numel()
         return total / count
 
+    # -- targets from the original model ---------------------------------------------------
+    def current_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """Hidden states and keyword arguments entering the layer that ``run_layer_modifiers`` is
+        compressing (valid inside ``compress_layer``)."""
+        if self._current is None:
+            raise RuntimeError("current_inputs() is only available inside compress_layer")
+        return self._current
+
+    @torch.no_grad()
+    def original_outputs(self, index: int, inputs: list[torch.Tensor],
+                         kwargs_list: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """The original layers that layer ``index`` stands for (``layer_origin``), run one after another
+        on ``inputs``: the serial computation a merged layer approximates."""
+        reference = self.reference_session()
+        for original in self.layer_origin[index]:
+            layer = reference.layers[original]
+            with self.on_device(layer):
+                inputs = reference.run_layer(layer, inputs, kwargs_list)
+        return inputs
+
+    @torch.no_grad()
+    def reference_outputs(self, index: int) -> list[torch.Tensor]:
+        """Hidden states of the original model after the last original layer that layer ``index`` covers,
+        computed from the original model's own inputs. The original layers advance in lockstep with the
+        pass (one extra set of activations in memory); calls must come in increasing layer order."""
+        last = max(self.layer_origin[index])
+        reference = self.reference_session()
+        if self._reference_stream is None or self._reference_stream[0] > last + 1:
+            states, kwargs_list = reference.capture_inputs()
+            self._reference_stream = (0, states, kwargs_list)
+        start, states, kwargs_list = self._reference_stream
+        for original in range(start, last + 1):
+            layer = reference.layers[original]
+            with self.on_device(layer):
+                states = reference.run_layer(layer, states, kwargs_list)
+        self._reference_stream = (last + 1, states, kwargs_list)
+        return states
+
     # -- layer-sequential compression --------------------------------------------------------
     @torch.no_grad()
     def run_layer_modifiers(self, group: list[LayerModifier]) -> dict[str, dict[str, Any]]:
@@ -225,6 +271,7 @@ class Session:
         reports: list[dict[str, Any]] = [{"layers": {}} for _ in group]
         last = max((max(t) for t in targets if t), default=-1)
         inputs, kwargs_list = self.capture_inputs()
+        self._reference_stream = None
         for index in self.progress.track(range(last + 1), "layer-sequential pass"):
             layer = self.layers[index]
             active = [k for k, t in enumerate(targets) if index in t]
@@ -242,7 +289,11 @@ class Session:
                         outputs = self.run_layer(layer, inputs, kwargs_list, hooks=missing)
                         original_outputs = original_outputs if original_outputs is not None else outputs
                         cache.update({s.key: s for s in missing})
-                    entry = modifier.compress_layer(self, index, {s.key: cache[s.key] for s in needed})
+                    self._current = (inputs, kwargs_list)
+                    try:
+                        entry = modifier.compress_layer(self, index, {s.key: cache[s.key] for s in needed})
+                    finally:
+                        self._current = None
                     reports[k]["layers"][str(index)] = entry
                     changed = min((change_position(m) for m in modifier.modifies), default=99)
                     cache = {key: s for key, s in cache.items() if s.position <= changed}
@@ -251,6 +302,7 @@ class Session:
                     inputs = original_outputs
                 else:
                     inputs = self.run_layer(layer, inputs, kwargs_list)
+        self._reference_stream = None
         for k, modifier in enumerate(group):
             reports[k].update(modifier.finish(self))
         return {str(k): r for k, r in enumerate(reports)}

@@ -24,7 +24,9 @@ def merged_session(model_type="llama", tokens=None):
     model = tiny_model(model_type, attn_implementation="eager")
     tokens = random_tokens(4, 24) if tokens is None else tokens
     config = CalibrationConfig(samples=4, seq_len=24, batch_size=2)
-    session = Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"))
+    original = copy.deepcopy(model)
+    session = Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"),
+                      reference_loader=lambda: original)
     layers = list(model.model.layers)
     merged = merge_layers(layers[1:3], session.adapter)
     session.set_layers([layers[0], merged, layers[3]], [(0,), (1, 2), (3,)], [0, 1, 3])
@@ -141,6 +143,35 @@ def test_nystrom_matches_leverage_and_stacked_lstsq():
     torch.testing.assert_close(mlp.up_proj.weight, layer.mlp.up_proj.weight[keep])
     torch.testing.assert_close(mlp.down_proj.weight.double(), refit, rtol=1e-4, atol=1e-5)
     assert session.oversized_layers() == [1]  # the heads are still wide
+
+
+@pytest.mark.parametrize("target", ["serial", "original"])
+def test_nystrom_refit_towards_target_matches_stacked_lstsq(target):
+    """After Nyström, down_proj is refitted so the pruned layer reproduces the original layers 1 → 2 run
+    serially (layer 0 is unchanged, so the serial and the original-model targets coincide here)."""
+    session, tokens = merged_session()
+    original = session.reference_session().model
+    with torch.no_grad():
+        wanted = original(tokens, output_hidden_states=True).hidden_states[3].reshape(-1, 64).double()
+    pruned, _ = merged_session(tokens=tokens)  # the same seeded model
+    pruned.run_layer_modifiers([NystromMLP()])
+    x, out, act = run_layer_with_hook(pruned, tokens, pruned.layers[1], "mlp.down_proj")
+    nystrom = pruned.layers[1].mlp.down_proj.weight.double()
+    residual = wanted - out.reshape(-1, 64).double() + act @ nystrom.T  # y* − h (h: after attention)
+    ridge = 0.5 * float(torch.diagonal(act.T @ act).mean())
+    lhs = torch.cat([act, ridge ** 0.5 * torch.eye(96, dtype=torch.float64)])
+    rhs = torch.cat([residual, ridge ** 0.5 * nystrom.T])
+    expected = torch.linalg.lstsq(lhs, rhs).solution.T
+
+    report = session.run_layer_modifiers([NystromMLP(target=target, target_scale=0.5)])["0"]["layers"]["1"]
+    down = session.layers[1].mlp.down_proj.weight.double()
+    torch.testing.assert_close(down, expected, rtol=1e-4, atol=1e-5)
+    _, refitted, _ = run_layer_with_hook(session, tokens, session.layers[1], "mlp.down_proj")
+    left = float(((wanted - refitted.reshape(-1, 64).double()) ** 2).sum())
+    assert report["target_error_before"] == pytest.approx(float(((wanted - out.reshape(-1, 64)) ** 2).sum()),
+                                                         rel=1e-4)
+    assert report["target_error_after"] == pytest.approx(left, rel=1e-4)
+    assert left < report["target_error_before"]
 
 
 def test_pruning_steps_need_merged_layers():
