@@ -2,7 +2,8 @@
 
 Protocol: calibration 32 × 512 tokens of WikiText-2 validation (seed 0) for every method except SLEB, whose
 ~n × layers calibration-NLL passes use 8 × 128 tokens (same split and seed) to keep the run on 2 CPU cores
-reasonable; LaCo searches T for 24 layers on its 10 few-shot windows (the first 10 calibration windows).
+reasonable; LaCo searches T for 24 layers on its 10 few-shot windows (the first 10 calibration windows), with
+the paper's C = 4 (merge 4 layers into one) and with C = 2 (pairs, like the other methods' merges).
 Perplexity: first 24 windows × 1024 tokens of WikiText-2 test. Each method runs through
 ``recipe_engine.apply(recipe, write=False)`` on a fresh copy of the dense model; "compress s" is the sum
 of the steps' wall times. FlattenGPT rows need the FlattenAdjacent/HeadPrune/NystromMLP modifiers.
@@ -36,6 +37,7 @@ METHODS = {
     "dense": ([], CALIBRATION),
     "ShortGPT": ([{"ShortGPT": {"n": REMOVE}}], CALIBRATION),
     "LaCo": ([{"LaCo": {"target_layers": 30 - REMOVE, "search_steps": 6}}], CALIBRATION),
+    "LaCo C=2": ([{"LaCo": {"C": 2, "target_layers": 30 - REMOVE, "search_steps": 8}}], CALIBRATION),
     "SLEB": ([{"SLEB": {"n": REMOVE}}], SLEB_CALIBRATION),
     "ShortGPT+LinearPatch": ([{"ShortGPT": {"n": REMOVE}}, "LinearPatch"], CALIBRATION),
     "FlattenGPT": (FLATTEN, CALIBRATION),

@@ -5,7 +5,8 @@ windows × 1024 tokens of WikiText-2 test. FlattenAdjacent runs once; every prun
 copy of the flattened model, so its wall time is the flatten time plus its own pruning pass. The reference
 row drops the 6 layers with the lowest Block Influence (ShortGPT: BI = 1 − mean cos(input, output)).
 
-Run: python benchmarks/flatten_ablation.py [--only NAME ...]   (writes benchmarks/results/flatten_ablation.json;
+Run: python benchmarks/flatten_ablation.py [--only NAME ...]   (merges its rows into
+benchmarks/results/flatten_ablation.json, each row dated;
 ``--table``  prints the Markdown table of that file)
 """
 from __future__ import annotations
@@ -31,12 +32,15 @@ from recipe_engine.session import Session
 from recipe_engine.progress import Progress
 
 MERGES = 6
-PAPER_MLP = "NystromMLP<lambda_scale:10>"
+PAPER_MLP = "NystromMLP<lambda_scale:10,target:merged>"
 PAPER_HEADS = "HeadPrune<criterion:eq12,compensate:false>"
 #: name → (description, pruning steps after FlattenAdjacent, calibration.propagate)
 VARIANTS = {
-    "default": ("defaults: groups by exhaustive compensated o_proj error + o_proj refit + Nyström, sequential",
-                ["HeadPrune", "NystromMLP"], "compressed"),
+    "default": ("defaults: groups by exhaustive compensated o_proj error + o_proj refit + Nyström + down_proj "
+                "refit towards the original model's hidden state, sequential", ["HeadPrune", "NystromMLP"],
+                "compressed"),
+    "default_no_target": ("defaults with the paper's Theorem 3.1 refit only (target: merged)",
+                          ["HeadPrune", "NystromMLP<target:merged>"], "compressed"),
     "paper": ("paper: Eq. 12 heads + Nyström MLP, one-shot statistics", [PAPER_HEADS, PAPER_MLP], "original"),
     "flatten_only": ("flatten, not pruned (wider layers)", [], "compressed"),
     "eq12_compensated": ("Eq. 12 heads + o_proj ridge refit + Nyström",
@@ -49,13 +53,13 @@ VARIANTS = {
     "heads_lambda_1": ("defaults with HeadPrune λ = 1 × mean eig.", ["HeadPrune<lambda_scale:1>", "NystromMLP"],
                        "compressed"),
     "mlp_refit_lambda_0.1": ("defaults with NystromMLP refit λ = 0.1 × mean eig.",
-                             ["HeadPrune", "NystromMLP<compensation_scale:0.1>"], "compressed"),
-    "mlp_target_serial": ("defaults + down_proj refit towards the serial original layers (λ = 1 × mean eig.)",
+                             ["HeadPrune", "NystromMLP<compensation_scale:0.1,target:merged>"], "compressed"),
+    "mlp_target_serial": ("defaults with the down_proj target = the original layers run serially on its input",
                           ["HeadPrune", "NystromMLP<target:serial>"], "compressed"),
-    "mlp_target_original": ("defaults + down_proj refit towards the original model's hidden state",
-                            ["HeadPrune", "NystromMLP<target:original>"], "compressed"),
-    "mlp_target_serial_0.1": ("as mlp_target_serial with λ = 0.1 × mean eig.",
+    "mlp_target_serial_0.1": ("as mlp_target_serial with target λ = 0.1 × mean eig.",
                               ["HeadPrune", "NystromMLP<target:serial,target_scale:0.1>"], "compressed"),
+    "mlp_target_0.1": ("defaults with target λ = 0.1 × mean eig.", ["HeadPrune", "NystromMLP<target_scale:0.1>"],
+                       "compressed"),
     "flatten_nystrom": ("flatten + NystromMLP (λ = 10 × mean eig.), heads not pruned", [PAPER_MLP], "compressed"),
     "flatten_eq12": ("flatten + HeadPrune (Eq. 12), MLP not pruned", [PAPER_HEADS], "compressed"),
     "paper_sequential": ("paper, sequential statistics", [PAPER_HEADS, PAPER_MLP], "compressed"),
@@ -136,6 +140,8 @@ def main() -> None:
     test = load_text("wikitext2", "test").text
     forward_s = plain_forward_seconds(model, windows)
     machine = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout
+    earlier = json.loads(Path(args.out).read_text())["rows"] if Path(args.out).exists() else []
+    by_name = {row["name"]: row for row in earlier}  # rows of earlier runs stay unless re-run
     result = {"date": datetime.date.today().isoformat(), "machine": machine.split(":", 1)[-1].strip(),
               "threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
               "protocol": {"calibration": "wikitext2 validation 32x512 seed 0", "eval": "wikitext2 test 24x1024",
@@ -163,7 +169,10 @@ def main() -> None:
                "ppl": perplexity(compressed, tokenizer, test, seq_len=1024, limit=24)["ppl"],
                "layers": compressed.config.num_hidden_layers, "parameters": count_parameters(compressed),
                "compress_s": seconds, "compress_over_forward": seconds / forward_s, "detail": detail}
-        result["rows"].append(row)
+        row["date"] = result["date"]
+        by_name[name] = row
+        result["rows"] = sorted(by_name.values(), key=lambda r: order.index(r["name"]) if r["name"] in order
+                                else len(order))
         print(f"{name:22s} ppl {row['ppl']:8.2f}  layers {row['layers']}  params {row['parameters'] / 1e6:.1f}M  "
               f"time {seconds:6.1f}s ({row['compress_over_forward']:.1f}× forward)  {description}", flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

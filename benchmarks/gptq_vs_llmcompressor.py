@@ -66,12 +66,18 @@ def session_for(model, tokenizer, ids, batch_size: int):
     return Session(model, tokenizer, adapter_for(model.config), ids, config, torch.device("cpu"))
 
 
-def ours(model, tokenizer, ids, group_size: int, act_order: bool, batch_size: int):
+#: our variants: name → GPTQ parameters besides bits 4, sym, the group size and the export
+OURS = {"ours_act_order_true": {"act_order": True},
+        "ours_sequential": {"act_order": True, "sequential": True},
+        "ours_act_order_false": {"act_order": False}}
+
+
+def ours(model, tokenizer, ids, group_size: int, options: dict, batch_size: int):
     """Our GPTQ step in a layer-sequential session over the given ids; returns (wall s, CPU s, session)."""
     from modifiers.gptq import GPTQ
 
     session = session_for(model, tokenizer, ids, batch_size)
-    step = GPTQ(bits=4, group_size=group_size, sym=True, act_order=act_order, export="compressed-tensors")
+    step = GPTQ(bits=4, group_size=group_size, sym=True, export="compressed-tensors", **options)
     start, cpu = time.perf_counter(), time.process_time()
     session.run_layer_modifiers([step])
     return time.perf_counter() - start, time.process_time() - cpu, session
@@ -120,10 +126,9 @@ def main_side(args) -> None:
     theirs_process = subprocess.Popen(command)
     torch.set_num_threads(1)
     models, results = {}, {"calibration": origin, "threads_while_quantizing": 1}
-    for act_order in (True, False):
-        key = f"ours_act_order_{str(act_order).lower()}"
+    for key, options in OURS.items():
         models[key] = copy.deepcopy(dense)
-        wall, cpu, session = ours(models[key], tokenizer, ids, args.group_size, act_order, args.batch_size)
+        wall, cpu, session = ours(models[key], tokenizer, ids, args.group_size, options, args.batch_size)
         session.checkpoint_writer(models[key], out / key)
         results[key] = {"wall_s": wall, "cpu_s": cpu, "packed_mb": disk_mb(out / key)}
         print(json.dumps({key: results[key]}), flush=True)
@@ -139,11 +144,11 @@ def main_side(args) -> None:
     models["dense"], results["rtn"], results["dense"] = dense, {}, {"dense_mb": disk_mb(out / "dense")}
     torch.set_num_threads(args.threads)
     test = load_text("wikitext2", "test").text
-    for key in ("llmcompressor", "ours_act_order_true", "ours_act_order_false", "dense", "rtn"):
+    for key in ("llmcompressor", *OURS, "dense", "rtn"):
         results[key]["ppl"] = ppl(models[key], tokenizer, test, args.windows)
         print(json.dumps({key: results[key]}), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=2))
-    for key in ("ours_act_order_true", "ours_act_order_false"):
+    for key in OURS:
         for clock in ("wall_s", "cpu_s"):
             results[key][f"{clock}_ratio_vs_llmc"] = results[key][clock] / results["llmcompressor"][clock]
     (out / "results.json").write_text(json.dumps(results, indent=2))

@@ -7,7 +7,7 @@ import torch
 from pydantic import Field, PositiveInt, PrivateAttr, field_validator
 
 from recipe_engine import LayerModifier, register
-from recipe_engine.stats import InputCovariance
+from recipe_engine.stats import InputCovariance, position
 
 from ._quant import LINEARS, Grid, QuantizedWeight, grid_problem, known_targets, output_error, packed_writer
 
@@ -83,8 +83,11 @@ class GPTQ(LayerModifier):
     """Quantize every decoder layer's linears to ``bits``-bit integers with GPTQ inside the shared pass.
 
     Hessians are the fp64 input grams collected while the layer's calibration batches pass (q/k/v share
-    one, as do gate/up), so GPTQ after other layer steps adds no model pass. All linears of a layer are
-    quantized from the same pass (no intra-layer re-run), as llm-compressor does. ``lm_head`` and the
+    one, as do gate/up), so GPTQ after other layer steps adds no model pass. By default all linears of a
+    layer are quantized from that one pass, as llm-compressor does; ``sequential: true`` is the GPTQ
+    reference code's "true sequential": linears are quantized in dataflow order (q/k/v, o, gate/up, down)
+    and each later group's Hessian is re-collected from the layer with the earlier groups already
+    quantized (one extra layer forward per group), so it also corrects their error. ``lm_head`` and the
     embeddings stay in the model dtype. Output: dequantized weights in the model dtype (stock checkpoint),
     or with ``export: compressed-tensors`` packed int32 weights + scales that vLLM loads.
     """
@@ -96,6 +99,8 @@ class GPTQ(LayerModifier):
     sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
     act_order: bool = Field(False, description="quantize columns by descending Hessian diagonal (static groups)")
     damp: float = Field(0.01, gt=0, lt=1, description="diagonal damping as a fraction of mean(diag H)")
+    sequential: bool = Field(False, description="re-collect each linear group's Hessian after quantizing "
+                                                "the groups before it in the layer")
     block_size: PositiveInt = Field(128, description="columns per lazy-batch block (speed only)")
     targets: list[str] = Field(list(LINEARS), min_length=1, description="linears inside each decoder layer")
     export: Literal["dequantized", "compressed-tensors"] = Field(
@@ -138,9 +143,13 @@ class GPTQ(LayerModifier):
         sources: dict[str, list[str]] = {}
         for target in self.targets:
             sources.setdefault(self._hessian_source(session, target), []).append(target)
-        for source, targets in sources.items():
+        for rank, (source, targets) in enumerate(sorted(sources.items(), key=lambda item: position(item[0]))):
             linears = [layer.get_submodule(t) for t in targets]
             gram = stats[f"InputCovariance:{source}"].gram
+            if self.sequential and rank > 0:  # earlier groups are quantized: refresh this Hessian
+                fresh = InputCovariance(source)
+                session.run_layer(layer, *session.current_inputs(), hooks=[fresh])
+                gram = fresh.gram
             stacked = torch.cat([linear.weight.detach() for linear in linears])
             result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)
             rows = [linear.out_features for linear in linears]

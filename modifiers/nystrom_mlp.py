@@ -39,7 +39,7 @@ class NystromMLP(LayerModifier):
     lambda_scale: float = Field(10.0, gt=0, description="leverage ridge λ as a multiple of the mean eigenvalue")
     compensation_scale: float | None = Field(None, gt=0, description="refit ridge λ multiple (None: lambda_scale)")
     target: Literal["merged", "serial", "original"] = Field(
-        "merged", description="what the kept down_proj is refitted to reproduce (merged = Theorem 3.1 only)")
+        "original", description="what the kept down_proj is refitted to reproduce (merged = Theorem 3.1 only)")
     target_scale: float = Field(1.0, gt=0, description="ridge λ multiple of the refit towards target")
 
     modifies = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

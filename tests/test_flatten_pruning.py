@@ -136,7 +136,7 @@ def test_nystrom_matches_leverage_and_stacked_lstsq():
     leverage = torch.diagonal(gram @ torch.linalg.inv(gram + ridge * torch.eye(192, dtype=torch.float64)))
     keep = leverage.topk(96).indices.sort().values
     refit, _ = ridge_fit(act, layer.mlp.down_proj.weight.double(), keep, ridge)
-    report = session.run_layer_modifiers([NystromMLP()])["0"]["layers"]["1"]
+    report = session.run_layer_modifiers([NystromMLP(target="merged")])["0"]["layers"]["1"]
     mlp = session.layers[1].mlp
     assert report["channels_kept"] == 96 and report["channels_before"] == 192
     torch.testing.assert_close(mlp.gate_proj.weight, layer.mlp.gate_proj.weight[keep])
@@ -154,7 +154,7 @@ def test_nystrom_refit_towards_target_matches_stacked_lstsq(target):
     with torch.no_grad():
         wanted = original(tokens, output_hidden_states=True).hidden_states[3].reshape(-1, 64).double()
     pruned, _ = merged_session(tokens=tokens)  # the same seeded model
-    pruned.run_layer_modifiers([NystromMLP()])
+    pruned.run_layer_modifiers([NystromMLP(target="merged")])
     x, out, act = run_layer_with_hook(pruned, tokens, pruned.layers[1], "mlp.down_proj")
     nystrom = pruned.layers[1].mlp.down_proj.weight.double()
     residual = wanted - out.reshape(-1, 64).double() + act @ nystrom.T  # y* − h (h: after attention)

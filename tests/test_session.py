@@ -81,3 +81,61 @@ def test_layer_group_statistics_follow_propagation(propagate):
     report = make_session(model, tokens, propagate=propagate).run_layer_modifiers([modifier])
     assert report["0"]["layers"]["2"]["tokens"] == tokens.numel()
     assert report["0"]["layers"]["2"]["trace"] == pytest.approx(float(expected.trace()), rel=1e-6)
+
+
+class TargetProbe(LayerModifier):
+    """Test double: records, for each target layer, its inputs, the serial original layers on those
+    inputs, and the original model's hidden state at that depth; zeroes its MLP (a compression)."""
+
+    layers: list[int]
+    seen: dict = {}
+
+    def target_layers(self, session):
+        return self.layers
+
+    def statistics(self, session, layer_index):
+        return []
+
+    def compress_layer(self, session, layer_index, stats):
+        inputs, kwargs_list = session.current_inputs()
+        self.seen[layer_index] = (torch.cat(inputs), torch.cat(session.original_outputs(layer_index, inputs,
+                                                                                        kwargs_list)),
+                                  torch.cat(session.reference_outputs(layer_index)))
+        with torch.no_grad():
+            session.layers[layer_index].mlp.down_proj.weight.zero_()
+        return {}
+
+
+def test_compress_layer_sees_inputs_serial_and_original_targets():
+    """Layers 1 and 2 of a 4-layer model merged into one (origin (1, 2)); layer 0 compressed first, so the
+    merged layer's inputs differ from the original model's and the two targets differ."""
+    model = tiny_model()
+    original = copy.deepcopy(model)
+    tokens = random_tokens(4, 16)
+    with torch.no_grad():
+        hidden = original(tokens, output_hidden_states=True).hidden_states
+    config = CalibrationConfig(samples=4, seq_len=16, batch_size=2)
+    session = Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"),
+                      reference_loader=lambda: original)
+    layers = list(model.model.layers)
+    session.set_layers([layers[0], layers[1], layers[3]], [(0,), (1, 2), (3,)], [0, 1, 3])
+    probe = TargetProbe(layers=[0, 1, 2])
+    session.run_layer_modifiers([probe])
+    torch.testing.assert_close(probe.seen[0][0], hidden[0])
+    torch.testing.assert_close(probe.seen[0][2], hidden[1], rtol=1e-5, atol=1e-5)
+    inputs, serial, reference = probe.seen[1]
+    assert not torch.allclose(inputs, hidden[1], atol=1e-3)  # layer 0 was compressed
+    torch.testing.assert_close(reference, hidden[3], rtol=1e-5, atol=1e-5)  # after original layers 1, 2
+    by_hand = inputs
+    positions = torch.arange(16)[None].expand(4, -1)
+    kwargs = {"position_embeddings": original.model.rotary_emb(inputs, positions),
+              "attention_mask": torch.full((16, 16), float("-inf")).triu(1)[None, None]}
+    with torch.no_grad():
+        for index in (1, 2):
+            by_hand = original.model.layers[index](by_hand, **kwargs)
+            by_hand = by_hand[0] if isinstance(by_hand, tuple) else by_hand
+    torch.testing.assert_close(serial, by_hand, rtol=1e-5, atol=1e-5)
+    # HF's last hidden state has the final norm applied
+    torch.testing.assert_close(original.model.norm(probe.seen[2][2]), hidden[4], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="only available inside compress_layer"):
+        session.current_inputs()
