@@ -37,8 +37,8 @@ PAPER_HEADS = "HeadPrune<criterion:eq12,compensate:false>"
 #: name → (description, pruning steps after FlattenAdjacent, calibration.propagate)
 VARIANTS = {
     "default": ("defaults: groups by exhaustive compensated o_proj error + o_proj refit + Nyström + down_proj "
-                "refit towards the original model's hidden state, sequential", ["HeadPrune", "NystromMLP"],
-                "compressed"),
+                "refit towards the original model's hidden state (λ = 0.1 × mean eig.), sequential",
+                ["HeadPrune", "NystromMLP"], "compressed"),
     "default_no_target": ("defaults with the paper's Theorem 3.1 refit only (target: merged)",
                           ["HeadPrune", "NystromMLP<target:merged>"], "compressed"),
     "paper": ("paper: Eq. 12 heads + Nyström MLP, one-shot statistics", [PAPER_HEADS, PAPER_MLP], "original"),
@@ -54,12 +54,12 @@ VARIANTS = {
                        "compressed"),
     "mlp_refit_lambda_0.1": ("defaults with NystromMLP refit λ = 0.1 × mean eig.",
                              ["HeadPrune", "NystromMLP<compensation_scale:0.1,target:merged>"], "compressed"),
-    "mlp_target_serial": ("defaults with the down_proj target = the original layers run serially on its input",
-                          ["HeadPrune", "NystromMLP<target:serial>"], "compressed"),
-    "mlp_target_serial_0.1": ("as mlp_target_serial with target λ = 0.1 × mean eig.",
-                              ["HeadPrune", "NystromMLP<target:serial,target_scale:0.1>"], "compressed"),
-    "mlp_target_0.1": ("defaults with target λ = 0.1 × mean eig.", ["HeadPrune", "NystromMLP<target_scale:0.1>"],
-                       "compressed"),
+    "mlp_target_1": ("defaults with target λ = 1 × mean eig.", ["HeadPrune", "NystromMLP<target_scale:1>"],
+                     "compressed"),
+    "mlp_target_serial": ("defaults with target: serial (the original layers run serially on the merged layer's "
+                          "input)", ["HeadPrune", "NystromMLP<target:serial>"], "compressed"),
+    "mlp_target_serial_1": ("defaults with target: serial, λ = 1 × mean eig.",
+                            ["HeadPrune", "NystromMLP<target:serial,target_scale:1>"], "compressed"),
     "flatten_nystrom": ("flatten + NystromMLP (λ = 10 × mean eig.), heads not pruned", [PAPER_MLP], "compressed"),
     "flatten_eq12": ("flatten + HeadPrune (Eq. 12), MLP not pruned", [PAPER_HEADS], "compressed"),
     "paper_sequential": ("paper, sequential statistics", [PAPER_HEADS, PAPER_MLP], "compressed"),

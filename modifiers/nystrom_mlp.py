@@ -40,7 +40,7 @@ class NystromMLP(LayerModifier):
     compensation_scale: float | None = Field(None, gt=0, description="refit ridge λ multiple (None: lambda_scale)")
     target: Literal["merged", "serial", "original"] = Field(
         "original", description="what the kept down_proj is refitted to reproduce (merged = Theorem 3.1 only)")
-    target_scale: float = Field(1.0, gt=0, description="ridge λ multiple of the refit towards target")
+    target_scale: float = Field(0.1, gt=0, description="ridge λ multiple of the refit towards target")
 
     modifies = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # needs merged layers
