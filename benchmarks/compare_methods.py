@@ -46,7 +46,21 @@ METHODS = {
 RESULTS = Path(__file__).parent / "results" / "compare_methods.json"
 
 
-def run_method(name: str, dense, tokenizer, test_text: str) -> dict:
+def zero_shot(model, tokenizer, limit: int) -> dict:
+    """The paper's five zero-shot tasks (offline lm-eval configs), first ``limit`` rows of each."""
+    import torch
+
+    from recipe_engine.evaluation import evaluate_model
+    from recipe_engine.evaluation.zeroshot import PAPER_TASKS
+    from recipe_engine.schema import EvaluateConfig
+
+    config = EvaluateConfig(perplexity=None, tasks=PAPER_TASKS, limit=limit)
+    result = evaluate_model(model, tokenizer, config, torch.device("cpu"), None)["zero_shot"]
+    return {"limit": limit, "average": result["average"],
+            "tasks": {task: r["value"] for task, r in result["tasks"].items()}}
+
+
+def run_method(name: str, dense, tokenizer, test_text: str, task_limit: int | None) -> dict:
     steps, calibration = METHODS[name]
     model, report = dense, {"steps": []}
     if steps:
@@ -55,7 +69,8 @@ def run_method(name: str, dense, tokenizer, test_text: str) -> dict:
         model, report = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer,
                                             write=False, progress=False)
     ppl = perplexity(model, tokenizer, test_text, seq_len=1024, limit=24)
-    return {"method": name, "layers": model.config.num_hidden_layers,
+    extra = {"zero_shot": zero_shot(model, tokenizer, task_limit)} if task_limit else {}
+    return {**extra, "method": name, "layers": model.config.num_hidden_layers,
             "params_pct": 100.0 * count_parameters(model) / count_parameters(dense), "ppl": ppl["ppl"],
             "compress_s": sum(step["wall_s"] for step in report["steps"]),
             "calibration": calibration, "modifiers": steps,
@@ -65,6 +80,8 @@ def run_method(name: str, dense, tokenizer, test_text: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=list(METHODS), help="run only these methods")
+    parser.add_argument("--task-limit", type=int, help="also the zero-shot average over the paper's five "
+                                                       "tasks, first N rows of each")
     args = parser.parse_args()
     names = args.only or list(METHODS)
     missing = [m for m in ("FlattenAdjacent", "HeadPrune", "NystromMLP") if m not in REGISTRY.names()]
@@ -76,7 +93,7 @@ def main() -> None:
     earlier = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
     by_method = {row["method"]: row for row in earlier}
     for name in names:
-        row = run_method(name, dense, tokenizer, test_text)
+        row = run_method(name, dense, tokenizer, test_text, args.task_limit)
         row["date"] = datetime.date.today().isoformat()
         by_method[name] = row
         rows = [by_method[m] for m in METHODS if m in by_method]
@@ -84,11 +101,16 @@ def main() -> None:
         RESULTS.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "rows": rows},
                                       indent=2, default=str))
         print(f"{row['method']:<24} {row['layers']:>3} layers {row['params_pct']:6.1f}% params "
-              f"PPL {row['ppl']:9.2f}  {row['compress_s']:7.1f} s", flush=True)
-    print("\n| method | layers | params % | WikiText-2 PPL | compress s |\n|---|---|---|---|---|")
+              f"PPL {row['ppl']:9.2f}  {row['compress_s']:7.1f} s  zero-shot avg {average(row)}", flush=True)
+    print("\n| method | layers | params % | WikiText-2 PPL | zero-shot avg | compress s |\n|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['method']} | {row['layers']} | {row['params_pct']:.1f} | {row['ppl']:.2f} | "
+        print(f"| {row['method']} | {row['layers']} | {row['params_pct']:.1f} | {row['ppl']:.2f} | {average(row)} | "
               f"{row['compress_s']:.1f} |")
+
+
+def average(row: dict) -> str:
+    zero = row.get("zero_shot")
+    return f"{zero['average']:.3f} ({zero['limit']} rows/task)" if zero else "–"
 
 
 if __name__ == "__main__":
