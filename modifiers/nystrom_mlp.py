@@ -44,7 +44,8 @@ class NystromMLP(LayerModifier):
 
     modifies = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # needs merged layers
-    needs = ("down_proj input Gram (fp64)",)
+    needs = ("down_proj input Gram (fp64)", "target serial/original: the original layers' outputs "
+             "(original weights on CPU)")
 
     def check(self, shape: ModelShape) -> None:
         targets = self.layers if self.layers is not None else shape.oversized_layers("mlp")
