@@ -131,25 +131,31 @@ class GPTQ(LayerModifier):
         shared = session.adapter.attention_inputs if block == "self_attn" else session.adapter.mlp_inputs
         return f"{block}.{shared[0]}" if name in shared else target
 
+    def _sources(self, session) -> dict[str, list[str]]:
+        """Hessian source → the targets quantized with it, in dataflow order."""
+        sources: dict[str, list[str]] = {}
+        for target in self.targets:
+            sources.setdefault(self._hessian_source(session, target), []).append(target)
+        return dict(sorted(sources.items(), key=lambda item: position(item[0])))
+
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
-        sources = dict.fromkeys(self._hessian_source(session, t) for t in self.targets)
-        return [InputCovariance(source) for source in sources]
+        sources = list(self._sources(session))
+        # sequential: only the first group's gram comes from the shared pass; the others are refreshed
+        return [InputCovariance(source) for source in (sources[:1] if self.sequential else sources)]
 
     def compress_layer(self, session, layer_index: int, stats) -> dict[str, Any]:
         """Linears sharing a Hessian are quantized as one row-stacked matrix: GPTQ treats rows
         independently given ``H`` (same factor, same order, per-row groups), so this equals quantizing
         each alone, with one Cholesky and one column loop per input instead of per linear."""
         layer, grid, errors = session.layers[layer_index], self.grid(), {}
-        sources: dict[str, list[str]] = {}
-        for target in self.targets:
-            sources.setdefault(self._hessian_source(session, target), []).append(target)
-        for rank, (source, targets) in enumerate(sorted(sources.items(), key=lambda item: position(item[0]))):
+        for rank, (source, targets) in enumerate(self._sources(session).items()):
             linears = [layer.get_submodule(t) for t in targets]
-            gram = stats[f"InputCovariance:{source}"].gram
             if self.sequential and rank > 0:  # earlier groups are quantized: refresh this Hessian
                 fresh = InputCovariance(source)
                 session.run_layer(layer, *session.current_inputs(), hooks=[fresh])
                 gram = fresh.gram
+            else:
+                gram = stats[f"InputCovariance:{source}"].gram
             stacked = torch.cat([linear.weight.detach() for linear in linears])
             result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)
             rows = [linear.out_features for linear in linears]

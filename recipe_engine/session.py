@@ -232,12 +232,7 @@ class Session:
                          kwargs_list: list[dict[str, Any]]) -> list[torch.Tensor]:
         """The original layers that layer ``index`` stands for (``layer_origin``), run one after another
         on ``inputs``: the serial computation a merged layer approximates."""
-        reference = self.reference_session()
-        for original in self.layer_origin[index]:
-            layer = reference.layers[original]
-            with self.on_device(layer):
-                inputs = reference.run_layer(layer, inputs, kwargs_list)
-        return inputs
+        return self._run_original(self.layer_origin[index], inputs, kwargs_list)
 
     @torch.no_grad()
     def reference_outputs(self, index: int) -> list[torch.Tensor]:
@@ -245,16 +240,21 @@ class Session:
         computed from the original model's own inputs. The original layers advance in lockstep with the
         pass (one extra set of activations in memory); calls must come in increasing layer order."""
         last = max(self.layer_origin[index])
-        reference = self.reference_session()
         if self._reference_stream is None or self._reference_stream[0] > last + 1:
-            states, kwargs_list = reference.capture_inputs()
+            states, kwargs_list = self.reference_session().capture_inputs()
             self._reference_stream = (0, states, kwargs_list)
         start, states, kwargs_list = self._reference_stream
-        for original in range(start, last + 1):
+        states = self._run_original(range(start, last + 1), states, kwargs_list)
+        self._reference_stream = (last + 1, states, kwargs_list)
+        return states
+
+    def _run_original(self, indices, states: list[torch.Tensor], kwargs_list: list[dict[str, Any]]):
+        """Original layers ``indices`` (of the reference model), one after another, over all batches."""
+        reference = self.reference_session()
+        for original in indices:
             layer = reference.layers[original]
             with self.on_device(layer):
                 states = reference.run_layer(layer, states, kwargs_list)
-        self._reference_stream = (last + 1, states, kwargs_list)
         return states
 
     # -- layer-sequential compression --------------------------------------------------------
