@@ -80,6 +80,7 @@ def run_method(name: str, dense, tokenizer, test_text: str, task_limit: int | No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=list(METHODS), help="run only these methods")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON file the rows merge into")
     parser.add_argument("--task-limit", type=int, help="also the zero-shot average over the paper's five "
                                                        "tasks, first N rows of each")
     args = parser.parse_args()
@@ -90,15 +91,15 @@ def main() -> None:
         names = [n for n in names if not n.startswith("FlattenGPT")]
     dense, tokenizer, _ = load_model("smollm2-135m", "float32")
     test_text = load_text("wikitext2", "test").text
-    earlier = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
+    earlier = json.loads(args.results.read_text())["rows"] if args.results.exists() else []
     by_method = {row["method"]: row for row in earlier}
     for name in names:
         row = run_method(name, dense, tokenizer, test_text, args.task_limit)
         row["date"] = datetime.date.today().isoformat()
         by_method[name] = row
         rows = [by_method[m] for m in METHODS if m in by_method]
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "rows": rows},
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "rows": rows},
                                       indent=2, default=str))
         print(f"{row['method']:<24} {row['layers']:>3} layers {row['params_pct']:6.1f}% params "
               f"PPL {row['ppl']:9.2f}  {row['compress_s']:7.1f} s  zero-shot avg {average(row)}", flush=True)
