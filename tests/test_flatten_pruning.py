@@ -14,7 +14,7 @@ from recipe_engine.errors import RecipeError
 from recipe_engine.schema import CalibrationConfig
 from recipe_engine.session import Session
 from recipe_engine.shape import ModelShape
-from tests.helpers import random_tokens, tiny_config, tiny_model
+from tests.helpers import layer_kwargs, random_tokens, tiny_config, tiny_model
 
 HEAD_DIM, QUERIES_PER_GROUP = 16, 2
 
@@ -39,15 +39,9 @@ def run_layer_with_hook(session, tokens, layer, module):
         x = session.model(tokens, output_hidden_states=True).hidden_states[1]
         seen = []
         handle = layer.get_submodule(module).register_forward_hook(lambda m, a, o: seen.append(a[0]))
-        out = layer(x, **layer_kwargs(session, x))
+        out = layer(x, **layer_kwargs(session.model, x))
         handle.remove()
     return x, out, seen[0].reshape(-1, seen[0].shape[-1]).double()
-
-
-def layer_kwargs(session, x):
-    positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
-    mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
-    return {"position_embeddings": session.model.model.rotary_emb(x, positions), "attention_mask": mask}
 
 
 def kept_query_channels(groups):
@@ -81,7 +75,8 @@ def test_pruned_heads_keep_their_kv_groups(model_type, compensate):
         o_weight[:, keep] = pruned.self_attn.o_proj.weight
         reference.self_attn.o_proj.weight.copy_(o_weight)
         x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(5))
-        torch.testing.assert_close(pruned(x, **layer_kwargs(session, x)), reference(x, **layer_kwargs(session, x)),
+        kwargs = layer_kwargs(session.model, x)
+        torch.testing.assert_close(pruned(x, **kwargs), reference(x, **kwargs),
                                    rtol=1e-5, atol=1e-5)
     assert session.oversized_layers() == [1]  # the MLP is still wide
 

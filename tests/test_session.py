@@ -9,7 +9,7 @@ from recipe_engine.modifier import LayerModifier
 from recipe_engine.schema import CalibrationConfig
 from recipe_engine.session import Session
 from recipe_engine.stats import InputCovariance
-from tests.helpers import random_tokens, tiny_model
+from tests.helpers import layer_kwargs, random_tokens, tiny_model
 
 
 def make_session(model, tokens, **cal):
@@ -126,10 +126,7 @@ def test_compress_layer_sees_inputs_serial_and_original_targets():
     inputs, serial, reference = probe.seen[1]
     assert not torch.allclose(inputs, hidden[1], atol=1e-3)  # layer 0 was compressed
     torch.testing.assert_close(reference, hidden[3], rtol=1e-5, atol=1e-5)  # after original layers 1, 2
-    by_hand = inputs
-    positions = torch.arange(16)[None].expand(4, -1)
-    kwargs = {"position_embeddings": original.model.rotary_emb(inputs, positions),
-              "attention_mask": torch.full((16, 16), float("-inf")).triu(1)[None, None]}
+    by_hand, kwargs = inputs, layer_kwargs(original, inputs)
     with torch.no_grad():
         for index in (1, 2):
             by_hand = original.model.layers[index](by_hand, **kwargs)
