@@ -7,6 +7,7 @@ import torch
 from pydantic import Field, PositiveInt, PrivateAttr, field_validator
 
 from recipe_engine import LayerModifier, register
+from recipe_engine.staged import StagedLayer
 from recipe_engine.stats import InputCovariance, position
 
 from ._quant import LINEARS, Grid, QuantizedWeight, grid_problem, known_targets, output_error, packed_writer
@@ -139,23 +140,33 @@ class GPTQ(LayerModifier):
         return dict(sorted(sources.items(), key=lambda item: position(item[0])))
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
-        sources = list(self._sources(session))
-        # sequential: only the first group's gram comes from the shared pass; the others are refreshed
-        return [InputCovariance(source) for source in (sources[:1] if self.sequential else sources)]
+        # sequential: every gram is taken inside compress_layer, after the groups before it are quantized
+        return [] if self.sequential else [self._gram(source) for source in self._sources(session)]
+
+    @staticmethod
+    def _gram(source: str) -> InputCovariance:
+        """fp32 products, fp64 sums: GPTQ only needs H to ~1e-6 (its reference code keeps H in fp32)."""
+        return InputCovariance(source, products=torch.float32)
+
+    @staticmethod
+    def _fresh_gram(session, staged: StagedLayer, source: str) -> torch.Tensor:
+        gram = GPTQ._gram(source)
+        for x in staged.inputs_of(source):
+            gram.update(x.to(session.device), None)
+        return gram.gram
 
     def compress_layer(self, session, layer_index: int, stats) -> dict[str, Any]:
         """Linears sharing a Hessian are quantized as one row-stacked matrix: GPTQ treats rows
         independently given ``H`` (same factor, same order, per-row groups), so this equals quantizing
         each alone, with one Cholesky and one column loop per input instead of per linear."""
         layer, grid, errors = session.layers[layer_index], self.grid(), {}
-        for rank, (source, targets) in enumerate(self._sources(session).items()):
+        staged = StagedLayer(session, layer, *session.current_inputs()) if self.sequential else None
+        for source, targets in self._sources(session).items():
             linears = [layer.get_submodule(t) for t in targets]
-            if self.sequential and rank > 0:  # earlier groups are quantized: refresh this Hessian
-                fresh = InputCovariance(source)
-                session.run_layer(layer, *session.current_inputs(), hooks=[fresh])
-                gram = fresh.gram
-            else:
-                gram = stats[f"InputCovariance:{source}"].gram
+            if staged is None:
+                gram = stats[self._gram(source).key].gram
+            else:  # the groups before this one are quantized already
+                gram = self._fresh_gram(session, staged, source)
             stacked = torch.cat([linear.weight.detach() for linear in linears])
             result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)
             rows = [linear.out_features for linear in linears]
@@ -166,6 +177,8 @@ class GPTQ(LayerModifier):
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
                 if self.export == "compressed-tensors":
                     self._records[linear] = (scale.cpu(), zero.cpu())
+        if staged is not None:
+            session.provide_outputs(staged.outputs())
         return {"output_error": errors}
 
     def finish(self, session) -> dict[str, Any]:

@@ -23,6 +23,8 @@ class ArchitectureAdapter:
 
     attention_inputs = ("q_proj", "k_proj", "v_proj")
     mlp_inputs = ("gate_proj", "up_proj")
+    #: block → the linear whose result is the block's output (see ``recipe_engine.staged``)
+    output_linears = {"self_attn": "o_proj", "mlp": "down_proj"}
 
     # -- navigation -------------------------------------------------------------------------
     @staticmethod

@@ -31,6 +31,8 @@ def _to(value: Any, device: torch.device) -> Any:
         return value.to(device)
     if isinstance(value, (tuple, list)):
         return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
     return value
 
 
@@ -63,6 +65,8 @@ class Session:
         self._reference: Session | None = None
         #: Inputs of the layer being compressed by ``run_layer_modifiers`` (see ``current_inputs``).
         self._current: tuple[list[torch.Tensor], list[dict[str, Any]]] | None = None
+        #: Outputs of that layer handed over by the step compressing it (see ``provide_outputs``).
+        self._provided: list[torch.Tensor] | None = None
         #: Original model's hidden states in lockstep with a pass: (next original layer, states, kwargs).
         self._reference_stream: tuple[int, list[torch.Tensor], list[dict[str, Any]]] | None = None
 
@@ -227,6 +231,16 @@ class Session:
             raise RuntimeError("current_inputs() is only available inside compress_layer")
         return self._current
 
+    def provide_outputs(self, outputs: list[torch.Tensor]) -> None:
+        """Inside ``compress_layer``: the layer's outputs on ``current_inputs()`` as this step leaves the
+        layer (one tensor per batch, on ``storage``), computed anyway by the step; the pass then takes them
+        as the next layer's inputs instead of running the layer again, unless a later step changes it."""
+        if self._current is None:
+            raise RuntimeError("provide_outputs() is only available inside compress_layer")
+        if len(outputs) != len(self._current[0]):
+            raise ValueError(f"provide_outputs: {len(outputs)} batches given, {len(self._current[0])} expected")
+        self._provided = outputs
+
     @torch.no_grad()
     def original_outputs(self, index: int, inputs: list[torch.Tensor],
                          kwargs_list: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -279,29 +293,32 @@ class Session:
                 if not active:
                     inputs = self.run_layer(layer, inputs, kwargs_list)
                     continue
-                original_outputs = None
+                keep_original = self.config.propagate == "original"
+                original_outputs = provided = None
                 cache: dict[str, Statistic] = {}
                 for k in active:
                     modifier = group[k]
                     needed = modifier.statistics(self, index)
                     missing = [s for s in needed if s.key not in cache]
-                    if missing or original_outputs is None:
+                    if missing or (keep_original and original_outputs is None):
                         outputs = self.run_layer(layer, inputs, kwargs_list, hooks=missing)
                         original_outputs = original_outputs if original_outputs is not None else outputs
                         cache.update({s.key: s for s in missing})
-                    self._current = (inputs, kwargs_list)
+                    self._current, self._provided = (inputs, kwargs_list), None
                     try:
                         entry = modifier.compress_layer(self, index, {s.key: cache[s.key] for s in needed})
+                        provided = self._provided
                     finally:
-                        self._current = None
+                        self._current = self._provided = None
                     reports[k]["layers"][str(index)] = entry
                     changed = min((change_position(m) for m in modifier.modifies), default=99)
                     cache = {key: s for key, s in cache.items() if s.position <= changed}
-                layer = self.layers[index]
-                if self.config.propagate == "original":
+                if keep_original:
                     inputs = original_outputs
+                elif provided is not None:
+                    inputs = provided
                 else:
-                    inputs = self.run_layer(layer, inputs, kwargs_list)
+                    inputs = self.run_layer(self.layers[index], inputs, kwargs_list)
         self._reference_stream = None
         for k, modifier in enumerate(group):
             reports[k].update(modifier.finish(self))

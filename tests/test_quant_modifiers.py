@@ -172,8 +172,8 @@ def test_gptq_step_equals_gptq_on_each_linear_with_its_own_gram():
     grams, handles = {}, []
     for target in LINEARS:
         def hook(_module, args, _out, target=target):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            grams[target] = grams.get(target, 0) + x.T @ x
+            x = args[0].reshape(-1, args[0].shape[-1])
+            grams[target] = grams.get(target, 0) + (x.T @ x).double()  # fp32 products, as the step
         handles.append(reference.model.layers[0].get_submodule(target).register_forward_hook(hook))
     with torch.no_grad():
         for batch in tokens.split(2):
@@ -188,24 +188,25 @@ def test_gptq_step_equals_gptq_on_each_linear_with_its_own_gram():
 
 
 def test_sequential_gptq_requantizes_from_refreshed_hessians():
-    """``sequential``: each linear group of layer 0 is quantized with the gram of its input taken after the
-    groups before it (q/k/v → o → gate/up → down) were quantized — computed here group by group on a copy."""
+    """``sequential``: each linear group of every layer is quantized with the gram of its input taken after
+    the groups before it (q/k/v → o → gate/up → down, earlier layers included) were quantized — computed
+    here group by group with full forwards of a copy (the step runs each layer piecewise instead)."""
     from modifiers._quant import Grid
     from modifiers.gptq import gptq_quantize
 
     tokens = random_tokens(4, 32)
     reference = tiny_model()
-    for group in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-                  ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]):
-        layer = reference.model.layers[0]
+    groups = (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+              ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"])
+    for layer, group in ((layer, group) for layer in reference.model.layers for group in groups):
         seen = []
         handle = layer.get_submodule(group[0]).register_forward_hook(
-            lambda _m, args, _o: seen.append(args[0].reshape(-1, args[0].shape[-1]).double()))
+            lambda _m, args, _o: seen.append(args[0].reshape(-1, args[0].shape[-1])))
         with torch.no_grad():
             for batch in tokens.split(2):
                 reference(batch)
         handle.remove()
-        gram = sum(x.T @ x for x in seen)
+        gram = sum((x.T @ x).double() for x in seen)  # fp32 products, fp64 sum, as the step
         for target in group:
             linear = layer.get_submodule(target)
             with torch.no_grad():
@@ -213,8 +214,8 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
     model, one_pass = tiny_model(), tiny_model()
     make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=True)])
     make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16)])
-    for target in LINEARS:
-        torch.testing.assert_close(model.model.layers[0].get_submodule(target).weight,
-                                   reference.model.layers[0].get_submodule(target).weight, rtol=0, atol=1e-5)
+    for index, target in ((i, t) for i in range(len(model.model.layers)) for t in LINEARS):
+        torch.testing.assert_close(model.model.layers[index].get_submodule(target).weight,
+                                   reference.model.layers[index].get_submodule(target).weight, rtol=0, atol=1e-5)
     assert not torch.allclose(model.model.layers[0].mlp.down_proj.weight,
                               one_pass.model.layers[0].mlp.down_proj.weight)

@@ -136,3 +136,16 @@ def test_compress_layer_sees_inputs_serial_and_original_targets():
     torch.testing.assert_close(original.model.norm(probe.seen[2][2]), hidden[4], rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="only available inside compress_layer"):
         session.current_inputs()
+
+
+def test_input_covariance_fp32_products_agree_with_fp64_and_are_keyed_apart():
+    x = torch.randn(3, 64, 40, generator=torch.Generator().manual_seed(1)) * 5
+    exact, fast = InputCovariance("mlp.down_proj"), InputCovariance("mlp.down_proj", products=torch.float32)
+    for batch in x.split(1):
+        exact.update(batch, None)
+        fast.update(batch, None)
+    reference = x.reshape(-1, 40).double().T @ x.reshape(-1, 40).double()
+    torch.testing.assert_close(exact.gram, reference, rtol=1e-12, atol=1e-9)
+    assert fast.gram.dtype == torch.float64 and not torch.equal(fast.gram, reference)
+    torch.testing.assert_close(fast.gram, reference, rtol=1e-5, atol=1e-3)
+    assert exact.key == "InputCovariance:mlp.down_proj" and fast.key != exact.key
