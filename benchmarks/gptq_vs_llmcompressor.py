@@ -9,6 +9,8 @@ llm-compressor runs in its own venv (``.venv-llmc``, its pins differ) as a subpr
 
 Run (from the repository root, main venv; a few CPU minutes per side):
     nice -n 10 python benchmarks/gptq_vs_llmcompressor.py --out benchmarks/results/gptq_vs_llmc
+``--seed`` draws another calibration sample (GPTQ's PPL moves by ~1 % with the sample, and even with
+~1e-6 changes of H, so compare over seeds); ``--variants`` picks which of our settings run.
 """
 from __future__ import annotations
 
@@ -67,9 +69,9 @@ def session_for(model, tokenizer, ids, batch_size: int):
 
 
 #: our variants: name → GPTQ parameters besides bits 4, sym, the group size and the export
-OURS = {"ours_act_order_true": {"act_order": True},
+OURS = {"ours_act_order_true": {"act_order": True, "sequential": False},
         "ours_sequential": {"act_order": True, "sequential": True},
-        "ours_act_order_false": {"act_order": False}}
+        "ours_act_order_false": {"act_order": False, "sequential": False}}
 
 
 def ours(model, tokenizer, ids, group_size: int, options: dict, batch_size: int):
@@ -104,9 +106,10 @@ def prepare(args, out: Path):
     dense.save_pretrained(out / "dense")
     tokenizer.save_pretrained(out / "dense")
     calibration = load_text("wikitext2", "validation")
-    ids = sample_windows(tokenize(tokenizer, calibration.text), args.samples, args.seq_len, 0, calibration.origin)
+    ids = sample_windows(tokenize(tokenizer, calibration.text), args.samples, args.seq_len, args.seed,
+                         calibration.origin)
     torch.save(ids, out / "calibration_ids.pt")
-    return dense, tokenizer, ids, f"{calibration.origin}: {args.samples} x {args.seq_len}"
+    return dense, tokenizer, ids, f"{calibration.origin}: {args.samples} x {args.seq_len}, seed {args.seed}"
 
 
 def main_side(args) -> None:
@@ -128,7 +131,9 @@ def main_side(args) -> None:
     theirs_process = subprocess.Popen(command)
     torch.set_num_threads(1)
     models, results = {}, {"calibration": origin, "threads_while_quantizing": 1}
-    for key, options in OURS.items():
+    ours_keys = args.variants or list(OURS)
+    for key in ours_keys:
+        options = OURS[key]
         models[key] = copy.deepcopy(dense)
         wall, cpu, session = ours(models[key], tokenizer, ids, args.group_size, options, args.batch_size)
         session.checkpoint_writer(models[key], out / key)
@@ -146,11 +151,11 @@ def main_side(args) -> None:
     models["dense"], results["rtn"], results["dense"] = dense, {}, {"dense_mb": disk_mb(out / "dense")}
     torch.set_num_threads(args.threads)
     test = load_text("wikitext2", "test").text
-    for key in ("llmcompressor", *OURS, "dense", "rtn"):
+    for key in ("llmcompressor", *ours_keys, "dense", "rtn"):
         results[key]["ppl"] = ppl(models[key], tokenizer, test, args.windows)
         print(json.dumps({key: results[key]}), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=2))
-    for key in OURS:
+    for key in ours_keys:
         for clock in ("wall_s", "cpu_s"):
             results[key][f"{clock}_ratio_vs_llmc"] = results[key][clock] / results["llmcompressor"][clock]
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -162,6 +167,8 @@ def main() -> None:
     parser.add_argument("--side", choices=["ours", "llmcompressor"], default="ours")
     parser.add_argument("--out", default="benchmarks/results/gptq_vs_llmc")
     parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the calibration window sample")
+    parser.add_argument("--variants", nargs="+", choices=list(OURS), help="our variants to run (default: all)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4)

@@ -83,14 +83,16 @@ def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_orde
 class GPTQ(LayerModifier):
     """Quantize every decoder layer's linears to ``bits``-bit integers with GPTQ inside the shared pass.
 
-    Hessians are the fp64 input grams collected while the layer's calibration batches pass (q/k/v share
-    one, as do gate/up), so GPTQ after other layer steps adds no model pass. By default all linears of a
-    layer are quantized from that one pass, as llm-compressor does; ``sequential: true`` is the GPTQ
-    reference code's "true sequential": linears are quantized in dataflow order (q/k/v, o, gate/up, down)
-    and each later group's Hessian is re-collected from the layer with the earlier groups already
-    quantized (one extra layer forward per group), so it also corrects their error. ``lm_head`` and the
-    embeddings stay in the model dtype. Output: dequantized weights in the model dtype (stock checkpoint),
-    or with ``export: compressed-tensors`` packed int32 weights + scales that vLLM loads.
+    ``sequential: true`` (default) is the GPTQ reference code's "true sequential": linears are quantized
+    in dataflow order (q/k/v, o, gate/up, down) and each group's Hessian is taken from its input with the
+    groups before it already quantized, so it also corrects their error. The layer runs piecewise
+    (``recipe_engine.staged``): each group's input is computed once, finished blocks are replayed from
+    their output linear, and the layer's outputs are handed to the pass, so this costs about one layer
+    forward, less than the one-pass mode's two. ``sequential: false`` quantizes all linears from grams
+    collected in one run of the unquantized layer (llm-compressor's way); those statistics come from the
+    shared pass, so they can be reused from a step before. q/k/v share one Hessian, as do gate/up.
+    ``lm_head`` and the embeddings stay in the model dtype. Output: dequantized weights in the model dtype
+    (stock checkpoint), or with ``export: compressed-tensors`` packed int32 weights + scales that vLLM loads.
     """
 
     example: ClassVar[tuple[str, ...]] = ("GPTQ<group_size:32>",)  # tiny contract model: widths 64 and 96
@@ -100,8 +102,8 @@ class GPTQ(LayerModifier):
     sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
     act_order: bool = Field(False, description="quantize columns by descending Hessian diagonal (static groups)")
     damp: float = Field(0.01, gt=0, lt=1, description="diagonal damping as a fraction of mean(diag H)")
-    sequential: bool = Field(False, description="re-collect each linear group's Hessian after quantizing "
-                                                "the groups before it in the layer")
+    sequential: bool = Field(True, description="take each linear group's Hessian after quantizing the groups "
+                                               "before it in the layer (false: all from the unquantized layer)")
     block_size: PositiveInt = Field(128, description="columns per lazy-batch block (speed only)")
     targets: list[str] = Field(list(LINEARS), min_length=1, description="linears inside each decoder layer")
     export: Literal["dequantized", "compressed-tensors"] = Field(

@@ -179,7 +179,8 @@ def test_gptq_step_equals_gptq_on_each_linear_with_its_own_gram():
         for batch in tokens.split(2):
             reference(batch)
     model = tiny_model()
-    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16, sym=False, act_order=True)])
+    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16, sym=False, act_order=True,
+                                                                  sequential=False)])
     for target in LINEARS:
         original = reference.model.layers[0].get_submodule(target).weight
         expected = gptq_quantize(original, grams[target], Grid(4, 16, False), act_order=True).dequantized
@@ -212,8 +213,8 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
             with torch.no_grad():
                 linear.weight.copy_(gptq_quantize(linear.weight, gram, Grid(4, 16, True)).dequantized)
     model, one_pass = tiny_model(), tiny_model()
-    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=True)])
-    make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16)])
+    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16)])  # sequential is the default
+    make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=False)])
     for index, target in ((i, t) for i in range(len(model.model.layers)) for t in LINEARS):
         torch.testing.assert_close(model.model.layers[index].get_submodule(target).weight,
                                    reference.model.layers[index].get_submodule(target).weight, rtol=0, atol=1e-5)
