@@ -3,10 +3,11 @@
 Rows (one run, same calibration and evaluation): dense fp32; GPTQ W4 alone; FlattenGPT (n = 6 of 30) fp32;
 FlattenGPT → GPTQ W4 in the same layer-sequential pass. Calibration 32 × 512 tokens of WikiText-2
 validation (seed 0); perplexity on the first 24 windows × 1024 tokens of WikiText-2 test. GPTQ: 4 bits,
-groups of 64 (576 is not a multiple of 128), symmetric, act_order (static groups), packed with
-``export: compressed-tensors`` (the format vLLM loads). Each row runs ``recipe_engine.apply`` and writes
-its checkpoint under ``--out``; "disk MiB" is the safetensors bytes written there, "compress s" the sum of
-the steps' wall times. The dense row is written through ``FuseNorm`` (output-preserving) to get a checkpoint.
+groups of 64 (576 is not a multiple of 128), symmetric, act_order (static groups), sequential (the
+default), packed with ``export: compressed-tensors`` (the format vLLM loads). Each row runs
+``recipe_engine.apply`` and writes its checkpoint under ``--out``; "disk MiB" is the safetensors bytes
+written there, "compress s" the sum of the steps' wall times. The dense row is written through
+``FuseNorm`` (output-preserving) to get a checkpoint.
 
 Run: python benchmarks/flatten_gptq.py   (prints a table, writes --out/results.json)
 """
