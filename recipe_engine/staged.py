@@ -84,7 +84,8 @@ class StagedLayer:
 
         handles = [target.register_forward_pre_hook(capture)]
         if finishing:
-            handles += [target.register_forward_hook(keep_output), block_module.register_forward_hook(learn_wrapper)]
+            handles += [target.register_forward_hook(keep_output),
+                        block_module.register_forward_hook(learn_wrapper)]
         try:
             self._run()
         finally:
