@@ -42,3 +42,23 @@ def test_gguf_conversion_is_cached(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fail)
     assert models.resolve_model("smollm2-135m").location == first.location
+
+
+def test_in_place_edits_reach_neither_a_second_load_nor_the_file(tmp_path):
+    """transformers memory-maps safetensors; the mapping must be private (copy-on-write): the session edits
+    weights in place while the reference session holds a second load of the same files (load_model's call)."""
+    import hashlib
+
+    import torch
+
+    tiny_model().save_pretrained(tmp_path)
+    digest = hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
+    from transformers import AutoModelForCausalLM
+
+    edited = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    before = reference.model.layers[0].mlp.down_proj.weight.detach().clone()
+    with torch.no_grad():
+        edited.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    assert torch.equal(reference.model.layers[0].mlp.down_proj.weight, before)
+    assert hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest() == digest
