@@ -21,6 +21,7 @@ from .errors import RecipeError
 from .shape import ModelShape
 
 if TYPE_CHECKING:
+    from .schema import CalibrationConfig
     from .session import Session
     from .stats import Statistic
 
@@ -69,6 +70,9 @@ class Modifier(BaseModel):
 
         Raise ``self.fail(...)`` on a mistake. Runs on config only, before any weight is loaded.
         """
+
+    def check_calibration(self, calibration: "CalibrationConfig") -> None:
+        """Validate against the recipe's calibration settings (e.g. ``propagate``); raise ``self.fail``."""
 
     def apply(self, session: "Session") -> dict[str, Any]:
         """Act on the whole model; return JSON-serialisable report entries."""

@@ -8,7 +8,8 @@ from .shape import ModelShape
 
 
 def check_against_config(recipe: Recipe, config, file: str | None = None) -> ModelShape:
-    """Run every step's ``check`` on the symbolic shape; the final model must be uniform, and no step may
+    """Run every step's ``check`` on the symbolic shape (and ``check_calibration`` on the recipe's
+    calibration settings); the final model must be uniform, and no step may
     change the layers after a step that pinned them (``ModelShape.pinned``).
 
     The architecture is also instantiated on the meta device to prove transformers can build it.
@@ -23,6 +24,7 @@ def check_against_config(recipe: Recipe, config, file: str | None = None) -> Mod
         pinned, origins = shape.pinned, [layer.origin for layer in shape.layers]
         try:
             step.check(shape)
+            step.check_calibration(recipe.calibration)
             if pinned and [layer.origin for layer in shape.layers] != origins:
                 raise step.fail(f"changes the decoder layers after {pinned}, whose result is tied to them; "
                                 f"put {pinned} after every step that removes or merges layers")

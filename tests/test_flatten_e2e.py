@@ -79,3 +79,17 @@ def test_flatten_smollm2_end_to_end(tmp_path, smollm2):
         torch.testing.assert_close(reloaded(tokens).logits, model(tokens).logits)
         dense_nll, nll = (float(m(tokens, labels=tokens).loss) for m in (dense, model))
     assert nll < dense_nll + 1.5, (dense_nll, nll)
+
+
+def test_original_target_with_one_shot_statistics_is_rejected_before_loading(tmp_path):
+    """NystromMLP ``target: original`` absorbs the drift of the compressed layers before it, so it needs
+    ``propagate: compressed``; ``serial`` works either way."""
+    recipe = flatten_recipe(tmp_path / "o", dataset=small_text(tmp_path))
+    recipe["calibration"]["propagate"] = "original"
+    with pytest.raises(RecipeError, match=r"step 3.*NystromMLP.*target.*needs calibration.propagate: compressed"):
+        recipe_engine.apply(recipe, model=tiny_model(num_hidden_layers=6), tokenizer=CharTokenizer(),
+                            write=False, progress=False)
+    recipe["modifiers"] = STEPS[:3] + ["NystromMLP<target:serial>"]
+    model, _ = recipe_engine.apply(recipe, model=tiny_model(num_hidden_layers=6), tokenizer=CharTokenizer(),
+                                   write=False, progress=False)
+    assert model.config.num_hidden_layers == 4
