@@ -96,6 +96,8 @@ class GPTQ(LayerModifier):
     """
 
     example: ClassVar[tuple[str, ...]] = ("GPTQ<group_size:32>",)  # tiny contract model: widths 64 and 96
+    needs = ("input Gram of q/k/v, o_proj, gate/up and down_proj (fp32 products, fp64 sums); sequential: "
+             "each after the groups before it are quantized",)
 
     bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
     group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
