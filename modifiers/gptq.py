@@ -152,13 +152,6 @@ class GPTQ(LayerModifier):
         """fp32 products, fp64 sums: GPTQ only needs H to ~1e-6 (its reference code keeps H in fp32)."""
         return InputCovariance(source, products=torch.float32)
 
-    @staticmethod
-    def _fresh_gram(session, staged: StagedLayer, source: str) -> torch.Tensor:
-        gram = GPTQ._gram(source)
-        for x in staged.inputs_of(source):
-            gram.update(x.to(session.device), None)
-        return gram.gram
-
     def compress_layer(self, session, layer_index: int, stats) -> dict[str, Any]:
         """Linears sharing a Hessian are quantized as one row-stacked matrix: GPTQ treats rows
         independently given ``H`` (same factor, same order, per-row groups), so this equals quantizing
@@ -170,7 +163,9 @@ class GPTQ(LayerModifier):
             if staged is None:
                 gram = stats[self._gram(source).key].gram
             else:  # the groups before this one are quantized already
-                gram = self._fresh_gram(session, staged, source)
+                fresh = self._gram(source)
+                staged.inputs_of(source, lambda x, fresh=fresh: fresh.update(x, None))
+                gram = fresh.gram
             stacked = torch.cat([linear.weight.detach() for linear in linears])
             result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)
             rows = [linear.out_features for linear in linears]

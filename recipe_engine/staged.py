@@ -46,8 +46,8 @@ def _replay_wrapper(block: str, output: Any, linear_output: torch.Tensor) -> Cal
 class StagedLayer:
     """One layer over the calibration batches, run up to one linear at a time (see the module docstring).
 
-    ``inputs_of(path)`` returns the input of submodule ``path`` for every batch with the layer as it is
-    now; ``outputs()`` the layer's outputs. Inputs and outputs live on ``session.storage``.
+    ``inputs_of(path, visit)`` hands ``visit`` the input of submodule ``path`` for every batch with the layer
+    as it is now; ``outputs()`` returns the layer's outputs (on ``session.storage``).
     """
 
     def __init__(self, session, layer: nn.Module, inputs: list[torch.Tensor],
@@ -59,8 +59,9 @@ class StagedLayer:
         self._batch = 0
         self._position = -1
 
-    def inputs_of(self, path: str) -> list[torch.Tensor]:
-        """Input of submodule ``path`` (a linear) for every batch; stops each forward there."""
+    def inputs_of(self, path: str, visit: Callable[[torch.Tensor], None]) -> None:
+        """``visit(x)`` with the input of submodule ``path`` (a linear) for every batch, on the device;
+        stops each forward there. Only a block's output linear keeps its inputs (on storage, for replay)."""
         block = path.split(".")[0]
         if block in self._finished or position(path) < self._position:
             raise RuntimeError(f"{path}: asked for after a module downstream of it (dataflow order only)")
@@ -68,11 +69,13 @@ class StagedLayer:
         output_linear = f"{block}.{self.session.adapter.output_linears[block]}"
         finishing = path == output_linear
         target, block_module = self.layer.get_submodule(path), self.layer.get_submodule(block)
-        captured: list[torch.Tensor] = []
+        recorded: list[torch.Tensor] = []
         seen: dict[str, Any] = {}
 
         def capture(_module, args):
-            captured.append(args[0].to(self.session.storage))
+            visit(args[0])
+            if finishing:
+                recorded.append(args[0].to(self.session.storage))
             if not (finishing and self._batch == 0):
                 raise _Stop
 
@@ -93,8 +96,7 @@ class StagedLayer:
             for handle in handles:
                 handle.remove()
         if finishing:
-            self._finished[block] = (target, captured, seen["wrapper"])
-        return captured
+            self._finished[block] = (target, recorded, seen["wrapper"])
 
     def outputs(self) -> list[torch.Tensor]:
         """The layer's outputs for every batch (finished blocks replayed); counts as one layer run."""
