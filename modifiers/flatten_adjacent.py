@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from modifiers.fuse_norm import fold_norm_into
 from recipe_engine import Modifier, register
 from recipe_engine.shape import LayerShape, ModelShape
 
@@ -43,23 +42,29 @@ def symbolic_blocks(num_layers: int, merges: int) -> list[list[int]]:
     return blocks
 
 
+#: Linears concatenated by ``merge_layers``: (path, concatenation axis, norm folded into it or None).
+MERGED_LINEARS = (("self_attn.q_proj", 0, "input_layernorm"), ("self_attn.k_proj", 0, "input_layernorm"),
+                  ("self_attn.v_proj", 0, "input_layernorm"), ("self_attn.o_proj", 1, None),
+                  ("mlp.gate_proj", 0, "post_attention_layernorm"), ("mlp.up_proj", 0, "post_attention_layernorm"),
+                  ("mlp.down_proj", 1, None))
+
+
 @torch.no_grad()
 def merge_layers(layers: list[torch.nn.Module], adapter) -> torch.nn.Module:
     """One wide layer computing ``h = x + Σ_j Attn_j(x̂)``, then ``h + Σ_j MLP_j(ĥ)`` (Eqs. 7–11).
 
-    Each layer's RMSNorm gain is folded into its own q/k/v and gate/up (the merged norms are 1, so ``x̂``
-    is the shared ``x / rms(x)``); q/k/v (and their biases), gate/up are concatenated along the output
-    axis, o/down along the input axis. Heads keep their order: layer 0's heads, then layer 1's, ...
+    Each layer's RMSNorm gain is folded into its own q/k/v and gate/up (``fold_norm_into``'s arithmetic:
+    fp32 product cast back; the merged norms are 1, so ``x̂`` is the shared ``x / rms(x)``); q/k/v (and
+    their biases), gate/up are concatenated along the output axis, o/down along the input axis. Heads keep
+    their order: layer 0's heads, then layer 1's, ... The source layers are left unchanged.
     """
-    for layer in layers:
-        fold_norm_into(layer.input_layernorm, adapter.attention_projections(layer))
-        fold_norm_into(layer.post_attention_layernorm, adapter.mlp_projections(layer))
     merged = copy.deepcopy(layers[0])
-    for path, axis in (("self_attn.q_proj", 0), ("self_attn.k_proj", 0), ("self_attn.v_proj", 0),
-                       ("self_attn.o_proj", 1), ("mlp.gate_proj", 0), ("mlp.up_proj", 0),
-                       ("mlp.down_proj", 1)):
+    for path, axis, norm in MERGED_LINEARS:
         parts = [layer.get_submodule(path) for layer in layers]
-        weight = torch.cat([p.weight for p in parts], dim=axis)
+        weights = [p.weight if norm is None else
+                   (p.weight.float() * layer.get_submodule(norm).weight.float()[None, :]).to(p.weight.dtype)
+                   for p, layer in zip(parts, layers)]
+        weight = torch.cat(weights, dim=axis)
         has_bias = parts[0].bias is not None
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
                                  dtype=weight.dtype, device=weight.device)
@@ -69,6 +74,8 @@ def merge_layers(layers: list[torch.nn.Module], adapter) -> torch.nn.Module:
             linear.bias.copy_(torch.cat(biases) if axis == 0 else torch.stack(biases).sum(0))
         parent, name = path.rsplit(".", 1)
         setattr(merged.get_submodule(parent), name, linear)
+    for norm in {n for _, _, n in MERGED_LINEARS if n}:
+        merged.get_submodule(norm).weight.fill_(1.0)
     return merged
 
 
@@ -115,6 +122,7 @@ class FlattenAdjacent(Modifier):
     seed: int = Field(0, description="seed of the token subsample")
 
     calibration_passes = 1
+    streams = True
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # merged layers must be pruned back
     needs = ("input cosine similarity of every layer pair",)
 
@@ -169,8 +177,14 @@ class FlattenAdjacent(Modifier):
         similarity = self.input_similarity(session)
         blocks, scores = select_blocks(similarity, merges)
         old_layers, old_origin = list(session.layers), session.layer_origin
-        new_layers = [old_layers[b[0]] if len(b) == 1 else merge_layers([old_layers[i] for i in b], session.adapter)
-                      for b in blocks]
+        new_layers = []
+        for block in blocks:
+            if len(block) == 1:
+                new_layers.append(old_layers[block[0]])
+                continue
+            with session.loaded(*block):
+                new_layers.append(merge_layers([old_layers[i] for i in block], session.adapter))
+            session.release(new_layers[-1])  # streamed: staged now, not held until every block is merged
         session.set_layers(new_layers, [tuple(o for i in b for o in old_origin[i]) for b in blocks],
                            [b[0] for b in blocks])
         session.add_artifact("similarity.png", similarity_heatmap(similarity, blocks))

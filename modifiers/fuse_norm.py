@@ -35,19 +35,25 @@ class FuseNorm(Modifier):
     final_norm: bool = Field(True, description="also fold the final norm into lm_head when allowed")
     untie: bool = Field(False, description="untie lm_head from the embeddings so the final norm can be folded")
 
+    streams = True
+
     def apply(self, session) -> dict[str, Any]:
         adapter, model = session.adapter, session.model
-        for layer in session.progress.track(session.layers, "FuseNorm layers"):
-            fold_norm_into(layer.input_layernorm, adapter.attention_projections(layer))
-            fold_norm_into(layer.post_attention_layernorm, adapter.mlp_projections(layer))
-        head = adapter.lm_head(model)
-        tied = head.weight is adapter.embeddings(model).weight
+        for index in session.progress.track(range(len(session.layers)), "FuseNorm layers"):
+            with session.loaded(index):
+                layer = session.layers[index]
+                fold_norm_into(layer.input_layernorm, adapter.attention_projections(layer))
+                fold_norm_into(layer.post_attention_layernorm, adapter.mlp_projections(layer))
+        head, embeddings = adapter.lm_head(model), adapter.embeddings(model)
+        tied = head.weight is embeddings.weight
         folded_final = False
-        if self.final_norm and tied and self.untie:
-            head.weight = torch.nn.Parameter(head.weight.detach().clone())
-            model.config.tie_word_embeddings = False
-            tied = False
-        if self.final_norm and not tied:
-            fold_norm_into(adapter.final_norm(model), [head])
-            folded_final = True
+        with session.loaded(*{id(m): m for m in (embeddings, head, adapter.final_norm(model))}.values()):
+            if self.final_norm and tied and self.untie:
+                head.weight = torch.nn.Parameter(head.weight.detach().clone())
+                model.config.tie_word_embeddings = False
+                tied = False
+            if self.final_norm and not tied:
+                fold_norm_into(adapter.final_norm(model), [head])
+                folded_final = True
+        session.release(head)  # an untied head is a unit of its own from now on
         return {"layers": len(session.layers), "final_norm_folded": folded_final, "untied": self.untie and folded_final}

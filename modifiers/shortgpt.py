@@ -45,6 +45,7 @@ class ShortGPT(Modifier):
     about 27% of the layers (9 of 32 on Llama-2-7B); ``n`` is a count so recipes state it per model.
     """
 
+    streams = True
     calibration_passes = 1
     needs = ("per-token cosine between every layer's input and output",)
 

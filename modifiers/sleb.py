@@ -25,6 +25,7 @@ class SLEB(Modifier):
     calibration NLL passes: keep the calibration small.
     """
 
+    streams = True
     needs = ("calibration NLL with each remaining block skipped, re-measured after every removal",)
 
     n: int = Field(1, ge=1, description="number of blocks to remove (paper: 20% of the blocks)")

@@ -107,16 +107,28 @@ def load_config(spec: str):
         raise SourceError(f"cannot load config of model '{spec}': {str(exc).splitlines()[0]}") from None
 
 
-def load_model(spec: str, dtype: str = "float32"):
+def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     """Load (model, tokenizer, source) on CPU in ``dtype``; restores saved LinearPatch-style extras.
 
-    The model stays on CPU: the session moves one layer at a time to the accelerator.
+    The model stays on CPU: the session moves one layer at a time to the accelerator. With ``skeleton``
+    every parameter stays on the meta device, to be streamed from the source (``recipe_engine.streaming``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(spec)
+    if skeleton and source.kind == "hub":
+        source = ModelSource(spec, "hub", _hub_snapshot(spec))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location)
+        if skeleton:
+            from .extras import EXTRAS_JSON
+            from .streaming import skeleton_model
+
+            if (Path(source.location) / EXTRAS_JSON).is_file():
+                raise SourceError(f"model '{spec}' carries non-stock extras ({EXTRAS_JSON}); they are "
+                                  f"restored on a model in memory only: set stream: off")
+
+            return skeleton_model(source.location, DTYPES[dtype]), tokenizer, source
         model = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype])
     except OSError as exc:
         raise SourceError(f"cannot load model '{spec}': {str(exc).splitlines()[0]}") from None
@@ -125,6 +137,18 @@ def load_model(spec: str, dtype: str = "float32"):
 
     restore_extras(model, source.location)
     return model, tokenizer, source
+
+
+def _hub_snapshot(spec: str) -> str:
+    """Local directory of a hub model's config, tokenizer and safetensors files (downloaded once by
+    huggingface_hub), for streaming."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model",
+                                                       "*.txt"])
+    except Exception as exc:  # offline, unknown id, gated: one line
+        raise SourceError(f"cannot download model '{spec}': {str(exc).splitlines()[0]}") from None
 
 
 def resolve_device(name: str) -> torch.device:

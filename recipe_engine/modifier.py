@@ -38,6 +38,10 @@ class Modifier(BaseModel):
     needs: ClassVar[tuple[str, ...]] = ()
     #: True when the step calls ``session.reference_session()`` (an in-memory model is then copied first).
     needs_reference: ClassVar[bool] = False
+    #: True when ``apply`` works on a streamed model (loads what it touches with ``session.loaded`` /
+    #: ``session.using``); otherwise the engine materializes the whole model around it (``recipe plan``
+    #: says so). Layer-scope steps act on the layer the pass has loaded.
+    streams: ClassVar[bool] = False
     #: False when the output is no longer a stock checkpoint (``recipe_engine.load_model`` restores it).
     stock_output: ClassVar[bool] = True
     #: Steps of a minimal valid recipe that exercises this modifier on a tiny model (contract tests);
@@ -89,6 +93,7 @@ class LayerModifier(Modifier):
 
     scope: ClassVar[Literal["model", "layer"]] = "layer"
     calibration_passes: ClassVar[int] = 1
+    streams: ClassVar[bool] = True
     #: Submodules (paths inside a decoder layer) that ``compress_layer`` changes; statistics downstream
     #: of the earliest one are recollected for the next modifier (see ``recipe_engine.stats``).
     modifies: ClassVar[tuple[str, ...]] = ("self_attn", "mlp")

@@ -1,16 +1,20 @@
 """``recipe apply``: validate, load, calibrate, run the steps, evaluate, write atomically."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .adapters import adapter_for, count_parameters
+from .checkpoint import write_streamed_checkpoint
 from .data import fingerprint, load_text, sample_windows, tokenize
 from .errors import QualityGateError, RecipeError
 from .extras import save_extras
@@ -22,6 +26,7 @@ from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict
 from .session import Session
+from .streaming import attach_stream, available_memory, checkpoint_bytes_on_disk
 from .validate import check_against_config
 
 
@@ -51,6 +56,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     """Run a recipe; returns ``(model, report)``. Writes the output directory unless ``write=False``.
 
     ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
+    A streamed run (``stream``) returns the model as a meta-device skeleton: its weights are the output.
     """
     loaded = _resolve(recipe, list(overrides))
     recipe, file = loaded.recipe, loaded.path
@@ -61,15 +67,18 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
     device = resolve_device(recipe.device)
-    report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
-                              "device": str(device), "dtype": recipe.dtype}
     in_memory = model is not None
-    with Progress(enabled=progress) as bar:
+    streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
+    report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
+                              "device": str(device), "dtype": recipe.dtype, "streamed": streamed}
+    writing = write and is_main_process()  # under torchrun every rank computes, rank 0 writes
+    with _workspace(recipe.output, writing, force) as workdir, Progress(enabled=progress) as bar:
         if model is None:
-            bar.log(f"loading {recipe.model}")
-            model, tokenizer, source = load_model(recipe.model, recipe.dtype)
+            bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
+            model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
             report["model"] = {"spec": recipe.model, "kind": source.kind, "location": source.location}
         else:
+            source = None
             report["model"] = {"spec": recipe.model, "kind": "in-memory"}
         ids = tokenize(tokenizer, text.text)
         windows = sample_windows(ids, cal.samples, cal.seq_len, cal.seed, text.origin)
@@ -77,12 +86,14 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
                           "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
                           "fingerprint": fingerprint(windows)}
         report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}
-        if recipe.evaluate is not None:
-            from .evaluation import evaluate_model
-
-            report["evaluation"] = {"before": evaluate_model(model, tokenizer, recipe.evaluate, device, bar)}
         session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar,
-                          reference_loader=_reference_loader(recipe, model, in_memory))
+                          reference_loader=_reference_loader(recipe, model, source, lambda: session))
+        if streamed:
+            attach_stream(session, source.location, workdir / STAGING)
+        if recipe.evaluate is not None:
+            from .evaluation import evaluate_session
+
+            report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
         report["steps"] = run_steps(session, recipe.modifiers, bar)
         _check_uniform(session)
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
@@ -90,30 +101,72 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers)
         gate = None
         if recipe.evaluate is not None:
-            from .evaluation import evaluate_model, retained
+            from .evaluation import evaluate_session, retained
 
-            after = evaluate_model(model, tokenizer, recipe.evaluate, device, bar)
+            after = evaluate_session(session, recipe.evaluate, bar)
             report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
             gate = _quality_gate(recipe, report["evaluation"]["retained"])
             report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
         report["calibration_layer_runs"] = session.layer_runs
+        if session.stream is not None:
+            report["stream"] = {"bytes_read": session.stream.bytes_read,
+                                "bytes_staged": session.stream.bytes_staged}
         report["peak_memory"] = peak_memory()
-        if write and is_main_process():  # under torchrun every rank computes, rank 0 writes
-            _write(recipe, model, tokenizer, session, report, force)
+        if writing:
+            _write(recipe, model, tokenizer, session, report, workdir)
     if gate:
         raise QualityGateError(gate)
     return model, report
 
 
-def _reference_loader(recipe: Recipe, model, in_memory: bool):
-    """Original weights for ``session.reference_session()``: reloaded from the source on first use,
-    or, for an in-memory model, a CPU copy taken now (before any step changes it)."""
-    if in_memory:
+#: Directory inside the output's temporary directory holding changed units of a streamed model.
+STAGING = ".staging"
+
+
+@contextlib.contextmanager
+def _workspace(output: str, writing: bool, force: bool) -> Iterator[Path]:
+    """The output's temporary sibling directory (renamed into place on success, removed on any error or
+    signal), or a private temporary directory when nothing is written; staging data lives inside."""
+    if writing:
+        with atomic_directory(output, force) as tmp:
+            yield tmp
+    else:
+        with tempfile.TemporaryDirectory(prefix="recipe-") as tmp:
+            yield Path(tmp)
+
+
+def decide_streaming(recipe: Recipe, in_memory: bool, write: bool) -> bool:
+    """``stream: on/off`` as given; ``auto`` streams when the checkpoint's weight files exceed half the
+    available host memory. A streamed model's weights live only in the output, so streaming needs a
+    model from disk and ``write``."""
+    if recipe.stream == "off" or in_memory:
+        if recipe.stream == "on" and in_memory:
+            raise RecipeError("stream: on needs a model from disk, not one passed in memory", field="stream")
+        return False
+    if not write:
+        if recipe.stream == "on":
+            raise RecipeError("stream: on writes the result to the output directory; use write=True",
+                              field="stream")
+        return False
+    if recipe.stream == "on":
+        return True
+    return checkpoint_bytes_on_disk(recipe.model) > available_memory() / 2
+
+
+def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Session]):
+    """Original weights for ``session.reference_session()``: a read-only skeleton streamed from the
+    source checkpoint (one copy of the original: the files), or, for a model passed in memory, a CPU
+    copy taken now (before any step changes it)."""
+    if source is None:
         if not any(step.needs_reference for step in recipe.modifiers):
             return None
         snapshot = copy.deepcopy(model).to("cpu")
         return lambda: snapshot
-    return lambda: load_model(recipe.model, recipe.dtype)[0]
+
+    def load() -> Session:
+        skeleton = load_model(recipe.model, recipe.dtype, skeleton=True)[0]
+        return attach_stream(current().sibling(skeleton, None), source.location, None)
+    return load
 
 
 def _located(load, file: str):
@@ -135,7 +188,9 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[di
             outputs = session.run_layer_modifiers(layer_steps)
             results = [outputs[str(k)] for k in range(len(group))]
         else:
-            results = [group[0][1].apply(session)]
+            step = group[0][1]
+            with _whole_model(session, step):
+                results = [step.apply(session)]
         elapsed = time.perf_counter() - start
         for (index, step), result in zip(group, results):
             records.append({"index": index, "modifier": step.step_name(),
@@ -143,6 +198,18 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[di
                             "shared_pass": len(group) > 1, "layers_after": len(session.layers),
                             "result": result})
     return records
+
+
+@contextlib.contextmanager
+def _whole_model(session: Session, step: Modifier) -> Iterator[None]:
+    """A model-scope step that does not declare ``streams`` sees the whole model (and the original, if it
+    needs it) materialized in host memory; ``recipe plan`` says so."""
+    if session.stream is None or step.streams:
+        yield
+        return
+    reference = session.reference_session().resident() if step.needs_reference else contextlib.nullcontext()
+    with session.resident(), reference:
+        yield
 
 
 def _check_uniform(session: Session) -> None:
@@ -170,19 +237,25 @@ def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
             "git": git_info(loaded.path), "overrides": loaded.recipe.overrides}
 
 
-def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, force: bool) -> None:
-    with atomic_directory(recipe.output, force) as tmp:
-        if session.checkpoint_writer is not None:
+def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp: Path) -> None:
+    """The output files, into the workspace that ``apply`` renames into place; staging data is removed."""
+    if session.stream is not None and session.checkpoint_writer is not None:
+        with session.resident():
             session.checkpoint_writer(model, tmp)
-        else:
-            model.save_pretrained(tmp, safe_serialization=True)
-        for filename, data in session.artifacts.items():
-            (tmp / filename).write_bytes(data)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        save_extras(tmp, session.extras)
-        (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
-        gate = report.get("evaluation", {}).get("quality_gate")
-        if gate == "failed":
-            (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
-        (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    elif session.stream is not None:
+        write_streamed_checkpoint(session, tmp)
+    elif session.checkpoint_writer is not None:
+        session.checkpoint_writer(model, tmp)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
+    shutil.rmtree(tmp / STAGING, ignore_errors=True)
+    for filename, data in session.artifacts.items():
+        (tmp / filename).write_bytes(data)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    save_extras(tmp, session.extras)
+    (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
+    gate = report.get("evaluation", {}).get("quality_gate")
+    if gate == "failed":
+        (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
+    (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))

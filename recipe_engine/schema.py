@@ -72,6 +72,9 @@ class Recipe(StrictModel):
     model: str = Field(description="HF id, local HF dir, .gguf file, or builtin alias (smollm2-135m)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:i")
+    stream: Literal["auto", "on", "off"] = Field(
+        "auto", description="stream decoder layers from disk (auto: when the checkpoint exceeds half the "
+                            "available host memory)")
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     evaluate: EvaluateConfig | None = None
     modifiers: list[Modifier] = Field(min_length=1)
@@ -192,7 +195,7 @@ def step_to_dict(step: Modifier) -> dict[str, Any]:
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     data = recipe.model_dump(mode="json", exclude={"modifiers"})
     ordered = {k: data[k] for k in ("version", "name", "description", "model", "dtype", "device",
-                                    "calibration", "evaluate")}
+                                    "stream", "calibration", "evaluate")}
     ordered["modifiers"] = [step_to_dict(s) for s in recipe.modifiers]
     ordered["output"] = data["output"]
     ordered["overrides"] = data["overrides"]

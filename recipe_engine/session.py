@@ -20,6 +20,7 @@ from .progress import Progress
 from .schema import CalibrationConfig
 from .shape import WIDTH_INDEX, WidthPart
 from .stats import Statistic, change_position
+from .streaming import WeightStream
 
 
 class _Captured(Exception):
@@ -49,8 +50,12 @@ class Session:
 
     def __init__(self, model: nn.Module, tokenizer, adapter: ArchitectureAdapter,
                  calibration: torch.Tensor, config: CalibrationConfig, device: torch.device,
-                 progress: Progress | None = None, reference_loader: Callable[[], nn.Module] | None = None):
+                 progress: Progress | None = None,
+                 reference_loader: Callable[[], "nn.Module | Session"] | None = None,
+                 stream: WeightStream | None = None):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
+        #: Set when the model is a meta-device skeleton streamed from disk (``recipe_engine.streaming``).
+        self.stream = stream
         self.calibration, self.config, self.device = calibration, config, device
         self.progress = progress or Progress(enabled=False)
         cfg = model.config
@@ -103,14 +108,22 @@ class Session:
         self.artifacts[filename] = data
 
     def reference_session(self) -> "Session":
-        """A session over the original, unmodified model (loaded again from its source on first use,
-        kept on CPU) with the same calibration tokens; for steps that compare against the original."""
+        """A session over the original, unmodified model with the same calibration tokens, for steps that
+        compare against the original: a read-only skeleton streamed layer by layer from the source
+        checkpoint (or, for a model passed in memory, a CPU copy taken before the first step)."""
         if self._reference is None:
             if self._reference_loader is None:
                 raise RuntimeError("this session has no reference model loader")
-            self._reference = Session(self._reference_loader(), self.tokenizer, self.adapter, self.calibration,
-                                      self.config, self.device, self.progress)
+            reference = self._reference_loader()
+            self._reference = reference if isinstance(reference, Session) else self.sibling(reference, None)
         return self._reference
+
+    def sibling(self, model: nn.Module, stream: WeightStream | None, calibration: torch.Tensor | None = None
+                ) -> "Session":
+        """A session sharing this one's tokenizer, adapter, calibration settings and device."""
+        return Session(model, self.tokenizer, self.adapter,
+                       self.calibration if calibration is None else calibration, self.config, self.device,
+                       self.progress, stream=stream)
 
     # -- execution primitives ----------------------------------------------------------------
     @property
@@ -119,6 +132,59 @@ class Session:
 
     def batches(self) -> list[torch.Tensor]:
         return list(self.calibration.split(self.config.batch_size))
+
+    def _modules(self, items) -> list[nn.Module]:
+        return [self.layers[i] if isinstance(i, int) else i for i in items]
+
+    def _units(self, items) -> list[nn.Module]:
+        """Streamed units behind ``items``: a tied ``lm_head`` is the embeddings' unit; each unit once."""
+        embeddings, head = self.adapter.embeddings(self.model), self.adapter.lm_head(self.model)
+        units = [embeddings if m is head and head.weight is embeddings.weight else m
+                 for m in self._modules(items)]
+        return list({id(m): m for m in units}.values())
+
+    @contextlib.contextmanager
+    def loaded(self, *items: int | nn.Module) -> Iterator[None]:
+        """Weights of these layers (current indices) or modules materialized on CPU for the block; on
+        exit a streamed model stages what changed and releases it. A no-op for an in-memory model."""
+        if self.stream is None:
+            yield
+            return
+        with self.stream.loaded(self._units(items), torch.device("cpu")):
+            yield
+
+    @contextlib.contextmanager
+    def using(self, *items: int | nn.Module) -> Iterator[None]:
+        """Layers (current indices) or modules with real weights on the session device for the block:
+        materialized there from disk when streamed, else moved there and back (``on_device``)."""
+        if self.stream is None:
+            with self.on_device(*self._modules(items)):
+                yield
+            return
+        with self.stream.loaded(self._units(items), self.device):
+            yield
+
+    def release(self, module: nn.Module) -> None:
+        """Stage a module built by a step (e.g. a merged layer) and free its weights (streamed models)."""
+        if self.stream is not None:
+            self.stream.release(module)
+
+    def stream_units(self) -> list[nn.Module]:
+        """What a streamed model loads and releases whole: decoder layers, embeddings, final norm and an
+        untied ``lm_head`` (a tied one is the embedding matrix)."""
+        model = self.model
+        units = [*self.layers, self.adapter.embeddings(model), self.adapter.final_norm(model)]
+        head = self.adapter.lm_head(model)
+        if head.weight is not self.adapter.embeddings(model).weight:
+            units.append(head)
+        return units
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """The whole model materialized on CPU for the block (for steps that need every weight at once,
+        e.g. training); a no-op for an in-memory model."""
+        with self.loaded(*self.stream_units()) if self.stream is not None else contextlib.nullcontext():
+            yield
 
     @contextlib.contextmanager
     def on_device(self, *modules: nn.Module) -> Iterator[None]:
@@ -150,7 +216,7 @@ class Session:
         handle = first.register_forward_pre_hook(catch, with_kwargs=True)
         base = self.model.model
         try:
-            with self.on_device(self.adapter.embeddings(self.model), self.adapter.rotary(self.model)):
+            with self.using(self.adapter.embeddings(self.model)), self.on_device(self.adapter.rotary(self.model)):
                 for batch in self.batches():
                     try:
                         base(input_ids=batch.to(self.device), use_cache=False)
@@ -195,9 +261,8 @@ class Session:
         for index in self.progress.track(range(len(self.layers)), description):
             if index in skip:
                 continue
-            layer = self.layers[index]
-            with self.on_device(layer):
-                outputs = self.run_layer(layer, inputs, kwargs_list)
+            with self.using(index):
+                outputs = self.run_layer(self.layers[index], inputs, kwargs_list)
             visit(index, inputs, outputs)
             inputs = outputs
 
@@ -213,7 +278,7 @@ class Session:
         self.layer_pass(keep_last, "calibration NLL", skip=skip)
         total, count = 0.0, 0
         norm, head = self.adapter.final_norm(self.model), self.adapter.lm_head(self.model)
-        with self.on_device(norm, head):
+        with self.using(norm, head):
             for hidden, batch in zip(finals, self.batches()):
                 logits = head(norm(hidden.to(self.device))).float()
                 targets = batch[:, 1:].to(self.device)
@@ -266,9 +331,8 @@ class Session:
         """Original layers ``indices`` (of the reference model), one after another, over all batches."""
         reference = self.reference_session()
         for original in indices:
-            layer = reference.layers[original]
-            with self.on_device(layer):
-                states = reference.run_layer(layer, states, kwargs_list)
+            with reference.using(original):
+                states = reference.run_layer(reference.layers[original], states, kwargs_list)
         return states
 
     # -- layer-sequential compression --------------------------------------------------------
@@ -289,7 +353,7 @@ class Session:
         for index in self.progress.track(range(last + 1), "layer-sequential pass"):
             layer = self.layers[index]
             active = [k for k, t in enumerate(targets) if index in t]
-            with self.on_device(layer):
+            with self.using(index):
                 if not active:
                     inputs = self.run_layer(layer, inputs, kwargs_list)
                     continue

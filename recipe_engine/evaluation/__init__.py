@@ -1,5 +1,5 @@
 """Evaluation: perplexity protocol (and zero-shot tasks) on an in-memory model."""
 from .perplexity import perplexity
-from .run import evaluate_model, retained
+from .run import evaluate_model, evaluate_session, retained
 
-__all__ = ["perplexity", "evaluate_model", "retained"]
+__all__ = ["perplexity", "evaluate_model", "evaluate_session", "retained"]

@@ -52,3 +52,15 @@ def perplexity(model, tokenizer, text: str, seq_len: int = 2048, limit: int | No
     nll = total / count
     return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "windows": windows.shape[0],
             "windows_available": ids.numel() // seq_len, "seq_len": seq_len, "fingerprint": fingerprint(windows)}
+
+
+def streamed_perplexity(session, text: str, seq_len: int, limit: int | None, source: str = "text") -> dict:
+    """``perplexity`` of a streamed model, computed layer by layer over the windows (one layer's weights and
+    the windows' hidden states in memory): the session's ``calibration_nll`` on the evaluation windows,
+    the same token-weighted next-token NLL as ``window_nll``."""
+    ids = tokenize(session.tokenizer, text)
+    windows = make_windows(ids, seq_len, limit, source)
+    nll = session.sibling(session.model, session.stream, calibration=windows).calibration_nll()
+    return {"ppl": math.exp(nll), "nll": nll, "tokens": windows.shape[0] * (seq_len - 1),
+            "windows": windows.shape[0], "windows_available": ids.numel() // seq_len, "seq_len": seq_len,
+            "fingerprint": fingerprint(windows)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..data import load_text
 from ..errors import SourceError
 from ..schema import EvaluateConfig
-from .perplexity import perplexity
+from .perplexity import perplexity, streamed_perplexity
 
 
 def first_available_text(names: list[str], split: str):
@@ -34,6 +34,30 @@ def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=No
             results["zero_shot"] = zero_shot(model, tokenizer, config.tasks, config.limit, device, config.task_data)
     finally:
         model.to("cpu")
+    return results
+
+
+def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
+    """``evaluate_model`` on the session's model; a streamed model gets layer-streamed perplexity
+    (``streamed_perplexity``) and zero-shot tasks on the whole model materialized in host memory."""
+    if session.stream is None:
+        return evaluate_model(session.model, session.tokenizer, config, session.device, progress)
+    results: dict = {}
+    if config.perplexity is not None:
+        ppl = config.perplexity
+        source = first_available_text(ppl.dataset, ppl.split)
+        results["perplexity"] = {"dataset": source.name, "origin": source.origin, **streamed_perplexity(
+            session, source.text, ppl.seq_len, ppl.limit, source.origin)}
+    if config.tasks:
+        from .zeroshot import zero_shot
+
+        with session.resident():
+            session.model.to(session.device)
+            try:
+                results["zero_shot"] = zero_shot(session.model, session.tokenizer, config.tasks, config.limit,
+                                                 session.device, config.task_data)
+            finally:
+                session.model.to("cpu")
     return results
 
 
