@@ -1,0 +1,176 @@
+"""Streamed sessions (``stream: on``): the model is a meta-device skeleton whose layers are read from the
+checkpoint on disk and staged when changed. The streamed run must write exactly the weights of the
+in-memory run (``stream: off``) for every registered modifier, on sharded and single-file sources."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import recipe_engine
+from recipe_engine.checkpoint import write_streamed_checkpoint
+from recipe_engine.registry import REGISTRY
+from recipe_engine.streaming import CheckpointReader, is_materialized
+from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, tiny_model
+
+TEXT = "Streaming calibration text, repeated so that there are enough tokens for every window. " * 200
+
+
+def saved_model(directory, model_type="llama", shard="40KB", **overrides):
+    """A tiny random model saved as a (sharded, by default) checkpoint with a reloadable tokenizer."""
+    model = tiny_model(model_type, num_hidden_layers=6, vocab_size=BYTE_VOCAB, **overrides)
+    model.save_pretrained(directory, max_shard_size=shard)
+    byte_tokenizer().save_pretrained(directory)
+    return model
+
+
+def recipe(tmp_path, model_dir, steps, stream, name):
+    data = tmp_path / "cal.txt"
+    data.write_text(TEXT)
+    return {"version": 1, "name": name, "model": str(model_dir), "output": str(tmp_path / name),
+            "stream": stream, "calibration": {"dataset": str(data), "samples": 4, "seq_len": 32, "batch_size": 2},
+            "modifiers": steps}
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        if file.name != "recipe_extras.safetensors":
+            tensors.update(load_file(file))
+    return tensors
+
+
+def run_both(tmp_path, model_dir, steps):
+    outputs = []
+    for stream in ("off", "on"):
+        _, report = recipe_engine.apply(recipe(tmp_path, model_dir, steps, stream, f"out-{stream}"),
+                                        progress=False)
+        assert report["streamed"] is (stream == "on")
+        outputs.append(tmp_path / f"out-{stream}")
+    return outputs, report
+
+
+def assert_same_weights(memory_dir, streamed_dir):
+    expected, got = weights(memory_dir), weights(streamed_dir)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+@pytest.mark.parametrize("name", [n for n in REGISTRY.names() if n != "LoRARecovery"])
+def test_every_modifier_streamed_equals_in_memory(tmp_path, name):
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    (memory, streamed), report = run_both(tmp_path, model_dir, REGISTRY.get(name).example_steps())
+    assert_same_weights(memory, streamed)
+    assert not (streamed / ".staging").exists() and not list(tmp_path.glob(".out-on.tmp-*"))
+    assert json.loads((streamed / "config.json").read_text())["num_hidden_layers"] == report["after"]["layers"]
+    if report["stock_checkpoint"]:
+        tokens = random_tokens(vocab=BYTE_VOCAB)
+        with torch.no_grad():
+            a = AutoModelForCausalLM.from_pretrained(memory).eval()(tokens).logits
+            b = AutoModelForCausalLM.from_pretrained(streamed).eval()(tokens).logits
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_flattengpt_streamed_equals_in_memory_across_architectures(tmp_path, model_type, tied):
+    model_dir = tmp_path / "model"
+    saved_model(model_dir, model_type, shard="2MB" if tied else "40KB", tie_word_embeddings=tied)
+    steps = ["FuseNorm", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP", "ShortGPT<n:1>"]
+    (memory, streamed), report = run_both(tmp_path, model_dir, steps)
+    assert_same_weights(memory, streamed)
+    assert report["stream"]["bytes_staged"] > 0
+
+
+def test_streamed_evaluation_matches_in_memory_perplexity(tmp_path):
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    evaluate = {"perplexity": {"dataset": [str(tmp_path / "cal.txt")], "seq_len": 32, "limit": 6}}
+    reports = []
+    for stream in ("off", "on"):
+        data = recipe(tmp_path, model_dir, ["FuseNorm", "ShortGPT<n:2>"], stream, f"eval-{stream}")
+        reports.append(recipe_engine.apply({**data, "evaluate": evaluate}, progress=False)[1]["evaluation"])
+    for when in ("before", "after"):
+        a, b = reports[0][when]["perplexity"], reports[1][when]["perplexity"]
+        assert a["fingerprint"] == b["fingerprint"] and a["tokens"] == b["tokens"]
+        assert b["ppl"] == pytest.approx(a["ppl"], rel=1e-5)
+    assert reports[1]["after"]["perplexity"]["ppl"] != reports[1]["before"]["perplexity"]["ppl"]
+
+
+def test_release_stages_only_changed_units(tmp_path):
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    from recipe_engine.adapters import adapter_for
+    from recipe_engine.models import load_model
+    from recipe_engine.schema import CalibrationConfig
+    from recipe_engine.session import Session
+    from recipe_engine.streaming import attach_stream
+
+    model, tokenizer, source = load_model(str(model_dir), skeleton=True)
+    assert not any(is_materialized(layer) for layer in model.model.layers)
+    session = attach_stream(Session(model, tokenizer, adapter_for(model.config), random_tokens(vocab=BYTE_VOCAB),
+                                    CalibrationConfig(batch_size=2), torch.device("cpu")),
+                            source.location, tmp_path / "staging")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with session.loaded(0, 1):
+        layer = session.layers[0]
+        torch.testing.assert_close(layer.mlp.up_proj.weight, reference.model.layers[0].mlp.up_proj.weight,
+                                   rtol=0, atol=0)
+        with torch.no_grad():
+            layer.mlp.up_proj.weight.mul_(2)  # layer 0 changes in place; layer 1 is only read
+    assert not is_materialized(session.layers[0]) and not is_materialized(session.layers[1])
+    assert len(list((tmp_path / "staging").iterdir())) == 1
+    with session.loaded(0):
+        torch.testing.assert_close(session.layers[0].mlp.up_proj.weight,
+                                   2 * reference.model.layers[0].mlp.up_proj.weight, rtol=0, atol=0)
+    out = tmp_path / "written"
+    out.mkdir()
+    files = write_streamed_checkpoint(session, out, max_shard_bytes=30_000)
+    assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
+    written = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(written.model.layers[0].mlp.up_proj.weight, 2 * reference.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(written.model.layers[3].self_attn.q_proj.weight,
+                       reference.model.layers[3].self_attn.q_proj.weight)
+    assert sorted(CheckpointReader(out).files) == sorted(CheckpointReader(model_dir).files)
+
+
+def test_stream_on_with_an_in_memory_model_is_refused(tmp_path):
+    data = recipe(tmp_path, tmp_path, ["FuseNorm"], "on", "x")
+    with pytest.raises(recipe_engine.RecipeError, match="stream: on needs a model from disk"):
+        recipe_engine.apply(data, model=tiny_model(), tokenizer=byte_tokenizer(), progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+INTERRUPT = """
+import os, signal, sys
+import recipe_engine
+from recipe_engine.streaming import WeightStream
+stage = WeightStream.stage
+def stage_then_die(self, unit):
+    stage(self, unit)
+    os.kill(os.getpid(), signal.SIGINT)
+WeightStream.stage = stage_then_die
+recipe_engine.apply(sys.argv[1], progress=False)
+"""
+
+
+def test_interrupt_mid_pass_leaves_neither_staging_nor_output(tmp_path):
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe(tmp_path, model_dir, ["FuseNorm", "FlattenAdjacent<n:1>", "HeadPrune",
+                                                                  "NystromMLP"], "on", "out")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", INTERRUPT, str(path)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode != 0 and "KeyboardInterrupt" in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "model", "r.yaml"]
