@@ -1,4 +1,5 @@
 """recipe_engine.linalg against independent references (lstsq on the stacked ridge problem, explicit inverses)."""
+import pytest
 import torch
 
 from recipe_engine.linalg import (mean_eigenvalue, reconstruction_error, ridge_compensation,
@@ -33,12 +34,15 @@ def test_ridge_compensation_without_ridge_is_least_squares_optimum():
     torch.testing.assert_close(ridge_compensation(weight, x.T @ x, keep, 0.0), fitted, rtol=1e-8, atol=1e-8)
 
 
-def test_leverage_scores_match_explicit_inverse():
+@pytest.mark.parametrize("block", [1, 5, 2048])  # panels of L⁻¹: one column, uneven, all at once
+def test_leverage_scores_match_explicit_inverse(block):
     x = correlated_inputs()
     gram = x.T @ x
     ridge = 10 * mean_eigenvalue(gram)
     expected = torch.diagonal(gram @ torch.linalg.inv(gram + ridge * torch.eye(12, dtype=torch.float64)))
-    torch.testing.assert_close(ridge_leverage_scores(gram, ridge), expected, rtol=1e-10, atol=1e-12)
+    before = gram.clone()
+    torch.testing.assert_close(ridge_leverage_scores(gram, ridge, block), expected, rtol=1e-10, atol=1e-12)
+    assert torch.equal(gram, before)  # the factor is made in a copy
     assert torch.all((expected > 0) & (expected < 1))
     eigen_mean = torch.linalg.eigvalsh(gram).mean().item()
     assert abs(mean_eigenvalue(gram) - eigen_mean) < 1e-10 * eigen_mean
