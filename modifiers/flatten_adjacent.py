@@ -151,6 +151,10 @@ class FlattenAdjacent(Modifier):
                                    tuple(o for i in block for o in shape.layers[i].origin))
                         for block in blocks]
 
+    def working_memory(self, shape: ModelShape, tokens: int) -> int:
+        """The fp32 unit vectors of the sampled tokens of every layer (``input_similarity``)."""
+        return shape.num_layers * min(self.similarity_tokens, tokens) * shape.hidden_size * 4
+
     @torch.no_grad()
     def input_similarity(self, session) -> torch.Tensor:
         """``S[i][j] = mean_t cos(x_i,t, x_j,t)`` over a seeded token subsample (fp32)."""

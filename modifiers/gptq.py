@@ -126,6 +126,14 @@ class GPTQ(LayerModifier):
         if problem:
             raise self.fail(*problem)
 
+    def working_memory(self, shape, tokens: int) -> int:
+        """The fp64 Hessian of the widest input (``down_proj``: the intermediate size), its Cholesky
+        inverse and a copy; sequential mode also keeps the block outputs' inputs (o_proj, down_proj) of
+        every calibration token (fp32)."""
+        widest = max(max(layer.intermediate_size for layer in shape.layers), shape.hidden_size)
+        kept = tokens * (shape.hidden_size + widest) * 4 if self.sequential else 0
+        return 3 * widest * widest * 8 + kept
+
     def target_layers(self, session) -> list[int]:
         self._records.clear()  # a run starts here: forget modules recorded by a previous run
         return list(range(len(session.layers)))

@@ -106,6 +106,12 @@ class HeadPrune(LayerModifier):
     def target_layers(self, session) -> list[int]:
         return list(self.layers) if self.layers is not None else session.oversized_layers("attention")
 
+    def working_memory(self, shape: ModelShape, tokens: int) -> int:
+        """The fp64 ``o_proj`` input Gram of the widest target and two solve buffers of its size."""
+        targets = self.layers if self.layers is not None else shape.oversized_layers("attention")
+        width = max((shape.layers[i].num_heads for i in targets), default=0) * shape.head_dim
+        return 3 * width * width * 8
+
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
         return [InputCovariance("self_attn.o_proj")]
 

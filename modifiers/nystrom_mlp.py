@@ -78,6 +78,13 @@ class NystromMLP(LayerModifier):
     def target_layers(self, session) -> list[int]:
         return list(self.layers) if self.layers is not None else session.oversized_layers("mlp")
 
+    def working_memory(self, shape: ModelShape, tokens: int) -> int:
+        """The fp64 ``down_proj`` input Gram of the widest target, its Cholesky factor and one panel of
+        ``L⁻¹`` (``ridge_leverage_scores``), plus the target refit's cross moment."""
+        targets = self.layers if self.layers is not None else shape.oversized_layers("mlp")
+        width = max((shape.layers[i].intermediate_size for i in targets), default=0)
+        return 8 * (2 * width * width + width * 2048 + width * shape.hidden_size)
+
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
         return [InputCovariance("mlp.down_proj")]
 

@@ -63,7 +63,16 @@ def cmd_plan(args) -> int:
     from .plan import print_plan
     from .recipe_io import load_recipe
 
-    print_plan(load_recipe(args.recipe, _overrides(args)).recipe, out)
+    recipe = load_recipe(args.recipe, _overrides(args)).recipe
+    if args.json:
+        import json
+
+        from .plan import memory_plan, plan_rows
+
+        rows, total = plan_rows(recipe)
+        print(json.dumps({"steps": rows, "calibration_passes": total, "memory": memory_plan(recipe)}))
+        return 0
+    print_plan(recipe, out)
     return 0
 
 
@@ -117,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     with_overrides(p)
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("plan", help="print steps, statistics and calibration passes")
+    p = sub.add_parser("plan", help="print steps, statistics, calibration passes and a memory estimate")
     p.add_argument("recipe")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     with_overrides(p)
     p.set_defaults(func=cmd_plan)
 

@@ -75,6 +75,11 @@ class Modifier(BaseModel):
         Raise ``self.fail(...)`` on a mistake. Runs on config only, before any weight is loaded.
         """
 
+    def working_memory(self, shape: ModelShape, tokens: int) -> int:
+        """Bytes this step holds beyond weights and the pass's activations at its peak (statistics, solve
+        buffers), on the shape it receives and ``tokens`` calibration tokens: ``recipe plan``'s estimate."""
+        return 0
+
     def check_calibration(self, calibration: "CalibrationConfig") -> None:
         """Validate against the recipe's calibration settings (e.g. ``propagate``); raise ``self.fail``."""
 

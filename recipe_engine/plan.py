@@ -25,6 +25,27 @@ def plan_rows(recipe: Recipe) -> tuple[list[tuple[str, str, str, str]], int]:
     return rows, total
 
 
+def memory_plan(recipe: Recipe) -> dict | None:
+    """``memory.estimate`` for the recipe's model, streamed as ``apply`` would decide; ``None`` with a
+    reason when the model's config cannot be read here (e.g. a hub id offline)."""
+    from .errors import RecipeError
+    from .memory import estimate
+    from .models import load_config
+    from .streaming import available_memory, checkpoint_bytes_on_disk
+
+    try:
+        config = load_config(recipe.model)
+        on_disk = checkpoint_bytes_on_disk(recipe.model)
+    except RecipeError as exc:
+        return {"unavailable": exc.detail}
+    streamed = recipe.stream == "on" or (recipe.stream == "auto" and on_disk > available_memory() / 2)
+    return estimate(recipe, config, streamed)
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
 def print_plan(recipe: Recipe, console: Console) -> None:
     rows, total = plan_rows(recipe)
     cal = recipe.calibration
@@ -35,3 +56,15 @@ def print_plan(recipe: Recipe, console: Console) -> None:
         table.add_row(*row)
     console.print(table)
     console.print(f"total calibration passes: {total}")
+    memory = memory_plan(recipe)
+    if memory is None or "unavailable" in memory:
+        console.print(f"memory estimate: unavailable ({memory['unavailable'] if memory else 'no config'})")
+        return
+    mode = "streamed from disk" if memory["streamed"] else "whole model in memory"
+    console.print(f"memory estimate ({mode}): peak host {_gib(memory['host_peak_bytes'])} = runtime "
+                  f"{_gib(memory['runtime_bytes'])} + activations {_gib(memory['activations_bytes'])} + the "
+                  f"largest step (model {_gib(memory['model_bytes'])})")
+    for index, step in enumerate(memory["steps"]):
+        note = "  [needs the whole model resident]" if step["whole_model"] and memory["streamed"] else ""
+        console.print(f"  step {index} {step['step']}: weights {_gib(step['weights_bytes'])}, working "
+                      f"{_gib(step['working_bytes'])}{note}")

@@ -25,6 +25,7 @@ from .output import (atomic_directory, check_output_free, git_info, is_main_proc
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict
+from .memory import estimate
 from .session import Session
 from .streaming import attach_stream, available_memory, checkpoint_bytes_on_disk
 from .validate import check_against_config
@@ -71,6 +72,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype, "streamed": streamed}
+    planned = estimate(recipe, config, streamed)["host_peak_bytes"]  # before anything is loaded
     writing = write and is_main_process()  # under torchrun every rank computes, rank 0 writes
     with _workspace(recipe.output, writing, force) as workdir, Progress(enabled=progress) as bar:
         if model is None:
@@ -112,6 +114,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
             report["stream"] = {"bytes_read": session.stream.bytes_read,
                                 "bytes_staged": session.stream.bytes_staged}
         report["peak_memory"] = peak_memory()
+        report["peak_memory"]["estimate_rss_mib"] = planned / 2**20
         if writing:
             _write(recipe, model, tokenizer, session, report, workdir)
     if gate:

@@ -34,6 +34,9 @@ class ModelShape:
     intermediate_size: int
     tie_word_embeddings: bool
     layers: list[LayerShape] = field(default_factory=list)
+    #: Vocabulary size and q/k/v bias flag (for memory estimates).
+    vocab_size: int = 0
+    qkv_bias: bool = False
     #: Decoder layers of the model the recipe starts from (``origin`` indexes into these).
     original_layers: int = 0
     #: Name of a step whose result is tied to the current layer list (e.g. a run-time patch registered on
@@ -49,7 +52,8 @@ class ModelShape:
                   for i in range(config.num_hidden_layers)]
         return cls(config.model_type, config.hidden_size, head_dim, heads, kv,
                    config.intermediate_size, bool(getattr(config, "tie_word_embeddings", False)), layers,
-                   config.num_hidden_layers)
+                   original_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
+                   qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)))
 
     @property
     def num_layers(self) -> int:
@@ -63,6 +67,13 @@ class ModelShape:
         return [i for i, layer in enumerate(self.layers)
                 if [(layer.num_heads, layer.num_kv_heads, layer.intermediate_size)[k] for k in picked]
                 != [standard[k] for k in picked]]
+
+    def layer_parameters(self, layer: LayerShape) -> int:
+        """Parameters of one decoder layer of these widths (q/k/v biases counted when present)."""
+        h, d = self.hidden_size, self.head_dim
+        attention = (2 * layer.num_heads + 2 * layer.num_kv_heads) * d * h
+        biases = (layer.num_heads + 2 * layer.num_kv_heads) * d if self.qkv_bias else 0
+        return attention + biases + 3 * h * layer.intermediate_size + 2 * h
 
     def copy(self) -> "ModelShape":
         return replace(self, layers=list(self.layers))
