@@ -69,8 +69,11 @@ class InputCovariance(Statistic):
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         x = inputs.reshape(-1, inputs.shape[-1]).to(self.products)
-        gram = (x.T @ x).to(torch.float64)
-        self.gram = gram if self.gram is None else self.gram + gram
+        gram = x.T @ x
+        if self.gram is None:
+            self.gram = gram.to(torch.float64)
+        else:  # in place: one n × n product beside the sum, not two (same sums as sum + product)
+            self.gram.add_(gram)
         self.count += x.shape[0]
 
     @property

@@ -174,3 +174,21 @@ def test_interrupt_mid_pass_leaves_neither_staging_nor_output(tmp_path):
                          timeout=300)
     assert run.returncode != 0 and "KeyboardInterrupt" in run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "model", "r.yaml"]
+
+
+def test_recipe_eval_streamed_perplexity_equals_in_memory(tmp_path):
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    text = tmp_path / "eval.txt"
+    text.write_text(TEXT)
+    records = []
+    for stream in ("off", "on"):
+        record = tmp_path / f"{stream}.json"
+        run = subprocess.run([sys.executable, "-m", "recipe_engine.cli", "eval", str(model_dir), "--dataset", str(text),
+                              "--seq-len", "32", "--limit", "5", "--device", "cpu", "--stream", stream,
+                              "--json", str(record)], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert run.returncode == 0, run.stderr[-2000:]
+        records.append(json.loads(record.read_text())["perplexity"])
+    assert records[0]["fingerprint"] == records[1]["fingerprint"] and records[0]["windows"] == 5
+    assert records[1]["ppl"] == pytest.approx(records[0]["ppl"], rel=1e-6)

@@ -63,19 +63,19 @@ def eval_table(results: dict, baseline: dict | None) -> Table:
 
 
 def cmd_eval(args) -> int:
-    from ..models import load_model, resolve_device
+    from ..models import resolve_device
     from ..progress import Progress
     from ..schema import EvaluateConfig, PerplexityConfig
-    from .run import evaluate_model, retained
+    from .run import evaluate_session, evaluation_session, retained
 
     ppl = None if args.no_ppl else PerplexityConfig(dataset=args.dataset or ["wikitext2"], seq_len=args.seq_len,
                                                     limit=args.limit)
     config = EvaluateConfig(perplexity=ppl, tasks=args.tasks or [], limit=args.task_limit, task_data=args.task_data)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
-    model, tokenizer, source = load_model(args.model, args.dtype)
     start = time.perf_counter()
     with Progress() as bar:
-        results = evaluate_model(model, tokenizer, config, resolve_device(args.device), bar)
+        session, source = evaluation_session(args.model, args.dtype, resolve_device(args.device), args.stream, bar)
+        results = evaluate_session(session, config, bar)
     results = {"model": model_record(args.model, source.location), **results,
                "lm_eval_version": version("lm_eval"), "dtype": args.dtype,
                "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.perf_counter() - start}
@@ -153,6 +153,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", help="JSON of an earlier `recipe eval` (dense model) for retained %%")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
+    p.add_argument("--stream", choices=["auto", "on", "off"], default="auto",
+                   help="perplexity layer by layer from disk (auto: when the weights exceed half the free memory)")
     p.add_argument("--json", help="write the full record here")
     p.set_defaults(func=cmd_eval, dataset=None)
 

@@ -37,6 +37,24 @@ def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=No
     return results
 
 
+def evaluation_session(spec: str, dtype: str, device, stream: str = "auto", progress=None):
+    """A session for evaluating model ``spec`` (no calibration): in memory, or a read-only skeleton streamed
+    from its files (``stream``: on, off, or auto = when its weights exceed half the free host memory)."""
+    from ..adapters import adapter_for
+    from ..models import load_model
+    from ..schema import CalibrationConfig
+    from ..session import Session
+    from ..streaming import attach_stream, available_memory, checkpoint_bytes_on_disk
+
+    streamed = stream == "on" or (stream == "auto" and checkpoint_bytes_on_disk(spec) > available_memory() / 2)
+    model, tokenizer, source = load_model(spec, dtype, skeleton=streamed)
+    adapter = adapter_for(model.config) if streamed else None  # in memory: any architecture evaluates
+    session = Session(model, tokenizer, adapter, None, CalibrationConfig(batch_size=1), device, progress)
+    if streamed:
+        attach_stream(session, source.location, None)
+    return session, source
+
+
 def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
     """``evaluate_model`` on the session's model; a streamed model gets layer-streamed perplexity
     (``streamed_perplexity``) and zero-shot tasks on the whole model materialized in host memory."""
