@@ -170,6 +170,7 @@ class LinearPatch(Modifier):
     needs = ("original model's inputs at both sides of each interface, Hadamard-rotated",)
     needs_reference = True
     stock_output = False
+    changes_weights = False  # adds a separate patch; the linears keep their (quantized) weights
     example = ("ShortGPT<n:1>", "LinearPatch")
 
     select: Literal["contiguous"] | None = Field(None, description="remove n contiguous layers first (Eq. 2)")

@@ -19,6 +19,7 @@ class Quantize(Modifier):
     """
 
     method: Literal["rtn"] = Field("rtn", description="rounding method (round-to-nearest)")
+    quantizes = True
     example: ClassVar[tuple[str, ...]] = ("Quantize<group_size:32>",)  # tiny contract model: widths 64 and 96
 
     bits: int = Field(4, ge=2, le=8, description="integer bits per weight")

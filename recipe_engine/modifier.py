@@ -42,6 +42,10 @@ class Modifier(BaseModel):
     #: ``session.using``); otherwise the engine materializes the whole model around it (``recipe plan``
     #: says so). Layer-scope steps act on the layer the pass has loaded.
     streams: ClassVar[bool] = False
+    #: True for steps that put weights on a quantization grid (a later weight change is a validation error).
+    quantizes: ClassVar[bool] = False
+    #: False for steps that never change a weight's values (e.g. they only drop whole layers).
+    changes_weights: ClassVar[bool] = True
     #: False when the output is no longer a stock checkpoint (``recipe_engine.load_model`` restores it).
     stock_output: ClassVar[bool] = True
     #: Steps of a minimal valid recipe that exercises this modifier on a tiny model (contract tests);

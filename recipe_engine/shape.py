@@ -42,6 +42,8 @@ class ModelShape:
     #: Name of a step whose result is tied to the current layer list (e.g. a run-time patch registered on
     #: a layer index); a later step that changes the layers' ``origin`` is a validation error.
     pinned: str | None = None
+    #: The step that quantized the weights (``Modifier.quantizes``); a later weight change is an error.
+    quantized_by: str | None = None
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":

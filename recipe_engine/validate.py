@@ -23,7 +23,12 @@ def check_against_config(recipe: Recipe, config, file: str | None = None) -> Mod
     for index, step in enumerate(recipe.modifiers):
         pinned, origins = shape.pinned, [layer.origin for layer in shape.layers]
         try:
+            if shape.quantized_by and step.changes_weights:
+                raise step.fail(f"changes weights that {shape.quantized_by} quantized (their grid would be lost); "
+                                f"put it before that step")
             step.check(shape)
+            if step.quantizes:
+                shape.quantized_by = f"step {index} ({step.step_name()})"
             step.check_calibration(recipe.calibration)
             if pinned and [layer.origin for layer in shape.layers] != origins:
                 raise step.fail(f"changes the decoder layers after {pinned}, whose result is tied to them; "

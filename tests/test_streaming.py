@@ -192,3 +192,21 @@ def test_recipe_eval_streamed_perplexity_equals_in_memory(tmp_path):
         records.append(json.loads(record.read_text())["perplexity"])
     assert records[0]["fingerprint"] == records[1]["fingerprint"] and records[0]["windows"] == 5
     assert records[1]["ppl"] == pytest.approx(records[0]["ppl"], rel=1e-6)
+
+
+@pytest.mark.parametrize("steps, message", [
+    (["GPTQ<group_size:32>", "FuseNorm"], "changes weights that step 0 \\(GPTQ\\) quantized"),
+    (["Quantize<group_size:32>", "LoRARecovery"], "changes weights that step 0 \\(Quantize\\) quantized"),
+    (["GPTQ<group_size:32>", "Quantize<group_size:32>"], "changes weights that step 0 \\(GPTQ\\) quantized"),
+])
+def test_weight_change_after_quantizing_is_a_validation_error(tmp_path, steps, message):
+    from recipe_engine.schema import recipe_from_dict
+    from recipe_engine.validate import check_against_config
+    from tests.helpers import tiny_config
+
+    data = recipe(tmp_path, tmp_path, steps, "off", "q")
+    with pytest.raises(recipe_engine.RecipeError, match=message) as error:
+        check_against_config(recipe_from_dict(data), tiny_config(), "r.yaml")
+    assert "step 1" in str(error.value) and "r.yaml" in str(error.value)
+    check_against_config(recipe_from_dict({**data, "modifiers": ["ShortGPT<n:1>", "GPTQ<group_size:32>", "LinearPatch"]}),
+                         tiny_config(num_hidden_layers=6), "r.yaml")
