@@ -157,24 +157,26 @@ class FlattenAdjacent(Modifier):
 
     @torch.no_grad()
     def input_similarity(self, session) -> torch.Tensor:
-        """``S[i][j] = mean_t cos(x_i,t, x_j,t)`` over a seeded token subsample (fp32)."""
+        """``S[i][j] = mean_t cos(x_i,t, x_j,t)`` over a seeded token subsample (fp32); the unit vectors of
+        every layer go into one preallocated ``layers × tokens × hidden`` buffer (no stacked copy) and
+        ``S = U Uᵀ / tokens`` with ``U`` that buffer viewed as ``layers × (tokens · hidden)``."""
         tokens = session.calibration.numel()
         generator = torch.Generator().manual_seed(self.seed)
         picked = torch.randperm(tokens, generator=generator)[: self.similarity_tokens].sort().values
-        units: list[torch.Tensor] = []
+        units = torch.empty(len(session.layers), len(picked), session.model.config.hidden_size)
 
-        def keep_units(_index: int, inputs: list[torch.Tensor], _outputs) -> None:
-            rows, offset = [], 0
+        def keep_units(index: int, inputs: list[torch.Tensor], _outputs) -> None:
+            offset, row = 0, 0
             for x in inputs:  # select batch by batch: no full copy of the layer's activations
                 flat = x.reshape(-1, x.shape[-1])
                 local = picked[(picked >= offset) & (picked < offset + flat.shape[0])] - offset
-                rows.append(flat[local.to(flat.device)].float().cpu())
-                offset += flat.shape[0]
-            units.append(torch.nn.functional.normalize(torch.cat(rows), dim=-1))
+                rows = flat[local.to(flat.device)].float().cpu()
+                units[index, row: row + len(rows)] = torch.nn.functional.normalize(rows, dim=-1)
+                offset, row = offset + flat.shape[0], row + len(rows)
 
         session.layer_pass(keep_units, "FlattenAdjacent similarity")
-        stacked = torch.stack(units)
-        return torch.einsum("itd,jtd->ij", stacked, stacked) / stacked.shape[1]
+        flat = units.view(units.shape[0], -1)
+        return (flat @ flat.T) / units.shape[1]
 
     def apply(self, session) -> dict[str, Any]:
         merges = self.merges_for(len(session.layers))

@@ -4,9 +4,9 @@ The layout is ``save_pretrained``'s: ``model.safetensors`` when everything fits 
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (``metadata.total_size``,
 ``weight_map``); tensor names are the model's ``state_dict`` names with tied duplicates written once
 (``lm_head.weight`` of a tied head is the embedding matrix), each file with ``{"format": "pt"}``
-metadata. Shards are packed from whole units in model order and written one at a time, so host memory
-holds at most one shard (``max_shard_bytes``) of tensors, read from the source checkpoint, the staging
-directory or memory.
+metadata. Shards are packed from whole units in model order; each file is written unit by unit
+(``write_safetensors_incrementally``), so host memory holds one unit's tensors, read from the source
+checkpoint, the staging directory or memory.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 
 from .streaming import INDEX_FILE, SINGLE_FILE
 
-#: Default shard size: bounds the host memory the writer needs (``save_pretrained``'s default is larger).
-MAX_SHARD_BYTES = 2 * 2**30
+#: Default shard size (``save_pretrained``'s "5GB"); the writer holds one unit, not one shard, in memory.
+MAX_SHARD_BYTES = 5 * 10**9
 
 
 def _groups(session) -> list[tuple[torch.nn.Module | None, dict[str, str]]]:
@@ -48,11 +48,47 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def write_streamed_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
-    """Write the session's model into ``directory`` (weights, config, generation config); returns the
-    weight file names."""
-    from safetensors.torch import save_file
+#: safetensors dtype names (https://github.com/huggingface/safetensors: the header's ``dtype`` field).
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
 
+
+def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor], chunks) -> int:
+    """A safetensors file whose tensors arrive in ``chunks`` (an iterable of ``{name: tensor}``) and are
+    written as they come, so at most one chunk is in memory. ``layout`` (meta tensors allowed) fixes the
+    header: names in file order with dtype and shape; every chunk tensor must match it. The file format:
+    an 8-byte little-endian header length, the JSON header (``__metadata__`` plus ``dtype``, ``shape`` and
+    contiguous ``data_offsets`` per tensor, space-padded to 8 bytes), then the raw little-endian data.
+    ``safetensors.torch.save_file`` needs every tensor at once; the files are byte-compatible."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in layout.items():
+        size = _nbytes(tensor)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    expected = iter(layout.items())
+    with open(path, "wb") as handle:
+        handle.write(len(text).to_bytes(8, "little"))
+        handle.write(text)
+        for chunk in chunks:
+            for name, tensor in chunk.items():
+                want, spec = next(expected)
+                if name != want or tensor.dtype != spec.dtype or tensor.shape != spec.shape:
+                    raise RuntimeError(f"{path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype}, "
+                                       f"expected {want} {tuple(spec.shape)} {spec.dtype}")
+                handle.write(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+    if next(expected, None) is not None:
+        raise RuntimeError(f"{path.name}: fewer tensors written than its header lists")
+    return offset
+
+
+def write_streamed_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write the session's model into ``directory`` (weights, config, generation config), one unit at a
+    time (``write_safetensors_incrementally``); returns the weight file names."""
     model = session.model
     state = model.state_dict(keep_vars=True)
     shards: list[list[tuple[torch.nn.Module | None, dict[str, str]]]] = [[]]
@@ -67,22 +103,22 @@ def write_streamed_checkpoint(session, directory: Path, max_shard_bytes: int = M
     files = [SINGLE_FILE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, total = {}, 0
-    for file, shard in zip(files, shards):
-        tensors = {}
+
+    def chunks(shard):
         for unit, names in shard:
             if unit is None:
                 for name in names:
-                    if not is_materialized_tensor(state[name]):
+                    if state[name].device.type == "meta":
                         raise RuntimeError(f"{name} is neither streamed nor in memory")
-                    tensors[name] = state[name].detach()
+                yield {name: state[name] for name in names}
             else:
                 values = session.stream.read_unit(unit)
-                tensors.update({name: values[local] for name, local in names.items()})
-        tensors = {name: t.to("cpu").contiguous() for name, t in tensors.items()}
-        save_file(tensors, str(directory / file), metadata={"format": "pt"})
-        total += sum(_nbytes(t) for t in tensors.values())
-        weight_map.update({name: file for name in tensors})
-        del tensors
+                yield {name: values[local] for name, local in names.items()}
+
+    for file, shard in zip(files, shards):
+        layout = {name: state[name] for _, names in shard for name in names}
+        total += write_safetensors_incrementally(directory / file, layout, chunks(shard))
+        weight_map.update({name: file for name in layout})
     if len(files) > 1:
         (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                         "weight_map": weight_map}, indent=2) + "\n")
@@ -90,7 +126,3 @@ def write_streamed_checkpoint(session, directory: Path, max_shard_bytes: int = M
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)
     return files
-
-
-def is_materialized_tensor(tensor: torch.Tensor) -> bool:
-    return tensor.device.type != "meta"

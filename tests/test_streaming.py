@@ -210,3 +210,25 @@ def test_weight_change_after_quantizing_is_a_validation_error(tmp_path, steps, m
     assert "step 1" in str(error.value) and "r.yaml" in str(error.value)
     check_against_config(recipe_from_dict({**data, "modifiers": ["ShortGPT<n:1>", "GPTQ<group_size:32>", "LinearPatch"]}),
                          tiny_config(num_hidden_layers=6), "r.yaml")
+
+
+def test_incremental_safetensors_writer_matches_the_library(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from recipe_engine.checkpoint import write_safetensors_incrementally
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"b.weight": torch.randn(3, 5, generator=generator).to(torch.bfloat16),
+               "a.bias": torch.randn(7, generator=generator), "c.ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+               "d.half": torch.randn(1, generator=generator).to(torch.float16)}
+    layout = {name: t.to("meta") for name, t in tensors.items()}
+    write_safetensors_incrementally(tmp_path / "ours.safetensors", layout,
+                                    ({name: t} for name, t in tensors.items()))
+    save_file(tensors, str(tmp_path / "lib.safetensors"), metadata={"format": "pt"})
+    for file in ("ours", "lib"):
+        with safe_open(str(tmp_path / f"{file}.safetensors"), "pt") as handle:
+            assert handle.metadata() == {"format": "pt"}
+            assert all(torch.equal(handle.get_tensor(n), t) for n, t in tensors.items())
+    with pytest.raises(RuntimeError, match="got a.bias .*, expected b.weight"):
+        write_safetensors_incrementally(tmp_path / "bad.safetensors", layout, iter([{"a.bias": tensors["a.bias"]}]))
