@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from .adapters import adapter_for, count_parameters
-from .data import fingerprint, load_text, sample_windows, tokenize
+from .data import check_length, fingerprint, load_text, sample_windows, tokenize
 from .errors import QualityGateError, RecipeError
 from .extras import save_extras
 from .modifier import LayerModifier, Modifier
 from .models import load_config, load_model, resolve_device
-from .output import (atomic_directory, check_output_free, git_info, is_main_process, package_versions,
-                     peak_memory)
+from .output import (atomic_directory, check_free_space, check_output_free, git_info, is_main_process,
+                     package_versions, peak_memory)
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict
@@ -58,8 +58,11 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         check_output_free(recipe.output, force, file)
     cal = recipe.calibration
     text = _located(lambda: load_text(cal.dataset, cal.split, cal.text_field), file)
+    _located(lambda: check_length(text, cal.samples * cal.seq_len), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
+    if write:
+        check_free_space(recipe.output, config, recipe.dtype, file)
     device = resolve_device(recipe.device)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype}
