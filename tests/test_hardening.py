@@ -311,3 +311,68 @@ def test_misspelled_dataset_fails_fast_with_a_suggestion(work, capsys, monkeypat
                        "dataset 'wikitxt2' is not a builtin", "cannot be reached",
                        "did you mean 'wikitext2'?")
     assert time.perf_counter() - start < 10
+
+
+# 5, 6. GGUF sources ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def gguf_file(tmp_path, monkeypatch):
+    """A tiny GGUF file and an empty RECIPE_CACHE."""
+    from tests.helpers import write_tiny_gguf
+
+    monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "g").mkdir()
+    return write_tiny_gguf(tmp_path / "g" / "tiny.gguf")
+
+
+@pytest.mark.parametrize("damage", ["not gguf", "empty", "header cut", "tensors cut"])
+@pytest.mark.parametrize("command", ["validate", "apply"])
+def test_corrupt_gguf_is_one_line(work, gguf_file, capsys, no_loading, damage, command):
+    tmp, recipe = work
+    data = gguf_file.read_bytes()
+    damaged = {"not gguf": b"hello, not a model\n", "empty": b"", "header cut": data[:100],
+               "tensors cut": data[: len(data) - 5000]}[damage]
+    (tmp / "bad.gguf").write_bytes(damaged)
+    expected = {"not gguf": "not a GGUF file (starts with b'hell', not b'GGUF')", "empty": "empty file",
+                "header cut": "truncated or corrupt GGUF file (100 bytes)",
+                "tensors cut": "truncated or corrupt GGUF file"}[damage]
+    one_line_error(capsys, [command, recipe(model=str(tmp / "bad.gguf"))], f"{tmp / 'bad.gguf'}: {expected}")
+    assert not (tmp / "cache").exists() and not (tmp / "out").exists()
+
+
+def test_validate_reads_gguf_metadata_without_converting(work, gguf_file, capsys, monkeypatch):
+    from recipe_engine import models
+
+    tmp, recipe = work
+
+    def refuse(*_a, **_k):
+        raise AssertionError("validate converted the GGUF weights")
+
+    monkeypatch.setattr(models, "converted_gguf", refuse)
+    assert main(["validate", recipe(model=str(gguf_file), modifiers=["FuseNorm", "ShortGPT<n:1>"])]) == 0
+    assert "ok (llama, 2 → 1 layers)" in capsys.readouterr().out
+    assert not (tmp / "cache").exists()
+
+
+def test_gguf_apply_converts_once_into_the_cache(work, gguf_file, capsys):
+    tmp, recipe = work
+    assert main(["apply", recipe(model=str(gguf_file)), "--quiet"]) == 0
+    entries = list((tmp / "cache" / "gguf").iterdir())
+    assert len(entries) == 1 and entries[0].name.startswith("tiny-")
+    assert (entries[0] / "model.safetensors").is_file() and not (entries[0] / cleanup.MARKER).exists()
+    assert (tmp / "out" / "model.safetensors").is_file()
+
+
+def test_stale_conversion_directory_is_swept(work, gguf_file, capsys):
+    from recipe_engine import models
+
+    tmp, _ = work
+    target = models.gguf_cache_dir(gguf_file)
+    target.parent.mkdir(parents=True)
+    stale = target.parent / f".{target.name}.tmp-abcd1234"
+    stale.mkdir()
+    (stale / cleanup.MARKER).write_text(json.dumps({"type": "gguf-cache", "state": "writing",
+                                                    "pid": 2**22 + 7, "host": cleanup.socket.gethostname()}))
+    assert models.converted_gguf(gguf_file) == target
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+    assert f"note: removed {stale}" in capsys.readouterr().err
