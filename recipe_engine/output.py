@@ -61,17 +61,24 @@ def check_output_free(output: str, force: bool, file: str | None = None) -> None
         if any(target.iterdir()) and not is_recipe_output(target):
             raise fail(f"output '{output}' exists and is not a recipe output (no {MARKER}); --force replaces "
                        f"only earlier recipe outputs: move it away yourself or choose another --output")
+    check_writable_parent(target, fail)
+    if target.parent.is_dir():
+        sweep_stale(target.parent, target.name)
+
+
+def check_writable_parent(target: Path, fail) -> None:
+    """``target`` can be created: no file in the way of its parent directories, and the nearest existing
+    one accepts a new entry (probed by creating and removing an empty directory: the only test that is
+    right for permissions, read-only mounts, ``/proc`` and root alike). ``fail(message)`` builds the error."""
     existing = target.parent
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise fail(f"cannot create output '{output}': '{existing}' is a file, not a directory")
-    try:  # the only reliable writability test (permissions, read-only mounts, /proc, root)
+        raise fail(f"cannot create '{target}': '{existing}' is a file, not a directory")
+    try:
         Path(tempfile.mkdtemp(prefix=".recipe-probe-", dir=existing)).rmdir()
     except OSError as exc:
-        raise fail(f"cannot write output '{output}': {existing}: {exc.strerror or exc}") from None
-    if target.parent.is_dir():
-        sweep_stale(target.parent, target.name)
+        raise fail(f"cannot write '{target}': {existing}: {exc.strerror or exc}") from None
 
 
 def estimated_output_bytes(config, dtype: str) -> int:

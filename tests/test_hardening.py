@@ -210,12 +210,12 @@ def test_output_below_a_file(work, capsys, no_loading):
     tmp, recipe = work
     (tmp / "A").write_text("a file")
     one_line_error(capsys, ["apply", recipe(), "--output", str(tmp / "A" / "sub")],
-                   f"cannot create output '{tmp}/A/sub': '{tmp}/A' is a file, not a directory")
+                   f"cannot create '{tmp}/A/sub': '{tmp}/A' is a file, not a directory")
 
 
 def test_output_in_proc_is_unwritable(work, capsys, no_loading):
     _, recipe = work
-    one_line_error(capsys, ["apply", recipe(), "--output", "/proc/x"], "cannot write output '/proc/x': /proc:")
+    one_line_error(capsys, ["apply", recipe(), "--output", "/proc/x"], "field 'output': cannot write '/proc/x': /proc:")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
@@ -376,3 +376,26 @@ def test_stale_conversion_directory_is_swept(work, gguf_file, capsys):
     assert models.converted_gguf(gguf_file) == target
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
     assert f"note: removed {stale}" in capsys.readouterr().err
+
+
+# 10. recipe eval arguments ------------------------------------------------------------------------------
+
+def test_eval_arguments_are_checked_before_loading(work, model_dir, capsys, monkeypatch):
+    from recipe_engine import models
+
+    tmp, _ = work
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the model was loaded before the error was found")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    one_line_error(capsys, ["eval", str(model_dir), "--limit", "-1"],
+                   "recipe eval: argument --limit: expected a positive integer, got -1")
+    one_line_error(capsys, ["eval", str(model_dir), "--seq-len", "abc"], "argument --seq-len")
+    (tmp / "A").write_text("a file")
+    one_line_error(capsys, ["eval", str(model_dir), "--json", str(tmp / "A" / "x.json")],
+                   f"--json: cannot create '{tmp}/A/x.json': '{tmp}/A' is a file, not a directory")
+    one_line_error(capsys, ["eval", str(model_dir), "--baseline", str(tmp / "cal.txt")],
+                   f"--baseline {tmp}/cal.txt: cannot read a `recipe eval` JSON record")
+    one_line_error(capsys, ["bench", str(model_dir), "--json", str(tmp / "A" / "b.json")], "is a file")
+    assert listing(tmp) == ["A", "cal.txt"]
