@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from typing import Callable
@@ -40,22 +41,34 @@ def _quoted(value: str) -> str:
     return yaml.safe_dump(value, default_style='"', width=2**31).strip()
 
 
-def _quiet_libraries() -> None:
-    """No transformers/hub progress bars ("Loading weights", "Writing model shards") under --quiet."""
-    from huggingface_hub.utils import disable_progress_bars
+@contextlib.contextmanager
+def _quiet_libraries(quiet: bool):
+    """No transformers/hub progress bars ("Loading weights", "Writing model shards") under --quiet;
+    their previous state is restored afterwards (``main`` may be called in-process)."""
+    if not quiet:
+        yield
+        return
+    import huggingface_hub.utils as hub
     from transformers.utils import logging as hf_logging
 
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
     hf_logging.disable_progress_bar()
-    disable_progress_bars()
+    hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if not hub_was_off:
+            hub.enable_progress_bars()
 
 
 def cmd_apply(args) -> int:
     from .runner import apply
     from .summary import print_summary
 
-    if args.quiet:
-        _quiet_libraries()
-    _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet)
+    with _quiet_libraries(args.quiet):
+        _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet)
     print_summary(report, out)
     return 0
 

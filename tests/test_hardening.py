@@ -399,3 +399,22 @@ def test_eval_arguments_are_checked_before_loading(work, model_dir, capsys, monk
                    f"--baseline {tmp}/cal.txt: cannot read a `recipe eval` JSON record")
     one_line_error(capsys, ["bench", str(model_dir), "--json", str(tmp / "A" / "b.json")], "is a file")
     assert listing(tmp) == ["A", "cal.txt"]
+
+
+# 11. smaller ---------------------------------------------------------------------------------------------
+
+def test_quiet_apply_prints_nothing_at_all(work, capsys):
+    _, recipe = work
+    assert main(["apply", recipe(), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # restored for whoever runs next in this process
+
+
+@pytest.mark.parametrize("step", ["FlattenAdjacent<n:3>", "ShortGPT<n:3>"])
+def test_a_one_layer_result_is_refused(work, capsys, step):
+    _, recipe = work
+    one_line_error(capsys, ["validate", recipe(modifiers=["FuseNorm", step, "HeadPrune", "NystromMLP"]
+                                                if step.startswith("Flatten") else ["FuseNorm", step])],
+                   "field 'modifiers': the recipe leaves 1 of 4 decoder layers; a model needs at least 2")
