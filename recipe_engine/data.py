@@ -94,20 +94,29 @@ def require_hub(name: str, timeout_s: float = 3.0) -> None:
     In HF offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) nothing is probed: ``datasets``
     reads its cache without retrying.
     """
+    if os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return
+    problem = hub_unreachable(timeout_s)
+    if problem:
+        raise SourceError(f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}) or a local path, "
+                          f"and {problem}{did_you_mean(name, BUILTIN_TEXT)}")
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """None when the HF hub answers a TCP connection (or offline mode is set: the caches are used without
+    retries), else why not, in a few words. One connection attempt instead of the libraries' retries."""
     import socket
     from urllib.parse import urlparse
 
-    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
-           for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        return
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return None
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
     try:
         socket.create_connection((endpoint.hostname, port), timeout=timeout_s).close()
     except OSError as exc:
-        raise SourceError(f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}) or a local path, "
-                          f"and the HF hub ({endpoint.hostname}) cannot be reached: "
-                          f"{exc.strerror or type(exc).__name__}{did_you_mean(name, BUILTIN_TEXT)}") from None
+        return f"the HF hub ({endpoint.hostname}) cannot be reached: {exc.strerror or type(exc).__name__}"
+    return None
 
 
 def is_hub_source(name: str, split: str = "train") -> bool:

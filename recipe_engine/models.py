@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .cleanup import MARKER, sweep_stale, temporary_directory
+from .data import hub_unreachable
 from .errors import SourceError
 
 BUILTIN_MODELS = {
@@ -66,7 +67,21 @@ def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     if spec.startswith((".", "/", "~")) or path.exists() or spec.count("/") > 1:
         raise SourceError(f"model not found: {spec} (not a directory, .gguf file or builtin alias; "
                           f"builtins: {', '.join(BUILTIN_MODELS)})")
+    problem = hub_unreachable()
+    if problem and not _hub_cached(spec):
+        raise SourceError(f"model '{spec}' is not a local directory, .gguf file or builtin alias "
+                          f"({', '.join(BUILTIN_MODELS)}), and {problem}")
     return ModelSource(spec, "hub", spec)
+
+
+def _hub_cached(repo: str) -> bool:
+    """The HF cache already holds ``repo``'s config (transformers can read it without the network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
 
 
 def gguf_cache_dir(gguf: Path) -> Path:

@@ -322,7 +322,7 @@ def gguf_file(tmp_path, monkeypatch):
 
     monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
     (tmp_path / "g").mkdir()
-    return write_tiny_gguf(tmp_path / "g" / "tiny.gguf")
+    return write_tiny_gguf(tmp_path / "g" / "tiny.gguf", layers=3)
 
 
 @pytest.mark.parametrize("damage", ["not gguf", "empty", "header cut", "tensors cut"])
@@ -350,7 +350,7 @@ def test_validate_reads_gguf_metadata_without_converting(work, gguf_file, capsys
 
     monkeypatch.setattr(models, "converted_gguf", refuse)
     assert main(["validate", recipe(model=str(gguf_file), modifiers=["FuseNorm", "ShortGPT<n:1>"])]) == 0
-    assert "ok (llama, 2 → 1 layers)" in capsys.readouterr().out
+    assert "ok (llama, 3 → 2 layers)" in capsys.readouterr().out
     assert not (tmp / "cache").exists()
 
 
@@ -418,3 +418,14 @@ def test_a_one_layer_result_is_refused(work, capsys, step):
     one_line_error(capsys, ["validate", recipe(modifiers=["FuseNorm", step, "HeadPrune", "NystromMLP"]
                                                 if step.startswith("Flatten") else ["FuseNorm", step])],
                    "field 'modifiers': the recipe leaves 1 of 4 decoder layers; a model needs at least 2")
+
+
+def test_hub_model_offline_fails_fast(work, capsys, monkeypatch):
+    _, recipe = work
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    start = time.perf_counter()
+    one_line_error(capsys, ["validate", recipe(model="no-such-org/no-such-model")],
+                   "model 'no-such-org/no-such-model' is not a local directory, .gguf file or builtin alias",
+                   "the HF hub (127.0.0.1) cannot be reached")
+    assert time.perf_counter() - start < 10
