@@ -2,7 +2,8 @@
 
 ``python tests/signal_driver.py POINT STALL READY_FILE -- CLI ARGS...``
 
-POINT is where the run stalls: ``loading`` (before the weights are read), ``pass`` (inside the shared
+POINT is where the run stalls: ``loading`` (before the weights are read), ``converting`` (a GGUF model
+being dequantized into the cache, after the tokenizer was saved there), ``pass`` (inside the shared
 layer-sequential pass, in a layer step's ``compress_layer``) or ``writing`` (after the checkpoint files are
 written into the temporary output directory, before the rename). STALL is ``python`` (an interruptible
 ``time.sleep``) or ``native`` (one long torch call that does not return to Python for ~30 s, like a large
@@ -50,6 +51,18 @@ def main() -> int:
             return original(*args, **kwargs)
 
         runner.load_model = load_model
+    elif point == "converting":  # inside the GGUF conversion, its cache temp directory populated
+        import transformers
+
+        load = transformers.AutoModelForCausalLM.from_pretrained
+
+        def from_pretrained(*args, **kwargs):
+            model = load(*args, **kwargs)
+            if kwargs.get("gguf_file"):
+                stall(kind, ready)
+            return model
+
+        transformers.AutoModelForCausalLM.from_pretrained = from_pretrained
     elif point == "writing":
         import transformers
 

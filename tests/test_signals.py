@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, tiny_model
+from recipe_engine import models
+from tests.helpers import BYTE_VOCAB, byte_tokenizer, tiny_model, write_tiny_gguf
 
 DRIVER = Path(__file__).with_name("signal_driver.py")
 ROOT = DRIVER.parents[1]
@@ -26,7 +27,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def start(workdir: Path, model_dir: Path, point: str, stall: str, force_over: bool = False):
+def start(workdir: Path, model_dir: Path, point: str, stall: str, force_over: bool = False, cache=None):
     """Start the driver in ``workdir``; returns (process, ready file, output path)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "cal.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
@@ -36,7 +37,8 @@ def start(workdir: Path, model_dir: Path, point: str, stall: str, force_over: bo
               "modifiers": ["FuseNorm", "StallInPass"]}
     (workdir / "r.yaml").write_text(yaml.safe_dump(recipe))
     ready = workdir.parent / f"{workdir.name}.ready"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           **({"RECIPE_CACHE": str(cache)} if cache else {})}
     args = [sys.executable, str(DRIVER), point, stall, str(ready), "--", "apply", str(workdir / "r.yaml"),
             "--quiet", "--device", "cpu"] + (["--force"] if force_over else [])
     proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -49,7 +51,7 @@ CASES = [(sig, point, "python") for sig in (signal.SIGINT, signal.SIGTERM, signa
 CASES += [(signal.SIGINT, "pass", "native")]
 
 
-def test_signals_at_every_point_leave_nothing(tmp_path, model_dir):
+def test_signals_at_every_point_leave_nothing(tmp_path, model_dir, monkeypatch):
     """All cases run concurrently (one torch import each is the cost); each is signalled as soon as it
     reaches its stall, and must exit with 128+n within the watchdog's grace, printing one line, with
     nothing left beside the output (the ``writing`` cases had their temporary directory populated)."""
@@ -62,6 +64,10 @@ def test_signals_at_every_point_leave_nothing(tmp_path, model_dir):
     (tmp_path / "earlier" / "out" / "recipe.yaml").write_text("earlier")
     runs["earlier"] = (signal.SIGTERM, "writing",
                        *start(tmp_path / "earlier", model_dir, "writing", "python", force_over=True))
+    # a GGUF model interrupted while being converted into the cache
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", layers=4)
+    runs["converting"] = (signal.SIGTERM, "converting",
+                          *start(tmp_path / "converting", gguf, "converting", "python", cache=tmp_path / "cache"))
     deadline, sent = time.monotonic() + 300, {}
     while len(sent) < len(runs):
         for name, (sig, point, proc, ready, out) in runs.items():
@@ -72,6 +78,8 @@ def test_signals_at_every_point_leave_nothing(tmp_path, model_dir):
             if ready.exists():
                 if point == "writing":
                     assert list(out.parent.glob(".out.tmp-*/model.safetensors")), f"{name}: write not begun"
+                if point == "converting":
+                    assert list((tmp_path / "cache" / "gguf").glob(".tiny-*.tmp-*")), "conversion not begun"
                 proc.send_signal(sig)
                 sent[name] = time.monotonic()
         assert time.monotonic() < deadline, f"never reached the stall: {set(runs) - set(sent)}"
@@ -90,3 +98,8 @@ def test_signals_at_every_point_leave_nothing(tmp_path, model_dir):
         if name.endswith("native"):
             assert waited < 20, (name, waited)  # not the ~30 s the native call would have taken
     assert (tmp_path / "earlier" / "out" / "recipe.yaml").read_text() == "earlier"
+    # the conversion cache holds neither a temporary nor a partial entry, and converts cleanly next time
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+    monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
+    converted = models.converted_gguf(gguf)
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [converted.name]
