@@ -25,6 +25,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -100,22 +101,30 @@ def _alive(record: dict) -> bool:
     return record.get("start") is None or _start_time(record["pid"]) == record.get("start")
 
 
-def sweep_stale(parent: Path, name: str, note=None) -> list[Path]:
+def sweep_stale(parent: Path, name: str, note=None, legacy: tuple[str, ...] = ()) -> list[Path]:
     """Remove ``parent/.NAME.tmp-*`` and ``.NAME.old-*`` directories left by a process that is gone.
 
     An ``.old-`` directory holds the previous output while ``--force`` swaps in the new one; if the run
     died between the two renames, the previous output is put back at ``parent/NAME`` instead of removed.
-    ``note`` receives one line per directory removed, restored, or (not ours) left in place.
+    ``note`` receives one line per directory removed, restored, or (not ours) left in place. ``legacy``
+    globs name temporary directories of earlier versions (no marker): empty ones older than an hour are
+    removed, others only mentioned.
     """
     note = note or (lambda line: print(f"note: {line}", file=sys.stderr))
     removed: list[Path] = []
     if not parent.is_dir():
         return removed
-    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
+    for pattern in (f".{name}.tmp-*", f".{name}.old-*", *legacy):
         for path in sorted(parent.glob(pattern)):
             if not path.is_dir() or path.is_symlink():
                 continue
             record = read_marker(path)
+            if record is None and pattern in legacy and not any(path.iterdir()) \
+                    and time.time() - path.stat().st_mtime > 3600:
+                path.rmdir()
+                removed.append(path)
+                note(f"removed empty {path}, left by an interrupted conversion of an earlier version")
+                continue
             if record is None or record.get("state") not in ("writing", "replacing"):
                 note(f"{path} looks like an interrupted write but has no {MARKER} of ours; not removed")
                 continue

@@ -124,10 +124,11 @@ def converted_gguf(gguf: Path) -> Path:
     target = gguf_cache_dir(gguf)
     if (target / "config.json").is_file():
         return target
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale(target.parent, target.name)
+    sweep_stale(target.parent, target.name, legacy=(f".{target.name}.????????",))
     with temporary_directory(target.parent, target.name, "gguf-cache") as tmp:
         try:
             # transformers' conversion progress bars go to a buffer: an error line stays the only output
@@ -147,10 +148,11 @@ def converted_gguf(gguf: Path) -> Path:
             if (target / "config.json").is_file():  # another process converted it meanwhile
                 return target
             os.replace(tmp, target)
-        except OSError as exc:
+        except (OSError, SafetensorError) as exc:
             if (target / "config.json").is_file():
                 return target
-            raise SourceError(f"cannot write the GGUF conversion cache {target}: {exc.strerror or exc} "
+            detail = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise SourceError(f"cannot write the GGUF conversion cache {target}: {detail} "
                               f"(set RECIPE_CACHE to another directory)") from None
     return target
 

@@ -54,11 +54,15 @@ def check_output_free(output: str, force: bool, file: str | None = None) -> None
     target = Path(output).expanduser()
     if target.is_symlink() or target.exists():
         if not target.is_dir() or target.is_symlink():
-            raise fail(f"output '{output}' exists and is not a directory; not replaced (choose another "
-                       f"--output)")
+            kind = "a symbolic link" if target.is_symlink() else "not a directory"
+            raise fail(f"output '{output}' exists and is {kind}; not replaced (choose another --output)")
         if not force:
             raise fail(f"output '{output}' already exists (use --force to replace it)")
-        if any(target.iterdir()) and not is_recipe_output(target):
+        try:
+            occupied = any(target.iterdir())
+        except OSError as exc:
+            raise fail(f"cannot read output '{output}': {exc.strerror or exc}") from None
+        if occupied and not is_recipe_output(target):
             raise fail(f"output '{output}' exists and is not a recipe output (no {MARKER}); --force replaces "
                        f"only earlier recipe outputs: move it away yourself or choose another --output")
     check_writable_parent(target, fail)

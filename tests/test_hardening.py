@@ -429,3 +429,17 @@ def test_hub_model_offline_fails_fast(work, capsys, monkeypatch):
                    "model 'no-such-org/no-such-model' is not a local directory, .gguf file or builtin alias",
                    "the HF hub (127.0.0.1) cannot be reached")
     assert time.perf_counter() - start < 10
+
+
+def test_legacy_conversion_temp_dirs_are_removed_when_empty_and_old(tmp_path):
+    old_empty, old_full, fresh = (tmp_path / f".m-key.{s}" for s in ("abcd1234", "efgh5678", "ijkl9012"))
+    for path in (old_empty, old_full, fresh):
+        path.mkdir()
+    (old_full / "model.safetensors").write_text("x")
+    for path in (old_empty, old_full):
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    notes = []
+    removed = cleanup.sweep_stale(tmp_path, "m-key", notes.append, legacy=(".m-key.????????",))
+    assert removed == [old_empty]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m-key.efgh5678", ".m-key.ijkl9012"]
+    assert len(notes) == 3 and "earlier version" in notes[0] and "not removed" in notes[1]
