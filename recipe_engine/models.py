@@ -193,11 +193,19 @@ def load_model(spec: str, dtype: str = "float32"):
     return model, tokenizer, source
 
 
+def parse_device(name: str) -> torch.device:
+    """``torch.device(name)`` with a one-line error for what torch cannot parse."""
+    try:
+        return torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise SourceError(f"device '{name}' is not a device (auto, cpu, cuda, cuda:i)") from None
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` takes the first GPU when present, else CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    device = parse_device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SourceError(f"device '{name}' requested but no CUDA device is available")
     return device

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .adapters import adapter_for
 from .errors import RecipeError
+from .models import parse_device
 from .schema import Recipe
 from .shape import ModelShape
 
@@ -19,6 +20,8 @@ def check_against_config(recipe: Recipe, config, file: str | None = None) -> Mod
     """
     try:
         adapter_for(config)
+        if recipe.device != "auto":
+            parse_device(recipe.device)  # syntax only: validating a GPU recipe on a laptop is fine
     except RecipeError as exc:
         raise exc.located(file=file) from None
     _build_on_meta(config, file)

@@ -443,3 +443,11 @@ def test_legacy_conversion_temp_dirs_are_removed_when_empty_and_old(tmp_path):
     assert removed == [old_empty]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".m-key.efgh5678", ".m-key.ijkl9012"]
     assert len(notes) == 3 and "earlier version" in notes[0] and "not removed" in notes[1]
+
+
+@pytest.mark.parametrize("command", ["validate", "apply"])
+def test_unparseable_device_is_one_line(work, capsys, no_loading, command):
+    tmp, recipe = work
+    one_line_error(capsys, [command, recipe(), "--device", ""], "device '' is not a device (auto, cpu, cuda, cuda:i)")
+    one_line_error(capsys, [command, recipe(), "--device", "cpu:x"], "device 'cpu:x' is not a device")
+    assert listing(tmp) == ["cal.txt", "r.yaml"]
