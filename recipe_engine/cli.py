@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .cleanup import Interrupted, handle_signals
-from .errors import QualityGateError, RecipeError
+from .errors import QualityGateError, RecipeError, one_line
 from .registry import REGISTRY, RegistryError
 
 out = Console()
@@ -99,7 +99,7 @@ def cmd_validate(args) -> int:
                 raise exc.located(file=loaded.path) from None
             shape = check_against_config(loaded.recipe, config, loaded.path)
         except (RecipeError, RegistryError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {one_line(str(exc))}", file=sys.stderr)
             failed += 1
             continue
         print(f"{spec}: ok ({config.model_type}, {config.num_hidden_layers} → {shape.num_layers} layers)")
@@ -196,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     except (RecipeError, RegistryError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return RecipeError.exit_code
     except QualityGateError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return QualityGateError.exit_code
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT

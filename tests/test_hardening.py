@@ -450,4 +450,5 @@ def test_unparseable_device_is_one_line(work, capsys, no_loading, command):
     tmp, recipe = work
     one_line_error(capsys, [command, recipe(), "--device", ""], "device '' is not a device (auto, cpu, cuda, cuda:i)")
     one_line_error(capsys, [command, recipe(), "--device", "cpu:x"], "device 'cpu:x' is not a device")
+    one_line_error(capsys, [command, recipe(), "--device", "a\nb\x1e"], "device 'a\\nb\\x1e' is not a device")
     assert listing(tmp) == ["cal.txt", "r.yaml"]
