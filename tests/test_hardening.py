@@ -235,20 +235,24 @@ def test_not_enough_free_space_is_found_before_loading(work, capsys, monkeypatch
     assert listing(tmp) == ["cal.txt", "r.yaml"]
 
 
-def test_disk_full_while_writing_is_one_line_and_leaves_nothing(work, capsys, monkeypatch):
+@pytest.mark.parametrize("error", ["OSError", "SafetensorError"])
+def test_disk_full_while_writing_is_one_line_and_leaves_nothing(work, capsys, monkeypatch, error):
     import errno
 
     import transformers
+    from safetensors import SafetensorError
 
     tmp, recipe = work
 
     def full(self, directory, **_):
         (directory / "model.safetensors").write_bytes(b"half")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        if error == "OSError":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError("No space left on device (os error 28)\nsecond line")
 
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full)
     one_line_error(capsys, ["apply", recipe(), "--quiet"],
-                   "field 'output': writing output", "failed: No space left on device; nothing written")
+                   "field 'output': writing output", "failed: No space left on device")
     assert listing(tmp) == ["cal.txt", "r.yaml"]
 
 
