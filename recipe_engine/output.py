@@ -99,15 +99,23 @@ def estimated_output_bytes(config, dtype: str) -> int:
 
 def check_free_space(output: str, config, dtype: str, file: str | None = None) -> None:
     """Refuse to start when the output's file system lacks room for the checkpoint (plus 5 %)."""
-    existing = Path(output).expanduser()
+    problem = space_problem(Path(output).expanduser(), estimated_output_bytes(config, dtype))
+    if problem:
+        raise RecipeError(f"not enough disk space for output '{output}': {problem} ({dtype} checkpoint)",
+                          file=file, field="output")
+
+
+def space_problem(target: Path, size: int) -> str | None:
+    """None when the file system that will hold ``target`` has room for ``size`` bytes plus 5 %, else
+    ``"needs about X GiB, Y GiB free on DIR"``."""
+    existing = target
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    needed = int(estimated_output_bytes(config, dtype) * 1.05) + 2**20
+    needed = int(size * 1.05) + 2**20
     free = shutil.disk_usage(existing).free
-    if free < needed:
-        raise RecipeError(f"not enough disk space for output '{output}': needs about {needed / 2**30:.2f} GiB "
-                          f"({dtype} checkpoint), {free / 2**30:.2f} GiB free on {existing}",
-                          file=file, field="output")
+    if free >= needed:
+        return None
+    return f"needs about {needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free on {existing}"
 
 
 @contextlib.contextmanager

@@ -456,3 +456,14 @@ def test_unparseable_device_is_one_line(work, capsys, no_loading, command):
     one_line_error(capsys, [command, recipe(), "--device", "cpu:x"], "device 'cpu:x' is not a device")
     one_line_error(capsys, [command, recipe(), "--device", "a\nb\x1e"], "device 'a\\nb\\x1e' is not a device")
     assert listing(tmp) == ["cal.txt", "r.yaml"]
+
+
+def test_not_enough_space_for_the_gguf_cache_is_one_line(work, gguf_file, capsys, monkeypatch):
+    tmp, recipe = work
+    real = output.shutil.disk_usage
+    monkeypatch.setattr(output.shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=1000) if str(p).startswith(str(tmp / "cache")) else real(p))
+    one_line_error(capsys, ["apply", recipe(model=str(gguf_file), output=str(tmp / "out")), "--quiet"],
+                   "not enough disk space to convert tiny.gguf into the cache: needs about",
+                   "(set RECIPE_CACHE to another directory)")
+    assert not list((tmp / "cache" / "gguf").iterdir()) and not (tmp / "out").exists()
