@@ -61,7 +61,8 @@ def _start_time(pid: int) -> str | None:
 
 
 def write_marker(directory: Path, kind: str, state: str) -> None:
-    record = {"type": kind, "version": 1, "state": state, **(_identity() if state in ("writing", "replacing") else {})}
+    owner = _identity() if state in ("writing", "replacing") else {}
+    record = {"type": kind, "version": 1, "state": state, **owner}
     (directory / MARKER).write_text(json.dumps(record) + "\n")
 
 
@@ -116,28 +117,33 @@ def sweep_stale(parent: Path, name: str, note=None, legacy: tuple[str, ...] = ()
         return removed
     for pattern in (f".{name}.tmp-*", f".{name}.old-*", *legacy):
         for path in sorted(parent.glob(pattern)):
-            if not path.is_dir() or path.is_symlink():
-                continue
-            record = read_marker(path)
-            if record is None and pattern in legacy and not any(path.iterdir()) \
-                    and time.time() - path.stat().st_mtime > 3600:
-                path.rmdir()
-                removed.append(path)
-                note(f"removed empty {path}, left by an interrupted conversion of an earlier version")
-                continue
-            if record is None or record.get("state") not in ("writing", "replacing"):
-                note(f"{path} looks like an interrupted write but has no {MARKER} of ours; not removed")
-                continue
-            if _alive(record):
-                continue  # a run in progress
-            previous, target = path / "previous", parent / name
-            if record["state"] == "replacing" and previous.exists() and not target.exists():
-                os.replace(previous, target)
-                note(f"restored {target} from {path}, left by an interrupted --force run")
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-            note(f"removed {path}, left by an interrupted run (pid {record.get('pid', '?')})")
+            try:
+                if path.is_dir() and not path.is_symlink() and _sweep_one(path, parent / name, pattern in legacy,
+                                                                          note):
+                    removed.append(path)
+            except OSError as exc:  # a directory we may not read or remove: say so, never fail the run
+                note(f"cannot sweep {path}: {exc.strerror or exc}")
     return removed
+
+
+def _sweep_one(path: Path, target: Path, legacy: bool, note) -> bool:
+    record = read_marker(path)
+    if record is None and legacy and not any(path.iterdir()) and time.time() - path.stat().st_mtime > 3600:
+        path.rmdir()
+        note(f"removed empty {path}, left by an interrupted conversion of an earlier version")
+        return True
+    if record is None or record.get("state") not in ("writing", "replacing"):
+        note(f"{path} looks like an interrupted write but has no {MARKER} of ours; not removed")
+        return False
+    if _alive(record):
+        return False  # a run in progress
+    previous = path / "previous"
+    if record["state"] == "replacing" and previous.exists() and not target.exists():
+        os.replace(previous, target)
+        note(f"restored {target} from {path}, left by an interrupted --force run")
+    shutil.rmtree(path)
+    note(f"removed {path}, left by an interrupted run (pid {record.get('pid', '?')})")
+    return True
 
 
 @contextlib.contextmanager
