@@ -119,6 +119,24 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     return None
 
 
+def require_hub_dataset(name: str) -> None:
+    """The hub knows dataset ``name`` (one metadata request, no download); skipped in offline mode."""
+    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+           for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise SourceError(f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}), a local path, or a "
+                          f"dataset on the HF hub{did_you_mean(name, BUILTIN_TEXT)}") from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise SourceError(f"dataset '{name}': the HF hub did not answer: "
+                          f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
+
+
 def is_hub_source(name: str, split: str = "train") -> bool:
     """Would :func:`load_text` read ``name`` from the HF hub (rather than a file on this machine)?"""
     if name in SAMPLE_FILES:
@@ -138,6 +156,8 @@ def check_text(name: str, split: str, text_field: str, tokens: int) -> None:
         if name == "wikitext2" and split not in WIKITEXT_SPLITS:
             raise SourceError(f"wikitext2 has splits train, validation, test (got '{split}')")
         require_hub(name)
+        if name not in BUILTIN_TEXT:
+            require_hub_dataset(name)
         return
     check_length(load_text(name, split, text_field), tokens)
 

@@ -467,3 +467,28 @@ def test_not_enough_space_for_the_gguf_cache_is_one_line(work, gguf_file, capsys
                    "not enough disk space to convert tiny.gguf into the cache: needs about",
                    "(set RECIPE_CACHE to another directory)")
     assert not list((tmp / "cache" / "gguf").iterdir()) and not (tmp / "out").exists()
+
+
+def test_validate_online_asks_the_hub_whether_the_dataset_exists(work, capsys, monkeypatch):
+    """Online, a misspelled name reaches the hub's metadata API (no download) and gets the suggestion."""
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from recipe_engine import data
+
+    _, recipe = work
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(data, "hub_unreachable", lambda *a: None)
+    asked = []
+
+    def dataset_info(self, name, timeout=None):
+        asked.append(name)
+        error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # as raised for a 404
+        Exception.__init__(error, f"404 {name}")
+        raise error
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
+    one_line_error(capsys, ["validate", recipe(calibration={"dataset": "wikitxt2"})],
+                   "dataset 'wikitxt2' is not a builtin", "or a dataset on the HF hub; did you mean 'wikitext2'?")
+    assert asked == ["wikitxt2"]
