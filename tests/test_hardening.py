@@ -181,6 +181,14 @@ def test_force_refuses_a_directory_that_is_not_a_recipe_output(work, capsys, no_
     assert listing(important) == ["thesis.tex"]
 
 
+def test_force_accepts_an_empty_directory(work, capsys):
+    tmp, recipe = work
+    (tmp / "empty").mkdir()
+    one_line_error(capsys, ["apply", recipe(), "--output", str(tmp / "empty"), "--quiet"], "already exists")
+    assert main(["apply", recipe(), "--output", str(tmp / "empty"), "--force", "--quiet"]) == 0
+    assert output.is_recipe_output(tmp / "empty")
+
+
 def test_force_refuses_a_file(work, capsys, no_loading):
     tmp, recipe = work
     (tmp / "notes.txt").write_text("mine")
