@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from typing import Callable
 
@@ -9,28 +11,64 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import QualityGateError, RecipeError
+from .cleanup import Interrupted, handle_signals
+from .errors import QualityGateError, RecipeError, one_line
 from .registry import REGISTRY, RegistryError
 
 out = Console()
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``error: recipe apply: ...``, exit 2) like every other mistake."""
+
+    def error(self, message: str):
+        raise RecipeError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def _overrides(args) -> list[str]:
     sets = list(args.set or [])
-    if getattr(args, "model", None):
-        sets.append(f"model={args.model}")
-    if getattr(args, "output", None):
-        sets.append(f"output={args.output}")
-    if getattr(args, "device", None):
-        sets.append(f"device={args.device}")
+    for name in ("model", "output", "device"):
+        value = getattr(args, name, None)
+        if value is not None:  # an explicit empty value is validated, not ignored
+            sets.append(f"{name}={_quoted(value)}")
     return sets
+
+
+def _quoted(value: str) -> str:
+    """A command-line string as a YAML scalar that loads back as that same string."""
+    import yaml
+
+    return yaml.safe_dump(value, default_style='"', width=2**31).strip()
+
+
+@contextlib.contextmanager
+def _quiet_libraries(quiet: bool):
+    """No transformers/hub progress bars ("Loading weights", "Writing model shards") under --quiet;
+    their previous state is restored afterwards (``main`` may be called in-process)."""
+    if not quiet:
+        yield
+        return
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as hf_logging
+
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if not hub_was_off:
+            hub.enable_progress_bars()
 
 
 def cmd_apply(args) -> int:
     from .runner import apply
     from .summary import print_summary
 
-    _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet)
+    with _quiet_libraries(args.quiet):
+        _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet)
     print_summary(report, out)
     return 0
 
@@ -44,19 +82,30 @@ def cmd_show(args) -> int:
 
 
 def cmd_validate(args) -> int:
+    from .data import check_text
     from .models import load_config
     from .recipe_io import load_recipe
     from .validate import check_against_config
 
-    for spec in args.recipes:
-        loaded = load_recipe(spec, _overrides(args))
+    failed = 0
+    for spec in args.recipes:  # every file is reported, bad or good
         try:
-            config = load_config(loaded.recipe.model)
-        except RecipeError as exc:
-            raise exc.located(file=loaded.path) from None
-        shape = check_against_config(loaded.recipe, config, loaded.path)
+            loaded = load_recipe(spec, _overrides(args))
+            try:
+                config = load_config(loaded.recipe.model)
+                cal = loaded.recipe.calibration
+                check_text(cal.dataset, cal.split, cal.text_field, cal.samples * cal.seq_len)
+            except RecipeError as exc:
+                raise exc.located(file=loaded.path) from None
+            shape = check_against_config(loaded.recipe, config, loaded.path)
+        except (RecipeError, RegistryError) as exc:
+            print(f"error: {one_line(str(exc))}", file=sys.stderr)
+            failed += 1
+            continue
         print(f"{spec}: ok ({config.model_type}, {config.num_hidden_layers} → {shape.num_layers} layers)")
-    return 0
+    if failed and len(args.recipes) > 1:
+        print(f"{failed} of {len(args.recipes)} recipes failed", file=sys.stderr)
+    return RecipeError.exit_code if failed else 0
 
 
 def cmd_plan(args) -> int:
@@ -99,10 +148,10 @@ def cmd_list(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recipe", description=__doc__)
+    parser = Parser(prog="recipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def with_overrides(p: argparse.ArgumentParser) -> None:
+    def with_overrides(p: Parser) -> None:
         p.add_argument("--set", action="append", metavar="PATH=VALUE",
                        help="override a recipe field, e.g. calibration.samples=32 or modifiers.2.n=4")
         p.add_argument("--model", help="override the recipe's model")
@@ -147,19 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler: Callable = args.func
+    """Exit codes: 0 ok, 2 user error (one line), 3 quality gate, 128+n signal n, 1 internal bug
+    (a traceback: please report it). See docs/errors.md."""
     try:
-        return handler(args)
+        with handle_signals():
+            args = build_parser().parse_args(argv)
+            handler: Callable = args.func
+            return handler(args)
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
     except (RecipeError, RegistryError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return RecipeError.exit_code
     except QualityGateError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return QualityGateError.exit_code
-    except KeyboardInterrupt:
-        print("interrupted; nothing written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}; nothing written", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

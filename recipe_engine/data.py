@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .errors import SourceError
+from .suggest import did_you_mean
 
 EXLLAMA_INSTALL = "pip install --no-deps exllamav2==0.3.2"
 SAMPLE_FILES = {"wikipedia-sample": "wiki.utf8", "c4-sample": "c4.utf8"}
@@ -71,15 +72,101 @@ def wikitext_rows(raw: str) -> list[str]:
     return ["" if line.strip() == "" else line for line in raw.splitlines(keepends=True)]
 
 
+BUILTIN_TEXT = (*SAMPLE_FILES, "wikitext2", "c4")
+
+
 def _hf_rows(name: str, split: str, field: str, **kwargs) -> list[str]:
+    require_hub(name)
     try:
         import datasets
 
         table = datasets.load_dataset(name, split=split, **kwargs)
-    except Exception as exc:
+    except Exception as exc:  # datasets raises many unrelated types; each becomes one located line
         raise SourceError(f"cannot load dataset '{name}' split '{split}': "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                          f"{did_you_mean(name, BUILTIN_TEXT)}") from None
     return _column(table, field, name)
+
+
+def require_hub(name: str, timeout_s: float = 3.0) -> None:
+    """Fail in seconds, not after ``datasets``' retries, when the HF hub cannot be reached.
+
+    In HF offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) nothing is probed: ``datasets``
+    reads its cache without retrying.
+    """
+    if os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return
+    problem = hub_unreachable(timeout_s)
+    if problem:
+        raise SourceError(f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}) or a local path, "
+                          f"and {problem}{did_you_mean(name, BUILTIN_TEXT)}")
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """None when the HF hub answers a TCP connection (or offline mode is set: the caches are used without
+    retries), else why not, in a few words. One connection attempt instead of the libraries' retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return None
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"the HF hub ({endpoint.hostname}) cannot be reached: {exc.strerror or type(exc).__name__}"
+    return None
+
+
+def require_hub_dataset(name: str) -> None:
+    """The hub knows dataset ``name`` (one metadata request, no download); skipped in offline mode."""
+    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+           for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise SourceError(f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}), a local path, or a "
+                          f"dataset on the HF hub{did_you_mean(name, BUILTIN_TEXT)}") from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise SourceError(f"dataset '{name}': the HF hub did not answer: "
+                          f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
+
+
+def is_hub_source(name: str, split: str = "train") -> bool:
+    """Would :func:`load_text` read ``name`` from the HF hub (rather than a file on this machine)?"""
+    if name in SAMPLE_FILES:
+        return False
+    if name == "wikitext2":
+        return not (data_dir() / "wikitext-2-raw" / WIKITEXT_SPLITS.get(split, "")).is_file()
+    path = Path(name).expanduser()
+    return name == "c4" or not (path.exists() or name.startswith((".", "/", "~"))
+                                or path.suffix in (".txt", ".jsonl", ".json"))
+
+
+def check_text(name: str, split: str, text_field: str, tokens: int) -> None:
+    """``recipe validate``'s data check: a local source is read and must hold at least ``tokens`` bytes of
+    text (a token covers at least one byte, so fewer bytes can never give enough tokens); a hub source
+    must be reachable. The exact token count is checked after tokenization (``sample_windows``)."""
+    if is_hub_source(name, split):
+        if name == "wikitext2" and split not in WIKITEXT_SPLITS:
+            raise SourceError(f"wikitext2 has splits train, validation, test (got '{split}')")
+        require_hub(name)
+        if name not in BUILTIN_TEXT:
+            require_hub_dataset(name)
+        return
+    check_length(load_text(name, split, text_field), tokens)
+
+
+def check_length(text: "TextSource", tokens: int) -> None:
+    size = len(text.text.encode("utf-8"))
+    if size < tokens:
+        raise SourceError(f"calibration data {text.origin} has {size} bytes of text; samples × seq_len = "
+                          f"{tokens} tokens need at least {tokens} bytes (a token covers at least one byte)")
 
 
 def _column(table, field: str, name: str) -> list[str]:
@@ -92,7 +179,7 @@ def load_text(name: str, split: str = "train", text_field: str = "text") -> Text
     """Resolve a text source to one string (rows joined by blank lines)."""
     if name in SAMPLE_FILES:
         path = exllama_sample(SAMPLE_FILES[name])
-        docs = split_documents(path.read_text(encoding="utf-8"))
+        docs = split_documents(_read(path))
         cut = int(len(docs) * 0.9)
         if split not in ("train", "test", "validation"):
             raise SourceError(f"{name} has splits train, validation, test (got '{split}')")
@@ -103,7 +190,7 @@ def load_text(name: str, split: str = "train", text_field: str = "text") -> Text
             raise SourceError(f"wikitext2 has splits train, validation, test (got '{split}')")
         local = data_dir() / "wikitext-2-raw" / WIKITEXT_SPLITS[split]
         if local.is_file():
-            return TextSource(name, str(local), "\n\n".join(wikitext_rows(local.read_text(encoding="utf-8"))))
+            return TextSource(name, str(local), "\n\n".join(wikitext_rows(_read(local))))
         hf_split = "validation" if split == "valid" else split
         rows = _hf_rows("wikitext", hf_split, "text", name="wikitext-2-raw-v1")
         return TextSource(name, f"hf:wikitext/wikitext-2-raw-v1[{hf_split}]", "\n\n".join(rows))
@@ -122,13 +209,34 @@ def load_text(name: str, split: str = "train", text_field: str = "text") -> Text
     return TextSource(name, f"hf:{name}[{split}]", "\n\n".join(rows))
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start})") from None
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
 def _file_rows(path: Path, field: str) -> list[str]:
-    if path.suffix == ".jsonl":
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    elif path.suffix == ".json":
-        records = json.loads(path.read_text(encoding="utf-8"))
-    else:
-        return [path.read_text(encoding="utf-8")]
+    if path.suffix not in (".jsonl", ".json"):
+        return [_read(path)]
+    text, line = _read(path), 0
+    try:
+        if path.suffix == ".jsonl":
+            records = []
+            for line, row in enumerate(text.splitlines(), 1):
+                if row.strip():
+                    records.append(json.loads(row))
+        else:
+            records = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {line}" if path.suffix == ".jsonl" else f"line {exc.lineno}"
+        raise SourceError(f"{path}: invalid JSON at {where}: {exc.msg}") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise SourceError(f"{path}: expected a list of JSON objects (one per line in .jsonl), each with "
+                          f"field '{field}'")
     missing = [i for i, r in enumerate(records) if field not in r]
     if missing:
         raise SourceError(f"{path}: record {missing[0]} has no field '{field}'")

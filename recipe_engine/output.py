@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import resource
 import shutil
@@ -13,7 +14,10 @@ from typing import Iterator
 
 import torch
 
+from .cleanup import MARKER, read_marker, sweep_stale, temporary_directory, write_marker
 from .errors import RecipeError
+
+OUTPUT_KIND = "recipe-output"
 
 REPORTED_PACKAGES = ("recipe-engine", "torch", "transformers", "pydantic", "datasets", "safetensors",
                      "lm-eval", "peft", "rich", "pyyaml")
@@ -27,36 +31,126 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def is_recipe_output(directory: Path) -> bool:
+    """An earlier ``recipe apply`` output: our marker, or (written before the marker existed) a
+    ``report.json`` with a recipe record beside ``recipe.yaml``."""
+    marker = read_marker(directory)
+    if marker is not None:
+        return marker.get("type") == OUTPUT_KIND and marker.get("state") == "complete"
+    try:
+        report = json.loads((directory / "report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (directory / "recipe.yaml").is_file() and isinstance(report, dict) and "recipe" in report
+
+
 def check_output_free(output: str, force: bool, file: str | None = None) -> None:
-    if Path(output).exists() and not force:
-        raise RecipeError(f"output '{output}' already exists (use --force to replace it)",
+    """Pre-flight of the output path, before anything is loaded: refuse what a write would trip over
+    (a file in the way, an unwritable or missing parent) and what ``--force`` must not delete (anything but
+    an earlier recipe output). Also sweeps temporary directories left beside it by killed runs."""
+    fail = lambda message: RecipeError(message, file=file, field="output")
+    if not output or not output.strip():
+        raise fail("output is empty; give a directory")
+    target = Path(output).expanduser()
+    if target.is_symlink() or target.exists():
+        if not target.is_dir() or target.is_symlink():
+            kind = "a symbolic link" if target.is_symlink() else "not a directory"
+            raise fail(f"output '{output}' exists and is {kind}; not replaced (choose another --output)")
+        if not force:
+            raise fail(f"output '{output}' already exists (use --force to replace it)")
+        try:
+            occupied = any(target.iterdir())
+        except OSError as exc:
+            raise fail(f"cannot read output '{output}': {exc.strerror or exc}") from None
+        if occupied and not is_recipe_output(target):
+            raise fail(f"output '{output}' exists and is not a recipe output (no {MARKER}); --force replaces "
+                       f"only earlier recipe outputs: move it away yourself or choose another --output")
+    check_writable_parent(target, fail)
+    if target.parent.is_dir():
+        sweep_stale(target.parent, target.name)
+
+
+def check_writable_parent(target: Path, fail) -> None:
+    """``target`` can be created: no file in the way of its parent directories, and the nearest existing
+    one accepts a new entry (probed by creating and removing an empty directory: the only test that is
+    right for permissions, read-only mounts, ``/proc`` and root alike). ``fail(message)`` builds the error."""
+    existing = target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise fail(f"cannot create '{target}': '{existing}' is a file, not a directory")
+    try:
+        Path(tempfile.mkdtemp(prefix=".recipe-probe-", dir=existing)).rmdir()
+    except OSError as exc:
+        raise fail(f"cannot write '{target}': {existing}: {exc.strerror or exc}") from None
+
+
+def estimated_output_bytes(config, dtype: str) -> int:
+    """Bytes of the model's parameters in ``dtype`` (built on the meta device; tied weights once).
+    The steps only remove, merge or narrow layers, so the written checkpoint is at most about this."""
+    from transformers import AutoModelForCausalLM
+
+    from .models import DTYPES
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize
+
+
+def check_free_space(output: str, config, dtype: str, file: str | None = None) -> None:
+    """Refuse to start when the output's file system lacks room for the checkpoint (plus 5 %)."""
+    problem = space_problem(Path(output).expanduser(), estimated_output_bytes(config, dtype))
+    if problem:
+        raise RecipeError(f"not enough disk space for output '{output}': {problem} ({dtype} checkpoint)",
                           file=file, field="output")
+
+
+def space_problem(target: Path, size: int) -> str | None:
+    """None when the file system that will hold ``target`` has room for ``size`` bytes plus 5 %, else
+    ``"needs about X GiB, Y GiB free on DIR"``."""
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    needed = int(size * 1.05) + 2**20
+    free = shutil.disk_usage(existing).free
+    if free >= needed:
+        return None
+    return f"needs about {needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free on {existing}"
 
 
 @contextlib.contextmanager
 def atomic_directory(output: str, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success rename it to ``output``.
+    """Yield a temporary sibling directory; on success mark it as a recipe output and rename it to
+    ``output``.
 
-    Any exception (including KeyboardInterrupt) removes the temporary directory, so an interrupted run
-    leaves nothing behind. With ``force`` an existing output is replaced only after the new one is done.
+    Any exception (including :class:`~recipe_engine.cleanup.Interrupted` from SIGINT/SIGTERM/SIGHUP)
+    removes the temporary directory, so an interrupted run leaves nothing behind; an ``OSError`` while
+    writing (disk full, permissions) becomes one located :class:`RecipeError`. With ``force`` an existing
+    output is replaced only after the new one is done.
     """
-    target = Path(output)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    tmp.chmod(0o755)
+    from safetensors import SafetensorError
+
+    target = Path(output).expanduser()
     try:
-        yield tmp
-        if target.exists():
-            if not force:
-                raise RecipeError(f"output '{output}' appeared during the run; not replaced", field="output")
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / "previous")
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with temporary_directory(target.parent, target.name, OUTPUT_KIND) as tmp:
+            yield tmp
+            write_marker(tmp, OUTPUT_KIND, "complete")
+            if target.exists() or target.is_symlink():
+                if not force:
+                    raise RecipeError(f"output '{output}' appeared during the run; not replaced",
+                                      field="output")
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+                write_marker(old, OUTPUT_KIND, "replacing")
+                os.replace(target, old / "previous")
+                os.replace(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, target)
+    except (OSError, SafetensorError) as exc:
+        detail = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise RecipeError(f"writing output '{output}' failed: {detail}; nothing written",
+                          field="output") from None
 
 
 def package_versions() -> dict[str, str]:

@@ -11,7 +11,8 @@ from typing import Any
 import yaml
 
 from .errors import RecipeError
-from .schema import Recipe, load_yaml, parse_compact, recipe_from_dict, recipe_to_dict
+from .schema import Recipe, load_yaml, parse_compact, recipe_from_dict, recipe_to_dict, safe_load, yaml_problem
+from .suggest import did_you_mean
 
 
 @dataclass
@@ -32,21 +33,41 @@ def read_recipe_text(spec: str) -> tuple[str, str]:
         path, rev = spec.rsplit("@", 1)
     if rev is None:
         file = Path(path)
+        if file.is_dir():
+            raise RecipeError("is a directory, not a recipe file (a recipe is a .yaml file; "
+                              "`recipe eval DIR` reads an output directory)", file=path)
         if not file.is_file():
             raise RecipeError("recipe file not found", file=path)
-        return path, file.read_text()
+        try:
+            data = file.read_bytes()
+        except OSError as exc:
+            raise RecipeError(f"cannot read recipe file: {exc.strerror}", file=path) from None
+        return path, decode_text(data, path)
     file = Path(path).resolve()
     try:
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=file.parent, check=True,
                              capture_output=True, text=True).stdout.strip()
         rel = file.relative_to(Path(top).resolve()).as_posix()
-        text = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=top, check=True,
-                              capture_output=True, text=True).stdout
-    except (subprocess.CalledProcessError, ValueError, FileNotFoundError) as exc:
+        data = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=top, check=True,
+                              capture_output=True).stdout
+    except (subprocess.CalledProcessError, ValueError, OSError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        raise RecipeError(f"cannot read revision '{rev}': {detail.strip().splitlines()[-1]}",
+        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else detail
+        raise RecipeError(f"cannot read revision '{rev}': {(detail.strip().splitlines() or ['?'])[-1]}",
                           file=path) from None
-    return spec, text
+    return spec, decode_text(data, spec)
+
+
+def decode_text(data: bytes, name: str) -> str:
+    """UTF-8 text of a recipe; binary or mis-encoded files are one located error."""
+    if b"\0" in data:
+        raise RecipeError("is a binary file, not a YAML recipe", file=name)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise RecipeError(f"not UTF-8 text: byte 0x{data[exc.start]:02x} at line {line} (save the recipe "
+                          f"as UTF-8)", file=name) from None
 
 
 def apply_override(data: dict[str, Any], assignment: str, file: str) -> None:
@@ -57,33 +78,58 @@ def apply_override(data: dict[str, Any], assignment: str, file: str) -> None:
     path, sep, raw = assignment.partition("=")
     if not sep or not path:
         raise RecipeError(f"override {assignment!r} must look like key.path=value", file=file)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"override {assignment!r}: value is not valid YAML: {yaml_problem(exc)}",
+                          file=file) from None
     keys = path.split(".")
     if keys[0] == "modifiers" and len(keys) == 3:
-        steps = data.get("modifiers") or []
+        steps = data.get("modifiers")
+        steps = steps if isinstance(steps, list) else []
         try:
             index = int(keys[1])
+            if index < 0:
+                raise IndexError(index)
             step = steps[index]
         except (ValueError, IndexError):
             raise RecipeError(f"override {assignment!r}: no step {keys[1]} "
                               f"(recipe has {len(steps)})", file=file) from None
-        name, params = parse_compact(step) if isinstance(step, str) else next(iter(step.items()))
+        try:
+            if isinstance(step, str):
+                name, params = parse_compact(step)
+            elif isinstance(step, dict) and len(step) == 1:
+                name, params = next(iter(step.items()))
+            else:
+                raise RecipeError("a step is 'Name<key:value>' or a one-key mapping {Name: {key: value}}")
+            if not isinstance(params, (dict, type(None))):
+                raise RecipeError(f"parameters must be a mapping, got {type(params).__name__}")
+        except RecipeError as exc:
+            raise exc.located(file=file, step=index) from None
         params = dict(params or {})
         params[keys[2]] = value
         steps[index] = {name: params}
         return
-    from .schema import CalibrationConfig, EvaluateConfig, PerplexityConfig
-    models = {"": Recipe, "calibration": CalibrationConfig, "evaluate": EvaluateConfig,
-              "evaluate.perplexity": PerplexityConfig}
-    parent = ".".join(keys[:-1])
-    if parent not in models or keys[-1] not in models[parent].model_fields:
-        raise RecipeError(f"override {assignment!r}: unknown path '{path}'", file=file)
+    known = override_paths()
+    if path not in known:
+        hint = did_you_mean(path, known) or "; steps are addressed as modifiers.INDEX.PARAMETER"
+        raise RecipeError(f"override {assignment!r}: unknown path '{path}'{hint}", file=file)
     node = data
     for key in keys[:-1]:
         if not isinstance(node.get(key), dict):
             node[key] = {}
         node = node[key]
     node[keys[-1]] = value
+
+
+def override_paths() -> list[str]:
+    """Every dotted path ``--set`` accepts outside ``modifiers.INDEX.PARAMETER``."""
+    from .schema import CalibrationConfig, EvaluateConfig, PerplexityConfig
+
+    models = {"": Recipe, "calibration": CalibrationConfig, "evaluate": EvaluateConfig,
+              "evaluate.perplexity": PerplexityConfig}
+    return [f"{parent}.{name}" if parent else name for parent, model in models.items()
+            for name in model.model_fields]
 
 
 def load_recipe(spec: str, overrides: list[str] | None = None) -> LoadedRecipe:

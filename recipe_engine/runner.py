@@ -15,13 +15,13 @@ import torch
 
 from .adapters import adapter_for, count_parameters
 from .checkpoint import write_streamed_checkpoint
-from .data import fingerprint, load_text, sample_windows, tokenize
+from .data import check_length, fingerprint, load_text, sample_windows, tokenize
 from .errors import QualityGateError, RecipeError
 from .extras import save_extras
 from .modifier import LayerModifier, Modifier
 from .models import load_config, load_model, resolve_device
-from .output import (atomic_directory, check_output_free, git_info, is_main_process, package_versions,
-                     peak_memory)
+from .output import (atomic_directory, check_free_space, check_output_free, git_info, is_main_process,
+                     package_versions, peak_memory)
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict
@@ -65,8 +65,11 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         check_output_free(recipe.output, force, file)
     cal = recipe.calibration
     text = _located(lambda: load_text(cal.dataset, cal.split, cal.text_field), file)
+    _located(lambda: check_length(text, cal.samples * cal.seq_len), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
+    if write:
+        check_free_space(recipe.output, config, recipe.dtype, file)
     device = resolve_device(recipe.device)
     in_memory = model is not None
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)

@@ -78,7 +78,7 @@ class Recipe(StrictModel):
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     evaluate: EvaluateConfig | None = None
     modifiers: list[Modifier] = Field(min_length=1)
-    output: str
+    output: str = Field(min_length=1, description="output directory (written atomically)")
     overrides: list[str] = Field(default_factory=list, description="CLI overrides applied to the file")
 
     @field_validator("modifiers", mode="before")
@@ -125,7 +125,11 @@ def parse_compact(text: str) -> tuple[str, dict[str, Any]]:
         key, sep, raw = item.partition(":")
         if not sep or not key.strip():
             raise RecipeError(f"cannot parse parameter {item.strip()!r} in {text!r}; expected key:value")
-        params[key.strip()] = yaml.safe_load(raw.strip()) if raw.strip() else None
+        try:
+            params[key.strip()] = safe_load(raw.strip()) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"cannot parse the value of {key.strip()!r} in {text!r}: "
+                              f"{yaml_problem(exc)}") from None
     return name, params
 
 
@@ -178,14 +182,48 @@ def recipe_from_dict(data: Any, file: str | None = None) -> Recipe:
         raise _field_error(exc, Recipe, None).located(file=file) from None
 
 
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (at any depth) instead of
+    silently keeping the last one; ``<<`` merge keys keep their usual override semantics."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:
+                    continue  # unhashable key: the base class reports it
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first given at line {first + 1})",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load`` with duplicate keys refused (see :class:`StrictLoader`)."""
+    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
+
+
 def load_yaml(text: str, file: str | None = None) -> Any:
     try:
-        return yaml.safe_load(text)
+        return safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"YAML syntax error at {where}{problem}", file=file) from None
+        raise RecipeError(yaml_problem(exc), file=file) from None
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: ``YAML error at line L, column C: problem``."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    kind = "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+    return f"{kind}{where}: {problem}"
 
 
 def step_to_dict(step: Modifier) -> dict[str, Any]:

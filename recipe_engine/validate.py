@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from .adapters import adapter_for
 from .errors import RecipeError
+from .models import parse_device
 from .schema import Recipe
 from .shape import ModelShape
+
+#: Fewest decoder layers a recipe may leave: one layer is a bigram-like model, not a compressed LLM.
+MIN_LAYERS = 2
 
 
 def check_against_config(recipe: Recipe, config, file: str | None = None) -> ModelShape:
@@ -16,6 +20,8 @@ def check_against_config(recipe: Recipe, config, file: str | None = None) -> Mod
     """
     try:
         adapter_for(config)
+        if recipe.device != "auto":
+            parse_device(recipe.device)  # syntax only: validating a GPU recipe on a laptop is fine
     except RecipeError as exc:
         raise exc.located(file=file) from None
     _build_on_meta(config, file)
@@ -35,6 +41,10 @@ def check_against_config(recipe: Recipe, config, file: str | None = None) -> Mod
                                 f"put {pinned} after every step that removes or merges layers")
         except RecipeError as exc:
             raise exc.located(file=file, step=index, modifier=step.step_name()) from None
+    if shape.num_layers < MIN_LAYERS <= shape.original_layers:
+        raise RecipeError(f"the recipe leaves {shape.num_layers} of {shape.original_layers} decoder layers; a "
+                          f"model needs at least {MIN_LAYERS} to be a useful result (remove fewer layers)",
+                          file=file, field="modifiers")
     odd = shape.oversized_layers()
     if odd:
         raise RecipeError(f"the recipe leaves layers {odd} wider than the config; a stock checkpoint needs "

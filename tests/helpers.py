@@ -93,3 +93,48 @@ def byte_tokenizer():
 
 
 BYTE_VOCAB = 264
+
+
+def write_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64, ffn: int = 96,
+                    heads: int = 4, kv_heads: int = 2):
+    """A tiny F32 GGUF file (byte-level BPE vocabulary, random weights) that transformers can read and
+    convert in about a second: for the GGUF source paths without the real SmolLM2 file."""
+    import gguf
+    import numpy as np
+    from tokenizers import pre_tokenizers
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["he", "<|eos|>"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(["h e"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_bos_token_id(len(tokens) - 1)
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: (0.05 * rng.standard_normal(shape)).astype(np.float32)
+    head_dim = hidden // heads
+    writer.add_tensor("token_embd.weight", rand(len(tokens), hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("output.weight", rand(len(tokens), hidden))
+    for i in range(layers):
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, np.float32))
+        for name, shape in (("attn_q", (heads * head_dim, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+                            ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, heads * head_dim)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
+            writer.add_tensor(f"blk.{i}.{name}.weight", rand(*shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -7,6 +7,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
+from recipe_engine.data import sample_windows
 from recipe_engine.modifier import Modifier
 from recipe_engine.registry import REGISTRY
 from tests.helpers import CharTokenizer, random_tokens, tiny_model
@@ -76,13 +77,14 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
 
 def test_force_replaces_existing_output_only_after_success(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    out.mkdir()
+    recipe_engine.apply(tiny_recipe(tmp_path), model=tiny_model(), tokenizer=CharTokenizer(), progress=False)
     (out / "old.txt").write_text("old")
+    before = sorted(p.name for p in out.iterdir())
     monkeypatch.setitem(REGISTRY._classes, "Interrupting", Interrupting)
     with pytest.raises(KeyboardInterrupt):
         recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Interrupting"]), model=tiny_model(),
                             tokenizer=CharTokenizer(), force=True, progress=False)
-    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in out.iterdir()) == before
     recipe_engine.apply(tiny_recipe(tmp_path), model=tiny_model(), tokenizer=CharTokenizer(), force=True,
                         progress=False)
     assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
@@ -102,7 +104,10 @@ def test_only_rank_zero_writes_under_a_distributed_launch(tmp_path, monkeypatch)
 def test_too_little_calibration_text_says_how_much(tmp_path):
     recipe = tiny_recipe(tmp_path)
     recipe["calibration"]["samples"] = 1000
-    with pytest.raises(recipe_engine.RecipeError, match=r"has 9000 tokens = 281 windows of 32; need "
-                                                        r"samples × seq_len = 1000 × 32 = 32000"):
+    with pytest.raises(recipe_engine.RecipeError, match=r"cal.txt has 9000 bytes of text; samples × seq_len = "
+                                                        r"32000 tokens need at least 32000 bytes"):
         recipe_engine.apply(recipe, model=tiny_model(), tokenizer=CharTokenizer(), progress=False)
     assert not (tmp_path / "out").exists()
+    with pytest.raises(recipe_engine.RecipeError, match=r"has 9000 tokens = 281 windows of 32; need "
+                                                        r"samples × seq_len = 282 × 32 = 9024"):
+        sample_windows(torch.zeros(9000, dtype=torch.long), 282, 32, 0, "cal.txt")

@@ -13,7 +13,8 @@ def test_missing_builtin_package_says_how_to_install(monkeypatch):
         models.resolve_model("smollm2-135m")
 
 
-def test_local_dir_and_missing_paths(tmp_path):
+def test_local_dir_and_missing_paths(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "hub_unreachable", lambda *a: None)
     tiny_model().save_pretrained(tmp_path / "m")
     assert models.resolve_model(str(tmp_path / "m")).kind == "local"
     with pytest.raises(SourceError, match="has no config.json"):

