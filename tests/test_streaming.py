@@ -150,18 +150,23 @@ def test_stream_on_with_an_in_memory_model_is_refused(tmp_path):
 
 INTERRUPT = """
 import os, signal, sys
-import recipe_engine
+from recipe_engine.cli import main
 from recipe_engine.streaming import WeightStream
-stage = WeightStream.stage
-def stage_then_die(self, unit):
+stage, count = WeightStream.stage, [0]
+def stage_then_signal(self, unit):
     stage(self, unit)
-    os.kill(os.getpid(), signal.SIGINT)
-WeightStream.stage = stage_then_die
-recipe_engine.apply(sys.argv[1], progress=False)
+    count[0] += 1
+    if count[0] == int(sys.argv[3]):
+        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+WeightStream.stage = stage_then_signal
+sys.exit(main(["apply", sys.argv[1], "--quiet"]))
 """
 
 
-def test_interrupt_mid_pass_leaves_neither_staging_nor_output(tmp_path):
+@pytest.mark.parametrize("name, staged", [("SIGINT", 1), ("SIGTERM", 9), ("SIGHUP", 10)])
+def test_signal_mid_pass_leaves_neither_staging_nor_output(tmp_path, name, staged):
+    """Killed after the n-th staged unit: 1 FuseNorm's first layer (6 layers, head, norm), 9 the merged layer
+    (FlattenAdjacent), 10 the pruned layer (the HeadPrune + NystromMLP pass)."""
     model_dir = tmp_path / "model"
     saved_model(model_dir)
     import yaml
@@ -170,9 +175,10 @@ def test_interrupt_mid_pass_leaves_neither_staging_nor_output(tmp_path):
     path.write_text(yaml.safe_dump(recipe(tmp_path, model_dir, ["FuseNorm", "FlattenAdjacent<n:1>", "HeadPrune",
                                                                   "NystromMLP"], "on", "out")))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, "-c", INTERRUPT, str(path)], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode != 0 and "KeyboardInterrupt" in run.stderr
+    run = subprocess.run([sys.executable, "-c", INTERRUPT, str(path), name, str(staged)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 128 + getattr(signal, name), run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == f"interrupted by {name}; nothing written"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "model", "r.yaml"]
 
 
