@@ -156,6 +156,8 @@ stage, count = WeightStream.stage, [0]
 def stage_then_signal(self, unit):
     stage(self, unit)
     count[0] += 1
+    if count[0] == int(sys.argv[3]) and sys.argv[2] == "exception":
+        raise RuntimeError("injected failure")
     if count[0] == int(sys.argv[3]):
         os.kill(os.getpid(), getattr(signal, sys.argv[2]))
 WeightStream.stage = stage_then_signal
@@ -163,7 +165,7 @@ sys.exit(main(["apply", sys.argv[1], "--quiet"]))
 """
 
 
-@pytest.mark.parametrize("name, staged", [("SIGINT", 1), ("SIGTERM", 9), ("SIGHUP", 10)])
+@pytest.mark.parametrize("name, staged", [("SIGINT", 1), ("SIGTERM", 9), ("SIGHUP", 10), ("exception", 10)])
 def test_signal_mid_pass_leaves_neither_staging_nor_output(tmp_path, name, staged):
     """Killed after the n-th staged unit: 1 FuseNorm's first layer (6 layers, head, norm), 9 the merged layer
     (FlattenAdjacent), 10 the pruned layer (the HeadPrune + NystromMLP pass)."""
@@ -177,8 +179,11 @@ def test_signal_mid_pass_leaves_neither_staging_nor_output(tmp_path, name, stage
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, "-c", INTERRUPT, str(path), name, str(staged)], env=env,
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 128 + getattr(signal, name), run.stderr[-2000:]
-    assert run.stderr.strip().splitlines()[-1] == f"interrupted by {name}; nothing written"
+    if name == "exception":
+        assert run.returncode == 1 and "injected failure" in run.stderr
+    else:
+        assert run.returncode == 128 + getattr(signal, name), run.stderr[-2000:]
+        assert run.stderr.strip().splitlines()[-1] == f"interrupted by {name}; nothing written"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "model", "r.yaml"]
 
 
