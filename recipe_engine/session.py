@@ -143,26 +143,19 @@ class Session:
                  for m in self._modules(items)]
         return list({id(m): m for m in units}.values())
 
-    @contextlib.contextmanager
-    def loaded(self, *items: int | nn.Module) -> Iterator[None]:
+    def loaded(self, *items: int | nn.Module) -> contextlib.AbstractContextManager:
         """Weights of these layers (current indices) or modules materialized on CPU for the block; on
         exit a streamed model stages what changed and releases it. A no-op for an in-memory model."""
         if self.stream is None:
-            yield
-            return
-        with self.stream.loaded(self._units(items), torch.device("cpu")):
-            yield
+            return contextlib.nullcontext()
+        return self.stream.loaded(self._units(items), torch.device("cpu"))
 
-    @contextlib.contextmanager
-    def using(self, *items: int | nn.Module) -> Iterator[None]:
+    def using(self, *items: int | nn.Module) -> contextlib.AbstractContextManager:
         """Layers (current indices) or modules with real weights on the session device for the block:
         materialized there from disk when streamed, else moved there and back (``on_device``)."""
         if self.stream is None:
-            with self.on_device(*self._modules(items)):
-                yield
-            return
-        with self.stream.loaded(self._units(items), self.device):
-            yield
+            return self.on_device(*self._modules(items))
+        return self.stream.loaded(self._units(items), self.device)
 
     def release(self, module: nn.Module) -> None:
         """Stage a module built by a step (e.g. a merged layer) and free its weights (streamed models)."""
@@ -179,12 +172,10 @@ class Session:
             units.append(head)
         return units
 
-    @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
+    def resident(self) -> contextlib.AbstractContextManager:
         """The whole model materialized on CPU for the block (for steps that need every weight at once,
         e.g. training); a no-op for an in-memory model."""
-        with self.loaded(*self.stream_units()) if self.stream is not None else contextlib.nullcontext():
-            yield
+        return self.loaded(*self.stream_units())
 
     @contextlib.contextmanager
     def on_device(self, *modules: nn.Module) -> Iterator[None]:
