@@ -2,12 +2,14 @@
 
     peak ≈ runtime + activations + max over steps (weights held during the step + the step's working memory)
 
-* runtime: this process's resident memory after importing torch and transformers (measured at plan time).
+* runtime: resident memory of a process that has done what ``apply`` does before loading weights (imports,
+  calibration text, tokenizer, token ids): measured in the planning process (``runtime_bytes``), or passed
+  in by ``apply`` itself.
 * activations: the calibration tokens' hidden states, four sets (a layer's inputs and outputs, the
   original model's states in lockstep, a step's targets), plus one batch's MLP intermediate (×3).
 * weights held: in memory, the whole model; streamed, a layer-scope step holds its largest target layer and
   one original layer (reference), a streaming model-scope step about four layers (a merge: its sources,
-  the copy and the result), the embedding or head matrix while it is in use, and a step that does not
+  the copy and the result) or the embedding matrix its passes start with, whichever is larger, and a step that does not
   stream (``Modifier.streams``) the whole model (twice with the original model).
 * working memory: each step's ``working_memory(shape, tokens)`` (statistics and solve buffers).
 """
@@ -21,15 +23,26 @@ from .shape import ModelShape
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def runtime_bytes() -> int:
-    """Resident memory of this process after importing torch and transformers."""
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
+def current_rss() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
 
 
-def estimate(recipe: Recipe, config, streamed: bool) -> dict:
+def runtime_bytes(recipe: Recipe) -> int:
+    """Resident memory of this process after doing what ``apply`` does before it loads weights: import
+    the engine and the model classes, read the calibration text, load the tokenizer and tokenize."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    from . import runner  # noqa: F401
+    from .data import load_text, tokenize
+    from .models import resolve_model
+
+    cal = recipe.calibration
+    text = load_text(cal.dataset, cal.split, cal.text_field)
+    tokenize(AutoTokenizer.from_pretrained(resolve_model(recipe.model).location), text.text)
+    return current_rss()
+
+
+def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None) -> dict:
     """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory."""
     width = DTYPE_BYTES[recipe.dtype]
     shape = ModelShape.from_config(config)
@@ -39,7 +52,8 @@ def estimate(recipe: Recipe, config, streamed: bool) -> dict:
     matrices = 1 if shape.tie_word_embeddings else 2
 
     def model_bytes(s: ModelShape) -> int:
-        return sum(s.layer_parameters(layer) for layer in s.layers) * width + matrices * embedding
+        final_norm = s.hidden_size * width
+        return sum(s.layer_parameters(layer) for layer in s.layers) * width + matrices * embedding + final_norm
 
     whole = model_bytes(shape)
     steps = []
@@ -49,8 +63,8 @@ def estimate(recipe: Recipe, config, streamed: bool) -> dict:
             held = model_bytes(shape)
         elif step.scope == "layer":
             held = largest + (shape.layer_parameters(shape.layers[0]) * width if step.needs_reference else 0)
-        elif step.streams:
-            held = 4 * largest
+        elif step.streams:  # its passes start with the embeddings loaded beside its buffers
+            held = max(4 * largest, embedding)
         else:
             held = model_bytes(shape) + (whole if step.needs_reference else 0)
         work = step.working_memory(shape, tokens)
@@ -59,7 +73,7 @@ def estimate(recipe: Recipe, config, streamed: bool) -> dict:
         step.check(shape)
     intermediate = max(layer.intermediate_size for layer in ModelShape.from_config(config).layers)
     activations = 4 * tokens * shape.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
-    runtime = runtime_bytes()
+    runtime = runtime_bytes(recipe) if runtime is None else runtime
     peak_step = max(s["weights_bytes"] + s["working_bytes"] for s in steps)
     if streamed:
         peak_step = max(peak_step, embedding)

@@ -36,10 +36,10 @@ def memory_plan(recipe: Recipe) -> dict | None:
     try:
         config = load_config(recipe.model)
         on_disk = checkpoint_bytes_on_disk(recipe.model)
+        streamed = recipe.stream == "on" or (recipe.stream == "auto" and on_disk > available_memory() / 2)
+        return estimate(recipe, config, streamed)
     except RecipeError as exc:
         return {"unavailable": exc.detail}
-    streamed = recipe.stream == "on" or (recipe.stream == "auto" and on_disk > available_memory() / 2)
-    return estimate(recipe, config, streamed)
 
 
 def _gib(value: int) -> str:

@@ -25,7 +25,7 @@ from .output import (atomic_directory, check_free_space, check_output_free, git_
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict
-from .memory import estimate
+from .memory import current_rss, estimate
 from .session import Session
 from .streaming import attach_stream, available_memory, checkpoint_bytes_on_disk
 from .validate import check_against_config
@@ -75,7 +75,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype, "streamed": streamed}
-    planned = estimate(recipe, config, streamed)["host_peak_bytes"]  # before anything is loaded
+    planned = estimate(recipe, config, streamed, current_rss())["host_peak_bytes"]  # before weights load
     writing = write and is_main_process()  # under torchrun every rank computes, rank 0 writes
     with _workspace(recipe.output, writing, force) as workdir, Progress(enabled=progress) as bar:
         if model is None:

@@ -243,3 +243,28 @@ def test_incremental_safetensors_writer_matches_the_library(tmp_path):
             assert all(torch.equal(handle.get_tensor(n), t) for n, t in tensors.items())
     with pytest.raises(RuntimeError, match="got a.bias .*, expected b.weight"):
         write_safetensors_incrementally(tmp_path / "bad.safetensors", layout, iter([{"a.bias": tensors["a.bias"]}]))
+
+
+@pytest.mark.parametrize("model_type, tied", [("llama", False), ("qwen2", True)])
+def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
+    """The estimate's model size equals the parameters HF builds (× dtype bytes); NystromMLP's working memory
+    is its fp64 Gram and factor of the merged width; the streamed peak is far below the in-memory one."""
+    from recipe_engine.memory import estimate
+    from recipe_engine.schema import recipe_from_dict
+    from tests.helpers import tiny_config
+
+    config = tiny_config(model_type, num_hidden_layers=6, tie_word_embeddings=tied)
+    steps = ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]
+    data = recipe(tmp_path, tmp_path, steps, "on", "m")
+    plans = {streamed: estimate(recipe_from_dict({**data, "dtype": "bfloat16"}), config, streamed, runtime=0)
+             for streamed in (False, True)}
+    model = AutoModelForCausalLM.from_config(config)
+    assert plans[True]["model_bytes"] == 2 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    nystrom = plans[True]["steps"][2]
+    merged = 2 * config.intermediate_size  # the widest merged layer joins two layers
+    assert nystrom["working_bytes"] == 8 * (2 * merged**2 + merged * 2048 + merged * config.hidden_size)
+    assert [s["whole_model"] for s in plans[True]["steps"]] == [False, False, False]
+    assert all(s["whole_model"] for s in plans[False]["steps"])
+    assert plans[True]["host_peak_bytes"] < plans[False]["host_peak_bytes"]
+    lora = estimate(recipe_from_dict({**data, "modifiers": ["LoRARecovery"]}), config, True, runtime=0)
+    assert lora["steps"][0]["whole_model"] and lora["steps"][0]["weights_bytes"] >= lora["model_bytes"]
