@@ -95,7 +95,11 @@ class GPTQ(LayerModifier):
     (stock checkpoint), or with ``export: compressed-tensors`` packed int32 weights + scales that vLLM loads.
     """
 
-    quantizes = True
+
+    @property
+    def quantizes(self) -> bool:  # packed weights must stay on their grid; dequantized ones may change
+        return self.export == "compressed-tensors"
+
     example: ClassVar[tuple[str, ...]] = ("GPTQ<group_size:32>",)  # tiny contract model: widths 64 and 96
     needs = ("input Gram of q/k/v, o_proj, gate/up and down_proj (fp32 products, fp64 sums); sequential: "
              "each after the groups before it are quantized",)

@@ -19,7 +19,11 @@ class Quantize(Modifier):
     """
 
     method: Literal["rtn"] = Field("rtn", description="rounding method (round-to-nearest)")
-    quantizes = True
+
+    @property
+    def quantizes(self) -> bool:  # packed weights must stay on their grid; dequantized ones may change
+        return self.export == "compressed-tensors"
+
     example: ClassVar[tuple[str, ...]] = ("Quantize<group_size:32>",)  # tiny contract model: widths 64 and 96
 
     bits: int = Field(4, ge=2, le=8, description="integer bits per weight")

@@ -42,7 +42,8 @@ class Modifier(BaseModel):
     #: ``session.using``); otherwise the engine materializes the whole model around it (``recipe plan``
     #: says so). Layer-scope steps act on the layer the pass has loaded.
     streams: ClassVar[bool] = False
-    #: True for steps that put weights on a quantization grid (a later weight change is a validation error).
+    #: True for steps whose output packs weights on a quantization grid (a later weight change is a
+    #: validation error: it would fail when packing).
     quantizes: ClassVar[bool] = False
     #: False for steps that never change a weight's values (e.g. they only drop whole layers).
     changes_weights: ClassVar[bool] = True
