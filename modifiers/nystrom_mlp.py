@@ -8,8 +8,8 @@ import torch
 from pydantic import Field
 
 from recipe_engine import LayerModifier, register
-from recipe_engine.linalg import (mean_eigenvalue, ridge_compensation, ridge_leverage_scores, ridge_refit,
-                                  set_linear_weight)
+from recipe_engine.linalg import (heldout_ridge_scale, mean_eigenvalue, refit_error, ridge_compensation,
+                                  ridge_leverage_scores, ridge_refit, set_linear_weight)
 from recipe_engine.shape import ModelShape
 from recipe_engine.stats import InputCovariance, Statistic
 
@@ -19,6 +19,51 @@ class _LastInput(Statistic):
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         self.value = inputs
+
+
+def target_moments(session, layer, targets: list[torch.Tensor], folds: int, grams: bool) -> list[dict[str, Any]]:
+    """Moments of the ``down_proj`` refit towards ``targets`` for the layer on ``session.current_inputs()``.
+
+    With ``σ`` the ``down_proj`` input and ``e = y* − layer(x)`` the output errors, fold ``f`` (calibration
+    batches ``k ≡ f mod folds``) gets ``C = Σ σᵀe`` and ``E = Σ‖e‖²`` (fp64), and ``G = Σ σᵀσ`` when
+    ``grams`` (fp32 products summed in fp64).
+    """
+    inputs, kwargs_list = session.current_inputs()
+    down = session.adapter.mlp(layer).down_proj
+    sigma = _LastInput("mlp.down_proj")
+    channels = down.in_features
+    moments = [{"cross": torch.zeros(channels, down.out_features, dtype=torch.float64, device=session.device),
+                "gram": torch.zeros(channels, channels, dtype=torch.float64, device=session.device) if grams else None,
+                "error": 0.0} for _ in range(folds)]
+
+    def accumulate(k: int, output: torch.Tensor) -> None:
+        fold = moments[k % folds]
+        residual = (targets[k].to(output.device) - output).reshape(-1, output.shape[-1]).to(torch.float64)
+        flat = sigma.value.reshape(-1, channels)
+        fold["cross"].add_(flat.to(torch.float64).T @ residual)
+        fold["error"] += float(residual.pow(2).sum())
+        if grams:
+            fold["gram"].add_((flat.float().T @ flat.float()).to(torch.float64))
+
+    session.run_layer(layer, inputs, kwargs_list, hooks=[sigma], on_batch=accumulate)
+    return moments
+
+
+def refit_down_proj(down: torch.nn.Linear, gram: torch.Tensor, moments: list[dict[str, Any]],
+                    scale: float, scales: list[float] | None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Ridge refit ``W' = W + ((G + λI)⁻¹ C)ᵀ`` of ``down_proj`` from :func:`target_moments`; ``λ`` is
+    ``scale`` × mean eig(G), or, given ``scales``, the multiple with the least cross-validated error over
+    the folds. Returns the new weight (fp64) and the errors before/after (and the held-out errors)."""
+    cross = sum(m["cross"] for m in moments).to(gram.device)
+    error = sum(m["error"] for m in moments)
+    entry: dict[str, Any] = {}
+    if scales is not None:
+        scale, held = heldout_ridge_scale([m["gram"] for m in moments], [m["cross"] for m in moments],
+                                          [m["error"] for m in moments], scales)
+        entry = {"target_scale_chosen": scale, "heldout_error": dict(zip(map(str, scales), held))}
+    refit = ridge_refit(down.weight, gram, cross, scale * mean_eigenvalue(gram))
+    after = refit_error(error, gram, cross, refit - down.weight.to(torch.float64))
+    return refit, {"target_error_before": error, "target_error_after": after, **entry}
 
 
 @register
@@ -41,6 +86,9 @@ class NystromMLP(LayerModifier):
     target: Literal["merged", "serial", "original"] = Field(
         "original", description="what the kept down_proj is refitted to reproduce (merged = Theorem 3.1 only)")
     target_scale: float = Field(0.1, gt=0, description="ridge λ multiple of the refit towards target")
+    target_scales: list[float] | None = Field(
+        None, min_length=2, description="choose λ_t per layer from these multiples by 2-fold cross-validation "
+                                        "over calibration batches (None: target_scale)")
 
     modifies = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # needs merged layers
@@ -99,30 +147,23 @@ class NystromMLP(LayerModifier):
             entry.update(self._refit_towards_target(session, layer_index, gram[keep][:, keep]))
         return entry
 
-    def _refit_towards_target(self, session, index: int, gram: torch.Tensor) -> dict[str, float]:
+    def _refit_towards_target(self, session, index: int, gram: torch.Tensor) -> dict[str, Any]:
         """Second ridge refit of the kept ``down_proj`` so the whole layer's output approaches the target
         ``y*``: the original layers run serially on this layer's inputs (``serial``) or the original model's
         hidden state at this depth (``original``). With the pruned layer's errors ``e = y* − layer(x)`` and
-        ``σ`` the kept ``down_proj`` input, ``W' = W + ((G_KK + λI)⁻¹ Σ σ eᵀ)ᵀ`` (``ridge_refit``)."""
+        ``σ`` the kept ``down_proj`` input, ``W' = W + ((G_KK + λI)⁻¹ Σ σ eᵀ)ᵀ`` (``ridge_refit``); with
+        ``target_scales`` the λ multiple is chosen by 2-fold cross-validation over calibration batches."""
         inputs, kwargs_list = session.current_inputs()
         targets = (session.reference_outputs(index) if self.target == "original"
                    else session.original_outputs(index, inputs, kwargs_list))
         layer = session.layers[index]
         down = session.adapter.mlp(layer).down_proj
-        sigma = _LastInput("mlp.down_proj")
-        cross = torch.zeros(gram.shape[0], down.out_features, dtype=torch.float64, device=session.device)
-        error = [0.0]
-
-        def accumulate(k: int, output: torch.Tensor) -> None:
-            residual = (targets[k].to(output.device) - output).reshape(-1, output.shape[-1]).to(torch.float64)
-            cross.add_(sigma.value.reshape(-1, gram.shape[0]).to(torch.float64).T @ residual)
-            error[0] += float(residual.pow(2).sum())
-
-        session.run_layer(layer, inputs, kwargs_list, hooks=[sigma], on_batch=accumulate)
-        gram = gram.to(cross.device)
-        refit = ridge_refit(down.weight, gram, cross, self.target_scale * mean_eigenvalue(gram))
-        delta = refit - down.weight.to(torch.float64)
-        # ‖e − σΔᵀ‖² = ‖e‖² − 2⟨C, Δᵀ⟩ + tr(Δ G Δᵀ): the error left on the calibration tokens
-        after = error[0] - 2 * float((cross * delta.T).sum()) + float(torch.einsum("oi,ij,oj->", delta, gram, delta))
+        folds = 2 if self.target_scales is not None else 1
+        if self.target_scales is not None and len(inputs) < 2:
+            raise self.fail("target_scales needs at least 2 calibration batches (samples > batch_size)",
+                            field="target_scales")
+        moments = target_moments(session, layer, targets, folds, grams=self.target_scales is not None)
+        refit, entry = refit_down_proj(down, gram.to(session.device), moments, self.target_scale,
+                                       self.target_scales)
         set_linear_weight(down, refit, down.bias)
-        return {"target_error_before": error[0], "target_error_after": after}
+        return entry

@@ -179,3 +179,37 @@ def test_pruning_steps_need_merged_layers():
         HeadPrune(layers=[2]).check(shape)
     with pytest.raises(RecipeError, match="layer 9 out of range"):
         NystromMLP(layers=[9]).check(shape)
+
+
+def test_nystrom_target_scale_by_cross_validation_matches_brute_force():
+    """``target_scales``: each multiple's 2-fold held-out error (batch 0 ↔ batch 1) against explicit ridge
+    fits (lstsq) on the other fold; the chosen multiple is the brute-force minimiser and the final
+    down_proj the stacked lstsq refit on all tokens with it."""
+    session, tokens = merged_session()
+    original = session.reference_session().model
+    with torch.no_grad():
+        wanted = original(tokens, output_hidden_states=True).hidden_states[3].reshape(-1, 64).double()
+    pruned, _ = merged_session(tokens=tokens)
+    pruned.run_layer_modifiers([NystromMLP(target="merged")])
+    x, out, act = run_layer_with_hook(pruned, tokens, pruned.layers[1], "mlp.down_proj")
+    nystrom = pruned.layers[1].mlp.down_proj.weight.double()
+    residual = wanted - out.reshape(-1, 64).double() + act @ nystrom.T  # y* − h
+
+    def fit(rows, scale):
+        ridge = scale * float(torch.diagonal(act[rows].T @ act[rows]).mean())
+        lhs = torch.cat([act[rows], ridge ** 0.5 * torch.eye(96, dtype=torch.float64)])
+        rhs = torch.cat([residual[rows], ridge ** 0.5 * nystrom.T])
+        return torch.linalg.lstsq(lhs, rhs).solution.T
+
+    folds = [torch.arange(0, 48), torch.arange(48, 96)]  # batch_size 2 × 24 tokens per batch
+    scales = [0.001, 0.1, 10.0]
+    brute = [sum(float(((residual[held] - act[held] @ fit(other, s).T) ** 2).sum())
+                 for held, other in (folds, folds[::-1])) for s in scales]
+    best = scales[brute.index(min(brute))]
+
+    report = session.run_layer_modifiers([NystromMLP(target_scales=scales)])["0"]["layers"]["1"]
+    assert report["target_scale_chosen"] == best
+    torch.testing.assert_close(torch.tensor(list(report["heldout_error"].values())), torch.tensor(brute),
+                               rtol=1e-4, atol=0.0)
+    torch.testing.assert_close(session.layers[1].mlp.down_proj.weight.double(), fit(torch.arange(96), best),
+                               rtol=1e-4, atol=1e-5)
