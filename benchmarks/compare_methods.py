@@ -36,11 +36,13 @@ CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikit
 EVALS = {"wikitext2": ("wikitext2", "test", 24), "c4": ("c4-sample", "test", 16),
          "code": ("code-sample", "test", 16)}
 RESULTS = Path(__file__).parent / "results"
+CV_SCALES = [0.01, 0.1, 1.0, 10.0]
 
 
 def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
     """name → (modifiers, calibration overrides)."""
     flatten = ["FuseNorm", {"FlattenAdjacent": {"n": n}}]
+    issue3 = {"target_scales": None, "fallback": False}  # NystromMLP as in issue 3
     defaults = flatten + ["HeadPrune", "NystromMLP"]
     return {
         "dense": ([], {}),
@@ -55,8 +57,12 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "FlattenGPT": (defaults, {}),
         "FlattenGPT+LinearPatch": (defaults + ["LinearPatch"], {}),
         # issue-11 ablation: the refits and choices added on top of the issue-3 defaults
-        "FlattenGPT (issue-3 defaults)": (flatten + ["HeadPrune", "NystromMLP"], {}),
-        "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {"target": "merged"}}], {}),
+        "FlattenGPT (issue-3 defaults)": (flatten + ["HeadPrune", {"NystromMLP": issue3}], {}),
+        "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target": "merged"}}], {}),
+        "FlattenGPT +cv": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target_scales": CV_SCALES}}], {}),
+        "FlattenGPT +fallback": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "fallback": True}}], {}),
+        "FlattenGPT +cv+fallback": (flatten + ["HeadPrune", {"NystromMLP": {
+            **issue3, "target_scales": CV_SCALES, "fallback": True}}], {}),
     }
 
 

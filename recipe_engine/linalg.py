@@ -77,7 +77,8 @@ def heldout_ridge_scale(grams: list[torch.Tensor], crosses: list[torch.Tensor], 
         for gram, cross, error in zip(grams, crosses, errors):
             fit_gram = gram_all - gram
             eye = torch.eye(fit_gram.shape[0], dtype=torch.float64, device=fit_gram.device)
-            delta_t = torch.linalg.solve(fit_gram + scale * mean_eigenvalue(fit_gram) * eye, cross_all - cross)
+            factor = torch.linalg.cholesky(fit_gram + scale * mean_eigenvalue(fit_gram) * eye)
+            delta_t = torch.cholesky_solve(cross_all - cross, factor)
             total += refit_error(error, gram, cross, delta_t.T)
         held.append(total)
     return scales[min(range(len(scales)), key=lambda k: (held[k], k))], held
