@@ -6,7 +6,8 @@ held-out protocol: no evaluation text is from it), ``wikitext2`` = 32 × 512 tok
 (the paper's in-domain protocol, for comparison with the literature); seed 0. SLEB's ~n × layers
 calibration-NLL passes use 8 × 128 tokens of the same source. Perplexity (``--evals``): WikiText-2 test
 (first 24 windows × 1024), the C4 sample (``c4.utf8``, 16 × 1024) and the code sample (``code.utf8``,
-16 × 1024; Qwen2.5-Coder is a code model). Each method runs through ``recipe_engine.apply(recipe,
+16 × 1024; Qwen2.5-Coder is a code model); ``--windows`` changes the counts (the figures in BENCHMARKS.md
+used 16 8 8 on the shared 2-core CPU). Each method runs through ``recipe_engine.apply(recipe,
 write=False)`` on a fresh copy of the dense model; "compress s" is the sum of the steps' wall times.
 
 Run: nice -n 10 python benchmarks/compare_methods.py --model qwen2.5-0.5b [--calibration wikipedia]
@@ -33,8 +34,8 @@ from recipe_engine.models import load_model
 
 MODELS = {"smollm2-135m": 6, "qwen2.5-0.5b": 5}   # default n: ~20 % of the depth
 CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikitext2", "validation")}
-EVALS = {"wikitext2": ("wikitext2", "test", 24), "c4": ("c4-sample", "test", 16),
-         "code": ("code-sample", "test", 16)}
+EVALS = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "test"), "code": ("code-sample", "test")}
+WINDOWS = {"wikitext2": 24, "c4": 16, "code": 16}   # default windows × 1024 tokens (--windows to change)
 RESULTS = Path(__file__).parent / "results"
 CV_SCALES = [0.01, 0.1, 1.0, 10.0]
 
@@ -89,10 +90,11 @@ def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict
                   "calibration": calibration, "modifiers": steps}
         model, report = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer,
                                             write=False, progress=False)
-    ppl = {key: perplexity(model, tokenizer, texts[key], seq_len=1024, limit=EVALS[key][2])["ppl"]
+    ppl = {key: perplexity(model, tokenizer, texts[key], seq_len=1024, limit=args.windows[key])["ppl"]
            for key in args.evals}
     extra = {"zero_shot": zero_shot(model, tokenizer, args.task_limit)} if args.task_limit else {}
     return {**extra, "method": name, "n": args.n if steps else 0, "calibration": args.calibration,
+            "eval_windows": {key: args.windows[key] for key in args.evals},
             "layers": model.config.num_hidden_layers,
             "params_pct": 100.0 * count_parameters(model) / count_parameters(dense), "ppl": ppl,
             "compress_s": sum(step["wall_s"] for step in report["steps"]),
@@ -101,8 +103,9 @@ def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict
 
 
 def key(row: dict) -> str:
+    windows = ",".join(f"{k}{v}" for k, v in row["eval_windows"].items())
     return f"{row['method']}|{row['calibration']}|{row['calibration_config']['samples']}x" \
-           f"{row['calibration_config']['seq_len']}|n={row['n']}"
+           f"{row['calibration_config']['seq_len']}|n={row['n']}|{windows}"
 
 
 def print_table(rows: list[dict]) -> None:
@@ -111,7 +114,8 @@ def print_table(rows: list[dict]) -> None:
           + " | zero-shot avg | compress s |\n|" + "---|" * (7 + len(evals)))
     for row in rows:
         cal = row["calibration_config"]
-        ppl = " | ".join(f"{row['ppl'][e]:.2f}" if e in row["ppl"] else "–" for e in evals)
+        ppl = " | ".join(f"{row['ppl'][e]:.2f} ({row['eval_windows'][e]})" if e in row["ppl"] else "–"
+                         for e in evals)
         print(f"| {row['method']} | {row['calibration']} {cal['samples']}×{cal['seq_len']} | {row['n']} | "
               f"{row['layers']} | {row['params_pct']:.1f} | {ppl} | {average(row)} | {row['compress_s']:.0f} |")
 
@@ -130,6 +134,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
     parser.add_argument("--only", nargs="*", help="run only these methods (names from the table)")
     parser.add_argument("--evals", nargs="*", choices=list(EVALS), default=list(EVALS))
+    parser.add_argument("--windows", nargs=3, type=int, metavar=("WIKITEXT2", "C4", "CODE"),
+                        default=list(WINDOWS.values()), help="evaluation windows × 1024 tokens per source")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--task-limit", type=int, help="also the zero-shot average over the paper's five "
                                                        "tasks, first N rows of each")
@@ -137,6 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.n = args.n or MODELS[args.model]
+    args.windows = dict(zip(WINDOWS, args.windows))
     results = RESULTS / f"compare_methods_{args.model}.json"
     rows = json.loads(results.read_text())["rows"] if results.exists() else []
     if args.table:
