@@ -1,16 +1,19 @@
-"""Depth-pruning baselines on SmolLM2-135M-Instruct (30 layers) at the same depth: 6 layers removed.
+"""Depth-pruning methods compared at equal depth on a builtin model, in-domain and on held-out text.
 
-Protocol: calibration 32 × 512 tokens of WikiText-2 validation (seed 0) for every method except SLEB, whose
-~n × layers calibration-NLL passes use 8 × 128 tokens (same split and seed) to keep the run on 2 CPU cores
-reasonable; LaCo searches T for 24 layers on its 10 few-shot windows (the first 10 calibration windows), with
-the paper's C = 4 (merge 4 layers into one) and with C = 2 (pairs, like the other methods' merges).
-Perplexity: first 24 windows × 1024 tokens of WikiText-2 test. Each method runs through
-``recipe_engine.apply(recipe, write=False)`` on a fresh copy of the dense model; "compress s" is the sum
-of the steps' wall times. FlattenGPT rows need the FlattenAdjacent/HeadPrune/NystromMLP modifiers.
+Every method removes ``n`` layers (default: SmolLM2-135M 6 of 30, Qwen2.5-0.5B 5 of 24) and is calibrated on
+one source (``--calibration``): ``wikipedia`` = 32 × 512 tokens of the Wikipedia sample's train split (the
+held-out protocol: no evaluation text is from it), ``wikitext2`` = 32 × 512 tokens of WikiText-2 validation
+(the paper's in-domain protocol, for comparison with the literature); seed 0. SLEB's ~n × layers
+calibration-NLL passes use 8 × 128 tokens of the same source. Perplexity (``--evals``): WikiText-2 test
+(first 24 windows × 1024), the C4 sample (``c4.utf8``, 16 × 1024) and the code sample (``code.utf8``,
+16 × 1024; Qwen2.5-Coder is a code model); ``--windows`` changes the counts (the figures in BENCHMARKS.md
+used 16 8 8 on the shared 2-core CPU). Each method runs through ``recipe_engine.apply(recipe,
+write=False)`` on a fresh copy of the dense model; "compress s" is the sum of the steps' wall times.
 
-Run: nice -n 10 python benchmarks/compare_methods.py [--only NAME ...]
-(prints a table; merges each finished row into benchmarks/results/compare_methods.json, so runs with
---only accumulate)
+Run: nice -n 10 python benchmarks/compare_methods.py --model qwen2.5-0.5b [--calibration wikipedia]
+     [--n 5] [--only NAME ...] [--task-limit 200]
+(prints a table; merges each finished row into benchmarks/results/compare_methods_<model>.json keyed by
+method, calibration and n, so runs with --only accumulate; --table reprints it)
 """
 from __future__ import annotations
 
@@ -21,35 +24,51 @@ import json
 import platform
 from pathlib import Path
 
+import torch
+
 import recipe_engine
 from recipe_engine.adapters import count_parameters
 from recipe_engine.data import load_text
 from recipe_engine.evaluation.perplexity import perplexity
 from recipe_engine.models import load_model
-from recipe_engine.registry import REGISTRY
 
-REMOVE = 6
-CALIBRATION = {"dataset": "wikitext2", "split": "validation", "samples": 32, "seq_len": 512, "seed": 0}
-SLEB_CALIBRATION = {**CALIBRATION, "samples": 8, "seq_len": 128}
-FLATTEN = ["FuseNorm", {"FlattenAdjacent": {"n": REMOVE}}, "HeadPrune", "NystromMLP"]
-#: name → (modifiers, calibration)
-METHODS = {
-    "dense": ([], CALIBRATION),
-    "ShortGPT": ([{"ShortGPT": {"n": REMOVE}}], CALIBRATION),
-    "LaCo": ([{"LaCo": {"target_layers": 30 - REMOVE, "search_steps": 6}}], CALIBRATION),
-    "LaCo C=2": ([{"LaCo": {"C": 2, "target_layers": 30 - REMOVE, "search_steps": 8}}], CALIBRATION),
-    "SLEB": ([{"SLEB": {"n": REMOVE}}], SLEB_CALIBRATION),
-    "ShortGPT+LinearPatch": ([{"ShortGPT": {"n": REMOVE}}, "LinearPatch"], CALIBRATION),
-    "FlattenGPT": (FLATTEN, CALIBRATION),
-    "FlattenGPT+LinearPatch": (FLATTEN + ["LinearPatch"], CALIBRATION),
-}
-RESULTS = Path(__file__).parent / "results" / "compare_methods.json"
+MODELS = {"smollm2-135m": 6, "qwen2.5-0.5b": 5}   # default n: ~20 % of the depth
+CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikitext2", "validation")}
+EVALS = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "test"), "code": ("code-sample", "test")}
+WINDOWS = {"wikitext2": 24, "c4": 16, "code": 16}   # default windows × 1024 tokens (--windows to change)
+RESULTS = Path(__file__).parent / "results"
+CV_SCALES = [0.01, 0.1, 1.0, 10.0]
+
+
+def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
+    """name → (modifiers, calibration overrides)."""
+    flatten = ["FuseNorm", {"FlattenAdjacent": {"n": n}}]
+    issue3 = {"target_scales": None, "fallback": False}  # NystromMLP as in issue 3
+    defaults = flatten + ["HeadPrune", "NystromMLP"]
+    return {
+        "dense": ([], {}),
+        "ShortGPT": ([{"ShortGPT": {"n": n}}], {}),
+        "SLEB": ([{"SLEB": {"n": n}}], {"samples": 8, "seq_len": 128}),
+        "ShortGPT+LinearPatch": ([{"ShortGPT": {"n": n}}, "LinearPatch"], {}),
+        "LaCo": ([{"LaCo": {"target_layers": layers - n, "search_steps": 6}}], {}),
+        "LaCo C=2": ([{"LaCo": {"C": 2, "target_layers": layers - n, "search_steps": 8}}], {}),
+        # the paper as written: Eq. 12 heads without refit, Nyström MLP (Theorem 3.1 only), one-shot statistics
+        "FlattenGPT (paper)": (flatten + [{"HeadPrune": {"criterion": "eq12", "compensate": False}},
+                                          {"NystromMLP": {"target": "merged"}}], {"propagate": "original"}),
+        "FlattenGPT": (defaults, {}),
+        "FlattenGPT+LinearPatch": (defaults + ["LinearPatch"], {}),
+        # issue-11 ablation: the refits and choices added on top of the issue-3 defaults
+        "FlattenGPT (issue-3 defaults)": (flatten + ["HeadPrune", {"NystromMLP": issue3}], {}),
+        "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target": "merged"}}], {}),
+        "FlattenGPT +cv": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target_scales": CV_SCALES}}], {}),
+        "FlattenGPT +fallback": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "fallback": True}}], {}),
+        "FlattenGPT +cv+fallback": (flatten + ["HeadPrune", {"NystromMLP": {
+            **issue3, "target_scales": CV_SCALES, "fallback": True}}], {}),
+    }
 
 
 def zero_shot(model, tokenizer, limit: int) -> dict:
     """The paper's five zero-shot tasks (offline lm-eval configs), first ``limit`` rows of each."""
-    import torch
-
     from recipe_engine.evaluation import evaluate_model
     from recipe_engine.evaluation.zeroshot import PAPER_TASKS
     from recipe_engine.schema import EvaluateConfig
@@ -60,58 +79,95 @@ def zero_shot(model, tokenizer, limit: int) -> dict:
             "tasks": {task: r["value"] for task, r in result["tasks"].items()}}
 
 
-def run_method(name: str, dense, tokenizer, test_text: str, task_limit: int | None) -> dict:
-    steps, calibration = METHODS[name]
+def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict:
+    steps, overrides = methods(args.n, dense.config.num_hidden_layers)[name]
+    dataset, split = CALIBRATIONS[args.calibration]
+    calibration = {"dataset": dataset, "split": split, "samples": args.samples, "seq_len": args.seq_len,
+                   "seed": 0, **overrides}
     model, report = dense, {"steps": []}
     if steps:
-        recipe = {"version": 1, "name": f"compare_{name}", "model": "smollm2-135m", "output": "out/unused",
+        recipe = {"version": 1, "name": "compare", "model": args.model, "output": "out/unused",
                   "calibration": calibration, "modifiers": steps}
         model, report = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer,
                                             write=False, progress=False)
-    ppl = perplexity(model, tokenizer, test_text, seq_len=1024, limit=24)
-    extra = {"zero_shot": zero_shot(model, tokenizer, task_limit)} if task_limit else {}
-    return {**extra, "method": name, "layers": model.config.num_hidden_layers,
-            "params_pct": 100.0 * count_parameters(model) / count_parameters(dense), "ppl": ppl["ppl"],
+    ppl = {key: perplexity(model, tokenizer, texts[key], seq_len=1024, limit=args.windows[key])["ppl"]
+           for key in args.evals}
+    extra = {"zero_shot": zero_shot(model, tokenizer, args.task_limit)} if args.task_limit else {}
+    return {**extra, "method": name, "n": args.n if steps else 0, "calibration": args.calibration,
+            "eval_windows": {key: args.windows[key] for key in args.evals},
+            "layers": model.config.num_hidden_layers,
+            "params_pct": 100.0 * count_parameters(model) / count_parameters(dense), "ppl": ppl,
             "compress_s": sum(step["wall_s"] for step in report["steps"]),
-            "calibration": calibration, "modifiers": steps,
+            "calibration_config": calibration, "modifiers": steps,
             "steps": [{"modifier": s["modifier"], "result": s["result"]} for s in report["steps"]]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", choices=list(METHODS), help="run only these methods")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON file the rows merge into")
-    parser.add_argument("--task-limit", type=int, help="also the zero-shot average over the paper's five "
-                                                       "tasks, first N rows of each")
-    args = parser.parse_args()
-    names = args.only or list(METHODS)
-    missing = [m for m in ("FlattenAdjacent", "HeadPrune", "NystromMLP") if m not in REGISTRY.names()]
-    if missing:
-        print(f"skipping FlattenGPT rows: modifiers {missing} are not registered")
-        names = [n for n in names if not n.startswith("FlattenGPT")]
-    dense, tokenizer, _ = load_model("smollm2-135m", "float32")
-    test_text = load_text("wikitext2", "test").text
-    earlier = json.loads(args.results.read_text())["rows"] if args.results.exists() else []
-    by_method = {row["method"]: row for row in earlier}
-    for name in names:
-        row = run_method(name, dense, tokenizer, test_text, args.task_limit)
-        row["date"] = datetime.date.today().isoformat()
-        by_method[name] = row
-        rows = [by_method[m] for m in METHODS if m in by_method]
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "rows": rows},
-                                      indent=2, default=str))
-        print(f"{row['method']:<24} {row['layers']:>3} layers {row['params_pct']:6.1f}% params "
-              f"PPL {row['ppl']:9.2f}  {row['compress_s']:7.1f} s  zero-shot avg {average(row)}", flush=True)
-    print("\n| method | layers | params % | WikiText-2 PPL | zero-shot avg | compress s |\n|---|---|---|---|---|---|")
+def key(row: dict) -> str:
+    windows = ",".join(f"{k}{v}" for k, v in row["eval_windows"].items())
+    return f"{row['method']}|{row['calibration']}|{row['calibration_config']['samples']}x" \
+           f"{row['calibration_config']['seq_len']}|n={row['n']}|{windows}"
+
+
+def print_table(rows: list[dict]) -> None:
+    evals = [e for e in EVALS if any(e in r["ppl"] for r in rows)]
+    print("\n| method | calibration | n | layers | params % | " + " | ".join(f"{e} PPL" for e in evals)
+          + " | zero-shot avg | compress s |\n|" + "---|" * (7 + len(evals)))
     for row in rows:
-        print(f"| {row['method']} | {row['layers']} | {row['params_pct']:.1f} | {row['ppl']:.2f} | {average(row)} | "
-              f"{row['compress_s']:.1f} |")
+        cal = row["calibration_config"]
+        ppl = " | ".join(f"{row['ppl'][e]:.2f} ({row['eval_windows'][e]})" if e in row["ppl"] else "–"
+                         for e in evals)
+        print(f"| {row['method']} | {row['calibration']} {cal['samples']}×{cal['seq_len']} | {row['n']} | "
+              f"{row['layers']} | {row['params_pct']:.1f} | {ppl} | {average(row)} | {row['compress_s']:.0f} |")
 
 
 def average(row: dict) -> str:
     zero = row.get("zero_shot")
     return f"{zero['average']:.3f} ({zero['limit']} rows/task)" if zero else "–"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(MODELS), default="smollm2-135m")
+    parser.add_argument("--n", type=int, help="layers removed (default: 6 for SmolLM2, 5 for Qwen2.5-0.5B)")
+    parser.add_argument("--calibration", choices=list(CALIBRATIONS), default="wikipedia")
+    parser.add_argument("--samples", type=int, default=32, help="calibration windows")
+    parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
+    parser.add_argument("--only", nargs="*", help="run only these methods (names from the table)")
+    parser.add_argument("--evals", nargs="*", choices=list(EVALS), default=list(EVALS))
+    parser.add_argument("--windows", nargs=3, type=int, metavar=("WIKITEXT2", "C4", "CODE"),
+                        default=list(WINDOWS.values()), help="evaluation windows × 1024 tokens per source")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--task-limit", type=int, help="also the zero-shot average over the paper's five "
+                                                       "tasks, first N rows of each")
+    parser.add_argument("--table", action="store_true", help="only reprint the stored table")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    args.n = args.n or MODELS[args.model]
+    args.windows = dict(zip(WINDOWS, args.windows))
+    results = RESULTS / f"compare_methods_{args.model}.json"
+    rows = json.loads(results.read_text())["rows"] if results.exists() else []
+    if args.table:
+        print_table(rows)
+        return
+    known = methods(args.n, 1)
+    unknown = [m for m in args.only or () if m not in known]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; known: {list(known)}")
+    names = args.only or ["dense", "ShortGPT", "SLEB", "ShortGPT+LinearPatch", "FlattenGPT (paper)", "FlattenGPT"]
+    dense, tokenizer, _ = load_model(args.model, "float32")
+    texts = {e: load_text(EVALS[e][0], EVALS[e][1]).text for e in args.evals}
+    by_key = {key(row): row for row in rows}
+    for name in names:
+        row = run_method(name, args, dense, tokenizer, texts)
+        row["date"] = datetime.date.today().isoformat()
+        by_key[key(row)] = row
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps({"model": args.model, "machine": platform.processor() or platform.machine(),
+                                       "rows": list(by_key.values())}, indent=2, default=str))
+        print(f"{name:<32} n={row['n']} {row['layers']:>3} layers {row['params_pct']:6.1f}% params PPL "
+              + " ".join(f"{e} {v:.2f}" for e, v in row["ppl"].items())
+              + f"  {row['compress_s']:7.1f} s  zero-shot {average(row)}", flush=True)
+    print_table(list(by_key.values()))
 
 
 if __name__ == "__main__":

@@ -2,14 +2,15 @@
 refit ``down_proj`` (FlattenGPT §3.2 "MLP pruning", Algorithm 3, Theorem 3.1)."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
 from recipe_engine import LayerModifier, register
-from recipe_engine.linalg import (mean_eigenvalue, ridge_compensation, ridge_leverage_scores, ridge_refit,
-                                  set_linear_weight)
+from recipe_engine.linalg import (heldout_ridge_scale, mean_eigenvalue, refit_error, ridge_compensation,
+                                  ridge_leverage_scores, ridge_refit, set_linear_weight)
 from recipe_engine.shape import ModelShape
 from recipe_engine.stats import InputCovariance, Statistic
 
@@ -19,6 +20,51 @@ class _LastInput(Statistic):
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         self.value = inputs
+
+
+def target_moments(session, layer, targets: list[torch.Tensor], folds: int, grams: bool) -> list[dict[str, Any]]:
+    """Moments of the ``down_proj`` refit towards ``targets`` for the layer on ``session.current_inputs()``.
+
+    With ``σ`` the ``down_proj`` input and ``e = y* − layer(x)`` the output errors, fold ``f`` (calibration
+    batches ``k ≡ f mod folds``) gets ``C = Σ σᵀe`` and ``E = Σ‖e‖²`` (fp64), and ``G = Σ σᵀσ`` when
+    ``grams`` (fp32 products summed in fp64).
+    """
+    inputs, kwargs_list = session.current_inputs()
+    down = session.adapter.mlp(layer).down_proj
+    sigma = _LastInput("mlp.down_proj")
+    channels = down.in_features
+    moments = [{"cross": torch.zeros(channels, down.out_features, dtype=torch.float64, device=session.device),
+                "gram": torch.zeros(channels, channels, dtype=torch.float64, device=session.device) if grams else None,
+                "error": 0.0} for _ in range(folds)]
+
+    def accumulate(k: int, output: torch.Tensor) -> None:
+        fold = moments[k % folds]
+        residual = (targets[k].to(output.device) - output).reshape(-1, output.shape[-1]).to(torch.float64)
+        flat = sigma.value.reshape(-1, channels)
+        fold["cross"].add_(flat.to(torch.float64).T @ residual)
+        fold["error"] += float(residual.pow(2).sum())
+        if grams:
+            fold["gram"].add_((flat.float().T @ flat.float()).to(torch.float64))
+
+    session.run_layer(layer, inputs, kwargs_list, hooks=[sigma], on_batch=accumulate)
+    return moments
+
+
+def refit_down_proj(down: torch.nn.Linear, gram: torch.Tensor, moments: list[dict[str, Any]],
+                    scale: float, scales: list[float] | None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Ridge refit ``W' = W + ((G + λI)⁻¹ C)ᵀ`` of ``down_proj`` from :func:`target_moments`; ``λ`` is
+    ``scale`` × mean eig(G), or, given ``scales``, the multiple with the least cross-validated error over
+    the folds. Returns the new weight (fp64) and the errors before/after (and the held-out errors)."""
+    cross = sum(m["cross"] for m in moments).to(gram.device)
+    error = sum(m["error"] for m in moments)
+    entry: dict[str, Any] = {}
+    if scales is not None:
+        scale, held = heldout_ridge_scale([m["gram"] for m in moments], [m["cross"] for m in moments],
+                                          [m["error"] for m in moments], scales)
+        entry = {"target_scale_chosen": scale, "heldout_error": dict(zip(map(str, scales), held))}
+    refit = ridge_refit(down.weight, gram, cross, scale * mean_eigenvalue(gram))
+    after = refit_error(error, gram, cross, refit - down.weight.to(torch.float64))
+    return refit, {"target_error_before": error, "target_error_after": after, **entry}
 
 
 @register
@@ -41,8 +87,16 @@ class NystromMLP(LayerModifier):
     target: Literal["merged", "serial", "original"] = Field(
         "original", description="what the kept down_proj is refitted to reproduce (merged = Theorem 3.1 only)")
     target_scale: float = Field(0.1, gt=0, description="ridge λ multiple of the refit towards target")
+    target_scales: list[float] | None = Field(
+        None, min_length=2, description="choose λ_t per layer from these multiples by 2-fold cross-validation "
+                                        "over calibration batches (None: target_scale)")
+    fallback: bool = Field(False, description="per merged layer, keep instead one of its original layers "
+                                              "(drop the others) when that, refitted alike, leaves less target "
+                                              "error (cross-validated with target_scales)")
 
-    modifies = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    @property
+    def modifies(self) -> tuple[str, ...]:  # the fallback may replace the whole layer
+        return ("self_attn", "mlp") if self.fallback else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # needs merged layers
     needs = ("down_proj input Gram (fp64)", "target serial/original: the original layers' outputs "
              "(original weights on CPU)")
@@ -51,6 +105,9 @@ class NystromMLP(LayerModifier):
         """``target: original`` fits each layer to the original hidden state, absorbing the drift of the
         layers before it; with ``propagate: original`` that drift is the unpruned stream's, which the pruned
         model never sees, so every layer re-corrects it (measured on SmolLM2: PPL 3954 vs 39.01)."""
+        if self.fallback and self.target == "merged":
+            raise self.fail("fallback compares candidates by their error towards a target: use target: "
+                            "original or serial", field="fallback")
         if self.target == "original" and calibration.propagate == "original":
             raise self.fail("target: original needs calibration.propagate: compressed (it absorbs the drift "
                             "of the compressed layers before it); use target: serial or merged with "
@@ -106,30 +163,59 @@ class NystromMLP(LayerModifier):
             entry.update(self._refit_towards_target(session, layer_index, gram[keep][:, keep]))
         return entry
 
-    def _refit_towards_target(self, session, index: int, gram: torch.Tensor) -> dict[str, float]:
+    def _refit_towards_target(self, session, index: int, gram: torch.Tensor) -> dict[str, Any]:
         """Second ridge refit of the kept ``down_proj`` so the whole layer's output approaches the target
         ``y*``: the original layers run serially on this layer's inputs (``serial``) or the original model's
         hidden state at this depth (``original``). With the pruned layer's errors ``e = y* − layer(x)`` and
-        ``σ`` the kept ``down_proj`` input, ``W' = W + ((G_KK + λI)⁻¹ Σ σ eᵀ)ᵀ`` (``ridge_refit``)."""
+        ``σ`` the kept ``down_proj`` input, ``W' = W + ((G_KK + λI)⁻¹ Σ σ eᵀ)ᵀ`` (``ridge_refit``); with
+        ``target_scales`` the λ multiple is chosen by 2-fold cross-validation over calibration batches.
+
+        ``fallback``: the original layers this merged layer stands for are candidates too, each alone (the
+        others dropped) with the same refit; the candidate with the least error — held-out error at its
+        chosen λ with ``target_scales``, else the error left on the calibration tokens — replaces the layer.
+        """
         inputs, kwargs_list = session.current_inputs()
         targets = (session.reference_outputs(index) if self.target == "original"
                    else session.original_outputs(index, inputs, kwargs_list))
         layer = session.layers[index]
-        down = session.adapter.mlp(layer).down_proj
-        sigma = _LastInput("mlp.down_proj")
-        cross = torch.zeros(gram.shape[0], down.out_features, dtype=torch.float64, device=session.device)
-        error = [0.0]
-
-        def accumulate(k: int, output: torch.Tensor) -> None:
-            residual = (targets[k].to(output.device) - output).reshape(-1, output.shape[-1]).to(torch.float64)
-            cross.add_(sigma.value.reshape(-1, gram.shape[0]).to(torch.float64).T @ residual)
-            error[0] += float(residual.pow(2).sum())
-
-        session.run_layer(layer, inputs, kwargs_list, hooks=[sigma], on_batch=accumulate)
-        gram = gram.to(cross.device)
-        refit = ridge_refit(down.weight, gram, cross, self.target_scale * mean_eigenvalue(gram))
-        delta = refit - down.weight.to(torch.float64)
-        # ‖e − σΔᵀ‖² = ‖e‖² − 2⟨C, Δᵀ⟩ + tr(Δ G Δᵀ): the error left on the calibration tokens
-        after = error[0] - 2 * float((cross * delta.T).sum()) + float(torch.einsum("oi,ij,oj->", delta, gram, delta))
+        folds = 2 if self.target_scales is not None else 1
+        if self.target_scales is not None and len(inputs) < 2:
+            raise self.fail("target_scales needs at least 2 calibration batches (samples > batch_size)",
+                            field="target_scales")
+        origin = session.layer_origin[index]
+        candidates = [("merged", layer)]
+        if self.fallback and len(origin) > 1:
+            reference = session.reference_session()
+            candidates += [(j, copy.deepcopy(reference.layers[j])) for j in origin]
+        results = []
+        for name, candidate in candidates:
+            with session.on_device(candidate):
+                moments = target_moments(session, candidate, targets, folds,
+                                         grams=self.target_scales is not None or name != "merged")
+            down = session.adapter.mlp(candidate).down_proj
+            candidate_gram = gram.to(session.device) if name == "merged" else sum(m["gram"] for m in moments)
+            refit, entry = refit_down_proj(down, candidate_gram, moments, self.target_scale, self.target_scales)
+            score = (min(entry["heldout_error"].values()) if self.target_scales is not None
+                     else entry["target_error_after"])
+            results.append((score, name, candidate, refit, entry))
+        score, name, winner, refit, entry = min(results, key=lambda r: r[0])
+        down = session.adapter.mlp(winner).down_proj
         set_linear_weight(down, refit, down.bias)
-        return {"target_error_before": error[0], "target_error_after": after}
+        if winner is not layer:
+            copy_layer_weights(winner, layer)
+        if len(candidates) > 1:
+            entry = {**entry, "kept": str(name), "candidates": {str(r[1]): r[0] for r in results}}
+        return entry
+
+
+@torch.no_grad()
+def copy_layer_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Give ``target`` the weights of ``source`` (same architecture, any widths): every Linear is replaced
+    through ``set_linear_weight``, every other parameter (norm gains) copied."""
+    linears = {name for name, m in source.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name in linears:
+        module = source.get_submodule(name)
+        set_linear_weight(target.get_submodule(name), module.weight, module.bias)
+    for name, parameter in source.named_parameters():
+        if name.rsplit(".", 1)[0] not in linears:
+            target.get_parameter(name).data.copy_(parameter.data)

