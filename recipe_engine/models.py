@@ -11,6 +11,8 @@ import hashlib
 import io
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
