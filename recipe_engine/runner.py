@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
-
 from .adapters import adapter_for, count_parameters
 from .checkpoint import write_streamed_checkpoint
 from .data import check_length, fingerprint, load_text, sample_windows, tokenize

@@ -138,3 +138,13 @@ def write_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def save_tiny_model(directory, model_type: str = "llama", max_shard_size: str | None = None, **overrides):
+    """A tiny random model with the byte tokenizer, saved as a checkpoint directory that ``from_pretrained``,
+    ``AutoTokenizer`` and the engine reload (optionally sharded); returns the model."""
+    model = tiny_model(model_type, vocab_size=BYTE_VOCAB, **overrides)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **shards)
+    byte_tokenizer().save_pretrained(directory)
+    return model

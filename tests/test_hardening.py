@@ -11,7 +11,7 @@ import yaml
 
 from recipe_engine import cleanup, output, runner
 from recipe_engine.cli import main
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, tiny_model
+from tests.helpers import save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # 1800 bytes
 
@@ -19,8 +19,7 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # 1800 bytes
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_model(vocab_size=BYTE_VOCAB).save_pretrained(path, safe_serialization=True)
-    byte_tokenizer().save_pretrained(path)
+    save_tiny_model(path)
     return path
 
 

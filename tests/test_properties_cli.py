@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recipe_engine.cli import main
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, tiny_model
+from tests.helpers import save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
@@ -28,8 +28,7 @@ SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_model(vocab_size=BYTE_VOCAB).save_pretrained(path, safe_serialization=True)
-    byte_tokenizer().save_pretrained(path)
+    save_tiny_model(path)
     return path
 
 

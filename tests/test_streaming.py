@@ -16,17 +16,14 @@ import recipe_engine
 from recipe_engine.checkpoint import write_streamed_checkpoint
 from recipe_engine.registry import REGISTRY
 from recipe_engine.streaming import CheckpointReader, is_materialized
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, tiny_model
+from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, save_tiny_model, tiny_model
 
 TEXT = "Streaming calibration text, repeated so that there are enough tokens for every window. " * 200
 
 
 def saved_model(directory, model_type="llama", shard="40KB", **overrides):
     """A tiny random model saved as a (sharded, by default) checkpoint with a reloadable tokenizer."""
-    model = tiny_model(model_type, num_hidden_layers=6, vocab_size=BYTE_VOCAB, **overrides)
-    model.save_pretrained(directory, max_shard_size=shard)
-    byte_tokenizer().save_pretrained(directory)
-    return model
+    return save_tiny_model(directory, model_type, max_shard_size=shard, num_hidden_layers=6, **overrides)
 
 
 def recipe(tmp_path, model_dir, steps, stream, name):
