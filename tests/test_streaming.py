@@ -52,19 +52,22 @@ def run_both(tmp_path, model_dir, steps):
     return outputs, report
 
 
-def assert_same_weights(memory_dir, streamed_dir):
+def assert_same_weights(memory_dir, streamed_dir, atol: float = 0.0):
     expected, got = weights(memory_dir), weights(streamed_dir)
     assert sorted(got) == sorted(expected)
     for name in expected:
-        assert torch.equal(got[name], expected[name]), name
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("name", [n for n in REGISTRY.names() if n != "LoRARecovery"])
+@pytest.mark.parametrize("name", REGISTRY.names())
 def test_every_modifier_streamed_equals_in_memory(tmp_path, name):
     model_dir = tmp_path / "model"
     saved_model(model_dir)
     (memory, streamed), report = run_both(tmp_path, model_dir, REGISTRY.get(name).example_steps())
-    assert_same_weights(memory, streamed)
+    # LoRA training (on the whole model, materialized) amplifies last-bit differences of BLAS on the
+    # memory-mapped weights over its steps; every other step is bit-exact
+    trained = name == "LoRARecovery"
+    assert_same_weights(memory, streamed, atol=1e-3 if trained else 0.0)
     assert not (streamed / ".staging").exists() and not list(tmp_path.glob(".out-on.tmp-*"))
     assert json.loads((streamed / "config.json").read_text())["num_hidden_layers"] == report["after"]["layers"]
     if report["stock_checkpoint"]:
@@ -72,7 +75,7 @@ def test_every_modifier_streamed_equals_in_memory(tmp_path, name):
         with torch.no_grad():
             a = AutoModelForCausalLM.from_pretrained(memory).eval()(tokens).logits
             b = AutoModelForCausalLM.from_pretrained(streamed).eval()(tokens).logits
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=0, atol=0.05 if trained else 0.0)
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
