@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from recipe_engine.evaluation.bench import checkpoint_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -89,10 +91,6 @@ def write_synthetic(directory: Path, layers: int, dtype: torch.dtype = torch.flo
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     os.replace(tmp, directory)
     return directory
-
-
-def checkpoint_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
 def _watch_rss(pid: int, peak: dict, stop: threading.Event) -> None:

@@ -256,12 +256,11 @@ def attach_stream(session, location: str, staging: Path | None):
 
 def checkpoint_bytes_on_disk(spec: str) -> int:
     """Size of the safetensors weight files of a model spec (0 for a hub id not yet downloaded)."""
+    from .evaluation.bench import checkpoint_bytes
     from .models import resolve_model
 
     source = resolve_model(spec)
-    if source.kind == "hub":
-        return 0
-    return sum(p.stat().st_size for p in Path(source.location).glob("*.safetensors"))
+    return 0 if source.kind == "hub" else checkpoint_bytes(source.location)
 
 
 def available_memory() -> int:
