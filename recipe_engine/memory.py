@@ -50,6 +50,7 @@ def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None)
     tokens = cal.samples * cal.seq_len
     embedding = shape.vocab_size * shape.hidden_size * width
     matrices = 1 if shape.tie_word_embeddings else 2
+    intermediate = shape.intermediate_size  # of the original layers: one batch's MLP activations
 
     def model_bytes(s: ModelShape) -> int:
         final_norm = s.hidden_size * width
@@ -71,7 +72,6 @@ def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None)
         steps.append({"step": step.step_name(), "weights_bytes": held, "working_bytes": work,
                       "whole_model": not streamed or (step.scope == "model" and not step.streams)})
         step.check(shape)
-    intermediate = max(layer.intermediate_size for layer in ModelShape.from_config(config).layers)
     activations = 4 * tokens * shape.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
     runtime = runtime_bytes(recipe) if runtime is None else runtime
     peak_step = max(s["weights_bytes"] + s["working_bytes"] for s in steps)

@@ -25,18 +25,17 @@ def plan_rows(recipe: Recipe) -> tuple[list[tuple[str, str, str, str]], int]:
     return rows, total
 
 
-def memory_plan(recipe: Recipe) -> dict | None:
-    """``memory.estimate`` for the recipe's model, streamed as ``apply`` would decide; ``None`` with a
-    reason when the model's config cannot be read here (e.g. a hub id offline)."""
+def memory_plan(recipe: Recipe) -> dict:
+    """``memory.estimate`` for the recipe's model, streamed as ``apply`` would decide; ``{"unavailable":
+    reason}`` when the model's config cannot be read here (e.g. a hub id offline)."""
     from .errors import RecipeError
     from .memory import estimate
     from .models import load_config
-    from .streaming import available_memory, checkpoint_bytes_on_disk
+    from .streaming import exceeds_memory
 
     try:
         config = load_config(recipe.model)
-        on_disk = checkpoint_bytes_on_disk(recipe.model)
-        streamed = recipe.stream == "on" or (recipe.stream == "auto" and on_disk > available_memory() / 2)
+        streamed = recipe.stream == "on" or (recipe.stream == "auto" and exceeds_memory(recipe.model))
         return estimate(recipe, config, streamed)
     except RecipeError as exc:
         return {"unavailable": exc.detail}
@@ -57,8 +56,8 @@ def print_plan(recipe: Recipe, console: Console) -> None:
     console.print(table)
     console.print(f"total calibration passes: {total}")
     memory = memory_plan(recipe)
-    if memory is None or "unavailable" in memory:
-        console.print(f"memory estimate: unavailable ({memory['unavailable'] if memory else 'no config'})")
+    if "unavailable" in memory:
+        console.print(f"memory estimate: unavailable ({memory['unavailable']})")
         return
     mode = "streamed from disk" if memory["streamed"] else "whole model in memory"
     console.print(f"memory estimate ({mode}): peak host {_gib(memory['host_peak_bytes'])} = runtime "

@@ -25,7 +25,7 @@ from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict
 from .memory import current_rss, estimate
 from .session import Session
-from .streaming import attach_stream, available_memory, checkpoint_bytes_on_disk
+from .streaming import attach_stream, exceeds_memory
 from .validate import check_against_config
 
 
@@ -154,7 +154,7 @@ def decide_streaming(recipe: Recipe, in_memory: bool, write: bool) -> bool:
         return False
     if recipe.stream == "on":
         return True
-    return checkpoint_bytes_on_disk(recipe.model) > available_memory() / 2
+    return exceeds_memory(recipe.model)
 
 
 def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Session]):

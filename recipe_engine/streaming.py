@@ -114,7 +114,7 @@ class WeightStream:
 
     def __init__(self, model: nn.Module, units: list[nn.Module], source: CheckpointReader,
                  staging: Path | None, retie: Callable[[], None] = lambda: None):
-        self.model, self.source, self.staging, self._retie = model, source, staging, retie
+        self.staging, self._retie = staging, retie
         self._homes: "weakref.WeakKeyDictionary[nn.Module, Home]" = weakref.WeakKeyDictionary()
         self._loaded: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int]]]" = weakref.WeakKeyDictionary()
         self._pins: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -252,6 +252,11 @@ def attach_stream(session, location: str, staging: Path | None):
     retie()
     session.stream = WeightStream(model, session.stream_units(), CheckpointReader(location), staging, retie)
     return session
+
+
+def exceeds_memory(spec: str) -> bool:
+    """``stream: auto``'s rule: the model's weight files exceed half of the available host memory."""
+    return checkpoint_bytes_on_disk(spec) > available_memory() / 2
 
 
 def checkpoint_bytes_on_disk(spec: str) -> int:

@@ -44,9 +44,9 @@ def evaluation_session(spec: str, dtype: str, device, stream: str = "auto", prog
     from ..models import load_model
     from ..schema import CalibrationConfig
     from ..session import Session
-    from ..streaming import attach_stream, available_memory, checkpoint_bytes_on_disk
+    from ..streaming import attach_stream, exceeds_memory
 
-    streamed = stream == "on" or (stream == "auto" and checkpoint_bytes_on_disk(spec) > available_memory() / 2)
+    streamed = stream == "on" or (stream == "auto" and exceeds_memory(spec))
     model, tokenizer, source = load_model(spec, dtype, skeleton=streamed)
     adapter = adapter_for(model.config) if streamed else None  # in memory: any architecture evaluates
     session = Session(model, tokenizer, adapter, None, CalibrationConfig(batch_size=1), device, progress)
