@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .adapters import adapter_for, count_parameters
-from .checkpoint import write_streamed_checkpoint
+from .checkpoint import write_checkpoint
 from .data import check_length, fingerprint, load_text, sample_windows, tokenize
 from .errors import QualityGateError, RecipeError
 from .extras import save_extras
@@ -243,17 +243,13 @@ def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
 
 def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp: Path) -> None:
     """The output files, into the workspace that ``apply`` renames into place; staging data is removed."""
-    if session.stream is not None and session.checkpoint_writer is not None:
-        with session.resident():
-            session.checkpoint_writer(model, tmp)
-    elif session.stream is not None:
-        write_streamed_checkpoint(session, tmp)
-    elif session.checkpoint_writer is not None:
-        session.checkpoint_writer(model, tmp)
+    if session.stream is not None or session.quantized:
+        write_checkpoint(session, tmp)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
     shutil.rmtree(tmp / STAGING, ignore_errors=True)
     for filename, data in session.artifacts.items():
+        (tmp / filename).parent.mkdir(exist_ok=True)
         (tmp / filename).write_bytes(data)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

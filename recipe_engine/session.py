@@ -17,6 +17,7 @@ from torch import nn
 from .adapters import ArchitectureAdapter
 from .modifier import LayerModifier
 from .progress import Progress
+from .quantization import Grid, QuantizedLinear
 from .schema import CalibrationConfig
 from .shape import WIDTH_INDEX, WidthPart
 from .stats import Statistic, change_position
@@ -63,8 +64,8 @@ class Session:
         self.layer_origin: list[tuple[int, ...]] = [(i,) for i in range(cfg.num_hidden_layers)]
         self.extras: list[dict[str, Any]] = []
         self.artifacts: dict[str, bytes] = {}
-        #: Replaces ``save_pretrained`` when set (e.g. a packed quantized export): ``writer(model, dir)``.
-        self.checkpoint_writer: Callable[[nn.Module, Any], None] | None = None
+        #: Linears a quantizing step recorded; the engine's writer packs them (``mark_quantized``).
+        self.quantized: dict[nn.Module, QuantizedLinear] = {}
         self.layer_runs = 0
         self._reference_loader = reference_loader
         self._reference: Session | None = None
@@ -102,10 +103,22 @@ class Session:
         self.extras.append({"modifier": modifier, "config": config, "tensors": tensors})
 
     def add_artifact(self, filename: str, data: bytes) -> None:
-        """A file (e.g. a PNG heatmap) to write into the output directory beside the checkpoint."""
-        if "/" in filename or filename.startswith("."):
-            raise ValueError(f"artifact name must be a plain file name, got {filename!r}")
+        """A file (e.g. a PNG heatmap) to write into the output directory beside the checkpoint, or into
+        one subdirectory of it (``"lora_adapter/adapter_model.safetensors"``)."""
+        parts = filename.split("/")
+        if len(parts) > 2 or any(not part or part.startswith(".") for part in parts):
+            raise ValueError(f"artifact name must be a file name or dir/file name, got {filename!r}")
         self.artifacts[filename] = data
+
+    def mark_quantized(self, linear: nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Record that ``linear``'s weight lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and
+        ``zero`` (codes ``0 … 2^b − 1``): the checkpoint stores it packed (compressed-tensors). One grid per
+        checkpoint (validation refuses a second quantizing step)."""
+        other = next((record.grid for record in self.quantized.values() if record.grid != grid), None)
+        if other is not None:
+            raise RuntimeError(f"one quantization grid per checkpoint: {grid} after {other}")
+        self.quantized[linear] = QuantizedLinear(grid, scale.detach().to("cpu", torch.float32),
+                                                 zero.detach().to("cpu", torch.int16))
 
     def reference_session(self) -> "Session":
         """A session over the original, unmodified model with the same calibration tokens, for steps that

@@ -1,5 +1,6 @@
 """End to end through recipe_engine.apply on tiny models: atomic output, stock reload, report."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,8 +9,6 @@ from transformers import AutoModelForCausalLM
 
 import recipe_engine
 from recipe_engine.data import sample_windows
-from recipe_engine.modifier import Modifier
-from recipe_engine.registry import REGISTRY
 from tests.helpers import CharTokenizer, random_tokens, tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 200
@@ -55,23 +54,20 @@ def test_fingerprint_is_deterministic_and_seeded(tmp_path):
     assert prints[0] == prints[1] != prints[2]
 
 
-class Interrupting(Modifier):
-    """Test double: raises KeyboardInterrupt while the output is being written."""
-
-    def apply(self, session):
-        session.checkpoint_writer = self.write
-
-    @staticmethod
-    def write(model, directory):
-        (directory / "partial.safetensors").write_bytes(b"half")
+def interrupt_writing(monkeypatch, model) -> None:
+    """Make the checkpoint writer leave a partial file and raise KeyboardInterrupt."""
+    def write_half_then_interrupt(self, directory, **_kwargs):
+        (Path(directory) / "partial.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(model), "save_pretrained", write_half_then_interrupt)
 
 
 def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setitem(REGISTRY._classes, "Interrupting", Interrupting)
+    model = tiny_model()
+    interrupt_writing(monkeypatch, model)
     with pytest.raises(KeyboardInterrupt):
-        recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Interrupting"]), model=tiny_model(),
-                            tokenizer=CharTokenizer(), progress=False)
+        recipe_engine.apply(tiny_recipe(tmp_path), model=model, tokenizer=CharTokenizer(), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt"]
 
 
@@ -80,10 +76,12 @@ def test_force_replaces_existing_output_only_after_success(tmp_path, monkeypatch
     recipe_engine.apply(tiny_recipe(tmp_path), model=tiny_model(), tokenizer=CharTokenizer(), progress=False)
     (out / "old.txt").write_text("old")
     before = sorted(p.name for p in out.iterdir())
-    monkeypatch.setitem(REGISTRY._classes, "Interrupting", Interrupting)
-    with pytest.raises(KeyboardInterrupt):
-        recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Interrupting"]), model=tiny_model(),
-                            tokenizer=CharTokenizer(), force=True, progress=False)
+    with monkeypatch.context() as patch:
+        model = tiny_model()
+        interrupt_writing(patch, model)
+        with pytest.raises(KeyboardInterrupt):
+            recipe_engine.apply(tiny_recipe(tmp_path), model=model, tokenizer=CharTokenizer(), force=True,
+                                progress=False)
     assert sorted(p.name for p in out.iterdir()) == before
     recipe_engine.apply(tiny_recipe(tmp_path), model=tiny_model(), tokenizer=CharTokenizer(), force=True,
                         progress=False)
