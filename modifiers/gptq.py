@@ -16,12 +16,15 @@ from ._quant import LINEARS, Grid, QuantizedWeight, grid_problem, known_targets,
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)`` (GPTQ §4, Step 3:
     row ``i`` of ``U`` divided by ``U_ii`` is the OBS update for column ``i`` given columns ``< i`` done)."""
-    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
-    damped = hessian + damp * torch.diagonal(hessian).mean() * eye
+    damped = hessian.clone()  # at most two n × n buffers beside H at any time
+    damped.diagonal().add_(damp * torch.diagonal(hessian).mean())
     lower, info = torch.linalg.cholesky_ex(damped)
+    del damped
     if int(info):
         raise ValueError(f"damped Hessian not positive definite (damp={damp}); raise damp")
-    inverse, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+    inverse = torch.cholesky_inverse(lower)
+    del lower
+    inverse, info = torch.linalg.cholesky_ex(inverse, upper=True)
     if int(info):
         raise ValueError(f"inverse Hessian not positive definite (damp={damp}); raise damp")
     return inverse

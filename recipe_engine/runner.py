@@ -196,11 +196,12 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[di
             with _whole_model(session, step):
                 results = [step.apply(session)]
         elapsed = time.perf_counter() - start
-        for (index, step), result in zip(group, results):
+        own = [result.pop("own_s", elapsed) for result in results]
+        for (index, step), result, own_s in zip(group, results, own):
             records.append({"index": index, "modifier": step.step_name(),
-                            "params": step.model_dump(mode="json"), "wall_s": elapsed / len(group),
-                            "shared_pass": len(group) > 1, "layers_after": len(session.layers),
-                            "result": result})
+                            "params": step.model_dump(mode="json"), "wall_s": own_s,
+                            "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),
+                            "layers_after": len(session.layers), "result": result})
     return records
 
 

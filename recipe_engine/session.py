@@ -9,6 +9,7 @@ before it; with ``original`` from the layers as they were when the pass started.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -347,10 +348,13 @@ class Session:
         For each layer: collect the statistics the next modifier needs (reusing those still valid),
         compress, invalidate statistics downstream of what changed, then compute the layer's outputs
         as the next layer's inputs (from the compressed layer, or the original one with
-        ``propagate: original``). Returns per-modifier reports keyed by ``"{step index}"``.
+        ``propagate: original``). Returns per-modifier reports keyed by ``"{step index}"``; each has
+        ``own_s``, the wall time of that modifier's own work (its statistics forwards, compression and
+        ``finish``), the rest of the pass (loading, shared forwards) being shared.
         """
         targets = [set(m.target_layers(self)) for m in group]
         reports: list[dict[str, Any]] = [{"layers": {}} for _ in group]
+        own = [0.0] * len(group)
         last = max((max(t) for t in targets if t), default=-1)
         inputs, kwargs_list = self.capture_inputs()
         self._reference_stream = None
@@ -365,7 +369,7 @@ class Session:
                 original_outputs = provided = None
                 cache: dict[str, Statistic] = {}
                 for k in active:
-                    modifier = group[k]
+                    modifier, started = group[k], time.perf_counter()
                     needed = modifier.statistics(self, index)
                     missing = [s for s in needed if s.key not in cache]
                     if missing or (keep_original and original_outputs is None):
@@ -381,6 +385,7 @@ class Session:
                     reports[k]["layers"][str(index)] = entry
                     changed = min((change_position(m) for m in modifier.modifies), default=99)
                     cache = {key: s for key, s in cache.items() if s.position <= changed}
+                    own[k] += time.perf_counter() - started
                 if keep_original:
                     inputs = original_outputs
                 elif provided is not None:
@@ -389,5 +394,7 @@ class Session:
                     inputs = self.run_layer(self.layers[index], inputs, kwargs_list)
         self._reference_stream = None
         for k, modifier in enumerate(group):
+            started = time.perf_counter()
             reports[k].update(modifier.finish(self))
+            reports[k]["own_s"] = own[k] + time.perf_counter() - started
         return {str(k): r for k, r in enumerate(reports)}

@@ -1,5 +1,6 @@
 """End to end through recipe_engine.apply on tiny models: atomic output, stock reload, report."""
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
+from recipe_engine.modifier import LayerModifier
+from recipe_engine.registry import REGISTRY
 from recipe_engine.data import sample_windows
 from tests.helpers import CharTokenizer, random_tokens, tiny_model
 
@@ -109,3 +112,31 @@ def test_too_little_calibration_text_says_how_much(tmp_path):
     with pytest.raises(recipe_engine.RecipeError, match=r"has 9000 tokens = 281 windows of 32; need "
                                                         r"samples × seq_len = 282 × 32 = 9024"):
         sample_windows(torch.zeros(9000, dtype=torch.long), 282, 32, 0, "cal.txt")
+
+
+class Sleeper(LayerModifier):
+    """Test double: a layer step whose own work takes 0.15 s per layer (no statistics, no change)."""
+
+    modifies = ()
+
+    def target_layers(self, session):
+        return list(range(len(session.layers)))
+
+    def compress_layer(self, session, layer_index, stats):
+        time.sleep(0.15)
+        return {}
+
+
+def test_steps_sharing_a_pass_report_their_own_time(tmp_path, monkeypatch):
+    """Each step's wall_s is its own measured work, not the pass split evenly; the shared forwards are
+    reported once (pass_shared_s), and own + shared add up to the pass."""
+    monkeypatch.setitem(REGISTRY._classes, "Sleeper", Sleeper)
+    start = time.perf_counter()
+    _, report = recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Sleeper", "GPTQ<group_size:32>"]),
+                                    model=tiny_model(), tokenizer=CharTokenizer(), write=False, progress=False)
+    elapsed = time.perf_counter() - start
+    sleeper, gptq = report["steps"]
+    assert sleeper["shared_pass"] and sleeper["pass_shared_s"] == gptq["pass_shared_s"] >= 0
+    assert 4 * 0.15 <= sleeper["wall_s"] < 4 * 0.15 + 0.1  # four layers
+    assert gptq["wall_s"] > 0 and abs(gptq["wall_s"] - sleeper["wall_s"]) > 0.05
+    assert sleeper["wall_s"] + gptq["wall_s"] + gptq["pass_shared_s"] <= elapsed
