@@ -137,12 +137,12 @@ class NystromMLP(LayerModifier):
 
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
         """fp64: the widest target's ``down_proj`` input Gram ``G`` (n × n; the leverage factor is made in
-        its storage), one ``n × 2048`` panel, and at the target refit ``G_KK`` plus its factor (2 k × k) and
+        its storage), one ``n × 512`` panel, and at the target refit ``G_KK`` plus its factor (2 k × k) and
         the cross moment."""
         targets = self.layers if self.layers is not None else shape.oversized_layers("mlp")
         width = max((shape.layers[i].intermediate_size for i in targets), default=0)
         kept = shape.intermediate_size
-        return 8 * (width * width + 2 * kept * kept + width * 2048 + width * shape.hidden_size)
+        return 8 * (width * width + 2 * kept * kept + width * 512 + width * shape.hidden_size)
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
         return [InputCovariance("mlp.down_proj")]

@@ -14,7 +14,7 @@ def mean_eigenvalue(gram: torch.Tensor) -> float:
     return float(torch.diagonal(gram).sum()) / gram.shape[0]
 
 
-def ridge_leverage_scores(gram: torch.Tensor, ridge: float, block: int = 2048) -> torch.Tensor:
+def ridge_leverage_scores(gram: torch.Tensor, ridge: float, block: int = 512) -> torch.Tensor:
     """Ridge leverage scores ``s_i = [G (G + λI)⁻¹]_ii`` (Musco & Musco 2017; FlattenGPT Alg. 3 line 2).
 
     ``G (G + λI)⁻¹ = I − λ (G + λI)⁻¹``; with ``G + λI = LLᵀ``, ``[(LLᵀ)⁻¹]_ii = Σ_k (L⁻¹)_ki²``. A CPU fp64

@@ -239,6 +239,19 @@ def release_freed_memory_eagerly(threshold: int = 2**20) -> bool:
         return False
 
 
+def trim_heap() -> bool:
+    """Give free heap pages back to the OS (glibc ``malloc_trim(0)``) after a burst of small transient
+    allocations, e.g. tokenizing the calibration text (SmolLM2's tokenizer on the Wikipedia sample: 442 k
+    tokens leave ~90 MB of freed encodings in the heap). Returns False where it does not apply."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def attach_stream(session, location: str, staging: Path | None):
     """Make ``session`` stream its (meta-device) model from the checkpoint at ``location``; changed units
     go to ``staging`` (``None``: read-only, for the original model). Returns the session."""
