@@ -267,6 +267,46 @@ def attach_stream(session, location: str, staging: Path | None):
     return session
 
 
+@contextlib.contextmanager
+def forward_streamed(session, device: torch.device) -> Iterator[None]:
+    """Whole-model forwards (lm-eval's zero-shot tasks) on a streamed model with one unit resident at a
+    time: an accelerate ``ModelHook`` on every unit (and on a tied ``lm_head``, which is the embedding
+    matrix) materializes it on ``device`` when its forward starts and releases it when the forward ends —
+    accelerate's offload-hook mechanism (``add_hook_to_module``) with the stream as the weights' home."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+    from accelerate.utils import send_to_device
+
+    open_blocks: list[contextlib.AbstractContextManager] = []
+
+    class UnitOnDevice(ModelHook):
+        def __init__(self, units: list[nn.Module]):
+            super().__init__()
+            self.units = units
+
+        def pre_forward(self, module, *args, **kwargs):
+            block = session.stream.loaded(self.units, device)
+            block.__enter__()
+            open_blocks.append(block)
+            return send_to_device(args, device), send_to_device(kwargs, device)
+
+        def post_forward(self, module, output):
+            open_blocks.pop().__exit__(None, None, None)
+            return output
+
+    model = session.model
+    head = session.adapter.lm_head(model)
+    modules = session.stream_units() + ([head] if head not in session.stream_units() else [])
+    for module in modules:
+        add_hook_to_module(module, UnitOnDevice(session._units([module])))
+    try:
+        yield
+    finally:
+        while open_blocks:  # a forward that raised: release what it had loaded
+            open_blocks.pop().__exit__(None, None, None)
+        for module in modules:
+            remove_hook_from_module(module)
+
+
 def exceeds_memory(spec: str) -> bool:
     """``stream: auto``'s rule: the model's weight files exceed half of the available host memory."""
     return checkpoint_bytes_on_disk(spec) > available_memory() / 2

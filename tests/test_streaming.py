@@ -17,7 +17,7 @@ import recipe_engine
 from recipe_engine.checkpoint import write_checkpoint
 from recipe_engine.registry import REGISTRY
 from recipe_engine.streaming import CheckpointReader, is_materialized
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, save_tiny_model, tiny_model
+from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, save_tiny_model, shared_data, tiny_model
 
 TEXT = "Streaming calibration text, repeated so that there are enough tokens for every window. " * 200
 
@@ -333,3 +333,39 @@ def test_report_records_each_steps_peak_beside_its_estimate(tmp_path):
     assert all(p is not None and 0 < p <= report["peak_memory"]["rss_mib"] for p in peaks)
     assert all(s["estimate_rss_mib"] > 0 for s in report["steps"])
     assert report["steps"][1]["estimate_rss_mib"] == report["steps"][2]["estimate_rss_mib"]  # one shared pass
+
+
+@pytest.mark.skipif(not (shared_data() / "piqa").is_dir() and not (shared_data() / "arc").is_dir(),
+                    reason="needs shared/data task files")
+def test_streamed_zero_shot_equals_in_memory_with_one_unit_resident(tmp_path, monkeypatch):
+    """lm-eval on a streamed skeleton (accelerate hooks load each unit for its forward) gives the in-memory
+    scores, and never holds more than one unit plus the tied head's embedding at a time."""
+    from recipe_engine.evaluation.run import evaluate_session, evaluation_session
+    from recipe_engine.schema import EvaluateConfig
+    from recipe_engine.streaming import WeightStream
+
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    config = EvaluateConfig(perplexity=None, tasks=["arc_easy"], limit=6)
+    results = {}
+    most = {"now": 0, "max": 0}
+    materialize, release = WeightStream.materialize, WeightStream.release
+
+    def counting_materialize(self, unit, device=torch.device("cpu")):
+        was = is_materialized(unit)
+        materialize(self, unit, device)
+        most["now"] += not was
+        most["max"] = max(most["max"], most["now"])
+
+    def counting_release(self, unit):
+        was = is_materialized(unit)
+        release(self, unit)
+        most["now"] -= was and not is_materialized(unit)
+
+    monkeypatch.setattr(WeightStream, "materialize", counting_materialize)
+    monkeypatch.setattr(WeightStream, "release", counting_release)
+    for stream in ("off", "on"):
+        session, _ = evaluation_session(str(model_dir), "float32", torch.device("cpu"), stream)
+        results[stream] = evaluate_session(session, config)["zero_shot"]
+    assert results["on"]["tasks"] == results["off"]["tasks"]
+    assert most["max"] == 1 and most["now"] == 0
