@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .quantization import QuantizedLinear, pack, packed_layout, quantization_config
-from .streaming import INDEX_FILE, SINGLE_FILE
+from .streaming import INDEX_FILE, SINGLE_FILE, is_materialized
 
 #: Default shard size (``save_pretrained``'s "5GB"); the writer holds one unit, not one shard, in memory.
 MAX_SHARD_BYTES = 5 * 10**9
@@ -119,7 +119,8 @@ def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinea
 def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """Write the session's model into ``directory`` (weights, config, generation config), one unit at a
     time (``write_safetensors_incrementally``), streamed or in memory, quantized linears packed; returns
-    the weight file names."""
+    the weight file names. A streamed unit's staging file is deleted once the unit is written (the stream
+    is finished after this), so staging and output never hold the same unit twice on disk."""
     model = session.model
     state = model.state_dict(keep_vars=True)
     quantized = _quantized_weights(session)
@@ -149,6 +150,8 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
                 values = {name: unit_values[local] for name, local in names.items()}
             yield {key: tensor for name, value in values.items()
                    for key, tensor in _stored(name, value, quantized).items()}
+            if unit is not None and session.stream is not None and not is_materialized(unit):
+                session.stream.discard_staged(unit)  # written: its staging file is no longer needed
 
     for file, shard in zip(files, shards):
         layout = {key: meta for _, names in shard for name in names for key, meta in layout_of[name].items()}

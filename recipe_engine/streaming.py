@@ -174,7 +174,16 @@ class WeightStream:
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in _tensors(unit).items()}
         save_file(tensors, str(path))
         self.bytes_staged += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.discard_staged(unit)  # its earlier staged state is obsolete: staging holds one file per unit
         self._homes[unit] = Home(_StagedFile(path), {name: name for name in tensors})
+
+    def discard_staged(self, unit: nn.Module) -> None:
+        """Delete the staging file that is ``unit``'s home, if it has one (the writer calls this once a
+        unit is in the output, so staging and output together never hold a unit twice)."""
+        home = self._homes.get(unit)
+        if home is not None and isinstance(home.reader, _StagedFile):
+            home.reader.path.unlink(missing_ok=True)
+            del self._homes[unit]
 
     def read_unit(self, unit: nn.Module) -> dict[str, torch.Tensor]:
         """The unit's current tensors (from memory when materialized, else from its home), CPU."""

@@ -131,9 +131,14 @@ def test_release_stages_only_changed_units(tmp_path):
     with session.loaded(0):
         torch.testing.assert_close(session.layers[0].mlp.up_proj.weight,
                                    2 * reference.model.layers[0].mlp.up_proj.weight, rtol=0, atol=0)
+        with torch.no_grad():
+            session.layers[0].mlp.up_proj.weight.mul_(-1)
+            session.layers[0].mlp.up_proj.weight.mul_(-1)  # changed (version counter), restaged
+    assert len(list((tmp_path / "staging").iterdir())) == 1  # the obsolete staged state was deleted
     out = tmp_path / "written"
     out.mkdir()
     files = write_checkpoint(session, out, max_shard_bytes=30_000)
+    assert not list((tmp_path / "staging").iterdir())  # each staged unit deleted once written
     assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
     written = AutoModelForCausalLM.from_pretrained(out).eval()
     assert torch.equal(written.model.layers[0].mlp.up_proj.weight, 2 * reference.model.layers[0].mlp.up_proj.weight)
