@@ -67,7 +67,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
     if write:
-        check_free_space(recipe.output, config, recipe.dtype, file)
+        check_free_space(recipe, config, file)
     device = resolve_device(recipe.device)
     in_memory = model is not None
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
