@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .cleanup import Interrupted, handle_signals
+from .distributed import DistributedError
 from .errors import QualityGateError, RecipeError, one_line
 from .registry import REGISTRY, RegistryError
 
@@ -69,7 +70,8 @@ def cmd_apply(args) -> int:
 
     with _quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet)
-    print_summary(report, out)
+    if report["rank"] == 0:  # data-parallel: one summary
+        print_summary(report, out)
     return 0
 
 
@@ -208,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, RegistryError) as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return RecipeError.exit_code
+    except DistributedError as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return DistributedError.exit_code
     except QualityGateError as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return QualityGateError.exit_code

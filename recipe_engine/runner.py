@@ -13,12 +13,13 @@ from typing import Any, Callable, Iterator
 
 from .adapters import adapter_for, count_parameters
 from .checkpoint import write_streamed_checkpoint
+from .distributed import Parallel, launched, module_digest
 from .data import check_length, fingerprint, load_text, sample_windows, tokenize
 from .errors import QualityGateError, RecipeError
 from .extras import save_extras
 from .modifier import LayerModifier, Modifier
 from .models import load_config, load_model, resolve_device
-from .output import (atomic_directory, check_free_space, check_output_free, git_info, is_main_process,
+from .output import (atomic_directory, check_free_space, check_output_free, git_info,
                      package_versions, peak_memory)
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
@@ -58,24 +59,33 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     A streamed run (``stream``) returns the model as a meta-device skeleton: its weights are the output.
     """
     loaded = _resolve(recipe, list(overrides))
+    with launched(resolve_device(loaded.recipe.device)) as parallel:
+        return _apply(loaded, parallel, model, tokenizer, force, write, progress)
+
+
+def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
+           progress: bool) -> tuple[Any, dict]:
+    """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
     recipe, file = loaded.recipe, loaded.path
-    if write:
+    writing = write and parallel.rank == 0
+    if writing:
         check_output_free(recipe.output, force, file)
     cal = recipe.calibration
     text = _located(lambda: load_text(cal.dataset, cal.split, cal.text_field), file)
     _located(lambda: check_length(text, cal.samples * cal.seq_len), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
-    if write:
+    if writing:
         check_free_space(recipe.output, config, recipe.dtype, file)
-    device = resolve_device(recipe.device)
+    device = parallel.device
     in_memory = model is not None
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
-                              "device": str(device), "dtype": recipe.dtype, "streamed": streamed}
+                              "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
+                              "rank": parallel.rank, "ranks": parallel.world}
     planned = estimate(recipe, config, streamed, current_rss())["host_peak_bytes"]  # before weights load
-    writing = write and is_main_process()  # under torchrun every rank computes, rank 0 writes
-    with _workspace(recipe.output, writing, force) as workdir, Progress(enabled=progress) as bar:
+    with _workspace(recipe.output, writing, force) as workdir, \
+            Progress(enabled=progress and parallel.rank == 0) as bar:
         if model is None:
             bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
             model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
@@ -90,7 +100,8 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
                           "fingerprint": fingerprint(windows)}
         report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}
         session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar,
-                          reference_loader=_reference_loader(recipe, model, source, lambda: session))
+                          reference_loader=_reference_loader(recipe, model, source, lambda: session),
+                          parallel=parallel)
         if streamed:
             attach_stream(session, source.location, workdir / STAGING)
         if recipe.evaluate is not None:
@@ -111,6 +122,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
             gate = _quality_gate(recipe, report["evaluation"]["retained"])
             report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
         report["calibration_layer_runs"] = session.layer_runs
+        report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
         if session.stream is not None:
             report["stream"] = {"bytes_read": session.stream.bytes_read,
                                 "bytes_staged": session.stream.bytes_staged}
@@ -118,6 +130,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         report["peak_memory"]["estimate_rss_mib"] = planned / 2**20
         if writing:
             _write(recipe, model, tokenizer, session, report, workdir)
+        parallel.barrier()  # renamed into place only when every rank finished
     if gate:
         raise QualityGateError(gate)
     return model, report
@@ -196,6 +209,9 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[di
             with _whole_model(session, step):
                 results = [step.apply(session)]
         elapsed = time.perf_counter() - start
+        if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
+            session.parallel.agree(f"step {group[0][0]} ({names})", module_digest(
+                session.model, [results, [list(o) for o in session.layer_origin]]))
         for (index, step), result in zip(group, results):
             records.append({"index": index, "modifier": step.step_name(),
                             "params": step.model_dump(mode="json"), "wall_s": elapsed / len(group),

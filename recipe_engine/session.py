@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .adapters import ArchitectureAdapter
+from .distributed import Parallel, module_digest
 from .modifier import LayerModifier
 from .progress import Progress
 from .schema import CalibrationConfig
@@ -52,8 +53,10 @@ class Session:
                  calibration: torch.Tensor, config: CalibrationConfig, device: torch.device,
                  progress: Progress | None = None,
                  reference_loader: Callable[[], "nn.Module | Session"] | None = None,
-                 stream: WeightStream | None = None):
+                 stream: WeightStream | None = None, parallel: Parallel | None = None):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
+        #: This process's rank in a data-parallel run (``recipe_engine.distributed``); one process: a no-op.
+        self.parallel = parallel or Parallel(device=device)
         #: Set when the model is a meta-device skeleton streamed from disk (``recipe_engine.streaming``).
         self.stream = stream
         self.calibration, self.config, self.device = calibration, config, device
@@ -66,6 +69,8 @@ class Session:
         #: Replaces ``save_pretrained`` when set (e.g. a packed quantized export): ``writer(model, dir)``.
         self.checkpoint_writer: Callable[[nn.Module, Any], None] | None = None
         self.layer_runs = 0
+        #: Calibration batches this process ran through a layer (a data-parallel rank runs its share).
+        self.layer_batches = 0
         self._reference_loader = reference_loader
         self._reference: Session | None = None
         #: Inputs of the layer being compressed by ``run_layer_modifiers`` (see ``current_inputs``).
@@ -123,7 +128,7 @@ class Session:
         """A session sharing this one's tokenizer, adapter, calibration settings and device."""
         return Session(model, self.tokenizer, self.adapter,
                        self.calibration if calibration is None else calibration, self.config, self.device,
-                       self.progress, stream=stream)
+                       self.progress, stream=stream, parallel=self.parallel)
 
     # -- execution primitives ----------------------------------------------------------------
     @property
@@ -222,7 +227,11 @@ class Session:
                   hooks: list[Statistic] = (),
                   on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Run one (already placed) layer over all batches, feeding ``hooks``; returns its outputs.
-        ``on_batch(k, output)`` is called after batch ``k`` (its hooks have fired), output on the device."""
+        ``on_batch(k, output)`` is called after batch ``k`` (its hooks have fired), output on the device.
+
+        Data-parallel (``self.parallel``): without ``on_batch`` each rank runs its share of the batches,
+        the hooks' sums are all-reduced in fp64 and the outputs all-gathered (every rank returns all)."""
+        share = self.parallel.share(len(inputs)) if on_batch is None else None
         handles = []
         for stat in hooks:
             module = layer.get_submodule(stat.module) if stat.module else layer
@@ -233,8 +242,11 @@ class Session:
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
         outputs = []
         try:
-            for x, kwargs in zip(inputs, kwargs_list):
+            for k, (x, kwargs) in enumerate(zip(inputs, kwargs_list)):
+                if share is not None and k not in share:
+                    continue
                 out = _hidden(layer(x.to(self.device), **_to(kwargs, self.device)))
+                self.layer_batches += 1
                 if on_batch is not None:
                     on_batch(len(outputs), out)
                 outputs.append(out.to(self.storage))
@@ -242,6 +254,9 @@ class Session:
             for handle in handles:
                 handle.remove()
         self.layer_runs += 1
+        if share is not None:
+            self.parallel.reduce_statistics(hooks)
+            outputs = self.parallel.gather(outputs, len(inputs))
         return outputs
 
     def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
@@ -269,14 +284,19 @@ class Session:
         self.layer_pass(keep_last, "calibration NLL", skip=skip)
         total, count = 0.0, 0
         norm, head = self.adapter.final_norm(self.model), self.adapter.lm_head(self.model)
+        share = self.parallel.share(len(finals))
         with self.using(norm, head):
-            for hidden, batch in zip(finals, self.batches()):
+            for k, (hidden, batch) in enumerate(zip(finals, self.batches())):
+                if share is not None and k not in share:
+                    continue
                 logits = head(norm(hidden.to(self.device))).float()
                 targets = batch[:, 1:].to(self.device)
                 loss = torch.nn.functional.cross_entropy(
                     logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
                 total += float(loss)
                 count += targets.numel()
+        if share is not None:
+            total, count = self.parallel.sum([total, count])
         return total / count
 
     # -- targets from the original model ---------------------------------------------------
@@ -368,6 +388,9 @@ class Session:
                     reports[k]["layers"][str(index)] = entry
                     changed = min((change_position(m) for m in modifier.modifies), default=99)
                     cache = {key: s for key, s in cache.items() if s.position <= changed}
+                if self.parallel.active:  # the guard: every rank compressed this layer alike
+                    entries = [r["layers"].get(str(index)) for r in reports]
+                    self.parallel.agree(f"layer {index}", module_digest(self.layers[index], entries))
                 if keep_original:
                     inputs = original_outputs
                 elif provided is not None:

@@ -10,6 +10,8 @@ position p invalidates statistics at positions > p.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 POSITIONS = {
@@ -32,7 +34,14 @@ def change_position(module: str) -> int:
 
 
 class Statistic:
-    """Base class: ``update(inputs, output)`` is called once per calibration batch."""
+    """Base class: ``update(inputs, output)`` is called once per calibration batch.
+
+    ``sums`` names the attributes that are sums over batches (tensors or numbers): a data-parallel run
+    all-reduces exactly these in fp64 (``recipe_engine.distributed``); a statistic without them cannot be
+    split over ranks.
+    """
+
+    sums: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, module: str):
         self.module = module
@@ -56,6 +65,8 @@ class InputCovariance(Statistic):
     ``products``: dtype of each batch's ``XᵀX`` (sums over batches are fp64 either way); fp32 halves the
     cost for steps that tolerate ~1e-6 relative error per entry (GPTQ's reference code keeps H in fp32).
     """
+
+    sums = ("gram", "count")
 
     def __init__(self, module: str, products: torch.dtype = torch.float64):
         super().__init__(module)
@@ -85,6 +96,8 @@ class InputCovariance(Statistic):
 
 class LayerCosine(Statistic):
     """Mean over tokens of cos(layer input, layer output) along the hidden axis (fp32 cosine)."""
+
+    sums = ("total", "count")
 
     def __init__(self) -> None:
         super().__init__("")
