@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -29,10 +30,14 @@ def load() -> list[float]:
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
-def run(command: list[str], env: dict) -> float:
+def run(command: list[str], env: dict) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system of the command and every process it waited for)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(command, env=env, check=True, cwd=ROOT)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -50,9 +55,9 @@ def main() -> None:
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     load_before = load()
-    single = run([sys.executable, "-m", "recipe_engine.cli", "apply", str(RECIPE), "--output",
+    single, single_cpu = run([sys.executable, "-m", "recipe_engine.cli", "apply", str(RECIPE), "--output",
                   str(base / "single"), *sets], env)
-    parallel = run([torchrun, "--standalone", f"--nproc-per-node={args.ranks}", "-m", "recipe_engine.cli",
+    parallel, parallel_cpu = run([torchrun, "--standalone", f"--nproc-per-node={args.ranks}", "-m", "recipe_engine.cli",
                     "apply", str(RECIPE), "--output", str(base / "parallel"), *sets], env)
     load_after = load()
 
@@ -75,16 +80,19 @@ def main() -> None:
     record = {
         "recipe": str(RECIPE.relative_to(ROOT)), "calibration": f"{args.samples}x{args.seq_len} wikitext2 validation",
         "ranks": args.ranks, "threads_per_process": 1, "wall_s": {"single": single, "parallel": parallel},
-        "wall_ratio": parallel / single, "ppl": ppl, "ppl_relative_diff": abs(ppl["parallel"] / ppl["single"] - 1),
+        "wall_ratio": parallel / single, "cpu_s": {"single": single_cpu, "parallel_all_ranks": parallel_cpu},
+        "cpu_ratio_per_rank": parallel_cpu / args.ranks / single_cpu, "ppl": ppl, "ppl_relative_diff": abs(ppl["parallel"] / ppl["single"] - 1),
         "max_relative_weight_diff": worst, "same_layer_origin": reports["single"]["after"]["layer_origin"]
         == reports["parallel"]["after"]["layer_origin"],
         "layer_batches": {n: r["calibration_layer_batches"] for n, r in reports.items()},
         "load_average": {"before": load_before, "after": load_after},
         "torch": torch.__version__,
     }
-    print(f"{'run':<28}{'wall s':>9}{'PPL':>10}")
-    print(f"{'1 process x 1 thread':<28}{single:>9.1f}{ppl['single']:>10.3f}")
-    print(f"{f'torchrun {args.ranks} ranks x 1 thread':<28}{parallel:>9.1f}{ppl['parallel']:>10.3f}")
+    print(f"{'run':<28}{'wall s':>9}{'CPU s':>9}{'PPL':>10}")
+    print(f"{'1 process x 1 thread':<28}{single:>9.1f}{single_cpu:>9.1f}{ppl['single']:>10.3f}")
+    print(f"{f'torchrun {args.ranks} ranks x 1 thread':<28}{parallel:>9.1f}{parallel_cpu:>9.1f}{ppl['parallel']:>10.3f}")
+    print(f"CPU s: 1 process {single_cpu:.1f}, {args.ranks} ranks together {parallel_cpu:.1f} "
+          f"(per rank / single: {record['cpu_ratio_per_rank']:.3f})")
     print(f"wall ratio {record['wall_ratio']:.3f} (goal <= 0.6); PPL diff {record['ppl_relative_diff']:.2e} "
           f"(goal <= 5e-3); max relative weight diff {worst:.2e}; load {load_before} -> {load_after}")
     out = ROOT / "benchmarks" / "results" / "data_parallel.json"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from typing import Callable
@@ -120,10 +121,14 @@ def cmd_plan(args) -> int:
 
         from .plan import memory_plan, plan_rows
 
+        from .plan import rank_memory
+
         rows, total = plan_rows(recipe)
-        print(json.dumps({"steps": rows, "calibration_passes": total, "memory": memory_plan(recipe)}))
+        memory = memory_plan(recipe)
+        ranks = rank_memory(recipe, memory, args.ranks) if args.ranks > 1 and "unavailable" not in memory else None
+        print(json.dumps({"steps": rows, "calibration_passes": total, "memory": memory, "data_parallel": ranks}))
         return 0
-    print_plan(recipe, out)
+    print_plan(recipe, out, args.ranks)
     return 0
 
 
@@ -180,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print steps, statistics, calibration passes and a memory estimate")
     p.add_argument("recipe")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                   help="data-parallel processes (torchrun --nproc-per-node × nodes): per-rank memory")
     with_overrides(p)
     p.set_defaults(func=cmd_plan)
 

@@ -210,8 +210,8 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[di
                 results = [step.apply(session)]
         elapsed = time.perf_counter() - start
         if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
-            session.parallel.agree(f"step {group[0][0]} ({names})", module_digest(
-                session.model, [results, [list(o) for o in session.layer_origin]]))
+            session.parallel.agree(f"step {group[0][0]} ({names})",
+                                   module_digest(session.model, [list(o) for o in session.layer_origin]))
         for (index, step), result in zip(group, results):
             records.append({"index": index, "modifier": step.step_name(),
                             "params": step.model_dump(mode="json"), "wall_s": elapsed / len(group),

@@ -69,7 +69,7 @@ class Session:
         #: Replaces ``save_pretrained`` when set (e.g. a packed quantized export): ``writer(model, dir)``.
         self.checkpoint_writer: Callable[[nn.Module, Any], None] | None = None
         self.layer_runs = 0
-        #: Calibration batches this process ran through a layer (a data-parallel rank runs its share).
+        #: Calibration batches this process ran through (part of) a layer (a data-parallel rank: its share).
         self.layer_batches = 0
         self._reference_loader = reference_loader
         self._reference: Session | None = None

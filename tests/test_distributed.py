@@ -32,6 +32,9 @@ JOBS = {
     "gptq": (["GPTQ<group_size:32>"], 8),
     "gptq_onepass": (["GPTQ<group_size:32,sequential:false>"], 8),
 }
+#: Jobs only run data-parallel: LoRARecovery trains with the HF Trainer's DDP (a different data order than
+#: one process, so not compared with it); the ranks' checksums must still agree.
+TRAINER = {"lora": ["ShortGPT<n:1>", "LoRARecovery<max_steps:2,batch_size:4,micro_batch_size:2,seq_len:32,lr:0.01>"]}
 FAILING = {"fail_model_step": ["ShortGPT<n:1>", "FailOnRank"], "fail_in_pass": ["FailInPass"]}
 
 
@@ -61,7 +64,7 @@ def launch(tmp_path_factory):
                                     "--quiet"]}
             for name, (steps, samples) in JOBS.items()]
     jobs += [{"name": name, "argv": ["apply", str(write_recipe(base, name, steps, 8, base / "model")), "--quiet"]}
-             for name, steps in FAILING.items()]
+             for name, steps in {**TRAINER, **FAILING}.items()]
     (base / "jobs.json").write_text(json.dumps(jobs))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
@@ -121,7 +124,14 @@ def test_two_ranks_equal_one_process(launch, name):
 
 def test_only_rank_zero_writes(launch):
     """One output per passing job and nothing else: rank 1 wrote no directory of its own."""
-    assert sorted(p.name for p in (launch / "out").iterdir()) == sorted(JOBS)
+    assert sorted(p.name for p in (launch / "out").iterdir()) == sorted([*JOBS, *TRAINER])
+
+
+def test_lora_recovery_trains_with_ddp_under_the_launch(launch):
+    assert [(launch / f"lora.rank{r}.rc").read_text() for r in range(2)] == ["0", "0"]
+    report = json.loads((launch / "out" / "lora" / "report.json").read_text())
+    lora = report["steps"][1]["result"]
+    assert lora["processes"] == 2 and lora["steps"] == 2 and report["after"]["layers"] == 5
 
 
 @pytest.mark.parametrize("name", sorted(FAILING))
