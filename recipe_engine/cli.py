@@ -70,7 +70,8 @@ def cmd_apply(args) -> int:
     from .summary import print_summary
 
     with _quiet_libraries(args.quiet):
-        _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet)
+        _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
+                          resume=args.resume)
     if report["rank"] == 0:  # data-parallel: one summary
         print_summary(report, out)
     return 0
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     with_overrides(p)
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted (killed) run of the same output from its checkpoints")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("show", help="print the canonical resolved recipe")

@@ -25,6 +25,7 @@ from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict
 from .memory import current_rss, estimate
+from .resume import discard_on_error
 from .session import Session
 from .streaming import attach_stream, exceeds_memory
 from .validate import check_against_config
@@ -52,19 +53,20 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 
 
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
-          force: bool = False, write: bool = True, progress: bool = True) -> tuple[Any, dict]:
+          force: bool = False, write: bool = True, progress: bool = True, resume: bool = False) -> tuple[Any, dict]:
     """Run a recipe; returns ``(model, report)``. Writes the output directory unless ``write=False``.
 
     ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
     A streamed run (``stream``) returns the model as a meta-device skeleton: its weights are the output.
+    ``resume``: continue an interrupted run of the same output from its checkpoints (``recipe_engine.resume``).
     """
     loaded = _resolve(recipe, list(overrides))
     with launched(resolve_device(loaded.recipe.device)) as parallel:
-        return _apply(loaded, parallel, model, tokenizer, force, write, progress)
+        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume)
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
-           progress: bool) -> tuple[Any, dict]:
+           progress: bool, resume: bool = False) -> tuple[Any, dict]:
     """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
     recipe, file = loaded.recipe, loaded.path
     writing = write and parallel.rank == 0
@@ -80,11 +82,16 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     device = parallel.device
     in_memory = model is not None
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
+    if resume and (streamed or in_memory or parallel.active or not write):
+        why = ("a streamed run" if streamed else "a model passed in memory" if in_memory
+               else "a data-parallel run" if parallel.active else "write=False")
+        raise RecipeError(f"--resume is not supported for {why} (no checkpoints are kept)", file=file)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
                               "rank": parallel.rank, "ranks": parallel.world}
     planned = estimate(recipe, config, streamed, current_rss())["host_peak_bytes"]  # before weights load
-    with _workspace(recipe.output, writing, force) as workdir, \
+    owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
+    with discard_on_error(owned), _workspace(recipe.output, writing, force) as workdir, \
             Progress(enabled=progress and parallel.rank == 0) as bar:
         if model is None:
             bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
@@ -104,11 +111,14 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
                           parallel=parallel)
         if streamed:
             attach_stream(session, source.location, workdir / STAGING)
-        if recipe.evaluate is not None:
+        checkpoints = _checkpoints(recipe, report, source, resume, writing and not streamed and not parallel.active,
+                                   session, file)
+        owned.append(checkpoints)
+        if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
             from .evaluation import evaluate_session
 
             report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
-        report["steps"] = run_steps(session, recipe.modifiers, bar)
+        report["steps"] = run_steps(session, recipe.modifiers, bar, checkpoints, report)
         _check_uniform(session)
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
                            "layer_origin": [list(o) for o in session.layer_origin]}
@@ -131,6 +141,8 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         if writing:
             _write(recipe, model, tokenizer, session, report, workdir)
         parallel.barrier()  # renamed into place only when every rank finished
+    if checkpoints is not None:
+        checkpoints.discard()  # the output is in place
     if gate:
         raise QualityGateError(gate)
     return model, report
@@ -186,6 +198,22 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
     return load
 
 
+def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, enabled: bool, session: Session,
+                 file: str):
+    """The run's resume checkpoints (``recipe_engine.resume``), restored into ``session`` when resuming;
+    None when this run keeps none (not written, streamed, data-parallel, model passed in memory)."""
+    if not enabled or source is None:
+        return None
+    from .resume import Checkpoints, model_fingerprint
+
+    identity = {"recipe": report["recipe"]["resolved_sha256"], "model": model_fingerprint(source.location),
+                "calibration": report["data"]["fingerprint"], "packages": report["packages"]}
+    checkpoints = Checkpoints.open(recipe.output, identity, resume, file)
+    checkpoints.restore(session, report)
+    session.checkpoint = checkpoints
+    return checkpoints
+
+
 def _located(load, file: str):
     """Run a source loader; its error names the recipe file."""
     try:
@@ -194,9 +222,16 @@ def _located(load, file: str):
         raise exc.located(file=file) from None
 
 
-def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[dict[str, Any]]:
-    records: list[dict[str, Any]] = []
-    for group in group_steps(steps):
+def run_steps(session: Session, steps: list[Modifier], bar: Progress, checkpoints=None,
+              report: dict | None = None) -> list[dict[str, Any]]:
+    """Every step group in order; with ``checkpoints``, finished groups of an interrupted run are skipped
+    and each group (and each layer of a pass) is checkpointed when done."""
+    records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
+    for number, group in enumerate(group_steps(steps)):
+        if checkpoints is not None:
+            if number < checkpoints.next_group:
+                continue
+            checkpoints.begin_group(number, [step for _, step in group], records, report)
         start = time.perf_counter()
         names = ", ".join(step.step_name() for _, step in group)
         bar.log(f"step {group[0][0]}: {names}")
@@ -217,6 +252,8 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[di
                             "params": step.model_dump(mode="json"), "wall_s": elapsed / len(group),
                             "shared_pass": len(group) > 1, "layers_after": len(session.layers),
                             "result": result})
+        if checkpoints is not None:
+            checkpoints.group_done(session, number, records, report)
     return records
 
 

@@ -69,6 +69,8 @@ class Session:
         #: Replaces ``save_pretrained`` when set (e.g. a packed quantized export): ``writer(model, dir)``.
         self.checkpoint_writer: Callable[[nn.Module, Any], None] | None = None
         self.layer_runs = 0
+        #: Checkpoints of finished layers for ``--resume`` (``recipe_engine.resume.Checkpoints``), or None.
+        self.checkpoint = None
         #: Calibration batches this process ran through (part of) a layer (a data-parallel rank: its share).
         self.layer_batches = 0
         self._reference_loader = reference_loader
@@ -358,15 +360,20 @@ class Session:
         """
         targets = [set(m.target_layers(self)) for m in group]
         reports: list[dict[str, Any]] = [{"layers": {}} for _ in group]
-        last = max((max(t) for t in targets if t), default=-1)
         inputs, kwargs_list = self.capture_inputs()
+        start, resumed = 0, self.checkpoint.pass_state() if self.checkpoint is not None else None
+        if resumed is not None:  # an interrupted pass: after its last finished layer (``--resume``)
+            start, inputs, reports, targets = resumed
+        last = max((max(t) for t in targets if t), default=-1)
         self._reference_stream = None
-        for index in self.progress.track(range(last + 1), "layer-sequential pass"):
+        for index in self.progress.track(range(start, last + 1), "layer-sequential pass"):
             layer = self.layers[index]
             active = [k for k, t in enumerate(targets) if index in t]
             with self.using(index):
                 if not active:
                     inputs = self.run_layer(layer, inputs, kwargs_list)
+                    if self.checkpoint is not None:
+                        self.checkpoint.layer_done(self, index, inputs, reports, targets)
                     continue
                 keep_original = self.config.propagate == "original"
                 original_outputs = provided = None
@@ -397,6 +404,8 @@ class Session:
                     inputs = provided
                 else:
                     inputs = self.run_layer(self.layers[index], inputs, kwargs_list)
+            if self.checkpoint is not None:
+                self.checkpoint.layer_done(self, index, inputs, reports, targets)
         self._reference_stream = None
         for k, modifier in enumerate(group):
             reports[k].update(modifier.finish(self))
