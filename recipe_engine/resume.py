@@ -41,6 +41,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .cleanup import _alive, _identity
 from .errors import RecipeError
 
 MANIFEST = "manifest.json"
@@ -96,6 +97,10 @@ class Checkpoints:
         manifest_path = directory / MANIFEST
         found = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
         checkpoints = cls(directory, identity)
+        owner = (found or {}).get("owner")
+        if owner and owner.get("pid") != os.getpid() and _alive(owner):
+            raise RecipeError(f"another run of {output} is in progress (pid {owner['pid']} on {owner['host']}); "
+                              f"its checkpoints in {directory} are left alone", file=file, field="output")
         if directory.exists() and not resume:
             print(f"note: removing the checkpoints of an interrupted run of {output} (continue one with "
                   f"--resume)", file=sys.stderr)
@@ -243,7 +248,8 @@ class Checkpoints:
         old = (self.manifest or {}).get("files", {})
         for name in named:
             files[name] = hashlib.sha256(new[name]).hexdigest() if name in new else old[name]
-        manifest = {"type": KIND, "version": VERSION, "identity": self.identity, "reached": reached,
+        manifest = {"type": KIND, "version": VERSION, "owner": _identity(), "identity": self.identity,
+                    "reached": reached,
                     "layers": layers, "rest": rest, "config": session.model.config.to_dict(),
                     "extras": extras_name, "extra_entries": [{"modifier": e["modifier"], "config": e["config"]}
                                                              for e in session.extras],
