@@ -43,21 +43,26 @@ def eq12_group_scores(o_weight: torch.Tensor, gram: torch.Tensor, count: int, gr
 
 def best_groups_by_error(o_weight: torch.Tensor, gram: torch.Tensor, groups: int, keep: int,
                          queries_per_group: int, head_dim: int, ridge: float | None,
-                         exhaustive_limit: int) -> list[int]:
+                         exhaustive_limit: int, map_=map) -> list[int]:
     """KV groups whose kept ``o_proj`` output has the least (compensated) reconstruction error.
 
     Every ``C(groups, keep)`` subset is scored when there are at most ``exhaustive_limit``; otherwise
-    greedy backward elimination drops, one at a time, the group whose removal costs least.
+    greedy backward elimination drops, one at a time, the group whose removal costs least. ``map_`` scores
+    a list of candidates (``session.map`` spreads them over data-parallel ranks); ties: the first.
     """
     def error(subset: tuple[int, ...]) -> float:
         channels, _ = group_channels(list(subset), queries_per_group, head_dim)
         return reconstruction_error(o_weight, gram, channels, ridge)
 
+    def best(candidates: list[tuple[int, ...]]) -> tuple[int, ...]:
+        scores = list(map_(error, candidates))
+        return candidates[min(range(len(candidates)), key=lambda i: scores[i])]
+
     if math.comb(groups, keep) <= exhaustive_limit:
-        return list(min(itertools.combinations(range(groups), keep), key=error))
+        return list(best(list(itertools.combinations(range(groups), keep))))
     kept = tuple(range(groups))
     while len(kept) > keep:
-        kept = min((tuple(g for g in kept if g != drop) for drop in kept), key=error)
+        kept = best([tuple(g for g in kept if g != drop) for drop in kept])
     return list(kept)
 
 
@@ -129,7 +134,7 @@ class HeadPrune(LayerModifier):
             kept = sorted(scores.topk(cfg.num_key_value_heads).indices.tolist())
         else:
             kept = best_groups_by_error(o_weight, gram, groups, cfg.num_key_value_heads, per_group,
-                                        head_dim, ridge, self.exhaustive_limit)
+                                        head_dim, ridge, self.exhaustive_limit, session.map)
         query, kv = group_channels(kept, per_group, head_dim)
         error = reconstruction_error(o_weight, gram, query, ridge)
         new_o = ridge_compensation(o_weight, gram, query, ridge) if self.compensate else o_weight[:, query]

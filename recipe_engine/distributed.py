@@ -117,10 +117,10 @@ class Parallel:
         self._status()
         for stat in statistics:
             names = type(stat).sums
-            if not names:
+            if names is None:
                 raise RuntimeError(f"statistic {stat.key} declares no sums (Statistic.sums): it cannot be "
                                    f"all-reduced over ranks")
-            numbers = [n for n in names if not isinstance(getattr(stat, n), torch.Tensor)]
+            numbers = [n for n in names if isinstance(getattr(stat, n), (int, float))]
             for name in names:
                 value = getattr(stat, name)
                 if isinstance(value, torch.Tensor):
@@ -133,6 +133,20 @@ class Parallel:
                 dist.all_reduce(packed)
                 for name, total in zip(numbers, packed.tolist()):
                     setattr(stat, name, type(getattr(stat, name))(total))
+
+    def map(self, function, items: list) -> list:
+        """``[function(x) for x in items]`` with the items spread over the ranks (contiguous shares) and the
+        results all-gathered, so every rank returns the same list (results must be picklable)."""
+        import torch.distributed as dist
+
+        share = self.share(len(items))
+        if share is None:
+            return [function(item) for item in items]
+        mine = [function(items[k]) for k in share]
+        self._status()
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, mine)
+        return [result for part in every for result in part]
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise fp64 sum of ``values`` over ranks."""

@@ -140,6 +140,11 @@ class Session:
     def batches(self) -> list[torch.Tensor]:
         return list(self.calibration.split(self.config.batch_size))
 
+    def map(self, function: Callable[[Any], Any], items: list) -> list:
+        """``[function(x) for x in items]``; a data-parallel run spreads the items over the ranks and gathers
+        the results, so every rank gets the same list (for independent solves, e.g. candidate subsets)."""
+        return self.parallel.map(function, list(items))
+
     def _modules(self, items) -> list[nn.Module]:
         return [self.layers[i] if isinstance(i, int) else i for i in items]
 
@@ -247,6 +252,8 @@ class Session:
             for k, (x, kwargs) in enumerate(zip(inputs, kwargs_list)):
                 if share is not None and k not in share:
                     continue
+                for stat in hooks:
+                    stat.batch = k
                 out = _hidden(layer(x.to(self.device), **_to(kwargs, self.device)))
                 self.layer_batches += 1
                 if on_batch is not None:

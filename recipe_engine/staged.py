@@ -63,6 +63,7 @@ class StagedLayer:
         #: Batches this process runs (a data-parallel rank: its share); ``_batch`` indexes this list.
         self._own = list(self._share if self._share is not None else range(len(inputs)))
         self._batch = 0
+        self._statistic: Statistic | None = None
         self._position = -1
 
     def inputs_of(self, path: str, statistic: Statistic) -> None:
@@ -93,6 +94,7 @@ class StagedLayer:
             seen["wrapper"] = _replay_wrapper(block, output, seen["linear"])
             raise _Stop
 
+        self._statistic = statistic
         handles = [target.register_forward_pre_hook(capture)]
         if finishing:
             handles += [target.register_forward_hook(keep_output),
@@ -102,6 +104,7 @@ class StagedLayer:
         finally:
             for handle in handles:
                 handle.remove()
+            self._statistic = None
         if self._share is not None:
             self.session.parallel.reduce_statistics([statistic])
         if finishing:
@@ -128,6 +131,8 @@ class StagedLayer:
             for batch, k in enumerate(self._own):
                 x, kwargs = self.inputs[k], self.kwargs_list[k]
                 self._batch = batch
+                if self._statistic is not None:
+                    self._statistic.batch = k
                 self.session.layer_batches += 1
                 try:
                     out = self.layer(x.to(device), **_to(kwargs, device))

@@ -36,12 +36,15 @@ def change_position(module: str) -> int:
 class Statistic:
     """Base class: ``update(inputs, output)`` is called once per calibration batch.
 
-    ``sums`` names the attributes that are sums over batches (tensors or numbers): a data-parallel run
-    all-reduces exactly these in fp64 (``recipe_engine.distributed``); a statistic without them cannot be
-    split over ranks.
+    ``sums`` names the attributes that are sums over batches (tensors, numbers, or None when nothing was
+    collected): a data-parallel run all-reduces exactly these in fp64 (``recipe_engine.distributed``); ``()``
+    declares a per-batch scratch value with nothing to reduce; ``None`` (undeclared) cannot be split over
+    ranks. ``batch`` is the index of the calibration batch being run, set by the session before each batch
+    (for statistics that pair a batch with per-batch targets).
     """
 
-    sums: ClassVar[tuple[str, ...]] = ()
+    sums: ClassVar[tuple[str, ...] | None] = None
+    batch: int = 0
 
     def __init__(self, module: str):
         self.module = module
