@@ -85,12 +85,15 @@ def main() -> None:
         "max_relative_weight_diff": worst, "same_layer_origin": reports["single"]["after"]["layer_origin"]
         == reports["parallel"]["after"]["layer_origin"],
         "layer_batches": {n: r["calibration_layer_batches"] for n, r in reports.items()},
+        "single_checkpoint_s": reports["single"].get("checkpoints", {}).get("seconds", 0.0),
         "load_average": {"before": load_before, "after": load_after},
         "torch": torch.__version__,
     }
     print(f"{'run':<28}{'wall s':>9}{'CPU s':>9}{'PPL':>10}")
     print(f"{'1 process x 1 thread':<28}{single:>9.1f}{single_cpu:>9.1f}{ppl['single']:>10.3f}")
     print(f"{f'torchrun {args.ranks} ranks x 1 thread':<28}{parallel:>9.1f}{parallel_cpu:>9.1f}{ppl['parallel']:>10.3f}")
+    print(f"the 1-process run wrote resume checkpoints for {record['single_checkpoint_s']:.1f} s "
+          f"(data-parallel runs keep none)")
     print(f"CPU s: 1 process {single_cpu:.1f}, {args.ranks} ranks together {parallel_cpu:.1f} "
           f"(per rank / single: {record['cpu_ratio_per_rank']:.3f})")
     print(f"wall ratio {record['wall_ratio']:.3f} (goal <= 0.6); PPL diff {record['ppl_relative_diff']:.2e} "

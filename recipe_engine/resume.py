@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -88,6 +89,8 @@ class Checkpoints:
         #: unit signature (tensor names, ids, versions) → (file, the tensors: held so no id is reused)
         self._written: dict[tuple, tuple[str, list[torch.Tensor]]] = {}
         self._group = 0
+        #: Cost of checkpointing in this process: seconds and bytes written (``report.json`` ``checkpoints``).
+        self.seconds, self.bytes_written, self.count = 0.0, 0, 0
 
     # -- opening --------------------------------------------------------------------------------
     @classmethod
@@ -224,6 +227,7 @@ class Checkpoints:
               new: dict[str, bytes] | None = None) -> None:
         if not self.writable(session):
             return
+        start = time.perf_counter()
         new = dict(new or {})
         layer_ids = {id(p) for layer in session.layers for p in layer.parameters()}
         layers = [{"origin": list(origin), "file": self._unit(_tensors(layer), new)}
@@ -243,6 +247,7 @@ class Checkpoints:
             tmp = self.directory / f".{name}.part"
             tmp.write_bytes(data)
             os.replace(tmp, self.directory / name)
+            self.bytes_written += len(data)
         named = [e["file"] for e in layers] + [rest] + ([extras_name] if extras_name else []) \
             + [f"artifact-{n}" for n in session.artifacts] + ([pass_state["inputs"]] if pass_state else [])
         old = (self.manifest or {}).get("files", {})
@@ -264,6 +269,8 @@ class Checkpoints:
             if path.name != MANIFEST and path.name not in files:
                 path.unlink(missing_ok=True)
         self._written = {s: w for s, w in self._written.items() if w[0] in files}
+        self.seconds += time.perf_counter() - start
+        self.count += 1
 
     def discard(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -131,6 +131,9 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
             report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
             gate = _quality_gate(recipe, report["evaluation"]["retained"])
             report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
+        if checkpoints is not None:
+            report["checkpoints"] = {"written": checkpoints.count, "seconds": checkpoints.seconds,
+                                     "bytes": checkpoints.bytes_written}
         report["calibration_layer_runs"] = session.layer_runs
         report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
         if session.stream is not None:
