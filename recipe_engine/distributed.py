@@ -18,8 +18,10 @@ Design (no modifier needs to know; llm-compressor's DDP oneshot splits the datas
   bits and compute the same compression; the only difference from one process is the order of the fp64
   additions (~1e-16 relative).
 * **Replicated where the engine cannot reduce.** A run with a per-batch callback (``on_batch``: the caller
-  accumulates itself), a run with fewer batches than ranks, the piecewise runs of ``StagedLayer`` and steps
-  that build their own session run every batch on every rank: correct, no speed-up.
+  accumulates itself), a run with fewer batches than ranks and steps that build their own session run every
+  batch on every rank: correct, no speed-up. ``StagedLayer``'s piecewise runs are split like layer runs.
+* **Spread solves.** ``map`` (``Session.map``) gives each rank a share of independent items (e.g. HeadPrune's
+  candidate subsets, one ridge solve each) and all-gathers the results.
 * **Guard.** After each compressed layer and each model-scope step the ranks compare a sha256 of the layer's
   weights (of the step's report, the layer structure and the materialized weights): a mismatch stops every
   rank with one line.

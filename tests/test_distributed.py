@@ -145,3 +145,19 @@ def test_a_failing_rank_stops_both_with_one_line(launch, name):
         assert rc[1] == 2 and err[1].count("\n") == 1 and "injected failure on rank 1" in err[1]
     assert not (launch / "out" / name).exists()
     assert not [p for p in (launch / "out").iterdir() if p.name.startswith(".")]
+
+
+def test_plan_shows_per_rank_memory(launch, capsys):
+    from recipe_engine.cli import main
+
+    recipe = str(launch / "flattengpt.yaml")
+    assert main(["plan", recipe, "--json", "--ranks", "2"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    per_rank = plan["data_parallel"]
+    one_set = 8 * 32 * 64 * 4  # samples × seq_len × hidden × fp32: the gathered outputs of one layer
+    assert per_rank["ranks"] == 2 and per_rank["batches_per_rank"] == 2
+    assert per_rank["gather_bytes"] == one_set * 2  # the gathered set plus this rank's share twice
+    assert per_rank["activations_bytes"] == plan["memory"]["activations_bytes"]  # replicated, not divided
+    assert per_rank["host_peak_bytes_all_ranks"] == 2 * per_rank["host_peak_bytes_per_rank"]
+    assert main(["plan", recipe, "--ranks", "2"]) == 0
+    assert "data-parallel over 2 ranks" in capsys.readouterr().out
