@@ -9,15 +9,17 @@ A run keeps ``PARENT/.NAME.resume/`` beside its output ``PARENT/NAME``:
   artifacts, step records) and the sha256 of every file it names;
 * ``unit-<sha256>.safetensors``: the tensors of one model unit (a decoder layer; ``rest``: embeddings, final
   norm, ``lm_head``), content-addressed, so an unchanged unit is not written again;
-* ``inputs-<sha256>.safetensors``: inside a pass, the next layer's inputs (the activation checkpoint).
+* ``inputs-<sha256>.safetensors``: inside a pass, the next layer's inputs (the activation checkpoint), and
+  ``reference-<sha256>.safetensors``: the original model's states the pass follows (NystromMLP's
+  ``target: original``), where it had them.
 
 Checkpoints follow every step group (a model-scope step, a whole shared pass) and every layer of a pass.
 Resume loads the model from its source as usual, restores the checkpointed units (a copy of the original
 layer each stands for, with every tensor loaded; a Linear whose stored shape differs is rebuilt at that
 shape), the extras (``restore_extra``), records and artifacts, skips the finished groups, and continues a
 pass after its last finished layer from the stored activations: exact bits, where recomputing them from the
-finished layers would cost a forward per layer. The original model's lockstep states (NystromMLP's
-``target: original``) are recomputed from the source when first asked for, as in an uninterrupted run.
+finished layers would cost a forward per layer (and, for the original model's states, a forward of every
+original layer before them).
 
 Not checkpointed (a resume restarts from the checkpoint before): the state a custom checkpoint writer keeps
 in memory (a packed export, a LoRA adapter: no checkpoint after such a step), a pass with a quantizing step
@@ -178,28 +180,41 @@ class Checkpoints:
         report["resumed"] = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
 
     def pass_state(self):
-        """``(next layer, its inputs, reports, targets)`` of the interrupted pass now starting, or None."""
+        """``(next layer, its inputs, reports, targets, reference)`` of the interrupted pass now starting, or
+        None; ``reference``: ``(next original layer, the original model's states there)`` or None."""
         if self.manifest is None or self.manifest["pass"] is None or self.manifest["reached"]["group"] != self._group:
             return None
         from safetensors.torch import load_file
 
         saved = self.manifest["pass"]
         inputs = load_file(str(self.directory / saved["inputs"]))
+        reference = None
+        if saved["reference"] is not None:
+            states = load_file(str(self.directory / saved["reference"]["states"]))
+            reference = (saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
         return (saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
-                [set(t) for t in saved["targets"]])
+                [set(t) for t in saved["targets"]], reference)
 
     # -- writing --------------------------------------------------------------------------------
     def group_done(self, session, group_index: int, records: list, report: dict[str, Any]) -> None:
         self._save(session, {"group": group_index + 1, "layer": None}, records, report, None)
 
-    def layer_done(self, session, index: int, inputs: list[torch.Tensor], reports: list, targets: list) -> None:
+    def layer_done(self, session, index: int, inputs: list[torch.Tensor], reports: list, targets: list,
+                   reference: tuple | None) -> None:
+        """Checkpoint after pass layer ``index``: the model, the next layer's inputs and, when the pass
+        follows the original model (``reference``: next original layer, its states, kwargs), its states."""
         if not self.writable(session) or any(getattr(m, "quantizes", False) for m in self._pass_steps):
             return
         blob, name = self._blob({str(k): t for k, t in enumerate(inputs)}, "inputs")
+        new = {name: blob}
         pass_state = {"layer": index, "inputs": name, "targets": [sorted(t) for t in targets],
-                      "reports": json.loads(json.dumps(reports, default=str))}
+                      "reports": json.loads(json.dumps(reports, default=str)), "reference": None}
+        if reference is not None:
+            blob, states = self._blob({str(k): t for k, t in enumerate(reference[1])}, "reference")
+            new[states] = blob
+            pass_state["reference"] = {"next": reference[0], "states": states}
         self._save(session, {"group": self._group, "layer": index}, self._records, self._report, pass_state,
-                   {name: blob})
+                   new)
 
     def begin_group(self, group_index: int, steps: list, records: list, report: dict[str, Any]) -> None:
         self._group, self._pass_steps, self._records, self._report = group_index, steps, records, report
@@ -249,7 +264,8 @@ class Checkpoints:
             os.replace(tmp, self.directory / name)
             self.bytes_written += len(data)
         named = [e["file"] for e in layers] + [rest] + ([extras_name] if extras_name else []) \
-            + [f"artifact-{n}" for n in session.artifacts] + ([pass_state["inputs"]] if pass_state else [])
+            + [f"artifact-{n}" for n in session.artifacts] + ([pass_state["inputs"]] if pass_state else []) \
+            + ([pass_state["reference"]["states"]] if pass_state and pass_state["reference"] else [])
         old = (self.manifest or {}).get("files", {})
         for name in named:
             files[name] = hashlib.sha256(new[name]).hexdigest() if name in new else old[name]

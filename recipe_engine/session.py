@@ -369,10 +369,12 @@ class Session:
         reports: list[dict[str, Any]] = [{"layers": {}} for _ in group]
         inputs, kwargs_list = self.capture_inputs()
         start, resumed = 0, self.checkpoint.pass_state() if self.checkpoint is not None else None
-        if resumed is not None:  # an interrupted pass: after its last finished layer (``--resume``)
-            start, inputs, reports, targets = resumed
-        last = max((max(t) for t in targets if t), default=-1)
         self._reference_stream = None
+        if resumed is not None:  # an interrupted pass: after its last finished layer (``--resume``)
+            start, inputs, reports, targets, reference = resumed
+            if reference is not None:  # the original model's states where the interrupted run had them
+                self._reference_stream = (reference[0], reference[1], self.reference_session().capture_inputs()[1])
+        last = max((max(t) for t in targets if t), default=-1)
         for index in self.progress.track(range(start, last + 1), "layer-sequential pass"):
             layer = self.layers[index]
             active = [k for k, t in enumerate(targets) if index in t]
@@ -380,7 +382,7 @@ class Session:
                 if not active:
                     inputs = self.run_layer(layer, inputs, kwargs_list)
                     if self.checkpoint is not None:
-                        self.checkpoint.layer_done(self, index, inputs, reports, targets)
+                        self.checkpoint.layer_done(self, index, inputs, reports, targets, self._reference_stream)
                     continue
                 keep_original = self.config.propagate == "original"
                 original_outputs = provided = None
@@ -412,7 +414,7 @@ class Session:
                 else:
                     inputs = self.run_layer(self.layers[index], inputs, kwargs_list)
             if self.checkpoint is not None:
-                self.checkpoint.layer_done(self, index, inputs, reports, targets)
+                self.checkpoint.layer_done(self, index, inputs, reports, targets, self._reference_stream)
         self._reference_stream = None
         for k, modifier in enumerate(group):
             reports[k].update(modifier.finish(self))
