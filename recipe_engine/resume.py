@@ -21,10 +21,9 @@ pass after its last finished layer from the stored activations: exact bits, wher
 finished layers would cost a forward per layer (and, for the original model's states, a forward of every
 original layer before them).
 
-Not checkpointed (a resume restarts from the checkpoint before): the state a custom checkpoint writer keeps
-in memory (a packed export, a LoRA adapter: no checkpoint after such a step), a pass with a quantizing step
-(per-module records collected over the pass), streamed runs and data-parallel runs (``--resume`` refuses
-both with one line). An exception or a handled signal removes the checkpoints with the run's other files;
+The quantization records of quantizing steps (``session.quantized``: grid, scales and zero points per
+linear, for the packed export) are checkpointed by module name with the units. Not supported: streamed runs
+and data-parallel runs (``--resume`` refuses both with one line). An exception or a handled signal removes the checkpoints with the run's other files;
 SIGKILL, the OOM killer or a lost machine leave them for ``--resume``. Without ``--resume`` an earlier run's
 checkpoints are reported and removed, never silently reused.
 """
@@ -174,8 +173,15 @@ class Checkpoints:
             own = {k[len(f"{i}."):]: v for k, v in extras.items() if k.startswith(f"{i}.")}
             session.extras.append({"modifier": entry["modifier"], "config": entry["config"], "tensors": own})
             REGISTRY.get(entry["modifier"]).restore_extra(session.model, entry["config"], own)
-        for name in state["artifacts"]:
-            session.artifacts[name] = (self.directory / f"artifact-{name}").read_bytes()
+        for name, stored in state["artifacts"].items():
+            session.artifacts[name] = (self.directory / stored).read_bytes()
+        if state["quantized"]:
+            from .quantization import Grid, QuantizedLinear
+
+            tensors = load_file(str(self.directory / state["quantized_file"]))
+            for k, entry in enumerate(state["quantized"]):
+                session.quantized[session.model.get_submodule(entry["module"])] = QuantizedLinear(
+                    Grid(*entry["grid"]), tensors[f"{k}.scale"], tensors[f"{k}.zero"])
         report.update(state["report"])
         report["resumed"] = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
 
@@ -203,8 +209,6 @@ class Checkpoints:
                    reference: tuple | None) -> None:
         """Checkpoint after pass layer ``index``: the model, the next layer's inputs and, when the pass
         follows the original model (``reference``: next original layer, its states, kwargs), its states."""
-        if not self.writable(session) or any(getattr(m, "quantizes", False) for m in self._pass_steps):
-            return
         blob, name = self._blob({str(k): t for k, t in enumerate(inputs)}, "inputs")
         new = {name: blob}
         pass_state = {"layer": index, "inputs": name, "targets": [sorted(t) for t in targets],
@@ -218,11 +222,6 @@ class Checkpoints:
 
     def begin_group(self, group_index: int, steps: list, records: list, report: dict[str, Any]) -> None:
         self._group, self._pass_steps, self._records, self._report = group_index, steps, records, report
-
-    @staticmethod
-    def writable(session) -> bool:
-        """False once a step set a custom checkpoint writer: its state lives in memory only."""
-        return session.checkpoint_writer is None
 
     def _blob(self, tensors: dict[str, torch.Tensor], prefix: str) -> tuple[bytes, str]:
         from safetensors.torch import save
@@ -240,8 +239,6 @@ class Checkpoints:
 
     def _save(self, session, reached: dict, records: list, report: dict[str, Any], pass_state: dict | None,
               new: dict[str, bytes] | None = None) -> None:
-        if not self.writable(session):
-            return
         start = time.perf_counter()
         new = dict(new or {})
         layer_ids = {id(p) for layer in session.layers for p in layer.parameters()}
@@ -253,8 +250,20 @@ class Checkpoints:
             blob, extras_name = self._blob({f"{i}.{k}": t for i, e in enumerate(session.extras)
                                             for k, t in e["tensors"].items()}, "extras")
             new[extras_name] = blob
-        for name, data in session.artifacts.items():
-            new[f"artifact-{name}"] = data
+        artifacts = {}
+        for name, data in session.artifacts.items():  # names may hold one "/" (a subdirectory)
+            artifacts[name] = f"artifact-{hashlib.sha256(data).hexdigest()}"
+            new[artifacts[name]] = data
+        quantized_name, quantized = None, []
+        if session.quantized:
+            names = {id(m): name for name, m in session.model.named_modules()}
+            tensors = {}
+            for k, (module, record) in enumerate(session.quantized.items()):
+                grid = record.grid
+                quantized.append({"module": names[id(module)], "grid": [grid.bits, grid.group_size, grid.sym]})
+                tensors.update({f"{k}.scale": record.scale, f"{k}.zero": record.zero})
+            blob, quantized_name = self._blob(tensors, "quantized")
+            new[quantized_name] = blob
         files = {}
         for name, data in new.items():
             if name.startswith("unit-") and (self.directory / name).is_file():
@@ -264,7 +273,8 @@ class Checkpoints:
             os.replace(tmp, self.directory / name)
             self.bytes_written += len(data)
         named = [e["file"] for e in layers] + [rest] + ([extras_name] if extras_name else []) \
-            + [f"artifact-{n}" for n in session.artifacts] + ([pass_state["inputs"]] if pass_state else []) \
+            + ([quantized_name] if quantized_name else []) + list(artifacts.values()) \
+            + ([pass_state["inputs"]] if pass_state else []) \
             + ([pass_state["reference"]["states"]] if pass_state and pass_state["reference"] else [])
         old = (self.manifest or {}).get("files", {})
         for name in named:
@@ -274,7 +284,8 @@ class Checkpoints:
                     "layers": layers, "rest": rest, "config": session.model.config.to_dict(),
                     "extras": extras_name, "extra_entries": [{"modifier": e["modifier"], "config": e["config"]}
                                                              for e in session.extras],
-                    "artifacts": sorted(session.artifacts), "records": json.loads(json.dumps(records, default=str)),
+                    "artifacts": artifacts, "quantized": quantized, "quantized_file": quantized_name,
+                    "records": json.loads(json.dumps(records, default=str)),
                     "report": {k: report[k] for k in ("evaluation",) if k in report},
                     "pass": pass_state, "files": files}
         tmp = self.directory / f".{MANIFEST}.part"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .adapters import adapter_for, count_parameters
-from .checkpoint import write_streamed_checkpoint
+from .checkpoint import write_checkpoint
 from .distributed import Parallel, launched, module_digest
 from .data import check_length, fingerprint, load_text, sample_windows, tokenize
 from .errors import QualityGateError, RecipeError
@@ -24,7 +24,7 @@ from .output import (atomic_directory, check_free_space, check_output_free, git_
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict
-from .memory import current_rss, estimate
+from .memory import PeakWatch, current_rss, estimate
 from .resume import discard_on_error
 from .session import Session
 from .streaming import attach_stream, exceeds_memory
@@ -89,7 +89,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
                               "rank": parallel.rank, "ranks": parallel.world}
-    planned = estimate(recipe, config, streamed, current_rss())["host_peak_bytes"]  # before weights load
+    watch = PeakWatch()
     owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
     with discard_on_error(owned), _workspace(recipe.output, writing, force) as workdir, \
             Progress(enabled=progress and parallel.rank == 0) as bar:
@@ -101,6 +101,9 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
             source = None
             report["model"] = {"spec": recipe.model, "kind": "in-memory"}
         ids = tokenize(tokenizer, text.text)
+        resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
+                                                  {id(t): t for t in model.state_dict().values()}.values())
+        plan = estimate(recipe, config, streamed, current_rss() - resident_weights)
         windows = sample_windows(ids, cal.samples, cal.seq_len, cal.seed, text.origin)
         report["data"] = {"dataset": cal.dataset, "origin": text.origin, "tokens_available": ids.numel(),
                           "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
@@ -118,7 +121,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
             from .evaluation import evaluate_session
 
             report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
-        report["steps"] = run_steps(session, recipe.modifiers, bar, checkpoints, report)
+        report["steps"] = run_steps(session, recipe.modifiers, bar, watch, plan, checkpoints, report)
         _check_uniform(session)
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
                            "layer_origin": [list(o) for o in session.layer_origin]}
@@ -139,8 +142,8 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         if session.stream is not None:
             report["stream"] = {"bytes_read": session.stream.bytes_read,
                                 "bytes_staged": session.stream.bytes_staged}
-        report["peak_memory"] = peak_memory()
-        report["peak_memory"]["estimate_rss_mib"] = planned / 2**20
+        report["peak_memory"] = peak_memory(watch)
+        report["peak_memory"]["estimate_rss_mib"] = plan["host_peak_bytes"] / 2**20
         if writing:
             _write(recipe, model, tokenizer, session, report, workdir)
         parallel.barrier()  # renamed into place only when every rank finished
@@ -225,16 +228,20 @@ def _located(load, file: str):
         raise exc.located(file=file) from None
 
 
-def run_steps(session: Session, steps: list[Modifier], bar: Progress, checkpoints=None,
-              report: dict | None = None) -> list[dict[str, Any]]:
-    """Every step group in order; with ``checkpoints``, finished groups of an interrupted run are skipped
-    and each group (and each layer of a pass) is checkpointed when done."""
+def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None = None,
+              plan: dict | None = None, checkpoints=None, report: dict | None = None) -> list[dict[str, Any]]:
+    """Run the steps (consecutive layer steps share one pass); each record has the step's own wall time,
+    and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate. With
+    ``checkpoints``, finished groups of an interrupted run are skipped and each group (and each layer of a
+    pass) is checkpointed when done."""
     records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
+    watch = watch or PeakWatch()
     for number, group in enumerate(group_steps(steps)):
         if checkpoints is not None:
             if number < checkpoints.next_group:
                 continue
             checkpoints.begin_group(number, [step for _, step in group], records, report)
+        watch.start()
         start = time.perf_counter()
         names = ", ".join(step.step_name() for _, step in group)
         bar.log(f"step {group[0][0]}: {names}")
@@ -250,11 +257,18 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, checkpoint
         if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
             session.parallel.agree(f"step {group[0][0]} ({names})",
                                    module_digest(session.model, [list(o) for o in session.layer_origin]))
-        for (index, step), result in zip(group, results):
+        peak = watch.stop()
+        own = [result.pop("own_s", elapsed) for result in results]
+        for (index, step), result, own_s in zip(group, results, own):
+            memory = {"peak_rss_mib": None if peak is None else peak / 2**20}
+            if plan is not None:
+                planned = max(plan["steps"][i]["weights_bytes"] + plan["steps"][i]["working_bytes"]
+                              for i, _ in group)
+                memory["estimate_rss_mib"] = (plan["runtime_bytes"] + plan["activations_bytes"] + planned) / 2**20
             records.append({"index": index, "modifier": step.step_name(),
-                            "params": step.model_dump(mode="json"), "wall_s": elapsed / len(group),
-                            "shared_pass": len(group) > 1, "layers_after": len(session.layers),
-                            "result": result})
+                            "params": step.model_dump(mode="json"), "wall_s": own_s,
+                            "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),
+                            "layers_after": len(session.layers), **memory, "result": result})
         if checkpoints is not None:
             checkpoints.group_done(session, number, records, report)
     return records
@@ -299,17 +313,13 @@ def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
 
 def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp: Path) -> None:
     """The output files, into the workspace that ``apply`` renames into place; staging data is removed."""
-    if session.stream is not None and session.checkpoint_writer is not None:
-        with session.resident():
-            session.checkpoint_writer(model, tmp)
-    elif session.stream is not None:
-        write_streamed_checkpoint(session, tmp)
-    elif session.checkpoint_writer is not None:
-        session.checkpoint_writer(model, tmp)
+    if session.stream is not None or session.quantized:
+        write_checkpoint(session, tmp)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
     shutil.rmtree(tmp / STAGING, ignore_errors=True)
     for filename, data in session.artifacts.items():
+        (tmp / filename).parent.mkdir(exist_ok=True)
         (tmp / filename).write_bytes(data)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

@@ -20,7 +20,7 @@ from tests.helpers import save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 60
 STEPS = ["FuseNorm", "PauseStep", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP", "PauseInPass",
-         "GPTQ<group_size:32>"]
+         "GPTQ<group_size:32,export:compressed-tensors>"]  # packed: the quantization records are resumed too
 
 
 def sha256(path: Path) -> str:
