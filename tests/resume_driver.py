@@ -10,7 +10,8 @@ there (``NAME.ready`` appears), the driver SIGKILLs it, then runs ``then`` (a li
 ``--resume`` run; ``touch``: a file whose modification time is changed first) in order. The pause points are two test steps in the recipes, active only when the child's
 ``RECIPE_TEST_PAUSE`` names them: ``PauseStep`` (model-scope, between steps) and ``PauseInPass`` (inside a
 shared pass, in ``compress_layer`` of layer 2, after layers 0-1 are finished), plus ``writing``
-(``save_pretrained`` has written the checkpoint files into the temporary output directory).
+(``save_pretrained`` or the engine's ``write_checkpoint`` has written the checkpoint files into the
+temporary output directory).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from recipe_engine import runner
 from recipe_engine.cli import main as cli_main
 from recipe_engine.modifier import LayerModifier, Modifier
 from recipe_engine.registry import REGISTRY
@@ -71,6 +73,14 @@ def install() -> None:
             pause(Path(os.environ["RECIPE_TEST_READY"]))
 
     transformers.PreTrainedModel.save_pretrained = save_pretrained
+    write = runner.write_checkpoint  # the engine's writer (packed quantized or streamed models)
+
+    def write_checkpoint(session, directory, *args, **kwargs):
+        write(session, directory, *args, **kwargs)
+        if os.environ.get("RECIPE_TEST_PAUSE") == "writing":
+            pause(Path(os.environ["RECIPE_TEST_READY"]))
+
+    runner.write_checkpoint = write_checkpoint
 
 
 def run(case: dict, base: Path, paused: bool) -> int:
