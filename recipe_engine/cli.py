@@ -120,9 +120,7 @@ def cmd_plan(args) -> int:
     if args.json:
         import json
 
-        from .plan import memory_plan, plan_rows
-
-        from .plan import rank_memory
+        from .plan import memory_plan, plan_rows, rank_memory
 
         rows, total = plan_rows(recipe)
         memory = memory_plan(recipe)
