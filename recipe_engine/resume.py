@@ -43,7 +43,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .cleanup import _alive, _identity
+from .cleanup import _alive, _identity, track, untrack
 from .errors import RecipeError
 
 MANIFEST = "manifest.json"
@@ -116,6 +116,7 @@ class Checkpoints:
             checkpoints._verify(found, file)
             checkpoints.manifest = found
         directory.mkdir(parents=True, exist_ok=True)
+        track(directory)
         return checkpoints
 
     def _verify(self, found: dict[str, Any], file: str | None) -> None:
@@ -301,6 +302,7 @@ class Checkpoints:
 
     def discard(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+        untrack(self.directory)
 
 
 @contextlib.contextmanager
