@@ -86,6 +86,7 @@ def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None)
     """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory."""
     width = DTYPE_BYTES[recipe.dtype]
     shape = ModelShape.from_config(config)
+    shape.streamed = streamed
     cal = recipe.calibration
     tokens = cal.samples * cal.seq_len
     embedding = shape.vocab_size * shape.hidden_size * width

@@ -9,7 +9,9 @@ before it; with ``original`` from the layers as they were when the pass started.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -187,6 +189,17 @@ class Session:
         """Stage a module built by a step (e.g. a merged layer) and free its weights (streamed models)."""
         if self.stream is not None:
             self.stream.release(module)
+
+    def scratch_directory(self) -> Path | None:
+        """Where a step of a streamed run may spill large working data to disk (the staging directory,
+        inside the output's temporary directory, so it goes with it; a temporary directory for a read-only
+        stream); ``None`` for an in-memory model (keep it in memory)."""
+        if self.stream is None:
+            return None
+        if self.stream.staging is None:
+            return Path(tempfile.gettempdir())
+        self.stream.staging.mkdir(parents=True, exist_ok=True)
+        return self.stream.staging
 
     def stream_units(self) -> list[nn.Module]:
         """What a streamed model loads and releases whole: decoder layers, embeddings, final norm and an
