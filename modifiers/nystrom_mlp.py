@@ -16,10 +16,37 @@ from recipe_engine.stats import InputCovariance, Statistic
 
 
 class _LastInput(Statistic):
-    """The input of the hooked module in the batch that just ran (for per-batch cross moments)."""
+    """The input of the hooked module in the batch that just ran (per-batch scratch: nothing to reduce)."""
+
+    sums = ()
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         self.value = inputs
+
+
+class _TargetMoments(Statistic):
+    """Per fold ``f`` (batches ``k ≡ f mod folds``): ``C = Σ σᵀe``, ``E = Σ‖e‖²`` and optionally
+    ``G = Σ σᵀσ``, hooked on the layer output (``σ``: ``sigma.value`` of the same batch)."""
+
+    sums = ("cross", "gram", "error")
+
+    def __init__(self, sigma: _LastInput, targets: list[torch.Tensor], folds: int, channels: int, width: int,
+                 grams: bool, device: torch.device):
+        super().__init__("")
+        self.sigma, self.targets, self.folds = sigma, targets, folds
+        self.cross = torch.zeros(folds, channels, width, dtype=torch.float64, device=device)
+        self.gram = torch.zeros(folds, channels, channels, dtype=torch.float64, device=device) if grams else None
+        self.error = torch.zeros(folds, dtype=torch.float64, device=device)
+
+    def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        fold = self.batch % self.folds
+        residual = (self.targets[self.batch].to(output.device) - output).reshape(-1, output.shape[-1])
+        residual = residual.to(torch.float64)
+        flat = self.sigma.value.reshape(-1, self.cross.shape[1])
+        self.cross[fold].add_(flat.to(torch.float64).T @ residual)
+        self.error[fold] += residual.pow(2).sum()
+        if self.gram is not None:
+            self.gram[fold].add_((flat.float().T @ flat.float()).to(torch.float64))
 
 
 def target_moments(session, layer, targets: list[torch.Tensor], folds: int, grams: bool) -> list[dict[str, Any]]:
@@ -32,22 +59,10 @@ def target_moments(session, layer, targets: list[torch.Tensor], folds: int, gram
     inputs, kwargs_list = session.current_inputs()
     down = session.adapter.mlp(layer).down_proj
     sigma = _LastInput("mlp.down_proj")
-    channels = down.in_features
-    moments = [{"cross": torch.zeros(channels, down.out_features, dtype=torch.float64, device=session.device),
-                "gram": torch.zeros(channels, channels, dtype=torch.float64, device=session.device) if grams else None,
-                "error": 0.0} for _ in range(folds)]
-
-    def accumulate(k: int, output: torch.Tensor) -> None:
-        fold = moments[k % folds]
-        residual = (targets[k].to(output.device) - output).reshape(-1, output.shape[-1]).to(torch.float64)
-        flat = sigma.value.reshape(-1, channels)
-        fold["cross"].add_(flat.to(torch.float64).T @ residual)
-        fold["error"] += float(residual.pow(2).sum())
-        if grams:
-            fold["gram"].add_((flat.float().T @ flat.float()).to(torch.float64))
-
-    session.run_layer(layer, inputs, kwargs_list, hooks=[sigma], on_batch=accumulate)
-    return moments
+    moments = _TargetMoments(sigma, targets, folds, down.in_features, down.out_features, grams, session.device)
+    session.run_layer(layer, inputs, kwargs_list, hooks=[sigma, moments])
+    return [{"cross": moments.cross[f], "gram": moments.gram[f] if grams else None,
+             "error": float(moments.error[f])} for f in range(folds)]
 
 
 def refit_down_proj(down: torch.nn.Linear, gram: torch.Tensor, moments: list[dict[str, Any]],
