@@ -9,7 +9,9 @@ the variants below replace *every* pair at once; perplexity is measured on a few
 * ``merged``: the merged, unpruned wide layer (more parameters: shows what merging alone costs);
 * ``+heads``: merged + HeadPrune (reconstruction criterion, ridge o_proj refit, λ = 0.01 × mean eig);
 * ``+heads nocomp``: the same groups, o_proj sliced without refit;
+* ``+heads eq12``: the groups chosen by Eq. 12 instead (with the refit);
 * ``+mlp``: merged + NystromMLP (leverage λ = 10 × mean eig, Theorem 3.1 refit), attention wide;
+  ``+mlp nocomp``: no refit; ``+mlp energy``: channels by output energy ``G_ii ‖W_:,i‖²`` (± refit);
 * ``+heads+mlp``: both (NystromMLP ``target: merged``);
 * ``+heads+mlp+target λ``: then the down_proj refit towards the dense output of the pair (``target:
   original``/``serial`` coincide here) with λ_t = λ × mean eig.
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 from modifiers.flatten_adjacent import merge_layers
-from modifiers.head_prune import best_groups_by_error, group_channels
+from modifiers.head_prune import best_groups_by_error, eq12_group_scores, group_channels
 from recipe_engine.adapters import adapter_for
 from recipe_engine.data import load_text, sample_windows, tokenize
 from recipe_engine.evaluation.perplexity import make_windows
@@ -83,7 +85,7 @@ class Gram:
 
 
 @torch.no_grad()
-def prune_heads(layer, inputs, kwargs, config, compensate=True, scale=0.01):
+def prune_heads(layer, inputs, kwargs, config, compensate=True, scale=0.01, criterion="reconstruction"):
     attn = layer.self_attn
     hook = Gram(attn.o_proj)
     run_layer(layer, inputs, kwargs)
@@ -92,8 +94,13 @@ def prune_heads(layer, inputs, kwargs, config, compensate=True, scale=0.01):
     per_group = config.num_attention_heads // config.num_key_value_heads
     groups = attn.k_proj.out_features // head_dim
     ridge = scale * mean_eigenvalue(hook.gram)
-    kept = best_groups_by_error(attn.o_proj.weight, hook.gram, groups, config.num_key_value_heads, per_group,
-                                head_dim, ridge, 1024)
+    if criterion == "eq12":
+        count = sum(x.numel() // x.shape[-1] for x in inputs)
+        scores = eq12_group_scores(attn.o_proj.weight, hook.gram, count, groups, per_group, head_dim)
+        kept = sorted(scores.topk(config.num_key_value_heads).indices.tolist())
+    else:
+        kept = best_groups_by_error(attn.o_proj.weight, hook.gram, groups, config.num_key_value_heads,
+                                    per_group, head_dim, ridge, 1024)
     query, kv = group_channels(kept, per_group, head_dim)
     new_o = ridge_compensation(attn.o_proj.weight, hook.gram, query, ridge) if compensate \
         else attn.o_proj.weight[:, query]
@@ -150,7 +157,8 @@ def build(variant, dense_layers, pair, data, config):
     if variant == "merged":
         return [merged]
     if "heads" in variant:
-        prune_heads(merged, inputs, kwargs, config, compensate="heads nocomp" not in variant)
+        prune_heads(merged, inputs, kwargs, config, compensate="heads nocomp" not in variant,
+                    criterion="eq12" if "eq12" in variant else "reconstruction")
     if "mlp" in variant:
         prune_mlp(merged, inputs, kwargs, config, criterion="energy" if "energy" in variant else "leverage",
                   compensate="nocomp" not in variant.replace("heads nocomp", ""))
