@@ -53,7 +53,8 @@ def runs(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
     driver = Path(__file__).with_name("resume_driver.py")
-    subprocess.run([sys.executable, str(driver), str(base / "cases.json")], env=env, check=True, timeout=900)  # generous: the shared CI machine may be loaded
+    # generous timeout: the shared CI machine may be loaded
+    subprocess.run([sys.executable, str(driver), str(base / "cases.json")], env=env, check=True, timeout=900)
     return base
 
 
