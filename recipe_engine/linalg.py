@@ -51,41 +51,75 @@ def _check_factored(info: int) -> None:
 def _inverse_diagonal_in_place(gram: torch.Tensor, ridge: float, block: int) -> torch.Tensor:
     """``diag((G + λI)⁻¹)`` computed in the storage of the C-ordered CPU fp64 ``gram``, which is restored.
 
-    The Fortran view ``Gᵀ`` (equal to ``G``) is factored in its lower triangle — the row-major upper
-    triangle of ``gram`` — while the row-major strict lower triangle keeps ``G``; afterwards the upper
-    triangle is copied back from it and the saved diagonal restored."""
-    from scipy.linalg import lapack
-
+    The factor ``L`` of ``G + λI`` is made in the lower triangle (``cholesky_lower_``) while the strict
+    upper triangle keeps ``G``; ``[(LLᵀ)⁻¹]_ii = Σ_k (L⁻¹)_ki²`` is read from ``n × block`` panels of
+    ``L⁻¹`` (``inverse_panel``); then the lower triangle is copied back from the upper one and the saved
+    diagonal restored. Blocked torch code rather than LAPACK ``potrf`` in place: scipy's 32-bit OpenBLAS
+    crashes (SIGSEGV) on matrices of 2³¹ bytes or more (n ≳ 16,000; measured here)."""
     diagonal = gram.diagonal().clone()
-    column_major = gram.numpy().T
     try:
         gram.diagonal().add_(ridge)
-        _, info = lapack.dpotrf(column_major, lower=1, clean=0, overwrite_a=1)
-        _check_factored(info)
-        _, info = lapack.dtrtri(column_major, lower=1, overwrite_c=1)
-        _check_factored(info)
+        cholesky_lower_(gram, block)
         size = gram.shape[0]
-        # row i of the row-major upper triangle is column i of L⁻¹ (entries k ≥ i)
         inverse_diagonal = torch.empty(size, dtype=torch.float64)
-        panel = torch.empty(min(block, size), size, dtype=torch.float64)  # one buffer: no heap growth
         for start in range(0, size, block):
-            rows = panel[:min(block, size - start)]
-            torch.triu(gram[start:start + block], diagonal=start, out=rows)
-            inverse_diagonal[start:start + block] = rows.pow_(2).sum(1)
+            panel = inverse_panel(gram, start, min(start + block, size), block)
+            inverse_diagonal[start:start + block] = panel.pow_(2).sum(0)
     finally:
-        _restore_upper_from_lower(gram, diagonal, block)
+        _restore_lower_from_upper(gram, diagonal, block)
     return inverse_diagonal
 
 
-def _restore_upper_from_lower(gram: torch.Tensor, diagonal: torch.Tensor, block: int) -> None:
-    """Symmetric ``gram`` again: upper triangle := transposed strict lower triangle, diagonal := saved."""
+def cholesky_lower_(matrix: torch.Tensor, block: int = 512) -> None:
+    """Blocked right-looking Cholesky in place: the lower triangle of ``matrix`` (symmetric positive
+    definite, read from its lower triangle) becomes ``L`` with ``LLᵀ = A``; the strict upper triangle is
+    neither read nor written. Working memory: ``n × block`` panels."""
+    size = matrix.shape[0]
+    for k0 in range(0, size, block):
+        k1 = min(k0 + block, size)
+        diagonal_block = matrix[k0:k1, k0:k1]
+        lower = torch.tril(diagonal_block)
+        factor, info = torch.linalg.cholesky_ex(lower + torch.tril(lower, -1).T)
+        if int(info):
+            raise torch.linalg.LinAlgError(f"G + λI is not positive definite (leading minor {k0 + int(info)})")
+        diagonal_block.copy_(torch.where(torch.ones_like(factor, dtype=torch.bool).tril(), factor, diagonal_block))
+        if k1 == size:
+            break
+        panel = torch.linalg.solve_triangular(factor.T, matrix[k1:, k0:k1], upper=True, left=False)
+        matrix[k1:, k0:k1] = panel
+        for j0 in range(k1, size, block):  # trailing update of the lower triangle only
+            j1 = min(j0 + block, size)
+            rows = panel[j0 - k1:j1 - k1]
+            matrix[j0:j1, j0:j1].sub_(torch.tril(rows @ rows.T))
+            if j1 < size:
+                matrix[j1:, j0:j1].sub_(panel[j1 - k1:] @ rows.T)
+
+
+def inverse_panel(factor: torch.Tensor, start: int, stop: int, block: int = 512) -> torch.Tensor:
+    """Rows ``start:`` of columns ``start:stop`` of ``L⁻¹`` (rows above ``start`` are zero) for the lower
+    triangle ``L`` of ``factor``, by blocked forward substitution ``L X = E`` over row blocks."""
+    size = factor.shape[0]
+    panel = torch.zeros(size - start, stop - start, dtype=factor.dtype)
+    for r0 in range(start, size, block):
+        r1 = min(r0 + block, size)
+        rhs = panel[r0 - start:r1 - start]
+        if r0 < stop:
+            rhs[:, r0 - start:r1 - start] += torch.eye(r1 - r0, dtype=factor.dtype)
+        if r0 > start:
+            rhs -= factor[r0:r1, start:r0] @ panel[:r0 - start]
+        rhs.copy_(torch.linalg.solve_triangular(torch.tril(factor[r0:r1, r0:r1]), rhs, upper=False))
+    return panel
+
+
+def _restore_lower_from_upper(gram: torch.Tensor, diagonal: torch.Tensor, block: int) -> None:
+    """Symmetric ``gram`` again: lower triangle := transposed strict upper triangle, diagonal := saved."""
     size = gram.shape[0]
     for start in range(0, size, block):
         stop = min(start + block, size)
-        gram[start:stop, stop:] = gram[stop:, start:stop].T
+        gram[stop:, start:stop] = gram[start:stop, stop:].T
         square = gram[start:stop, start:stop]
-        lower = torch.tril(square, diagonal=-1)
-        square.copy_(lower + lower.T)
+        upper = torch.triu(square, diagonal=1)
+        square.copy_(upper + upper.T)
         square.diagonal().copy_(diagonal[start:stop])
 
 
@@ -111,18 +145,27 @@ def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Ten
     return weight[:, keep] + spd_solve_(system, rhs).T
 
 
-def spd_solve_(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """``A⁻¹ B`` for a symmetric positive definite fp64 ``A`` by Cholesky, overwriting ``A`` with its factor
-    (LAPACK ``potrf``/``potrs`` in place on CPU, so no second ``n × n`` matrix; a factor copy elsewhere)."""
+def spd_solve_(system: torch.Tensor, rhs: torch.Tensor, block: int = 512) -> torch.Tensor:
+    """``A⁻¹ B`` for a symmetric positive definite fp64 ``A`` by Cholesky, overwriting ``A`` with its factor:
+    on CPU blocked in place (``cholesky_lower_``, then blocked forward and back substitution), so no second
+    ``n × n`` matrix; a factor copy elsewhere."""
     if system.device.type == "cpu" and system.dtype == torch.float64 and system.is_contiguous():
-        from scipy.linalg import lapack
-
-        column_major = system.numpy().T  # the same symmetric matrix, Fortran order
-        _, info = lapack.dpotrf(column_major, lower=1, clean=0, overwrite_a=1)
-        _check_factored(info)
-        solution, info = lapack.dpotrs(column_major, rhs.to(torch.float64).numpy(), lower=1)
-        _check_factored(info)
-        return torch.from_numpy(solution)
+        cholesky_lower_(system, block)
+        size = system.shape[0]
+        solution = rhs.to(torch.float64, copy=True)
+        for r0 in range(0, size, block):  # L Y = B
+            r1 = min(r0 + block, size)
+            if r0:
+                solution[r0:r1] -= system[r0:r1, :r0] @ solution[:r0]
+            solution[r0:r1] = torch.linalg.solve_triangular(torch.tril(system[r0:r1, r0:r1]), solution[r0:r1],
+                                                            upper=False)
+        for r1 in range(size, 0, -block):  # Lᵀ X = Y
+            r0 = max(r1 - block, 0)
+            if r1 < size:
+                solution[r0:r1] -= system[r1:, r0:r1].T @ solution[r1:]
+            solution[r0:r1] = torch.linalg.solve_triangular(torch.tril(system[r0:r1, r0:r1]).T, solution[r0:r1],
+                                                            upper=True)
+        return solution
     return torch.cholesky_solve(rhs.to(system.dtype), torch.linalg.cholesky(system))
 
 
