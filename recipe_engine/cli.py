@@ -1,4 +1,4 @@
-"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, eval, bench."""
+"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, export, eval, bench."""
 from __future__ import annotations
 
 import argparse
@@ -147,6 +147,15 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .gguf_export import export_gguf
+
+    summary = export_gguf(args.directory, args.output, args.type, force=args.force)
+    out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
+              f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="recipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list-modifiers", help="every registered modifier with its parameters")
     p.set_defaults(func=cmd_list)
+
+    from .gguf_export import TYPES
+
+    p = sub.add_parser("export", help="convert an output directory to another format (gguf for llama.cpp)")
+    p.add_argument("directory", help="a recipe output or any HF model directory")
+    p.add_argument("--format", choices=["gguf"], required=True)
+    p.add_argument("--output", required=True, help="the .gguf file to write (atomically)")
+    p.add_argument("--type", choices=TYPES, default="f16", help="2-D weights' type; norms and biases stay f32")
+    p.add_argument("--force", action="store_true", help="replace an existing file")
+    p.set_defaults(func=cmd_export)
 
     from .evaluation.cli import add_commands
 

@@ -66,6 +66,10 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     _located(lambda: check_length(text, cal.samples * cal.seq_len), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
+    if recipe.export is not None:
+        from .gguf_export import check_recipe_exportable
+
+        _located(lambda: check_recipe_exportable(recipe, config), file)
     if write:
         check_free_space(recipe.output, config, recipe.dtype, file)
     device = resolve_device(recipe.device)
@@ -262,4 +266,9 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp
     gate = report.get("evaluation", {}).get("quality_gate")
     if gate == "failed":
         (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
+    if recipe.export is not None:  # from the finished files, so it sees exactly what was written
+        from .gguf_export import export_gguf
+
+        report["export"] = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
+        report["export"]["file"] = recipe.export.file
     (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
