@@ -22,7 +22,7 @@ from .output import (atomic_directory, check_free_space, check_output_free, git_
                      package_versions, peak_memory)
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
-from .schema import Recipe, dump_recipe, recipe_from_dict
+from .schema import Recipe, dump_recipe, recipe_from_dict, step_to_dict
 from .memory import current_rss, estimate
 from .session import Session
 from .streaming import attach_stream, exceeds_memory
@@ -51,10 +51,11 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 
 
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
-          force: bool = False, write: bool = True, progress: bool = True) -> tuple[Any, dict]:
+          force: bool = False, write: bool = True, progress: bool = True, memo=None) -> tuple[Any, dict]:
     """Run a recipe; returns ``(model, report)``. Writes the output directory unless ``write=False``.
 
     ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
+    ``memo`` (``recipe_engine.memo.SharedWork``): work shared with other runs of a sweep.
     A streamed run (``stream``) returns the model as a meta-device skeleton: its weights are the output.
     """
     loaded = _resolve(recipe, list(overrides))
@@ -95,6 +96,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}
         session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar,
                           reference_loader=_reference_loader(recipe, model, source, lambda: session))
+        session.memo = memo
         if streamed:
             attach_stream(session, source.location, workdir / STAGING)
         if recipe.evaluate is not None:
@@ -200,6 +202,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[di
             with _whole_model(session, step):
                 results = [step.apply(session)]
         elapsed = time.perf_counter() - start
+        session.completed_steps += [json.dumps(step_to_dict(step), sort_keys=True) for _, step in group]
         for (index, step), result in zip(group, results):
             records.append({"index": index, "modifier": step.step_name(),
                             "params": step.model_dump(mode="json"), "wall_s": elapsed / len(group),
