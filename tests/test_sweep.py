@@ -28,8 +28,9 @@ def recipes(tmp_path):
     flatten = dict(common, name="flatten", modifiers=["FuseNorm", {"FlattenAdjacent": {"n": 1}}, "HeadPrune",
                                                       "NystromMLP"])
     short = dict(common, name="short", modifiers=[{"ShortGPT": {"n": 1}}])
+    sleb = dict(common, name="sleb", modifiers=[{"SLEB": {"n": 1}}])
     paths = []
-    for recipe in (flatten, short):
+    for recipe in (flatten, short, sleb):
         path = tmp_path / f"{recipe['name']}.yaml"
         path.write_text(yaml.safe_dump(recipe))
         paths.append(str(path))
@@ -85,6 +86,23 @@ def test_interrupted_sweep_keeps_rows_and_rerun_skips_them(recipes, tmp_path, mo
     assert [(r["recipe"], r["layers"]) for r in rows] == [("dense", 6), ("flatten", 5), ("flatten", 4),
                                                           ("short", 5), ("short", 4)]
     assert (tmp_path / "sweep" / "pareto.png").stat().st_size > 1000
+
+
+def test_sleb_rounds_are_shared_across_n(recipes, tmp_path):
+    """n=3 first, then n=1 and n=2 reuse its rounds (greedy prefix); each equals a plain run."""
+    sweep = Sweep(recipes[2:], ["n=3,1,2"], str(tmp_path / "sweep"), eval_limit=2)
+    rows = sweep.run()
+    assert sweep.shared_work()["SLEB rounds"] == {"computed": 1, "reused": 2}
+    for row in rows[1:]:
+        plain, report = recipe_engine.apply(variants(recipes[2], [("n", [row["params"]["modifiers.0.n"]])])[0][1],
+                                            write=False, progress=False)
+        assert plain.config.num_hidden_layers == row["layers"]
+        from recipe_engine.data import load_text
+        from recipe_engine.evaluation import perplexity
+
+        text = load_text(str(tmp_path / "text.txt"), "train").text
+        assert perplexity(plain, byte_tokenizer(), text, seq_len=64, limit=2)["ppl"] == pytest.approx(row["ppl"],
+                                                                                                      rel=1e-6)
 
 
 def test_bare_field_must_name_one_step(recipes, tmp_path):
