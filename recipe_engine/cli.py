@@ -161,7 +161,7 @@ def cmd_sweep(args) -> int:
     from .sweep import SWEEP_FILE, Sweep, plot, table
 
     sweep = Sweep([args.recipe, *(args.recipes or [])], args.vary or [], args.output, args.eval_limit,
-                  args.tasks, progress=not args.quiet)
+                  args.tasks, progress=not args.quiet, overrides=list(args.set or []))
     try:
         with _quiet_libraries(args.quiet):
             rows = sweep.run()
@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-limit", type=int, help="first N perplexity windows and N rows per zero-shot task")
     p.add_argument("--tasks", nargs="*", help="zero-shot tasks (default: the recipe's evaluate.tasks)")
     p.add_argument("--output", required=True, help="directory for sweep.json and pareto.png")
+    p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override every recipe, before --vary")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_sweep)
 

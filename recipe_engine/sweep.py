@@ -45,18 +45,19 @@ def resolve_path(recipe, path: str, file: str) -> str:
     return f"modifiers.{owners[0]}.{path}"
 
 
-def variants(spec: str, vary: list[tuple[str, list[Any]]]) -> list[tuple[dict[str, Any], Any]]:
-    """``(params, resolved recipe)`` for every combination of the varied values (validated now)."""
+def variants(spec: str, vary: list[tuple[str, list[Any]]], overrides: list[str] = ()) -> list[tuple[dict, Any]]:
+    """``(params, resolved recipe)`` for every combination of the varied values (validated now); ``overrides``
+    (``--set``) apply to every variant first."""
     from .cli import _quoted
     from .recipe_io import load_recipe
 
-    base = load_recipe(spec)
+    base = load_recipe(spec, list(overrides))
     paths = [resolve_path(base.recipe, path, base.path) for path, _ in vary]
     out = []
     for values in itertools.product(*(v for _, v in vary)):
         params = dict(zip(paths, values))
         sets = [f"{p}={_quoted(v) if isinstance(v, str) else json.dumps(v)}" for p, v in params.items()]
-        out.append((params, load_recipe(spec, sets).recipe))
+        out.append((params, load_recipe(spec, [*overrides, *sets]).recipe))
     return out
 
 
@@ -88,9 +89,10 @@ class Sweep:
     """One sweep into ``output``; ``run`` returns every row (earlier rows of the same file included)."""
 
     def __init__(self, specs: list[str], vary: list[str], output: str, eval_limit: int | None = None,
-                 tasks: list[str] | None = None, progress: bool = False):
+                 tasks: list[str] | None = None, progress: bool = False, overrides: list[str] = ()):
         self.specs, self.vary = specs, [parse_vary(v) for v in vary]
         self.output, self.eval_limit, self.tasks, self.progress = Path(output), eval_limit, tasks, progress
+        self.overrides = list(overrides)
         self.models: dict[tuple, tuple] = {}
         self.memos: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
@@ -125,7 +127,7 @@ class Sweep:
         from .models import resolve_device
         from .runner import apply
 
-        planned = [(spec, params, recipe) for spec in self.specs for params, recipe in variants(spec, self.vary)]
+        planned = [(spec, params, recipe) for spec in self.specs for params, recipe in variants(spec, self.vary, self.overrides)]
         self._load_rows()
         done = {row["recipe_sha256"] for row in self.rows}
         for spec, params, recipe in planned:
