@@ -67,10 +67,6 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     _located(lambda: check_length(text, cal.samples * cal.seq_len), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
-    if recipe.export is not None:
-        from .gguf_export import check_recipe_exportable
-
-        _located(lambda: check_recipe_exportable(recipe, config), file)
     if write:
         check_free_space(recipe.output, config, recipe.dtype, file)
     device = resolve_device(recipe.device)
