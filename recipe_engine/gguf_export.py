@@ -185,6 +185,8 @@ def _vocabulary(directory: Path, vocab_size: int) -> tuple[list[str], list[int],
     if model.get("type") != "BPE" or model.get("byte_fallback") or decoder.get("type") != "ByteLevel":
         raise _fail("only byte-level BPE tokenizers are exported (llama.cpp 'gpt2' vocabulary); "
                     f"this one is {model.get('type')} with a {decoder.get('type')} decoder")
+    if not model.get("merges"):
+        raise _fail("the BPE tokenizer has no merges; llama.cpp refuses a BPE vocabulary without them")
     pre = pre_tokenizer_name(data)
     by_id = {i: t for t, i in model["vocab"].items()}
     kinds = {}

@@ -13,7 +13,7 @@ from recipe_engine.errors import RecipeError
 from recipe_engine.gguf_export import export_gguf
 from tests.helpers import tiny_model
 
-VOCAB = 258  # 256 byte symbols, "<|eos|>" (special) and "<tool>" (added, not special)
+VOCAB = 259  # 256 byte symbols, "he" (one merge: llama.cpp needs merges), "<|eos|>" (special), "<tool>"
 
 
 def bpe_tokenizer():
@@ -22,7 +22,8 @@ def bpe_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    vocab["he"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("h", "e")]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|eos|>", pad_token="<|eos|>")
@@ -81,9 +82,10 @@ def test_tokenizer_metadata(tmp_path):
     tokenizer = bpe_tokenizer()
     assert tokens == [tokenizer.convert_ids_to_tokens(i) for i in range(VOCAB)]
     types = fields["tokenizer.ggml.token_type"].contents()
-    assert types[256] == gguf.TokenType.CONTROL and types[257] == gguf.TokenType.USER_DEFINED
-    assert set(types[:256]) == {gguf.TokenType.NORMAL}
-    assert fields["tokenizer.ggml.eos_token_id"].contents() == 256
+    assert types[257] == gguf.TokenType.CONTROL and types[258] == gguf.TokenType.USER_DEFINED
+    assert set(types[:257]) == {gguf.TokenType.NORMAL}
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 257
+    assert fields["tokenizer.ggml.merges"].contents() == ["h e"]
     assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
     assert fields["tokenizer.chat_template"].contents() == tokenizer.chat_template
     assert fields["llama.attention.head_count_kv"].contents() == 2
@@ -172,4 +174,6 @@ def test_llama_cpp_computes_the_same_logits(tmp_path):
         theirs = torch.tensor(llm.scores[: len(ids)])
         with torch.no_grad():
             ours = model(ids[None]).logits[0]
-        assert float((ours - theirs).norm() / ours.norm()) < 1e-4, arch
+        # llama.cpp keeps its KV cache in f16 by default: agreement to ~3e-4 relative, same argmax
+        assert float((ours - theirs).norm() / ours.norm()) < 1e-3, arch
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1)), arch
