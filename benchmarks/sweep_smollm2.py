@@ -2,8 +2,9 @@
 
 The ``recipe sweep`` machinery (``recipe_engine.sweep.Sweep``) over the four shipped SmolLM2 recipes, all
 calibrated on WikiText-2 validation (FlattenGPT's recipe calibrates on the Wikipedia sample by default;
-``--set`` overrides it so every method sees the same text): 32 × 512 tokens, seed 0 (SLEB: 8 × 128, its
-recipe, since it runs ~n × layers NLL passes). Shared work is done once: the dense model load, the
+overrides make every method see the same text), ``--samples`` windows (default 16, half the recipes' 32, to
+fit a shared 2-core machine) of each recipe's length, seed 0: 16 × 512 tokens (SLEB: 16 × 128, its recipe's
+window, since it runs ~n × layers NLL passes). Shared work is done once: the dense model load, the
 calibration capture, FlattenAdjacent's similarity, ShortGPT's block influence and SLEB's greedy rounds
 (n = 10's rounds contain every smaller n's). Evaluation: WikiText-2 test PPL on the first ``--eval-limit``
 windows × 1024 tokens (and zero-shot on ``--tasks`` with the same row limit, if given).
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--eval-limit", type=int, default=8)
     parser.add_argument("--tasks", nargs="*")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=16, help="calibration windows for every recipe")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch
@@ -42,7 +44,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     sweep = Sweep([str(ROOT / r) for r in RECIPES], [f"n={args.n}"], args.out, args.eval_limit, args.tasks,
-                  overrides=["calibration.dataset=wikitext2", "calibration.split=validation"])
+                  overrides=["calibration.dataset=wikitext2", "calibration.split=validation",
+                             f"calibration.samples={args.samples}"])
     start = time.perf_counter()
     rows = sweep.run()
     Console(width=140).print(table(rows))
