@@ -2,8 +2,8 @@
 
 Each model is written as an HF directory (``recipe apply`` for the compressed ones), exported with
 ``recipe export --format gguf`` (f32 and f16; ``--types q8_0`` where llama.cpp's quantized kernels run),
-and read by two programs we did not write: llama.cpp through ``llama-cpp-python`` (its own loader, tokenizer-free: the same token ids go in)
-and transformers (``gguf_file=``). Reported per model and type: top-1 agreement of llama.cpp's next-token
+and read by two programs we did not write: llama.cpp through ``llama-cpp-python`` (its own loader and graph;
+the same token ids go in, no tokenizer involved) and transformers (``gguf_file=``). Reported per model and type: top-1 agreement of llama.cpp's next-token
 prediction with the HF model's over every position of a WikiText-2 test passage, mean KL(HF ‖ llama.cpp)
 in nats, and the relative logit error of the transformers read-back.
 
