@@ -6,7 +6,7 @@ once: the dense model is loaded once per (model, dtype) and copied per variant, 
 calibration) shares a ``recipe_engine.memo.SharedWork`` (calibration capture, FlattenAdjacent's
 similarity, ShortGPT's block influence). Rows go to ``DIR/sweep.json`` as each variant finishes (atomic
 replace), so an interrupted sweep keeps its rows and a rerun skips variants whose resolved recipe sha
-is already there.
+and evaluation settings are already there (another ``--eval-limit`` or task list evaluates again).
 """
 from __future__ import annotations
 
@@ -129,21 +129,22 @@ class Sweep:
 
         planned = [(spec, params, recipe) for spec in self.specs for params, recipe in variants(spec, self.vary, self.overrides)]
         self._load_rows()
-        done = {row["recipe_sha256"] for row in self.rows}
+        done = {(row["recipe_sha256"], row.get("evaluation_sha256")) for row in self.rows}
         for spec, params, recipe in planned:
             evaluation = evaluation_config(recipe, self.eval_limit, self.tasks)
-            dense_key = hashlib.sha256(json.dumps([recipe.model, recipe.dtype, evaluation.model_dump(
-                mode="json")]).encode()).hexdigest()
+            evaluated = hashlib.sha256(json.dumps(evaluation.model_dump(mode="json")).encode()).hexdigest()
+            dense_key = hashlib.sha256(json.dumps([recipe.model, recipe.dtype]).encode()).hexdigest()
             device = resolve_device(recipe.device)
-            if dense_key not in done:
+            if (dense_key, evaluated) not in done:
                 model, tokenizer = self._dense(recipe)
                 start = time.perf_counter()
                 result = evaluate_model(model, tokenizer, evaluation, device)
-                self._add({"recipe": "dense", "file": None, "recipe_sha256": dense_key, "model": recipe.model,
-                           "params": {}, **summarize(model, result), "compress_s": 0.0,
+                self._add({"recipe": "dense", "file": None, "recipe_sha256": dense_key,
+                           "evaluation_sha256": evaluated, "model": recipe.model, "params": {},
+                           **summarize(model, result), "compress_s": 0.0,
                            "eval_s": time.perf_counter() - start}, done)
             sha = recipe_sha(recipe)
-            if sha in done:
+            if (sha, evaluated) in done:
                 continue
             model, tokenizer = self._dense(recipe)
             start = time.perf_counter()
@@ -153,16 +154,17 @@ class Sweep:
             compress = time.perf_counter() - start
             start = time.perf_counter()
             result = evaluate_model(pruned, tokenizer, evaluation, device)
-            self._add({"recipe": recipe.name, "file": spec, "recipe_sha256": sha, "model": recipe.model,
+            self._add({"recipe": recipe.name, "file": spec, "recipe_sha256": sha, "evaluation_sha256": evaluated,
+                       "model": recipe.model,
                        "params": params, **summarize(pruned, result), "compress_s": compress,
                        "eval_s": time.perf_counter() - start,
                        "peak_rss_mib": report["peak_memory"]["rss_mib"]}, done)
             del pruned
         return self.rows
 
-    def _add(self, row: dict[str, Any], done: set[str]) -> None:
+    def _add(self, row: dict[str, Any], done: set[tuple]) -> None:
         self.rows.append(row)
-        done.add(row["recipe_sha256"])
+        done.add((row["recipe_sha256"], row["evaluation_sha256"]))
         self._save()
 
     def shared_work(self) -> dict[str, dict[str, int]]:

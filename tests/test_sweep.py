@@ -86,6 +86,9 @@ def test_interrupted_sweep_keeps_rows_and_rerun_skips_them(recipes, tmp_path, mo
     assert [(r["recipe"], r["layers"]) for r in rows] == [("dense", 6), ("flatten", 5), ("flatten", 4),
                                                           ("short", 5), ("short", 4)]
     assert (tmp_path / "sweep" / "pareto.png").stat().st_size > 1000
+    counted.clear()
+    assert main(argv) == 0 and not counted  # everything done: nothing runs again
+    assert main([*argv[:-2], "--eval-limit", "2"]) == 0 and len(counted) == 4  # other evaluation: all again
 
 
 def test_sleb_rounds_are_shared_across_n(recipes, tmp_path):
