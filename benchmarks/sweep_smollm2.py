@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ["recipes/flatten20_smollm2.yaml", "recipes/shortgpt_smollm2.yaml",
+RECIPES = ["recipes/shortgpt_smollm2.yaml", "recipes/flatten20_smollm2.yaml",  # cheapest first
            "recipes/shortgpt_linearpatch_smollm2.yaml", "recipes/sleb_smollm2.yaml"]
 
 
