@@ -121,6 +121,7 @@ def main_side(args) -> None:
     import copy
 
     from modifiers.quantize import Quantize
+    from recipe_engine.checkpoint import write_checkpoint
     from recipe_engine.data import load_text
     from safetensors.torch import load_file
 
@@ -139,7 +140,8 @@ def main_side(args) -> None:
         options = OURS[key]
         models[key] = copy.deepcopy(dense)
         wall, cpu, session = ours(models[key], tokenizer, ids, args.group_size, options, args.batch_size)
-        session.checkpoint_writer(models[key], out / key)
+        (out / key).mkdir(exist_ok=True)
+        write_checkpoint(session, out / key)
         results[key] = {"wall_s": wall, "cpu_s": cpu, "packed_mb": disk_mb(out / key)}
         print(json.dumps({key: results[key]}), flush=True)
     if theirs_process is not None:

@@ -140,6 +140,10 @@ def base_recipe(name: str, model: Path, output: Path, steps: list, samples: int,
                             "batch_size": 4}, "modifiers": steps, "output": str(output)}
 
 
+def _gib(mib: float | None) -> float | None:
+    return None if mib is None else round(mib / 1024, 3)
+
+
 def row(label: str, result: dict, size: int) -> dict:
     report = result["report"]
     peak = report["peak_memory"]["rss_mib"]
@@ -147,6 +151,10 @@ def row(label: str, result: dict, size: int) -> dict:
             "peak_over_checkpoint": peak * 2**20 / size, "estimate_gib": result["estimate"]["host_peak_bytes"] / 2**30,
             "estimate_over_peak": result["estimate"]["host_peak_bytes"] / (peak * 2**20), "wall_s": result["wall_s"],
             "steps_s": {f"{s['index']} {s['modifier']}": round(s["wall_s"], 1) for s in report["steps"]},
+            "steps_peak_gib": {f"{s['index']} {s['modifier']}": _gib(s.get("peak_rss_mib")) for s in report["steps"]},
+            "steps_estimate_gib": {f"{s['index']} {s['modifier']}": _gib(s.get("estimate_rss_mib"))
+                                   for s in report["steps"]},
+            "pass_shared_s": max((s.get("pass_shared_s") or 0) for s in report["steps"]),
             "layers": f"{report['before']['layers']} -> {report['after']['layers']}",
             "bytes_staged_gib": report.get("stream", {}).get("bytes_staged", 0) / 2**30}
 
@@ -224,11 +232,13 @@ def main() -> None:
             "command": " ".join(sys.argv)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"scale-{args.bench}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    keys = [k for k in rows[0] if k != "steps_s"]
+    per_step = ("steps_s", "steps_peak_gib", "steps_estimate_gib")
+    keys = [k for k in rows[0] if k not in per_step]
     print(" | ".join(keys))
     for r in rows:
         print(" | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys))
-        print("   steps:", r.get("steps_s"))
+        for key in per_step:
+            print(f"   {key}:", r.get(key))
 
 
 if __name__ == "__main__":

@@ -4,24 +4,27 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, PositiveInt, PrivateAttr, field_validator
+from pydantic import Field, PositiveInt, field_validator
 
 from recipe_engine import LayerModifier, register
 from recipe_engine.staged import StagedLayer
 from recipe_engine.stats import InputCovariance, position
 
-from ._quant import LINEARS, Grid, QuantizedWeight, grid_problem, known_targets, output_error, packed_writer
+from ._quant import LINEARS, Grid, QuantizedWeight, grid_problem, known_targets, output_error
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)`` (GPTQ §4, Step 3:
     row ``i`` of ``U`` divided by ``U_ii`` is the OBS update for column ``i`` given columns ``< i`` done)."""
-    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
-    damped = hessian + damp * torch.diagonal(hessian).mean() * eye
+    damped = hessian.clone()  # at most two n × n buffers beside H at any time
+    damped.diagonal().add_(damp * torch.diagonal(hessian).mean())
     lower, info = torch.linalg.cholesky_ex(damped)
+    del damped
     if int(info):
         raise ValueError(f"damped Hessian not positive definite (damp={damp}); raise damp")
-    inverse, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+    inverse = torch.cholesky_inverse(lower)
+    del lower
+    inverse, info = torch.linalg.cholesky_ex(inverse, upper=True)
     if int(info):
         raise ValueError(f"inverse Hessian not positive definite (damp={damp}); raise damp")
     return inverse
@@ -117,8 +120,6 @@ class GPTQ(LayerModifier):
     export: Literal["dequantized", "compressed-tensors"] = Field(
         "dequantized", description="checkpoint format: dequantized model-dtype weights or packed int (vLLM)")
 
-    _records: dict = PrivateAttr(default_factory=dict)
-
     @field_validator("targets")
     @classmethod
     def _known_targets(cls, value: list[str]) -> list[str]:
@@ -141,7 +142,6 @@ class GPTQ(LayerModifier):
         return 3 * widest * widest * 8 + kept
 
     def target_layers(self, session) -> list[int]:
-        self._records.clear()  # a run starts here: forget modules recorded by a previous run
         return list(range(len(session.layers)))
 
     def _hessian_source(self, session, target: str) -> str:
@@ -189,14 +189,10 @@ class GPTQ(LayerModifier):
                 with torch.no_grad():
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
                 if self.export == "compressed-tensors":
-                    self._records[linear] = (scale.cpu(), zero.cpu())
+                    session.mark_quantized(linear, grid, scale, zero)
         if staged is not None:
             session.provide_outputs(staged.outputs())
         return {"output_error": errors}
 
     def finish(self, session) -> dict[str, Any]:
-        if self.export == "compressed-tensors":
-            if session.checkpoint_writer is not None:
-                raise self.fail("another step already replaced the checkpoint writer", field="export")
-            session.checkpoint_writer = packed_writer(dict(self._records), self.grid())
         return {"quantized_linears": len(self.targets) * len(session.layers), "export": self.export}

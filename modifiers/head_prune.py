@@ -47,18 +47,73 @@ def best_groups_by_error(o_weight: torch.Tensor, gram: torch.Tensor, groups: int
     """KV groups whose kept ``o_proj`` output has the least (compensated) reconstruction error.
 
     Every ``C(groups, keep)`` subset is scored when there are at most ``exhaustive_limit``; otherwise
-    greedy backward elimination drops, one at a time, the group whose removal costs least.
+    greedy backward elimination drops, one at a time, the group whose removal costs least
+    (:func:`greedy_group_elimination`, which scores every candidate exactly without a solve).
     """
-    def error(subset: tuple[int, ...]) -> float:
-        channels, _ = group_channels(list(subset), queries_per_group, head_dim)
-        return reconstruction_error(o_weight, gram, channels, ridge)
-
     if math.comb(groups, keep) <= exhaustive_limit:
+        def error(subset: tuple[int, ...]) -> float:
+            channels, _ = group_channels(list(subset), queries_per_group, head_dim)
+            return reconstruction_error(o_weight, gram, channels, ridge)
         return list(min(itertools.combinations(range(groups), keep), key=error))
-    kept = tuple(range(groups))
+    members = [group_channels([g], queries_per_group, head_dim)[0] for g in range(groups)]
+    return greedy_group_elimination(o_weight, gram, members, keep, ridge)
+
+
+@torch.no_grad()
+def greedy_group_elimination(weight: torch.Tensor, gram: torch.Tensor, members: list[torch.Tensor],
+                             keep: int, ridge: float | None) -> list[int]:
+    """Backward elimination of input-channel groups: repeatedly drop the group (lowest index on ties)
+    whose removal leaves the least ``reconstruction_error`` — the same choice as scoring each candidate
+    with ``reconstruction_error``, at a fraction of the cost.
+
+    Uncompensated (``ridge is None``): ``E(D) = Σ_{a,b∈D} tr(W_a G_ab W_bᵀ)``, a sum over a table of group
+    pairs. Compensated: with ``V = G Wᵀ``, ``U = V + λWᵀ`` and ``S_K = G_KK + λI``, the refit is
+    ``W'_Kᵀ = Z = S_K⁻¹ U_K`` and ``E(K) = tr(WGWᵀ) − 2⟨V_K, Z⟩ + ⟨U_K, Z⟩ − λ‖Z‖²``. Removing group ``r``
+    from ``K`` downdates both by the block Schur complement (the OBS update, Hassibi & Stork 1993):
+    ``Z' = Z_{K'} − (S_K⁻¹)_{K'r} (S_K⁻¹)_rr⁻¹ Z_r`` and ``S_{K'}⁻¹ = (S_K⁻¹)_{K'K'} − (S_K⁻¹)_{K'r}
+    (S_K⁻¹)_rr⁻¹ (S_K⁻¹)_{rK'}``, so one ``n × n`` inverse is made, not one solve per candidate.
+    """
+    w, g = weight.to(torch.float64), gram.to(torch.float64)
+    kept = list(range(len(members)))
+    if ridge is None:
+        pair = torch.stack([torch.stack([(w[:, a] @ g[a][:, b] * w[:, b]).sum() for b in members])
+                            for a in members])
+        while len(kept) > keep:
+            def dropped_error(drop: int) -> float:
+                dropped = [x for x in range(len(members)) if x not in kept or x == drop]
+                return float(pair[dropped][:, dropped].sum())
+            kept.remove(min(kept, key=dropped_error))
+        return kept
+    v = g @ w.T
+    u = v + ridge * w.T
+    total = float((w.T * v).sum())
+    system = g.clone()
+    system.diagonal().add_(ridge)
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(system))
+    del system
+    z = inverse @ u
+    channels = torch.cat([members[k] for k in kept])
     while len(kept) > keep:
-        kept = min((tuple(g for g in kept if g != drop) for drop in kept), key=error)
-    return list(kept)
+        offsets = torch.cumsum(torch.tensor([0] + [len(members[k]) for k in kept]), 0)
+        best = None
+        for position, group in enumerate(kept):
+            r = torch.arange(int(offsets[position]), int(offsets[position + 1]))
+            rest = torch.cat([torch.arange(0, int(offsets[position])),
+                              torch.arange(int(offsets[position + 1]), len(channels))])
+            coupling = inverse[rest.unsqueeze(1), r]
+            step = torch.linalg.solve(inverse[r.unsqueeze(1), r], z[r])
+            z_new = z[rest] - coupling @ step
+            kept_channels = channels[rest]
+            error = (total - 2 * float((v[kept_channels] * z_new).sum()) + float((u[kept_channels] * z_new).sum())
+                     - ridge * float(z_new.pow(2).sum()))
+            if best is None or error < best[0]:
+                best = (error, group, rest, r, coupling, z_new)
+        _, group, rest, r, coupling, z = best
+        inverse = inverse[rest.unsqueeze(1), rest] - coupling @ torch.linalg.solve(inverse[r.unsqueeze(1), r],
+                                                                                    coupling.T)
+        channels = channels[rest]
+        kept.remove(group)
+    return kept
 
 
 @register

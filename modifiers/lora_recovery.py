@@ -142,22 +142,6 @@ def loss_plot(history: list[float], title: str) -> bytes:
     return buffer.getvalue()
 
 
-def adapter_writer(previous, files: dict[str, bytes]):
-    """Chain onto ``session.checkpoint_writer``: write the checkpoint as before, then the adapter files
-    into ``lora_adapter/`` (a subdirectory, so stock loaders do not mistake the output for an adapter)."""
-    def write(model, directory) -> None:
-        if previous is None:
-            model.save_pretrained(directory, safe_serialization=True)
-        else:
-            previous(model, directory)
-        target = Path(directory) / ADAPTER_DIR
-        target.mkdir()
-        for name, data in files.items():
-            (target / name).write_bytes(data)
-
-    return write
-
-
 @register
 class LoRARecovery(Modifier):
     """Recover quality lost to compression with LoRA on every attention/MLP projection, then merge.
@@ -231,8 +215,8 @@ class LoRARecovery(Modifier):
         for name, param in model.named_parameters():
             param.requires_grad_(trainable[name])
         model.to(home).eval()
-        if adapter is not None:
-            session.checkpoint_writer = adapter_writer(session.checkpoint_writer, adapter)
+        for name, data in (adapter or {}).items():  # a subdirectory: stock loaders must not mistake the
+            session.add_artifact(f"{ADAPTER_DIR}/{name}", data)  # output for an adapter
         session.add_artifact("lora_recovery_loss.png", loss_plot(history, f"LoRARecovery ({kind})"))
         return {"format": kind, "examples": len(examples), "steps": steps, "processes": processes,
                 "loss_history": history, "loss_first": history[0], "loss_last": history[-1],

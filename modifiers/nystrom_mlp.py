@@ -10,7 +10,7 @@ from pydantic import Field
 
 from recipe_engine import LayerModifier, register
 from recipe_engine.linalg import (heldout_ridge_scale, mean_eigenvalue, refit_error, ridge_compensation,
-                                  ridge_leverage_scores, ridge_refit, set_linear_weight)
+                                  ridge_leverage_scores, ridge_refit, set_linear_weight, submatrix)
 from recipe_engine.shape import ModelShape
 from recipe_engine.stats import InputCovariance, Statistic
 
@@ -136,11 +136,13 @@ class NystromMLP(LayerModifier):
         return list(self.layers) if self.layers is not None else session.oversized_layers("mlp")
 
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
-        """The fp64 ``down_proj`` input Gram of the widest target, its Cholesky factor and one panel of
-        ``L⁻¹`` (``ridge_leverage_scores``), plus the target refit's cross moment."""
+        """fp64: the widest target's ``down_proj`` input Gram ``G`` (n × n; the leverage factor is made in
+        its storage), one ``n × 512`` panel, and at the target refit ``G_KK`` plus its factor (2 k × k) and
+        the cross moment."""
         targets = self.layers if self.layers is not None else shape.oversized_layers("mlp")
         width = max((shape.layers[i].intermediate_size for i in targets), default=0)
-        return 8 * (2 * width * width + width * 2048 + width * shape.hidden_size)
+        kept = shape.intermediate_size
+        return 8 * (width * width + 2 * kept * kept + width * 512 + width * shape.hidden_size)
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
         return [InputCovariance("mlp.down_proj")]
@@ -160,7 +162,7 @@ class NystromMLP(LayerModifier):
         entry = {"channels_before": gram.shape[0], "channels_kept": len(keep),
                  "leverage_kept": float(leverage[keep].sum()), "leverage_total": float(leverage.sum())}
         if self.target != "merged":
-            entry.update(self._refit_towards_target(session, layer_index, gram[keep][:, keep]))
+            entry.update(self._refit_towards_target(session, layer_index, submatrix(gram, keep, keep)))
         return entry
 
     def _refit_towards_target(self, session, index: int, gram: torch.Tensor) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pydantic import Field, PositiveInt, field_validator
 
 from recipe_engine import Modifier, register
 
-from ._quant import LINEARS, Grid, grid_problem, known_targets, packed_writer, rtn
+from ._quant import LINEARS, Grid, grid_problem, known_targets, rtn
 
 
 @register
@@ -25,6 +25,7 @@ class Quantize(Modifier):
         return self.export == "compressed-tensors"
 
     example: ClassVar[tuple[str, ...]] = ("Quantize<group_size:32>",)  # tiny contract model: widths 64 and 96
+    streams = True  # one decoder layer at a time
 
     bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
     group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
@@ -45,15 +46,14 @@ class Quantize(Modifier):
 
     @torch.no_grad()
     def apply(self, session) -> dict[str, Any]:
-        grid, records = Grid(self.bits, self.group_size, self.sym), {}
-        for layer in session.progress.track(session.layers, "Quantize layers"):
-            for target in self.targets:
-                linear = layer.get_submodule(target)
-                result = rtn(linear.weight, grid)
-                linear.weight.copy_(result.dequantized.to(linear.weight.dtype))
-                records[linear] = (result.scale, result.zero)
-        if self.export == "compressed-tensors":
-            if session.checkpoint_writer is not None:
-                raise self.fail("another step already replaced the checkpoint writer", field="export")
-            session.checkpoint_writer = packed_writer(records, grid)
-        return {"quantized_linears": len(records), "export": self.export}
+        grid, count = Grid(self.bits, self.group_size, self.sym), 0
+        for index in session.progress.track(range(len(session.layers)), "Quantize layers"):
+            with session.loaded(index):  # one layer materialized at a time on a streamed model
+                for target in self.targets:
+                    linear = session.layers[index].get_submodule(target)
+                    result = rtn(linear.weight, grid)
+                    linear.weight.copy_(result.dequantized.to(linear.weight.dtype))
+                    count += 1
+                    if self.export == "compressed-tensors":
+                        session.mark_quantized(linear, grid, result.scale, result.zero)
+        return {"quantized_linears": count, "export": self.export}

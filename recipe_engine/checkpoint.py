@@ -1,4 +1,5 @@
-"""Sharded safetensors output assembled unit by unit from a streamed model (never from a whole model).
+"""The engine's checkpoint writer: sharded safetensors assembled unit by unit (never from a whole model),
+dense or with the linears a quantizing step recorded packed (``recipe_engine.quantization``).
 
 The layout is ``save_pretrained``'s: ``model.safetensors`` when everything fits one shard, else
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (``metadata.total_size``,
@@ -6,7 +7,9 @@ The layout is ``save_pretrained``'s: ``model.safetensors`` when everything fits 
 (``lm_head.weight`` of a tied head is the embedding matrix), each file with ``{"format": "pt"}``
 metadata. Shards are packed from whole units in model order; each file is written unit by unit
 (``write_safetensors_incrementally``), so host memory holds one unit's tensors, read from the source
-checkpoint, the staging directory or memory.
+checkpoint, the staging directory or memory. A linear recorded by ``Session.mark_quantized`` is written as
+its packed tensors (``<name>.weight_packed``, ``weight_scale``, ...) in place of ``<name>.weight``, and
+``config.json`` carries the ``quantization_config``.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .streaming import INDEX_FILE, SINGLE_FILE
+from .quantization import QuantizedLinear, pack, packed_layout, quantization_config
+from .streaming import INDEX_FILE, SINGLE_FILE, is_materialized
 
 #: Default shard size (``save_pretrained``'s "5GB"); the writer holds one unit, not one shard, in memory.
 MAX_SHARD_BYTES = 5 * 10**9
@@ -86,15 +90,45 @@ def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor],
     return offset
 
 
-def write_streamed_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def _quantized_weights(session) -> dict[str, QuantizedLinear]:
+    """``{"<linear name>.weight": record}`` for every linear a step recorded as quantized."""
+    names = {module: name for name, module in session.model.named_modules()}
+    missing = [module for module in session.quantized if module not in names]
+    if missing:
+        raise RuntimeError(f"{len(missing)} quantized linears are no longer in the model")
+    return {f"{names[module]}.weight": record for module, record in session.quantized.items()}
+
+
+def _unit_values(session, unit: torch.nn.Module) -> dict[str, torch.Tensor]:
+    if session.stream is not None:
+        return session.stream.read_unit(unit)
+    return {name: tensor.detach() for name, tensor in unit.state_dict(keep_vars=True).items()}
+
+
+def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinear]) -> dict[str, torch.Tensor]:
+    """The file entries of one state tensor: itself, or its packed tensors when it is a quantized weight."""
+    record = quantized.get(name)
+    if record is None:
+        return {name: tensor}
+    prefix = name[: -len("weight")]
+    if tensor.device.type == "meta":
+        return {prefix + key: value for key, value in packed_layout(tensor, record).items()}
+    return {prefix + key: value for key, value in pack(name[: -len(".weight")], tensor, record).items()}
+
+
+def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """Write the session's model into ``directory`` (weights, config, generation config), one unit at a
-    time (``write_safetensors_incrementally``); returns the weight file names."""
+    time (``write_safetensors_incrementally``), streamed or in memory, quantized linears packed; returns
+    the weight file names. A streamed unit's staging file is deleted once the unit is written (the stream
+    is finished after this), so staging and output never hold the same unit twice on disk."""
     model = session.model
     state = model.state_dict(keep_vars=True)
+    quantized = _quantized_weights(session)
+    layout_of = {name: _stored(name, tensor.to("meta"), quantized) for name, tensor in state.items()}
     shards: list[list[tuple[torch.nn.Module | None, dict[str, str]]]] = [[]]
     size = 0
     for group in _groups(session):
-        group_bytes = sum(_nbytes(state[name]) for name in group[1])
+        group_bytes = sum(_nbytes(t) for name in group[1] for t in layout_of[name].values())
         if shards[-1] and size + group_bytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -110,19 +144,37 @@ def write_streamed_checkpoint(session, directory: Path, max_shard_bytes: int = M
                 for name in names:
                     if state[name].device.type == "meta":
                         raise RuntimeError(f"{name} is neither streamed nor in memory")
-                yield {name: state[name] for name in names}
+                values = {name: state[name] for name in names}
             else:
-                values = session.stream.read_unit(unit)
-                yield {name: values[local] for name, local in names.items()}
+                unit_values = _unit_values(session, unit)
+                values = {name: unit_values[local] for name, local in names.items()}
+            yield {key: tensor for name, value in values.items()
+                   for key, tensor in _stored(name, value, quantized).items()}
+            if unit is not None and session.stream is not None and not is_materialized(unit):
+                session.stream.discard_staged(unit)  # written: its staging file is no longer needed
 
     for file, shard in zip(files, shards):
-        layout = {name: state[name] for _, names in shard for name in names}
+        layout = {key: meta for _, names in shard for name in names for key, meta in layout_of[name].items()}
         total += write_safetensors_incrementally(directory / file, layout, chunks(shard))
         weight_map.update({name: file for name in layout})
     if len(files) > 1:
         (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                         "weight_map": weight_map}, indent=2) + "\n")
-    model.config.save_pretrained(directory)
+    _save_configs(session, directory, quantized)
+    return files
+
+
+def _save_configs(session, directory: Path, quantized: dict[str, QuantizedLinear]) -> None:
+    model = session.model
+    if quantized:
+        grids = {record.grid for record in quantized.values()}
+        linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        ignore = [name[: -len(".weight")] for name in linears - quantized.keys()]
+        model.config.quantization_config = quantization_config(grids.pop(), ignore)
+    try:
+        model.config.save_pretrained(directory)
+    finally:
+        if quantized:
+            del model.config.quantization_config
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)
-    return files

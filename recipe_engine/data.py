@@ -258,9 +258,15 @@ def _disk_rows(path: Path, split: str, field: str) -> list[str]:
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
-    """Token ids of the whole text as one 1-D tensor (no special tokens added)."""
+    """Token ids of the whole text as one 1-D tensor (no special tokens added); the tokenizer's transient
+    encodings are returned to the OS (``streaming.trim_heap``)."""
+    from .streaming import trim_heap
+
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
+    tensor = torch.tensor(ids, dtype=torch.long)
+    del ids
+    trim_heap()
+    return tensor
 
 
 def sample_windows(ids: torch.Tensor, samples: int, seq_len: int, seed: int, source: str) -> torch.Tensor:

@@ -14,19 +14,22 @@ def mean_eigenvalue(gram: torch.Tensor) -> float:
     return float(torch.diagonal(gram).sum()) / gram.shape[0]
 
 
-def ridge_leverage_scores(gram: torch.Tensor, ridge: float, block: int = 2048) -> torch.Tensor:
+def ridge_leverage_scores(gram: torch.Tensor, ridge: float, block: int = 512) -> torch.Tensor:
     """Ridge leverage scores ``s_i = [G (G + λI)⁻¹]_ii`` (Musco & Musco 2017; FlattenGPT Alg. 3 line 2).
 
-    ``G (G + λI)⁻¹ = I − λ (G + λI)⁻¹``, so only one Cholesky factor ``L`` is needed, and
-    ``[(LLᵀ)⁻¹]_ii = Σ_k (L⁻¹)_ki²``. Memory: one ``n × n`` fp64 factor (made in place) plus an ``n × block``
-    panel of ``L⁻¹`` at a time — a merged Llama-3-8B MLP (n = 28672) needs 6.6 GB beside ``G``, not 4×.
+    ``G (G + λI)⁻¹ = I − λ (G + λI)⁻¹``; with ``G + λI = LLᵀ``, ``[(LLᵀ)⁻¹]_ii = Σ_k (L⁻¹)_ki²``. A CPU fp64
+    Gram is factored and inverted in its own storage (LAPACK ``potrf`` and ``trtri`` on one triangle) and
+    restored bit for bit from the other triangle, so no second ``n × n`` matrix exists: a merged
+    Llama-3-8B MLP (n = 28672) needs ``G`` (6.6 GB) plus ``n × block`` panels. Elsewhere (GPU, other dtypes)
+    one factor copy is made and ``L⁻¹`` is solved in ``n × block`` panels.
     """
+    if gram.device.type == "cpu" and gram.dtype == torch.float64 and gram.is_contiguous():
+        return 1.0 - ridge * _inverse_diagonal_in_place(gram, ridge, block)
     factor = gram.to(torch.float64, copy=True)
     factor.diagonal().add_(ridge)
     info = torch.empty((), dtype=torch.int32, device=factor.device)
     torch.linalg.cholesky_ex(factor, out=(factor, info))
-    if int(info):
-        raise torch.linalg.LinAlgError(f"G + λI is not positive definite (leading minor {int(info)})")
+    _check_factored(int(info))
     size = factor.shape[0]
     inverse_diagonal = torch.empty(size, dtype=torch.float64, device=factor.device)
     for start in range(0, size, block):
@@ -36,6 +39,59 @@ def ridge_leverage_scores(gram: torch.Tensor, ridge: float, block: int = 2048) -
         panel = torch.linalg.solve_triangular(factor[start:, start:], unit, upper=False)
         inverse_diagonal[start:stop] = panel.pow(2).sum(0)
     return 1.0 - ridge * inverse_diagonal
+
+
+def _check_factored(info: int) -> None:
+    if info > 0:
+        raise torch.linalg.LinAlgError(f"G + λI is not positive definite (leading minor {info})")
+    if info < 0:
+        raise RuntimeError(f"LAPACK argument {-info} invalid")
+
+
+def _inverse_diagonal_in_place(gram: torch.Tensor, ridge: float, block: int) -> torch.Tensor:
+    """``diag((G + λI)⁻¹)`` computed in the storage of the C-ordered CPU fp64 ``gram``, which is restored.
+
+    The Fortran view ``Gᵀ`` (equal to ``G``) is factored in its lower triangle — the row-major upper
+    triangle of ``gram`` — while the row-major strict lower triangle keeps ``G``; afterwards the upper
+    triangle is copied back from it and the saved diagonal restored."""
+    from scipy.linalg import lapack
+
+    diagonal = gram.diagonal().clone()
+    column_major = gram.numpy().T
+    try:
+        gram.diagonal().add_(ridge)
+        _, info = lapack.dpotrf(column_major, lower=1, clean=0, overwrite_a=1)
+        _check_factored(info)
+        _, info = lapack.dtrtri(column_major, lower=1, overwrite_c=1)
+        _check_factored(info)
+        size = gram.shape[0]
+        # row i of the row-major upper triangle is column i of L⁻¹ (entries k ≥ i)
+        inverse_diagonal = torch.empty(size, dtype=torch.float64)
+        panel = torch.empty(min(block, size), size, dtype=torch.float64)  # one buffer: no heap growth
+        for start in range(0, size, block):
+            rows = panel[:min(block, size - start)]
+            torch.triu(gram[start:start + block], diagonal=start, out=rows)
+            inverse_diagonal[start:start + block] = rows.pow_(2).sum(1)
+    finally:
+        _restore_upper_from_lower(gram, diagonal, block)
+    return inverse_diagonal
+
+
+def _restore_upper_from_lower(gram: torch.Tensor, diagonal: torch.Tensor, block: int) -> None:
+    """Symmetric ``gram`` again: upper triangle := transposed strict lower triangle, diagonal := saved."""
+    size = gram.shape[0]
+    for start in range(0, size, block):
+        stop = min(start + block, size)
+        gram[start:stop, stop:] = gram[stop:, start:stop].T
+        square = gram[start:stop, start:stop]
+        lower = torch.tril(square, diagonal=-1)
+        square.copy_(lower + lower.T)
+        square.diagonal().copy_(diagonal[start:stop])
+
+
+def submatrix(matrix: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``matrix[rows][:, columns]`` gathered in one step (no ``|rows| × n`` intermediate)."""
+    return matrix[rows.unsqueeze(1), columns.unsqueeze(0)]
 
 
 def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor,
@@ -48,12 +104,26 @@ def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Ten
     gram = gram.to(torch.float64)
     weight = weight.to(torch.float64)
     drop = _complement(keep, gram.shape[0])
-    g_kk = gram[keep][:, keep]
-    g_kd = gram[keep][:, drop]
-    eye = torch.eye(len(keep), dtype=torch.float64, device=gram.device)
-    # (G_KK + λI) Δᵀ = G_KD W_Dᵀ  →  Δ = W_D G_DK (G_KK + λI)⁻¹
-    delta_t = torch.linalg.solve(g_kk + ridge * eye, g_kd @ weight[:, drop].T)
-    return weight[:, keep] + delta_t.T
+    # (G_KK + λI) Δᵀ = G_KD W_Dᵀ  →  Δ = W_D G_DK (G_KK + λI)⁻¹ (Cholesky: G_KK + λI is SPD for λ > 0)
+    rhs = submatrix(gram, keep, drop) @ weight[:, drop].T
+    system = submatrix(gram, keep, keep)
+    system.diagonal().add_(ridge)
+    return weight[:, keep] + spd_solve_(system, rhs).T
+
+
+def spd_solve_(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``A⁻¹ B`` for a symmetric positive definite fp64 ``A`` by Cholesky, overwriting ``A`` with its factor
+    (LAPACK ``potrf``/``potrs`` in place on CPU, so no second ``n × n`` matrix; a factor copy elsewhere)."""
+    if system.device.type == "cpu" and system.dtype == torch.float64 and system.is_contiguous():
+        from scipy.linalg import lapack
+
+        column_major = system.numpy().T  # the same symmetric matrix, Fortran order
+        _, info = lapack.dpotrf(column_major, lower=1, clean=0, overwrite_a=1)
+        _check_factored(info)
+        solution, info = lapack.dpotrs(column_major, rhs.to(torch.float64).numpy(), lower=1)
+        _check_factored(info)
+        return torch.from_numpy(solution)
+    return torch.cholesky_solve(rhs.to(system.dtype), torch.linalg.cholesky(system))
 
 
 def ridge_refit(weight: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -62,9 +132,9 @@ def ridge_refit(weight: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, r
 
     Minimises ``‖X W'ᵀ − Y*‖² + λ‖W' − W‖²``: ridge least squares shrunk towards the current weight.
     """
-    gram = gram.to(torch.float64)
-    eye = torch.eye(gram.shape[0], dtype=torch.float64, device=gram.device)
-    return weight.to(torch.float64) + torch.linalg.solve(gram + ridge * eye, cross.to(torch.float64)).T
+    system = gram.to(torch.float64, copy=True)
+    system.diagonal().add_(ridge)
+    return weight.to(torch.float64) + spd_solve_(system, cross.to(torch.float64)).T
 
 
 def refit_error(error: float, gram: torch.Tensor, cross: torch.Tensor, delta: torch.Tensor) -> float:

@@ -136,10 +136,20 @@ def _hub_cached(repo: str) -> bool:
 
 
 def gguf_cache_dir(gguf: Path) -> Path:
-    """Where the converted checkpoint of ``gguf`` lives, keyed by its path, size and mtime."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    """Where the converted checkpoint of ``gguf`` lives, keyed by content: its size and the sha256 of its
+    first and last MiB (the header with every tensor's metadata, and the end of the data). A path or mtime
+    key made one 0.5 GB copy per fresh install of the same package (six SmolLM2 copies were found)."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as handle:
+        digest.update(handle.read(GGUF_KEY_BYTES))
+        handle.seek(max(0, size - GGUF_KEY_BYTES))
+        digest.update(handle.read(GGUF_KEY_BYTES))
+    return cache_root() / "gguf" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
+
+
+#: Bytes read from each end of a GGUF file for its cache key.
+GGUF_KEY_BYTES = 2**20
 
 
 def gguf_problem(gguf: Path, exc: BaseException) -> str:

@@ -179,9 +179,14 @@ def git_info(path: str) -> dict[str, object] | None:
     return {"commit": commit, "tracked": bool(tracked), "dirty": dirty}
 
 
-def peak_memory() -> dict[str, float]:
-    """Peak resident set size of this process (MiB) and peak CUDA allocation when a GPU was used."""
-    peak = {"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+def peak_memory(watch=None) -> dict[str, float]:
+    """Peak resident set size of this process (MiB; over every phase of ``watch``, a
+    ``memory.PeakWatch``, else ``ru_maxrss``) and peak CUDA allocation when a GPU was used."""
+    if watch is not None:
+        watch.start()  # closes the last phase into the overall peak
+    rss = watch.overall_bytes / 2**20 if watch is not None else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = {"rss_mib": rss}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return peak

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .adapters import adapter_for, count_parameters
-from .checkpoint import write_streamed_checkpoint
+from .checkpoint import write_checkpoint
 from .data import check_length, fingerprint, load_text, sample_windows, tokenize
 from .errors import QualityGateError, RecipeError
 from .extras import save_extras
@@ -23,7 +23,7 @@ from .output import (atomic_directory, check_free_space, check_output_free, git_
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict, step_to_dict
-from .memory import current_rss, estimate
+from .memory import PeakWatch, current_rss, estimate
 from .session import Session
 from .streaming import attach_stream, exceeds_memory
 from .validate import check_against_config
@@ -74,8 +74,8 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype, "streamed": streamed}
-    planned = estimate(recipe, config, streamed, current_rss())["host_peak_bytes"]  # before weights load
     writing = write and is_main_process()  # under torchrun every rank computes, rank 0 writes
+    watch = PeakWatch()
     with _workspace(recipe.output, writing, force) as workdir, Progress(enabled=progress) as bar:
         if model is None:
             bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
@@ -85,6 +85,9 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
             source = None
             report["model"] = {"spec": recipe.model, "kind": "in-memory"}
         ids = tokenize(tokenizer, text.text)
+        resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
+                                                  {id(t): t for t in model.state_dict().values()}.values())
+        plan = estimate(recipe, config, streamed, current_rss() - resident_weights)
         windows = sample_windows(ids, cal.samples, cal.seq_len, cal.seed, text.origin)
         report["data"] = {"dataset": cal.dataset, "origin": text.origin, "tokens_available": ids.numel(),
                           "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
@@ -99,7 +102,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
             from .evaluation import evaluate_session
 
             report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
-        report["steps"] = run_steps(session, recipe.modifiers, bar)
+        report["steps"] = run_steps(session, recipe.modifiers, bar, watch, plan)
         _check_uniform(session)
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
                            "layer_origin": [list(o) for o in session.layer_origin]}
@@ -116,8 +119,8 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         if session.stream is not None:
             report["stream"] = {"bytes_read": session.stream.bytes_read,
                                 "bytes_staged": session.stream.bytes_staged}
-        report["peak_memory"] = peak_memory()
-        report["peak_memory"]["estimate_rss_mib"] = planned / 2**20
+        report["peak_memory"] = peak_memory(watch)
+        report["peak_memory"]["estimate_rss_mib"] = plan["host_peak_bytes"] / 2**20
         if writing:
             _write(recipe, model, tokenizer, session, report, workdir)
     if gate:
@@ -183,9 +186,14 @@ def _located(load, file: str):
         raise exc.located(file=file) from None
 
 
-def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[dict[str, Any]]:
+def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None = None,
+              plan: dict | None = None) -> list[dict[str, Any]]:
+    """Run the steps (consecutive layer steps share one pass); each record has the step's own wall time,
+    and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate."""
     records: list[dict[str, Any]] = []
+    watch = watch or PeakWatch()
     for group in group_steps(steps):
+        watch.start()
         start = time.perf_counter()
         names = ", ".join(step.step_name() for _, step in group)
         bar.log(f"step {group[0][0]}: {names}")
@@ -199,11 +207,18 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress) -> list[di
                 results = [step.apply(session)]
         elapsed = time.perf_counter() - start
         session.completed_steps += [json.dumps(step_to_dict(step), sort_keys=True) for _, step in group]
-        for (index, step), result in zip(group, results):
+        peak = watch.stop()
+        own = [result.pop("own_s", elapsed) for result in results]
+        for (index, step), result, own_s in zip(group, results, own):
+            memory = {"peak_rss_mib": None if peak is None else peak / 2**20}
+            if plan is not None:
+                planned = max(plan["steps"][i]["weights_bytes"] + plan["steps"][i]["working_bytes"]
+                              for i, _ in group)
+                memory["estimate_rss_mib"] = (plan["runtime_bytes"] + plan["activations_bytes"] + planned) / 2**20
             records.append({"index": index, "modifier": step.step_name(),
-                            "params": step.model_dump(mode="json"), "wall_s": elapsed / len(group),
-                            "shared_pass": len(group) > 1, "layers_after": len(session.layers),
-                            "result": result})
+                            "params": step.model_dump(mode="json"), "wall_s": own_s,
+                            "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),
+                            "layers_after": len(session.layers), **memory, "result": result})
     return records
 
 
@@ -246,17 +261,13 @@ def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
 
 def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp: Path) -> None:
     """The output files, into the workspace that ``apply`` renames into place; staging data is removed."""
-    if session.stream is not None and session.checkpoint_writer is not None:
-        with session.resident():
-            session.checkpoint_writer(model, tmp)
-    elif session.stream is not None:
-        write_streamed_checkpoint(session, tmp)
-    elif session.checkpoint_writer is not None:
-        session.checkpoint_writer(model, tmp)
+    if session.stream is not None or session.quantized:
+        write_checkpoint(session, tmp)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
     shutil.rmtree(tmp / STAGING, ignore_errors=True)
     for filename, data in session.artifacts.items():
+        (tmp / filename).parent.mkdir(exist_ok=True)
         (tmp / filename).write_bytes(data)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

@@ -9,6 +9,7 @@ before it; with ``original`` from the layers as they were when the pass started.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from .adapters import ArchitectureAdapter
 from .modifier import LayerModifier
 from .progress import Progress
+from .quantization import Grid, QuantizedLinear
 from .schema import CalibrationConfig
 from .shape import WIDTH_INDEX, WidthPart
 from .stats import Statistic, change_position
@@ -63,8 +65,8 @@ class Session:
         self.layer_origin: list[tuple[int, ...]] = [(i,) for i in range(cfg.num_hidden_layers)]
         self.extras: list[dict[str, Any]] = []
         self.artifacts: dict[str, bytes] = {}
-        #: Replaces ``save_pretrained`` when set (e.g. a packed quantized export): ``writer(model, dir)``.
-        self.checkpoint_writer: Callable[[nn.Module, Any], None] | None = None
+        #: Linears a quantizing step recorded; the engine's writer packs them (``mark_quantized``).
+        self.quantized: dict[nn.Module, QuantizedLinear] = {}
         self.layer_runs = 0
         self._reference_loader = reference_loader
         self._reference: Session | None = None
@@ -106,10 +108,22 @@ class Session:
         self.extras.append({"modifier": modifier, "config": config, "tensors": tensors})
 
     def add_artifact(self, filename: str, data: bytes) -> None:
-        """A file (e.g. a PNG heatmap) to write into the output directory beside the checkpoint."""
-        if "/" in filename or filename.startswith("."):
-            raise ValueError(f"artifact name must be a plain file name, got {filename!r}")
+        """A file (e.g. a PNG heatmap) to write into the output directory beside the checkpoint, or into
+        one subdirectory of it (``"lora_adapter/adapter_model.safetensors"``)."""
+        parts = filename.split("/")
+        if len(parts) > 2 or any(not part or part.startswith(".") for part in parts):
+            raise ValueError(f"artifact name must be a file name or dir/file name, got {filename!r}")
         self.artifacts[filename] = data
+
+    def mark_quantized(self, linear: nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Record that ``linear``'s weight lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and
+        ``zero`` (codes ``0 … 2^b − 1``): the checkpoint stores it packed (compressed-tensors). One grid per
+        checkpoint (validation refuses a second quantizing step)."""
+        other = next((record.grid for record in self.quantized.values() if record.grid != grid), None)
+        if other is not None:
+            raise RuntimeError(f"one quantization grid per checkpoint: {grid} after {other}")
+        self.quantized[linear] = QuantizedLinear(grid, scale.detach().to("cpu", torch.float32),
+                                                 zero.detach().to("cpu", torch.int16))
 
     def reference_session(self) -> "Session":
         """A session over the original, unmodified model with the same calibration tokens, for steps that
@@ -349,10 +363,13 @@ class Session:
         For each layer: collect the statistics the next modifier needs (reusing those still valid),
         compress, invalidate statistics downstream of what changed, then compute the layer's outputs
         as the next layer's inputs (from the compressed layer, or the original one with
-        ``propagate: original``). Returns per-modifier reports keyed by ``"{step index}"``.
+        ``propagate: original``). Returns per-modifier reports keyed by ``"{step index}"``; each has
+        ``own_s``, the wall time of that modifier's own work (its statistics forwards, compression and
+        ``finish``), the rest of the pass (loading, shared forwards) being shared.
         """
         targets = [set(m.target_layers(self)) for m in group]
         reports: list[dict[str, Any]] = [{"layers": {}} for _ in group]
+        own = [0.0] * len(group)
         last = max((max(t) for t in targets if t), default=-1)
         inputs, kwargs_list = self.capture_inputs()
         self._reference_stream = None
@@ -367,7 +384,7 @@ class Session:
                 original_outputs = provided = None
                 cache: dict[str, Statistic] = {}
                 for k in active:
-                    modifier = group[k]
+                    modifier, started = group[k], time.perf_counter()
                     needed = modifier.statistics(self, index)
                     missing = [s for s in needed if s.key not in cache]
                     if missing or (keep_original and original_outputs is None):
@@ -383,6 +400,7 @@ class Session:
                     reports[k]["layers"][str(index)] = entry
                     changed = min((change_position(m) for m in modifier.modifies), default=99)
                     cache = {key: s for key, s in cache.items() if s.position <= changed}
+                    own[k] += time.perf_counter() - started
                 if keep_original:
                     inputs = original_outputs
                 elif provided is not None:
@@ -391,5 +409,7 @@ class Session:
                     inputs = self.run_layer(self.layers[index], inputs, kwargs_list)
         self._reference_stream = None
         for k, modifier in enumerate(group):
+            started = time.perf_counter()
             reports[k].update(modifier.finish(self))
+            reports[k]["own_s"] = own[k] + time.perf_counter() - started
         return {str(k): r for k, r in enumerate(reports)}

@@ -174,7 +174,16 @@ class WeightStream:
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in _tensors(unit).items()}
         save_file(tensors, str(path))
         self.bytes_staged += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.discard_staged(unit)  # its earlier staged state is obsolete: staging holds one file per unit
         self._homes[unit] = Home(_StagedFile(path), {name: name for name in tensors})
+
+    def discard_staged(self, unit: nn.Module) -> None:
+        """Delete the staging file that is ``unit``'s home, if it has one (the writer calls this once a
+        unit is in the output, so staging and output together never hold a unit twice)."""
+        home = self._homes.get(unit)
+        if home is not None and isinstance(home.reader, _StagedFile):
+            home.reader.path.unlink(missing_ok=True)
+            del self._homes[unit]
 
     def read_unit(self, unit: nn.Module) -> dict[str, torch.Tensor]:
         """The unit's current tensors (from memory when materialized, else from its home), CPU."""
@@ -239,6 +248,19 @@ def release_freed_memory_eagerly(threshold: int = 2**20) -> bool:
         return False
 
 
+def trim_heap() -> bool:
+    """Give free heap pages back to the OS (glibc ``malloc_trim(0)``) after a burst of small transient
+    allocations, e.g. tokenizing the calibration text (SmolLM2's tokenizer on the Wikipedia sample: 442 k
+    tokens leave ~90 MB of freed encodings in the heap). Returns False where it does not apply."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def attach_stream(session, location: str, staging: Path | None):
     """Make ``session`` stream its (meta-device) model from the checkpoint at ``location``; changed units
     go to ``staging`` (``None``: read-only, for the original model). Returns the session."""
@@ -252,6 +274,46 @@ def attach_stream(session, location: str, staging: Path | None):
     retie()
     session.stream = WeightStream(model, session.stream_units(), CheckpointReader(location), staging, retie)
     return session
+
+
+@contextlib.contextmanager
+def forward_streamed(session, device: torch.device) -> Iterator[None]:
+    """Whole-model forwards (lm-eval's zero-shot tasks) on a streamed model with one unit resident at a
+    time: an accelerate ``ModelHook`` on every unit (and on a tied ``lm_head``, which is the embedding
+    matrix) materializes it on ``device`` when its forward starts and releases it when the forward ends —
+    accelerate's offload-hook mechanism (``add_hook_to_module``) with the stream as the weights' home."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+    from accelerate.utils import send_to_device
+
+    open_blocks: list[contextlib.AbstractContextManager] = []
+
+    class UnitOnDevice(ModelHook):
+        def __init__(self, units: list[nn.Module]):
+            super().__init__()
+            self.units = units
+
+        def pre_forward(self, module, *args, **kwargs):
+            block = session.stream.loaded(self.units, device)
+            block.__enter__()
+            open_blocks.append(block)
+            return send_to_device(args, device), send_to_device(kwargs, device)
+
+        def post_forward(self, module, output):
+            open_blocks.pop().__exit__(None, None, None)
+            return output
+
+    model = session.model
+    head = session.adapter.lm_head(model)
+    modules = session.stream_units() + ([head] if head not in session.stream_units() else [])
+    for module in modules:
+        add_hook_to_module(module, UnitOnDevice(session._units([module])))
+    try:
+        yield
+    finally:
+        while open_blocks:  # a forward that raised: release what it had loaded
+            open_blocks.pop().__exit__(None, None, None)
+        for module in modules:
+            remove_hook_from_module(module)
 
 
 def exceeds_memory(spec: str) -> bool:

@@ -41,4 +41,15 @@ def print_summary(report: dict, console: Console) -> None:
                           f"{zs_after.get('average', float('nan')):.4f}", "")
     for step in report["steps"]:
         table.add_row(f"step {step['index']} {step['modifier']}", "", f"{step['wall_s']:.1f}s", "")
+        if step.get("pass_shared_s") and step is _last_of_pass(report["steps"], step):
+            table.add_row("  shared pass (loading, forwards)", "", f"{step['pass_shared_s']:.1f}s", "")
     console.print(table)
+
+
+def _last_of_pass(steps: list[dict], step: dict) -> dict:
+    """The last step record of the layer pass ``step`` ran in (steps sharing a pass are consecutive)."""
+    if not step.get("shared_pass"):
+        return step
+    following = steps[steps.index(step) + 1:]
+    return step if not following or not following[0].get("shared_pass") or \
+        following[0]["pass_shared_s"] != step["pass_shared_s"] else following[0]

@@ -1,5 +1,7 @@
 """End to end through recipe_engine.apply on tiny models: atomic output, stock reload, report."""
 import json
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,9 +9,9 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from recipe_engine.data import sample_windows
-from recipe_engine.modifier import Modifier
+from recipe_engine.modifier import LayerModifier
 from recipe_engine.registry import REGISTRY
+from recipe_engine.data import sample_windows
 from tests.helpers import CharTokenizer, random_tokens, tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 200
@@ -55,23 +57,20 @@ def test_fingerprint_is_deterministic_and_seeded(tmp_path):
     assert prints[0] == prints[1] != prints[2]
 
 
-class Interrupting(Modifier):
-    """Test double: raises KeyboardInterrupt while the output is being written."""
-
-    def apply(self, session):
-        session.checkpoint_writer = self.write
-
-    @staticmethod
-    def write(model, directory):
-        (directory / "partial.safetensors").write_bytes(b"half")
+def interrupt_writing(monkeypatch, model) -> None:
+    """Make the checkpoint writer leave a partial file and raise KeyboardInterrupt."""
+    def write_half_then_interrupt(self, directory, **_kwargs):
+        (Path(directory) / "partial.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(model), "save_pretrained", write_half_then_interrupt)
 
 
 def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setitem(REGISTRY._classes, "Interrupting", Interrupting)
+    model = tiny_model()
+    interrupt_writing(monkeypatch, model)
     with pytest.raises(KeyboardInterrupt):
-        recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Interrupting"]), model=tiny_model(),
-                            tokenizer=CharTokenizer(), progress=False)
+        recipe_engine.apply(tiny_recipe(tmp_path), model=model, tokenizer=CharTokenizer(), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt"]
 
 
@@ -80,10 +79,12 @@ def test_force_replaces_existing_output_only_after_success(tmp_path, monkeypatch
     recipe_engine.apply(tiny_recipe(tmp_path), model=tiny_model(), tokenizer=CharTokenizer(), progress=False)
     (out / "old.txt").write_text("old")
     before = sorted(p.name for p in out.iterdir())
-    monkeypatch.setitem(REGISTRY._classes, "Interrupting", Interrupting)
-    with pytest.raises(KeyboardInterrupt):
-        recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Interrupting"]), model=tiny_model(),
-                            tokenizer=CharTokenizer(), force=True, progress=False)
+    with monkeypatch.context() as patch:
+        model = tiny_model()
+        interrupt_writing(patch, model)
+        with pytest.raises(KeyboardInterrupt):
+            recipe_engine.apply(tiny_recipe(tmp_path), model=model, tokenizer=CharTokenizer(), force=True,
+                                progress=False)
     assert sorted(p.name for p in out.iterdir()) == before
     recipe_engine.apply(tiny_recipe(tmp_path), model=tiny_model(), tokenizer=CharTokenizer(), force=True,
                         progress=False)
@@ -111,3 +112,31 @@ def test_too_little_calibration_text_says_how_much(tmp_path):
     with pytest.raises(recipe_engine.RecipeError, match=r"has 9000 tokens = 281 windows of 32; need "
                                                         r"samples × seq_len = 282 × 32 = 9024"):
         sample_windows(torch.zeros(9000, dtype=torch.long), 282, 32, 0, "cal.txt")
+
+
+class Sleeper(LayerModifier):
+    """Test double: a layer step whose own work takes 0.15 s per layer (no statistics, no change)."""
+
+    modifies = ()
+
+    def target_layers(self, session):
+        return list(range(len(session.layers)))
+
+    def compress_layer(self, session, layer_index, stats):
+        time.sleep(0.15)
+        return {}
+
+
+def test_steps_sharing_a_pass_report_their_own_time(tmp_path, monkeypatch):
+    """Each step's wall_s is its own measured work, not the pass split evenly; the shared forwards are
+    reported once (pass_shared_s), and own + shared add up to the pass."""
+    monkeypatch.setitem(REGISTRY._classes, "Sleeper", Sleeper)
+    start = time.perf_counter()
+    _, report = recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Sleeper", "GPTQ<group_size:32>"]),
+                                    model=tiny_model(), tokenizer=CharTokenizer(), write=False, progress=False)
+    elapsed = time.perf_counter() - start
+    sleeper, gptq = report["steps"]
+    assert sleeper["shared_pass"] and sleeper["pass_shared_s"] == gptq["pass_shared_s"] >= 0
+    assert 4 * 0.15 <= sleeper["wall_s"] < 4 * 0.15 + 0.1  # four layers
+    assert gptq["wall_s"] > 0 and abs(gptq["wall_s"] - sleeper["wall_s"]) > 0.05
+    assert sleeper["wall_s"] + gptq["wall_s"] + gptq["pass_shared_s"] <= elapsed

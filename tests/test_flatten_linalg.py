@@ -1,9 +1,14 @@
 """recipe_engine.linalg against independent references (lstsq on the stacked ridge problem, explicit inverses)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from recipe_engine.linalg import (mean_eigenvalue, reconstruction_error, ridge_compensation,
-                                  ridge_leverage_scores)
+                                  ridge_leverage_scores, ridge_refit, spd_solve_)
 
 
 def correlated_inputs(tokens=200, channels=12, seed=0):
@@ -42,7 +47,10 @@ def test_leverage_scores_match_explicit_inverse(block):
     expected = torch.diagonal(gram @ torch.linalg.inv(gram + ridge * torch.eye(12, dtype=torch.float64)))
     before = gram.clone()
     torch.testing.assert_close(ridge_leverage_scores(gram, ridge, block), expected, rtol=1e-10, atol=1e-12)
-    assert torch.equal(gram, before)  # the factor is made in a copy
+    assert torch.equal(gram, before)  # factored in place, then restored bit for bit
+    # the copy path (GPU, other dtypes, non-contiguous) gives the same scores
+    copy_path = ridge_leverage_scores(gram.T.contiguous().T.clone().t(), ridge, block)
+    torch.testing.assert_close(copy_path, expected, rtol=1e-10, atol=1e-12)
     assert torch.all((expected > 0) & (expected < 1))
     eigen_mean = torch.linalg.eigvalsh(gram).mean().item()
     assert abs(mean_eigenvalue(gram) - eigen_mean) < 1e-10 * eigen_mean
@@ -94,3 +102,72 @@ def test_refit_error_and_heldout_scale_match_explicit_fits():
     torch.testing.assert_close(torch.tensor(held), torch.tensor(brute), rtol=1e-8, atol=0.0)
     assert chosen == scales[brute.index(min(brute))]
     assert chosen not in (scales[0], scales[-1])  # noisy targets: neither no ridge nor no fit wins
+
+
+@pytest.mark.parametrize("block", [3, 2048])
+def test_leverage_in_place_restores_gram_when_not_positive_definite(block):
+    x = correlated_inputs()
+    gram = x.T @ x
+    gram[4, 4] = -1e6  # indefinite even with the ridge
+    before = gram.clone()
+    with pytest.raises(torch.linalg.LinAlgError, match="not positive definite"):
+        ridge_leverage_scores(gram, 1.0, block)
+    assert torch.equal(gram, before)
+
+
+LEVERAGE_PEAK_PROBE = """
+import sys, torch, scipy.linalg  # imported before the baseline
+from recipe_engine.linalg import ridge_leverage_scores
+n, contiguous = int(sys.argv[1]), sys.argv[2] == "in-place"
+x = torch.randn(n + 200, n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+gram = x.T @ x
+del x
+gram = gram if contiguous else gram.T  # a transposed view takes the copy path
+warm = torch.eye(300, dtype=torch.float64)
+ridge_leverage_scores(warm if contiguous else warm.T, 1.0, 256)  # LAPACK/BLAS buffers before the baseline
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS counter
+base = status("VmRSS:")
+ridge_leverage_scores(gram, float(gram.diagonal().mean()), 128)
+print((status("VmHWM:") - base) / (n * n * 8))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+def test_leverage_in_place_allocates_no_second_matrix():
+    """Peak RSS during the call, in units of one n × n fp64 matrix: the in-place path stays well under
+    one (panels only); the copy path needs at least one (measured side by side, n = 3000)."""
+    def peak(mode: str) -> float:
+        out = subprocess.run([sys.executable, "-c", LEVERAGE_PEAK_PROBE, "3000", mode], check=True,
+                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return float(out.stdout.strip().splitlines()[-1])
+
+    in_place, copied = peak("in-place"), peak("copy")
+    assert in_place < 0.5 <= 1.0 <= copied, (in_place, copied)
+
+
+def test_ridge_refit_equals_stacked_lstsq():
+    """``W' = W + ((G + λI)⁻¹ C)ᵀ`` minimises ‖XW'ᵀ − Y*‖² + λ‖W' − W‖²: lstsq on [X; √λI] Δᵀ = [E; 0]."""
+    x = correlated_inputs()
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(5, 12, generator=generator, dtype=torch.float64)
+    target = torch.randn(x.shape[0], 5, generator=generator, dtype=torch.float64)
+    errors, ridge = target - x @ weight.T, 0.7
+    stacked = torch.cat([x, ridge ** 0.5 * torch.eye(12, dtype=torch.float64)])
+    rhs = torch.cat([errors, torch.zeros(12, 5, dtype=torch.float64)])
+    expected = weight + torch.linalg.lstsq(stacked, rhs).solution.T
+    gram = x.T @ x
+    before = gram.clone()
+    torch.testing.assert_close(ridge_refit(weight, gram, x.T @ errors, ridge), expected, rtol=1e-9, atol=1e-9)
+    assert torch.equal(gram, before)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])  # in-place LAPACK, torch copy path
+def test_spd_solve_matches_general_solve(layout):
+    x = correlated_inputs()
+    system = x.T @ x + 0.5 * torch.eye(12, dtype=torch.float64)
+    rhs = torch.randn(12, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    expected = torch.linalg.solve(system, rhs)
+    given = system.clone() if layout == "contiguous" else system.clone().T
+    torch.testing.assert_close(spd_solve_(given, rhs), expected, rtol=1e-10, atol=1e-10)

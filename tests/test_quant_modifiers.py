@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 import recipe_engine
 from modifiers.gptq import GPTQ
+from recipe_engine.checkpoint import write_checkpoint
 from recipe_engine.errors import RecipeError
 from recipe_engine.schema import recipe_from_dict
 from recipe_engine.validate import check_against_config
@@ -125,7 +126,7 @@ def test_export_refuses_weights_moved_off_grid(tmp_path):
         weight = model.model.layers[1].mlp.up_proj.weight
         weight.add_(1e-3 * torch.randn_like(weight))
     with pytest.raises(RuntimeError, match=r"model\.layers\.1\.mlp\.up_proj: weights are .* off"):
-        session.checkpoint_writer(model, tmp_path)
+        write_checkpoint(session, tmp_path)
 
 
 def test_default_output_is_stock_checkpoint(tmp_path):

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +14,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from recipe_engine.checkpoint import write_streamed_checkpoint
+from recipe_engine.checkpoint import write_checkpoint
 from recipe_engine.registry import REGISTRY
 from recipe_engine.streaming import CheckpointReader, is_materialized
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, save_tiny_model, tiny_model
+from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, save_tiny_model, shared_data, tiny_model
 
 TEXT = "Streaming calibration text, repeated so that there are enough tokens for every window. " * 200
 
@@ -130,9 +131,14 @@ def test_release_stages_only_changed_units(tmp_path):
     with session.loaded(0):
         torch.testing.assert_close(session.layers[0].mlp.up_proj.weight,
                                    2 * reference.model.layers[0].mlp.up_proj.weight, rtol=0, atol=0)
+        with torch.no_grad():
+            session.layers[0].mlp.up_proj.weight.mul_(-1)
+            session.layers[0].mlp.up_proj.weight.mul_(-1)  # changed (version counter), restaged
+    assert len(list((tmp_path / "staging").iterdir())) == 1  # the obsolete staged state was deleted
     out = tmp_path / "written"
     out.mkdir()
-    files = write_streamed_checkpoint(session, out, max_shard_bytes=30_000)
+    files = write_checkpoint(session, out, max_shard_bytes=30_000)
+    assert not list((tmp_path / "staging").iterdir())  # each staged unit deleted once written
     assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
     written = AutoModelForCausalLM.from_pretrained(out).eval()
     assert torch.equal(written.model.layers[0].mlp.up_proj.weight, 2 * reference.model.layers[0].mlp.up_proj.weight)
@@ -253,7 +259,7 @@ def test_incremental_safetensors_writer_matches_the_library(tmp_path):
 @pytest.mark.parametrize("model_type, tied", [("llama", False), ("qwen2", True)])
 def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
     """The estimate's model size equals the parameters HF builds (× dtype bytes); NystromMLP's working memory
-    is its fp64 Gram and factor of the merged width; the streamed peak is far below the in-memory one."""
+    is its fp64 Gram of the merged width (factored in place) and the refit's kept-width system; the streamed peak is far below the in-memory one."""
     from recipe_engine.memory import estimate
     from recipe_engine.schema import recipe_from_dict
     from tests.helpers import tiny_config
@@ -267,9 +273,104 @@ def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
     assert plans[True]["model_bytes"] == 2 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     nystrom = plans[True]["steps"][2]
     merged = 2 * config.intermediate_size  # the widest merged layer joins two layers
-    assert nystrom["working_bytes"] == 8 * (2 * merged**2 + merged * 2048 + merged * config.hidden_size)
+    kept = config.intermediate_size  # the Gram, one panel, the target refit's G_KK and factor, the cross moment
+    assert nystrom["working_bytes"] == 8 * (merged**2 + 2 * kept**2 + merged * 512 + merged * config.hidden_size)
     assert [s["whole_model"] for s in plans[True]["steps"]] == [False, False, False]
     assert all(s["whole_model"] for s in plans[False]["steps"])
     assert plans[True]["host_peak_bytes"] < plans[False]["host_peak_bytes"]
     lora = estimate(recipe_from_dict({**data, "modifiers": ["LoRARecovery"]}), config, True, runtime=0)
     assert lora["steps"][0]["whole_model"] and lora["steps"][0]["weights_bytes"] >= lora["model_bytes"]
+
+
+@pytest.mark.parametrize("steps", [["GPTQ<group_size:32,export:compressed-tensors>"],
+                                   ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP",
+                                    "Quantize<group_size:32,sym:false,export:compressed-tensors>"]])
+def test_packed_export_streamed_equals_in_memory_without_the_whole_model(tmp_path, monkeypatch, steps):
+    """The engine's writer packs quantized linears unit by unit: a streamed run never makes the whole
+    model resident (``Session.resident`` is refused), and its packed files equal the in-memory run's."""
+    from recipe_engine.session import Session
+
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    recipe_engine.apply(recipe(tmp_path, model_dir, steps, "off", "out-off"), progress=False)
+
+    def refuse(_session):
+        raise AssertionError("the whole model was made resident")
+    monkeypatch.setattr(Session, "resident", refuse)
+    recipe_engine.apply(recipe(tmp_path, model_dir, steps, "on", "out-on"), progress=False)
+    assert_same_weights(tmp_path / "out-off", tmp_path / "out-on")
+    configs = [json.loads((tmp_path / f"out-{s}" / "config.json").read_text()) for s in ("off", "on")]
+    assert configs[0]["quantization_config"] == configs[1]["quantization_config"]
+    assert any(name.endswith("weight_packed") for name in weights(tmp_path / "out-on"))
+
+
+@pytest.mark.parametrize("bits, group, sym, rows", [(4, 32, True, 96), (4, None, False, 100), (8, 16, False, 64),
+                                                    (8, None, True, 72), (4, 64, False, 13)])
+def test_packed_layout_is_what_the_compressor_returns(bits, group, sym, rows):
+    """The writer fixes each file's header before packing: its layout must be the library's output."""
+    from recipe_engine.quantization import Grid, QuantizedLinear, pack, packed_layout
+
+    grid = Grid(bits, group, sym)
+    weight = torch.randn(rows, 128, dtype=torch.float32)
+    groups = 128 // (group or 128)
+    scale = torch.stack([grid.params(weight[:, g * 128 // groups:(g + 1) * 128 // groups].double())[0]
+                         for g in range(groups)], 1)
+    zero = torch.stack([grid.params(weight[:, g * 128 // groups:(g + 1) * 128 // groups].double())[1]
+                        for g in range(groups)], 1)
+    record = QuantizedLinear(grid, scale.float(), zero.to(torch.int16))
+    on_grid = grid.fake(weight.double(), grid.expand(scale, 128), grid.expand(zero, 128)).to(weight.dtype)
+    packed = pack("layer", on_grid, record)
+    layout = packed_layout(on_grid, record)
+    assert list(packed) == list(layout)
+    assert all(packed[k].shape == layout[k].shape and packed[k].dtype == layout[k].dtype for k in layout)
+
+
+def test_report_records_each_steps_peak_beside_its_estimate(tmp_path):
+    """Per-step peaks come from the kernel's high-water mark reset per step: they differ between steps,
+    none exceeds the run's peak, and the largest equals it when the peak is inside a step."""
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    steps = ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]
+    _, report = recipe_engine.apply(recipe(tmp_path, model_dir, steps, "on", "out"), progress=False)
+    peaks = [s["peak_rss_mib"] for s in report["steps"]]
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("no /proc/self/clear_refs: per-step peaks are not measured here")
+    assert all(p is not None and 0 < p <= report["peak_memory"]["rss_mib"] for p in peaks)
+    assert all(s["estimate_rss_mib"] > 0 for s in report["steps"])
+    assert report["steps"][1]["estimate_rss_mib"] == report["steps"][2]["estimate_rss_mib"]  # one shared pass
+
+
+@pytest.mark.skipif(not (shared_data() / "piqa").is_dir() and not (shared_data() / "arc").is_dir(),
+                    reason="needs shared/data task files")
+def test_streamed_zero_shot_equals_in_memory_with_one_unit_resident(tmp_path, monkeypatch):
+    """lm-eval on a streamed skeleton (accelerate hooks load each unit for its forward) gives the in-memory
+    scores, and never holds more than one unit plus the tied head's embedding at a time."""
+    from recipe_engine.evaluation.run import evaluate_session, evaluation_session
+    from recipe_engine.schema import EvaluateConfig
+    from recipe_engine.streaming import WeightStream
+
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    config = EvaluateConfig(perplexity=None, tasks=["arc_easy"], limit=6)
+    results = {}
+    most = {"now": 0, "max": 0}
+    materialize, release = WeightStream.materialize, WeightStream.release
+
+    def counting_materialize(self, unit, device=torch.device("cpu")):
+        was = is_materialized(unit)
+        materialize(self, unit, device)
+        most["now"] += not was
+        most["max"] = max(most["max"], most["now"])
+
+    def counting_release(self, unit):
+        was = is_materialized(unit)
+        release(self, unit)
+        most["now"] -= was and not is_materialized(unit)
+
+    monkeypatch.setattr(WeightStream, "materialize", counting_materialize)
+    monkeypatch.setattr(WeightStream, "release", counting_release)
+    for stream in ("off", "on"):
+        session, _ = evaluation_session(str(model_dir), "float32", torch.device("cpu"), stream)
+        results[stream] = evaluate_session(session, config)["zero_shot"]
+    assert results["on"]["tasks"] == results["off"]["tasks"]
+    assert most["max"] == 1 and most["now"] == 0

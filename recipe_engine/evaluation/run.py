@@ -57,7 +57,7 @@ def evaluation_session(spec: str, dtype: str, device, stream: str = "auto", prog
 
 def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
     """``evaluate_model`` on the session's model; a streamed model gets layer-streamed perplexity
-    (``streamed_perplexity``) and zero-shot tasks on the whole model materialized in host memory."""
+    (``streamed_perplexity``) and zero-shot tasks with one unit resident at a time (``forward_streamed``)."""
     if session.stream is None:
         return evaluate_model(session.model, session.tokenizer, config, session.device, progress)
     results: dict = {}
@@ -69,13 +69,11 @@ def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
     if config.tasks:
         from .zeroshot import zero_shot
 
-        with session.resident():
-            session.model.to(session.device)
-            try:
-                results["zero_shot"] = zero_shot(session.model, session.tokenizer, config.tasks, config.limit,
-                                                 session.device, config.task_data)
-            finally:
-                session.model.to("cpu")
+        from ..streaming import forward_streamed
+
+        with forward_streamed(session, session.device):
+            results["zero_shot"] = zero_shot(session.model, session.tokenizer, config.tasks, config.limit,
+                                             session.device, config.task_data)
     return results
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from ..errors import SourceError
 from . import task_data
 
@@ -63,13 +65,16 @@ def summarize(results: dict, tasks: list[str], data: str) -> dict:
 
 
 def run_harness(model, tokenizer, tasks: list[str], limit: int | None, data: str, batch_size: int = 1,
-                log_samples: bool = False) -> dict:
-    """``lm_eval.simple_evaluate`` on the in-memory model; returns lm-eval's raw result dict."""
+                log_samples: bool = False, device=None) -> dict:
+    """``lm_eval.simple_evaluate`` on the in-memory model; returns lm-eval's raw result dict. ``device``:
+    where inputs go when the model's own parameters do not say (a streamed skeleton is on ``meta``)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
     check_tasks(tasks, data)
     wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    if device is not None and wrapped.device.type == "meta":
+        wrapped._device = torch.device(device)  # HFLM reads the device from the first parameter
     return lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), num_fewshot=0, limit=limit,
                                    task_manager=task_manager(data), log_samples=log_samples,
                                    bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
@@ -81,7 +86,7 @@ def zero_shot(model, tokenizer, tasks: list[str], limit: int | None, device, dat
     """Zero-shot accuracies of ``tasks`` (first ``limit`` rows each) on the model, already on ``device``."""
     from importlib.metadata import version
 
-    results = run_harness(model, tokenizer, tasks, limit, data, batch_size)
+    results = run_harness(model, tokenizer, tasks, limit, data, batch_size, device=device)
     summary = summarize(results, tasks, data)
     summary.update(limit=limit, lm_eval_version=version("lm_eval"), device=str(device))
     return summary
