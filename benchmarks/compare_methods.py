@@ -64,6 +64,10 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "FlattenGPT +fallback": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "fallback": True}}], {}),
         "FlattenGPT +cv+fallback": (flatten + ["HeadPrune", {"NystromMLP": {
             **issue3, "target_scales": CV_SCALES, "fallback": True}}], {}),
+        # issue-11 diagnosis (benchmarks/flatten_diagnosis.py): MLP channels by output energy, not leverage
+        "FlattenGPT energy": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "criterion": "energy"}}], {}),
+        "FlattenGPT energy +cv": (flatten + ["HeadPrune", {"NystromMLP": {
+            **issue3, "criterion": "energy", "target_scales": CV_SCALES}}], {}),
     }
 
 

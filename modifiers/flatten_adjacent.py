@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import io
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +104,49 @@ def similarity_heatmap(similarity: torch.Tensor, blocks: list[list[int]]) -> byt
     return buffer.getvalue()
 
 
+class UnitVectorStore:
+    """``layers × tokens × hidden`` fp32 vectors, in memory or in an unlinked scratch file (``directory``),
+    written one layer at a time; :meth:`cosine_gram` returns ``Σ_t U[:, t] U[:, t]ᵀ`` (fp64 sums of fp32
+    chunk products over ``chunk`` token positions), identical for both backings."""
+
+    def __init__(self, layers: int, tokens: int, hidden: int, directory: Path | None, chunk: int = 256):
+        self.shape, self.chunk = (layers, tokens, hidden), chunk
+        self.memory = torch.empty(self.shape) if directory is None else None
+        self.file = None if directory is None else tempfile.TemporaryFile(dir=directory)
+
+    def __enter__(self) -> "UnitVectorStore":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        if self.file is not None:
+            self.file.close()
+
+    def write(self, layer: int, vectors: torch.Tensor) -> None:
+        if self.file is None:
+            self.memory[layer] = vectors
+            return
+        self.file.seek(layer * vectors.numel() * 4)
+        self.file.write(vectors.contiguous().numpy().tobytes())
+
+    def _chunk(self, start: int, stop: int) -> torch.Tensor:
+        layers, tokens, hidden = self.shape
+        if self.file is None:
+            return self.memory[:, start:stop]
+        out = torch.empty(layers, stop - start, hidden)
+        for layer in range(layers):
+            self.file.seek(((layer * tokens) + start) * hidden * 4)
+            self.file.readinto(out[layer].numpy())
+        return out
+
+    def cosine_gram(self) -> torch.Tensor:
+        layers, tokens, _ = self.shape
+        total = torch.zeros(layers, layers, dtype=torch.float64)
+        for start in range(0, tokens, self.chunk):
+            flat = self._chunk(start, min(start + self.chunk, tokens)).reshape(layers, -1)
+            total += (flat @ flat.T).double()
+        return total.float()
+
+
 @register
 class FlattenAdjacent(Modifier):
     """Merge adjacent layers with the most similar inputs into wide parallel layers (FlattenGPT §3.1).
@@ -153,31 +198,39 @@ class FlattenAdjacent(Modifier):
                         for block in blocks]
 
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
-        """The fp32 unit vectors of the sampled tokens of every layer (``input_similarity``)."""
-        return shape.num_layers * min(self.similarity_tokens, tokens) * shape.hidden_size * 4
+        """The fp32 unit vectors of the sampled tokens (``input_similarity``): of every layer in memory;
+        streamed, one layer's plus one chunk of every layer's (the rest is in a scratch file)."""
+        sampled = min(self.similarity_tokens, tokens)
+        if shape.streamed:
+            return (sampled + shape.num_layers * min(256, sampled)) * shape.hidden_size * 4
+        return shape.num_layers * sampled * shape.hidden_size * 4
 
     @torch.no_grad()
     def input_similarity(self, session) -> torch.Tensor:
-        """``S[i][j] = mean_t cos(x_i,t, x_j,t)`` over a seeded token subsample (fp32); the unit vectors of
-        every layer go into one preallocated ``layers × tokens × hidden`` buffer (no stacked copy) and
-        ``S = U Uᵀ / tokens`` with ``U`` that buffer viewed as ``layers × (tokens · hidden)``."""
+        """``S[i][j] = mean_t cos(x_i,t, x_j,t)`` over a seeded token subsample: each layer's fp32 unit
+        vectors go into a ``layers × tokens × hidden`` store filled batch by batch (no copy of the layer's
+        activations), and ``S = Σ_c U_c U_cᵀ / tokens`` over chunks of token positions, accumulated in fp64.
+        A streamed run keeps the store in a scratch file beside its staging data (read back one chunk at a
+        time), so host memory holds one layer's vectors, not every layer's (32 × 4096 tokens × 4096 fp32:
+        2.1 GiB); an in-memory run keeps it in memory."""
         tokens = session.calibration.numel()
         generator = torch.Generator().manual_seed(self.seed)
         picked = torch.randperm(tokens, generator=generator)[: self.similarity_tokens].sort().values
-        units = torch.empty(len(session.layers), len(picked), session.model.config.hidden_size)
+        store = UnitVectorStore(len(session.layers), len(picked), session.model.config.hidden_size,
+                                session.scratch_directory())
 
         def keep_units(index: int, inputs: list[torch.Tensor], _outputs) -> None:
-            offset, row = 0, 0
+            offset, rows = 0, []
             for x in inputs:  # select batch by batch: no full copy of the layer's activations
                 flat = x.reshape(-1, x.shape[-1])
                 local = picked[(picked >= offset) & (picked < offset + flat.shape[0])] - offset
-                rows = flat[local.to(flat.device)].float().cpu()
-                units[index, row: row + len(rows)] = torch.nn.functional.normalize(rows, dim=-1)
-                offset, row = offset + flat.shape[0], row + len(rows)
+                rows.append(torch.nn.functional.normalize(flat[local.to(flat.device)].float().cpu(), dim=-1))
+                offset += flat.shape[0]
+            store.write(index, torch.cat(rows))
 
-        session.layer_pass(keep_units, "FlattenAdjacent similarity")
-        flat = units.view(units.shape[0], -1)
-        return (flat @ flat.T) / units.shape[1]
+        with store:
+            session.layer_pass(keep_units, "FlattenAdjacent similarity")
+            return store.cosine_gram() / len(picked)
 
     def apply(self, session) -> dict[str, Any]:
         merges = self.merges_for(len(session.layers))

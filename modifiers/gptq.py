@@ -178,7 +178,7 @@ class GPTQ(LayerModifier):
                 gram = stats[self._gram(source).key].gram
             else:  # the groups before this one are quantized already
                 fresh = self._gram(source)
-                staged.inputs_of(source, lambda x, fresh=fresh: fresh.update(x, None))
+                staged.inputs_of(source, fresh)
                 gram = fresh.gram
             stacked = torch.cat([linear.weight.detach() for linear in linears])
             result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)

@@ -43,18 +43,21 @@ def eq12_group_scores(o_weight: torch.Tensor, gram: torch.Tensor, count: int, gr
 
 def best_groups_by_error(o_weight: torch.Tensor, gram: torch.Tensor, groups: int, keep: int,
                          queries_per_group: int, head_dim: int, ridge: float | None,
-                         exhaustive_limit: int) -> list[int]:
+                         exhaustive_limit: int, map_=map) -> list[int]:
     """KV groups whose kept ``o_proj`` output has the least (compensated) reconstruction error.
 
     Every ``C(groups, keep)`` subset is scored when there are at most ``exhaustive_limit``; otherwise
     greedy backward elimination drops, one at a time, the group whose removal costs least
-    (:func:`greedy_group_elimination`, which scores every candidate exactly without a solve).
+    (:func:`greedy_group_elimination`, which scores every candidate exactly without a solve). ``map_``
+    scores the exhaustive candidates (``session.map`` spreads them over data-parallel ranks); ties: the first.
     """
     if math.comb(groups, keep) <= exhaustive_limit:
         def error(subset: tuple[int, ...]) -> float:
             channels, _ = group_channels(list(subset), queries_per_group, head_dim)
             return reconstruction_error(o_weight, gram, channels, ridge)
-        return list(min(itertools.combinations(range(groups), keep), key=error))
+        candidates = list(itertools.combinations(range(groups), keep))
+        scores = list(map_(error, candidates))
+        return list(candidates[min(range(len(candidates)), key=lambda i: scores[i])])
     members = [group_channels([g], queries_per_group, head_dim)[0] for g in range(groups)]
     return greedy_group_elimination(o_weight, gram, members, keep, ridge)
 
@@ -184,7 +187,7 @@ class HeadPrune(LayerModifier):
             kept = sorted(scores.topk(cfg.num_key_value_heads).indices.tolist())
         else:
             kept = best_groups_by_error(o_weight, gram, groups, cfg.num_key_value_heads, per_group,
-                                        head_dim, ridge, self.exhaustive_limit)
+                                        head_dim, ridge, self.exhaustive_limit, session.map)
         query, kv = group_channels(kept, per_group, head_dim)
         error = reconstruction_error(o_weight, gram, query, ridge)
         new_o = ridge_compensation(o_weight, gram, query, ridge) if self.compensate else o_weight[:, query]

@@ -197,7 +197,7 @@ class LoRARecovery(Modifier):
                                            self.seq_len, session.calibration)
         random.Random(self.seed).shuffle(examples)
         examples = examples[:self.max_samples]
-        processes = PartialState().num_processes
+        processes = PartialState(cpu=session.device.type == "cpu").num_processes  # CPU: gloo DDP too
         if self.batch_size % (self.micro_batch_size * processes):
             raise self.fail(f"batch_size {self.batch_size} is not divisible by micro_batch_size × "
                             f"{processes} processes", field="batch_size")

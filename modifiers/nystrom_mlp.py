@@ -16,10 +16,37 @@ from recipe_engine.stats import InputCovariance, Statistic
 
 
 class _LastInput(Statistic):
-    """The input of the hooked module in the batch that just ran (for per-batch cross moments)."""
+    """The input of the hooked module in the batch that just ran (per-batch scratch: nothing to reduce)."""
+
+    sums = ()
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         self.value = inputs
+
+
+class _TargetMoments(Statistic):
+    """Per fold ``f`` (batches ``k ≡ f mod folds``): ``C = Σ σᵀe``, ``E = Σ‖e‖²`` and optionally
+    ``G = Σ σᵀσ``, hooked on the layer output (``σ``: ``sigma.value`` of the same batch)."""
+
+    sums = ("cross", "gram", "error")
+
+    def __init__(self, sigma: _LastInput, targets: list[torch.Tensor], folds: int, channels: int, width: int,
+                 grams: bool, device: torch.device):
+        super().__init__("")
+        self.sigma, self.targets, self.folds = sigma, targets, folds
+        self.cross = torch.zeros(folds, channels, width, dtype=torch.float64, device=device)
+        self.gram = torch.zeros(folds, channels, channels, dtype=torch.float64, device=device) if grams else None
+        self.error = torch.zeros(folds, dtype=torch.float64, device=device)
+
+    def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        fold = self.batch % self.folds
+        residual = (self.targets[self.batch].to(output.device) - output).reshape(-1, output.shape[-1])
+        residual = residual.to(torch.float64)
+        flat = self.sigma.value.reshape(-1, self.cross.shape[1])
+        self.cross[fold].add_(flat.to(torch.float64).T @ residual)
+        self.error[fold] += residual.pow(2).sum()
+        if self.gram is not None:
+            self.gram[fold].add_((flat.float().T @ flat.float()).to(torch.float64))
 
 
 def target_moments(session, layer, targets: list[torch.Tensor], folds: int, grams: bool) -> list[dict[str, Any]]:
@@ -32,22 +59,10 @@ def target_moments(session, layer, targets: list[torch.Tensor], folds: int, gram
     inputs, kwargs_list = session.current_inputs()
     down = session.adapter.mlp(layer).down_proj
     sigma = _LastInput("mlp.down_proj")
-    channels = down.in_features
-    moments = [{"cross": torch.zeros(channels, down.out_features, dtype=torch.float64, device=session.device),
-                "gram": torch.zeros(channels, channels, dtype=torch.float64, device=session.device) if grams else None,
-                "error": 0.0} for _ in range(folds)]
-
-    def accumulate(k: int, output: torch.Tensor) -> None:
-        fold = moments[k % folds]
-        residual = (targets[k].to(output.device) - output).reshape(-1, output.shape[-1]).to(torch.float64)
-        flat = sigma.value.reshape(-1, channels)
-        fold["cross"].add_(flat.to(torch.float64).T @ residual)
-        fold["error"] += float(residual.pow(2).sum())
-        if grams:
-            fold["gram"].add_((flat.float().T @ flat.float()).to(torch.float64))
-
-    session.run_layer(layer, inputs, kwargs_list, hooks=[sigma], on_batch=accumulate)
-    return moments
+    moments = _TargetMoments(sigma, targets, folds, down.in_features, down.out_features, grams, session.device)
+    session.run_layer(layer, inputs, kwargs_list, hooks=[sigma, moments])
+    return [{"cross": moments.cross[f], "gram": moments.gram[f] if grams else None,
+             "error": float(moments.error[f])} for f in range(folds)]
 
 
 def refit_down_proj(down: torch.nn.Linear, gram: torch.Tensor, moments: list[dict[str, Any]],
@@ -73,16 +88,20 @@ class NystromMLP(LayerModifier):
 
     ``G = Σ_t σ_tᵀ σ_t`` (fp64) is the Gram of the activation entering ``down_proj``
     (``σ = up(x) ⊙ act(gate(x))``), ``λ = lambda_scale × trace(G)/n`` (Appendix C.2: 10 × the mean
-    eigenvalue), leverage ``s_i = [G (G + λI)⁻¹]_ii``. The top channels ``K`` (ascending order) are kept:
+    eigenvalue), leverage ``s_i = [G (G + λI)⁻¹]_ii`` (``criterion: energy`` ranks by ``G_ii ‖W_:,i‖²``
+    instead, :func:`channel_energy`). The top channels ``K`` (ascending order) are kept:
     gate/up keep rows ``K``; with ``W = down_proj.weight`` (out × in) the kept columns become
     ``W'_K = W_K + W_D G_DK (G_KK + λI)⁻¹`` (Theorem 3.1 in torch orientation; Algorithm 3 line 4 adds
     the update to the full ``W_D`` — a dimension slip — it belongs to the kept rows of the paper's
-    ``W_D``, i.e. the kept columns here). ``compensation_scale`` sets the λ of this refit separately
+    ``W_D``, i.e. the kept columns here; ``compensate: false`` keeps ``W_K``). ``compensation_scale`` sets the λ of this refit separately
     (``None``: the leverage λ). Layers: ``layers`` if given, else every layer with a wider MLP than the config.
     """
 
     layers: list[int] | None = Field(None, description="layer indices to prune (default: the merged layers)")
     lambda_scale: float = Field(10.0, gt=0, description="leverage ridge λ as a multiple of the mean eigenvalue")
+    criterion: Literal["leverage", "energy"] = Field(
+        "leverage", description="channel choice: ridge leverage of G (the paper) or output energy G_ii ‖W_:,i‖²")
+    compensate: bool = Field(True, description="Theorem 3.1 refit of the kept down_proj columns (false: slice)")
     compensation_scale: float | None = Field(None, gt=0, description="refit ridge λ multiple (None: lambda_scale)")
     target: Literal["merged", "serial", "original"] = Field(
         "original", description="what the kept down_proj is refitted to reproduce (merged = Theorem 3.1 only)")
@@ -152,15 +171,19 @@ class NystromMLP(LayerModifier):
         mlp = session.adapter.mlp(session.layers[layer_index])
         gram = stats["InputCovariance:mlp.down_proj"].gram
         scale = mean_eigenvalue(gram)
-        leverage = ridge_leverage_scores(gram, self.lambda_scale * scale)
-        keep = leverage.topk(session.model.config.intermediate_size).indices.sort().values
+        if self.criterion == "leverage":
+            score = ridge_leverage_scores(gram, self.lambda_scale * scale)
+        else:
+            score = channel_energy(mlp.down_proj.weight, gram)
+        keep = score.topk(session.model.config.intermediate_size).indices.sort().values
         refit_scale = self.compensation_scale if self.compensation_scale is not None else self.lambda_scale
-        down = ridge_compensation(mlp.down_proj.weight, gram, keep, refit_scale * scale)
+        down = (ridge_compensation(mlp.down_proj.weight, gram, keep, refit_scale * scale) if self.compensate
+                else mlp.down_proj.weight[:, keep])
         for linear in (mlp.gate_proj, mlp.up_proj):
             set_linear_weight(linear, linear.weight[keep], linear.bias[keep] if linear.bias is not None else None)
         set_linear_weight(mlp.down_proj, down, mlp.down_proj.bias)
         entry = {"channels_before": gram.shape[0], "channels_kept": len(keep),
-                 "leverage_kept": float(leverage[keep].sum()), "leverage_total": float(leverage.sum())}
+                 f"{self.criterion}_kept": float(score[keep].sum()), f"{self.criterion}_total": float(score.sum())}
         if self.target != "merged":
             entry.update(self._refit_towards_target(session, layer_index, submatrix(gram, keep, keep)))
         return entry
@@ -208,6 +231,13 @@ class NystromMLP(LayerModifier):
         if len(candidates) > 1:
             entry = {**entry, "kept": str(name), "candidates": {str(r[1]): r[0] for r in results}}
         return entry
+
+
+def channel_energy(down_weight: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Output energy of each ``down_proj`` input channel, ``E_i = G_ii ‖W_:,i‖²`` (fp64): the squared norm,
+    summed over calibration tokens, of what channel ``i`` alone adds to the output. The MLP analogue of
+    Eq. 12's head importance (not in the paper, which ranks MLP channels by ridge leverage)."""
+    return torch.diagonal(gram).to(torch.float64) * down_weight.to(torch.float64).pow(2).sum(0)
 
 
 @torch.no_grad()

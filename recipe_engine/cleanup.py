@@ -90,6 +90,18 @@ def temporary_directory(parent: Path, name: str, kind: str) -> Iterator[Path]:
             _ACTIVE.discard(tmp)
 
 
+def track(path: Path) -> None:
+    """Remove ``path`` too if a signal forces the process out (``_exit_now``), like a temporary directory
+    (the resume checkpoints of a live run: only a hard kill leaves them)."""
+    with _LOCK:
+        _ACTIVE.add(path)
+
+
+def untrack(path: Path) -> None:
+    with _LOCK:
+        _ACTIVE.discard(path)
+
+
 def _alive(record: dict) -> bool:
     if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
         return True  # another machine's process, or not ours to judge: keep

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from typing import Callable
@@ -12,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .cleanup import Interrupted, handle_signals
+from .distributed import DistributedError
 from .errors import QualityGateError, RecipeError, one_line
 from .registry import REGISTRY, RegistryError
 
@@ -68,8 +70,10 @@ def cmd_apply(args) -> int:
     from .summary import print_summary
 
     with _quiet_libraries(args.quiet):
-        _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet)
-    print_summary(report, out)
+        _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
+                          resume=args.resume)
+    if report["rank"] == 0:  # data-parallel: one summary
+        print_summary(report, out)
     return 0
 
 
@@ -116,12 +120,14 @@ def cmd_plan(args) -> int:
     if args.json:
         import json
 
-        from .plan import memory_plan, plan_rows
+        from .plan import memory_plan, plan_rows, rank_memory
 
         rows, total = plan_rows(recipe)
-        print(json.dumps({"steps": rows, "calibration_passes": total, "memory": memory_plan(recipe)}))
+        memory = memory_plan(recipe)
+        ranks = rank_memory(recipe, memory, args.ranks) if args.ranks > 1 and "unavailable" not in memory else None
+        print(json.dumps({"steps": rows, "calibration_passes": total, "memory": memory, "data_parallel": ranks}))
         return 0
-    print_plan(recipe, out)
+    print_plan(recipe, out, args.ranks)
     return 0
 
 
@@ -198,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     with_overrides(p)
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted (killed) run of the same output from its checkpoints")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("show", help="print the canonical resolved recipe")
@@ -213,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print steps, statistics, calibration passes and a memory estimate")
     p.add_argument("recipe")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                   help="data-parallel processes (torchrun --nproc-per-node × nodes): per-rank memory")
     with_overrides(p)
     p.set_defaults(func=cmd_plan)
 
@@ -265,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, RegistryError) as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return RecipeError.exit_code
+    except DistributedError as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return DistributedError.exit_code
     except QualityGateError as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return QualityGateError.exit_code

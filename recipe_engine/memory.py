@@ -82,19 +82,34 @@ def runtime_bytes(recipe: Recipe) -> int:
     return current_rss()
 
 
+def shape_bytes(shape: ModelShape, width: int) -> int:
+    """Bytes of a model of this symbolic shape at ``width`` bytes per parameter (tied embeddings once)."""
+    matrices = 1 if shape.tie_word_embeddings else 2
+    return (sum(shape.layer_parameters(layer) for layer in shape.layers) * width
+            + matrices * shape.vocab_size * shape.hidden_size * width + shape.hidden_size * width)
+
+
+def output_bytes(recipe: Recipe, config) -> int:
+    """Bytes of the checkpoint the recipe writes: the model after every step's shape change (fewer,
+    narrower layers), in the recipe's dtype; a packed quantized export is counted unpacked (an upper bound)."""
+    shape = ModelShape.from_config(config)
+    for step in recipe.modifiers:
+        step.check(shape)
+    return shape_bytes(shape, DTYPE_BYTES[recipe.dtype])
+
+
 def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None) -> dict:
     """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory."""
     width = DTYPE_BYTES[recipe.dtype]
     shape = ModelShape.from_config(config)
+    shape.streamed = streamed
     cal = recipe.calibration
     tokens = cal.samples * cal.seq_len
     embedding = shape.vocab_size * shape.hidden_size * width
-    matrices = 1 if shape.tie_word_embeddings else 2
     intermediate = shape.intermediate_size  # of the original layers: one batch's MLP activations
 
     def model_bytes(s: ModelShape) -> int:
-        final_norm = s.hidden_size * width
-        return sum(s.layer_parameters(layer) for layer in s.layers) * width + matrices * embedding + final_norm
+        return shape_bytes(s, width)
 
     whole = model_bytes(shape)
     steps = []

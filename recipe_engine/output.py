@@ -97,12 +97,16 @@ def estimated_output_bytes(config, dtype: str) -> int:
     return sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize
 
 
-def check_free_space(output: str, config, dtype: str, file: str | None = None) -> None:
-    """Refuse to start when the output's file system lacks room for the checkpoint (plus 5 %)."""
-    problem = space_problem(Path(output).expanduser(), estimated_output_bytes(config, dtype))
+def check_free_space(recipe, config, file: str | None = None) -> None:
+    """Refuse to start when the output's file system lacks room for the checkpoint the recipe writes
+    (``memory.output_bytes``: the compressed model's size, plus 5 %). A streamed run's staging data lives
+    beside it, and the writer deletes each staged unit once written, so this bounds both."""
+    from .memory import output_bytes
+
+    problem = space_problem(Path(recipe.output).expanduser(), output_bytes(recipe, config))
     if problem:
-        raise RecipeError(f"not enough disk space for output '{output}': {problem} ({dtype} checkpoint)",
-                          file=file, field="output")
+        raise RecipeError(f"not enough disk space for output '{recipe.output}': {problem} "
+                          f"({recipe.dtype} checkpoint)", file=file, field="output")
 
 
 def space_problem(target: Path, size: int) -> str | None:

@@ -1,6 +1,8 @@
 """``recipe plan``: steps, the statistics each needs, and how many calibration passes will run."""
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
 
@@ -41,11 +43,29 @@ def memory_plan(recipe: Recipe) -> dict:
         return {"unavailable": exc.detail}
 
 
+def rank_memory(recipe: Recipe, memory: dict, ranks: int) -> dict:
+    """Per-rank host memory of a data-parallel run over ``ranks`` processes (``recipe_engine.distributed``):
+    every rank holds all calibration activations (replicated) and, while a layer's outputs are gathered,
+    one more set plus its own share twice (send and padded buffers)."""
+    from .models import load_config
+    from .shape import ModelShape
+
+    cal = recipe.calibration
+    shape = ModelShape.from_config(load_config(recipe.model))
+    one_set = cal.samples * cal.seq_len * shape.hidden_size * (4 if recipe.dtype == "float32" else 2)
+    gather = round(one_set * (1 + 2 / ranks))
+    peak = memory["host_peak_bytes"] + gather
+    batches = math.ceil(cal.samples / cal.batch_size)
+    return {"ranks": ranks, "batches_per_rank": math.ceil(batches / ranks) if batches >= ranks else batches,
+            "activations_bytes": memory["activations_bytes"], "gather_bytes": gather,
+            "host_peak_bytes_per_rank": peak, "host_peak_bytes_all_ranks": ranks * peak}
+
+
 def _gib(value: int) -> str:
     return f"{value / 2**30:.2f} GiB"
 
 
-def print_plan(recipe: Recipe, console: Console) -> None:
+def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
     rows, total = plan_rows(recipe)
     cal = recipe.calibration
     table = Table(title=f"plan: {recipe.name} ({cal.samples} × {cal.seq_len} tokens from {cal.dataset})")
@@ -63,6 +83,13 @@ def print_plan(recipe: Recipe, console: Console) -> None:
     console.print(f"memory estimate ({mode}): peak host {_gib(memory['host_peak_bytes'])} = runtime "
                   f"{_gib(memory['runtime_bytes'])} + activations {_gib(memory['activations_bytes'])} + the "
                   f"largest step (model {_gib(memory['model_bytes'])})")
+    if ranks > 1:
+        per = rank_memory(recipe, memory, ranks)
+        console.print(f"data-parallel over {ranks} ranks: per rank activations {_gib(per['activations_bytes'])} "
+                      f"(all calibration activations, replicated; each rank runs up to {per['batches_per_rank']} "
+                      f"batches through each layer) + gather {_gib(per['gather_bytes'])}; peak host per rank "
+                      f"{_gib(per['host_peak_bytes_per_rank'])}, {ranks} ranks on one host "
+                      f"{_gib(per['host_peak_bytes_all_ranks'])}")
     for index, step in enumerate(memory["steps"]):
         note = "  [needs the whole model resident]" if step["whole_model"] and memory["streamed"] else ""
         console.print(f"  step {index} {step['step']}: weights {_gib(step['weights_bytes'])}, working "

@@ -13,17 +13,19 @@ from typing import Any, Callable, Iterator
 
 from .adapters import adapter_for, count_parameters
 from .checkpoint import write_checkpoint
+from .distributed import Parallel, launched, module_digest
 from .data import check_length, fingerprint, load_text, sample_windows, tokenize
 from .errors import QualityGateError, RecipeError
 from .extras import save_extras
 from .modifier import LayerModifier, Modifier
 from .models import load_config, load_model, resolve_device
-from .output import (atomic_directory, check_free_space, check_output_free, git_info, is_main_process,
+from .output import (atomic_directory, check_free_space, check_output_free, git_info,
                      package_versions, peak_memory)
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .schema import Recipe, dump_recipe, recipe_from_dict, step_to_dict
 from .memory import PeakWatch, current_rss, estimate
+from .resume import discard_on_error
 from .session import Session
 from .streaming import attach_stream, exceeds_memory
 from .validate import check_against_config
@@ -51,32 +53,48 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 
 
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
-          force: bool = False, write: bool = True, progress: bool = True, memo=None) -> tuple[Any, dict]:
+          force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
+          memo=None) -> tuple[Any, dict]:
     """Run a recipe; returns ``(model, report)``. Writes the output directory unless ``write=False``.
 
     ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
     ``memo`` (``recipe_engine.memo.SharedWork``): work shared with other runs of a sweep.
     A streamed run (``stream``) returns the model as a meta-device skeleton: its weights are the output.
+    ``resume``: continue an interrupted run of the same output from its checkpoints (``recipe_engine.resume``).
     """
     loaded = _resolve(recipe, list(overrides))
+    with launched(resolve_device(loaded.recipe.device)) as parallel:
+        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume)
+
+
+def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
+           progress: bool, resume: bool = False) -> tuple[Any, dict]:
+    """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
     recipe, file = loaded.recipe, loaded.path
-    if write:
+    writing = write and parallel.rank == 0
+    if writing:
         check_output_free(recipe.output, force, file)
     cal = recipe.calibration
     text = _located(lambda: load_text(cal.dataset, cal.split, cal.text_field), file)
     _located(lambda: check_length(text, cal.samples * cal.seq_len), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
-    if write:
-        check_free_space(recipe.output, config, recipe.dtype, file)
-    device = resolve_device(recipe.device)
+    if writing:
+        check_free_space(recipe, config, file)
+    device = parallel.device
     in_memory = model is not None
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
+    if resume and (streamed or in_memory or parallel.active or not write):
+        why = ("a streamed run" if streamed else "a model passed in memory" if in_memory
+               else "a data-parallel run" if parallel.active else "write=False")
+        raise RecipeError(f"--resume is not supported for {why} (no checkpoints are kept)", file=file)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
-                              "device": str(device), "dtype": recipe.dtype, "streamed": streamed}
-    writing = write and is_main_process()  # under torchrun every rank computes, rank 0 writes
+                              "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
+                              "rank": parallel.rank, "ranks": parallel.world}
     watch = PeakWatch()
-    with _workspace(recipe.output, writing, force) as workdir, Progress(enabled=progress) as bar:
+    owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
+    with discard_on_error(owned), _workspace(recipe.output, writing, force) as workdir, \
+            Progress(enabled=progress and parallel.rank == 0) as bar:
         if model is None:
             bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
             model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
@@ -94,15 +112,19 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
                           "fingerprint": fingerprint(windows)}
         report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}
         session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar,
-                          reference_loader=_reference_loader(recipe, model, source, lambda: session))
+                          reference_loader=_reference_loader(recipe, model, source, lambda: session),
+                          parallel=parallel)
         session.memo = memo
         if streamed:
             attach_stream(session, source.location, workdir / STAGING)
-        if recipe.evaluate is not None:
+        checkpoints = _checkpoints(recipe, report, source, resume, writing and not streamed and not parallel.active,
+                                   session, file)
+        owned.append(checkpoints)
+        if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
             from .evaluation import evaluate_session
 
             report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
-        report["steps"] = run_steps(session, recipe.modifiers, bar, watch, plan)
+        report["steps"] = run_steps(session, recipe.modifiers, bar, watch, plan, checkpoints, report)
         _check_uniform(session)
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
                            "layer_origin": [list(o) for o in session.layer_origin]}
@@ -115,7 +137,11 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
             report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
             gate = _quality_gate(recipe, report["evaluation"]["retained"])
             report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
+        if checkpoints is not None:
+            report["checkpoints"] = {"written": checkpoints.count, "seconds": checkpoints.seconds,
+                                     "bytes": checkpoints.bytes_written}
         report["calibration_layer_runs"] = session.layer_runs
+        report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
         if session.stream is not None:
             report["stream"] = {"bytes_read": session.stream.bytes_read,
                                 "bytes_staged": session.stream.bytes_staged}
@@ -123,6 +149,9 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         report["peak_memory"]["estimate_rss_mib"] = plan["host_peak_bytes"] / 2**20
         if writing:
             _write(recipe, model, tokenizer, session, report, workdir)
+        parallel.barrier()  # renamed into place only when every rank finished
+    if checkpoints is not None:
+        checkpoints.discard()  # the output is in place
     if gate:
         raise QualityGateError(gate)
     return model, report
@@ -178,6 +207,22 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
     return load
 
 
+def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, enabled: bool, session: Session,
+                 file: str):
+    """The run's resume checkpoints (``recipe_engine.resume``), restored into ``session`` when resuming;
+    None when this run keeps none (not written, streamed, data-parallel, model passed in memory)."""
+    if not enabled or source is None:
+        return None
+    from .resume import Checkpoints, model_fingerprint
+
+    identity = {"recipe": report["recipe"]["resolved_sha256"], "model": model_fingerprint(source.location),
+                "calibration": report["data"]["fingerprint"], "packages": report["packages"]}
+    checkpoints = Checkpoints.open(recipe.output, identity, resume, file)
+    checkpoints.restore(session, report)
+    session.checkpoint = checkpoints
+    return checkpoints
+
+
 def _located(load, file: str):
     """Run a source loader; its error names the recipe file."""
     try:
@@ -187,12 +232,18 @@ def _located(load, file: str):
 
 
 def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None = None,
-              plan: dict | None = None) -> list[dict[str, Any]]:
+              plan: dict | None = None, checkpoints=None, report: dict | None = None) -> list[dict[str, Any]]:
     """Run the steps (consecutive layer steps share one pass); each record has the step's own wall time,
-    and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate."""
-    records: list[dict[str, Any]] = []
+    and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate. With
+    ``checkpoints``, finished groups of an interrupted run are skipped and each group (and each layer of a
+    pass) is checkpointed when done."""
+    records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
     watch = watch or PeakWatch()
-    for group in group_steps(steps):
+    for number, group in enumerate(group_steps(steps)):
+        if checkpoints is not None:
+            if number < checkpoints.next_group:
+                continue
+            checkpoints.begin_group(number, [step for _, step in group], records, report)
         watch.start()
         start = time.perf_counter()
         names = ", ".join(step.step_name() for _, step in group)
@@ -207,6 +258,9 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
                 results = [step.apply(session)]
         elapsed = time.perf_counter() - start
         session.completed_steps += [json.dumps(step_to_dict(step), sort_keys=True) for _, step in group]
+        if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
+            session.parallel.agree(f"step {group[0][0]} ({names})",
+                                   module_digest(session.model, [list(o) for o in session.layer_origin]))
         peak = watch.stop()
         own = [result.pop("own_s", elapsed) for result in results]
         for (index, step), result, own_s in zip(group, results, own):
@@ -219,6 +273,8 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
                             "params": step.model_dump(mode="json"), "wall_s": own_s,
                             "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),
                             "layers_after": len(session.layers), **memory, "result": result})
+        if checkpoints is not None:
+            checkpoints.group_done(session, number, records, report)
     return records
 
 

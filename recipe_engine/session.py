@@ -9,13 +9,16 @@ before it; with ``original`` from the layers as they were when the pass started.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from .adapters import ArchitectureAdapter
+from .distributed import Parallel, module_digest
 from .modifier import LayerModifier
 from .progress import Progress
 from .quantization import Grid, QuantizedLinear
@@ -54,8 +57,10 @@ class Session:
                  calibration: torch.Tensor, config: CalibrationConfig, device: torch.device,
                  progress: Progress | None = None,
                  reference_loader: Callable[[], "nn.Module | Session"] | None = None,
-                 stream: WeightStream | None = None):
+                 stream: WeightStream | None = None, parallel: Parallel | None = None):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
+        #: This process's rank in a data-parallel run (``recipe_engine.distributed``); one process: a no-op.
+        self.parallel = parallel or Parallel(device=device)
         #: Set when the model is a meta-device skeleton streamed from disk (``recipe_engine.streaming``).
         self.stream = stream
         self.calibration, self.config, self.device = calibration, config, device
@@ -68,6 +73,10 @@ class Session:
         #: Linears a quantizing step recorded; the engine's writer packs them (``mark_quantized``).
         self.quantized: dict[nn.Module, QuantizedLinear] = {}
         self.layer_runs = 0
+        #: Checkpoints of finished layers for ``--resume`` (``recipe_engine.resume.Checkpoints``), or None.
+        self.checkpoint = None
+        #: Calibration batches this process ran through (part of) a layer (a data-parallel rank: its share).
+        self.layer_batches = 0
         self._reference_loader = reference_loader
         self._reference: Session | None = None
         #: Inputs of the layer being compressed by ``run_layer_modifiers`` (see ``current_inputs``).
@@ -141,7 +150,7 @@ class Session:
         """A session sharing this one's tokenizer, adapter, calibration settings and device."""
         return Session(model, self.tokenizer, self.adapter,
                        self.calibration if calibration is None else calibration, self.config, self.device,
-                       self.progress, stream=stream)
+                       self.progress, stream=stream, parallel=self.parallel)
 
     # -- execution primitives ----------------------------------------------------------------
     @property
@@ -150,6 +159,11 @@ class Session:
 
     def batches(self) -> list[torch.Tensor]:
         return list(self.calibration.split(self.config.batch_size))
+
+    def map(self, function: Callable[[Any], Any], items: list) -> list:
+        """``[function(x) for x in items]``; a data-parallel run spreads the items over the ranks and gathers
+        the results, so every rank gets the same list (for independent solves, e.g. candidate subsets)."""
+        return self.parallel.map(function, list(items))
 
     def _modules(self, items) -> list[nn.Module]:
         return [self.layers[i] if isinstance(i, int) else i for i in items]
@@ -179,6 +193,17 @@ class Session:
         """Stage a module built by a step (e.g. a merged layer) and free its weights (streamed models)."""
         if self.stream is not None:
             self.stream.release(module)
+
+    def scratch_directory(self) -> Path | None:
+        """Where a step of a streamed run may spill large working data to disk (the staging directory,
+        inside the output's temporary directory, so it goes with it; a temporary directory for a read-only
+        stream); ``None`` for an in-memory model (keep it in memory)."""
+        if self.stream is None:
+            return None
+        if self.stream.staging is None:
+            return Path(tempfile.gettempdir())
+        self.stream.staging.mkdir(parents=True, exist_ok=True)
+        return self.stream.staging
 
     def stream_units(self) -> list[nn.Module]:
         """What a streamed model loads and releases whole: decoder layers, embeddings, final norm and an
@@ -251,7 +276,11 @@ class Session:
                   hooks: list[Statistic] = (),
                   on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Run one (already placed) layer over all batches, feeding ``hooks``; returns its outputs.
-        ``on_batch(k, output)`` is called after batch ``k`` (its hooks have fired), output on the device."""
+        ``on_batch(k, output)`` is called after batch ``k`` (its hooks have fired), output on the device.
+
+        Data-parallel (``self.parallel``): without ``on_batch`` each rank runs its share of the batches,
+        the hooks' sums are all-reduced in fp64 and the outputs all-gathered (every rank returns all)."""
+        share = self.parallel.share(len(inputs)) if on_batch is None else None
         handles = []
         for stat in hooks:
             module = layer.get_submodule(stat.module) if stat.module else layer
@@ -262,8 +291,13 @@ class Session:
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
         outputs = []
         try:
-            for x, kwargs in zip(inputs, kwargs_list):
+            for k, (x, kwargs) in enumerate(zip(inputs, kwargs_list)):
+                if share is not None and k not in share:
+                    continue
+                for stat in hooks:
+                    stat.batch = k
                 out = _hidden(layer(x.to(self.device), **_to(kwargs, self.device)))
+                self.layer_batches += 1
                 if on_batch is not None:
                     on_batch(len(outputs), out)
                 outputs.append(out.to(self.storage))
@@ -271,6 +305,9 @@ class Session:
             for handle in handles:
                 handle.remove()
         self.layer_runs += 1
+        if share is not None:
+            self.parallel.reduce_statistics(hooks)
+            outputs = self.parallel.gather(outputs, len(inputs))
         return outputs
 
     def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
@@ -298,14 +335,19 @@ class Session:
         self.layer_pass(keep_last, "calibration NLL", skip=skip)
         total, count = 0.0, 0
         norm, head = self.adapter.final_norm(self.model), self.adapter.lm_head(self.model)
+        share = self.parallel.share(len(finals))
         with self.using(norm, head):
-            for hidden, batch in zip(finals, self.batches()):
+            for k, (hidden, batch) in enumerate(zip(finals, self.batches())):
+                if share is not None and k not in share:
+                    continue
                 logits = head(norm(hidden.to(self.device))).float()
                 targets = batch[:, 1:].to(self.device)
                 loss = torch.nn.functional.cross_entropy(
                     logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
                 total += float(loss)
                 count += targets.numel()
+        if share is not None:
+            total, count = self.parallel.sum([total, count])
         return total / count
 
     # -- targets from the original model ---------------------------------------------------
@@ -370,15 +412,22 @@ class Session:
         targets = [set(m.target_layers(self)) for m in group]
         reports: list[dict[str, Any]] = [{"layers": {}} for _ in group]
         own = [0.0] * len(group)
-        last = max((max(t) for t in targets if t), default=-1)
         inputs, kwargs_list = self.capture_inputs()
+        start, resumed = 0, self.checkpoint.pass_state() if self.checkpoint is not None else None
         self._reference_stream = None
-        for index in self.progress.track(range(last + 1), "layer-sequential pass"):
+        if resumed is not None:  # an interrupted pass: after its last finished layer (``--resume``)
+            start, inputs, reports, targets, reference = resumed
+            if reference is not None:  # the original model's states where the interrupted run had them
+                self._reference_stream = (reference[0], reference[1], self.reference_session().capture_inputs()[1])
+        last = max((max(t) for t in targets if t), default=-1)
+        for index in self.progress.track(range(start, last + 1), "layer-sequential pass"):
             layer = self.layers[index]
             active = [k for k, t in enumerate(targets) if index in t]
             with self.using(index):
                 if not active:
                     inputs = self.run_layer(layer, inputs, kwargs_list)
+                    if self.checkpoint is not None:
+                        self.checkpoint.layer_done(self, index, inputs, reports, targets, self._reference_stream)
                     continue
                 keep_original = self.config.propagate == "original"
                 original_outputs = provided = None
@@ -401,12 +450,17 @@ class Session:
                     changed = min((change_position(m) for m in modifier.modifies), default=99)
                     cache = {key: s for key, s in cache.items() if s.position <= changed}
                     own[k] += time.perf_counter() - started
+                if self.parallel.active:  # the guard: every rank compressed this layer alike
+                    entries = [r["layers"].get(str(index)) for r in reports]
+                    self.parallel.agree(f"layer {index}", module_digest(self.layers[index], entries))
                 if keep_original:
                     inputs = original_outputs
                 elif provided is not None:
                     inputs = provided
                 else:
                     inputs = self.run_layer(self.layers[index], inputs, kwargs_list)
+            if self.checkpoint is not None:
+                self.checkpoint.layer_done(self, index, inputs, reports, targets, self._reference_stream)
         self._reference_stream = None
         for k, modifier in enumerate(group):
             started = time.perf_counter()

@@ -44,6 +44,8 @@ class ModelShape:
     pinned: str | None = None
     #: The step that quantized the weights (``Modifier.quantizes``); a later weight change is an error.
     quantized_by: str | None = None
+    #: Whether the run streams its weights (memory estimates: streamed steps may spill to scratch files).
+    streamed: bool = False
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":

@@ -14,6 +14,9 @@ changes after it was recorded (asking for a module upstream of a finished block 
 output check is not assumed: on the first batch the block runs to the end and its output must be the
 output linear's result (the same tensor, or one item of a tuple); anything else is a one-line error
 naming the block.
+
+Data-parallel (``recipe_engine.distributed``): each rank runs its share of the batches; the statistic fed
+by ``inputs_of`` is all-reduced after each run, and ``outputs`` all-gathers the layer's outputs.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 
 from .session import _hidden, _to
-from .stats import position
+from .stats import Statistic, position
 
 
 class _Stop(Exception):
@@ -46,8 +49,8 @@ def _replay_wrapper(block: str, output: Any, linear_output: torch.Tensor) -> Cal
 class StagedLayer:
     """One layer over the calibration batches, run up to one linear at a time (see the module docstring).
 
-    ``inputs_of(path, visit)`` hands ``visit`` the input of submodule ``path`` for every batch with the layer
-    as it is now; ``outputs()`` returns the layer's outputs (on ``session.storage``).
+    ``inputs_of(path, statistic)`` feeds ``statistic`` the input of submodule ``path`` for every batch with
+    the layer as it is now; ``outputs()`` returns the layer's outputs (on ``session.storage``).
     """
 
     def __init__(self, session, layer: nn.Module, inputs: list[torch.Tensor],
@@ -56,12 +59,17 @@ class StagedLayer:
         self.inputs, self.kwargs_list = inputs, kwargs_list
         #: block path → (its output linear, that linear's recorded inputs, output wrapper)
         self._finished: dict[str, tuple[nn.Module, list[torch.Tensor], Callable]] = {}
+        self._share = session.parallel.share(len(inputs))
+        #: Batches this process runs (a data-parallel rank: its share); ``_batch`` indexes this list.
+        self._own = list(self._share if self._share is not None else range(len(inputs)))
         self._batch = 0
+        self._statistic: Statistic | None = None
         self._position = -1
 
-    def inputs_of(self, path: str, visit: Callable[[torch.Tensor], None]) -> None:
-        """``visit(x)`` with the input of submodule ``path`` (a linear) for every batch, on the device;
-        stops each forward there. Only a block's output linear keeps its inputs (on storage, for replay)."""
+    def inputs_of(self, path: str, statistic: Statistic) -> None:
+        """``statistic.update(x, None)`` with the input ``x`` of submodule ``path`` (a linear) for every batch,
+        on the device; stops each forward there. Only a block's output linear keeps its inputs (on storage,
+        for replay). Data-parallel: the statistic's sums are all-reduced after the run."""
         block = path.split(".")[0]
         if block in self._finished or position(path) < self._position:
             raise RuntimeError(f"{path}: asked for after a module downstream of it (dataflow order only)")
@@ -73,7 +81,7 @@ class StagedLayer:
         seen: dict[str, Any] = {}
 
         def capture(_module, args):
-            visit(args[0])
+            statistic.update(args[0], None)
             if finishing:
                 recorded.append(args[0].to(self.session.storage))
             if not (finishing and self._batch == 0):
@@ -86,6 +94,7 @@ class StagedLayer:
             seen["wrapper"] = _replay_wrapper(block, output, seen["linear"])
             raise _Stop
 
+        self._statistic = statistic
         handles = [target.register_forward_pre_hook(capture)]
         if finishing:
             handles += [target.register_forward_hook(keep_output),
@@ -95,6 +104,9 @@ class StagedLayer:
         finally:
             for handle in handles:
                 handle.remove()
+            self._statistic = None
+        if self._share is not None:
+            self.session.parallel.reduce_statistics([statistic])
         if finishing:
             self._finished[block] = (target, recorded, seen["wrapper"])
 
@@ -102,6 +114,8 @@ class StagedLayer:
         """The layer's outputs for every batch (finished blocks replayed); counts as one layer run."""
         outputs = self._run()
         self.session.layer_runs += 1
+        if self._share is not None:
+            outputs = self.session.parallel.gather(outputs, len(self.inputs))
         return outputs
 
     @torch.no_grad()
@@ -114,8 +128,12 @@ class StagedLayer:
                 _wrap(_linear(_recorded[self._batch].to(device)))
             replayed.append(module)
         try:
-            for batch, (x, kwargs) in enumerate(zip(self.inputs, self.kwargs_list)):
+            for batch, k in enumerate(self._own):
+                x, kwargs = self.inputs[k], self.kwargs_list[k]
                 self._batch = batch
+                if self._statistic is not None:
+                    self._statistic.batch = k
+                self.session.layer_batches += 1
                 try:
                     out = self.layer(x.to(device), **_to(kwargs, device))
                 except _Stop:

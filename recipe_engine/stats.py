@@ -10,6 +10,8 @@ position p invalidates statistics at positions > p.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 POSITIONS = {
@@ -32,7 +34,17 @@ def change_position(module: str) -> int:
 
 
 class Statistic:
-    """Base class: ``update(inputs, output)`` is called once per calibration batch."""
+    """Base class: ``update(inputs, output)`` is called once per calibration batch.
+
+    ``sums`` names the attributes that are sums over batches (tensors, numbers, or None when nothing was
+    collected): a data-parallel run all-reduces exactly these in fp64 (``recipe_engine.distributed``); ``()``
+    declares a per-batch scratch value with nothing to reduce; ``None`` (undeclared) cannot be split over
+    ranks. ``batch`` is the index of the calibration batch being run, set by the session before each batch
+    (for statistics that pair a batch with per-batch targets).
+    """
+
+    sums: ClassVar[tuple[str, ...] | None] = None
+    batch: int = 0
 
     def __init__(self, module: str):
         self.module = module
@@ -56,6 +68,8 @@ class InputCovariance(Statistic):
     ``products``: dtype of each batch's ``XᵀX`` (sums over batches are fp64 either way); fp32 halves the
     cost for steps that tolerate ~1e-6 relative error per entry (GPTQ's reference code keeps H in fp32).
     """
+
+    sums = ("gram", "count")
 
     def __init__(self, module: str, products: torch.dtype = torch.float64):
         super().__init__(module)
@@ -85,6 +99,8 @@ class InputCovariance(Statistic):
 
 class LayerCosine(Statistic):
     """Mean over tokens of cos(layer input, layer output) along the hidden axis (fp32 cosine)."""
+
+    sums = ("total", "count")
 
     def __init__(self) -> None:
         super().__init__("")

@@ -40,9 +40,14 @@ def print_summary(report: dict, console: Console) -> None:
             table.add_row("zero-shot average", f"{zs_before['average']:.4f}",
                           f"{zs_after.get('average', float('nan')):.4f}", "")
     for step in report["steps"]:
-        table.add_row(f"step {step['index']} {step['modifier']}", "", f"{step['wall_s']:.1f}s", "")
+        peak = f" (peak {step['peak_rss_mib'] / 1024:.2f} GiB)" if step.get("peak_rss_mib") else ""
+        table.add_row(f"step {step['index']} {step['modifier']}{peak}", "", f"{step['wall_s']:.1f}s", "")
         if step.get("pass_shared_s") and step is _last_of_pass(report["steps"], step):
             table.add_row("  shared pass (loading, forwards)", "", f"{step['pass_shared_s']:.1f}s", "")
+    memory = report.get("peak_memory", {})
+    if memory.get("rss_mib"):
+        planned = f" (plan {memory['estimate_rss_mib'] / 1024:.2f})" if memory.get("estimate_rss_mib") else ""
+        table.add_row("peak host memory", "", f"{memory['rss_mib'] / 1024:.2f} GiB{planned}", "")
     console.print(table)
 
 

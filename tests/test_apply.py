@@ -92,16 +92,6 @@ def test_force_replaces_existing_output_only_after_success(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "out"]
 
 
-def test_only_rank_zero_writes_under_a_distributed_launch(tmp_path, monkeypatch):
-    monkeypatch.setenv("RANK", "1")
-    _, report = recipe_engine.apply(tiny_recipe(tmp_path), model=tiny_model(), tokenizer=CharTokenizer(),
-                                    progress=False)
-    assert report["after"]["layers"] == 4 and not (tmp_path / "out").exists()
-    monkeypatch.setenv("RANK", "0")
-    recipe_engine.apply(tiny_recipe(tmp_path), model=tiny_model(), tokenizer=CharTokenizer(), progress=False)
-    assert (tmp_path / "out" / "model.safetensors").is_file()
-
-
 def test_too_little_calibration_text_says_how_much(tmp_path):
     recipe = tiny_recipe(tmp_path)
     recipe["calibration"]["samples"] = 1000

@@ -130,3 +130,22 @@ def test_check_updates_shape():
 def test_check_rejects_bad_counts(params, message):
     with pytest.raises(RecipeError, match=message):
         FlattenAdjacent(**params).check(ModelShape.from_config(tiny_config()))
+
+
+def test_unit_vector_store_on_disk_equals_in_memory(tmp_path):
+    """The scratch-file store (streamed runs) gives bit for bit the in-memory store's S, which equals the
+    fp64 brute force Σ_t u_i,t · u_j,t; the file is gone afterwards."""
+    from modifiers.flatten_adjacent import UnitVectorStore
+
+    vectors = torch.nn.functional.normalize(torch.randn(5, 300, 16, generator=torch.Generator().manual_seed(0)),
+                                            dim=-1)
+    grams = []
+    for directory in (None, tmp_path):
+        with UnitVectorStore(5, 300, 16, directory, chunk=64) as store:
+            for layer in range(5):
+                store.write(layer, vectors[layer])
+            grams.append(store.cosine_gram())
+    assert torch.equal(grams[0], grams[1])
+    expected = torch.einsum("ith,jth->ij", vectors.double(), vectors.double())
+    torch.testing.assert_close(grams[0].double(), expected, rtol=1e-6, atol=1e-5)
+    assert list(tmp_path.iterdir()) == []

@@ -4,10 +4,22 @@ import torch
 
 from recipe_engine.modifier import LayerModifier
 from recipe_engine.staged import StagedLayer
+from recipe_engine.stats import Statistic
 from tests.helpers import random_tokens, tiny_model
 from tests.test_session import make_session
 
 SOURCES = ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"]
+
+
+class Collect(Statistic):
+    """Keeps every input it is fed."""
+
+    def __init__(self, module: str):
+        super().__init__(module)
+        self.values = []
+
+    def update(self, inputs, output):
+        self.values.append(inputs)
 
 
 def hooked_inputs(session, layer, path):
@@ -38,10 +50,10 @@ def test_staged_inputs_and_outputs_equal_full_runs_as_the_layer_changes(model_ty
     staged = StagedLayer(session, layer, *session.capture_inputs())
     for path in SOURCES:
         expected, _ = hooked_inputs(session, layer, path)
-        got = []
-        staged.inputs_of(path, got.append)
-        assert len(got) == len(expected) == 2
-        for a, b in zip(got, expected):
+        got = Collect(path)
+        staged.inputs_of(path, got)
+        assert len(got.values) == len(expected) == 2
+        for a, b in zip(got.values, expected):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         perturb(layer, path)
     _, expected_outputs = hooked_inputs(session, layer, "mlp.down_proj")
@@ -55,10 +67,10 @@ def test_replay_skips_the_attention_core():
     session = make_session(model, random_tokens(4, 24))
     layer = session.layers[0]
     staged = StagedLayer(session, layer, *session.capture_inputs())
-    staged.inputs_of("self_attn.o_proj", lambda _x: None)
+    staged.inputs_of("self_attn.o_proj", Collect(""))
     calls = []
     handle = layer.self_attn.q_proj.register_forward_hook(lambda *_: calls.append(1))
-    staged.inputs_of("mlp.gate_proj", lambda _x: None)
+    staged.inputs_of("mlp.gate_proj", Collect(""))
     staged.outputs()
     handle.remove()
     assert calls == [] and "forward" not in vars(layer.self_attn)  # the replay is removed again
@@ -68,9 +80,9 @@ def test_asking_upstream_of_a_finished_block_is_an_error():
     model = tiny_model()
     session = make_session(model, random_tokens(4, 24))
     staged = StagedLayer(session, session.layers[0], *session.capture_inputs())
-    staged.inputs_of("mlp.gate_proj", lambda _x: None)
+    staged.inputs_of("mlp.gate_proj", Collect(""))
     with pytest.raises(RuntimeError, match="self_attn.o_proj: asked for after"):
-        staged.inputs_of("self_attn.o_proj", lambda _x: None)
+        staged.inputs_of("self_attn.o_proj", Collect(""))
 
 
 def test_a_block_that_changes_its_output_linears_result_is_refused():
@@ -80,7 +92,7 @@ def test_a_block_that_changes_its_output_linears_result_is_refused():
     layer.mlp.register_forward_hook(lambda _m, _a, output: output * 2)
     staged = StagedLayer(session, layer, *session.capture_inputs())
     with pytest.raises(NotImplementedError, match="cannot replay 'mlp'"):
-        staged.inputs_of("mlp.down_proj", lambda _x: None)
+        staged.inputs_of("mlp.down_proj", Collect(""))
 
 
 class HalvesDown(LayerModifier):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import recipe_engine
 from recipe_engine.checkpoint import write_checkpoint
@@ -374,3 +374,20 @@ def test_streamed_zero_shot_equals_in_memory_with_one_unit_resident(tmp_path, mo
         results[stream] = evaluate_session(session, config)["zero_shot"]
     assert results["on"]["tasks"] == results["off"]["tasks"]
     assert most["max"] == 1 and most["now"] == 0
+
+
+def test_output_size_estimate_is_the_compressed_models_size(tmp_path):
+    """The free-space check counts the checkpoint the recipe writes (fewer, narrower layers), not the
+    input model: the estimate equals the written safetensors' tensor bytes."""
+    from recipe_engine.memory import output_bytes
+    from recipe_engine.schema import recipe_from_dict
+
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    steps = ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]
+    data = recipe(tmp_path, model_dir, steps, "on", "out")
+    recipe_engine.apply(data, progress=False)
+    written = sum(t.numel() * t.element_size() for t in weights(tmp_path / "out").values())
+    config = AutoConfig.from_pretrained(model_dir)
+    assert output_bytes(recipe_from_dict(data), config) == written
+    assert output_bytes(recipe_from_dict({**data, "modifiers": ["FuseNorm"]}), config) > written

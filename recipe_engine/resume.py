@@ -1,0 +1,337 @@
+"""Resume an interrupted ``recipe apply`` (``--resume``) from checkpoints of its finished work.
+
+A run keeps ``PARENT/.NAME.resume/`` beside its output ``PARENT/NAME``:
+
+* ``manifest.json``, replaced atomically after each checkpoint (written last, so a kill at any moment leaves
+  the previous complete checkpoint): the run's identity (resolved-recipe sha256, model source fingerprint,
+  calibration fingerprint, package versions), what is finished (``reached``: the next step group and, inside
+  a layer-sequential pass, the last finished layer), the session state (layer origins, config, extras,
+  artifacts, step records) and the sha256 of every file it names;
+* ``unit-<sha256>.safetensors``: the tensors of one model unit (a decoder layer; ``rest``: embeddings, final
+  norm, ``lm_head``), content-addressed, so an unchanged unit is not written again;
+* ``inputs-<sha256>.safetensors``: inside a pass, the next layer's inputs (the activation checkpoint), and
+  ``reference-<sha256>.safetensors``: the original model's states the pass follows (NystromMLP's
+  ``target: original``), where it had them.
+
+Checkpoints follow every step group (a model-scope step, a whole shared pass) and every layer of a pass.
+Resume loads the model from its source as usual, restores the checkpointed units (a copy of the original
+layer each stands for, with every tensor loaded; a Linear whose stored shape differs is rebuilt at that
+shape), the extras (``restore_extra``), records and artifacts, skips the finished groups, and continues a
+pass after its last finished layer from the stored activations: exact bits, where recomputing them from the
+finished layers would cost a forward per layer (and, for the original model's states, a forward of every
+original layer before them).
+
+The quantization records of quantizing steps (``session.quantized``: grid, scales and zero points per
+linear, for the packed export) are checkpointed by module name with the units. Not supported: streamed runs
+and data-parallel runs (``--resume`` refuses both with one line). An exception or a handled signal removes the checkpoints with the run's other files;
+SIGKILL, the OOM killer or a lost machine leave them for ``--resume``. Without ``--resume`` an earlier run's
+checkpoints are reported and removed, never silently reused.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .cleanup import _alive, _identity, track, untrack
+from .errors import RecipeError
+
+MANIFEST = "manifest.json"
+KIND, VERSION = "recipe-resume", 1
+
+
+def resume_directory(output: str) -> Path:
+    target = Path(output).expanduser()
+    return target.parent / f".{target.name}.resume"
+
+
+def model_fingerprint(location: str) -> str:
+    """sha256 of the source directory's config and of each weight file's name, size and mtime (cheap; a
+    rewritten or replaced checkpoint changes it)."""
+    sha = hashlib.sha256()
+    directory = Path(location)
+    for path in sorted(directory.glob("*")):
+        if path.name == "config.json":
+            sha.update(path.read_bytes())
+        elif path.suffix in (".safetensors", ".bin", ".gguf") or path.name.endswith(".index.json"):
+            stat = path.stat()
+            sha.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return sha.hexdigest()
+
+
+def _sha(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _tensors(module: nn.Module, skip: set[int] = frozenset()) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in module.named_parameters() if id(p) not in skip}
+
+
+class Checkpoints:
+    """The resume directory of one run (see the module docstring); ``session.checkpoint`` inside passes."""
+
+    def __init__(self, directory: Path, identity: dict[str, Any]):
+        self.directory, self.identity = directory, identity
+        self.manifest: dict[str, Any] | None = None  # the last written or the one resumed from
+        #: unit signature (tensor names, ids, versions) → (file, the tensors: held so no id is reused)
+        self._written: dict[tuple, tuple[str, list[torch.Tensor]]] = {}
+        self._group = 0
+        #: Cost of checkpointing in this process: seconds and bytes written (``report.json`` ``checkpoints``).
+        self.seconds, self.bytes_written, self.count = 0.0, 0, 0
+
+    # -- opening --------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, output: str, identity: dict[str, Any], resume: bool, file: str | None) -> "Checkpoints":
+        """Verify and adopt an interrupted run's checkpoints (``resume``), or report and remove them."""
+        directory = resume_directory(output)
+        manifest_path = directory / MANIFEST
+        found = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+        checkpoints = cls(directory, identity)
+        owner = (found or {}).get("owner")
+        if owner and owner.get("pid") != os.getpid() and _alive(owner):
+            raise RecipeError(f"another run of {output} is in progress (pid {owner['pid']} on {owner['host']}); "
+                              f"its checkpoints in {directory} are left alone", file=file, field="output")
+        if directory.exists() and not resume:
+            print(f"note: removing the checkpoints of an interrupted run of {output} (continue one with "
+                  f"--resume)", file=sys.stderr)
+            shutil.rmtree(directory, ignore_errors=True)
+        elif resume and found is None:
+            print(f"note: no interrupted run of {output} to resume; starting from the beginning", file=sys.stderr)
+            shutil.rmtree(directory, ignore_errors=True)
+        elif resume:
+            checkpoints._verify(found, file)
+            checkpoints.manifest = found
+        directory.mkdir(parents=True, exist_ok=True)
+        track(directory)
+        return checkpoints
+
+    def _verify(self, found: dict[str, Any], file: str | None) -> None:
+        fail = lambda what: RecipeError(f"cannot resume: {what} since the interrupted run; run without --resume "
+                                        f"to start over", file=file, field="output")
+        if (found.get("type"), found.get("version")) != (KIND, VERSION):
+            raise fail(f"the checkpoint format changed ({found.get('type')} v{found.get('version')})")
+        names = {"recipe": "the resolved recipe changed", "model": "the model source changed",
+                 "calibration": "the calibration data changed"}
+        for key, what in names.items():
+            if found["identity"][key] != self.identity[key]:
+                raise fail(f"{what} (sha256 {found['identity'][key][:12]} → {self.identity[key][:12]})")
+        old, new = found["identity"]["packages"], self.identity["packages"]
+        changed = [f"{k} {old.get(k)} → {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        if changed:
+            raise fail(f"package versions changed ({', '.join(changed)})")
+        for name, digest in found["files"].items():
+            path = self.directory / name
+            if not path.is_file() or _sha(path) != digest:
+                raise fail(f"checkpoint file {name} is missing or damaged")
+
+    # -- resuming -------------------------------------------------------------------------------
+    @property
+    def next_group(self) -> int:
+        return self.manifest["reached"]["group"] if self.manifest else 0
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return list(self.manifest["records"]) if self.manifest else []
+
+    def restore(self, session, report: dict[str, Any]) -> None:
+        """Bring a freshly loaded session to the checkpointed state (no-op when not resuming)."""
+        if self.manifest is None:
+            return
+        from safetensors.torch import load_file
+
+        from .registry import REGISTRY
+
+        state = self.manifest
+        original = list(session.layers)
+        layers, origins = [], []
+        for entry in state["layers"]:
+            origin = tuple(entry["origin"])
+            layer = copy.deepcopy(original[min(origin)])
+            _fill(layer, load_file(str(self.directory / entry["file"])))
+            layers.append(layer)
+            origins.append(origin)
+        session.set_layers(layers, origins, [min(o) for o in origins])
+        _fill(session.model, load_file(str(self.directory / state["rest"])))
+        for key, value in state["config"].items():
+            if getattr(session.model.config, key, None) != value:
+                setattr(session.model.config, key, value)
+        extras = load_file(str(self.directory / state["extras"])) if state["extras"] else {}
+        for i, entry in enumerate(state["extra_entries"]):
+            own = {k[len(f"{i}."):]: v for k, v in extras.items() if k.startswith(f"{i}.")}
+            session.extras.append({"modifier": entry["modifier"], "config": entry["config"], "tensors": own})
+            REGISTRY.get(entry["modifier"]).restore_extra(session.model, entry["config"], own)
+        for name, stored in state["artifacts"].items():
+            session.artifacts[name] = (self.directory / stored).read_bytes()
+        if state["quantized"]:
+            from .quantization import Grid, QuantizedLinear
+
+            tensors = load_file(str(self.directory / state["quantized_file"]))
+            for k, entry in enumerate(state["quantized"]):
+                session.quantized[session.model.get_submodule(entry["module"])] = QuantizedLinear(
+                    Grid(*entry["grid"]), tensors[f"{k}.scale"], tensors[f"{k}.zero"])
+        report.update(state["report"])
+        report["resumed"] = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
+
+    def pass_state(self):
+        """``(next layer, its inputs, reports, targets, reference)`` of the interrupted pass now starting, or
+        None; ``reference``: ``(next original layer, the original model's states there)`` or None."""
+        if self.manifest is None or self.manifest["pass"] is None or self.manifest["reached"]["group"] != self._group:
+            return None
+        from safetensors.torch import load_file
+
+        saved = self.manifest["pass"]
+        inputs = load_file(str(self.directory / saved["inputs"]))
+        reference = None
+        if saved["reference"] is not None:
+            states = load_file(str(self.directory / saved["reference"]["states"]))
+            reference = (saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
+        return (saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
+                [set(t) for t in saved["targets"]], reference)
+
+    # -- writing --------------------------------------------------------------------------------
+    def group_done(self, session, group_index: int, records: list, report: dict[str, Any]) -> None:
+        self._save(session, {"group": group_index + 1, "layer": None}, records, report, None)
+
+    def layer_done(self, session, index: int, inputs: list[torch.Tensor], reports: list, targets: list,
+                   reference: tuple | None) -> None:
+        """Checkpoint after pass layer ``index``: the model, the next layer's inputs and, when the pass
+        follows the original model (``reference``: next original layer, its states, kwargs), its states."""
+        blob, name = self._blob({str(k): t for k, t in enumerate(inputs)}, "inputs")
+        new = {name: blob}
+        pass_state = {"layer": index, "inputs": name, "targets": [sorted(t) for t in targets],
+                      "reports": json.loads(json.dumps(reports, default=str)), "reference": None}
+        if reference is not None:
+            blob, states = self._blob({str(k): t for k, t in enumerate(reference[1])}, "reference")
+            new[states] = blob
+            pass_state["reference"] = {"next": reference[0], "states": states}
+        self._save(session, {"group": self._group, "layer": index}, self._records, self._report, pass_state,
+                   new)
+
+    def begin_group(self, group_index: int, steps: list, records: list, report: dict[str, Any]) -> None:
+        self._group, self._pass_steps, self._records, self._report = group_index, steps, records, report
+
+    def _blob(self, tensors: dict[str, torch.Tensor], prefix: str) -> tuple[bytes, str]:
+        from safetensors.torch import save
+
+        blob = save({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()})
+        return blob, f"{prefix}-{hashlib.sha256(blob).hexdigest()}.safetensors"
+
+    def _unit(self, tensors: dict[str, torch.Tensor], new: dict[str, bytes]) -> str:
+        signature = tuple((name, id(t), t._version) for name, t in sorted(tensors.items()))
+        if signature not in self._written:
+            blob, name = self._blob(tensors, "unit")
+            new[name] = blob
+            self._written[signature] = (name, list(tensors.values()))
+        return self._written[signature][0]
+
+    def _save(self, session, reached: dict, records: list, report: dict[str, Any], pass_state: dict | None,
+              new: dict[str, bytes] | None = None) -> None:
+        start = time.perf_counter()
+        new = dict(new or {})
+        layer_ids = {id(p) for layer in session.layers for p in layer.parameters()}
+        layers = [{"origin": list(origin), "file": self._unit(_tensors(layer), new)}
+                  for layer, origin in zip(session.layers, session.layer_origin)]
+        rest = self._unit(_tensors(session.model, layer_ids), new)
+        extras_name = None
+        if session.extras:
+            blob, extras_name = self._blob({f"{i}.{k}": t for i, e in enumerate(session.extras)
+                                            for k, t in e["tensors"].items()}, "extras")
+            new[extras_name] = blob
+        artifacts = {}
+        for name, data in session.artifacts.items():  # names may hold one "/" (a subdirectory)
+            artifacts[name] = f"artifact-{hashlib.sha256(data).hexdigest()}"
+            new[artifacts[name]] = data
+        quantized_name, quantized = None, []
+        if session.quantized:
+            names = {id(m): name for name, m in session.model.named_modules()}
+            tensors = {}
+            for k, (module, record) in enumerate(session.quantized.items()):
+                grid = record.grid
+                quantized.append({"module": names[id(module)], "grid": [grid.bits, grid.group_size, grid.sym]})
+                tensors.update({f"{k}.scale": record.scale, f"{k}.zero": record.zero})
+            blob, quantized_name = self._blob(tensors, "quantized")
+            new[quantized_name] = blob
+        files = {}
+        for name, data in new.items():
+            if name.startswith("unit-") and (self.directory / name).is_file():
+                continue  # content-addressed: already there (e.g. written before a resume)
+            tmp = self.directory / f".{name}.part"
+            tmp.write_bytes(data)
+            os.replace(tmp, self.directory / name)
+            self.bytes_written += len(data)
+        named = [e["file"] for e in layers] + [rest] + ([extras_name] if extras_name else []) \
+            + ([quantized_name] if quantized_name else []) + list(artifacts.values()) \
+            + ([pass_state["inputs"]] if pass_state else []) \
+            + ([pass_state["reference"]["states"]] if pass_state and pass_state["reference"] else [])
+        old = (self.manifest or {}).get("files", {})
+        for name in named:
+            files[name] = hashlib.sha256(new[name]).hexdigest() if name in new else old[name]
+        manifest = {"type": KIND, "version": VERSION, "owner": _identity(), "identity": self.identity,
+                    "reached": reached,
+                    "layers": layers, "rest": rest, "config": session.model.config.to_dict(),
+                    "extras": extras_name, "extra_entries": [{"modifier": e["modifier"], "config": e["config"]}
+                                                             for e in session.extras],
+                    "artifacts": artifacts, "quantized": quantized, "quantized_file": quantized_name,
+                    "records": json.loads(json.dumps(records, default=str)),
+                    "report": {k: report[k] for k in ("evaluation",) if k in report},
+                    "pass": pass_state, "files": files}
+        tmp = self.directory / f".{MANIFEST}.part"
+        tmp.write_text(json.dumps(manifest, default=str))
+        os.replace(tmp, self.directory / MANIFEST)
+        self.manifest = manifest
+        for path in self.directory.iterdir():  # files no checkpoint names any more
+            if path.name != MANIFEST and path.name not in files:
+                path.unlink(missing_ok=True)
+        self._written = {s: w for s, w in self._written.items() if w[0] in files}
+        self.seconds += time.perf_counter() - start
+        self.count += 1
+
+    def discard(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+        untrack(self.directory)
+
+
+@contextlib.contextmanager
+def discard_on_error(owned: list) -> Iterator[None]:
+    """Remove the checkpoints in ``owned`` (appended once a run adopted them) when the block raises: an
+    exception or a handled signal leaves nothing behind; only a hard kill leaves checkpoints to resume."""
+    try:
+        yield
+    except BaseException:
+        for checkpoints in owned:
+            if checkpoints is not None:
+                checkpoints.discard()
+        raise
+
+
+@torch.no_grad()
+def _fill(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load ``tensors`` into ``module``'s parameters; a Linear's weight/bias of another shape is replaced
+    (what pruning steps do), any other shape change is an error."""
+    for name, value in tensors.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        current = getattr(owner, attr)
+        if current.shape == value.shape and current.dtype == value.dtype:
+            current.data.copy_(value)
+            continue
+        if not isinstance(owner, nn.Linear):
+            raise RecipeError(f"cannot resume: checkpointed {name} has shape {tuple(value.shape)}, the model "
+                              f"{tuple(current.shape)}, and is not a Linear's")
+        setattr(owner, attr, nn.Parameter(value.clone(), requires_grad=current.requires_grad))
+        if attr == "weight":
+            owner.out_features, owner.in_features = value.shape

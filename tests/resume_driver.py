@@ -1,0 +1,132 @@
+"""Subprocess driver for tests/test_resume.py: runs ``recipe apply`` cases, SIGKILLs some at a pause point,
+and resumes them.
+
+``python tests/resume_driver.py CASES.json``
+
+Imports torch, transformers and the engine once, then forks one child per run (each child runs the CLI's
+``main`` with stderr in ``NAME.err`` and exits with its return code, written to ``NAME.rc``). A case is
+``{"name", "argv", "pause", "then"}``: with ``pause`` (``step``, ``pass`` or ``writing``) the child stops
+there (``NAME.ready`` appears), the driver SIGKILLs it, then runs ``then`` (a list of cases, e.g. the
+``--resume`` run; ``touch``: a file whose modification time is changed first) in order. The pause points are two test steps in the recipes, active only when the child's
+``RECIPE_TEST_PAUSE`` names them: ``PauseStep`` (model-scope, between steps) and ``PauseInPass`` (inside a
+shared pass, in ``compress_layer`` of layer 2, after layers 0-1 are finished), plus ``writing``
+(``save_pretrained`` or the engine's ``write_checkpoint`` has written the checkpoint files into the
+temporary output directory).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from recipe_engine import runner
+from recipe_engine.cli import main as cli_main
+from recipe_engine.modifier import LayerModifier, Modifier
+from recipe_engine.registry import REGISTRY
+
+
+def pause(ready: Path) -> None:
+    ready.touch()
+    time.sleep(120)
+    raise SystemExit("pause ended without SIGKILL")
+
+
+class PauseStep(Modifier):
+    """Pauses when RECIPE_TEST_PAUSE is ``step``; otherwise changes nothing."""
+
+    changes_weights = False
+
+    def apply(self, session):
+        if os.environ.get("RECIPE_TEST_PAUSE") == "step":
+            pause(Path(os.environ["RECIPE_TEST_READY"]))
+        return {}
+
+
+class PauseInPass(LayerModifier):
+    """Pauses in ``compress_layer`` of layer 2 when RECIPE_TEST_PAUSE is ``pass``; changes nothing."""
+
+    modifies = ()
+
+    def target_layers(self, session):
+        return list(range(len(session.layers)))
+
+    def compress_layer(self, session, layer_index, stats):
+        if os.environ.get("RECIPE_TEST_PAUSE") == "pass" and layer_index == 2:
+            pause(Path(os.environ["RECIPE_TEST_READY"]))
+        return {}
+
+
+def install() -> None:
+    REGISTRY.load()
+    REGISTRY._classes.update(PauseStep=PauseStep, PauseInPass=PauseInPass)
+    save = transformers.PreTrainedModel.save_pretrained
+
+    def save_pretrained(self, directory, **kwargs):
+        save(self, directory, **kwargs)
+        if os.environ.get("RECIPE_TEST_PAUSE") == "writing":
+            pause(Path(os.environ["RECIPE_TEST_READY"]))
+
+    transformers.PreTrainedModel.save_pretrained = save_pretrained
+    write = runner.write_checkpoint  # the engine's writer (packed quantized or streamed models)
+
+    def write_checkpoint(session, directory, *args, **kwargs):
+        write(session, directory, *args, **kwargs)
+        if os.environ.get("RECIPE_TEST_PAUSE") == "writing":
+            pause(Path(os.environ["RECIPE_TEST_READY"]))
+
+    runner.write_checkpoint = write_checkpoint
+
+
+def run(case: dict, base: Path, paused: bool) -> int:
+    ready = base / f"{case['name']}.ready"
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            err = os.open(base / f"{case['name']}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(err, 2)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            sys.stderr = open(2, "w", closefd=False)
+            os.environ.pop("RECIPE_TEST_PAUSE", None)
+            if paused:
+                os.environ.update(RECIPE_TEST_PAUSE=case["pause"], RECIPE_TEST_READY=str(ready))
+            code = cli_main(case["argv"])
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    if paused:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:
+            finished, _ = os.waitpid(pid, os.WNOHANG)
+            if finished:
+                raise SystemExit(f"{case['name']} ended before its pause point: see {case['name']}.err")
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    (base / f"{case['name']}.rc").write_text(str(code))
+    return code
+
+
+def main() -> int:
+    cases_file = Path(sys.argv[1])
+    base = cases_file.parent
+    torch.set_num_threads(1)
+    install()
+    for case in json.loads(cases_file.read_text()):
+        run(case, base, paused=bool(case.get("pause")))
+        for follow in case.get("then", []):
+            if follow.get("touch"):  # a changed source: a newer modification time
+                os.utime(follow["touch"], ns=(time.time_ns(), time.time_ns() + 10**9))
+            run(follow, base, paused=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
