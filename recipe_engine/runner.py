@@ -64,11 +64,11 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     """
     loaded = _resolve(recipe, list(overrides))
     with launched(resolve_device(loaded.recipe.device)) as parallel:
-        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume)
+        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo)
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
-           progress: bool, resume: bool = False) -> tuple[Any, dict]:
+           progress: bool, resume: bool = False, memo=None) -> tuple[Any, dict]:
     """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
     recipe, file = loaded.recipe, loaded.path
     writing = write and parallel.rank == 0
