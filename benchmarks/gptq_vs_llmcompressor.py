@@ -9,6 +9,8 @@ llm-compressor runs in its own venv (``.venv-llmc``, its pins differ) as a subpr
 
 Run (from the repository root, main venv; a few CPU minutes per side):
     nice -n 10 python benchmarks/gptq_vs_llmcompressor.py --out benchmarks/results/gptq_vs_llmc
+``--llmc-ppl X`` compares with llm-compressor's recorded PPL for the same seed instead
+(its side is deterministic for a given sample), for machines without ``.venv-llmc``.
 ``--seed`` draws another calibration sample (GPTQ's PPL moves by ~1 % with the sample, and even with
 ~1e-6 changes of H, so compare over seeds); ``--variants`` picks which of our settings run.
 """
@@ -69,7 +71,8 @@ def session_for(model, tokenizer, ids, batch_size: int):
 
 
 #: our variants: name → GPTQ parameters besides bits 4, sym, the group size and the export
-OURS = {"ours_act_order_true": {"act_order": True, "sequential": False},
+OURS = {"ours_default": {},
+        "ours_act_order_true": {"act_order": True, "sequential": False},
         "ours_sequential": {"act_order": True, "sequential": True},
         "ours_act_order_false": {"act_order": False, "sequential": False}}
 
@@ -129,7 +132,7 @@ def main_side(args) -> None:
                "--model", str(out / "dense"), "--calibration", str(out / "calibration_ids.pt"), "--result",
                str(out), "--group-size", str(args.group_size), "--batch-size", str(args.batch_size),
                "--threads", "1"]
-    theirs_process = subprocess.Popen(command)
+    theirs_process = None if args.llmc_ppl else subprocess.Popen(command)
     torch.set_num_threads(1)
     models, results = {}, {"calibration": origin, "threads_while_quantizing": 1}
     ours_keys = args.variants or list(OURS)
@@ -141,25 +144,31 @@ def main_side(args) -> None:
         write_checkpoint(session, out / key)
         results[key] = {"wall_s": wall, "cpu_s": cpu, "packed_mb": disk_mb(out / key)}
         print(json.dumps({key: results[key]}), flush=True)
-    if theirs_process.wait() != 0:
-        raise RuntimeError(f"llm-compressor side failed (exit {theirs_process.returncode})")
-    models["llmcompressor"] = copy.deepcopy(dense)
-    quantized = load_file(str(out / "llmc_quantized_linears.safetensors"))
-    _, unexpected = models["llmcompressor"].load_state_dict(quantized, strict=False)
-    assert not unexpected and len(quantized) == 7 * dense.config.num_hidden_layers, unexpected
-    results["llmcompressor"] = json.loads((out / "llmc.json").read_text())
+    if theirs_process is not None:
+        if theirs_process.wait() != 0:
+            raise RuntimeError(f"llm-compressor side failed (exit {theirs_process.returncode})")
+        models["llmcompressor"] = copy.deepcopy(dense)
+        quantized = load_file(str(out / "llmc_quantized_linears.safetensors"))
+        _, unexpected = models["llmcompressor"].load_state_dict(quantized, strict=False)
+        assert not unexpected and len(quantized) == 7 * dense.config.num_hidden_layers, unexpected
+        results["llmcompressor"] = json.loads((out / "llmc.json").read_text())
+    else:  # a recorded run on the same ids (its side is deterministic for a given sample)
+        results["llmcompressor_recorded"] = {"ppl": args.llmc_ppl, "source": "--llmc-ppl (BENCHMARKS.md)"}
     models["rtn"] = copy.deepcopy(dense)
     Quantize(bits=4, group_size=args.group_size).apply(session_for(models["rtn"], tokenizer, ids, args.batch_size))
     models["dense"], results["rtn"], results["dense"] = dense, {}, {"dense_mb": disk_mb(out / "dense")}
     torch.set_num_threads(args.threads)
     test = load_text("wikitext2", "test").text
-    for key in ("llmcompressor", *ours_keys, "dense", "rtn"):
+    for key in (*models.keys() & {"llmcompressor"}, *ours_keys, "dense", "rtn"):
         results[key]["ppl"] = ppl(models[key], tokenizer, test, args.windows)
         print(json.dumps({key: results[key]}), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=2))
+    theirs = results.get("llmcompressor") or results["llmcompressor_recorded"]
     for key in ours_keys:
-        for clock in ("wall_s", "cpu_s"):
-            results[key][f"{clock}_ratio_vs_llmc"] = results[key][clock] / results["llmcompressor"][clock]
+        results[key]["ppl_ratio_vs_llmc"] = results[key]["ppl"] / theirs["ppl"]
+        if "llmcompressor" in results:  # CPU clocks compare only within one run
+            for clock in ("wall_s", "cpu_s"):
+                results[key][f"{clock}_ratio_vs_llmc"] = results[key][clock] / theirs[clock]
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
 
@@ -176,6 +185,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--windows", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llmc-ppl", type=float, help="llm-compressor's recorded PPL for this seed (BENCHMARKS.md): "
+                        "compare with it instead of running llm-compressor (no .venv-llmc)")
     parser.add_argument("--model")
     parser.add_argument("--calibration")
     parser.add_argument("--result")

@@ -168,6 +168,7 @@ class FlattenAdjacent(Modifier):
 
     calibration_passes = 1
     streams = True
+    shared_ignores = ("n", "sparsity", "target_layers")  # S is computed before the merge count matters
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # merged layers must be pruned back
     needs = ("input cosine similarity of every layer pair",)
 
@@ -233,7 +234,7 @@ class FlattenAdjacent(Modifier):
 
     def apply(self, session) -> dict[str, Any]:
         merges = self.merges_for(len(session.layers))
-        similarity = self.input_similarity(session)
+        similarity = session.shared(self, "FlattenAdjacent similarity", lambda: self.input_similarity(session))
         blocks, scores = select_blocks(similarity, merges)
         old_layers, old_origin = list(session.layers), session.layer_origin
         new_layers = []

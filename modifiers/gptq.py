@@ -110,7 +110,8 @@ class GPTQ(LayerModifier):
     bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
     group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
     sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
-    act_order: bool = Field(False, description="quantize columns by descending Hessian diagonal (static groups)")
+    act_order: bool = Field(True, description="quantize columns by descending Hessian diagonal (static groups); "
+                                               "default true: SmolLM2 W4 g64 PPL 30.13 vs 33.16 (BENCHMARKS.md)")
     damp: float = Field(0.01, gt=0, lt=1, description="diagonal damping as a fraction of mean(diag H)")
     sequential: bool = Field(True, description="take each linear group's Hessian after quantizing the groups "
                                                "before it in the layer (false: all from the unquantized layer)")

@@ -47,6 +47,7 @@ class ShortGPT(Modifier):
 
     streams = True
     calibration_passes = 1
+    shared_ignores = ("n",)  # the scores come before the count
     needs = ("per-token cosine between every layer's input and output",)
 
     n: int = Field(1, ge=1, description="number of layers to remove (paper: 9 of 32 on Llama-2-7B)")
@@ -59,7 +60,7 @@ class ShortGPT(Modifier):
         drop_symbolic(shape, self.n)
 
     def apply(self, session) -> dict[str, Any]:
-        scores = block_influence(session)
+        scores = session.shared(self, "ShortGPT block influence", lambda: block_influence(session))
         order = sorted(range(len(scores)), key=lambda i: (scores[i], i))
         removed = remove_layers(session, order[: self.n])
         return {"block_influence": scores, "removed": [list(o) for o in removed],

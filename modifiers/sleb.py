@@ -37,17 +37,20 @@ class SLEB(Modifier):
         require_uniform(self, shape)
         drop_symbolic(shape, self.n)
 
+    shared_ignores = ("n",)  # greedy: the first n rounds of any larger n are this n's rounds
+
     def apply(self, session) -> dict[str, Any]:
-        removed: list[int] = []
-        rounds = []
+        """Rounds are only skips until the end, so a sweep extends one shared list of rounds instead of
+        recomputing the prefix for every ``n``."""
+        rounds: list[tuple[int, dict[str, Any]]] = session.shared(self, "SLEB rounds", list)
         last = len(session.layers) - 1
-        for _ in range(self.n):
+        while len(rounds) < self.n:
+            removed = [index for index, _ in rounds]
             scores = {j: session.calibration_nll(skip=tuple(removed) + (j,))
                       for j in range(1, last) if j not in removed}
             best = min(scores, key=lambda j: (scores[j], j))
-            removed.append(best)
-            rounds.append({"removed": list(session.layer_origin[best]), "nll": scores[best],
-                           "ppl": math.exp(scores[best]),
-                           "candidates": {_name(session.layer_origin[j]): v for j, v in scores.items()}})
-        remove_layers(session, removed)
-        return {"rounds": rounds, "layers": len(session.layers)}
+            rounds.append((best, {"removed": list(session.layer_origin[best]), "nll": scores[best],
+                                  "ppl": math.exp(scores[best]),
+                                  "candidates": {_name(session.layer_origin[j]): v for j, v in scores.items()}}))
+        remove_layers(session, [index for index, _ in rounds[: self.n]])
+        return {"rounds": [record for _, record in rounds[: self.n]], "layers": len(session.layers)}

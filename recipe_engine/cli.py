@@ -1,4 +1,4 @@
-"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, eval, bench."""
+"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, export, sweep, eval, bench."""
 from __future__ import annotations
 
 import argparse
@@ -153,6 +153,41 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .gguf_export import export_gguf
+
+    summary = export_gguf(args.directory, args.output, args.type, force=args.force)
+    out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
+              f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from .cleanup import Interrupted
+    from .sweep import SWEEP_FILE, Sweep, plot, table
+
+    sweep = Sweep([args.recipe, *(args.recipes or [])], args.vary or [], args.output, args.eval_limit,
+                  args.tasks, progress=not args.quiet, overrides=list(args.set or []))
+    try:
+        with _quiet_libraries(args.quiet):
+            rows = sweep.run()
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}; {len(sweep.rows)} finished rows kept in "
+              f"{args.output}/{SWEEP_FILE} (rerun to continue)", file=sys.stderr)
+        return 128 + signum
+    out.print(table(rows))
+    shared = sweep.shared_work()
+    if shared:
+        out.print("shared work: " + "; ".join(f"{k} computed {v['computed']}, reused {v['reused']}"
+                                              for k, v in sorted(shared.items())))
+    from pathlib import Path
+
+    problem = plot(rows, Path(args.output) / "pareto.png")
+    out.print(problem or f"wrote {escape(args.output)}/{SWEEP_FILE} and pareto.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="recipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +233,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list-modifiers", help="every registered modifier with its parameters")
     p.set_defaults(func=cmd_list)
+
+    from .gguf_export import TYPES
+
+    p = sub.add_parser("export", help="convert an output directory to another format (gguf for llama.cpp)")
+    p.add_argument("directory", help="a recipe output or any HF model directory")
+    p.add_argument("--format", choices=["gguf"], required=True)
+    p.add_argument("--output", required=True, help="the .gguf file to write (atomically)")
+    p.add_argument("--type", choices=TYPES, default="f16", help="2-D weights' type; norms and biases stay f32")
+    p.add_argument("--force", action="store_true", help="replace an existing file")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("sweep", help="run recipes over a grid of parameter values; table, JSON, Pareto plot")
+    p.add_argument("recipe")
+    p.add_argument("--vary", action="append", metavar="PATH=V1,V2",
+                   help="values of one field, e.g. modifiers.1.n=2,4,6 (a bare n: the step that sets n)")
+    p.add_argument("--recipes", nargs="+", metavar="RECIPE", help="more recipes, varied the same way")
+    p.add_argument("--eval-limit", type=int, help="first N perplexity windows and N rows per zero-shot task")
+    p.add_argument("--tasks", nargs="*", help="zero-shot tasks (default: the recipe's evaluate.tasks)")
+    p.add_argument("--output", required=True, help="directory for sweep.json and pareto.png")
+    p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override every recipe, before --vary")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_sweep)
 
     from .evaluation.cli import add_commands
 

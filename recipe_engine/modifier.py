@@ -49,6 +49,8 @@ class Modifier(BaseModel):
     changes_weights: ClassVar[bool] = True
     #: False when the output is no longer a stock checkpoint (``recipe_engine.load_model`` restores it).
     stock_output: ClassVar[bool] = True
+    #: Parameters that ``session.shared`` values of this step do not depend on (reused across a sweep).
+    shared_ignores: ClassVar[tuple[str, ...]] = ()
     #: Steps of a minimal valid recipe that exercises this modifier on a tiny model (contract tests);
     #: empty means the modifier alone with its defaults.
     example: ClassVar[tuple[str, ...]] = ()

@@ -23,7 +23,7 @@ from .output import (atomic_directory, check_free_space, check_output_free, git_
                      package_versions, peak_memory)
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
-from .schema import Recipe, dump_recipe, recipe_from_dict
+from .schema import Recipe, dump_recipe, recipe_from_dict, step_to_dict
 from .memory import PeakWatch, current_rss, estimate
 from .resume import discard_on_error
 from .session import Session
@@ -53,20 +53,22 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 
 
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
-          force: bool = False, write: bool = True, progress: bool = True, resume: bool = False) -> tuple[Any, dict]:
+          force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
+          memo=None) -> tuple[Any, dict]:
     """Run a recipe; returns ``(model, report)``. Writes the output directory unless ``write=False``.
 
     ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
+    ``memo`` (``recipe_engine.memo.SharedWork``): work shared with other runs of a sweep.
     A streamed run (``stream``) returns the model as a meta-device skeleton: its weights are the output.
     ``resume``: continue an interrupted run of the same output from its checkpoints (``recipe_engine.resume``).
     """
     loaded = _resolve(recipe, list(overrides))
     with launched(resolve_device(loaded.recipe.device)) as parallel:
-        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume)
+        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo)
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
-           progress: bool, resume: bool = False) -> tuple[Any, dict]:
+           progress: bool, resume: bool = False, memo=None) -> tuple[Any, dict]:
     """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
     recipe, file = loaded.recipe, loaded.path
     writing = write and parallel.rank == 0
@@ -112,6 +114,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar,
                           reference_loader=_reference_loader(recipe, model, source, lambda: session),
                           parallel=parallel)
+        session.memo = memo
         if streamed:
             attach_stream(session, source.location, workdir / STAGING)
         checkpoints = _checkpoints(recipe, report, source, resume, writing and not streamed and not parallel.active,
@@ -254,6 +257,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
             with _whole_model(session, step):
                 results = [step.apply(session)]
         elapsed = time.perf_counter() - start
+        session.completed_steps += [json.dumps(step_to_dict(step), sort_keys=True) for _, step in group]
         if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
             session.parallel.agree(f"step {group[0][0]} ({names})",
                                    module_digest(session.model, [list(o) for o in session.layer_origin]))
@@ -328,4 +332,9 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp
     gate = report.get("evaluation", {}).get("quality_gate")
     if gate == "failed":
         (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
+    if recipe.export is not None:  # from the finished files, so it sees exactly what was written
+        from .gguf_export import export_gguf
+
+        report["export"] = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
+        report["export"]["file"] = recipe.export.file
     (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))

@@ -65,6 +65,14 @@ class EvaluateConfig(StrictModel):
                                        description="fail with exit 3 below this retained fraction")
 
 
+class ExportConfig(StrictModel):
+    """An extra file written into the output directory from the finished checkpoint."""
+
+    format: Literal["gguf"] = Field(description="gguf: one file for llama.cpp / Ollama / LM Studio")
+    type: Literal["f32", "f16", "bf16", "q8_0"] = Field("f16", description="2-D weights' type (norms stay f32)")
+    file: str = Field("model.gguf", pattern=r"^[^/\\]+$", description="file name inside the output directory")
+
+
 class Recipe(StrictModel):
     version: Literal[1] = Field(description="recipe format version")
     name: str
@@ -79,6 +87,7 @@ class Recipe(StrictModel):
     evaluate: EvaluateConfig | None = None
     modifiers: list[Modifier] = Field(min_length=1)
     output: str = Field(min_length=1, description="output directory (written atomically)")
+    export: ExportConfig | None = Field(None, description="also write the checkpoint in another format")
     overrides: list[str] = Field(default_factory=list, description="CLI overrides applied to the file")
 
     @field_validator("modifiers", mode="before")
@@ -236,6 +245,8 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
                                     "stream", "calibration", "evaluate")}
     ordered["modifiers"] = [step_to_dict(s) for s in recipe.modifiers]
     ordered["output"] = data["output"]
+    if data["export"] is not None:  # absent when unused, so earlier canonical recipes are unchanged
+        ordered["export"] = data["export"]
     ordered["overrides"] = data["overrides"]
     return ordered
 

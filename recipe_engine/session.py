@@ -85,6 +85,10 @@ class Session:
         self._provided: list[torch.Tensor] | None = None
         #: Original model's hidden states in lockstep with a pass: (next original layer, states, kwargs).
         self._reference_stream: tuple[int, list[torch.Tensor], list[dict[str, Any]]] | None = None
+        #: Work shared across a sweep's variants (``recipe_engine.memo``), None in a plain run; the canonical
+        #: parameters of the steps completed so far (set by ``run_steps``) key it.
+        self.memo = None
+        self.completed_steps: list[str] = []
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -230,9 +234,20 @@ class Session:
             for module in modules:
                 module.to("cpu")
 
-    @torch.no_grad()
+    def shared(self, step, label: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, or its value from an earlier sweep variant in the same state (``memo``)."""
+        return compute() if self.memo is None else self.memo.step_value(step, self.completed_steps, label, compute)
+
     def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-        """Hidden states and keyword arguments entering decoder layer 0, one entry per batch."""
+        """Hidden states and keyword arguments entering decoder layer 0, one entry per batch (reused from
+        the sweep memo when the embedding matrix is unchanged; callers never modify them in place)."""
+        embedding = self.adapter.embeddings(self.model).weight
+        if self.memo is None or self.stream is not None or embedding.is_meta:
+            return self._capture_inputs()
+        return self.memo.capture(embedding, self._capture_inputs)
+
+    @torch.no_grad()
+    def _capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
         inputs: list[torch.Tensor] = []
         kwargs_list: list[dict[str, Any]] = []
 

@@ -49,6 +49,13 @@ def check_against_config(recipe: Recipe, config, file: str | None = None) -> Mod
     if odd:
         raise RecipeError(f"the recipe leaves layers {odd} wider than the config; a stock checkpoint needs "
                           f"uniform layers (add pruning steps that cover them)", file=file, field="modifiers")
+    if recipe.export is not None:
+        from .gguf_export import check_recipe_exportable
+
+        try:
+            check_recipe_exportable(recipe, config)
+        except RecipeError as exc:
+            raise exc.located(file=file) from None
     return shape
 
 

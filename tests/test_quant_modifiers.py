@@ -212,9 +212,9 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
         for target in group:
             linear = layer.get_submodule(target)
             with torch.no_grad():
-                linear.weight.copy_(gptq_quantize(linear.weight, gram, Grid(4, 16, True)).dequantized)
+                linear.weight.copy_(gptq_quantize(linear.weight, gram, Grid(4, 16, True), act_order=True).dequantized)
     model, one_pass = tiny_model(), tiny_model()
-    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16)])  # sequential is the default
+    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16)])  # sequential, act_order: the defaults
     make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=False)])
     for index, target in ((i, t) for i in range(len(model.model.layers)) for t in LINEARS):
         torch.testing.assert_close(model.model.layers[index].get_submodule(target).weight,

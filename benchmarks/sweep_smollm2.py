@@ -1,0 +1,64 @@
+"""FlattenGPT vs ShortGPT vs ShortGPT+LinearPatch vs SLEB on SmolLM2-135M at n = 2, 4, 6, 8, 10 removed layers.
+
+The ``recipe sweep`` machinery (``recipe_engine.sweep.Sweep``) over the four shipped SmolLM2 recipes, all
+calibrated on WikiText-2 validation (FlattenGPT's recipe calibrates on the Wikipedia sample by default;
+overrides make every method see the same text), ``--samples`` windows (default 16, half the recipes' 32, to
+fit a shared 2-core machine) of each recipe's length, seed 0: 16 × 512 tokens (SLEB: 16 × 128, its recipe's
+window, since it runs ~n × layers NLL passes). Shared work is done once: the dense model load, the
+calibration capture, FlattenAdjacent's similarity, ShortGPT's block influence and SLEB's greedy rounds
+(n = 10's rounds contain every smaller n's). Evaluation: WikiText-2 test PPL on the first ``--eval-limit``
+windows × 1024 tokens (and zero-shot on ``--tasks`` with the same row limit, if given).
+
+Run (repository root; resumable: rerunning skips finished rows):
+    nice -n 10 python benchmarks/sweep_smollm2.py --out benchmarks/results/sweep_smollm2
+It writes ``sweep.json`` and ``pareto.png`` under ``--out`` and copies the plot to docs/images/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ["recipes/shortgpt_smollm2.yaml", "recipes/flatten20_smollm2.yaml",  # cheapest first
+           "recipes/shortgpt_linearpatch_smollm2.yaml", "recipes/sleb_smollm2.yaml"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/sweep_smollm2")
+    parser.add_argument("--n", default="2,4,6,8,10")
+    parser.add_argument("--eval-limit", type=int, default=8)
+    parser.add_argument("--tasks", nargs="*")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=16, help="calibration windows for every recipe")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from rich.console import Console
+
+    from recipe_engine.sweep import Sweep, plot, table
+
+    torch.set_num_threads(args.threads)
+    sweep = Sweep([str(ROOT / r) for r in RECIPES], [f"n={args.n}"], args.out, args.eval_limit, args.tasks,
+                  overrides=["calibration.dataset=wikitext2", "calibration.split=validation",
+                             f"calibration.samples={args.samples}"])
+    start = time.perf_counter()
+    rows = sweep.run()
+    Console(width=140).print(table(rows))
+    shared = sweep.shared_work()
+    print(json.dumps({"shared_work": shared, "wall_s": time.perf_counter() - start}))
+    out = Path(args.out)
+    (out / "shared_work.json").write_text(json.dumps(shared, indent=2))
+    problem = plot(rows, out / "pareto.png")
+    if problem:
+        sys.exit(problem)
+    (ROOT / "docs" / "images").mkdir(exist_ok=True)
+    shutil.copy(out / "pareto.png", ROOT / "docs" / "images" / "sweep_smollm2.png")
+
+
+if __name__ == "__main__":
+    main()
