@@ -18,8 +18,8 @@ def ridge_leverage_scores(gram: torch.Tensor, ridge: float, block: int = 512) ->
     """Ridge leverage scores ``s_i = [G (G + λI)⁻¹]_ii`` (Musco & Musco 2017; FlattenGPT Alg. 3 line 2).
 
     ``G (G + λI)⁻¹ = I − λ (G + λI)⁻¹``; with ``G + λI = LLᵀ``, ``[(LLᵀ)⁻¹]_ii = Σ_k (L⁻¹)_ki²``. A CPU fp64
-    Gram is factored and inverted in its own storage (LAPACK ``potrf`` and ``trtri`` on one triangle) and
-    restored bit for bit from the other triangle, so no second ``n × n`` matrix exists: a merged
+    Gram is factored in its own lower triangle (blocked, ``cholesky_lower_``), ``L⁻¹`` is formed in panels,
+    and ``G`` is restored bit for bit from the other triangle, so no second ``n × n`` matrix exists: a merged
     Llama-3-8B MLP (n = 28672) needs ``G`` (6.6 GB) plus ``n × block`` panels. Elsewhere (GPU, other dtypes)
     one factor copy is made and ``L⁻¹`` is solved in ``n × block`` panels.
     """
