@@ -108,21 +108,18 @@ def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None)
     embedding = shape.vocab_size * shape.hidden_size * width
     intermediate = shape.intermediate_size  # of the original layers: one batch's MLP activations
 
-    def model_bytes(s: ModelShape) -> int:
-        return shape_bytes(s, width)
-
-    whole = model_bytes(shape)
+    whole = shape_bytes(shape, width)
     steps = []
     for step in recipe.modifiers:
         largest = max(shape.layer_parameters(layer) for layer in shape.layers) * width
         if not streamed:
-            held = model_bytes(shape)
+            held = shape_bytes(shape, width)
         elif step.scope == "layer":
             held = largest + (shape.layer_parameters(shape.layers[0]) * width if step.needs_reference else 0)
         elif step.streams:  # its passes start with the embeddings loaded beside its buffers
             held = max(4 * largest, embedding)
         else:
-            held = model_bytes(shape) + (whole if step.needs_reference else 0)
+            held = shape_bytes(shape, width) + (whole if step.needs_reference else 0)
         work = step.working_memory(shape, tokens)
         steps.append({"step": step.step_name(), "weights_bytes": held, "working_bytes": work,
                       "whole_model": not streamed or (step.scope == "model" and not step.streams)})

@@ -304,7 +304,8 @@ def forward_streamed(session, device: torch.device) -> Iterator[None]:
 
     model = session.model
     head = session.adapter.lm_head(model)
-    modules = session.stream_units() + ([head] if head not in session.stream_units() else [])
+    units = session.stream_units()
+    modules = units + ([head] if head not in units else [])
     for module in modules:
         add_hook_to_module(module, UnitOnDevice(session._units([module])))
     try:

@@ -39,10 +39,11 @@ def print_summary(report: dict, console: Console) -> None:
                               f"{a.get('value', float('nan')):.4f}", "")
             table.add_row("zero-shot average", f"{zs_before['average']:.4f}",
                           f"{zs_after.get('average', float('nan')):.4f}", "")
-    for step in report["steps"]:
+    steps = report["steps"]
+    for step, following in zip(steps, steps[1:] + [None]):
         peak = f" (peak {step['peak_rss_mib'] / 1024:.2f} GiB)" if step.get("peak_rss_mib") else ""
         table.add_row(f"step {step['index']} {step['modifier']}{peak}", "", f"{step['wall_s']:.1f}s", "")
-        if step.get("pass_shared_s") and step is _last_of_pass(report["steps"], step):
+        if step.get("pass_shared_s") and not _same_pass(step, following):
             table.add_row("  shared pass (loading, forwards)", "", f"{step['pass_shared_s']:.1f}s", "")
     memory = report.get("peak_memory", {})
     if memory.get("rss_mib"):
@@ -51,10 +52,7 @@ def print_summary(report: dict, console: Console) -> None:
     console.print(table)
 
 
-def _last_of_pass(steps: list[dict], step: dict) -> dict:
-    """The last step record of the layer pass ``step`` ran in (steps sharing a pass are consecutive)."""
-    if not step.get("shared_pass"):
-        return step
-    following = steps[steps.index(step) + 1:]
-    return step if not following or not following[0].get("shared_pass") or \
-        following[0]["pass_shared_s"] != step["pass_shared_s"] else following[0]
+def _same_pass(step: dict, following: dict | None) -> bool:
+    """Whether ``following`` ran in the same shared layer pass as ``step`` (such steps are consecutive)."""
+    return (following is not None and bool(step.get("shared_pass")) and bool(following.get("shared_pass"))
+            and following.get("pass_shared_s") == step.get("pass_shared_s"))
