@@ -47,7 +47,7 @@ from .cleanup import _alive, _identity, track, untrack
 from .errors import RecipeError
 
 MANIFEST = "manifest.json"
-KIND, VERSION = "recipe-resume", 1
+KIND, VERSION = "recipe-resume", 2
 
 
 def resume_directory(output: str) -> Path:
@@ -87,8 +87,13 @@ class Checkpoints:
     def __init__(self, directory: Path, identity: dict[str, Any]):
         self.directory, self.identity = directory, identity
         self.manifest: dict[str, Any] | None = None  # the last written or the one resumed from
-        #: unit signature (tensor names, ids, versions) → (file, the tensors: held so no id is reused)
+        #: tensors' signature (prefix, names, ids, versions) → (file, the tensors: held so no id is reused)
         self._written: dict[tuple, tuple[str, list[torch.Tensor]]] = {}
+        #: sha256 of each file the next manifest may name
+        self._digests: dict[str, str] = {}
+        #: id of a quantization record → (file, key, the record: held so no id is reused)
+        self._quantized_files: dict[int, tuple[str, str, Any]] = {}
+        self.file: str | None = None
         self._group = 0
         #: Cost of checkpointing in this process: seconds and bytes written (``report.json`` ``checkpoints``).
         self.seconds, self.bytes_written, self.count = 0.0, 0, 0
@@ -101,6 +106,7 @@ class Checkpoints:
         manifest_path = directory / MANIFEST
         found = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
         checkpoints = cls(directory, identity)
+        checkpoints.file = file
         owner = (found or {}).get("owner")
         if owner and owner.get("pid") != os.getpid() and _alive(owner):
             raise RecipeError(f"another run of {output} is in progress (pid {owner['pid']} on {owner['host']}); "
@@ -114,7 +120,7 @@ class Checkpoints:
             shutil.rmtree(directory, ignore_errors=True)
         elif resume:
             checkpoints._verify(found, file)
-            checkpoints.manifest = found
+            checkpoints.manifest, checkpoints._digests = found, dict(found["files"])
         directory.mkdir(parents=True, exist_ok=True)
         track(directory)
         return checkpoints
@@ -156,16 +162,33 @@ class Checkpoints:
         from .registry import REGISTRY
 
         state = self.manifest
+        stream = session.stream
+        if state["streamed"] != (stream is not None):
+            was, now = ("streamed", "is not") if state["streamed"] else ("in memory", "is streamed")
+            raise RecipeError(f"cannot resume: the interrupted run was {was} and this one {now} (stream: auto "
+                              f"decided otherwise); set stream: {'on' if state['streamed'] else 'off'}",
+                              file=self.file, field="stream")
         original = list(session.layers)
         layers, origins = [], []
         for entry in state["layers"]:
             origin = tuple(entry["origin"])
             layer = copy.deepcopy(original[min(origin)])
-            _fill(layer, load_file(str(self.directory / entry["file"])))
+            if stream is not None:
+                self._adopt(stream, layer, entry["home"])
+            else:
+                _fill(layer, load_file(str(self.directory / entry["file"])))
             layers.append(layer)
             origins.append(origin)
         session.set_layers(layers, origins, [min(o) for o in origins])
-        _fill(session.model, load_file(str(self.directory / state["rest"])))
+        if stream is not None:
+            rest = session.stream_units()[len(layers):]
+            if len(rest) != len(state["rest"]):
+                raise RecipeError(f"cannot resume: the checkpoint has {len(state['rest'])} units besides the "
+                                  f"layers, the model {len(rest)}", file=self.file)
+            for unit, home in zip(rest, state["rest"]):
+                self._adopt(stream, unit, home)
+        else:
+            _fill(session.model, load_file(str(self.directory / state["rest"])))
         for key, value in state["config"].items():
             if getattr(session.model.config, key, None) != value:
                 setattr(session.model.config, key, value)
@@ -179,12 +202,22 @@ class Checkpoints:
         if state["quantized"]:
             from .quantization import Grid, QuantizedLinear
 
-            tensors = load_file(str(self.directory / state["quantized_file"]))
-            for k, entry in enumerate(state["quantized"]):
-                session.quantized[session.model.get_submodule(entry["module"])] = QuantizedLinear(
-                    Grid(*entry["grid"]), tensors[f"{k}.scale"], tensors[f"{k}.zero"])
+            files = {name: load_file(str(self.directory / name)) for name in {e["file"] for e in state["quantized"]}}
+            for entry in state["quantized"]:
+                tensors, key = files[entry["file"]], entry["key"]
+                record = QuantizedLinear(Grid(*entry["grid"]), tensors[f"{key}.scale"], tensors[f"{key}.zero"])
+                session.quantized[session.model.get_submodule(entry["module"])] = record
+                self._quantized_files[id(record)] = (entry["file"], key, record)
         report.update(state["report"])
         report["resumed"] = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
+
+    def _adopt(self, stream, unit: nn.Module, home: dict[str, Any]) -> None:
+        """Give a restored (meta) unit its checkpointed home; a staged one's tensors take the shapes in the
+        file's header (read without loading a tensor: a pruned Linear is rebuilt at its stored shape)."""
+        path = None if home["file"] is None else self.directory / home["file"]
+        if path is not None:
+            _fill(unit, _meta_tensors(path))
+        stream.adopt(unit, path, home["names"])
 
     def pass_state(self):
         """``(next layer, its inputs, reports, targets, reference)`` of the interrupted pass now starting, or
@@ -203,6 +236,10 @@ class Checkpoints:
                 [set(t) for t in saved["targets"]], reference)
 
     # -- writing --------------------------------------------------------------------------------
+    def keep_staging(self, stream) -> None:
+        """A streamed run stages its changed units here: the staged files are the checkpointed units."""
+        stream.staging, stream.keep_staged = self.directory, True
+
     def group_done(self, session, group_index: int, records: list, report: dict[str, Any]) -> None:
         self._save(session, {"group": group_index + 1, "layer": None}, records, report, None)
 
@@ -210,82 +247,129 @@ class Checkpoints:
                    reference: tuple | None) -> None:
         """Checkpoint after pass layer ``index``: the model, the next layer's inputs and, when the pass
         follows the original model (``reference``: next original layer, its states, kwargs), its states."""
-        blob, name = self._blob({str(k): t for k, t in enumerate(inputs)}, "inputs")
-        new = {name: blob}
-        pass_state = {"layer": index, "inputs": name, "targets": [sorted(t) for t in targets],
+        start = time.perf_counter()
+        pass_state = {"layer": index, "inputs": self._store({str(k): t for k, t in enumerate(inputs)}, "inputs"),
+                      "targets": [sorted(t) for t in targets],
                       "reports": json.loads(json.dumps(reports, default=str)), "reference": None}
         if reference is not None:
-            blob, states = self._blob({str(k): t for k, t in enumerate(reference[1])}, "reference")
-            new[states] = blob
+            states = self._store({str(k): t for k, t in enumerate(reference[1])}, "reference")
             pass_state["reference"] = {"next": reference[0], "states": states}
-        self._save(session, {"group": self._group, "layer": index}, self._records, self._report, pass_state,
-                   new)
+        self.seconds += time.perf_counter() - start
+        self._save(session, {"group": self._group, "layer": index}, self._records, self._report, pass_state)
 
     def begin_group(self, group_index: int, steps: list, records: list, report: dict[str, Any]) -> None:
         self._group, self._pass_steps, self._records, self._report = group_index, steps, records, report
 
-    def _blob(self, tensors: dict[str, torch.Tensor], prefix: str) -> tuple[bytes, str]:
-        from safetensors.torch import save
+    def _store(self, tensors: dict[str, torch.Tensor], prefix: str) -> str:
+        """Write ``tensors`` as ``prefix-<sha256>.safetensors`` (content-addressed: an existing file is kept),
+        straight to disk: no in-memory copy of the file; returns its name."""
+        from safetensors.torch import save_file
 
-        blob = save({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()})
-        return blob, f"{prefix}-{hashlib.sha256(blob).hexdigest()}.safetensors"
+        part = self.directory / f".{prefix}.part"
+        save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(part))
+        digest = _sha(part)
+        name = f"{prefix}-{digest}.safetensors"
+        if (self.directory / name).is_file():
+            part.unlink()
+        else:
+            self.bytes_written += part.stat().st_size
+            os.replace(part, self.directory / name)
+        self._digests[name] = digest
+        return name
 
-    def _unit(self, tensors: dict[str, torch.Tensor], new: dict[str, bytes]) -> str:
-        signature = tuple((name, id(t), t._version) for name, t in sorted(tensors.items()))
+    def _store_bytes(self, data: bytes, prefix: str) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        name = f"{prefix}-{digest}"
+        if not (self.directory / name).is_file():
+            part = self.directory / f".{name}.part"
+            part.write_bytes(data)
+            os.replace(part, self.directory / name)
+            self.bytes_written += len(data)
+        self._digests[name] = digest
+        return name
+
+    def _cached(self, tensors: dict[str, torch.Tensor], prefix: str) -> str:
+        """``_store``, skipped when these very tensors (identity and version counter) were stored already."""
+        signature = (prefix, *((name, id(t), t._version) for name, t in sorted(tensors.items())))
         if signature not in self._written:
-            blob, name = self._blob(tensors, "unit")
-            new[name] = blob
-            self._written[signature] = (name, list(tensors.values()))
+            self._written[signature] = (self._store(tensors, prefix), list(tensors.values()))
         return self._written[signature][0]
 
-    def _save(self, session, reached: dict, records: list, report: dict[str, Any], pass_state: dict | None,
-              new: dict[str, bytes] | None = None) -> None:
-        start = time.perf_counter()
-        new = dict(new or {})
+    def _home(self, stream, unit: nn.Module) -> dict[str, Any]:
+        """A streamed unit's home as the manifest records it: a staged file in this directory (``file``) or
+        the source checkpoint (``file`` None), and its tensor names there."""
+        from .streaming import _StagedFile
+
+        stream.settle(unit)
+        home = stream.home(unit)
+        if not isinstance(home.reader, _StagedFile):
+            return {"file": None, "names": home.names}
+        path = home.reader.path
+        if path.parent != self.directory:
+            raise RuntimeError(f"staged unit {path} is outside the checkpoint directory {self.directory}")
+        if path.name not in self._digests:
+            self._digests[path.name] = _sha(path)
+        return {"file": path.name, "names": home.names}
+
+    def _model_state(self, session) -> tuple[list[dict[str, Any]], Any]:
+        """``(layers, rest)``: each decoder layer's origin and unit, and the rest's (embeddings, final norm,
+        ``lm_head``): files of this directory (in memory) or homes (streamed: ``_home``)."""
+        stream = session.stream
+        if stream is not None:
+            units = session.stream_units()
+            layers = [{"origin": list(origin), "home": self._home(stream, layer)}
+                      for layer, origin in zip(units, session.layer_origin)]
+            return layers, [self._home(stream, unit) for unit in units[len(layers):]]
         layer_ids = {id(p) for layer in session.layers for p in layer.parameters()}
-        layers = [{"origin": list(origin), "file": self._unit(_tensors(layer), new)}
+        layers = [{"origin": list(origin), "file": self._cached(_tensors(layer), "unit")}
                   for layer, origin in zip(session.layers, session.layer_origin)]
-        rest = self._unit(_tensors(session.model, layer_ids), new)
+        return layers, self._cached(_tensors(session.model, layer_ids), "unit")
+
+    def _quantized_state(self, session) -> list[dict[str, Any]]:
+        """One entry per quantized linear (module name, grid, file and key of its scales and zero points);
+        records stored by an earlier checkpoint keep their file, new ones go to one new file (so a pass that
+        quantizes layer by layer writes each record once)."""
+        names = {id(m): name for name, m in session.model.named_modules()}
+        pending = [(module, record) for module, record in session.quantized.items()
+                   if id(record) not in self._quantized_files]
+        if pending:
+            tensors = {}
+            for k, (_, record) in enumerate(pending):
+                tensors.update({f"{k}.scale": record.scale, f"{k}.zero": record.zero})
+            name = self._store(tensors, "quantized")
+            for k, (_, record) in enumerate(pending):
+                self._quantized_files[id(record)] = (name, str(k), record)
+        entries = []
+        for module, record in session.quantized.items():
+            file, key, _ = self._quantized_files[id(record)]
+            grid = record.grid
+            entries.append({"module": names[id(module)], "grid": [grid.bits, grid.group_size, grid.sym],
+                            "file": file, "key": key})
+        return entries
+
+    def _save(self, session, reached: dict, records: list, report: dict[str, Any], pass_state: dict | None) -> None:
+        start = time.perf_counter()
+        layers, rest = self._model_state(session)
         extras_name = None
         if session.extras:
-            blob, extras_name = self._blob({f"{i}.{k}": t for i, e in enumerate(session.extras)
-                                            for k, t in e["tensors"].items()}, "extras")
-            new[extras_name] = blob
-        artifacts = {}
-        for name, data in session.artifacts.items():  # names may hold one "/" (a subdirectory)
-            artifacts[name] = f"artifact-{hashlib.sha256(data).hexdigest()}"
-            new[artifacts[name]] = data
-        quantized_name, quantized = None, []
-        if session.quantized:
-            names = {id(m): name for name, m in session.model.named_modules()}
-            tensors = {}
-            for k, (module, record) in enumerate(session.quantized.items()):
-                grid = record.grid
-                quantized.append({"module": names[id(module)], "grid": [grid.bits, grid.group_size, grid.sym]})
-                tensors.update({f"{k}.scale": record.scale, f"{k}.zero": record.zero})
-            blob, quantized_name = self._blob(tensors, "quantized")
-            new[quantized_name] = blob
-        files = {}
-        for name, data in new.items():
-            if name.startswith("unit-") and (self.directory / name).is_file():
-                continue  # content-addressed: already there (e.g. written before a resume)
-            tmp = self.directory / f".{name}.part"
-            tmp.write_bytes(data)
-            os.replace(tmp, self.directory / name)
-            self.bytes_written += len(data)
-        named = [e["file"] for e in layers] + [rest] + ([extras_name] if extras_name else []) \
-            + ([quantized_name] if quantized_name else []) + list(artifacts.values()) \
+            extras_name = self._cached({f"{i}.{k}": t for i, e in enumerate(session.extras)
+                                        for k, t in e["tensors"].items()}, "extras")
+        artifacts = {name: self._store_bytes(data, "artifact")  # names may hold one "/" (a subdirectory)
+                     for name, data in session.artifacts.items()}
+        quantized = self._quantized_state(session)
+        homes = [e["home"] for e in layers] + rest if session.stream is not None else []
+        named = [e["file"] for e in layers if "file" in e] + [h["file"] for h in homes if h["file"]] \
+            + ([rest] if session.stream is None else []) + ([extras_name] if extras_name else []) \
+            + [e["file"] for e in quantized] + list(artifacts.values()) \
             + ([pass_state["inputs"]] if pass_state else []) \
             + ([pass_state["reference"]["states"]] if pass_state and pass_state["reference"] else [])
-        old = (self.manifest or {}).get("files", {})
-        for name in named:
-            files[name] = hashlib.sha256(new[name]).hexdigest() if name in new else old[name]
+        files = {name: self._digests[name] for name in named}
         manifest = {"type": KIND, "version": VERSION, "owner": _identity(), "identity": self.identity,
-                    "reached": reached,
+                    "reached": reached, "streamed": session.stream is not None,
                     "layers": layers, "rest": rest, "config": session.model.config.to_dict(),
                     "extras": extras_name, "extra_entries": [{"modifier": e["modifier"], "config": e["config"]}
                                                              for e in session.extras],
-                    "artifacts": artifacts, "quantized": quantized, "quantized_file": quantized_name,
+                    "artifacts": artifacts, "quantized": quantized,
                     "records": json.loads(json.dumps(records, default=str)),
                     "report": {k: report[k] for k in ("evaluation",) if k in report},
                     "pass": pass_state, "files": files}
@@ -293,10 +377,12 @@ class Checkpoints:
         tmp.write_text(json.dumps(manifest, default=str))
         os.replace(tmp, self.directory / MANIFEST)
         self.manifest = manifest
-        for path in self.directory.iterdir():  # files no checkpoint names any more
-            if path.name != MANIFEST and path.name not in files:
+        for path in self.directory.iterdir():  # files no checkpoint names any more (superseded staged units too)
+            if path.name != MANIFEST and path.name not in files and path.is_file():
                 path.unlink(missing_ok=True)
         self._written = {s: w for s, w in self._written.items() if w[0] in files}
+        self._digests = {name: digest for name, digest in self._digests.items() if name in files}
+        self._quantized_files = {k: v for k, v in self._quantized_files.items() if v[0] in files}
         self.seconds += time.perf_counter() - start
         self.count += 1
 
@@ -318,10 +404,22 @@ def discard_on_error(owned: list) -> Iterator[None]:
         raise
 
 
+def _meta_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as meta tensors (names, shapes, dtypes from its header alone)."""
+    from .checkpoint import SAFETENSORS_DTYPES
+
+    dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+    with open(path, "rb") as handle:
+        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    return {name: torch.empty(spec["shape"], dtype=dtypes[spec["dtype"]], device="meta")
+            for name, spec in header.items() if name != "__metadata__"}
+
+
 @torch.no_grad()
 def _fill(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Load ``tensors`` into ``module``'s parameters; a Linear's weight/bias of another shape is replaced
-    (what pruning steps do), any other shape change is an error."""
+    (what pruning steps do), any other shape change is an error. Meta tensors (a streamed skeleton's unit)
+    only set shapes."""
     for name, value in tensors.items():
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module

@@ -7,18 +7,24 @@ the final norm and ``lm_head`` — are materialized on CPU when a pass needs the
 
 * the source checkpoint (``safetensors`` read lazily with ``safe_open``: the tensors are memory-mapped, so
   an untouched tensor costs page cache, not resident memory), under the unit's original name;
-* or, once a step changed it, a file in the staging directory (``unit-NNNNN.safetensors``).
+* or, once a step changed it, a file in the staging directory (``unit-<token>-NNNNN.safetensors``, the
+  token fresh per process, so a resumed run never reuses an interrupted one's names).
 
 Releasing a unit compares every tensor's identity and version counter with what was loaded: a unit that a
 step changed (in place, or by replacing a submodule) is written to staging first; an unchanged one simply
 returns to meta. A unit built by a step (e.g. a merged layer) has no home until it is released. Nothing is
 ever silently dropped: a unit is only freed after its current weights are on disk.
+
+A run that keeps resume checkpoints (``recipe_engine.resume``) makes its checkpoint directory the staging
+directory and sets ``keep_staged``: a superseded staging file is then left for the checkpoint store, which
+deletes it once no checkpoint names it (the staged files *are* the checkpointed units).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import json
+import secrets
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +120,10 @@ class WeightStream:
 
     def __init__(self, model: nn.Module, units: list[nn.Module], source: CheckpointReader,
                  staging: Path | None, retie: Callable[[], None] = lambda: None):
-        self.staging, self._retie = staging, retie
+        self.staging, self._retie, self.source = staging, retie, source
+        #: Leave superseded staging files on disk (the resume checkpoint store deletes them; see above).
+        self.keep_staged = False
+        self._token = secrets.token_hex(4)
         self._homes: "weakref.WeakKeyDictionary[nn.Module, Home]" = weakref.WeakKeyDictionary()
         self._loaded: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int]]]" = weakref.WeakKeyDictionary()
         self._pins: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -170,7 +179,7 @@ class WeightStream:
         if self.staging is None:
             raise RuntimeError("this weight stream is read-only (no staging directory)")
         self.staging.mkdir(parents=True, exist_ok=True)
-        path = self.staging / f"unit-{next(self._staged):05d}.safetensors"
+        path = self.staging / f"unit-{self._token}-{next(self._staged):05d}.safetensors"
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in _tensors(unit).items()}
         save_file(tensors, str(path))
         self.bytes_staged += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -182,8 +191,29 @@ class WeightStream:
         unit is in the output, so staging and output together never hold a unit twice)."""
         home = self._homes.get(unit)
         if home is not None and isinstance(home.reader, _StagedFile):
-            home.reader.path.unlink(missing_ok=True)
+            if not self.keep_staged:
+                home.reader.path.unlink(missing_ok=True)
             del self._homes[unit]
+
+    def home(self, unit: nn.Module) -> Home | None:
+        """Where ``unit``'s current weights are on disk: after :meth:`settle`, always its current state."""
+        return self._homes.get(unit)
+
+    def settle(self, unit: nn.Module) -> None:
+        """Make ``unit``'s home hold its current weights: a materialized unit that changed since it was
+        loaded (or was built by a step) is staged now and stays materialized (it is not staged again on
+        release unless it changes again)."""
+        if not is_materialized(unit):
+            return
+        loaded = self._loaded.get(unit)
+        if loaded is None or loaded != self._versions(unit) or unit not in self._homes:
+            self.stage(unit)
+            self._loaded[unit] = self._versions(unit)
+
+    def adopt(self, unit: nn.Module, staged: Path | None, names: dict[str, str]) -> None:
+        """Make a released (meta) unit's home the staged file ``staged``, or the source checkpoint when None;
+        ``names`` maps the unit's tensor names to names there (``recipe_engine.resume`` restoring a unit)."""
+        self._homes[unit] = Home(self.source if staged is None else _StagedFile(staged), dict(names))
 
     def read_unit(self, unit: nn.Module) -> dict[str, torch.Tensor]:
         """The unit's current tensors (from memory when materialized, else from its home), CPU."""

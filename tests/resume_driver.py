@@ -6,8 +6,10 @@ and resumes them.
 Imports torch, transformers and the engine once, then forks one child per run (each child runs the CLI's
 ``main`` with stderr in ``NAME.err`` and exits with its return code, written to ``NAME.rc``). A case is
 ``{"name", "argv", "pause", "then"}``: with ``pause`` (``step``, ``pass`` or ``writing``) the child stops
-there (``NAME.ready`` appears), the driver SIGKILLs it, then runs ``then`` (a list of cases, e.g. the
-``--resume`` run; ``touch``: a file whose modification time is changed first) in order. The pause points are two test steps in the recipes, active only when the child's
+there (``NAME.ready`` appears), the driver SIGKILLs it, records what it left (``NAME.checkpoint.json``), then
+runs ``then`` (a list of cases, e.g. the ``--resume`` run; ``touch``: a file whose modification time is changed
+first) in order. ``env``: environment of the child (``RECIPE_TEST_AUTO_STREAMS=yes|no`` fixes what
+``stream: auto`` decides). A resumed child records what restoring left in memory (``NAME.restored.json``). The pause points are two test steps in the recipes, active only when the child's
 ``RECIPE_TEST_PAUSE`` names them: ``PauseStep`` (model-scope, between steps) and ``PauseInPass`` (inside a
 shared pass, in ``compress_layer`` of layer 2, after layers 0-1 are finished), plus ``writing``
 (``save_pretrained`` or the engine's ``write_checkpoint`` has written the checkpoint files into the
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from recipe_engine import runner
+from recipe_engine import resume, runner
 from recipe_engine.cli import main as cli_main
 from recipe_engine.modifier import LayerModifier, Modifier
 from recipe_engine.registry import REGISTRY
@@ -81,6 +83,37 @@ def install() -> None:
             pause(Path(os.environ["RECIPE_TEST_READY"]))
 
     runner.write_checkpoint = write_checkpoint
+    restore = resume.Checkpoints.restore
+
+    def restore_and_record(self, session, report):  # what restoring left in memory (streamed: nothing)
+        restore(self, session, report)
+        if self.manifest is not None:
+            materialized = sum(p.device.type != "meta" for p in session.model.parameters())
+            Path(os.environ["RECIPE_TEST_RESTORED"]).write_text(json.dumps(
+                {"streamed": session.stream is not None, "materialized": materialized}))
+
+    resume.Checkpoints.restore = restore_and_record
+    exceeds = runner.exceeds_memory
+
+    def exceeds_memory(spec):  # what ``stream: auto`` decides, fixed by a case's RECIPE_TEST_AUTO_STREAMS
+        fixed = os.environ.get("RECIPE_TEST_AUTO_STREAMS")
+        return exceeds(spec) if fixed is None else fixed == "yes"
+
+    runner.exceeds_memory = exceeds_memory
+
+
+def record_checkpoint(case: dict, base: Path) -> None:
+    """``NAME.checkpoint.json``: what a killed run left: the manifest's units, the unit files on disk and any
+    staging directory inside its temporary output directory."""
+    output = Path(case["argv"][case["argv"].index("--output") + 1])
+    directory = resume.resume_directory(str(output))
+    if not (directory / resume.MANIFEST).is_file():
+        return
+    manifest = json.loads((directory / resume.MANIFEST).read_text())
+    (base / f"{case['name']}.checkpoint.json").write_text(json.dumps({
+        "layers": manifest["layers"], "rest": manifest["rest"],
+        "unit_files": sorted(p.name for p in directory.glob("unit-*")),
+        "staging_in_output": [str(p) for p in output.parent.glob(f".{output.name}.tmp-*/.staging")]}))
 
 
 def run(case: dict, base: Path, paused: bool) -> int:
@@ -94,6 +127,7 @@ def run(case: dict, base: Path, paused: bool) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
             sys.stderr = open(2, "w", closefd=False)
             os.environ.pop("RECIPE_TEST_PAUSE", None)
+            os.environ.update(case.get("env", {}), RECIPE_TEST_RESTORED=str(base / f"{case['name']}.restored.json"))
             if paused:
                 os.environ.update(RECIPE_TEST_PAUSE=case["pause"], RECIPE_TEST_READY=str(ready))
             code = cli_main(case["argv"])
@@ -109,6 +143,8 @@ def run(case: dict, base: Path, paused: bool) -> int:
             time.sleep(0.05)
         os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
+    if paused:
+        record_checkpoint(case, base)
     code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
     (base / f"{case['name']}.rc").write_text(str(code))
     return code

@@ -23,6 +23,11 @@ STEPS = ["FuseNorm", "PauseStep", "FlattenAdjacent<n:2>", "HeadPrune", "NystromM
          "GPTQ<group_size:32,export:compressed-tensors>"]  # packed: the quantization records are resumed too
 
 
+STREAMED = ("--set", "stream='on'")  # quoted: YAML reads a bare on as true
+#: In memory, and streamed (the model a meta skeleton, changed units staged: the staged files are the checkpoint).
+MODES = {"memory": (), "streamed": STREAMED}
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -41,10 +46,19 @@ def runs(tmp_path_factory):
         return {"name": name, "argv": ["apply", str(base / "recipe.yaml"), "--output", str(base / "out" / output),
                                        "--quiet", *extra]}
 
-    cases = [apply("reference", "reference")]
-    for point in ("step", "pass", "writing"):
-        cases.append({**apply(f"kill_{point}", point), "pause": point,
-                      "then": [apply(f"resume_{point}", point, "--resume")]})
+    cases = []
+    for mode, extra in MODES.items():
+        cases.append(apply(f"{mode}_reference", f"{mode}_reference", *extra))
+        for point in ("step", "pass", "writing"):
+            cases.append({**apply(f"{mode}_kill_{point}", f"{mode}_{point}", *extra), "pause": point,
+                          "then": [apply(f"{mode}_resume_{point}", f"{mode}_{point}", "--resume", *extra)]})
+    cases.append({**apply("streamed_kill_refused", "streamed_refused", *STREAMED), "pause": "pass", "then": [
+        apply("streamed_changed_recipe", "streamed_refused", "--resume", *STREAMED, "--set",
+              "modifiers.4.lambda_scale=5")]})
+    auto = ("--set", "stream=auto")
+    cases.append({**apply("auto_kill", "auto", *auto), "env": {"RECIPE_TEST_AUTO_STREAMS": "yes"}, "pause": "pass",
+                  "then": [{**apply("auto_in_memory", "auto", "--resume", *auto),
+                            "env": {"RECIPE_TEST_AUTO_STREAMS": "no"}}]})
     cases.append({**apply("kill_refused", "refused"), "pause": "pass", "then": [
         apply("changed_recipe", "refused", "--resume", "--set", "modifiers.4.lambda_scale=5"),
         {**apply("changed_model", "refused", "--resume"), "touch": str(base / "model" / "model.safetensors")},
@@ -62,24 +76,44 @@ def rc(base: Path, name: str) -> int:
     return int((base / f"{name}.rc").read_text())
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("point,reached", [("step", {"group": 1, "layer": None}),
                                            ("pass", {"group": 3, "layer": 1}),
                                            ("writing", {"group": 4, "layer": None})])
-def test_killed_then_resumed_equals_an_uninterrupted_run(runs, point, reached):
-    assert rc(runs, "reference") == 0
-    assert rc(runs, f"kill_{point}") == -9
-    assert rc(runs, f"resume_{point}") == 0, (runs / f"resume_{point}.err").read_text()
-    out = runs / "out" / point
-    assert sha256(out / "model.safetensors") == sha256(runs / "out" / "reference" / "model.safetensors")
+def test_killed_then_resumed_equals_an_uninterrupted_run(runs, mode, point, reached):
+    assert rc(runs, f"{mode}_reference") == 0
+    assert rc(runs, f"{mode}_kill_{point}") == -9
+    assert rc(runs, f"{mode}_resume_{point}") == 0, (runs / f"{mode}_resume_{point}.err").read_text()
+    out = runs / "out" / f"{mode}_{point}"
+    expected = sha256(runs / "out" / "memory_reference" / "model.safetensors")  # streamed equals in memory
+    assert sha256(runs / "out" / f"{mode}_reference" / "model.safetensors") == expected
+    assert sha256(out / "model.safetensors") == expected
     report = json.loads((out / "report.json").read_text())
-    assert report["resumed"] == reached
-    reference = json.loads((runs / "out" / "reference" / "report.json").read_text())
+    assert report["resumed"] == reached and report["streamed"] is (mode == "streamed")
+    reference = json.loads((runs / "out" / f"{mode}_reference" / "report.json").read_text())
     assert [s["modifier"] for s in report["steps"]] == [s["modifier"] for s in reference["steps"]]
     assert report["after"] == reference["after"]
     if point == "pass":  # the finished layers were not run again
         assert report["calibration_layer_runs"] < reference["calibration_layer_runs"]
-    leftovers = [p.name for p in (runs / "out").iterdir() if p.name.startswith(f".{point}.")]
+    leftovers = [p.name for p in (runs / "out").iterdir() if p.name.startswith(f".{mode}_{point}.")]
     assert leftovers == []  # checkpoints removed after success; the killed run's temporary dir swept
+
+
+@pytest.mark.parametrize("point", ["step", "pass", "writing"])
+def test_a_streamed_checkpoint_is_the_staged_units_and_restores_nothing_into_memory(runs, point):
+    """The killed streamed run staged its changed units in the checkpoint directory (no second copy, no
+    staging directory in its temporary output); a unit no step changed stays at home in the source; the
+    resumed run restored every unit as a meta tensor (nothing materialized to restore)."""
+    killed = json.loads((runs / f"streamed_kill_{point}.checkpoint.json").read_text())
+    homes = [entry["home"] for entry in killed["layers"]] + killed["rest"]
+    staged = sorted(h["file"] for h in homes if h["file"])
+    assert staged and len(set(staged)) == len(staged)
+    assert all(name.startswith("unit-") for name in staged)
+    assert {h["file"] for h in homes} - set(staged) == {None}  # e.g. the embeddings: the source's
+    assert killed["unit_files"] == staged  # no superseded or unnamed unit file was left
+    assert killed["staging_in_output"] == []
+    restored = json.loads((runs / f"streamed_resume_{point}.restored.json").read_text())
+    assert restored == {"streamed": True, "materialized": 0}
 
 
 def test_a_changed_recipe_or_model_is_refused_and_a_plain_run_starts_over(runs):
@@ -93,3 +127,16 @@ def test_a_changed_recipe_or_model_is_refused_and_a_plain_run_starts_over(runs):
     assert rc(runs, "start_over") == 0
     assert "note: removing the checkpoints of an interrupted run" in (runs / "start_over.err").read_text()
     assert not (runs / "out" / ".refused.resume").exists()
+
+
+def test_a_streamed_resume_refuses_a_changed_recipe_or_an_in_memory_continuation(runs):
+    assert rc(runs, "streamed_kill_refused") == -9
+    errors = [line for line in (runs / "streamed_changed_recipe.err").read_text().splitlines()
+              if line.startswith("error")]
+    assert rc(runs, "streamed_changed_recipe") == 2 and len(errors) == 1
+    assert "cannot resume: the resolved recipe changed (sha256 " in errors[0]
+    # the same recipe, but stream: auto decides otherwise this time: refused, not silently mixed
+    assert rc(runs, "auto_kill") == -9
+    errors = [line for line in (runs / "auto_in_memory.err").read_text().splitlines() if line.startswith("error")]
+    assert rc(runs, "auto_in_memory") == 2 and len(errors) == 1
+    assert "cannot resume: the interrupted run was streamed and this one is not" in errors[0]
