@@ -1,12 +1,15 @@
 """Resume after SIGKILL: an uninterrupted run, the same run killed at ~60 % of its wall time, then ``--resume``.
 
-    nice -n 10 python benchmarks/resume.py [--kill-at 0.6] [--samples 16] [--seq-len 256]
+    nice -n 10 python benchmarks/resume.py [--kill-at 0.6] [--samples 16] [--seq-len 256] [--streamed]
 
 Recipe ``recipes/flatten20_smollm2.yaml`` (SmolLM2-135M FlattenGPT) on WikiText-2 validation windows, the
 recipe's own evaluation switched off, one torch thread per process (``OMP_NUM_THREADS=1``). Reports the
 sha256 of both ``model.safetensors`` (goal: identical), the resumed run's wall time over the uninterrupted
 one's (goal <= 0.5), where the kill landed (the checkpoint the resume started from) and the size of the
-checkpoint directory at the kill. Prints a table and writes ``benchmarks/results/resume.json``.
+checkpoint directory at the kill. ``--streamed``: both runs streamed (``stream: on``: the model a meta
+skeleton, changed units staged in the checkpoint directory, which is then the checkpoint); the JSON also
+holds the peak RSS of each run. Prints a table and writes ``benchmarks/results/resume.json`` (or
+``resume_streamed.json``).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=float, default=0.6)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--streamed", action="store_true", help="stream: on (the model streamed from disk)")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="resume-bench-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -46,7 +50,7 @@ def main() -> None:
         return [sys.executable, "-m", "recipe_engine.cli", "apply", str(RECIPE), "--output", str(base / output),
                 "--set", "calibration.dataset=wikitext2", "--set", "calibration.split=validation",
                 "--set", f"calibration.samples={args.samples}", "--set", f"calibration.seq_len={args.seq_len}",
-                "--set", "evaluate=null", "--quiet", *extra]
+                "--set", "evaluate=null", *(("--set", "stream='on'") if args.streamed else ()), "--quiet", *extra]
 
     load_before = load()
     start = time.perf_counter()
@@ -73,7 +77,9 @@ def main() -> None:
               "full_s": full, "killed_after_s": args.kill_at * full, "resumed_s": resumed,
               "resumed_ratio": resumed / full, "killed_at": manifest["reached"], "checkpoint_bytes": stored,
               "sha256": {"full": full_sha, "resumed": resumed_sha}, "identical": full_sha == resumed_sha,
-              "load_average": {"before": load_before, "after": load_after}}
+              "load_average": {"before": load_before, "after": load_after}, "streamed": args.streamed,
+              "peak_rss_mib": {run: json.loads((base / run / "report.json").read_text())["peak_memory"]
+                               for run in ("full", "resumed")}}
     print(f"{'run':<34}{'wall s':>9}")
     print(f"{'uninterrupted':<34}{full:>9.1f}")
     print(f"{f'killed (SIGKILL) at {args.kill_at:.0%}':<34}{args.kill_at * full:>9.1f}")
@@ -81,7 +87,7 @@ def main() -> None:
     print(f"resumed / full {record['resumed_ratio']:.3f} (goal <= 0.5); killed at {manifest['reached']}; "
           f"checkpoints {stored / 2**20:.0f} MiB; sha256 identical: {record['identical']}; "
           f"load {load_before} -> {load_after}")
-    out = ROOT / "benchmarks" / "results" / "resume.json"
+    out = ROOT / "benchmarks" / "results" / ("resume_streamed.json" if args.streamed else "resume.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
 

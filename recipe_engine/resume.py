@@ -6,26 +6,53 @@ A run keeps ``PARENT/.NAME.resume/`` beside its output ``PARENT/NAME``:
   the previous complete checkpoint): the run's identity (resolved-recipe sha256, model source fingerprint,
   calibration fingerprint, package versions), what is finished (``reached``: the next step group and, inside
   a layer-sequential pass, the last finished layer), the session state (layer origins, config, extras,
-  artifacts, step records) and the sha256 of every file it names;
-* ``unit-<sha256>.safetensors``: the tensors of one model unit (a decoder layer; ``rest``: embeddings, final
-  norm, ``lm_head``), content-addressed, so an unchanged unit is not written again;
+  artifacts, step records, quantization records) and the sha256 of every file it names;
+* the model's units (each decoder layer; the rest: embeddings, final norm, ``lm_head``), see below;
 * ``inputs-<sha256>.safetensors``: inside a pass, the next layer's inputs (the activation checkpoint), and
   ``reference-<sha256>.safetensors``: the original model's states the pass follows (NystromMLP's
-  ``target: original``), where it had them.
+  ``target: original``), where it had them;
+* ``quantized-<sha256>.safetensors``: scales and zero points of quantized linears (``session.quantized``,
+  for the packed export), each record written once, by the first checkpoint after it exists.
+
+**Units of an in-memory run**: ``unit-<sha256>.safetensors`` per decoder layer and one for the rest,
+content-addressed, and written only when the unit's tensors changed (identity and version counter).
+
+**Units of a streamed run** (``recipe_engine.streaming``): the checkpoint directory *is* the staging
+directory, so the staged unit files (``unit-<token>-NNNNN.safetensors``, written anyway when a step changes
+a unit) are the checkpointed units: nothing is copied, and a checkpoint costs the manifest, the activations
+and the sha256 of each newly staged file. The manifest records each unit's *home* (a staged file here, or
+the source checkpoint with the unit's tensor names there, for a unit no step changed); a unit still
+materialized and changed at a checkpoint is staged first (``WeightStream.settle``). The stream leaves a
+superseded staged file on disk (``keep_staged``) and the checkpoint deletes it once a new manifest no longer
+names it, so a kill between two checkpoints still finds every file of the previous one. The writer keeps the
+staged units too until the output is in place (a kill while writing resumes from them): during the write the
+changed units are on disk twice (staging and output), as an in-memory run's checkpoints and its output are.
+Restoring a streamed run touches no weight: each unit is a copy of the skeleton's (meta) layer it stands
+for, shaped from the staged file's header (a pruned Linear is rebuilt at its stored shape), with its home set
+(``WeightStream.adopt``); memory stays one unit at a time. A run that ``stream: auto`` decided differently
+from the interrupted one is refused with one line (set ``stream`` explicitly).
 
 Checkpoints follow every step group (a model-scope step, a whole shared pass) and every layer of a pass.
-Resume loads the model from its source as usual, restores the checkpointed units (a copy of the original
-layer each stands for, with every tensor loaded; a Linear whose stored shape differs is rebuilt at that
-shape), the extras (``restore_extra``), records and artifacts, skips the finished groups, and continues a
-pass after its last finished layer from the stored activations: exact bits, where recomputing them from the
+Resume loads the model from its source as usual, restores the checkpointed units (in memory: a copy of the
+original layer each stands for, with every tensor loaded; a Linear whose stored shape differs is rebuilt at
+that shape), the extras (``restore_extra``), records and artifacts, skips the finished groups, and continues
+a pass after its last finished layer from the stored activations: exact bits, where recomputing them from the
 finished layers would cost a forward per layer (and, for the original model's states, a forward of every
 original layer before them).
 
-The quantization records of quantizing steps (``session.quantized``: grid, scales and zero points per
-linear, for the packed export) are checkpointed by module name with the units. Not supported: streamed runs
-and data-parallel runs (``--resume`` refuses both with one line). An exception or a handled signal removes the checkpoints with the run's other files;
-SIGKILL, the OOM killer or a lost machine leave them for ``--resume``. Without ``--resume`` an earlier run's
-checkpoints are reported and removed, never silently reused.
+**Data-parallel runs** (``recipe_engine.distributed``): every rank holds the same state, so rank 0 alone
+writes the checkpoints (the other ranks' ``Checkpoints`` are readers: ``writer`` False). With ``--resume``
+every rank reads and restores the same directory (the ranks need one shared file system, as for the output):
+rank 0 verifies the files' sha256, each rank the identity, and the ranks then compare the sha256 of the
+manifest they adopted (``agree``): a rank that sees another checkpoint, or none, stops the run with one line.
+What a restore reads later (a streamed unit's staged file) stays on disk until rank 0 writes its next
+checkpoint, which follows a collective every rank passed only after loading it; the interrupted pass's
+activations are read while restoring, before that. A streamed rank > 0 stages its own changes in its own
+temporary directory, as in any data-parallel run.
+
+An exception or a handled signal removes the checkpoints with the run's other files; SIGKILL, the OOM killer or a lost machine leave
+them for ``--resume``. Without ``--resume`` an earlier run's checkpoints are reported and removed, never
+silently reused.
 """
 from __future__ import annotations
 
@@ -84,8 +111,13 @@ def _tensors(module: nn.Module, skip: set[int] = frozenset()) -> dict[str, torch
 class Checkpoints:
     """The resume directory of one run (see the module docstring); ``session.checkpoint`` inside passes."""
 
-    def __init__(self, directory: Path, identity: dict[str, Any]):
-        self.directory, self.identity = directory, identity
+    def __init__(self, directory: Path, identity: dict[str, Any], writer: bool = True):
+        #: False on the other ranks of a data-parallel run: they read the checkpoint rank 0 writes
+        self.directory, self.identity, self.writer = directory, identity, writer
+        #: sha256 of the manifest resumed from (the ranks of a data-parallel run compare it)
+        self.manifest_sha: str | None = None
+        #: the interrupted pass's state, loaded by ``restore`` (see ``pass_state``)
+        self._pass: tuple | None = None
         self.manifest: dict[str, Any] | None = None  # the last written or the one resumed from
         #: tensors' signature (prefix, names, ids, versions) → (file, the tensors: held so no id is reused)
         self._written: dict[tuple, tuple[str, list[torch.Tensor]]] = {}
@@ -100,13 +132,21 @@ class Checkpoints:
 
     # -- opening --------------------------------------------------------------------------------
     @classmethod
-    def open(cls, output: str, identity: dict[str, Any], resume: bool, file: str | None) -> "Checkpoints":
-        """Verify and adopt an interrupted run's checkpoints (``resume``), or report and remove them."""
+    def open(cls, output: str, identity: dict[str, Any], resume: bool, file: str | None,
+             writer: bool = True) -> "Checkpoints":
+        """Verify and adopt an interrupted run's checkpoints (``resume``), or report and remove them. A reader
+        (``writer`` False: rank > 0 of a data-parallel run) only adopts them (rank 0 verifies their files)."""
         directory = resume_directory(output)
         manifest_path = directory / MANIFEST
-        found = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-        checkpoints = cls(directory, identity)
+        text = manifest_path.read_text() if manifest_path.is_file() else None
+        found = json.loads(text) if text is not None else None
+        checkpoints = cls(directory, identity, writer)
         checkpoints.file = file
+        if not writer:
+            if resume and found is not None:
+                checkpoints._verify(found, file, files=False)
+                checkpoints.manifest, checkpoints.manifest_sha = found, hashlib.sha256(text.encode()).hexdigest()
+            return checkpoints
         owner = (found or {}).get("owner")
         if owner and owner.get("pid") != os.getpid() and _alive(owner):
             raise RecipeError(f"another run of {output} is in progress (pid {owner['pid']} on {owner['host']}); "
@@ -121,11 +161,12 @@ class Checkpoints:
         elif resume:
             checkpoints._verify(found, file)
             checkpoints.manifest, checkpoints._digests = found, dict(found["files"])
+            checkpoints.manifest_sha = hashlib.sha256(text.encode()).hexdigest()
         directory.mkdir(parents=True, exist_ok=True)
         track(directory)
         return checkpoints
 
-    def _verify(self, found: dict[str, Any], file: str | None) -> None:
+    def _verify(self, found: dict[str, Any], file: str | None, files: bool = True) -> None:
         fail = lambda what: RecipeError(f"cannot resume: {what} since the interrupted run; run without --resume "
                                         f"to start over", file=file, field="output")
         if (found.get("type"), found.get("version")) != (KIND, VERSION):
@@ -139,7 +180,7 @@ class Checkpoints:
         changed = [f"{k} {old.get(k)} → {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
         if changed:
             raise fail(f"package versions changed ({', '.join(changed)})")
-        for name, digest in found["files"].items():
+        for name, digest in found["files"].items() if files else ():
             path = self.directory / name
             if not path.is_file() or _sha(path) != digest:
                 raise fail(f"checkpoint file {name} is missing or damaged")
@@ -208,6 +249,7 @@ class Checkpoints:
                 record = QuantizedLinear(Grid(*entry["grid"]), tensors[f"{key}.scale"], tensors[f"{key}.zero"])
                 session.quantized[session.model.get_submodule(entry["module"])] = record
                 self._quantized_files[id(record)] = (entry["file"], key, record)
+        self._pass = self._load_pass()
         report.update(state["report"])
         report["resumed"] = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
 
@@ -222,11 +264,19 @@ class Checkpoints:
     def pass_state(self):
         """``(next layer, its inputs, reports, targets, reference)`` of the interrupted pass now starting, or
         None; ``reference``: ``(next original layer, the original model's states there)`` or None."""
-        if self.manifest is None or self.manifest["pass"] is None or self.manifest["reached"]["group"] != self._group:
+        if self._pass is None or self.manifest["reached"]["group"] != self._group:
             return None
+        state, self._pass = self._pass, None
+        return state
+
+    def _load_pass(self) -> tuple | None:
+        """The interrupted pass's state (``pass_state``), read when restoring: before the run writes its next
+        checkpoint (which removes these files), on every rank."""
         from safetensors.torch import load_file
 
         saved = self.manifest["pass"]
+        if saved is None:
+            return None
         inputs = load_file(str(self.directory / saved["inputs"]))
         reference = None
         if saved["reference"] is not None:
@@ -235,18 +285,31 @@ class Checkpoints:
         return (saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
                 [set(t) for t in saved["targets"]], reference)
 
+    def agree(self, parallel) -> None:
+        """Data-parallel: every rank must have adopted the same checkpoint (the manifest's sha256, or none)."""
+        mine = self.manifest_sha or "none"
+        digests = parallel.map(lambda _rank: mine, list(range(parallel.world)))
+        differ = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+        if differ:
+            raise RecipeError(f"cannot resume: ranks {differ} see another checkpoint in {self.directory} than "
+                              f"rank 0 (the ranks need one shared file system)", file=self.file, field="output")
+
     # -- writing --------------------------------------------------------------------------------
     def keep_staging(self, stream) -> None:
         """A streamed run stages its changed units here: the staged files are the checkpointed units."""
         stream.staging, stream.keep_staged = self.directory, True
 
     def group_done(self, session, group_index: int, records: list, report: dict[str, Any]) -> None:
+        if not self.writer:
+            return
         self._save(session, {"group": group_index + 1, "layer": None}, records, report, None)
 
     def layer_done(self, session, index: int, inputs: list[torch.Tensor], reports: list, targets: list,
                    reference: tuple | None) -> None:
         """Checkpoint after pass layer ``index``: the model, the next layer's inputs and, when the pass
         follows the original model (``reference``: next original layer, its states, kwargs), its states."""
+        if not self.writer:
+            return
         start = time.perf_counter()
         pass_state = {"layer": index, "inputs": self._store({str(k): t for k, t in enumerate(inputs)}, "inputs"),
                       "targets": [sorted(t) for t in targets],
@@ -387,6 +450,8 @@ class Checkpoints:
         self.count += 1
 
     def discard(self) -> None:
+        if not self.writer:
+            return
         shutil.rmtree(self.directory, ignore_errors=True)
         untrack(self.directory)
 

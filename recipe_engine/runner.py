@@ -84,9 +84,8 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     device = parallel.device
     in_memory = model is not None
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
-    if resume and (in_memory or parallel.active or not write):
-        why = ("a model passed in memory" if in_memory else "a data-parallel run" if parallel.active
-               else "write=False")
+    if resume and (in_memory or not write):
+        why = "a model passed in memory" if in_memory else "write=False"
         raise RecipeError(f"--resume is not supported for {why} (no checkpoints are kept)", file=file)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
@@ -117,7 +116,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         session.memo = memo
         if streamed:
             attach_stream(session, source.location, workdir / STAGING)
-        checkpoints = _checkpoints(recipe, report, source, resume, writing and not parallel.active, session, file)
+        checkpoints = _checkpoints(recipe, report, source, resume, write, session, file)
         owned.append(checkpoints)
         if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
             from .evaluation import evaluate_session
@@ -206,21 +205,25 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
     return load
 
 
-def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, enabled: bool, session: Session,
+def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool, session: Session,
                  file: str):
     """The run's resume checkpoints (``recipe_engine.resume``), restored into ``session`` when resuming (a
-    streamed session stages its units there); None when this run keeps none (not written, data-parallel,
-    model passed in memory)."""
-    if not enabled or source is None:
+    streamed session stages its units there); None when this run keeps none (not written, model passed in
+    memory). Data-parallel: rank 0 writes them; with ``resume`` every rank restores them and the ranks check
+    that they adopted the same manifest (its sha256)."""
+    parallel = session.parallel
+    if not write or source is None or (parallel.rank > 0 and not resume):
         return None
     from .resume import Checkpoints, model_fingerprint
 
     identity = {"recipe": report["recipe"]["resolved_sha256"], "model": model_fingerprint(source.location),
                 "calibration": report["data"]["fingerprint"], "packages": report["packages"]}
-    checkpoints = Checkpoints.open(recipe.output, identity, resume, file)
-    if session.stream is not None:
+    checkpoints = Checkpoints.open(recipe.output, identity, resume, file, writer=parallel.rank == 0)
+    if session.stream is not None and checkpoints.writer:
         checkpoints.keep_staging(session.stream)
     checkpoints.restore(session, report)
+    if parallel.active and resume:
+        checkpoints.agree(parallel)
     session.checkpoint = checkpoints
     return checkpoints
 

@@ -7,7 +7,9 @@ Imports torch, transformers and the engine once and joins the gloo process group
 initialized group), then runs the CLI's ``main`` for each job ``{"name", "argv"}`` with stderr redirected to
 ``NAME.rank{r}.err``; writes the exit code to ``NAME.rank{r}.rc``. Registers ``FailOnRank``, a model-scope
 step, and ``FailInPass``, a layer-scope step failing at layer 1, both raising only on the rank given by
-``rank`` (the injected failures of the tests).
+``rank`` (the injected failures of the tests), and the pause points of ``tests/resume_driver.py``: a job with
+``"pause"`` (``step``, ``pass``, ``writing``) stops there on every rank that reaches it, with
+``NAME.rank{r}.ready`` appearing, for the test to SIGKILL the launch.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pydantic import Field
 from recipe_engine.cli import main as cli_main
 from recipe_engine.modifier import LayerModifier, Modifier
 from recipe_engine.registry import REGISTRY
+from tests.resume_driver import install as install_pause_points
 
 
 class FailOnRank(Modifier):
@@ -55,13 +58,17 @@ def main() -> int:
     jobs_file = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    REGISTRY.load()
+    install_pause_points()
     REGISTRY._classes.update(FailOnRank=FailOnRank, FailInPass=FailInPass)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     saved = os.dup(2)
     for job in json.loads(jobs_file.read_text()):
         err = os.open(jobs_file.parent / f"{job['name']}.rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(err, 2)
+        os.environ.pop("RECIPE_TEST_PAUSE", None)
+        if job.get("pause"):
+            ready = jobs_file.parent / f"{job['name']}.rank{rank}.ready"
+            os.environ.update(RECIPE_TEST_PAUSE=job["pause"], RECIPE_TEST_READY=str(ready))
         try:
             code = cli_main(job["argv"])
         except BaseException as exc:  # noqa: BLE001 - a traceback is a finding: record it as exit 1

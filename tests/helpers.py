@@ -148,3 +148,12 @@ def save_tiny_model(directory, model_type: str = "llama", max_shard_size: str | 
     model.save_pretrained(directory, safe_serialization=True, **shards)
     byte_tokenizer().save_pretrained(directory)
     return model
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a gloo launch's ``MASTER_PORT``)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

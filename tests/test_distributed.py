@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 import recipe_engine
-from tests.helpers import save_tiny_model
+from tests.helpers import free_port, save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 60
 
@@ -46,12 +45,6 @@ def write_recipe(base: Path, name: str, steps: list[str], samples: int, model: P
     path = base / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,28 @@
 """``recipe apply --resume``: SIGKILL a run between steps, inside a shared pass and while the output is being
 written, resume it, and get a model.safetensors byte-identical to an uninterrupted run's; a changed recipe or
-model is refused with one line; without ``--resume`` the checkpoints are reported and removed.
+model is refused with one line; without ``--resume`` the checkpoints are reported and removed. The same for
+streamed runs (their staged units are the checkpoint; restoring materializes nothing) and for data-parallel
+runs (2 gloo ranks, both SIGKILLed; rank 0 writes the checkpoints, every rank restores them).
 
-The runs are forked by ``tests/resume_driver.py`` (imports paid once).
+The runs are forked by ``tests/resume_driver.py`` (imports paid once); the 2-rank launches run
+``tests/dp_driver.py``.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import save_tiny_model
+from recipe_engine.resume import resume_directory
+from tests.helpers import free_port, save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 60
 STEPS = ["FuseNorm", "PauseStep", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP", "PauseInPass",
@@ -28,19 +34,27 @@ STREAMED = ("--set", "stream='on'")  # quoted: YAML reads a bare on as true
 MODES = {"memory": (), "streamed": STREAMED}
 
 
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("resume")
+def write_recipe(base: Path) -> None:
     save_tiny_model(base / "model", num_hidden_layers=6)
     (base / "cal.txt").write_text(TEXT)
     recipe = {"version": 1, "name": "resume", "model": str(base / "model"), "output": str(base / "out" / "x"),
               "dtype": "float32", "modifiers": STEPS,
               "calibration": {"dataset": str(base / "cal.txt"), "samples": 8, "seq_len": 32, "batch_size": 2}}
     (base / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("resume")
+    write_recipe(base)
 
     def apply(name, output, *extra):
         return {"name": name, "argv": ["apply", str(base / "recipe.yaml"), "--output", str(base / "out" / output),
@@ -64,11 +78,9 @@ def runs(tmp_path_factory):
         {**apply("changed_model", "refused", "--resume"), "touch": str(base / "model" / "model.safetensors")},
         apply("start_over", "refused")]})
     (base / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
     driver = Path(__file__).with_name("resume_driver.py")
     # generous timeout: the shared CI machine may be loaded
-    subprocess.run([sys.executable, str(driver), str(base / "cases.json")], env=env, check=True, timeout=900)
+    subprocess.run([sys.executable, str(driver), str(base / "cases.json")], env=ENV, check=True, timeout=900)
     return base
 
 
@@ -140,3 +152,84 @@ def test_a_streamed_resume_refuses_a_changed_recipe_or_an_in_memory_continuation
     errors = [line for line in (runs / "auto_in_memory.err").read_text().splitlines() if line.startswith("error")]
     assert rc(runs, "auto_in_memory") == 2 and len(errors) == 1
     assert "cannot resume: the interrupted run was streamed and this one is not" in errors[0]
+
+
+# -- data-parallel (torchrun-style: 2 gloo ranks, tests/dp_driver.py) ----------------------------------------
+def launch(base: Path, name: str, jobs: list[dict], kill: str | None = None) -> list[int]:
+    """One 2-rank launch running ``jobs`` in turn; with ``kill`` (a job), SIGKILL both ranks once rank 0 is at
+    that job's pause point. Returns the ranks' exit codes."""
+    (base / f"{name}.json").write_text(json.dumps(jobs))
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    driver = Path(__file__).with_name("dp_driver.py")
+    ranks = [subprocess.Popen([sys.executable, str(driver), str(base / f"{name}.json")],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    try:
+        if kill is not None:
+            deadline = time.monotonic() + 600
+            while not (base / f"{kill}.rank0.ready").exists():
+                if time.monotonic() > deadline or any(rank.poll() is not None for rank in ranks):
+                    raise AssertionError(f"{kill} did not reach its pause point: see {kill}.rank*.err")
+                time.sleep(0.05)
+            for rank in ranks:
+                rank.send_signal(signal.SIGKILL)
+        return [rank.wait(timeout=600) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    """Launches: [uninterrupted, killed mid-pass], [changed recipe refused, resumed, streamed killed between
+    steps], [streamed resumed, killed while writing], [resumed]; each kill SIGKILLs both ranks."""
+    base = tmp_path_factory.mktemp("dp_resume")
+    write_recipe(base)
+
+    def job(name, output, *extra, pause=None):
+        argv = ["apply", str(base / "recipe.yaml"), "--output", str(base / "out" / output), "--quiet", *extra]
+        return {"name": name, "argv": argv, **({"pause": pause} if pause else {})}
+
+    codes = {"first": launch(base, "first", [job("reference", "reference"),
+                                             job("kill_pass", "pass", pause="pass")], kill="kill_pass")}
+    codes["second"] = launch(base, "second", [
+        job("changed_recipe", "pass", "--resume", "--set", "modifiers.4.lambda_scale=5"),
+        job("resume_pass", "pass", "--resume"),
+        job("streamed_kill_step", "streamed_step", *STREAMED, pause="step")], kill="streamed_kill_step")
+    codes["third"] = launch(base, "third", [job("streamed_resume_step", "streamed_step", "--resume", *STREAMED),
+                                            job("kill_writing", "writing", pause="writing")], kill="kill_writing")
+    codes["fourth"] = launch(base, "fourth", [job("resume_writing", "writing", "--resume")])
+    (base / "codes.json").write_text(json.dumps(codes))
+    return base
+
+
+def dp_rc(base: Path, name: str) -> list[int]:
+    return [int((base / f"{name}.rank{r}.rc").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("name,output,reached", [("resume_pass", "pass", {"group": 3, "layer": 1}),
+                                                 ("streamed_resume_step", "streamed_step", {"group": 1, "layer": None}),
+                                                 ("resume_writing", "writing", {"group": 4, "layer": None})])
+def test_a_killed_data_parallel_run_resumes_on_every_rank_to_the_same_bytes(dp_runs, name, output, reached):
+    codes = json.loads((dp_runs / "codes.json").read_text())
+    assert codes == {"first": [-9, -9], "second": [-9, -9], "third": [-9, -9], "fourth": [0, 0]}
+    assert dp_rc(dp_runs, "reference") == [0, 0]
+    assert dp_rc(dp_runs, name) == [0, 0], (dp_runs / f"{name}.rank1.err").read_text()
+    out = dp_runs / "out" / output
+    assert sha256(out / "model.safetensors") == sha256(dp_runs / "out" / "reference" / "model.safetensors")
+    report = json.loads((out / "report.json").read_text())
+    assert report["resumed"] == reached and report["ranks"] == 2
+    assert report["streamed"] is output.startswith("streamed")
+    if name == "resume_pass":  # the finished layers were not run again
+        reference = json.loads((dp_runs / "out" / "reference" / "report.json").read_text())
+        assert report["calibration_layer_runs"] < reference["calibration_layer_runs"]
+    assert not resume_directory(str(out)).exists()  # removed once the output is in place
+
+
+def test_a_data_parallel_resume_refuses_a_changed_recipe_on_every_rank(dp_runs):
+    assert dp_rc(dp_runs, "changed_recipe") == [2, 2]
+    for rank in range(2):
+        errors = [line for line in (dp_runs / f"changed_recipe.rank{rank}.err").read_text().splitlines()
+                  if line.startswith("error")]
+        assert len(errors) == 1 and "cannot resume: the resolved recipe changed (sha256 " in errors[0]
