@@ -97,16 +97,19 @@ def estimated_output_bytes(config, dtype: str) -> int:
     return sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize
 
 
-def check_free_space(recipe, config, file: str | None = None) -> None:
+def check_free_space(recipe, config, file: str | None = None, resume_checkpoints: bool = False) -> None:
     """Refuse to start when the output's file system lacks room for the checkpoint the recipe writes
-    (``memory.output_bytes``: the compressed model's size, plus 5 %). A streamed run's staging data lives
-    beside it, and the writer deletes each staged unit once written, so this bounds both."""
+    (``memory.output_bytes``: the compressed model's size, plus 5 %). A run that keeps resume checkpoints
+    (``recipe_engine.resume``; a streamed run's staged units are among them) holds its changed units there
+    until the output is in place, at most the compressed model's size again: twice the room."""
     from .memory import output_bytes
 
-    problem = space_problem(Path(recipe.output).expanduser(), output_bytes(recipe, config))
+    copies = 2 if resume_checkpoints else 1
+    problem = space_problem(Path(recipe.output).expanduser(), copies * output_bytes(recipe, config))
     if problem:
+        what = "checkpoint and its resume checkpoints" if resume_checkpoints else "checkpoint"
         raise RecipeError(f"not enough disk space for output '{recipe.output}': {problem} "
-                          f"({recipe.dtype} checkpoint)", file=file, field="output")
+                          f"({recipe.dtype} {what})", file=file, field="output")
 
 
 def space_problem(target: Path, size: int) -> str | None:

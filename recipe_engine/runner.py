@@ -79,8 +79,8 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     _located(lambda: check_length(text, cal.samples * cal.seq_len), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
-    if writing:
-        check_free_space(recipe, config, file)
+    if writing:  # a model from disk keeps resume checkpoints (``_checkpoints``)
+        check_free_space(recipe, config, file, resume_checkpoints=model is None)
     device = parallel.device
     in_memory = model is not None
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)

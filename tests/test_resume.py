@@ -233,3 +233,48 @@ def test_a_data_parallel_resume_refuses_a_changed_recipe_on_every_rank(dp_runs):
         errors = [line for line in (dp_runs / f"changed_recipe.rank{rank}.err").read_text().splitlines()
                   if line.startswith("error")]
         assert len(errors) == 1 and "cannot resume: the resolved recipe changed (sha256 " in errors[0]
+
+
+def test_ranks_that_adopted_different_checkpoints_are_refused(tmp_path):
+    """``Checkpoints.agree``: each rank's manifest sha256 is gathered (``Parallel.map`` with one item per
+    rank); a rank that saw another checkpoint, or none (no shared file system), stops the run with one line."""
+    from recipe_engine.errors import RecipeError
+    from recipe_engine.resume import Checkpoints
+
+    class TwoRanks:  # what Parallel.map returns on every rank: rank r's result at position r
+        world = 2
+
+        def __init__(self, other: str | None):
+            self.other = other
+
+        def map(self, function, items):
+            return [function(items[0]), self.other or "none"]
+
+    checkpoints = Checkpoints(tmp_path / ".x.resume", {})
+    checkpoints.manifest_sha = "a" * 64
+    checkpoints.agree(TwoRanks("a" * 64))  # the same manifest: no error
+    for other in ("b" * 64, None):
+        with pytest.raises(RecipeError, match=r"cannot resume: ranks \[1\] see another checkpoint in .* than rank 0"):
+            checkpoints.agree(TwoRanks(other))
+
+
+def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
+    """Checkpoints (a streamed run's staged units among them) hold the changed units until the output is in
+    place: the free-space check asks for twice the output's size, and says so."""
+    from transformers import LlamaConfig
+
+    from recipe_engine import output
+    from recipe_engine.errors import RecipeError
+    from recipe_engine.memory import output_bytes
+    from recipe_engine.schema import recipe_from_dict
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    recipe = recipe_from_dict({"version": 1, "name": "x", "model": "m", "output": "/tmp/x-out",
+                               "dtype": "float32", "modifiers": ["FuseNorm"]})
+    size = output_bytes(recipe, config)
+    real = output.shutil.disk_usage
+    monkeypatch.setattr(output.shutil, "disk_usage", lambda p: real(p)._replace(free=int(1.05 * 1.5 * size) + 2**20))
+    output.check_free_space(recipe, config)
+    with pytest.raises(RecipeError, match="not enough disk space .* checkpoint and its resume checkpoints"):
+        output.check_free_space(recipe, config, resume_checkpoints=True)
