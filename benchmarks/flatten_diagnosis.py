@@ -154,9 +154,9 @@ def build(variant, dense_layers, pair, data, config):
     a, b = pair
     if variant == "drop first":
         return [dense_layers[b]]
-    if variant == "drop second":
+    if variant == "drop second":  # keep the block's first layer
         return [dense_layers[a]]
-    merged = merge_layers([dense_layers[a], dense_layers[b]], None)
+    merged = merge_layers(dense_layers[a: b + 1], None)  # a block a..b (a pair when b = a + 1)
     inputs, kwargs, targets = data
     if variant == "merged":
         return [merged]

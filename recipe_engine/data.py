@@ -169,6 +169,28 @@ def check_text(name: str, split: str, text_field: str, tokens: int) -> None:
     check_length(load_text(name, split, text_field), tokens)
 
 
+def load_calibration(cal) -> list[tuple[TextSource, int]]:
+    """Each calibration source's text with the number of windows drawn from it (``cal.shares()``); a source
+    too short for its share is a ``SourceError``."""
+    loaded = [(load_text(name, cal.split, cal.text_field), share)
+              for name, share in zip(cal.sources, cal.shares())]
+    for text, share in loaded:
+        check_length(text, share * cal.seq_len)
+    return loaded
+
+
+def calibration_windows(tokenizer, loaded: list[tuple[TextSource, int]], cal) -> tuple[torch.Tensor, int]:
+    """The calibration windows (each source's seeded ``sample_windows`` share, sources in order) and the
+    number of tokens the sources hold."""
+    windows, available = [], 0
+    for text, share in loaded:
+        ids = tokenize(tokenizer, text.text)
+        available += ids.numel()
+        windows.append(sample_windows(ids, share, cal.seq_len, cal.seed, text.origin))
+        del ids
+    return torch.cat(windows), available
+
+
 def check_length(text: "TextSource", tokens: int) -> None:
     size = len(text.text.encode("utf-8"))
     if size < tokens:

@@ -86,3 +86,28 @@ def test_fingerprint_is_sha256_of_ids():
     ids = torch.tensor([[1, 2], [3, 4]])
     expected = hashlib.sha256(torch.tensor([1, 2, 3, 4], dtype=torch.int64).numpy().tobytes()).hexdigest()
     assert data.fingerprint(ids) == expected
+
+
+class ByteTokenizer:
+    """Token = UTF-8 byte: lets a test check windows against the source text itself."""
+
+    def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+def test_mixed_calibration_shares_windows_among_sources_in_order():
+    from recipe_engine.schema import CalibrationConfig
+
+    cal = CalibrationConfig(dataset=["wikipedia-sample", "c4-sample"], samples=5, seq_len=64, split="train")
+    assert cal.shares() == [3, 2]
+    loaded = data.load_calibration(cal)
+    windows, available = data.calibration_windows(ByteTokenizer(), loaded, cal)
+    texts = [data.load_text(name, "train").text for name in cal.sources]
+    assert windows.shape == (5, 64)
+    assert available == sum(len(t.encode("utf-8")) for t in texts)
+    for row, source in zip(windows, [0, 0, 0, 1, 1]):  # each window is a span of its own source's bytes
+        span = bytes(row.tolist())
+        assert span in texts[source].encode("utf-8") and span not in texts[1 - source].encode("utf-8")
+    single = CalibrationConfig(dataset="wikipedia-sample", samples=3, seq_len=64, split="train")
+    alone, _ = data.calibration_windows(ByteTokenizer(), data.load_calibration(single), single)
+    assert torch.equal(windows[:3], alone)  # a source draws the same windows alone or in a mix
