@@ -66,3 +66,22 @@ def test_fingerprint_is_sha256_of_ids():
     ids = torch.tensor([[1, 2], [3, 4]])
     expected = hashlib.sha256(torch.tensor([1, 2, 3, 4], dtype=torch.int64).numpy().tobytes()).hexdigest()
     assert data.fingerprint(ids) == expected
+
+
+def test_data_dir_unset_reads_hub_and_task_file_says_so(monkeypatch):
+    from recipe_engine.data import data_dir, is_hub_source
+    from recipe_engine.evaluation.task_data import data_file
+
+    monkeypatch.delenv("RECIPE_DATA_DIR", raising=False)
+    assert data_dir() is None
+    assert is_hub_source("wikitext2", "test")
+    with pytest.raises(SourceError, match=r"^offline task 'arc_easy' reads .*set \$RECIPE_DATA_DIR"):
+        data_file("arc_easy")
+
+
+def test_data_dir_that_is_not_a_directory_is_one_line(monkeypatch, tmp_path):
+    from recipe_engine.data import load_text
+
+    monkeypatch.setenv("RECIPE_DATA_DIR", str(tmp_path / "missing"))
+    with pytest.raises(SourceError, match=r"RECIPE_DATA_DIR=.*missing is not a directory"):
+        load_text("wikitext2", "test")

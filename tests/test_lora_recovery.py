@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from modifiers.lora_recovery import alpaca_prompt, top_k_kl, training_examples
+from recipe_engine.modifiers.lora_recovery import alpaca_prompt, top_k_kl, training_examples
 from tests.helpers import CharTokenizer, tiny_model
 
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "piano", "lemon"]
@@ -123,7 +123,7 @@ def test_distill_moves_the_compressed_model_toward_the_dense_teacher(tmp_path):
 
 
 def test_batch_must_be_a_multiple_of_the_micro_batch():
-    from modifiers.lora_recovery import LoRARecovery
+    from recipe_engine.modifiers.lora_recovery import LoRARecovery
 
     with pytest.raises(ValueError, match="not a multiple of micro_batch_size"):
         LoRARecovery(batch_size=6, micro_batch_size=4)

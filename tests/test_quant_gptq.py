@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from modifiers._quant import Grid, output_error, rtn
-from modifiers.gptq import gptq_quantize
+from recipe_engine.modifiers._quant import Grid, output_error, rtn
+from recipe_engine.modifiers.gptq import gptq_quantize
 
 
 def minmax_params(x, bits, sym):

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from modifiers.gptq import GPTQ
+from recipe_engine.modifiers.gptq import GPTQ
 from recipe_engine.checkpoint import write_checkpoint
 from recipe_engine.errors import RecipeError
 from recipe_engine.schema import recipe_from_dict
@@ -78,7 +78,7 @@ def test_gptq_step_uses_layer_hessians_and_beats_rtn():
     for name, step in [("gptq", GPTQ(group_size=16)), ("rtn", None)]:
         model = tiny_model()
         if step is None:
-            from modifiers.quantize import Quantize
+            from recipe_engine.modifiers.quantize import Quantize
             Quantize(group_size=16).apply(make_session(model, tokens))
         else:
             make_session(model, tokens).run_layer_modifiers([step])
@@ -165,8 +165,8 @@ def test_flattengpt_then_gptq_shares_the_layer_pass(tmp_path):
 def test_gptq_step_equals_gptq_on_each_linear_with_its_own_gram():
     """The step (Hessian sharing, row-stacked q/k/v and gate/up) equals ``gptq_quantize`` run alone on
     each layer-0 linear with the gram of that linear's input, hooked on an untouched copy of the model."""
-    from modifiers._quant import Grid
-    from modifiers.gptq import gptq_quantize
+    from recipe_engine.modifiers._quant import Grid
+    from recipe_engine.modifiers.gptq import gptq_quantize
 
     tokens = random_tokens(4, 32)
     reference = tiny_model()
@@ -193,8 +193,8 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
     """``sequential``: each linear group of every layer is quantized with the gram of its input taken after
     the groups before it (q/k/v → o → gate/up → down, earlier layers included) were quantized — computed
     here group by group with full forwards of a copy (the step runs each layer piecewise instead)."""
-    from modifiers._quant import Grid
-    from modifiers.gptq import gptq_quantize
+    from recipe_engine.modifiers._quant import Grid
+    from recipe_engine.modifiers.gptq import gptq_quantize
 
     tokens = random_tokens(4, 32)
     reference = tiny_model()
