@@ -125,6 +125,7 @@ def distil(session, patches: list[Patch], tune: "Tune") -> list[float]:
     try:
         with session.on_device(teacher, student):
             for _ in range(tune.epochs):
+                session.count_pass()  # teacher and student over every calibration batch
                 for batch in session.progress.track(session.batches(), "LinearPatch distillation"):
                     ids, mask = batch.to(session.device), token_mask(session, batch).to(session.device)
                     with torch.no_grad():
@@ -179,7 +180,7 @@ class LinearPatch(Modifier):
     seed: int = Field(0, description="seed of the random orthogonal H when no Hadamard matrix is known")
     tune: Tune | None = Field(None, description="distil P with KL on the teacher's top-K logits")
 
-    def passes(self) -> int:
+    def passes(self, shape) -> int:
         return 1 + (self.select is not None) + (self.tune.epochs if self.tune else 0)
 
     def check(self, shape) -> None:

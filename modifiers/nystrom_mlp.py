@@ -120,6 +120,10 @@ class NystromMLP(LayerModifier):
     needs = ("down_proj input Gram (fp64)", "target serial/original: the original layers' outputs "
              "(original weights on CPU)")
 
+    def passes(self, shape) -> int:
+        """The shared pass, plus the original model walked in lockstep with ``target: original``."""
+        return 1 + (self.target == "original")
+
     def check_calibration(self, calibration) -> None:
         """``target: original`` fits each layer to the original hidden state, absorbing the drift of the
         layers before it; with ``propagate: original`` that drift is the unpruned stream's, which the pruned

@@ -30,6 +30,10 @@ class SLEB(Modifier):
 
     n: int = Field(1, ge=1, description="number of blocks to remove (paper: 20% of the blocks)")
 
+    def passes(self, shape) -> int:
+        """Round r scores every remaining block but the first and last: ``Σ_{r<n} (layers − 2 − r)``."""
+        return sum(shape.num_layers - 2 - r for r in range(self.n))
+
     def check(self, shape) -> None:
         if self.n > shape.num_layers - 2:
             raise self.fail(f"n={self.n} is too many: the first and last of the {shape.num_layers} layers "

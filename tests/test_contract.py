@@ -59,10 +59,10 @@ def test_runs_on_tiny_model_and_reloads(tmp_path, name):
     with torch.no_grad():
         expected = result(tokens).logits
     out = tmp_path / "out"
-    if report["stock_checkpoint"]:
+    if report.stock_checkpoint:
         reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     else:
         reloaded, _ = recipe_engine.load_model(str(out))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-4, atol=1e-4)
-    assert reloaded.config.num_hidden_layers == report["after"]["layers"]
+    assert reloaded.config.num_hidden_layers == report.after.layers

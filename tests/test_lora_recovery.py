@@ -72,7 +72,7 @@ def test_lora_recovery_lowers_loss_and_merges_to_stock_checkpoint(tmp_path):
     step = {"LoRARecovery": {"r": 8, "alpha": 16, "lr": 1e-2, "max_steps": 8, "batch_size": 4,
                              "micro_batch_size": 4, "seq_len": 256, "dataset": str(path), "save_adapter": True}}
     out, report = recipe_engine.apply(recipe(tmp_path, [step]), model=model, tokenizer=tokenizer, progress=False)
-    result = report["steps"][0]["result"]
+    result = report.steps[0].result
     assert result["steps"] == 8 and len(result["loss_history"]) == 8 and result["format"] == "alpaca"
     after = response_nll(out, records, tokenizer)
     assert after < before - 0.1, (before, after)  # random init: about ln(128) = 4.85 nats
@@ -116,7 +116,7 @@ def test_distill_moves_the_compressed_model_toward_the_dense_teacher(tmp_path):
                              "dataset": str(text), "distill": True, "top_k": 16}}
     recovered, report = recipe_engine.apply(recipe(tmp_path, [quantize, lora]), model=peaked_model(),
                                             tokenizer=CharTokenizer(), write=False, progress=False)
-    assert report["steps"][1]["result"]["format"] == "text"
+    assert report.steps[1].result["format"] == "text"
     ids = torch.tensor([CharTokenizer()(" ".join(WORDS * 2))["input_ids"][:64]])
     dense = peaked_model()
     assert kl_to(dense, recovered, ids) < 0.6 * kl_to(dense, quantized, ids)

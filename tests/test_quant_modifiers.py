@@ -99,7 +99,7 @@ def test_fusenorm_gptq_recipe_exports_compressed_tensors(tmp_path, sym):
     steps = ["FuseNorm", {"GPTQ": {"bits": 4, "group_size": 32, "sym": sym, "export": "compressed-tensors"}}]
     out, report = recipe_engine.apply(recipe(tmp_path, steps), model=model, tokenizer=CharTokenizer(),
                                       progress=False)
-    errors = report["steps"][1]["result"]["layers"]["3"]["output_error"]
+    errors = report.steps[1].result["layers"]["3"]["output_error"]
     assert set(errors) == set(LINEARS) and all(0 < e < 0.1 for e in errors.values())
     directory = tmp_path / "out"
     config = json.loads((directory / "config.json").read_text())["quantization_config"]
@@ -148,8 +148,8 @@ def test_flattengpt_then_gptq_shares_the_layer_pass(tmp_path):
     out, report = recipe_engine.apply(recipe(tmp_path, flatten + ["GPTQ<group_size:32,sym:false>"]),
                                       model=tiny_model(num_hidden_layers=6), tokenizer=CharTokenizer(),
                                       progress=False)
-    assert report["steps"][4]["shared_pass"] and out.config.num_hidden_layers == 4
-    extra_runs = report["calibration_layer_runs"] - without["calibration_layer_runs"]
+    assert report.steps[4].shared_pass and out.config.num_hidden_layers == 4
+    extra_runs = report.calibration_layer_runs - without.calibration_layer_runs
     assert 0 <= extra_runs <= out.config.num_hidden_layers
     for layer in out.model.layers:
         for target in LINEARS:

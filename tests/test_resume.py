@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+
+import recipe_engine
 import os
 import subprocess
 import sys
@@ -71,13 +73,13 @@ def test_killed_then_resumed_equals_an_uninterrupted_run(runs, point, reached):
     assert rc(runs, f"resume_{point}") == 0, (runs / f"resume_{point}.err").read_text()
     out = runs / "out" / point
     assert sha256(out / "model.safetensors") == sha256(runs / "out" / "reference" / "model.safetensors")
-    report = json.loads((out / "report.json").read_text())
-    assert report["resumed"] == reached
-    reference = json.loads((runs / "out" / "reference" / "report.json").read_text())
-    assert [s["modifier"] for s in report["steps"]] == [s["modifier"] for s in reference["steps"]]
-    assert report["after"] == reference["after"]
+    report = recipe_engine.load_report(out)
+    assert report.resumed.model_dump() == reached
+    reference = recipe_engine.load_report(runs / "out" / "reference")
+    assert [s.modifier for s in report.steps] == [s.modifier for s in reference.steps]
+    assert report.after == reference.after
     if point == "pass":  # the finished layers were not run again
-        assert report["calibration_layer_runs"] < reference["calibration_layer_runs"]
+        assert report.calibration_layer_runs < reference.calibration_layer_runs
     leftovers = [p.name for p in (runs / "out").iterdir() if p.name.startswith(f".{point}.")]
     assert leftovers == []  # checkpoints removed after success; the killed run's temporary dir swept
 

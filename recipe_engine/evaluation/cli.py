@@ -17,8 +17,10 @@ out = Console()
 
 def recipe_sha(model_spec: str) -> str | None:
     """sha256 of the recipe that produced an output directory (its ``report.json``), else None."""
-    report = Path(model_spec).expanduser() / "report.json"
-    return json.loads(report.read_text())["recipe"]["sha256"] if report.is_file() else None
+    from ..report import REPORT_FILE, load_report
+
+    directory = Path(model_spec).expanduser()
+    return load_report(directory).recipe.sha256 if (directory / REPORT_FILE).is_file() else None
 
 
 def model_record(spec: str, location: str) -> dict:
