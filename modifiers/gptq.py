@@ -31,8 +31,8 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_order: bool = False,
-                  damp: float = 0.01, block_size: int = 128) -> QuantizedWeight:
+def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_order: bool, damp: float,
+                  block_size: int) -> QuantizedWeight:
     """GPTQ Algorithm 1 in fp64: quantize columns left to right, spreading each column's error
     ``(w - q) / U_ii`` over the remaining columns with row ``i`` of ``U = chol((H + λI)⁻¹)ᵀ``;
     updates to columns after the current block are applied lazily once per block ("lazy batch").

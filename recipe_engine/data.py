@@ -191,8 +191,9 @@ def _column(table, field: str, name: str) -> list[str]:
     return list(table[field])
 
 
-def load_text(name: str, split: str = "train", text_field: str = "text") -> TextSource:
-    """Resolve a text source to one string (rows joined by blank lines)."""
+def load_text(name: str, split: str, text_field: str = "text") -> TextSource:
+    """Resolve a text source to one string (rows joined by blank lines). ``text_field``: the field of
+    json/jsonl/dataset records (evaluation sources are read with ``text``; calibration states its own)."""
     if name in SAMPLE_FILES:
         path = exllama_sample(SAMPLE_FILES[name])
         docs = split_documents(_read(path))

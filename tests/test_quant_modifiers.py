@@ -184,7 +184,8 @@ def test_gptq_step_equals_gptq_on_each_linear_with_its_own_gram():
                                                                   sequential=False)])
     for target in LINEARS:
         original = reference.model.layers[0].get_submodule(target).weight
-        expected = gptq_quantize(original, grams[target], Grid(4, 16, False), act_order=True).dequantized
+        expected = gptq_quantize(original, grams[target], Grid(4, 16, False), act_order=True, damp=0.01,
+                                 block_size=128).dequantized
         torch.testing.assert_close(model.model.layers[0].get_submodule(target).weight.double(), expected,
                                    rtol=0, atol=1e-5)
 
@@ -212,7 +213,9 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
         for target in group:
             linear = layer.get_submodule(target)
             with torch.no_grad():
-                linear.weight.copy_(gptq_quantize(linear.weight, gram, Grid(4, 16, True), act_order=True).dequantized)
+                quantized = gptq_quantize(linear.weight, gram, Grid(4, 16, True), act_order=True, damp=0.01,
+                                          block_size=128)
+                linear.weight.copy_(quantized.dequantized)
     model, one_pass = tiny_model(), tiny_model()
     make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16)])  # sequential, act_order: the defaults
     make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=False)])
