@@ -18,7 +18,6 @@ class Quantize(Modifier):
     Same grid, targets and export as ``GPTQ`` (``lm_head`` and embeddings untouched); needs no data.
     """
 
-    method: Literal["rtn"] = Field("rtn", description="rounding method (round-to-nearest)")
 
     @property
     def quantizes(self) -> bool:  # packed weights must stay on their grid; dequantized ones may change

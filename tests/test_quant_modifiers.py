@@ -45,7 +45,7 @@ def rtn_reference(w, bits, group, sym):
 def test_rtn_quantize_values_lie_on_grid(tmp_path, bits, group, sym):
     model = tiny_model()
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    step = {"Quantize": {"method": "rtn", "bits": bits, "group_size": group, "sym": sym}}
+    step = {"Quantize": {"bits": bits, "group_size": group, "sym": sym}}
     recipe_engine.apply(recipe(tmp_path, [step]), model=model, tokenizer=CharTokenizer(), write=False,
                         progress=False)
     for name, param in model.named_parameters():
