@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe_engine.quantization import Grid
-from recipe_engine.shape import ModelShape
+from recipe_engine.api import Grid, ModelShape
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

@@ -6,9 +6,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, PositiveInt, field_validator
 
-from recipe_engine import LayerModifier, register
-from recipe_engine.staged import StagedLayer
-from recipe_engine.stats import InputCovariance, position
+from recipe_engine.api import InputCovariance, LayerModifier, StagedLayer, position, register
 
 from ._quant import LINEARS, Grid, QuantizedWeight, grid_problem, known_targets, output_error
 

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from pydantic import ConfigDict, Field
 
-from recipe_engine import Modifier, RecipeError, register
-from recipe_engine.session import Session
+from recipe_engine.api import Modifier, RecipeError, Session, register
 
 from ._depth import require_uniform, token_mask
 

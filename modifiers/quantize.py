@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, PositiveInt, field_validator
 
-from recipe_engine import Modifier, register
+from recipe_engine.api import Modifier, register
 
 from ._quant import LINEARS, Grid, grid_problem, known_targets, rtn
 

@@ -6,9 +6,9 @@ from typing import Any
 
 from pydantic import Field
 
-from recipe_engine import Modifier, register
+from recipe_engine.api import Modifier, register
 
-from ._depth import drop_symbolic, remove_layers, require_uniform
+from ._depth import drop_symbolic, require_uniform
 
 
 def _name(origin: tuple[int, ...]) -> str:
@@ -56,5 +56,5 @@ class SLEB(Modifier):
             rounds.append((best, {"removed": list(session.layer_origin[best]), "nll": scores[best],
                                   "ppl": math.exp(scores[best]),
                                   "candidates": {_name(session.layer_origin[j]): v for j, v in scores.items()}}))
-        remove_layers(session, [index for index, _ in rounds[: self.n]])
+        session.remove_layers([index for index, _ in rounds[: self.n]])
         return {"rounds": [record for _, record in rounds[: self.n]], "layers": len(session.layers)}

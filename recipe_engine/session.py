@@ -114,6 +114,13 @@ class Session:
         self.adapter.set_layers(self.model, layers, inherit)
         self.layer_origin = list(origin)
 
+    def remove_layers(self, remove: list[int]) -> list[tuple[int, ...]]:
+        """Drop the current layers in ``remove``; returns the original indices of what was dropped."""
+        keep = [i for i in range(len(self.layers)) if i not in set(remove)]
+        dropped = [self.layer_origin[i] for i in sorted(remove)]
+        self.set_layers([self.layers[i] for i in keep], [self.layer_origin[i] for i in keep], keep)
+        return dropped
+
     def oversized_layers(self, part: WidthPart | None = None) -> list[int]:
         """Layers wider than the config, read from the weights: in query heads (``part="attention"``),
         in intermediate size (``"mlp"``), or in either (``None``, which also compares KV heads)."""

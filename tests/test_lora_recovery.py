@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from recipe_engine.modifiers.lora_recovery import alpaca_prompt, top_k_kl, training_examples
+from recipe_engine.modifiers.lora_recovery import alpaca_prompt, training_examples
+from recipe_engine.ops import top_k_kl
 from tests.helpers import CharTokenizer, tiny_model
 
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "piano", "lemon"]
@@ -60,8 +61,22 @@ def test_top_k_kl_equals_full_kl_when_k_is_the_vocabulary():
     mask = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 1, 1, 1]], dtype=torch.float32)
     full = F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="none").sum(-1)
     expected = (full * mask).sum() / mask.sum()
-    torch.testing.assert_close(top_k_kl(student, teacher, mask, k=11), expected)
-    assert top_k_kl(student, teacher, mask, k=3) >= 0
+    for over in ("vocabulary", "top_k"):  # k = vocabulary: both normalisations are the full KL
+        torch.testing.assert_close(top_k_kl(student, teacher, mask, 11, over), expected)
+        assert top_k_kl(student, teacher, mask, 3, over) >= 0
+
+
+def test_top_k_kl_student_over_top_k_is_kl_of_both_renormalised():
+    """``top_k``: KL between the teacher's and the student's softmax over the teacher's top-k (LinearPatch
+    Eq. 9), by torch's kl_div on explicitly gathered logits; ``vocabulary`` differs when k < vocabulary."""
+    g = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    top, index = teacher.topk(4, -1)
+    kl = F.kl_div(student.gather(-1, index).log_softmax(-1), top.log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)
+    torch.testing.assert_close(top_k_kl(student, teacher, mask, 4, "top_k"), kl[mask].mean())
+    assert float(top_k_kl(student, teacher, mask, 4, "vocabulary")) != pytest.approx(float(kl[mask].mean()))
 
 
 def test_lora_recovery_lowers_loss_and_merges_to_stock_checkpoint(tmp_path):
