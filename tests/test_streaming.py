@@ -332,11 +332,11 @@ def test_report_records_each_steps_peak_beside_its_estimate(tmp_path):
     saved_model(model_dir)
     steps = ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]
     _, report = recipe_engine.apply(recipe(tmp_path, model_dir, steps, "on", "out"), progress=False)
-    peaks = [s["peak_rss_mib"] for s in report.steps]
+    peaks = [s.peak_rss_mib for s in report.steps]
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("no /proc/self/clear_refs: per-step peaks are not measured here")
     assert all(p is not None and 0 < p <= report.peak_memory.rss_mib for p in peaks)
-    assert all(s["estimate_rss_mib"] > 0 for s in report.steps)
+    assert all(s.estimate_rss_mib > 0 for s in report.steps)
     assert report.steps[1].estimate_rss_mib == report.steps[2].estimate_rss_mib  # one shared pass
 
 
