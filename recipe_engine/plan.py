@@ -105,7 +105,7 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
     config, problem = plan_config(recipe)
     rows, total = plan_rows(recipe, config)
     cal = recipe.calibration
-    table = Table(title=f"plan: {recipe.name} ({cal.samples} × {cal.seq_len} tokens from {cal.dataset})")
+    table = Table(title=f"plan: {recipe.name} ({cal.samples} × {cal.seq_len} tokens from {', '.join(cal.sources)})")
     for column in ("step", "scope", "statistics", "calibration passes"):
         table.add_column(column)
     for row in rows:

@@ -48,7 +48,7 @@ class ModelRecord(_Section):
 
 
 class DataRecord(_Section):
-    dataset: str
+    dataset: str | list[str] = Field(description="the calibration source, or the sources of a mix")
     origin: str = Field(description="the file or dataset actually read")
     tokens_available: int
     samples: int
