@@ -1,8 +1,12 @@
 # Quickstart targets; each does its own setup (.venv with CPU torch).
-.PHONY: setup demo test
+# Local data (WikiText-2 raw, zero-shot task files): the shared data directory beside the checkout.
+export RECIPE_DATA_DIR ?= $(abspath ../shared/data)
+.PHONY: setup demo test check-install
 setup:
 	@bash scripts/setup.sh
 demo: setup
 	.venv/bin/recipe apply recipes/flatten20_smollm2.yaml --force
 test: setup
 	.venv/bin/python -m pytest -q
+check-install:
+	@bash scripts/check_install.sh

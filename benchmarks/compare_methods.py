@@ -92,7 +92,7 @@ def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict
     dataset, split = CALIBRATIONS[args.calibration]
     calibration = {"dataset": dataset, "split": split, "samples": args.samples, "seq_len": args.seq_len,
                    "seed": 0, **overrides}
-    model, report = dense, {"steps": []}
+    model, report = dense, None
     if steps:
         recipe = {"version": 1, "name": "compare", "model": args.model, "output": "out/unused",
                   "calibration": calibration, "modifiers": steps}
@@ -105,9 +105,9 @@ def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict
             "eval_windows": {key: args.windows[key] for key in args.evals},
             "layers": model.config.num_hidden_layers,
             "params_pct": 100.0 * count_parameters(model) / count_parameters(dense), "ppl": ppl,
-            "compress_s": sum(step["wall_s"] for step in report["steps"]),
+            "compress_s": sum(step.wall_s for step in report.steps) if report else 0.0,
             "calibration_config": calibration, "modifiers": steps,
-            "steps": [{"modifier": s["modifier"], "result": s["result"]} for s in report["steps"]]}
+            "steps": [{"modifier": s.modifier, "result": s.result} for s in report.steps] if report else []}
 
 
 def key(row: dict) -> str:

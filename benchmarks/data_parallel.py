@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import recipe_engine
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "flatten20_smollm2.yaml"
 
@@ -76,16 +78,16 @@ def main() -> None:
     a, b = (load_file(base / name / "model.safetensors") for name in ("single", "parallel"))
     worst = max(float((a[k].double() - b[k].double()).abs().max() / a[k].double().abs().max().clamp_min(1e-30))
                 for k in a)
-    reports = {name: json.loads((base / name / "report.json").read_text()) for name in ("single", "parallel")}
+    reports = {name: recipe_engine.load_report(base / name) for name in ("single", "parallel")}
     record = {
         "recipe": str(RECIPE.relative_to(ROOT)), "calibration": f"{args.samples}x{args.seq_len} wikitext2 validation",
         "ranks": args.ranks, "threads_per_process": 1, "wall_s": {"single": single, "parallel": parallel},
         "wall_ratio": parallel / single, "cpu_s": {"single": single_cpu, "parallel_all_ranks": parallel_cpu},
         "cpu_ratio_per_rank": parallel_cpu / args.ranks / single_cpu, "ppl": ppl, "ppl_relative_diff": abs(ppl["parallel"] / ppl["single"] - 1),
-        "max_relative_weight_diff": worst, "same_layer_origin": reports["single"]["after"]["layer_origin"]
-        == reports["parallel"]["after"]["layer_origin"],
-        "layer_batches": {n: r["calibration_layer_batches"] for n, r in reports.items()},
-        "single_checkpoint_s": reports["single"].get("checkpoints", {}).get("seconds", 0.0),
+        "max_relative_weight_diff": worst, "same_layer_origin": reports["single"].after.layer_origin
+        == reports["parallel"].after.layer_origin,
+        "layer_batches": {n: r.calibration_layer_batches for n, r in reports.items()},
+        "single_checkpoint_s": reports["single"].checkpoints.seconds if reports["single"].checkpoints else 0.0,
         "load_average": {"before": load_before, "after": load_after},
         "torch": torch.__version__,
     }

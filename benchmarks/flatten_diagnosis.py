@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from modifiers.flatten_adjacent import merge_layers
-from modifiers.head_prune import best_groups_by_error, eq12_group_scores, group_channels
+from recipe_engine.modifiers.flatten_adjacent import merge_layers
+from recipe_engine.modifiers.head_prune import best_groups_by_error, eq12_group_scores, group_channels
 from recipe_engine.adapters import adapter_for
 from recipe_engine.data import load_text, sample_windows, tokenize
 from recipe_engine.evaluation.perplexity import make_windows

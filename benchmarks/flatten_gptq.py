@@ -54,7 +54,7 @@ def main() -> None:
                                             force=True, progress=False)
         row = {"row": name, "modifiers": steps, "layers": model.config.num_hidden_layers,
                "parameters": count_parameters(model), "disk_mib": checkpoint_bytes(directory) / 2 ** 20,
-               "compress_s": sum(step["wall_s"] for step in report["steps"]) if steps else 0.0,
+               "compress_s": sum(step.wall_s for step in report.steps) if steps else 0.0,
                "ppl": perplexity(model, tokenizer, test, seq_len=1024, limit=24)["ppl"]}
         results["rows"].append(row)
         args.out.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,7 @@ OURS = {"ours_default": {},
 
 def ours(model, tokenizer, ids, group_size: int, options: dict, batch_size: int):
     """Our GPTQ step in a layer-sequential session over the given ids; returns (wall s, CPU s, session)."""
-    from modifiers.gptq import GPTQ
+    from recipe_engine.modifiers.gptq import GPTQ
 
     session = session_for(model, tokenizer, ids, batch_size)
     step = GPTQ(bits=4, group_size=group_size, sym=True, export="compressed-tensors", **options)
@@ -120,7 +120,7 @@ def main_side(args) -> None:
     alike); then every model is scored here, one after another."""
     import copy
 
-    from modifiers.quantize import Quantize
+    from recipe_engine.modifiers.quantize import Quantize
     from recipe_engine.checkpoint import write_checkpoint
     from recipe_engine.data import load_text
     from safetensors.torch import load_file

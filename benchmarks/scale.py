@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import recipe_engine
 from recipe_engine.evaluation.bench import checkpoint_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ def apply(recipe: dict, workdir: Path, log_name: str) -> dict:
     wall = time.perf_counter() - start
     if code != 0:
         raise SystemExit(f"{recipe['name']} failed (exit {code}); see {workdir / log_name}")
-    report = json.loads((Path(recipe["output"]) / "report.json").read_text())
+    report = recipe_engine.load_report(recipe["output"])
     return {"report": report, "watched_peak_mib": peak.get("hwm_mib"), "wall_s": wall, "estimate": estimate}
 
 
@@ -146,17 +147,17 @@ def _gib(mib: float | None) -> float | None:
 
 def row(label: str, result: dict, size: int) -> dict:
     report = result["report"]
-    peak = report["peak_memory"]["rss_mib"]
+    peak = report.peak_memory.rss_mib
     return {"run": label, "checkpoint_gib": size / 2**30, "peak_rss_gib": peak / 1024,
             "peak_over_checkpoint": peak * 2**20 / size, "estimate_gib": result["estimate"]["host_peak_bytes"] / 2**30,
             "estimate_over_peak": result["estimate"]["host_peak_bytes"] / (peak * 2**20), "wall_s": result["wall_s"],
-            "steps_s": {f"{s['index']} {s['modifier']}": round(s["wall_s"], 1) for s in report["steps"]},
-            "steps_peak_gib": {f"{s['index']} {s['modifier']}": _gib(s.get("peak_rss_mib")) for s in report["steps"]},
-            "steps_estimate_gib": {f"{s['index']} {s['modifier']}": _gib(s.get("estimate_rss_mib"))
-                                   for s in report["steps"]},
-            "pass_shared_s": max((s.get("pass_shared_s") or 0) for s in report["steps"]),
-            "layers": f"{report['before']['layers']} -> {report['after']['layers']}",
-            "bytes_staged_gib": report.get("stream", {}).get("bytes_staged", 0) / 2**30}
+            "steps_s": {f"{s.index} {s.modifier}": round(s.wall_s, 1) for s in report.steps},
+            "steps_peak_gib": {f"{s.index} {s.modifier}": _gib(s.peak_rss_mib) for s in report.steps},
+            "steps_estimate_gib": {f"{s.index} {s.modifier}": _gib(s.estimate_rss_mib)
+                                   for s in report.steps},
+            "pass_shared_s": max(s.pass_shared_s for s in report.steps),
+            "layers": f"{report.before.layers} -> {report.after.layers}",
+            "bytes_staged_gib": (report.stream.bytes_staged if report.stream else 0) / 2**30}
 
 
 def bench_depth(workdir: Path, layers: list[int]) -> list[dict]:

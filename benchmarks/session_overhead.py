@@ -33,7 +33,8 @@ def child(mode: str, samples: int, seq_len: int) -> dict:
     torch.manual_seed(0)
     model, tokenizer, _ = load_model("smollm2-135m")
     config = CalibrationConfig(dataset="wikipedia-sample", samples=samples, seq_len=seq_len)
-    windows = sample_windows(tokenize(tokenizer, load_text("wikipedia-sample").text), samples, seq_len, 0, "wiki")
+    text = load_text("wikipedia-sample", "train").text
+    windows = sample_windows(tokenize(tokenizer, text), samples, seq_len, 0, "wiki")
     start = time.perf_counter()
     with torch.no_grad():
         if mode == "plain_forward":

@@ -13,10 +13,10 @@ recipe_path = sys.argv[1] if len(sys.argv) > 1 else "recipes/fusenorm_smollm2.ya
 # 1. Run the recipe without writing anything; overrides use the same syntax as `recipe apply --set`.
 model, report = recipe_engine.apply(recipe_path, overrides=["calibration.samples=4", "calibration.seq_len=128",
                                                             "evaluate.perplexity.limit=2"], write=False)
-print(f"layers {report['before']['layers']} -> {report['after']['layers']}, "
-      f"parameters {report['before']['parameters']:,} -> {report['after']['parameters']:,}")
+print(f"layers {report.before.layers} -> {report.after.layers}, "
+      f"parameters {report.before.parameters:,} -> {report.after.parameters:,}")
 for when in ("before", "after"):
-    ppl = report.get("evaluation", {}).get(when, {}).get("perplexity")
+    ppl = (getattr(report.evaluation, when) or {}).get("perplexity") if report.evaluation else None
     if ppl:
         print(f"PPL {when}: {ppl['ppl']:.2f} on {ppl['windows']} windows of {ppl['origin']}")
 

@@ -1,23 +1,16 @@
-"""Helpers shared by the depth-pruning modifiers (ShortGPT, LaCo, SLEB, LinearPatch); not a modifier."""
+"""Helpers shared by the depth-pruning modifiers (ShortGPT, LaCo, SLEB, LinearPatch); not a modifier.
+Removing layers is the session's (``Session.remove_layers``)."""
 from __future__ import annotations
 
 import torch
 
-from recipe_engine.shape import ModelShape
+from recipe_engine.api import ModelShape
 
 
 def token_mask(session, batch: torch.Tensor) -> torch.Tensor:
     """True for tokens that count in statistics: all of them, except the tokenizer's pad token if it has one."""
     pad = getattr(session.tokenizer, "pad_token_id", None)
     return batch != pad if pad is not None else torch.ones_like(batch, dtype=torch.bool)
-
-
-def remove_layers(session, remove: list[int]) -> list[tuple[int, ...]]:
-    """Drop the current layers in ``remove``; returns the original indices of what was dropped."""
-    keep = [i for i in range(len(session.layers)) if i not in set(remove)]
-    dropped = [session.layer_origin[i] for i in sorted(remove)]
-    session.set_layers([session.layers[i] for i in keep], [session.layer_origin[i] for i in keep], keep)
-    return dropped
 
 
 def require_uniform(step, shape: ModelShape) -> None:

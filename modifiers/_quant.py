@@ -5,11 +5,12 @@ grid (``recipe_engine.quantization.Grid``) and the relative layer-output error u
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, Field, PositiveInt, field_validator
 
-from recipe_engine.quantization import Grid
-from recipe_engine.shape import ModelShape
+from recipe_engine.api import Grid, ModelShape
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -79,3 +80,32 @@ def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None, 
                 return (f"group_size {group_size} does not divide the input width {width} of "
                         f"model.layers.{layer}.{target}{hint}", "group_size")
     return None
+
+
+class GridParameters(BaseModel):
+    """The grid, targets and export every quantizing step takes (a base class of ``GPTQ`` and ``Quantize``),
+    with their validation against the symbolic shape."""
+
+    bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
+    group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
+    sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
+    targets: list[str] = Field(list(LINEARS), min_length=1, description="linears inside each decoder layer")
+    export: Literal["dequantized", "compressed-tensors"] = Field(
+        "dequantized", description="checkpoint format: dequantized model-dtype weights or packed int (vLLM)")
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        return known_targets(value)
+
+    @property
+    def quantizes(self) -> bool:  # packed weights must stay on their grid; dequantized ones may change
+        return self.export == "compressed-tensors"
+
+    def grid(self) -> Grid:
+        return Grid(self.bits, self.group_size, self.sym)
+
+    def check(self, shape: ModelShape) -> None:
+        problem = grid_problem(shape, self.targets, self.group_size, self.bits, self.export)
+        if problem:
+            raise self.fail(*problem)

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from recipe_engine import Modifier, register
-from recipe_engine.shape import LayerShape, ModelShape
+from recipe_engine.api import LayerShape, ModelShape, Modifier, register
 
 
 def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]], list[float]]:

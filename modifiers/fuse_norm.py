@@ -6,19 +6,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from recipe_engine import Modifier, register
-
-
-@torch.no_grad()
-def fold_norm_into(norm: torch.nn.Module, linears: list[torch.nn.Linear]) -> None:
-    """``W ← W diag(g)`` for every linear reading ``RMSNorm(x) = g ⊙ x / rms(x)``, then ``g ← 1``.
-
-    Computed in fp32 and cast back to the weights' dtype; biases are unchanged.
-    """
-    gain = norm.weight.detach().float()
-    for linear in linears:
-        linear.weight.copy_((linear.weight.float() * gain[None, :]).to(linear.weight.dtype))
-    norm.weight.fill_(1.0)
+from recipe_engine.api import Modifier, fold_norm_into, register
 
 
 @register

@@ -1,16 +1,14 @@
 """GPTQ: layer-wise weight quantization with second-order error feedback (Frantar et al., ICLR 2023)."""
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt
 
-from recipe_engine import LayerModifier, register
-from recipe_engine.staged import StagedLayer
-from recipe_engine.stats import InputCovariance, position
+from recipe_engine.api import InputCovariance, LayerModifier, StagedLayer, position, register
 
-from ._quant import LINEARS, Grid, QuantizedWeight, grid_problem, known_targets, output_error
+from ._quant import Grid, GridParameters, QuantizedWeight, output_error
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -31,8 +29,8 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_order: bool = False,
-                  damp: float = 0.01, block_size: int = 128) -> QuantizedWeight:
+def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_order: bool, damp: float,
+                  block_size: int) -> QuantizedWeight:
     """GPTQ Algorithm 1 in fp64: quantize columns left to right, spreading each column's error
     ``(w - q) / U_ii`` over the remaining columns with row ``i`` of ``U = chol((H + λI)⁻¹)ᵀ``;
     updates to columns after the current block are applied lazily once per block ("lazy batch").
@@ -83,7 +81,7 @@ def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_orde
 
 
 @register
-class GPTQ(LayerModifier):
+class GPTQ(GridParameters, LayerModifier):
     """Quantize every decoder layer's linears to ``bits``-bit integers with GPTQ inside the shared pass.
 
     ``sequential: true`` (default) is the GPTQ reference code's "true sequential": linears are quantized
@@ -98,40 +96,16 @@ class GPTQ(LayerModifier):
     (stock checkpoint), or with ``export: compressed-tensors`` packed int32 weights + scales that vLLM loads.
     """
 
-
-    @property
-    def quantizes(self) -> bool:  # packed weights must stay on their grid; dequantized ones may change
-        return self.export == "compressed-tensors"
-
     example: ClassVar[tuple[str, ...]] = ("GPTQ<group_size:32>",)  # tiny contract model: widths 64 and 96
     needs = ("input Gram of q/k/v, o_proj, gate/up and down_proj (fp32 products, fp64 sums); sequential: "
              "each after the groups before it are quantized",)
 
-    bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
-    group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
-    sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
     act_order: bool = Field(True, description="quantize columns by descending Hessian diagonal (static groups); "
                                                "default true: SmolLM2 W4 g64 PPL 30.13 vs 33.16 (BENCHMARKS.md)")
     damp: float = Field(0.01, gt=0, lt=1, description="diagonal damping as a fraction of mean(diag H)")
     sequential: bool = Field(True, description="take each linear group's Hessian after quantizing the groups "
                                                "before it in the layer (false: all from the unquantized layer)")
     block_size: PositiveInt = Field(128, description="columns per lazy-batch block (speed only)")
-    targets: list[str] = Field(list(LINEARS), min_length=1, description="linears inside each decoder layer")
-    export: Literal["dequantized", "compressed-tensors"] = Field(
-        "dequantized", description="checkpoint format: dequantized model-dtype weights or packed int (vLLM)")
-
-    @field_validator("targets")
-    @classmethod
-    def _known_targets(cls, value: list[str]) -> list[str]:
-        return known_targets(value)
-
-    def grid(self) -> Grid:
-        return Grid(self.bits, self.group_size, self.sym)
-
-    def check(self, shape) -> None:
-        problem = grid_problem(shape, self.targets, self.group_size, self.bits, self.export)
-        if problem:
-            raise self.fail(*problem)
 
     def working_memory(self, shape, tokens: int) -> int:
         """The fp64 Hessian of the widest input (``down_proj``: the intermediate size), its Cholesky

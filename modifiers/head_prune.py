@@ -9,10 +9,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine import LayerModifier, register
-from recipe_engine.linalg import mean_eigenvalue, reconstruction_error, ridge_compensation, set_linear_weight
-from recipe_engine.shape import ModelShape
-from recipe_engine.stats import InputCovariance
+from recipe_engine.api import (InputCovariance, LayerModifier, ModelShape, mean_eigenvalue, reconstruction_error,
+                               register, ridge_compensation, set_linear_weight)
 
 
 def group_channels(groups: list[int], queries_per_group: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,10 +7,9 @@ from functools import partial
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
-from recipe_engine import Modifier, RecipeError, register
-from recipe_engine.session import Session
+from recipe_engine.api import Modifier, RecipeError, Session, register
 
 from ._depth import require_uniform, token_mask
 
@@ -51,7 +50,7 @@ class Similarity:
 
     def __init__(self, session, samples: int):
         self.sub = Session(session.model, session.tokenizer, session.adapter, session.calibration[:samples],
-                           session.config, session.device, session.progress)
+                           session.config, session.device, session.progress, passes=session.passes)
         self.masks = [token_mask(session, batch) for batch in self.sub.batches()]
         hidden, self.kwargs = self.sub.capture_inputs()
         self.inputs = []
@@ -72,6 +71,7 @@ class Similarity:
 
     @torch.no_grad()
     def __call__(self, layers: list[torch.nn.Module], start: int) -> float:
+        self.sub.count_pass()  # from the kept inputs of layer ``start`` to the final norm
         hidden = self.inputs[start]
         for layer in layers[start:]:
             hidden = self._run(layer, hidden)
@@ -84,6 +84,9 @@ class Similarity:
 class LaCo(Modifier):
     """Layer Collapse: merge the ``C−1`` layers after layer ``l`` into it (RDSC) while similarity stays > T.
 
+    Parameters carry descriptive names; the paper's letters are aliases (``combine`` = C, ``lowest`` = L,
+    ``top`` = H, ``interval`` = I, ``threshold`` = T).
+
     Algorithm 1 from the top down with 0-based layers: ``l`` starts at ``H − C`` and stops below ``L``;
     a merge of ``K = min(C−1, layers−1−l)`` layers is kept when the mean cosine between the pruned and the
     entry model's final hidden states on ``samples`` calibration windows exceeds ``T`` (then ``l −= I``,
@@ -94,36 +97,46 @@ class LaCo(Modifier):
     needs = ("final hidden states of the merged and the entry model on the few-shot samples",)
     example = ("LaCo<samples:2>",)   # the contract tests calibrate on 4 windows
 
-    C: int = Field(4, ge=1, description="layers combined per merge (the base and C−1 after it)")
-    L: int = Field(1, ge=0, description="lowest merge base layer (0-based)")
-    H: int | None = Field(None, ge=1, description="merging stays below this layer (0-based, exclusive); "
-                                                   "null: all layers (the paper's H = layer count)")
-    I: int = Field(2, ge=1, description="minimum interval between two merge bases")
-    T: float = Field(0.65, ge=-1, le=1, description="similarity threshold (lower merges more)")
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)  # the paper's letters as aliases
+
+    combine: int = Field(4, ge=1, alias="C", description="C: layers combined per merge (the base and C−1 after it)")
+    lowest: int = Field(1, ge=0, alias="L", description="L: lowest merge base layer (0-based)")
+    top: int | None = Field(None, ge=1, alias="H", description="H: merging stays below this layer (0-based, "
+                                                                "exclusive); null: all layers (the paper's H = layer count)")
+    interval: int = Field(2, ge=1, alias="I", description="I: minimum interval between two merge bases")
+    threshold: float = Field(0.65, ge=-1, le=1, alias="T", description="T: similarity threshold (lower merges more)")
     target_layers: int | None = Field(None, ge=1, description="search T for this many layers instead")
     search_steps: int = Field(10, ge=1, description="bisection steps of the T search (with target_layers)")
     samples: int = Field(10, ge=1, description="few-shot sentences D: the first N calibration windows")
 
+    def passes(self, shape) -> tuple[int, int]:
+        """The entry model's pass, then one (partial) pass per similarity evaluation: each merge base from
+        ``H − C`` down to ``L`` is evaluated once per run, and a kept merge skips the next ``I − 1`` bases.
+        The ``target_layers`` search runs Algorithm 1 up to ``search_steps`` times (repeats are cached)."""
+        bases = (self.top if self.top is not None else shape.num_layers) - self.combine - self.lowest + 1
+        fewest, most = (bases - 1) // self.interval + 1, bases
+        return 1 + fewest, 1 + most * (self.search_steps if self.target_layers is not None else 1)
+
     def check(self, shape) -> None:
-        top = self.H if self.H is not None else shape.num_layers
+        top = self.top if self.top is not None else shape.num_layers
         if top > shape.num_layers:
-            raise self.fail(f"H={self.H} exceeds the {shape.num_layers} layers at this step", field="H")
-        if top - self.C < self.L:
-            raise self.fail(f"nothing to merge: H − C = {top - self.C} is below L = {self.L}", field="C")
-        if self.target_layers is not None and "T" in self.model_fields_set:
-            raise self.fail("give T or target_layers, not both (T is searched for target_layers)", field="T")
+            raise self.fail(f"H={self.top} exceeds the {shape.num_layers} layers at this step", field="top")
+        if top - self.combine < self.lowest:
+            raise self.fail(f"nothing to merge: H − C = {top - self.combine} is below L = {self.lowest}", field="combine")
+        if self.target_layers is not None and "threshold" in self.model_fields_set:
+            raise self.fail("give T or target_layers, not both (T is searched for target_layers)", field="threshold")
         require_uniform(self, shape)
         layers = list(shape.layers)
-        goal = self.target_layers if self.target_layers is not None else len(layers) - (self.C - 1)
-        base = top - self.C
-        while base >= self.L and len(layers) > goal:   # symbolic: accept every merge, from the top
-            k = min(self.C - 1, len(layers) - 1 - base, len(layers) - goal)
+        goal = self.target_layers if self.target_layers is not None else len(layers) - (self.combine - 1)
+        base = top - self.combine
+        while base >= self.lowest and len(layers) > goal:   # symbolic: accept every merge, from the top
+            k = min(self.combine - 1, len(layers) - 1 - base, len(layers) - goal)
             span = layers[base: base + k + 1]
             layers[base: base + k + 1] = [replace(span[0], origin=tuple(i for s in span for i in s.origin))]
-            base -= self.I
+            base -= self.interval
         if self.target_layers is not None and len(layers) != self.target_layers:
-            raise self.fail(f"target_layers={self.target_layers} is out of reach: with C={self.C}, L={self.L}, "
-                            f"H={top}, I={self.I} at most {shape.num_layers - len(layers)} of "
+            raise self.fail(f"target_layers={self.target_layers} is out of reach: with C={self.combine}, L={self.lowest}, "
+                            f"H={top}, I={self.interval} at most {shape.num_layers - len(layers)} of "
                             f"{shape.num_layers} layers merge away", field="target_layers")
         shape.layers = layers
 
@@ -134,7 +147,7 @@ class LaCo(Modifier):
         run = partial(self._collapse, session, similarity=Similarity(session, self.samples), memo={})
         tried = []
         if self.target_layers is None:
-            result, threshold = run(self.T), self.T
+            result, threshold = run(self.threshold), self.threshold
         else:
             result, threshold, tried = self._search(run)
         layers, origin, inherit, merges = result
@@ -146,10 +159,10 @@ class LaCo(Modifier):
         """One run of Algorithm 1; ``memo`` caches similarities by (merges so far, l) across runs."""
         layers, origin = list(session.layers), list(session.layer_origin)
         inherit, merges = list(range(len(layers))), []
-        top = self.H if self.H is not None else len(layers)
-        base = top - self.C
-        while base >= self.L:
-            k = min(self.C - 1, len(layers) - 1 - base)
+        top = self.top if self.top is not None else len(layers)
+        base = top - self.combine
+        while base >= self.lowest:
+            k = min(self.combine - 1, len(layers) - 1 - base)
             key = (tuple((m["base"], m["merged"]) for m in merges), base)
             merged = None
             if key not in memo:
@@ -162,7 +175,7 @@ class LaCo(Modifier):
                 layers = layers[:base] + [merged] + layers[base + k + 1:]
                 origin = origin[:base] + [tuple(merges[-1]["origin"])] + origin[base + k + 1:]
                 inherit = inherit[:base + 1] + inherit[base + k + 1:]
-                base -= self.I
+                base -= self.interval
             else:
                 base -= 1
         return layers, origin, inherit, merges

@@ -11,11 +11,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine import Modifier, RecipeError, register
-from recipe_engine.adapters import adapter_for
-from recipe_engine.hadamard import rotation
+from recipe_engine.api import Modifier, RecipeError, adapter_for, register, rotation, top_k_kl
 
-from ._depth import drop_symbolic, remove_layers, require_uniform, token_mask
+from ._depth import drop_symbolic, require_uniform, token_mask
 
 EXTRA_TYPE, EXTRA_VERSION = "linear_patch", 1
 
@@ -125,14 +123,12 @@ def distil(session, patches: list[Patch], tune: "Tune") -> list[float]:
     try:
         with session.on_device(teacher, student):
             for _ in range(tune.epochs):
+                session.count_pass()  # teacher and student over every calibration batch
                 for batch in session.progress.track(session.batches(), "LinearPatch distillation"):
                     ids, mask = batch.to(session.device), token_mask(session, batch).to(session.device)
                     with torch.no_grad():
-                        top, index = teacher(input_ids=ids, use_cache=False).logits.float().topk(tune.top_k, -1)
-                    logits = student(input_ids=ids, use_cache=False).logits.float().gather(-1, index)
-                    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), top.log_softmax(-1),
-                                                    log_target=True, reduction="none").sum(-1)
-                    loss = kl[mask].mean()
+                        target = teacher(input_ids=ids, use_cache=False).logits
+                    loss = top_k_kl(student(input_ids=ids, use_cache=False).logits, target, mask, tune.top_k, "top_k")
                     optimizer.zero_grad()
                     loss.backward()
                     optimizer.step()
@@ -179,7 +175,7 @@ class LinearPatch(Modifier):
     seed: int = Field(0, description="seed of the random orthogonal H when no Hadamard matrix is known")
     tune: Tune | None = Field(None, description="distil P with KL on the teacher's top-K logits")
 
-    def passes(self) -> int:
+    def passes(self, shape) -> int:
         return 1 + (self.select is not None) + (self.tune.epochs if self.tune else 0)
 
     def check(self, shape) -> None:
@@ -207,7 +203,7 @@ class LinearPatch(Modifier):
             scores = contiguous_scores(session, self.n)
             start = max(scores, key=lambda i: (scores[i], -i))
             report.update(similarity=scores, removed=[list(o) for o in
-                                                      remove_layers(session, list(range(start, start + self.n)))])
+                                                      session.remove_layers(list(range(start, start + self.n)))])
         reference = session.reference_session()
         found = interfaces(session.layer_origin, len(reference.layers), self.merged_as)
         if not found:

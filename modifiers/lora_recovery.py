@@ -12,8 +12,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from recipe_engine import Modifier, register
-from recipe_engine.data import load_text, tokenize
+from recipe_engine.api import Modifier, load_text, register, tokenize, top_k_kl
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_DIR = "lora_adapter"
@@ -93,17 +92,6 @@ def pad_batch(examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def top_k_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
-    """Mean over masked positions of ``KL(p̂_T ‖ p_S)`` on the teacher's ``k`` most likely tokens:
-    ``p̂_T`` = softmax of the teacher's top-k logits (renormalised), ``log p_S`` the student's
-    full-vocabulary log-softmax gathered there (sparse logit distillation, as in Minitron §2.3)."""
-    values, index = teacher.float().topk(k, dim=-1)
-    target = values.softmax(dim=-1)
-    log_student = student.float().log_softmax(dim=-1).gather(-1, index)
-    kl = (target * (target.log() - log_student)).sum(dim=-1)
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
-
-
 def make_trainer(model, args, examples, teacher=None, top_k: int = 0):
     """An HF ``Trainer`` (label loss) or, with a teacher, one whose loss is :func:`top_k_kl` on the
     positions that carry labels."""
@@ -116,7 +104,7 @@ def make_trainer(model, args, examples, teacher=None, top_k: int = 0):
             with torch.no_grad():
                 target = teacher(**inputs).logits
             mask = (labels[:, 1:] != -100).float()
-            loss = top_k_kl(outputs.logits[:, :-1], target[:, :-1], mask, top_k)
+            loss = top_k_kl(outputs.logits[:, :-1], target[:, :-1], mask, top_k, "vocabulary")
             return (loss, outputs) if return_outputs else loss
 
     if teacher is None:

@@ -8,11 +8,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine import LayerModifier, register
-from recipe_engine.linalg import (heldout_ridge_scale, mean_eigenvalue, refit_error, ridge_compensation,
-                                  ridge_leverage_scores, ridge_refit, set_linear_weight, submatrix)
-from recipe_engine.shape import ModelShape
-from recipe_engine.stats import InputCovariance, Statistic
+from recipe_engine.api import (InputCovariance, LayerModifier, ModelShape, Statistic, heldout_ridge_scale,
+                               mean_eigenvalue, refit_error, register, ridge_compensation, ridge_leverage_scores,
+                               ridge_refit, set_linear_weight, submatrix)
 
 
 class _LastInput(Statistic):
@@ -119,6 +117,10 @@ class NystromMLP(LayerModifier):
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # needs merged layers
     needs = ("down_proj input Gram (fp64)", "target serial/original: the original layers' outputs "
              "(original weights on CPU)")
+
+    def passes(self, shape) -> int:
+        """The shared pass, plus the original model walked in lockstep with ``target: original``."""
+        return 1 + (self.target == "original")
 
     def check_calibration(self, calibration) -> None:
         """``target: original`` fits each layer to the original hidden state, absorbing the drift of the

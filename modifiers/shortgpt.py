@@ -6,9 +6,9 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from recipe_engine import Modifier, RecipeError, register
+from recipe_engine.api import Modifier, RecipeError, register
 
-from ._depth import drop_symbolic, remove_layers, require_uniform, token_mask
+from ._depth import drop_symbolic, require_uniform, token_mask
 
 
 @torch.no_grad()
@@ -62,6 +62,6 @@ class ShortGPT(Modifier):
     def apply(self, session) -> dict[str, Any]:
         scores = session.shared(self, "ShortGPT block influence", lambda: block_influence(session))
         order = sorted(range(len(scores)), key=lambda i: (scores[i], i))
-        removed = remove_layers(session, order[: self.n])
+        removed = session.remove_layers(order[: self.n])
         return {"block_influence": scores, "removed": [list(o) for o in removed],
                 "layers": len(session.layers)}

@@ -6,9 +6,9 @@ from typing import Any
 
 from pydantic import Field
 
-from recipe_engine import Modifier, register
+from recipe_engine.api import Modifier, register
 
-from ._depth import drop_symbolic, remove_layers, require_uniform
+from ._depth import drop_symbolic, require_uniform
 
 
 def _name(origin: tuple[int, ...]) -> str:
@@ -29,6 +29,10 @@ class SLEB(Modifier):
     needs = ("calibration NLL with each remaining block skipped, re-measured after every removal",)
 
     n: int = Field(1, ge=1, description="number of blocks to remove (paper: 20% of the blocks)")
+
+    def passes(self, shape) -> int:
+        """Round r scores every remaining block but the first and last: ``Σ_{r<n} (layers − 2 − r)``."""
+        return sum(shape.num_layers - 2 - r for r in range(self.n))
 
     def check(self, shape) -> None:
         if self.n > shape.num_layers - 2:
@@ -52,5 +56,5 @@ class SLEB(Modifier):
             rounds.append((best, {"removed": list(session.layer_origin[best]), "nll": scores[best],
                                   "ppl": math.exp(scores[best]),
                                   "candidates": {_name(session.layer_origin[j]): v for j, v in scores.items()}}))
-        remove_layers(session, [index for index, _ in rounds[: self.n]])
+        session.remove_layers([index for index, _ in rounds[: self.n]])
         return {"rounds": [record for _, record in rounds[: self.n]], "layers": len(session.layers)}

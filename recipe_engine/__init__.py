@@ -2,6 +2,7 @@
 from .errors import QualityGateError, RecipeError
 from .modifier import LayerModifier, Modifier
 from .registry import register
+from .report import FORMAT_VERSION, Report, load_report
 
 
 def apply(recipe, model=None, tokenizer=None, **kwargs):
@@ -19,4 +20,5 @@ def load_model(directory: str, dtype: str = "float32"):
     return model, tokenizer
 
 
-__all__ = ["apply", "load_model", "register", "Modifier", "LayerModifier", "RecipeError", "QualityGateError"]
+__all__ = ["apply", "load_model", "load_report", "register", "Modifier", "LayerModifier", "Report",
+           "FORMAT_VERSION", "RecipeError", "QualityGateError"]

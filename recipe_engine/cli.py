@@ -72,7 +72,7 @@ def cmd_apply(args) -> int:
     with _quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
                           resume=args.resume)
-    if report["rank"] == 0:  # data-parallel: one summary
+    if report.rank == 0:  # data-parallel: one summary
         print_summary(report, out)
     return 0
 
@@ -121,9 +121,9 @@ def cmd_plan(args) -> int:
     if args.json:
         import json
 
-        from .plan import memory_plan, plan_rows, rank_memory
+        from .plan import memory_plan, plan_config, plan_rows, rank_memory
 
-        rows, total = plan_rows(recipe)
+        rows, total = plan_rows(recipe, plan_config(recipe)[0])
         memory = memory_plan(recipe)
         ranks = rank_memory(recipe, memory, args.ranks) if args.ranks > 1 and "unavailable" not in memory else None
         print(json.dumps({"steps": rows, "calibration_passes": total, "memory": memory, "data_parallel": ranks}))

@@ -7,9 +7,9 @@ Sources (``dataset`` field):
   stripped (a file without tags: its blank-line paragraphs, or its lines). Split ``train`` is the first 90 %
   of documents, ``test``/``validation`` the last 10 %, ``all`` every document (a file without tags: its
   text as it is).
-* ``wikitext2``: WikiText-2 raw. Local files are used when ``$RECIPE_DATA_DIR`` (default: a ``shared/data``
-  directory beside the repository) holds ``wikitext-2-raw/wiki.{test,valid}.raw``; otherwise HF
-  ``datasets`` (``wikitext``, ``wikitext-2-raw-v1``). The report records which was read.
+* ``wikitext2``: WikiText-2 raw. Local files are used when ``$RECIPE_DATA_DIR`` is set and holds
+  ``wikitext-2-raw/wiki.{test,valid}.raw``; otherwise HF ``datasets`` (``wikitext``, ``wikitext-2-raw-v1``).
+  The report records which was read.
 * ``c4``: HF ``allenai/c4`` validation shard 0 (online only).
 * a local ``.txt`` file, a ``.jsonl``/``.json`` file (field ``text_field``), or a ``save_to_disk`` directory.
 * any other string: an HF ``datasets`` name, loaded with ``load_dataset(name, split=split)``.
@@ -46,11 +46,27 @@ class TextSource:
     text: str
 
 
-def data_dir() -> Path:
-    env = os.environ.get("RECIPE_DATA_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "shared" / "data"
+#: Environment variable naming the local data directory (WikiText-2 raw, zero-shot task files).
+DATA_DIR_VARIABLE = "RECIPE_DATA_DIR"
+
+
+def data_dir() -> Path | None:
+    """``$RECIPE_DATA_DIR`` (the shared data directory: ``wikitext-2-raw/``, ``arc/``, ...), or None when
+    unset; set to something that is not a directory is an error (one line)."""
+    env = os.environ.get(DATA_DIR_VARIABLE)
+    if not env:
+        return None
+    path = Path(env).expanduser()
+    if not path.is_dir():
+        raise SourceError(f"${DATA_DIR_VARIABLE}={env} is not a directory")
+    return path
+
+
+def local_wikitext(split: str) -> Path | None:
+    """The WikiText-2 raw file of ``split`` under the data directory, if there is one."""
+    root = data_dir()
+    path = None if root is None else root / "wikitext-2-raw" / WIKITEXT_SPLITS.get(split, "")
+    return path if path is not None and path.is_file() else None
 
 
 def exllama_sample(filename: str) -> Path:
@@ -149,7 +165,7 @@ def is_hub_source(name: str, split: str = "train") -> bool:
     if name in SAMPLE_FILES:
         return False
     if name == "wikitext2":
-        return not (data_dir() / "wikitext-2-raw" / WIKITEXT_SPLITS.get(split, "")).is_file()
+        return local_wikitext(split) is None
     path = Path(name).expanduser()
     return name == "c4" or not (path.exists() or name.startswith((".", "/", "~"))
                                 or path.suffix in (".txt", ".jsonl", ".json"))
@@ -204,8 +220,9 @@ def _column(table, field: str, name: str) -> list[str]:
     return list(table[field])
 
 
-def load_text(name: str, split: str = "train", text_field: str = "text") -> TextSource:
-    """Resolve a text source to one string (rows joined by blank lines)."""
+def load_text(name: str, split: str, text_field: str = "text") -> TextSource:
+    """Resolve a text source to one string (rows joined by blank lines). ``text_field``: the field of
+    json/jsonl/dataset records (evaluation sources are read with ``text``; calibration states its own)."""
     if name in SAMPLE_FILES:
         path = exllama_sample(SAMPLE_FILES[name])
         if split not in SAMPLE_SPLITS:
@@ -219,8 +236,8 @@ def load_text(name: str, split: str = "train", text_field: str = "text") -> Text
     if name == "wikitext2":
         if split not in WIKITEXT_SPLITS:
             raise SourceError(f"wikitext2 has splits train, validation, test (got '{split}')")
-        local = data_dir() / "wikitext-2-raw" / WIKITEXT_SPLITS[split]
-        if local.is_file():
+        local = local_wikitext(split)
+        if local is not None:
             return TextSource(name, str(local), "\n\n".join(wikitext_rows(_read(local))))
         hf_split = "validation" if split == "valid" else split
         rows = _hf_rows("wikitext", hf_split, "text", name="wikitext-2-raw-v1")

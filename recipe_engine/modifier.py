@@ -32,7 +32,9 @@ class Modifier(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     scope: ClassVar[Literal["model", "layer"]] = "model"
-    #: Full calibration passes this step runs (shown by ``recipe plan``).
+    #: Calibration passes this step makes (``recipe plan``; ``passes`` when it depends on parameters). A pass
+    #: is one walk of calibration windows through the decoder layers, counted by the session
+    #: (``Session.passes``); a run's report records the count beside the plan's.
     calibration_passes: ClassVar[int] = 0
     #: Human-readable statistics this step needs (shown by ``recipe plan``).
     needs: ClassVar[tuple[str, ...]] = ()
@@ -72,8 +74,9 @@ class Modifier(BaseModel):
         """Build a :class:`RecipeError` for this step (the engine adds file and step index)."""
         return RecipeError(message, modifier=self.step_name(), field=field)
 
-    def passes(self) -> int:
-        """Calibration passes for ``recipe plan`` (override when it depends on parameters)."""
+    def passes(self, shape: ModelShape) -> int | tuple[int, int]:
+        """Calibration passes for ``recipe plan`` on the shape this step receives: a count, or (fewest, most)
+        when it depends on the data. Override when it depends on parameters or the shape."""
         return self.calibration_passes
 
     def check(self, shape: ModelShape) -> None:

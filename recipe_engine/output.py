@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
 import os
 import resource
 import shutil
@@ -37,11 +36,13 @@ def is_recipe_output(directory: Path) -> bool:
     marker = read_marker(directory)
     if marker is not None:
         return marker.get("type") == OUTPUT_KIND and marker.get("state") == "complete"
+    from .report import ReportError, load_report
+
     try:
-        report = json.loads((directory / "report.json").read_text())
-    except (OSError, ValueError):
+        load_report(directory)
+    except ReportError:
         return False
-    return (directory / "recipe.yaml").is_file() and isinstance(report, dict) and "recipe" in report
+    return (directory / "recipe.yaml").is_file()
 
 
 def check_output_free(output: str, force: bool, file: str | None = None) -> None:

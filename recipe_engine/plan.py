@@ -6,31 +6,67 @@ import math
 from rich.console import Console
 from rich.table import Table
 
+from .errors import RecipeError
 from .runner import group_steps
 from .schema import Recipe
+from .shape import ModelShape
 
 
-def plan_rows(recipe: Recipe) -> tuple[list[tuple[str, str, str, str]], int]:
-    """Rows (step, scope, statistics, passes) and the total number of calibration passes.
+Passes = tuple[int, int]
 
-    Consecutive layer-scope steps share one layer-sequential pass.
+
+def plan_rows(recipe: Recipe, config=None) -> tuple[list[tuple[str, str, str, str]], Passes | None]:
+    """Rows (step, scope, statistics, passes) and the total calibration passes as (fewest, most).
+
+    Consecutive layer-scope steps share one layer-sequential pass group (its count: the largest of its
+    steps'). Counts can depend on the layer count a step receives (SLEB), so they need the model's
+    ``config``; without one the passes column is ``?`` and the total None.
     """
-    rows, total = [], 0
+    shape = ModelShape.from_config(config) if config is not None else None
+    counts: list[Passes | None] = []
+    for index, step in enumerate(recipe.modifiers):
+        if shape is None:
+            counts.append(None)
+            continue
+        count = step.passes(shape)
+        counts.append((count, count) if isinstance(count, int) else tuple(count))
+        try:
+            step.check(shape)
+        except RecipeError as exc:
+            raise exc.located(step=index, modifier=step.step_name()) from None
+    rows, total = [], (0, 0)
     for group in group_steps(recipe.modifiers):
-        passes = max(step.passes() for _, step in group) if group[0][1].scope == "layer" \
-            else group[0][1].passes()
-        total += passes
+        members = [counts[index] for index, _ in group]
+        passes = None if None in members else (max(c[0] for c in members), max(c[1] for c in members))
+        total = None if passes is None or total is None else (total[0] + passes[0], total[1] + passes[1])
+        shown = format_passes(passes)
         for position, (index, step) in enumerate(group):
-            shared = f"{passes} (shared by steps {group[0][0]}-{group[-1][0]})" if len(group) > 1 else str(passes)
+            text = f"{shown} (shared by steps {group[0][0]}-{group[-1][0]})" if len(group) > 1 else shown
             rows.append((f"{index} {step.step_name()}", step.scope, ", ".join(step.needs) or "-",
-                         shared if position == 0 else "↑ same pass"))
+                         text if position == 0 else "↑ same pass"))
     return rows, total
+
+
+def format_passes(passes: Passes | None) -> str:
+    """``7``, ``3–12`` (data-dependent: fewest–most) or ``?`` (no model config)."""
+    if passes is None:
+        return "?"
+    return str(passes[0]) if passes[0] == passes[1] else f"{passes[0]}–{passes[1]}"
+
+
+def plan_config(recipe: Recipe):
+    """The model's config, or ``(None, reason)`` when it cannot be read here (e.g. a hub id offline)."""
+    from .models import load_config
+
+    try:
+        return load_config(recipe.model), None
+    except RecipeError as exc:
+        return None, exc.detail
 
 
 def memory_plan(recipe: Recipe) -> dict:
     """``memory.estimate`` for the recipe's model, streamed as ``apply`` would decide; ``{"unavailable":
     reason}`` when the model's config cannot be read here (e.g. a hub id offline)."""
-    from .errors import RecipeError
     from .memory import estimate
     from .models import load_config
     from .streaming import exceeds_memory
@@ -66,7 +102,8 @@ def _gib(value: int) -> str:
 
 
 def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
-    rows, total = plan_rows(recipe)
+    config, problem = plan_config(recipe)
+    rows, total = plan_rows(recipe, config)
     cal = recipe.calibration
     table = Table(title=f"plan: {recipe.name} ({cal.samples} × {cal.seq_len} tokens from {', '.join(cal.sources)})")
     for column in ("step", "scope", "statistics", "calibration passes"):
@@ -74,7 +111,8 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    console.print(f"total calibration passes: {total}")
+    console.print(f"total calibration passes: {format_passes(total)}"
+                  + (f" (unavailable: {problem})" if total is None else ""))
     memory = memory_plan(recipe)
     if "unavailable" in memory:
         console.print(f"memory estimate: unavailable ({memory['unavailable']})")

@@ -30,12 +30,12 @@ class Progress:
             self._rich.__exit__(*exc)
             self._rich = None
 
-    def track(self, items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
+    def track(self, items: Iterable[T], description: str) -> Iterator[T]:
         if self._rich is None:
             yield from items
             return
-        items = list(items) if total is None else items
-        task = self._rich.add_task(description, total=total if total is not None else len(items))
+        items = list(items)
+        task = self._rich.add_task(description, total=len(items))
         try:
             for item in items:
                 yield item

@@ -1,13 +1,17 @@
 """Modifier registry: one decorator per modifier file, plugins through entry points.
 
-Built-in modifiers live in the top-level ``modifiers`` package; third-party packages add theirs through
-the entry-point group ``recipe_engine.modifiers`` (each entry point names a module or a class). A duplicate
-name or a plugin that fails to import raises :class:`RegistryError`; nothing is swallowed.
+Modifiers register through the entry-point group ``recipe_engine.modifiers``: an entry point names a class,
+a module, or a package whose public modules (names without a leading ``_``) hold ``@register`` classes.
+The built-ins are such a package entry point (``builtin = "recipe_engine.modifiers"`` in pyproject.toml,
+installed from the repository's top-level ``modifiers/`` folder); the registry scans that package even when
+the installed metadata predates the entry point (a source checkout on ``PYTHONPATH``). A duplicate name or a
+module that fails to import raises :class:`RegistryError` (one line at the CLI); nothing is swallowed.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from functools import partial
 from importlib.metadata import entry_points
 
 from .errors import RecipeError
@@ -15,7 +19,7 @@ from .modifier import Modifier
 from .suggest import did_you_mean
 
 ENTRY_POINT_GROUP = "recipe_engine.modifiers"
-BUILTIN_PACKAGE = "modifiers"
+BUILTIN_PACKAGE = "recipe_engine.modifiers"
 _MARK = "__recipe_step__"
 
 
@@ -42,25 +46,25 @@ class Registry:
         return cls
 
     def load(self) -> None:
-        """Import the built-in modifiers and every plugin entry point (once)."""
+        """Import every entry point of the group (and the built-in package), once."""
         if self._loaded:
             return
         self._loaded = True
-        package = importlib.import_module(BUILTIN_PACKAGE)
-        for info in pkgutil.iter_modules(package.__path__):
-            if not info.name.startswith("_"):
-                module = importlib.import_module(f"{BUILTIN_PACKAGE}.{info.name}")
-                for value in vars(module).values():
-                    if isinstance(value, type) and value.__dict__.get(_MARK):
-                        self.register(value)
-        for entry in entry_points(group=ENTRY_POINT_GROUP):
-            try:
-                loaded = entry.load()
-            except Exception as exc:  # reported, never swallowed
-                raise RegistryError(f"plugin '{entry.name}' ({entry.value}) failed to import: "
-                                    f"{type(exc).__name__}: {exc}") from exc
+        targets = {BUILTIN_PACKAGE: ("builtin", lambda: importlib.import_module(BUILTIN_PACKAGE))}
+        targets.update({entry.value: (entry.name, entry.load) for entry in entry_points(group=ENTRY_POINT_GROUP)})
+        for value, (name, load) in targets.items():
+            loaded = _loaded(name, value, load)
             if isinstance(loaded, type):
                 self.register(loaded)
+                continue
+            modules = [loaded]
+            if hasattr(loaded, "__path__"):  # a package: its public modules
+                modules = [_loaded(name, value, partial(importlib.import_module, f"{loaded.__name__}.{info.name}"))
+                           for info in pkgutil.iter_modules(loaded.__path__) if not info.name.startswith("_")]
+            for module in modules:
+                for member in vars(module).values():
+                    if isinstance(member, type) and member.__dict__.get(_MARK):
+                        self.register(member)
 
     def get(self, name: str) -> type[Modifier]:
         self.load()
@@ -79,6 +83,14 @@ class Registry:
 
 
 REGISTRY = Registry()
+
+
+def _loaded(name: str, value: str, load):
+    """``load()``: an entry point's object or a module of a package entry point; a failure is one line."""
+    try:
+        return load()
+    except Exception as exc:  # reported, never swallowed
+        raise RegistryError(f"plugin '{name}' ({value}) failed to import: {type(exc).__name__}: {exc}") from exc
 
 
 def register(cls: type[Modifier]) -> type[Modifier]:

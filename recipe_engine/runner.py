@@ -23,6 +23,7 @@ from .output import (atomic_directory, check_free_space, check_output_free, git_
                      package_versions, peak_memory)
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
+from .report import Report
 from .schema import Recipe, dump_recipe, recipe_from_dict, step_to_dict
 from .memory import PeakWatch, current_rss, estimate
 from .resume import discard_on_error
@@ -54,8 +55,9 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
           force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
-          memo=None) -> tuple[Any, dict]:
-    """Run a recipe; returns ``(model, report)``. Writes the output directory unless ``write=False``.
+          memo=None) -> tuple[Any, Report]:
+    """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.report.Report``, as written to
+    ``report.json``). Writes the output directory unless ``write=False``.
 
     ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
     ``memo`` (``recipe_engine.memo.SharedWork``): work shared with other runs of a sweep.
@@ -68,7 +70,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
-           progress: bool, resume: bool = False, memo=None) -> tuple[Any, dict]:
+           progress: bool, resume: bool = False, memo=None) -> tuple[Any, Report]:
     """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
     recipe, file = loaded.recipe, loaded.path
     writing = write and parallel.rank == 0
@@ -137,6 +139,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         if checkpoints is not None:
             report["checkpoints"] = {"written": checkpoints.count, "seconds": checkpoints.seconds,
                                      "bytes": checkpoints.bytes_written}
+        report["calibration_passes"] = sum({step["group"]: step["calibration_passes"] for step in report["steps"]}.values())
         report["calibration_layer_runs"] = session.layer_runs
         report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
         if session.stream is not None:
@@ -144,14 +147,13 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
                                 "bytes_staged": session.stream.bytes_staged}
         report["peak_memory"] = peak_memory(watch)
         report["peak_memory"]["estimate_rss_mib"] = plan["host_peak_bytes"] / 2**20
-        if writing:
-            _write(recipe, model, tokenizer, session, report, workdir)
+        final = _write(recipe, model, tokenizer, session, report, workdir) if writing else Report.model_validate(report)
         parallel.barrier()  # renamed into place only when every rank finished
     if checkpoints is not None:
         checkpoints.discard()  # the output is in place
     if gate:
         raise QualityGateError(gate)
-    return model, report
+    return model, final
 
 
 #: Directory inside the output's temporary directory holding changed units of a streamed model.
@@ -249,7 +251,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
                 continue
             checkpoints.begin_group(number, [step for _, step in group], records, report)
         watch.start()
-        start = time.perf_counter()
+        start, passes_before = time.perf_counter(), session.passes.value
         names = ", ".join(step.step_name() for _, step in group)
         bar.log(f"step {group[0][0]}: {names}")
         if group[0][1].scope == "layer":
@@ -273,9 +275,10 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
                 planned = max(plan["steps"][i]["weights_bytes"] + plan["steps"][i]["working_bytes"]
                               for i, _ in group)
                 memory["estimate_rss_mib"] = (plan["runtime_bytes"] + plan["activations_bytes"] + planned) / 2**20
-            records.append({"index": index, "modifier": step.step_name(),
+            records.append({"index": index, "modifier": step.step_name(), "group": number,
                             "params": step.model_dump(mode="json"), "wall_s": own_s,
                             "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),
+                            "calibration_passes": session.passes.value - passes_before,
                             "layers_after": len(session.layers), **memory, "result": result})
         if checkpoints is not None:
             checkpoints.group_done(session, number, records, report)
@@ -319,8 +322,9 @@ def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
             "git": git_info(loaded.path), "overrides": loaded.recipe.overrides}
 
 
-def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp: Path) -> None:
-    """The output files, into the workspace that ``apply`` renames into place; staging data is removed."""
+def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp: Path) -> Report:
+    """The output files, into the workspace that ``apply`` renames into place; staging data is removed.
+    Returns the report as written."""
     if session.stream is not None or session.quantized:
         write_checkpoint(session, tmp)
     else:
@@ -333,12 +337,13 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp
         tokenizer.save_pretrained(tmp)
     save_extras(tmp, session.extras)
     (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
-    gate = report.get("evaluation", {}).get("quality_gate")
-    if gate == "failed":
-        (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
     if recipe.export is not None:  # from the finished files, so it sees exactly what was written
         from .gguf_export import export_gguf
 
         report["export"] = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
         report["export"]["file"] = recipe.export.file
-    (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    final = Report.model_validate(report)
+    if final.evaluation is not None and final.evaluation.quality_gate == "failed":
+        (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
+    final.write(tmp)
+    return final

@@ -50,6 +50,15 @@ def _hidden(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+class PassCounter:
+    """Calibration passes of a run, shared by a session and its siblings (the reference model, subsets):
+    one pass is one walk of calibration windows through the decoder layers (``capture_inputs``, or
+    ``count_pass`` for a walk that starts from inputs kept from an earlier one)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
 class Session:
     """Explicit state of one recipe run; passed to every modifier (no globals)."""
 
@@ -57,8 +66,11 @@ class Session:
                  calibration: torch.Tensor, config: CalibrationConfig, device: torch.device,
                  progress: Progress | None = None,
                  reference_loader: Callable[[], "nn.Module | Session"] | None = None,
-                 stream: WeightStream | None = None, parallel: Parallel | None = None):
+                 stream: WeightStream | None = None, parallel: Parallel | None = None,
+                 passes: PassCounter | None = None):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
+        #: Calibration passes made so far by this session and its siblings (``recipe plan`` predicts them).
+        self.passes = passes or PassCounter()
         #: This process's rank in a data-parallel run (``recipe_engine.distributed``); one process: a no-op.
         self.parallel = parallel or Parallel(device=device)
         #: Set when the model is a meta-device skeleton streamed from disk (``recipe_engine.streaming``).
@@ -101,6 +113,13 @@ class Session:
         ``inherit`` the current index whose per-layer config entries it keeps."""
         self.adapter.set_layers(self.model, layers, inherit)
         self.layer_origin = list(origin)
+
+    def remove_layers(self, remove: list[int]) -> list[tuple[int, ...]]:
+        """Drop the current layers in ``remove``; returns the original indices of what was dropped."""
+        keep = [i for i in range(len(self.layers)) if i not in set(remove)]
+        dropped = [self.layer_origin[i] for i in sorted(remove)]
+        self.set_layers([self.layers[i] for i in keep], [self.layer_origin[i] for i in keep], keep)
+        return dropped
 
     def oversized_layers(self, part: WidthPart | None = None) -> list[int]:
         """Layers wider than the config, read from the weights: in query heads (``part="attention"``),
@@ -150,7 +169,7 @@ class Session:
         """A session sharing this one's tokenizer, adapter, calibration settings and device."""
         return Session(model, self.tokenizer, self.adapter,
                        self.calibration if calibration is None else calibration, self.config, self.device,
-                       self.progress, stream=stream, parallel=self.parallel)
+                       self.progress, stream=stream, parallel=self.parallel, passes=self.passes)
 
     # -- execution primitives ----------------------------------------------------------------
     @property
@@ -240,11 +259,17 @@ class Session:
 
     def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
         """Hidden states and keyword arguments entering decoder layer 0, one entry per batch (reused from
-        the sweep memo when the embedding matrix is unchanged; callers never modify them in place)."""
+        the sweep memo when the embedding matrix is unchanged; callers never modify them in place).
+        Starts a calibration pass (``count_pass``)."""
+        self.count_pass()
         embedding = self.adapter.embeddings(self.model).weight
         if self.memo is None or self.stream is not None or embedding.is_meta:
             return self._capture_inputs()
         return self.memo.capture(embedding, self._capture_inputs)
+
+    def count_pass(self) -> None:
+        """Count one calibration pass; ``capture_inputs`` does, a walk from kept inputs calls it itself."""
+        self.passes.value += 1
 
     @torch.no_grad()
     def _capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
@@ -381,7 +406,10 @@ class Session:
         computed from the original model's own inputs. The original layers advance in lockstep with the
         pass (one extra set of activations in memory); calls must come in increasing layer order."""
         last = max(self.layer_origin[index])
-        if self._reference_stream is None or self._reference_stream[0] > last + 1:
+        if self._reference_stream is not None and self._reference_stream[0] > last + 1:
+            raise RuntimeError(f"reference_outputs({index}) after layer {self._reference_stream[0] - 1}: calls "
+                               f"must come in increasing layer order (the original model is not run twice)")
+        if self._reference_stream is None:
             states, kwargs_list = self.reference_session().capture_inputs()
             self._reference_stream = (0, states, kwargs_list)
         start, states, kwargs_list = self._reference_stream

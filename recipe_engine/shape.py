@@ -6,7 +6,7 @@ cannot be pruned, a non-uniform final model) are caught before anything is loade
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 WidthPart = Literal["attention", "mlp"]
@@ -78,6 +78,3 @@ class ModelShape:
         attention = (2 * layer.num_heads + 2 * layer.num_kv_heads) * d * h
         biases = (layer.num_heads + 2 * layer.num_kv_heads) * d if self.qkv_bias else 0
         return attention + biases + 3 * h * layer.intermediate_size + 2 * h
-
-    def copy(self) -> "ModelShape":
-        return replace(self, layers=list(self.layers))

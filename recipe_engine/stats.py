@@ -95,23 +95,3 @@ class InputCovariance(Statistic):
         if self.gram is None:
             raise RuntimeError(f"{self.key}: no batch was collected")
         return self.gram / self.count
-
-
-class LayerCosine(Statistic):
-    """Mean over tokens of cos(layer input, layer output) along the hidden axis (fp32 cosine)."""
-
-    sums = ("total", "count")
-
-    def __init__(self) -> None:
-        super().__init__("")
-        self.total = 0.0
-        self.count = 0
-
-    def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
-        cos = torch.nn.functional.cosine_similarity(inputs.float(), output.float(), dim=-1)
-        self.total += float(cos.sum(dtype=torch.float64))
-        self.count += cos.numel()
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.count

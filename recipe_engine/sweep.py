@@ -158,7 +158,7 @@ class Sweep:
                        "model": recipe.model,
                        "params": params, **summarize(pruned, result), "compress_s": compress,
                        "eval_s": time.perf_counter() - start,
-                       "peak_rss_mib": report["peak_memory"]["rss_mib"]}, done)
+                       "peak_rss_mib": report.peak_memory.rss_mib}, done)
             del pruned
         return self.rows
 

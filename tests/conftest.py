@@ -1,4 +1,13 @@
+import os
+from pathlib import Path
+
 import pytest
+
+#: The tests read local data from the shared data directory beside the checkout (CI clones ../shared beside
+#: the repository); an explicit $RECIPE_DATA_DIR wins.
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+if SHARED_DATA.is_dir():
+    os.environ.setdefault("RECIPE_DATA_DIR", str(SHARED_DATA))
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,10 @@ def have_smollm2() -> bool:
 
 
 def shared_data() -> Path:
-    return Path(__file__).resolve().parents[2] / "shared" / "data"
+    """The local data directory the tests use (``$RECIPE_DATA_DIR``, set by ``conftest.py``)."""
+    import os
+
+    return Path(os.environ.get("RECIPE_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 requires_smollm2 = pytest.mark.skipif(not have_smollm2(),

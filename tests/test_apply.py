@@ -38,12 +38,12 @@ def test_apply_writes_a_stock_checkpoint(tmp_path, model_type):
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-4, atol=1e-4)
     saved = json.loads((out / "report.json").read_text())
-    assert saved["data"]["fingerprint"] == report["data"]["fingerprint"]
+    assert saved["data"]["fingerprint"] == report.data.fingerprint
     assert len(saved["data"]["fingerprint"]) == 64
     assert saved["before"]["layers"] == saved["after"]["layers"] == 4
     assert saved["steps"][0]["modifier"] == "FuseNorm" and saved["steps"][0]["wall_s"] >= 0
     assert {"torch", "transformers", "pydantic"} <= set(saved["packages"])
-    assert "rss_mib" in saved["peak_memory"]
+    assert "rss_mib" in saved["peak_memory"] and saved["format_version"] == recipe_engine.FORMAT_VERSION
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert resolved["modifiers"] == [{"FuseNorm": {"final_norm": True, "untie": False}}]
 
@@ -53,7 +53,7 @@ def test_fingerprint_is_deterministic_and_seeded(tmp_path):
                                                                       "seed": seed}),
                                    model=tiny_model(), tokenizer=CharTokenizer(), write=False,
                                    progress=False)[1] for seed in (0, 0, 1)]
-    prints = [r["data"]["fingerprint"] for r in reports]
+    prints = [r.data.fingerprint for r in reports]
     assert prints[0] == prints[1] != prints[2]
 
 
@@ -125,8 +125,8 @@ def test_steps_sharing_a_pass_report_their_own_time(tmp_path, monkeypatch):
     _, report = recipe_engine.apply(tiny_recipe(tmp_path, modifiers=["Sleeper", "GPTQ<group_size:32>"]),
                                     model=tiny_model(), tokenizer=CharTokenizer(), write=False, progress=False)
     elapsed = time.perf_counter() - start
-    sleeper, gptq = report["steps"]
-    assert sleeper["shared_pass"] and sleeper["pass_shared_s"] == gptq["pass_shared_s"] >= 0
-    assert 4 * 0.15 <= sleeper["wall_s"] < 4 * 0.15 + 0.1  # four layers
-    assert gptq["wall_s"] > 0 and abs(gptq["wall_s"] - sleeper["wall_s"]) > 0.05
-    assert sleeper["wall_s"] + gptq["wall_s"] + gptq["pass_shared_s"] <= elapsed
+    sleeper, gptq = report.steps
+    assert sleeper.shared_pass and sleeper.pass_shared_s == gptq.pass_shared_s >= 0
+    assert 4 * 0.15 <= sleeper.wall_s < 4 * 0.15 + 0.1  # four layers
+    assert gptq.wall_s > 0 and abs(gptq.wall_s - sleeper.wall_s) > 0.05
+    assert sleeper.wall_s + gptq.wall_s + gptq.pass_shared_s <= elapsed

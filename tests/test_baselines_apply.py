@@ -30,9 +30,9 @@ def test_stock_methods_reload_with_from_pretrained(tmp_path, name):
     model, tokens = tiny(), random_tokens(vocab=BYTE_VOCAB)
     pruned, report = recipe_engine.apply(recipe(tmp_path, STOCK[name]), model=model, tokenizer=byte_tokenizer(),
                                          progress=False)
-    assert report["stock_checkpoint"] and report["after"]["layers"] < 6
+    assert report.stock_checkpoint and report.after.layers < 6
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert reloaded.config.num_hidden_layers == report["after"]["layers"]
+    assert reloaded.config.num_hidden_layers == report.after.layers
     torch.testing.assert_close(reloaded(tokens).logits, pruned(tokens).logits, rtol=1e-5, atol=1e-5)
     assert not (tmp_path / "out" / "recipe_extras.json").exists()
 
@@ -43,7 +43,7 @@ def test_linear_patch_extras_round_trip(tmp_path, steps):
     tokens = random_tokens(vocab=BYTE_VOCAB)
     patched, report = recipe_engine.apply(recipe(tmp_path, steps), model=tiny(),
                                           tokenizer=byte_tokenizer(), progress=False)
-    assert report["stock_checkpoint"] is False
+    assert report.stock_checkpoint is False
     meta = json.loads((tmp_path / "out" / "recipe_extras.json").read_text())
     assert meta[0]["modifier"] == "LinearPatch" and meta[0]["config"]["type"] == "linear_patch"
     restored, _ = recipe_engine.load_model(str(tmp_path / "out"))

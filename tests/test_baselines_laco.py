@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from modifiers.laco import LaCo, rdsc_merge
+from recipe_engine.modifiers.laco import LaCo, rdsc_merge
 from tests.baselines_helpers import make_session
 from tests.helpers import random_tokens, tiny_model
 

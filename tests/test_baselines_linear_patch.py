@@ -4,8 +4,8 @@ import copy
 import pytest
 import torch
 
-from modifiers.linear_patch import LinearPatch, Tune, contiguous_scores, install, interfaces
-from modifiers.shortgpt import ShortGPT
+from recipe_engine.modifiers.linear_patch import LinearPatch, Tune, contiguous_scores, install, interfaces
+from recipe_engine.modifiers.shortgpt import ShortGPT
 from recipe_engine.adapters import adapter_for
 from recipe_engine.hadamard import rotation
 from tests.baselines_helpers import layer_io, make_session, without_layers

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from modifiers.shortgpt import ShortGPT, block_influence
+from recipe_engine.modifiers.shortgpt import ShortGPT, block_influence
 from tests.baselines_helpers import layer_io, make_session, without_layers
 from tests.helpers import random_tokens, tiny_model
 

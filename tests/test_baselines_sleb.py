@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from modifiers.sleb import SLEB
+from recipe_engine.modifiers.sleb import SLEB
 from tests.baselines_helpers import make_session, without_layers
 from tests.helpers import random_tokens, tiny_model
 

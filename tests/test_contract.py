@@ -59,10 +59,24 @@ def test_runs_on_tiny_model_and_reloads(tmp_path, name):
     with torch.no_grad():
         expected = result(tokens).logits
     out = tmp_path / "out"
-    if report["stock_checkpoint"]:
+    if report.stock_checkpoint:
         reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     else:
         reloaded, _ = recipe_engine.load_model(str(out))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-4, atol=1e-4)
-    assert reloaded.config.num_hidden_layers == report["after"]["layers"]
+    assert reloaded.config.num_hidden_layers == report.after.layers
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_constructs_from_its_defaults(name):
+    """Every modifier whose parameters all have defaults is valid with them, and round-trips through a recipe."""
+    cls = REGISTRY.get(name)
+    required = [f for f, info in cls.model_fields.items() if info.is_required()]
+    if required:
+        pytest.skip(f"{name} requires {required}")
+    step = cls()
+    assert step.model_dump() == {f: info.get_default(call_default_factory=True) for f, info in cls.model_fields.items()}
+    recipe = recipe_from_dict({"version": 1, "name": "defaults", "model": "tiny", "output": "out",
+                               "modifiers": [{name: step.model_dump(mode="json")}]})
+    assert recipe.modifiers == [step]

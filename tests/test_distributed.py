@@ -104,15 +104,14 @@ def test_two_ranks_equal_one_process(launch, name):
     worst = max(float((dp[k].double() - single[k].double()).abs().max() / single[k].double().abs().max().clamp_min(1e-30))
                 for k in single)
     assert worst <= 1e-6
-    dp_report = json.loads((dp_dir / "report.json").read_text())
-    single_report = json.loads((single_dir / "report.json").read_text())
-    assert dp_report["ranks"] == 2 and single_report["ranks"] == 1
-    assert_same_choices(dp_report["after"], single_report["after"])
-    for a, b in zip(dp_report["steps"], single_report["steps"]):
-        assert_same_choices(a["result"], b["result"], f"step {b['index']}")
+    dp_report, single_report = recipe_engine.load_report(dp_dir), recipe_engine.load_report(single_dir)
+    assert dp_report.ranks == 2 and single_report.ranks == 1
+    assert_same_choices(dp_report.after.model_dump(), single_report.after.model_dump())
+    for a, b in zip(dp_report.steps, single_report.steps):
+        assert_same_choices(a.result, b.result, f"step {b.index}")
     # the layer runs were split, not repeated: the reduction is exercised
-    assert dp_report["calibration_layer_runs"] == single_report["calibration_layer_runs"]
-    assert dp_report["calibration_layer_batches"] < single_report["calibration_layer_batches"]
+    assert dp_report.calibration_layer_runs == single_report.calibration_layer_runs
+    assert dp_report.calibration_layer_batches < single_report.calibration_layer_batches
 
 
 def test_only_rank_zero_writes(launch):
@@ -122,9 +121,9 @@ def test_only_rank_zero_writes(launch):
 
 def test_lora_recovery_trains_with_ddp_under_the_launch(launch):
     assert [(launch / f"lora.rank{r}.rc").read_text() for r in range(2)] == ["0", "0"]
-    report = json.loads((launch / "out" / "lora" / "report.json").read_text())
-    lora = report["steps"][1]["result"]
-    assert lora["processes"] == 2 and lora["steps"] == 2 and report["after"]["layers"] == 5
+    report = recipe_engine.load_report(launch / "out" / "lora")
+    lora = report.steps[1].result
+    assert lora["processes"] == 2 and lora["steps"] == 2 and report.after.layers == 5
 
 
 @pytest.mark.parametrize("name", sorted(FAILING))

@@ -1,5 +1,6 @@
 """``recipe eval`` / ``recipe bench`` on tiny saved models, and the recipe ``evaluate:`` block with its gate."""
 import json
+from pathlib import Path
 from importlib.metadata import version
 
 import pytest
@@ -33,7 +34,9 @@ def saved(tmp_path):
 
 def test_eval_cli_writes_json_record(saved, tmp_path, capsys):
     dense, _, text = saved
-    (dense / "report.json").write_text(json.dumps({"recipe": {"sha256": "ab" * 32}}))
+    report = json.loads((Path(__file__).parent / "data" / "report_format0" / "report.json").read_text())
+    report["recipe"]["sha256"] = "ab" * 32  # a recipe output's report names the recipe that made it
+    (dense / "report.json").write_text(json.dumps(report))
     out = tmp_path / "eval.json"
     code = main(["eval", str(dense), "--dataset", str(text), "--seq-len", "64", "--limit", "3", "--device", "cpu",
                  "--json", str(out)])
@@ -139,9 +142,9 @@ def test_evaluate_block_before_after_and_gate(saved):
     recipe = recipe_from_dict(tiny_recipe(text, "FuseNorm", 0.9))
     _, report = recipe_engine.apply(recipe, model=tiny_model(), tokenizer=CharTokenizer(), write=False,
                                     progress=False)
-    evaluation = report["evaluation"]
-    assert evaluation["retained"]["perplexity"] == pytest.approx(1.0, abs=1e-4)  # FuseNorm preserves outputs
-    assert evaluation["quality_gate"] == "passed" and evaluation["after"]["perplexity"]["windows"] == 7
+    evaluation = report.evaluation
+    assert evaluation.retained["perplexity"] == pytest.approx(1.0, abs=1e-4)  # FuseNorm preserves outputs
+    assert evaluation.quality_gate == "passed" and evaluation.after["perplexity"]["windows"] == 7
 
     recipe = recipe_from_dict(tiny_recipe(text, "FuseNorm", 0.9)).model_copy(update={"modifiers": [NoisyHead()]})
     with pytest.raises(QualityGateError, match="retained perplexity=0.* below min_retained=0.9"):
@@ -157,8 +160,8 @@ def test_apply_cli_quality_gate_exit_code_3(saved, tmp_path):
     path = tmp_path / "gate.yaml"
     path.write_text(yaml.safe_dump(data))
     assert main(["apply", str(path), "--quiet"]) == 3
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    report = recipe_engine.load_report(tmp_path / "out")
     assert (tmp_path / "out" / "QUALITY_GATE_FAILED").is_file()
-    assert report["evaluation"]["quality_gate"] == "failed"
-    assert report["evaluation"]["retained"]["perplexity"] == pytest.approx(
-        report["evaluation"]["before"]["perplexity"]["ppl"] / report["evaluation"]["after"]["perplexity"]["ppl"])
+    assert report.evaluation.quality_gate == "failed"
+    assert report.evaluation.retained["perplexity"] == pytest.approx(
+        report.evaluation.before["perplexity"]["ppl"] / report.evaluation.after["perplexity"]["ppl"])

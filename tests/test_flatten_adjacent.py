@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from modifiers.flatten_adjacent import FlattenAdjacent, merge_layers, select_blocks, symbolic_blocks
+from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, merge_layers, select_blocks, symbolic_blocks
 from recipe_engine.adapters import adapter_for
 from recipe_engine.errors import RecipeError
 from recipe_engine.schema import CalibrationConfig
@@ -135,7 +135,7 @@ def test_check_rejects_bad_counts(params, message):
 def test_unit_vector_store_on_disk_equals_in_memory(tmp_path):
     """The scratch-file store (streamed runs) gives bit for bit the in-memory store's S, which equals the
     fp64 brute force Σ_t u_i,t · u_j,t; the file is gone afterwards."""
-    from modifiers.flatten_adjacent import UnitVectorStore
+    from recipe_engine.modifiers.flatten_adjacent import UnitVectorStore
 
     vectors = torch.nn.functional.normalize(torch.randn(5, 300, 16, generator=torch.Generator().manual_seed(0)),
                                             dim=-1)

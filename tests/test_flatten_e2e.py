@@ -35,7 +35,7 @@ def test_flatten_recipe_writes_a_stock_homogeneous_checkpoint(tmp_path, model_ty
     for layer in model.model.layers:
         assert layer.self_attn.q_proj.out_features == 4 * 16 and layer.self_attn.k_proj.out_features == 2 * 16
         assert layer.mlp.gate_proj.out_features == 96 and layer.mlp.down_proj.in_features == 96
-    flatten, heads, mlp = (report["steps"][i]["result"] for i in (1, 2, 3))
+    flatten, heads, mlp = (report.steps[i].result for i in (1, 2, 3))
     merged = [g["layer"] for g in flatten["groups"]]
     assert sorted(heads["layers"]) == sorted(mlp["layers"]) == [str(i) for i in merged]
     assert all(len(g["origin"]) >= 2 and 0 < g["similarity"] <= 1 for g in flatten["groups"])

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from modifiers.nystrom_mlp import NystromMLP
+from recipe_engine.modifiers.nystrom_mlp import NystromMLP
 from tests.test_flatten_pruning import merged_session, ridge_fit, run_layer_with_hook
 
 

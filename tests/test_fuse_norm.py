@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from modifiers.fuse_norm import FuseNorm
+from recipe_engine.modifiers.fuse_norm import FuseNorm
 from recipe_engine.adapters import adapter_for
 from recipe_engine.schema import CalibrationConfig
 from recipe_engine.session import Session

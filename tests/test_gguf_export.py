@@ -149,7 +149,7 @@ def test_recipe_export_field(tmp_path):
                   calibration=dict(dataset=str(text), samples=4, seq_len=32, batch_size=2),
                   modifiers=["ShortGPT<n:1>"], export={"format": "gguf", "type": "f32"})
     pruned, report = recipe_engine.apply(recipe, model=model, tokenizer=bpe_tokenizer(), progress=False)
-    assert report["export"]["file"] == "model.gguf"
+    assert report.export.file == "model.gguf"
     back = read_back(tmp_path / "out" / "model.gguf")
     assert back.config.num_hidden_layers == 3
     assert relative_error(pruned, back) < 1e-6

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from modifiers.lora_recovery import alpaca_prompt, top_k_kl, training_examples
+from recipe_engine.modifiers.lora_recovery import alpaca_prompt, training_examples
+from recipe_engine.ops import top_k_kl
 from tests.helpers import CharTokenizer, tiny_model
 
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "piano", "lemon"]
@@ -60,8 +61,22 @@ def test_top_k_kl_equals_full_kl_when_k_is_the_vocabulary():
     mask = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 1, 1, 1]], dtype=torch.float32)
     full = F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="none").sum(-1)
     expected = (full * mask).sum() / mask.sum()
-    torch.testing.assert_close(top_k_kl(student, teacher, mask, k=11), expected)
-    assert top_k_kl(student, teacher, mask, k=3) >= 0
+    for over in ("vocabulary", "top_k"):  # k = vocabulary: both normalisations are the full KL
+        torch.testing.assert_close(top_k_kl(student, teacher, mask, 11, over), expected)
+        assert top_k_kl(student, teacher, mask, 3, over) >= 0
+
+
+def test_top_k_kl_student_over_top_k_is_kl_of_both_renormalised():
+    """``top_k``: KL between the teacher's and the student's softmax over the teacher's top-k (LinearPatch
+    Eq. 9), by torch's kl_div on explicitly gathered logits; ``vocabulary`` differs when k < vocabulary."""
+    g = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    top, index = teacher.topk(4, -1)
+    kl = F.kl_div(student.gather(-1, index).log_softmax(-1), top.log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)
+    torch.testing.assert_close(top_k_kl(student, teacher, mask, 4, "top_k"), kl[mask].mean())
+    assert float(top_k_kl(student, teacher, mask, 4, "vocabulary")) != pytest.approx(float(kl[mask].mean()))
 
 
 def test_lora_recovery_lowers_loss_and_merges_to_stock_checkpoint(tmp_path):
@@ -72,7 +87,7 @@ def test_lora_recovery_lowers_loss_and_merges_to_stock_checkpoint(tmp_path):
     step = {"LoRARecovery": {"r": 8, "alpha": 16, "lr": 1e-2, "max_steps": 8, "batch_size": 4,
                              "micro_batch_size": 4, "seq_len": 256, "dataset": str(path), "save_adapter": True}}
     out, report = recipe_engine.apply(recipe(tmp_path, [step]), model=model, tokenizer=tokenizer, progress=False)
-    result = report["steps"][0]["result"]
+    result = report.steps[0].result
     assert result["steps"] == 8 and len(result["loss_history"]) == 8 and result["format"] == "alpaca"
     after = response_nll(out, records, tokenizer)
     assert after < before - 0.1, (before, after)  # random init: about ln(128) = 4.85 nats
@@ -116,14 +131,14 @@ def test_distill_moves_the_compressed_model_toward_the_dense_teacher(tmp_path):
                              "dataset": str(text), "distill": True, "top_k": 16}}
     recovered, report = recipe_engine.apply(recipe(tmp_path, [quantize, lora]), model=peaked_model(),
                                             tokenizer=CharTokenizer(), write=False, progress=False)
-    assert report["steps"][1]["result"]["format"] == "text"
+    assert report.steps[1].result["format"] == "text"
     ids = torch.tensor([CharTokenizer()(" ".join(WORDS * 2))["input_ids"][:64]])
     dense = peaked_model()
     assert kl_to(dense, recovered, ids) < 0.6 * kl_to(dense, quantized, ids)
 
 
 def test_batch_must_be_a_multiple_of_the_micro_batch():
-    from modifiers.lora_recovery import LoRARecovery
+    from recipe_engine.modifiers.lora_recovery import LoRARecovery
 
     with pytest.raises(ValueError, match="not a multiple of micro_batch_size"):
         LoRARecovery(batch_size=6, micro_batch_size=4)

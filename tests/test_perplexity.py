@@ -30,7 +30,7 @@ def hand_nll(model, ids: list[int], seq_len: int, windows: int) -> tuple[float, 
 def test_ppl_equals_hand_computed_nll():
     model, tok = tiny_model(), CharTokenizer()
     ids = tok(TEXT)["input_ids"]
-    result = perplexity(model, tok, TEXT, seq_len=SEQ)
+    result = perplexity(model, tok, TEXT, seq_len=SEQ, limit=None)
     total, count = hand_nll(model, ids, SEQ, windows=5)
     assert result["windows"] == result["windows_available"] == 5
     assert result["tokens"] == count == 5 * (SEQ - 1)
@@ -40,11 +40,11 @@ def test_ppl_equals_hand_computed_nll():
 
 def test_tail_shorter_than_a_window_is_dropped():
     model, tok = tiny_model(), CharTokenizer()
-    full = perplexity(model, tok, TEXT, seq_len=SEQ)
-    other_tail = perplexity(model, tok, TEXT[:80] + "0123456789", seq_len=SEQ)
+    full = perplexity(model, tok, TEXT, seq_len=SEQ, limit=None)
+    other_tail = perplexity(model, tok, TEXT[:80] + "0123456789", seq_len=SEQ, limit=None)
     assert other_tail["ppl"] == full["ppl"]
     assert other_tail["fingerprint"] == full["fingerprint"]
-    changed_window = perplexity(model, tok, "X" + TEXT[1:], seq_len=SEQ)
+    changed_window = perplexity(model, tok, "X" + TEXT[1:], seq_len=SEQ, limit=None)
     assert changed_window["fingerprint"] != full["fingerprint"]
 
 
@@ -60,7 +60,7 @@ def test_limit_evaluates_first_windows_only():
 
 def test_text_shorter_than_one_window_is_an_error():
     with pytest.raises(SourceError, match="shorter than one window of 16"):
-        perplexity(tiny_model(), CharTokenizer(), "too short", seq_len=SEQ, source="short.txt")
+        perplexity(tiny_model(), CharTokenizer(), "too short", seq_len=SEQ, limit=None, source="short.txt")
 
 
 def test_local_text_file_source(tmp_path):

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from modifiers._quant import Grid, output_error, rtn
-from modifiers.gptq import gptq_quantize
+from recipe_engine.modifiers._quant import Grid, output_error, rtn
+from recipe_engine.modifiers.gptq import gptq_quantize
 
 
 def minmax_params(x, bits, sym):
@@ -76,7 +76,7 @@ def test_gptq_equals_reference(bits, group, sym, act_order, block):
 def test_gptq_values_on_their_group_grid(group, sym):
     weight, gram = correlated_problem()
     grid = Grid(4, group, sym)
-    got = gptq_quantize(weight, gram, grid, act_order=True)
+    got = gptq_quantize(weight, gram, grid, act_order=True, damp=0.01, block_size=128)
     scale, zero = grid.expand(got.scale, 64), grid.expand(got.zero, 64)
     code = got.dequantized / scale + zero
     torch.testing.assert_close(code, code.round(), rtol=0, atol=1e-9)
@@ -88,7 +88,7 @@ def test_gptq_values_on_their_group_grid(group, sym):
 def test_gptq_beats_rtn_on_layer_output(group, sym, act_order):
     weight, gram = correlated_problem(seed=1)
     grid = Grid(4, group, sym)
-    gptq = gptq_quantize(weight, gram, grid, act_order)
+    gptq = gptq_quantize(weight, gram, grid, act_order, damp=0.01, block_size=128)
     baseline = rtn(weight, grid)
     gptq_error = output_error(weight, gptq.dequantized, gram)
     rtn_error = output_error(weight, baseline.dequantized, gram)
@@ -98,7 +98,7 @@ def test_gptq_beats_rtn_on_layer_output(group, sym, act_order):
 def test_gptq_dead_inputs_zeroed_and_deterministic():
     weight, gram = correlated_problem()
     gram[5, :] = gram[:, 5] = 0
-    first = gptq_quantize(weight, gram, Grid(4, 16, True))
-    second = gptq_quantize(weight, gram, Grid(4, 16, True))
+    first = gptq_quantize(weight, gram, Grid(4, 16, True), act_order=False, damp=0.01, block_size=128)
+    second = gptq_quantize(weight, gram, Grid(4, 16, True), act_order=False, damp=0.01, block_size=128)
     assert torch.all(first.dequantized[:, 5] == 0)
     assert torch.equal(first.dequantized, second.dequantized)

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from modifiers.gptq import GPTQ
+from recipe_engine.modifiers.gptq import GPTQ
 from recipe_engine.checkpoint import write_checkpoint
 from recipe_engine.errors import RecipeError
 from recipe_engine.schema import recipe_from_dict
@@ -45,7 +45,7 @@ def rtn_reference(w, bits, group, sym):
 def test_rtn_quantize_values_lie_on_grid(tmp_path, bits, group, sym):
     model = tiny_model()
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    step = {"Quantize": {"method": "rtn", "bits": bits, "group_size": group, "sym": sym}}
+    step = {"Quantize": {"bits": bits, "group_size": group, "sym": sym}}
     recipe_engine.apply(recipe(tmp_path, [step]), model=model, tokenizer=CharTokenizer(), write=False,
                         progress=False)
     for name, param in model.named_parameters():
@@ -78,7 +78,7 @@ def test_gptq_step_uses_layer_hessians_and_beats_rtn():
     for name, step in [("gptq", GPTQ(group_size=16)), ("rtn", None)]:
         model = tiny_model()
         if step is None:
-            from modifiers.quantize import Quantize
+            from recipe_engine.modifiers.quantize import Quantize
             Quantize(group_size=16).apply(make_session(model, tokens))
         else:
             make_session(model, tokens).run_layer_modifiers([step])
@@ -99,7 +99,7 @@ def test_fusenorm_gptq_recipe_exports_compressed_tensors(tmp_path, sym):
     steps = ["FuseNorm", {"GPTQ": {"bits": 4, "group_size": 32, "sym": sym, "export": "compressed-tensors"}}]
     out, report = recipe_engine.apply(recipe(tmp_path, steps), model=model, tokenizer=CharTokenizer(),
                                       progress=False)
-    errors = report["steps"][1]["result"]["layers"]["3"]["output_error"]
+    errors = report.steps[1].result["layers"]["3"]["output_error"]
     assert set(errors) == set(LINEARS) and all(0 < e < 0.1 for e in errors.values())
     directory = tmp_path / "out"
     config = json.loads((directory / "config.json").read_text())["quantization_config"]
@@ -148,8 +148,8 @@ def test_flattengpt_then_gptq_shares_the_layer_pass(tmp_path):
     out, report = recipe_engine.apply(recipe(tmp_path, flatten + ["GPTQ<group_size:32,sym:false>"]),
                                       model=tiny_model(num_hidden_layers=6), tokenizer=CharTokenizer(),
                                       progress=False)
-    assert report["steps"][4]["shared_pass"] and out.config.num_hidden_layers == 4
-    extra_runs = report["calibration_layer_runs"] - without["calibration_layer_runs"]
+    assert report.steps[4].shared_pass and out.config.num_hidden_layers == 4
+    extra_runs = report.calibration_layer_runs - without.calibration_layer_runs
     assert 0 <= extra_runs <= out.config.num_hidden_layers
     for layer in out.model.layers:
         for target in LINEARS:
@@ -165,8 +165,8 @@ def test_flattengpt_then_gptq_shares_the_layer_pass(tmp_path):
 def test_gptq_step_equals_gptq_on_each_linear_with_its_own_gram():
     """The step (Hessian sharing, row-stacked q/k/v and gate/up) equals ``gptq_quantize`` run alone on
     each layer-0 linear with the gram of that linear's input, hooked on an untouched copy of the model."""
-    from modifiers._quant import Grid
-    from modifiers.gptq import gptq_quantize
+    from recipe_engine.modifiers._quant import Grid
+    from recipe_engine.modifiers.gptq import gptq_quantize
 
     tokens = random_tokens(4, 32)
     reference = tiny_model()
@@ -184,7 +184,8 @@ def test_gptq_step_equals_gptq_on_each_linear_with_its_own_gram():
                                                                   sequential=False)])
     for target in LINEARS:
         original = reference.model.layers[0].get_submodule(target).weight
-        expected = gptq_quantize(original, grams[target], Grid(4, 16, False), act_order=True).dequantized
+        expected = gptq_quantize(original, grams[target], Grid(4, 16, False), act_order=True, damp=0.01,
+                                 block_size=128).dequantized
         torch.testing.assert_close(model.model.layers[0].get_submodule(target).weight.double(), expected,
                                    rtol=0, atol=1e-5)
 
@@ -193,8 +194,8 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
     """``sequential``: each linear group of every layer is quantized with the gram of its input taken after
     the groups before it (q/k/v → o → gate/up → down, earlier layers included) were quantized — computed
     here group by group with full forwards of a copy (the step runs each layer piecewise instead)."""
-    from modifiers._quant import Grid
-    from modifiers.gptq import gptq_quantize
+    from recipe_engine.modifiers._quant import Grid
+    from recipe_engine.modifiers.gptq import gptq_quantize
 
     tokens = random_tokens(4, 32)
     reference = tiny_model()
@@ -212,7 +213,9 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
         for target in group:
             linear = layer.get_submodule(target)
             with torch.no_grad():
-                linear.weight.copy_(gptq_quantize(linear.weight, gram, Grid(4, 16, True), act_order=True).dequantized)
+                quantized = gptq_quantize(linear.weight, gram, Grid(4, 16, True), act_order=True, damp=0.01,
+                                          block_size=128)
+                linear.weight.copy_(quantized.dequantized)
     model, one_pass = tiny_model(), tiny_model()
     make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16)])  # sequential, act_order: the defaults
     make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=False)])

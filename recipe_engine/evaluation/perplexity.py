@@ -42,7 +42,7 @@ def make_windows(ids: torch.Tensor, seq_len: int, limit: int | None, source: str
     return ids[: count * seq_len].view(count, seq_len)
 
 
-def perplexity(model, tokenizer, text: str, seq_len: int = 2048, limit: int | None = None,
+def perplexity(model, tokenizer, text: str, seq_len: int, limit: int | None,
                device: torch.device | str = "cpu", source: str = "text", progress=None) -> dict:
     """Perplexity of ``text``; returns ppl, nll, tokens (predicted), windows (evaluated), windows_available,
     seq_len and the sha256 fingerprint of the evaluated token ids."""

