@@ -13,9 +13,10 @@ import torch
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from recipe_engine import Modifier, register
+from recipe_engine.adapters import UNFUSED_ROLES, roles_problem
 from recipe_engine.data import load_text, tokenize
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = UNFUSED_ROLES  # roles; a fused Phi-3 qkv/gate_up linear gets one adapter when all its members are targets
 ADAPTER_DIR = "lora_adapter"
 PROMPT = ("Below is an instruction that describes a task{paired}. Write a response that appropriately "
           "completes the request.\n\n### Instruction:\n{instruction}\n\n{context}### Response:\n")
@@ -188,6 +189,11 @@ class LoRARecovery(Modifier):
                              f"{self.micro_batch_size}")
         return self
 
+    def check(self, shape) -> None:
+        problem = roles_problem(shape.model_type, self.targets)
+        if problem:
+            raise self.fail(problem, field="targets")
+
     def apply(self, session) -> dict[str, Any]:
         from accelerate import PartialState
         from peft import LoraConfig, get_peft_model
@@ -204,8 +210,9 @@ class LoRARecovery(Modifier):
         home = next(model.parameters()).device
         trainable = {name: param.requires_grad for name, param in model.named_parameters()}
         torch.manual_seed(self.seed)
+        modules = [session.adapter.path(role).rsplit(".", 1)[-1] for role in session.adapter.module_roles(self.targets)]
         config = LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                            target_modules=list(self.targets), task_type="CAUSAL_LM")
+                            target_modules=modules, task_type="CAUSAL_LM")
         peft_model = get_peft_model(model, config)
         history, steps = self._train(session, peft_model, examples, processes)
         adapter = self._adapter_files(peft_model) if self.save_adapter else None

@@ -30,7 +30,8 @@ class Quantize(Modifier):
     bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
     group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
     sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
-    targets: list[str] = Field(list(LINEARS), min_length=1, description="linears inside each decoder layer")
+    targets: list[str] = Field(list(LINEARS), min_length=1, description="linear roles of each decoder layer "
+                               "(a fused Phi-3 qkv/gate_up linear: all its members)")
     export: Literal["dequantized", "compressed-tensors"] = Field(
         "dequantized", description="checkpoint format: dequantized model-dtype weights or packed int (vLLM)")
 
@@ -49,8 +50,8 @@ class Quantize(Modifier):
         grid, count = Grid(self.bits, self.group_size, self.sym), 0
         for index in session.progress.track(range(len(session.layers)), "Quantize layers"):
             with session.loaded(index):  # one layer materialized at a time on a streamed model
-                for target in self.targets:
-                    linear = session.layers[index].get_submodule(target)
+                for target in session.adapter.module_roles(self.targets):
+                    linear = session.adapter.linear(session.layers[index], target)
                     result = rtn(linear.weight, grid)
                     linear.weight.copy_(result.dequantized.to(linear.weight.dtype))
                     count += 1
