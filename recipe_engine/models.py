@@ -74,19 +74,14 @@ def builtin_gguf(alias: str) -> Path:
     if alias in BUILTIN_SPLIT_MODELS:
         return assembled_gguf(alias)
     package, filename, install = BUILTIN_MODELS[alias]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise SourceError(f"model '{alias}' needs the PyPI package: {install}")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.is_file():
-        raise SourceError(f"model '{alias}': {path} missing; reinstall with {install}")
-    return path
+    return _package_file(alias, package, filename, install, needs="package")
 
 
-def _package_file(alias: str, package: str, relative: str, install: str) -> Path:
+def _package_file(alias: str, package: str, relative: str, install: str, needs: str = "packages") -> Path:
+    """File ``relative`` inside installed ``package``; missing package or file: one line with ``install``."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise SourceError(f"model '{alias}' needs the PyPI packages: {install}")
+        raise SourceError(f"model '{alias}' needs the PyPI {needs}: {install}")
     path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.is_file():
         raise SourceError(f"model '{alias}': {path} missing; reinstall with {install}")
