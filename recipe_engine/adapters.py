@@ -159,17 +159,6 @@ class ArchitectureAdapter:
     def norm(self, layer: nn.Module, role: str) -> nn.Module:
         return layer.get_submodule(self.norms[role])
 
-    def attention_projections(self, layer: nn.Module) -> list[nn.Linear]:
-        """The linears that read the attention norm (q, k, v; Phi-3: qkv)."""
-        return [self.linear(layer, r) for r in self.attention_inputs]
-
-    def mlp_projections(self, layer: nn.Module) -> list[nn.Linear]:
-        """The linears that read the MLP norm (gate, up; Phi-3: gate_up)."""
-        return [self.linear(layer, r) for r in self.mlp_inputs]
-
-    def linear_names(self) -> tuple[str, ...]:
-        return tuple(self.linears.values())
-
     def norm_gain(self, norm: nn.Module) -> torch.Tensor:
         """The fp32 gain ``g`` of an RMSNorm as applied (``norm_offset + w``)."""
         return norm.weight.detach().float() + self.norm_offset

@@ -194,3 +194,17 @@ def test_phi3_partial_fused_target_is_refused_at_validation():
 
 def test_legacy_target_paths_name_the_same_roles():
     assert GPTQ(targets=["self_attn.q_proj", "mlp.down_proj"]).targets == ["q_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("model_type, steps", [
+    ("qwen3", ["FuseNorm", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]),
+    ("phi3", ["FuseNorm", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]),
+    ("gemma3_text", ["FuseNorm", "ShortGPT<n:1>", "GPTQ<group_size:32>"]),
+])
+def test_streamed_run_equals_in_memory(tmp_path, model_type, steps):
+    """Streamed from disk (one unit materialized at a time), every architecture gives the in-memory weights."""
+    from tests.test_streaming import assert_same_weights, run_both, saved_model
+
+    saved_model(tmp_path / "model", model_type, shard="40KB", tie_word_embeddings=model_type == "gemma3_text")
+    (memory, streamed), _ = run_both(tmp_path, tmp_path / "model", steps)
+    assert_same_weights(memory, streamed)
