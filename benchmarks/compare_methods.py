@@ -52,6 +52,8 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "dense": ([], {}),
         "ShortGPT": ([{"ShortGPT": {"n": n}}], {}),
         "SLEB": ([{"SLEB": {"n": n}}], {"samples": 8, "seq_len": 128}),
+        # ~n × layers NLL passes: on Gemma-3-270M (262 k vocabulary, shared 2-core CPU) 8 × 128 took too long
+        "SLEB 2×128": ([{"SLEB": {"n": n}}], {"samples": 2, "seq_len": 128}),
         "ShortGPT+LinearPatch": ([{"ShortGPT": {"n": n}}, "LinearPatch"], {}),
         "GPTQ W4": ([{"GPTQ": {"bits": 4, "group_size": 64}}], {}),   # no layer removed; g64 divides 576 and 640
         "LaCo": ([{"LaCo": {"target_layers": layers - n, "search_steps": 6}}], {}),
