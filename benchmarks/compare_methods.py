@@ -4,7 +4,9 @@ Every method removes ``n`` layers (default: SmolLM2-135M 6 of 30, Qwen2.5-0.5B 5
 "GPTQ W4" removes none: 4-bit weights, groups of 64) and is calibrated on
 one source (``--calibration``): ``wikipedia`` = 32 × 512 tokens of the Wikipedia sample's train split (the
 held-out protocol: no evaluation text is from it), ``wikitext2`` = 32 × 512 tokens of WikiText-2 validation
-(the paper's in-domain protocol, for comparison with the literature); seed 0. SLEB's ~n × layers
+(the paper's in-domain protocol, for comparison with the literature), ``c4`` = 32 × 512 tokens of the C4
+sample's train split (then the C4 column is its test split, in-domain), ``wikipedia+c4`` = 16 + 16 windows of
+both (code stays held out); seed 0. SLEB's ~n × layers
 calibration-NLL passes use 8 × 128 tokens of the same source. Perplexity (``--evals``): WikiText-2 test
 (first 24 windows × 1024), the C4 sample (``c4.utf8``, 16 × 1024) and the code sample (``code.utf8``,
 16 × 1024; Qwen2.5-Coder is a code model); ``--windows`` changes the counts (the figures in BENCHMARKS.md
@@ -36,8 +38,10 @@ from recipe_engine.evaluation.perplexity import perplexity
 from recipe_engine.models import load_model
 
 MODELS = {"smollm2-135m": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}   # default n: ~20 % of the depth (4 of 18)
-CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikitext2", "validation")}
-EVALS = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "test"), "code": ("code-sample", "test")}
+CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikitext2", "validation"),
+                "c4": ("c4-sample", "train"), "wikipedia+c4": (["wikipedia-sample", "c4-sample"], "train")}
+# c4 / code: the whole file (none of it is calibrated on), except the test split of a calibrated source
+EVALS = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "all"), "code": ("code-sample", "all")}
 WINDOWS = {"wikitext2": 24, "c4": 16, "code": 16}   # default windows × 1024 tokens (--windows to change)
 RESULTS = Path(__file__).parent / "results"
 CV_SCALES = [0.01, 0.1, 1.0, 10.0]
@@ -177,7 +181,10 @@ def main() -> None:
         parser.error(f"unknown methods {unknown}; known: {list(known)}")
     names = args.only or ["dense", "ShortGPT", "SLEB", "ShortGPT+LinearPatch", "FlattenGPT (paper)", "FlattenGPT"]
     dense, tokenizer, _ = load_model(args.model, "float32")
-    texts = {e: load_text(EVALS[e][0], EVALS[e][1]).text for e in args.evals}
+    calibrated = CALIBRATIONS[args.calibration][0]
+    calibrated = [calibrated] if isinstance(calibrated, str) else calibrated
+    texts = {e: load_text(EVALS[e][0], "test" if EVALS[e][0] in calibrated else EVALS[e][1]).text
+             for e in args.evals}
     by_key = {key(row): row for row in rows}
     for name in names:
         row = run_method(name, args, dense, tokenizer, texts)

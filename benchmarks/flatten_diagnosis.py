@@ -11,14 +11,15 @@ the variants below replace *every* pair at once; perplexity is measured on a few
 * ``+heads nocomp``: the same groups, o_proj sliced without refit;
 * ``+heads eq12``: the groups chosen by Eq. 12 instead (with the refit);
 * ``+mlp``: merged + NystromMLP (leverage λ = 10 × mean eig, Theorem 3.1 refit), attention wide;
-  ``+mlp nocomp``: no refit; ``+mlp energy``: channels by output energy ``G_ii ‖W_:,i‖²`` (± refit);
+  ``+mlp nocomp``: no refit; ``+mlp energy``: channels by output energy ``G_ii ‖W_:,i‖²`` (± refit); ``+mlp weights``: by the
+  data-free weight norms ``‖W_gate[i]‖ ‖W_up[i]‖ ‖W_down[:, i]‖``;
 * ``+heads+mlp``: both (NystromMLP ``target: merged``);
 * ``+heads+mlp+target λ``: then the down_proj refit towards the dense output of the pair (``target:
   original``/``serial`` coincide here) with λ_t = λ × mean eig.
 
 Run: nice -n 10 python benchmarks/flatten_diagnosis.py [--model qwen2.5-0.5b] [--pairs 10,11 13,14 ...]
      [--samples 8] [--windows 2 2 4 2]
-(prints a table, writes benchmarks/results/flatten_diagnosis_<model>.json)
+(prints a table, writes benchmarks/results/flatten_diagnosis_<model>_s<samples>.json)
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from recipe_engine.evaluation.perplexity import make_windows
 from recipe_engine.linalg import mean_eigenvalue, ridge_compensation, ridge_leverage_scores, set_linear_weight
 
 RESULTS = Path(__file__).parent / "results"
-SOURCES = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "test"), "code": ("code-sample", "test"),
+SOURCES = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "all"), "code": ("code-sample", "all"),
            "wiki-heldout": ("wikipedia-sample", "test")}
 
 
@@ -120,8 +121,11 @@ def prune_mlp(layer, inputs, kwargs, config, scale=10.0, criterion="leverage", c
     mean = mean_eigenvalue(gram)
     if criterion == "leverage":
         score = ridge_leverage_scores(gram, scale * mean)
-    else:  # output energy of each channel: E[σ_i²] ‖W_down[:, i]‖²
+    elif criterion == "energy":  # output energy of each channel: E[σ_i²] ‖W_down[:, i]‖²
         score = torch.diagonal(gram) * mlp.down_proj.weight.double().pow(2).sum(0)
+    else:  # data-free: ‖W_gate[i]‖ ‖W_up[i]‖ ‖W_down[:, i]‖ (no calibration text in the choice)
+        score = (mlp.gate_proj.weight.double().norm(dim=1) * mlp.up_proj.weight.double().norm(dim=1)
+                 * mlp.down_proj.weight.double().norm(dim=0))
     keep = score.topk(config.intermediate_size).indices.sort().values
     down = ridge_compensation(mlp.down_proj.weight, gram, keep, scale * mean) if compensate \
         else mlp.down_proj.weight[:, keep]
@@ -150,9 +154,9 @@ def build(variant, dense_layers, pair, data, config):
     a, b = pair
     if variant == "drop first":
         return [dense_layers[b]]
-    if variant == "drop second":
+    if variant == "drop second":  # keep the block's first layer
         return [dense_layers[a]]
-    merged = merge_layers([dense_layers[a], dense_layers[b]], None)
+    merged = merge_layers(dense_layers[a: b + 1], None)  # a block a..b (a pair when b = a + 1)
     inputs, kwargs, targets = data
     if variant == "merged":
         return [merged]
@@ -160,7 +164,8 @@ def build(variant, dense_layers, pair, data, config):
         prune_heads(merged, inputs, kwargs, config, compensate="heads nocomp" not in variant,
                     criterion="eq12" if "eq12" in variant else "reconstruction")
     if "mlp" in variant:
-        prune_mlp(merged, inputs, kwargs, config, criterion="energy" if "energy" in variant else "leverage",
+        criterion = next((c for c in ("energy", "weights") if c in variant), "leverage")
+        prune_mlp(merged, inputs, kwargs, config, criterion=criterion,
                   compensate="nocomp" not in variant.replace("heads nocomp", ""))
     if "target" in variant:
         refit_target(merged, inputs, kwargs, targets, float(variant.rsplit(" ", 1)[1]))
@@ -200,11 +205,14 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-0.5b")
     parser.add_argument("--pairs", nargs="*", default=["10,11", "13,14", "15,16", "18,19", "22,23"])
     parser.add_argument("--samples", type=int, default=8, help="calibration windows × 512 (wikipedia train)")
+    parser.add_argument("--calibration", nargs="*", default=["wikipedia-sample:train"],
+                        help="calibration sources NAME:SPLIT; the windows are shared evenly among them")
     parser.add_argument("--windows", nargs=4, type=int, default=[2, 2, 4, 2],
                         help="eval windows × 512 of wikitext2, c4, code, wiki-heldout")
     parser.add_argument("--variants", nargs="*", default=[
         "dense", "drop first", "drop second", "merged", "+heads", "+heads nocomp", "+mlp", "+heads+mlp",
         "+heads+mlp+target 0.1", "+heads+mlp+target 1"])
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     parser.add_argument("--no-nll", action="store_true", help="layer errors only (no model-level perplexity)")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -212,10 +220,13 @@ def main() -> None:
     model, tokenizer, _ = load_model(args.model, "float32")
     config = model.config
     dense_layers = list(model.model.layers)
-    cal = sample_windows(tokenize(tokenizer, load_text("wikipedia-sample", "train").text), args.samples, 512, 0,
-                         "wikipedia-sample")
-    evals = {name: make_windows(tokenize(tokenizer, load_text(*SOURCES[name]).text), 512, count, name)
-             for name, count in zip(SOURCES, args.windows)}
+    sources = [c.split(":") for c in args.calibration]
+    cal = torch.cat([sample_windows(tokenize(tokenizer, load_text(name, split).text), args.samples // len(sources),
+                                    512, 0, name) for name, split in sources])
+    calibrated = {name for name, _ in sources}  # a calibrated source is evaluated on its test split only
+    evals = {name: make_windows(tokenize(tokenizer, load_text(
+        source, "test" if source in calibrated else split).text), 512, count, name)
+        for (name, (source, split)), count in zip(SOURCES.items(), args.windows)}
     start = pairs[0][0]
 
     def captured(windows, batch):
@@ -266,8 +277,8 @@ def main() -> None:
                                                 for e in errors.values())
               + f"  {row['seconds']:.0f}s", flush=True)
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"flatten_diagnosis_{args.model}.json").write_text(json.dumps(
-            {"pairs": args.pairs, "samples": args.samples, "windows": args.windows, "rows": rows}, indent=2))
+        (RESULTS / f"flatten_diagnosis_{args.model}_s{args.samples}{args.tag}.json").write_text(json.dumps(
+            {"pairs": args.pairs, "samples": args.samples, "calibration": args.calibration, "windows": args.windows, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

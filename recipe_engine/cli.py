@@ -98,7 +98,8 @@ def cmd_validate(args) -> int:
             try:
                 config = load_config(loaded.recipe.model)
                 cal = loaded.recipe.calibration
-                check_text(cal.dataset, cal.split, cal.text_field, cal.samples * cal.seq_len)
+                for name, share in zip(cal.sources, cal.shares()):
+                    check_text(name, cal.split, cal.text_field, share * cal.seq_len)
             except RecipeError as exc:
                 raise exc.located(file=loaded.path) from None
             shape = check_against_config(loaded.recipe, config, loaded.path)

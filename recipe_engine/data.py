@@ -4,7 +4,9 @@ Sources (``dataset`` field):
 
 * ``wikipedia-sample`` / ``c4-sample`` / ``code-sample``: the ``wiki.utf8`` / ``c4.utf8`` / ``code.utf8`` files shipped in the PyPI package
   ``exllamav2==0.3.2`` (located with ``importlib.util.find_spec``, never imported), ``<doc ...>`` tags
-  stripped. Split ``train`` is the first 90 % of documents, ``test``/``validation`` the last 10 %.
+  stripped (a file without tags: its blank-line paragraphs, or its lines). Split ``train`` is the first 90 %
+  of documents, ``test``/``validation`` the last 10 %, ``all`` every document (a file without tags: its
+  text as it is).
 * ``wikitext2``: WikiText-2 raw. Local files are used when ``$RECIPE_DATA_DIR`` (default: a ``shared/data``
   directory beside the repository) holds ``wikitext-2-raw/wiki.{test,valid}.raw``; otherwise HF
   ``datasets`` (``wikitext``, ``wikitext-2-raw-v1``). The report records which was read.
@@ -31,6 +33,7 @@ from .suggest import did_you_mean
 
 EXLLAMA_INSTALL = "pip install --no-deps exllamav2==0.3.2"
 SAMPLE_FILES = {"wikipedia-sample": "wiki.utf8", "c4-sample": "c4.utf8", "code-sample": "code.utf8"}
+SAMPLE_SPLITS = ("train", "validation", "test", "all")
 WIKITEXT_SPLITS = {"test": "wiki.test.raw", "validation": "wiki.valid.raw", "valid": "wiki.valid.raw",
                    "train": "wiki.train.raw"}
 _DOC_TAG = re.compile(r"</?doc[^>]*>")
@@ -61,9 +64,13 @@ def exllama_sample(filename: str) -> Path:
 
 
 def split_documents(raw: str) -> list[str]:
-    """Documents of a ``<doc ...>``-wrapped file, tags stripped."""
-    docs = [d.strip() for d in re.split(r"<doc[^>]*>", raw)]
-    return [_DOC_TAG.sub("", d).strip() for d in docs if _DOC_TAG.sub("", d).strip()]
+    """Documents of a sample file: ``<doc ...>``-wrapped documents (tags stripped); in a file without tags,
+    blank-line-separated paragraphs, or lines where it has no blank lines (``c4.utf8``: one line a document)."""
+    if _DOC_TAG.search(raw):
+        docs = [d.strip() for d in re.split(r"<doc[^>]*>", raw)]
+        return [_DOC_TAG.sub("", d).strip() for d in docs if _DOC_TAG.sub("", d).strip()]
+    parts = re.split(r"\n[ \t]*\n", raw) if re.search(r"\n[ \t]*\n", raw) else raw.splitlines()
+    return [part.strip("\n") for part in parts if part.strip()]
 
 
 def wikitext_rows(raw: str) -> list[str]:
@@ -162,6 +169,28 @@ def check_text(name: str, split: str, text_field: str, tokens: int) -> None:
     check_length(load_text(name, split, text_field), tokens)
 
 
+def load_calibration(cal) -> list[tuple[TextSource, int]]:
+    """Each calibration source's text with the number of windows drawn from it (``cal.shares()``); a source
+    too short for its share is a ``SourceError``."""
+    loaded = [(load_text(name, cal.split, cal.text_field), share)
+              for name, share in zip(cal.sources, cal.shares())]
+    for text, share in loaded:
+        check_length(text, share * cal.seq_len)
+    return loaded
+
+
+def calibration_windows(tokenizer, loaded: list[tuple[TextSource, int]], cal) -> tuple[torch.Tensor, int]:
+    """The calibration windows (each source's seeded ``sample_windows`` share, sources in order) and the
+    number of tokens the sources hold."""
+    windows, available = [], 0
+    for text, share in loaded:
+        ids = tokenize(tokenizer, text.text)
+        available += ids.numel()
+        windows.append(sample_windows(ids, share, cal.seq_len, cal.seed, text.origin))
+        del ids
+    return torch.cat(windows), available
+
+
 def check_length(text: "TextSource", tokens: int) -> None:
     size = len(text.text.encode("utf-8"))
     if size < tokens:
@@ -179,12 +208,14 @@ def load_text(name: str, split: str = "train", text_field: str = "text") -> Text
     """Resolve a text source to one string (rows joined by blank lines)."""
     if name in SAMPLE_FILES:
         path = exllama_sample(SAMPLE_FILES[name])
-        docs = split_documents(_read(path))
+        if split not in SAMPLE_SPLITS:
+            raise SourceError(f"{name} has splits {', '.join(SAMPLE_SPLITS)} (got '{split}')")
+        raw = _read(path)
+        docs = split_documents(raw)
         cut = int(len(docs) * 0.9)
-        if split not in ("train", "test", "validation"):
-            raise SourceError(f"{name} has splits train, validation, test (got '{split}')")
-        chosen = docs[:cut] if split == "train" else docs[cut:]
-        return TextSource(name, f"{path} [{split}: {len(chosen)} documents]", "\n\n".join(chosen))
+        chosen = {"train": docs[:cut], "all": docs}.get(split, docs[cut:])
+        text = raw.strip() if split == "all" and not _DOC_TAG.search(raw) else "\n\n".join(chosen)
+        return TextSource(name, f"{path} [{split}: {len(chosen)} documents]", text)
     if name == "wikitext2":
         if split not in WIKITEXT_SPLITS:
             raise SourceError(f"wikitext2 has splits train, validation, test (got '{split}')")

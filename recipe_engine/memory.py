@@ -73,12 +73,11 @@ def runtime_bytes(recipe: Recipe) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     from . import runner  # noqa: F401
-    from .data import load_text, tokenize
+    from .data import calibration_windows, load_calibration
     from .models import resolve_model
 
-    cal = recipe.calibration
-    text = load_text(cal.dataset, cal.split, cal.text_field)
-    tokenize(AutoTokenizer.from_pretrained(resolve_model(recipe.model).location), text.text)
+    calibration_windows(AutoTokenizer.from_pretrained(resolve_model(recipe.model).location),
+                        load_calibration(recipe.calibration), recipe.calibration)
     return current_rss()
 
 

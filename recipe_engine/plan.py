@@ -68,7 +68,7 @@ def _gib(value: int) -> str:
 def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
     rows, total = plan_rows(recipe)
     cal = recipe.calibration
-    table = Table(title=f"plan: {recipe.name} ({cal.samples} × {cal.seq_len} tokens from {cal.dataset})")
+    table = Table(title=f"plan: {recipe.name} ({cal.samples} × {cal.seq_len} tokens from {', '.join(cal.sources)})")
     for column in ("step", "scope", "statistics", "calibration passes"):
         table.add_column(column)
     for row in rows:

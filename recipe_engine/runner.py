@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 from .adapters import adapter_for, count_parameters
 from .checkpoint import write_checkpoint
 from .distributed import Parallel, launched, module_digest
-from .data import check_length, fingerprint, load_text, sample_windows, tokenize
+from .data import calibration_windows, fingerprint, load_calibration
 from .errors import QualityGateError, RecipeError
 from .extras import save_extras
 from .modifier import LayerModifier, Modifier
@@ -75,8 +75,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     if writing:
         check_output_free(recipe.output, force, file)
     cal = recipe.calibration
-    text = _located(lambda: load_text(cal.dataset, cal.split, cal.text_field), file)
-    _located(lambda: check_length(text, cal.samples * cal.seq_len), file)
+    texts = _located(lambda: load_calibration(cal), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
     if writing:
@@ -102,12 +101,12 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         else:
             source = None
             report["model"] = {"spec": recipe.model, "kind": "in-memory"}
-        ids = tokenize(tokenizer, text.text)
+        windows, tokens_available = calibration_windows(tokenizer, texts, cal)
         resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
                                                   {id(t): t for t in model.state_dict().values()}.values())
         plan = estimate(recipe, config, streamed, current_rss() - resident_weights)
-        windows = sample_windows(ids, cal.samples, cal.seq_len, cal.seed, text.origin)
-        report["data"] = {"dataset": cal.dataset, "origin": text.origin, "tokens_available": ids.numel(),
+        report["data"] = {"dataset": cal.dataset, "origin": "; ".join(text.origin for text, _ in texts),
+                          "tokens_available": tokens_available,
                           "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
                           "fingerprint": fingerprint(windows)}
         report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}

@@ -10,7 +10,7 @@ import re
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from .errors import RecipeError
 from .modifier import Modifier
@@ -27,7 +27,9 @@ class StrictModel(BaseModel):
 class CalibrationConfig(StrictModel):
     """Calibration text and how the session runs over it."""
 
-    dataset: str = Field("wikipedia-sample", description="builtin name, HF datasets name, or local path")
+    dataset: str | list[str] = Field(
+        "wikipedia-sample", description="builtin name, HF datasets name, or local path; or a list of them: "
+        "the samples are shared evenly among the sources (the first ones take the remainder)")
     split: str = Field("train", description="dataset split (train/validation/test)")
     samples: PositiveInt = Field(128, description="number of calibration sequences")
     seq_len: PositiveInt = Field(2048, description="tokens per sequence")
@@ -37,6 +39,30 @@ class CalibrationConfig(StrictModel):
     propagate: Literal["compressed", "original"] = Field(
         "compressed", description="next layer's inputs come from the compressed or the original layer")
     offload: bool = Field(True, description="keep activations on CPU between layers")
+
+    @field_validator("dataset")
+    @classmethod
+    def _sources(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and (not value or len(set(value)) != len(value)):
+            raise ValueError("a list of calibration sources must be non-empty, without repeats")
+        return value
+
+    @model_validator(mode="after")
+    def _a_window_per_source(self) -> "CalibrationConfig":
+        if len(self.sources) > self.samples:
+            raise ValueError(f"{len(self.sources)} sources in 'dataset' need samples >= {len(self.sources)} "
+                             f"(got {self.samples})")
+        return self
+
+    @property
+    def sources(self) -> list[str]:
+        """The calibration sources, in order."""
+        return [self.dataset] if isinstance(self.dataset, str) else list(self.dataset)
+
+    def shares(self) -> list[int]:
+        """Windows drawn from each source: ``samples`` shared evenly, the first sources take the remainder."""
+        count = len(self.sources)
+        return [self.samples // count + (i < self.samples % count) for i in range(count)]
 
 
 class PerplexityConfig(StrictModel):

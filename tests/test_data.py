@@ -18,6 +18,26 @@ def test_wikipedia_sample_strips_doc_tags_and_splits():
     assert test.text[:200] not in train.text
 
 
+@pytest.mark.parametrize("name", ["c4-sample", "code-sample"])
+def test_untagged_samples_split_into_train_and_test(name):
+    """c4.utf8 (one document a line) and code.utf8 (blank-line paragraphs) have no <doc> tags: train is the
+    first 90 % of those documents, test the rest, ``all`` the file's text as it is."""
+    train, test, every = (data.load_text(name, split) for split in ("train", "test", "all"))
+    raw = data.exllama_sample(data.SAMPLE_FILES[name]).read_text(encoding="utf-8")
+    assert every.text == raw.strip()
+    expected = ([line for line in raw.splitlines() if line.strip()] if name == "c4-sample" else
+                [p.strip("\n") for p in raw.split("\n\n") if p.strip()])
+    cut = int(len(expected) * 0.9)
+    assert len(expected) > 100
+    assert train.text == "\n\n".join(expected[:cut])
+    assert test.text == "\n\n".join(expected[cut:])
+
+
+def test_sample_split_names_are_checked():
+    with pytest.raises(SourceError, match=r"splits train, validation, test, all \(got 'dev'\)"):
+        data.load_text("c4-sample", "dev")
+
+
 def test_missing_sample_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SourceError, match=r"pip install --no-deps exllamav2==0.3.2"):
@@ -66,3 +86,28 @@ def test_fingerprint_is_sha256_of_ids():
     ids = torch.tensor([[1, 2], [3, 4]])
     expected = hashlib.sha256(torch.tensor([1, 2, 3, 4], dtype=torch.int64).numpy().tobytes()).hexdigest()
     assert data.fingerprint(ids) == expected
+
+
+class ByteTokenizer:
+    """Token = UTF-8 byte: lets a test check windows against the source text itself."""
+
+    def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+def test_mixed_calibration_shares_windows_among_sources_in_order():
+    from recipe_engine.schema import CalibrationConfig
+
+    cal = CalibrationConfig(dataset=["wikipedia-sample", "c4-sample"], samples=5, seq_len=64, split="train")
+    assert cal.shares() == [3, 2]
+    loaded = data.load_calibration(cal)
+    windows, available = data.calibration_windows(ByteTokenizer(), loaded, cal)
+    texts = [data.load_text(name, "train").text for name in cal.sources]
+    assert windows.shape == (5, 64)
+    assert available == sum(len(t.encode("utf-8")) for t in texts)
+    for row, source in zip(windows, [0, 0, 0, 1, 1]):  # each window is a span of its own source's bytes
+        span = bytes(row.tolist())
+        assert span in texts[source].encode("utf-8") and span not in texts[1 - source].encode("utf-8")
+    single = CalibrationConfig(dataset="wikipedia-sample", samples=3, seq_len=64, split="train")
+    alone, _ = data.calibration_windows(ByteTokenizer(), data.load_calibration(single), single)
+    assert torch.equal(windows[:3], alone)  # a source draws the same windows alone or in a mix
