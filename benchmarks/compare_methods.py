@@ -106,7 +106,7 @@ def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict
             model, report = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer,
                                                 write=False, progress=False)
         except RecipeError as exc:  # refused at validation for this architecture: a row saying why
-            return {"method": name, "n": args.n, "calibration": args.calibration, "refused": str(exc),
+            return {"method": name, "n": args.n, "calibration": args.calibration, "refused": f"{exc.modifier}: {exc.detail}",
                     "eval_windows": {key: args.windows[key] for key in args.evals},
                     "layers": dense.config.num_hidden_layers, "params_pct": 100.0, "ppl": {},
                     "compress_s": 0.0, "calibration_config": calibration, "modifiers": steps, "steps": []}
