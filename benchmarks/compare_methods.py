@@ -1,6 +1,7 @@
 """Depth-pruning methods compared at equal depth on a builtin model, in-domain and on held-out text.
 
-Every method removes ``n`` layers (default: SmolLM2-135M 6 of 30, Qwen2.5-0.5B 5 of 24) and is calibrated on
+Every method removes ``n`` layers (default: SmolLM2-135M 6 of 30, Qwen2.5-0.5B 5 of 24, Gemma-3-270M 4 of 18;
+"GPTQ W4" removes none: 4-bit weights, groups of 64) and is calibrated on
 one source (``--calibration``): ``wikipedia`` = 32 × 512 tokens of the Wikipedia sample's train split (the
 held-out protocol: no evaluation text is from it), ``wikitext2`` = 32 × 512 tokens of WikiText-2 validation
 (the paper's in-domain protocol, for comparison with the literature), ``c4`` = 32 × 512 tokens of the C4
@@ -15,7 +16,8 @@ write=False)`` on a fresh copy of the dense model; "compress s" is the sum of th
 Run: nice -n 10 python benchmarks/compare_methods.py --model qwen2.5-0.5b [--calibration wikipedia]
      [--n 5] [--only NAME ...] [--task-limit 200]
 (prints a table; merges each finished row into benchmarks/results/compare_methods_<model>.json keyed by
-method, calibration and n, so runs with --only accumulate; --table reprints it)
+method, calibration and n, so runs with --only accumulate; --table reprints it; a method that validation
+refuses on the model's architecture, e.g. FlattenGPT on Gemma 3, is a row with the one-line reason)
 """
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ import torch
 import recipe_engine
 from recipe_engine.adapters import count_parameters
 from recipe_engine.data import load_text
+from recipe_engine.errors import RecipeError
 from recipe_engine.evaluation.perplexity import perplexity
 from recipe_engine.models import load_model
 
-MODELS = {"smollm2-135m": 6, "qwen2.5-0.5b": 5}   # default n: ~20 % of the depth
+MODELS = {"smollm2-135m": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}   # default n: ~20 % of the depth (4 of 18)
 CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikitext2", "validation"),
                 "c4": ("c4-sample", "train"), "wikipedia+c4": (["wikipedia-sample", "c4-sample"], "train")}
 # c4 / code: the whole file (none of it is calibrated on), except the test split of a calibrated source
@@ -53,7 +56,10 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "dense": ([], {}),
         "ShortGPT": ([{"ShortGPT": {"n": n}}], {}),
         "SLEB": ([{"SLEB": {"n": n}}], {"samples": 8, "seq_len": 128}),
+        # ~n × layers NLL passes: on Gemma-3-270M (262 k vocabulary, shared 2-core CPU) 8 × 128 took too long
+        "SLEB 2×128": ([{"SLEB": {"n": n}}], {"samples": 2, "seq_len": 128}),
         "ShortGPT+LinearPatch": ([{"ShortGPT": {"n": n}}, "LinearPatch"], {}),
+        "GPTQ W4": ([{"GPTQ": {"bits": 4, "group_size": 64}}], {}),   # no layer removed; g64 divides 576 and 640
         "LaCo": ([{"LaCo": {"target_layers": layers - n, "search_steps": 6}}], {}),
         "LaCo C=2": ([{"LaCo": {"C": 2, "target_layers": layers - n, "search_steps": 8}}], {}),
         # the paper as written: Eq. 12 heads without refit, Nyström MLP (Theorem 3.1 only), one-shot statistics
@@ -96,12 +102,19 @@ def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict
     if steps:
         recipe = {"version": 1, "name": "compare", "model": args.model, "output": "out/unused",
                   "calibration": calibration, "modifiers": steps}
-        model, report = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer,
-                                            write=False, progress=False)
+        try:
+            model, report = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer,
+                                                write=False, progress=False)
+        except RecipeError as exc:  # refused at validation for this architecture: a row saying why
+            return {"method": name, "n": args.n, "calibration": args.calibration, "refused": f"{exc.modifier}: {exc.detail}",
+                    "eval_windows": {key: args.windows[key] for key in args.evals},
+                    "layers": dense.config.num_hidden_layers, "params_pct": 100.0, "ppl": {},
+                    "compress_s": 0.0, "calibration_config": calibration, "modifiers": steps, "steps": []}
     ppl = {key: perplexity(model, tokenizer, texts[key], seq_len=1024, limit=args.windows[key])["ppl"]
            for key in args.evals}
     extra = {"zero_shot": zero_shot(model, tokenizer, args.task_limit)} if args.task_limit else {}
-    return {**extra, "method": name, "n": args.n if steps else 0, "calibration": args.calibration,
+    removed = dense.config.num_hidden_layers - model.config.num_hidden_layers
+    return {**extra, "method": name, "n": removed, "calibration": args.calibration,
             "eval_windows": {key: args.windows[key] for key in args.evals},
             "layers": model.config.num_hidden_layers,
             "params_pct": 100.0 * count_parameters(model) / count_parameters(dense), "ppl": ppl,
@@ -122,6 +135,10 @@ def print_table(rows: list[dict]) -> None:
           + " | zero-shot avg | compress s |\n|" + "---|" * (7 + len(evals)))
     for row in rows:
         cal = row["calibration_config"]
+        if "refused" in row:
+            print(f"| {row['method']} | {row['calibration']} {cal['samples']}×{cal['seq_len']} | – | refused at "
+                  f"validation: {row['refused']} |")
+            continue
         ppl = " | ".join(f"{row['ppl'][e]:.2f} ({row['eval_windows'][e]})" if e in row["ppl"] else "–"
                          for e in evals)
         print(f"| {row['method']} | {row['calibration']} {cal['samples']}×{cal['seq_len']} | {row['n']} | "
@@ -136,7 +153,8 @@ def average(row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="smollm2-135m")
-    parser.add_argument("--n", type=int, help="layers removed (default: 6 for SmolLM2, 5 for Qwen2.5-0.5B)")
+    parser.add_argument("--n", type=int, help="layers removed (default: 6 for SmolLM2, 5 for Qwen2.5-0.5B, "
+                                              "4 for Gemma-3-270M)")
     parser.add_argument("--calibration", choices=list(CALIBRATIONS), default="wikipedia")
     parser.add_argument("--samples", type=int, default=32, help="calibration windows")
     parser.add_argument("--seq-len", type=int, default=512, help="calibration window length")
@@ -175,6 +193,9 @@ def main() -> None:
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps({"model": args.model, "machine": platform.processor() or platform.machine(),
                                        "rows": list(by_key.values())}, indent=2, default=str))
+        if "refused" in row:
+            print(f"{name:<32} refused: {row['refused']}", flush=True)
+            continue
         print(f"{name:<32} n={row['n']} {row['layers']:>3} layers {row['params_pct']:6.1f}% params PPL "
               + " ".join(f"{e} {v:.2f}" for e, v in row["ppl"].items())
               + f"  {row['compress_s']:7.1f} s  zero-shot {average(row)}", flush=True)

@@ -10,10 +10,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field, PositiveInt, field_validator
 
-from recipe_engine.api import Grid, ModelShape
+from recipe_engine.api import ADAPTERS, UNFUSED_ROLES, Grid, ModelShape, roles_problem
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+#: Target roles (``recipe_engine.adapters``); a fused linear (Phi-3 ``qkv_proj``) is targeted by all its members.
+LINEARS = UNFUSED_ROLES
 
 
 @dataclass
@@ -47,20 +47,28 @@ def output_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tens
 
 
 def input_width(shape: ModelShape, layer: int, target: str) -> int:
-    """Input width of a target linear of ``layer`` in the symbolic shape."""
-    if target == "mlp.down_proj":
+    """Input width of a target role's linear of ``layer`` in the symbolic shape."""
+    if target == "down_proj":
         return shape.layers[layer].intermediate_size
-    if target == "self_attn.o_proj":
+    if target == "o_proj":
         return shape.layers[layer].num_heads * shape.head_dim
     return shape.hidden_size
 
 
+def linear_path(model_type: str, role: str) -> str:
+    """Path inside a decoder layer of the linear holding ``role`` (a fused one for its members)."""
+    adapter = ADAPTERS.get(model_type, ADAPTERS["llama"])
+    return adapter.path(next((f for f, members in adapter.fused.items() if role in members), role))
+
+
 def known_targets(targets: list[str]) -> list[str]:
-    """Validator: every target is one of :data:`LINEARS`."""
-    unknown = sorted(set(targets) - set(LINEARS))
+    """Validator: every target is a role of :data:`LINEARS`; the older ``self_attn.q_proj`` / ``mlp.up_proj``
+    spelling names the same role."""
+    roles = [t.split(".", 1)[1] if t.startswith(("self_attn.", "mlp.")) else t for t in targets]
+    unknown = sorted(set(roles) - set(LINEARS))
     if unknown:
         raise ValueError(f"unknown targets {unknown}; choose from {list(LINEARS)}")
-    return targets
+    return roles
 
 
 def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None, bits: int,
@@ -69,6 +77,9 @@ def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None, 
     width ``group_size`` does not divide (named by layer), or an export that cannot hold ``bits``."""
     if export == "compressed-tensors" and bits not in (4, 8):
         return f"compressed-tensors export needs bits 4 or 8 (got {bits})", "bits"
+    problem = roles_problem(shape.model_type, targets)
+    if problem:
+        return problem, "targets"
     if group_size is None:
         return None
     for layer in range(shape.num_layers):
@@ -78,7 +89,7 @@ def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None, 
                 divisors = [d for d in (256, 128, 64, 32, 16) if width % d == 0][:2]
                 hint = f"; divisors of {width}: {', '.join(map(str, divisors))}" if divisors else ""
                 return (f"group_size {group_size} does not divide the input width {width} of "
-                        f"model.layers.{layer}.{target}{hint}", "group_size")
+                        f"model.layers.{layer}.{linear_path(shape.model_type, target)}{hint}", "group_size")
     return None
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from recipe_engine.api import LayerShape, ModelShape, Modifier, register
+from recipe_engine.api import ADAPTERS, LayerShape, ModelShape, Modifier, register, replace_linear
 
 
 def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]], list[float]]:
@@ -43,41 +43,55 @@ def symbolic_blocks(num_layers: int, merges: int) -> list[list[int]]:
     return blocks
 
 
-#: Linears concatenated by ``merge_layers``: (path, concatenation axis, norm folded into it or None).
-MERGED_LINEARS = (("self_attn.q_proj", 0, "input_layernorm"), ("self_attn.k_proj", 0, "input_layernorm"),
-                  ("self_attn.v_proj", 0, "input_layernorm"), ("self_attn.o_proj", 1, None),
-                  ("mlp.gate_proj", 0, "post_attention_layernorm"), ("mlp.up_proj", 0, "post_attention_layernorm"),
-                  ("mlp.down_proj", 1, None))
-
-
 @torch.no_grad()
 def merge_layers(layers: list[torch.nn.Module], adapter) -> torch.nn.Module:
     """One wide layer computing ``h = x + Σ_j Attn_j(x̂)``, then ``h + Σ_j MLP_j(ĥ)`` (Eqs. 7–11).
 
-    Each layer's RMSNorm gain is folded into its own q/k/v and gate/up (``fold_norm_into``'s arithmetic:
-    fp32 product cast back; the merged norms are 1, so ``x̂`` is the shared ``x / rms(x)``); q/k/v (and
-    their biases), gate/up are concatenated along the output axis, o/down along the input axis. Heads keep
-    their order: layer 0's heads, then layer 1's, ... The source layers are left unchanged.
+    Each layer's norm gain (``adapter.norm_gain``) is folded into its own q/k/v and gate/up (``fold_norm_into``'s
+    arithmetic: fp32 product cast back; the merged norms' gains are 1, so ``x̂`` is the shared ``x / rms(x)``);
+    q/k/v (and their biases), gate/up are concatenated along the output axis, o/down along the input axis,
+    a fused linear (Phi-3 qkv, gate_up) member by member. Heads keep their order: layer 0's heads, then
+    layer 1's, ... Per-head q/k norms (Qwen3) are shared by all heads of a layer, so the merged layer takes
+    the mean gain of its sources: exact when they agree, else an approximation (``head_norm_spread``; see
+    docs/flattengpt.md). The source layers are left unchanged.
     """
     merged = copy.deepcopy(layers[0])
-    for path, axis, norm in MERGED_LINEARS:
-        parts = [layer.get_submodule(path) for layer in layers]
-        weights = [p.weight if norm is None else
-                   (p.weight.float() * layer.get_submodule(norm).weight.float()[None, :]).to(p.weight.dtype)
-                   for p, layer in zip(parts, layers)]
-        weight = torch.cat(weights, dim=axis)
-        has_bias = parts[0].bias is not None
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
-                                 dtype=weight.dtype, device=weight.device)
-        linear.weight.copy_(weight)
-        if has_bias:
-            biases = [p.bias for p in parts]
-            linear.bias.copy_(torch.cat(biases) if axis == 0 else torch.stack(biases).sum(0))
-        parent, name = path.rsplit(".", 1)
-        setattr(merged.get_submodule(parent), name, linear)
-    for norm in {n for _, _, n in MERGED_LINEARS if n}:
-        merged.get_submodule(norm).weight.fill_(1.0)
+    head_dim = adapter.attention(layers[0]).head_dim
+    reads = {role: norm for norm, roles in adapter.norm_reads for role in roles}
+    for role, path in adapter.linears.items():
+        axis = 1 if role in ("o_proj", "down_proj") else 0
+        members: dict[str, list] = {}
+        for layer in layers:
+            gain = adapter.norm_gain(adapter.norm(layer, reads[role])) if role in reads else None
+            for member, (weight, bias) in adapter.member_parts(layer, role, head_dim).items():
+                if gain is not None:
+                    weight = (weight.float() * gain[None, :]).to(weight.dtype)
+                members.setdefault(member, []).append((weight, bias))
+        weight = torch.cat([torch.cat([w for w, _ in parts], dim=axis) for parts in members.values()])
+        bias = None
+        if layers[0].get_submodule(path).bias is not None:
+            bias = torch.cat([torch.cat([b for _, b in parts]) if axis == 0 else torch.stack([b for _, b in parts]).sum(0)
+                              for parts in members.values()])
+        replace_linear(merged, path, weight, bias)
+    for norm in {norm for norm, _ in adapter.norm_reads}:
+        adapter.set_norm_gain(adapter.norm(merged, norm), 1.0)
+    for norm in adapter.head_norms:
+        adapter.set_norm_gain(adapter.norm(merged, norm),
+                              torch.stack([adapter.norm_gain(adapter.norm(layer, norm)) for layer in layers]).mean(0))
+    adapter.sync_widths(merged, head_dim)
     return merged
+
+
+@torch.no_grad()
+def head_norm_spread(layers: list[torch.nn.Module], adapter) -> float:
+    """Largest relative spread ``max_j ‖g_j − ḡ‖ / ‖ḡ‖`` of the per-head q/k norm gains ``g_j`` of the merged
+    source layers around their mean ``ḡ`` (0: the merge is exact; no head norms: 0)."""
+    spread = 0.0
+    for norm in adapter.head_norms:
+        gains = torch.stack([adapter.norm_gain(adapter.norm(layer, norm)) for layer in layers]).double()
+        mean = gains.mean(0)
+        spread = max(spread, float((gains - mean).norm(dim=1).max() / mean.norm()))
+    return spread
 
 
 def similarity_heatmap(similarity: torch.Tensor, blocks: list[list[int]]) -> bytes:
@@ -189,6 +203,11 @@ class FlattenAdjacent(Modifier):
         return merges
 
     def check(self, shape: ModelShape) -> None:
+        adapter = ADAPTERS.get(shape.model_type)
+        if adapter is not None and adapter.output_norms:
+            raise self.fail(f"{shape.model_type} normalizes each layer's attention and MLP output on its own "
+                            f"(post-attention/post-feedforward norms): a parallel sum of such layers is not one "
+                            f"stock layer (best one-norm form: see docs/flattengpt.md)")
         blocks = symbolic_blocks(shape.num_layers, self.merges_for(shape.num_layers))
         shape.layers = [LayerShape(sum(shape.layers[i].num_heads for i in block),
                                    sum(shape.layers[i].num_kv_heads for i in block),
@@ -236,19 +255,21 @@ class FlattenAdjacent(Modifier):
         similarity = session.shared(self, "FlattenAdjacent similarity", lambda: self.input_similarity(session))
         blocks, scores = select_blocks(similarity, merges)
         old_layers, old_origin = list(session.layers), session.layer_origin
-        new_layers = []
+        new_layers, spreads = [], {}
         for block in blocks:
             if len(block) == 1:
                 new_layers.append(old_layers[block[0]])
                 continue
             with session.loaded(*block):
                 new_layers.append(merge_layers([old_layers[i] for i in block], session.adapter))
+                spreads[len(new_layers) - 1] = head_norm_spread([old_layers[i] for i in block], session.adapter)
             session.release(new_layers[-1])  # streamed: staged now, not held until every block is merged
         session.set_layers(new_layers, [tuple(o for i in b for o in old_origin[i]) for b in blocks],
                            [b[0] for b in blocks])
         session.add_artifact("similarity.png", similarity_heatmap(similarity, blocks))
         groups = [{"layer": index, "merged": block, "origin": list(session.layer_origin[index]),
-                   "similarity": float(similarity[block[0], block[-1]])}
+                   "similarity": float(similarity[block[0], block[-1]]),
+                   **({"head_norm_spread": spreads[index]} if session.adapter.head_norms else {})}
                   for index, block in enumerate(blocks) if len(block) > 1]
         return {"merges": merges, "merge_scores": scores, "groups": groups,
                 "layers_after": len(new_layers), "similarity": similarity.tolist()}

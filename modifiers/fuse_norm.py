@@ -13,7 +13,9 @@ from recipe_engine.api import Modifier, fold_norm_into, register
 class FuseNorm(Modifier):
     """Fold every RMSNorm weight into the projections that read it and set the norm weights to 1.
 
-    q/k/v absorb ``input_layernorm``, gate/up absorb ``post_attention_layernorm``. The final norm is
+    q/k/v (Phi-3: qkv) absorb the attention norm, gate/up (Phi-3: gate_up) the MLP norm (the adapter's
+    ``norm_reads``). Norms after a nonlinearity stay: Qwen3/Gemma 3 per-head q/k norms and Gemma 3's norms
+    on each block's output (a gain after ``/rms`` cannot move into the linear before it). The final norm is
     folded into ``lm_head`` only when the embeddings are untied, or with ``untie: true`` (which gives
     ``lm_head`` its own copy of the embedding matrix, adding vocab × hidden parameters). With tied
     embeddings and ``untie: false`` the final norm is left as it is: folding it into a tied matrix would
@@ -30,8 +32,8 @@ class FuseNorm(Modifier):
         for index in session.progress.track(range(len(session.layers)), "FuseNorm layers"):
             with session.loaded(index):
                 layer = session.layers[index]
-                fold_norm_into(layer.input_layernorm, adapter.attention_projections(layer))
-                fold_norm_into(layer.post_attention_layernorm, adapter.mlp_projections(layer))
+                for norm, readers in adapter.norm_reads:
+                    fold_norm_into(adapter.norm(layer, norm), [adapter.linear(layer, r) for r in readers], adapter)
         head, embeddings = adapter.lm_head(model), adapter.embeddings(model)
         tied = head.weight is embeddings.weight
         folded_final = False
@@ -41,7 +43,7 @@ class FuseNorm(Modifier):
                 model.config.tie_word_embeddings = False
                 tied = False
             if self.final_norm and not tied:
-                fold_norm_into(adapter.final_norm(model), [head])
+                fold_norm_into(adapter.final_norm(model), [head], adapter)
                 folded_final = True
         session.release(head)  # an untied head is a unit of its own from now on
         return {"layers": len(session.layers), "final_norm_folded": folded_final, "untied": self.untie and folded_final}

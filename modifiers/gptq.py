@@ -118,17 +118,13 @@ class GPTQ(GridParameters, LayerModifier):
     def target_layers(self, session) -> list[int]:
         return list(range(len(session.layers)))
 
-    def _hessian_source(self, session, target: str) -> str:
-        """Linears reading the same tensor share one gram (q/k/v; gate/up)."""
-        block, name = target.split(".")
-        shared = session.adapter.attention_inputs if block == "self_attn" else session.adapter.mlp_inputs
-        return f"{block}.{shared[0]}" if name in shared else target
-
     def _sources(self, session) -> dict[str, list[str]]:
-        """Hessian source → the targets quantized with it, in dataflow order."""
-        sources: dict[str, list[str]] = {}
-        for target in self.targets:
-            sources.setdefault(self._hessian_source(session, target), []).append(target)
+        """Hessian source path → the target roles quantized with it, in dataflow order: linears reading the
+        same tensor share one gram (q/k/v; gate/up; a fused qkv or gate_up linear is its own source)."""
+        adapter, sources = session.adapter, {}
+        for role in adapter.module_roles(self.targets):
+            group = next((g for g in (adapter.attention_inputs, adapter.mlp_inputs) if role in g), (role,))
+            sources.setdefault(adapter.path(group[0]), []).append(role)
         return dict(sorted(sources.items(), key=lambda item: position(item[0])))
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
@@ -147,7 +143,7 @@ class GPTQ(GridParameters, LayerModifier):
         layer, grid, errors = session.layers[layer_index], self.grid(), {}
         staged = StagedLayer(session, layer, *session.current_inputs()) if self.sequential else None
         for source, targets in self._sources(session).items():
-            linears = [layer.get_submodule(t) for t in targets]
+            linears = [session.adapter.linear(layer, t) for t in targets]
             if staged is None:
                 gram = stats[self._gram(source).key].gram
             else:  # the groups before this one are quantized already
@@ -159,7 +155,7 @@ class GPTQ(GridParameters, LayerModifier):
             rows = [linear.out_features for linear in linears]
             pieces = (t.split(rows) for t in (result.dequantized, result.scale, result.zero))
             for target, linear, quantized, scale, zero in zip(targets, linears, *pieces):
-                errors[target] = output_error(linear.weight, quantized, gram)
+                errors[session.adapter.path(target)] = output_error(linear.weight, quantized, gram)
                 with torch.no_grad():
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
                 if self.export == "compressed-tensors":
@@ -169,4 +165,5 @@ class GPTQ(GridParameters, LayerModifier):
         return {"output_error": errors}
 
     def finish(self, session) -> dict[str, Any]:
-        return {"quantized_linears": len(self.targets) * len(session.layers), "export": self.export}
+        return {"quantized_linears": len(session.adapter.module_roles(self.targets)) * len(session.layers),
+                "export": self.export}

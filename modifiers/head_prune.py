@@ -169,16 +169,17 @@ class HeadPrune(LayerModifier):
         return 3 * width * width * 8
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
-        return [InputCovariance("self_attn.o_proj")]
+        return [InputCovariance(session.adapter.path("o_proj"))]
 
     @torch.no_grad()
     def compress_layer(self, session, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
         cfg, head_dim = session.model.config, session.head_dim
-        attn = session.adapter.attention(session.layers[layer_index])
-        stat = stats["InputCovariance:self_attn.o_proj"]
+        adapter, layer = session.adapter, session.layers[layer_index]
+        o_proj = adapter.linear(layer, "o_proj")
+        stat = stats[self.statistics(session, layer_index)[0].key]
         per_group = cfg.num_attention_heads // cfg.num_key_value_heads
-        groups = attn.k_proj.out_features // head_dim
-        o_weight, gram = attn.o_proj.weight.detach(), stat.gram
+        groups = adapter.layer_widths(layer, head_dim)[1]
+        o_weight, gram = o_proj.weight.detach(), stat.gram
         ridge = self.lambda_scale * mean_eigenvalue(gram) if self.compensate else None
         if self.criterion == "eq12":
             scores = eq12_group_scores(o_weight, gram, stat.count, groups, per_group, head_dim)
@@ -189,10 +190,8 @@ class HeadPrune(LayerModifier):
         query, kv = group_channels(kept, per_group, head_dim)
         error = reconstruction_error(o_weight, gram, query, ridge)
         new_o = ridge_compensation(o_weight, gram, query, ridge) if self.compensate else o_weight[:, query]
-        for linear, rows in ((attn.q_proj, query), (attn.k_proj, kv), (attn.v_proj, kv)):
-            bias = linear.bias[rows] if linear.bias is not None else None
-            set_linear_weight(linear, linear.weight[rows], bias)
-        set_linear_weight(attn.o_proj, new_o, attn.o_proj.bias)
+        set_linear_weight(o_proj, new_o, o_proj.bias)
+        adapter.keep_rows(layer, {"q_proj": query, "k_proj": kv, "v_proj": kv}, head_dim)
         total = float(torch.einsum("oi,ij,oj->", o_weight.double(), gram, o_weight.double()))
         return {"kv_groups_kept": kept, "kv_groups_before": groups,
                 "heads_kept": [h for g in kept for h in range(g * per_group, (g + 1) * per_group)],

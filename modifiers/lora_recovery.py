@@ -12,9 +12,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from recipe_engine.api import Modifier, load_text, register, tokenize, top_k_kl
+from recipe_engine.api import UNFUSED_ROLES, Modifier, load_text, register, roles_problem, tokenize, top_k_kl
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = UNFUSED_ROLES  # roles; a fused Phi-3 qkv/gate_up linear gets one adapter when all its members are targets
 ADAPTER_DIR = "lora_adapter"
 PROMPT = ("Below is an instruction that describes a task{paired}. Write a response that appropriately "
           "completes the request.\n\n### Instruction:\n{instruction}\n\n{context}### Response:\n")
@@ -176,6 +176,11 @@ class LoRARecovery(Modifier):
                              f"{self.micro_batch_size}")
         return self
 
+    def check(self, shape) -> None:
+        problem = roles_problem(shape.model_type, self.targets)
+        if problem:
+            raise self.fail(problem, field="targets")
+
     def apply(self, session) -> dict[str, Any]:
         from accelerate import PartialState
         from peft import LoraConfig, get_peft_model
@@ -192,8 +197,9 @@ class LoRARecovery(Modifier):
         home = next(model.parameters()).device
         trainable = {name: param.requires_grad for name, param in model.named_parameters()}
         torch.manual_seed(self.seed)
+        modules = [session.adapter.path(role).rsplit(".", 1)[-1] for role in session.adapter.module_roles(self.targets)]
         config = LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                            target_modules=list(self.targets), task_type="CAUSAL_LM")
+                            target_modules=modules, task_type="CAUSAL_LM")
         peft_model = get_peft_model(model, config)
         history, steps = self._train(session, peft_model, examples, processes)
         adapter = self._adapter_files(peft_model) if self.save_adapter else None

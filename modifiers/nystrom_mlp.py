@@ -55,8 +55,8 @@ def target_moments(session, layer, targets: list[torch.Tensor], folds: int, gram
     ``grams`` (fp32 products summed in fp64).
     """
     inputs, kwargs_list = session.current_inputs()
-    down = session.adapter.mlp(layer).down_proj
-    sigma = _LastInput("mlp.down_proj")
+    down = session.adapter.linear(layer, "down_proj")
+    sigma = _LastInput(session.adapter.path("down_proj"))
     moments = _TargetMoments(sigma, targets, folds, down.in_features, down.out_features, grams, session.device)
     session.run_layer(layer, inputs, kwargs_list, hooks=[sigma, moments])
     return [{"cross": moments.cross[f], "gram": moments.gram[f] if grams else None,
@@ -113,7 +113,7 @@ class NystromMLP(LayerModifier):
 
     @property
     def modifies(self) -> tuple[str, ...]:  # the fallback may replace the whole layer
-        return ("self_attn", "mlp") if self.fallback else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        return ("self_attn", "mlp") if self.fallback else ("mlp",)
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # needs merged layers
     needs = ("down_proj input Gram (fp64)", "target serial/original: the original layers' outputs "
              "(original weights on CPU)")
@@ -166,24 +166,24 @@ class NystromMLP(LayerModifier):
         return 8 * (width * width + 2 * kept * kept + width * 512 + width * shape.hidden_size)
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
-        return [InputCovariance("mlp.down_proj")]
+        return [InputCovariance(session.adapter.path("down_proj"))]
 
     @torch.no_grad()
     def compress_layer(self, session, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
-        mlp = session.adapter.mlp(session.layers[layer_index])
-        gram = stats["InputCovariance:mlp.down_proj"].gram
+        adapter, layer = session.adapter, session.layers[layer_index]
+        down_proj = adapter.linear(layer, "down_proj")
+        gram = stats[self.statistics(session, layer_index)[0].key].gram
         scale = mean_eigenvalue(gram)
         if self.criterion == "leverage":
             score = ridge_leverage_scores(gram, self.lambda_scale * scale)
         else:
-            score = channel_energy(mlp.down_proj.weight, gram)
+            score = channel_energy(down_proj.weight, gram)
         keep = score.topk(session.model.config.intermediate_size).indices.sort().values
         refit_scale = self.compensation_scale if self.compensation_scale is not None else self.lambda_scale
-        down = (ridge_compensation(mlp.down_proj.weight, gram, keep, refit_scale * scale) if self.compensate
-                else mlp.down_proj.weight[:, keep])
-        for linear in (mlp.gate_proj, mlp.up_proj):
-            set_linear_weight(linear, linear.weight[keep], linear.bias[keep] if linear.bias is not None else None)
-        set_linear_weight(mlp.down_proj, down, mlp.down_proj.bias)
+        down = (ridge_compensation(down_proj.weight, gram, keep, refit_scale * scale) if self.compensate
+                else down_proj.weight[:, keep])
+        adapter.keep_rows(layer, {"gate_proj": keep, "up_proj": keep}, session.head_dim)
+        set_linear_weight(down_proj, down, down_proj.bias)
         entry = {"channels_before": gram.shape[0], "channels_kept": len(keep),
                  f"{self.criterion}_kept": float(score[keep].sum()), f"{self.criterion}_total": float(score.sum())}
         if self.target != "merged":
@@ -219,14 +219,14 @@ class NystromMLP(LayerModifier):
             with session.on_device(candidate):
                 moments = target_moments(session, candidate, targets, folds,
                                          grams=self.target_scales is not None or name != "merged")
-            down = session.adapter.mlp(candidate).down_proj
+            down = session.adapter.linear(candidate, "down_proj")
             candidate_gram = gram.to(session.device) if name == "merged" else sum(m["gram"] for m in moments)
             refit, entry = refit_down_proj(down, candidate_gram, moments, self.target_scale, self.target_scales)
             score = (min(entry["heldout_error"].values()) if self.target_scales is not None
                      else entry["target_error_after"])
             results.append((score, name, candidate, refit, entry))
         score, name, winner, refit, entry = min(results, key=lambda r: r[0])
-        down = session.adapter.mlp(winner).down_proj
+        down = session.adapter.linear(winner, "down_proj")
         set_linear_weight(down, refit, down.bias)
         if winner is not layer:
             copy_layer_weights(winner, layer)

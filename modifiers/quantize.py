@@ -26,8 +26,8 @@ class Quantize(GridParameters, Modifier):
         grid, count = self.grid(), 0
         for index in session.progress.track(range(len(session.layers)), "Quantize layers"):
             with session.loaded(index):  # one layer materialized at a time on a streamed model
-                for target in self.targets:
-                    linear = session.layers[index].get_submodule(target)
+                for target in session.adapter.module_roles(self.targets):
+                    linear = session.adapter.linear(session.layers[index], target)
                     result = rtn(linear.weight, grid)
                     linear.weight.copy_(result.dequantized.to(linear.weight.dtype))
                     count += 1

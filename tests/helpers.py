@@ -12,14 +12,29 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
-def tiny_config(model_type: str = "llama", **overrides):
-    """A tiny config of the given architecture (GQA 4 query / 2 KV heads by default)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+#: Architectures with a tiny config (every supported ``model_type``).
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+
+def tiny_config(model_type: str = "llama", **overrides):
+    """A tiny config of the given architecture (GQA 4 query / 2 KV heads by default). Gemma 3: layers
+    alternate sliding (window 8, shorter than the test sequences) and global attention."""
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+               "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config}
     params = dict(TINY, **overrides)
     if model_type == "mistral":
         params.setdefault("sliding_window", None)
+    if model_type == "gemma3_text":
+        params.setdefault("sliding_window", 8)
+        params.setdefault("layer_types", ["sliding_attention" if i % 3 != 2 else "full_attention"
+                                          for i in range(params["num_hidden_layers"])])
+        params.setdefault("query_pre_attn_scalar", params["head_dim"])
+    if model_type == "phi3":
+        params.setdefault("pad_token_id", 0)
+        params.setdefault("eos_token_id", 2)
     return classes[model_type](**params)
 
 

@@ -12,10 +12,14 @@ from transformers import AutoModelForCausalLM
 import recipe_engine
 from recipe_engine.registry import REGISTRY
 from recipe_engine.schema import dump_recipe, recipe_from_dict
-from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, random_tokens, tiny_model
+from recipe_engine.errors import RecipeError
+from tests.helpers import ARCHITECTURES, BYTE_VOCAB, CharTokenizer, byte_tokenizer, random_tokens, tiny_model
 
 TEXT = "Calibration text for the contract tests, repeated to have enough tokens. " * 300
 NAMES = REGISTRY.names()
+#: (modifier, architecture) pairs that ``recipe validate`` refuses, and a phrase of the one-line reason.
+REFUSED = {(name, "gemma3_text"): "post-attention/post-feedforward norms"
+           for name in ("FlattenAdjacent", "HeadPrune", "NystromMLP")}  # their examples start with FlattenAdjacent
 
 
 def example_recipe(tmp_path, name):
@@ -48,14 +52,23 @@ def test_yaml_round_trip(tmp_path, name):
     assert dump_recipe(recipe_from_dict(yaml.safe_load(text))) == text
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("name", NAMES)
-def test_runs_on_tiny_model_and_reloads(tmp_path, name):
+def test_runs_on_tiny_model_and_reloads(tmp_path, name, architecture):
+    """Every registered modifier on every architecture: runs and reloads, or is refused with one line."""
     # load_model (non-stock outputs) needs a tokenizer AutoTokenizer can reload: CharTokenizer is not one
     stock = REGISTRY.get(name).stock_output
-    model = tiny_model(num_hidden_layers=6) if stock else tiny_model(num_hidden_layers=6, vocab_size=BYTE_VOCAB)
+    vocab = {} if stock else {"vocab_size": BYTE_VOCAB}
+    model = tiny_model(architecture, num_hidden_layers=6, **vocab)
     tokens = random_tokens() if stock else random_tokens(vocab=BYTE_VOCAB)
-    result, report = recipe_engine.apply(example_recipe(tmp_path, name), model=model,
-                                         tokenizer=CharTokenizer() if stock else byte_tokenizer(), progress=False)
+    tokenizer = CharTokenizer() if stock else byte_tokenizer()
+    if (name, architecture) in REFUSED:
+        with pytest.raises(RecipeError, match=REFUSED[name, architecture]) as caught:
+            recipe_engine.apply(example_recipe(tmp_path, name), model=model, tokenizer=tokenizer, progress=False)
+        assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
+        return
+    result, report = recipe_engine.apply(example_recipe(tmp_path, name), model=model, tokenizer=tokenizer,
+                                         progress=False)
     with torch.no_grad():
         expected = result(tokens).logits
     out = tmp_path / "out"

