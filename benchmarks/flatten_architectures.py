@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from modifiers.flatten_adjacent import head_norm_spread
+from recipe_engine.modifiers.flatten_adjacent import head_norm_spread
 from recipe_engine.adapters import adapter_for
 from recipe_engine.data import load_text, sample_windows, tokenize
 from recipe_engine.models import load_model

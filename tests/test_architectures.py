@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from modifiers.flatten_adjacent import FlattenAdjacent, head_norm_spread, merge_layers
-from modifiers.gptq import GPTQ
+from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, head_norm_spread, merge_layers
+from recipe_engine.modifiers.gptq import GPTQ
 from recipe_engine.adapters import ADAPTERS, adapter_for
 from recipe_engine.errors import RecipeError
 from recipe_engine.schema import CalibrationConfig
@@ -97,7 +97,7 @@ def test_shortgpt_equals_hf_with_those_layers_removed(tmp_path, model_type):
     model = tiny_model(model_type, num_hidden_layers=6)
     original = copy.deepcopy(model)
     result, report = run(tmp_path, model, ["ShortGPT<n:2>"])
-    removed = [origin[0] for origin in report["steps"][0]["result"]["removed"]]
+    removed = [origin[0] for origin in report.steps[0].result["removed"]]
     kept = [i for i in range(6) if i not in removed]
     config = copy.deepcopy(original.config)
     config.num_hidden_layers = len(kept)
