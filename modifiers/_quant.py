@@ -100,7 +100,9 @@ class GridParameters(BaseModel):
     bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
     group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
     sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
-    targets: list[str] = Field(list(LINEARS), min_length=1, description="linears inside each decoder layer")
+    targets: list[str] = Field(list(LINEARS), min_length=1, description=(
+        "linear roles inside each decoder layer (q_proj … down_proj); a fused linear (Phi-3 qkv_proj, "
+        "gate_up_proj) is targeted by naming all its members"))
     export: Literal["dequantized", "compressed-tensors"] = Field(
         "dequantized", description="checkpoint format: dequantized model-dtype weights or packed int (vLLM)")
 

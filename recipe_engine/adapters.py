@@ -278,10 +278,6 @@ class ArchitectureAdapter:
         parent, name = self.model_paths["layers"].rsplit(".", 1)
         setattr(model.get_submodule(parent), name, layers)
 
-    def check_bias_layout(self, layer: nn.Module) -> None:
-        has = self.linear(layer, self.attention_inputs[0]).bias is not None
-        if has != self.qkv_bias:
-            raise RecipeError(f"{self.model_type}: expected q/k/v bias={self.qkv_bias}, found {has}")
 
 
 @torch.no_grad()
