@@ -172,7 +172,8 @@ class NystromMLP(LayerModifier):
     def compress_layer(self, session, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
         adapter, layer = session.adapter, session.layers[layer_index]
         down_proj = adapter.linear(layer, "down_proj")
-        gram = stats[self.statistics(session, layer_index)[0].key].gram
+        statistic = stats[self.statistics(session, layer_index)[0].key]
+        gram = statistic.gram
         scale = mean_eigenvalue(gram)
         if self.criterion == "leverage":
             score = ridge_leverage_scores(gram, self.lambda_scale * scale)
@@ -186,8 +187,11 @@ class NystromMLP(LayerModifier):
         set_linear_weight(down_proj, down, down_proj.bias)
         entry = {"channels_before": gram.shape[0], "channels_kept": len(keep),
                  f"{self.criterion}_kept": float(score[keep].sum()), f"{self.criterion}_total": float(score.sum())}
-        if self.target != "merged":
-            entry.update(self._refit_towards_target(session, layer_index, submatrix(gram, keep, keep)))
+        kept_gram = submatrix(gram, keep, keep) if self.target != "merged" else None
+        del gram, down
+        statistic.release()  # the target refit needs only G_KK: free the merged width's n × n Gram first
+        if kept_gram is not None:
+            entry.update(self._refit_towards_target(session, layer_index, kept_gram))
         return entry
 
     def _refit_towards_target(self, session, index: int, gram: torch.Tensor) -> dict[str, Any]:

@@ -499,7 +499,7 @@ class Session:
                         self._current = self._provided = None
                     reports[k]["layers"][str(index)] = entry
                     changed = min((change_position(m) for m in modifier.modifies), default=99)
-                    cache = {key: s for key, s in cache.items() if s.position <= changed}
+                    cache = {key: s for key, s in cache.items() if s.position <= changed and not s.released}
                     own[k] += time.perf_counter() - started
                 if self.parallel.active:  # the guard: every rank compressed this layer alike
                     entries = [r["layers"].get(str(index)) for r in reports]

@@ -44,9 +44,17 @@ class Statistic:
 
     sums: ClassVar[tuple[str, ...] | None] = None
     batch: int = 0
+    released: bool = False
 
     def __init__(self, module: str):
         self.module = module
+
+    def release(self) -> None:
+        """Free the sums now: the caller is done with them (a merged 8B MLP's Gram is 6.6 GB). The session
+        drops a released statistic from its cache, so a later step that needs it collects it again."""
+        for name in self.sums or ():
+            setattr(self, name, None)
+        self.released = True
 
     @property
     def key(self) -> str:
@@ -58,6 +66,10 @@ class Statistic:
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         raise NotImplementedError
+
+
+#: rows of the Gram computed per product in :meth:`InputCovariance.update`
+ROW_PANEL = 1024
 
 
 class InputCovariance(Statistic):
@@ -81,12 +93,15 @@ class InputCovariance(Statistic):
         return super().key if self.products == torch.float64 else f"{super().key}@{self.products}"
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        """``G += XᵀX`` in row panels of ``ROW_PANEL``: beside the fp64 sum only an ``ROW_PANEL × n``
+        product exists, never a second ``n × n`` matrix (a merged 8B MLP: 6.6 GB saved)."""
         x = inputs.reshape(-1, inputs.shape[-1]).to(self.products)
-        gram = x.T @ x
+        width = x.shape[1]
         if self.gram is None:
-            self.gram = gram.to(torch.float64)
-        else:  # in place: one n × n product beside the sum, not two (same sums as sum + product)
-            self.gram.add_(gram)
+            self.gram = torch.zeros(width, width, dtype=torch.float64, device=x.device)
+        for start in range(0, width, ROW_PANEL):
+            stop = min(start + ROW_PANEL, width)
+            self.gram[start:stop].add_(x[:, start:stop].T @ x)
         self.count += x.shape[0]
 
     @property

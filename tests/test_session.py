@@ -159,3 +159,42 @@ def test_layer_keyword_arguments_move_to_the_device_with_nesting():
     moved = _to(kwargs, torch.device("meta"))
     assert [t.device.type for t in moved["position_embeddings"]] == ["meta", "meta"]
     assert moved["attention_mask"].device.type == "meta" and moved["flag"] == 3
+
+
+def test_input_covariance_row_panels_equal_one_product(monkeypatch):
+    """The Gram summed in row panels (no second n × n product) equals ``XᵀX`` of all batches."""
+    import recipe_engine.stats as stats
+
+    monkeypatch.setattr(stats, "ROW_PANEL", 16)
+    x = torch.randn(4, 10, 50, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    statistic = InputCovariance("mlp.down_proj")
+    for batch in x.split(1):
+        statistic.update(batch, None)
+    flat = x.reshape(-1, 50)
+    torch.testing.assert_close(statistic.gram, flat.T @ flat, rtol=1e-13, atol=1e-11)
+    assert statistic.count == 40
+
+
+class ReleasingModifier(RecordingModifier):
+    """Test double: reads the down_proj Gram, then releases it (and changes nothing)."""
+
+    def compress_layer(self, session, layer_index, stats):
+        stat = stats["InputCovariance:mlp.down_proj"]
+        trace = float(stat.gram.trace())
+        stat.release()
+        return {"trace": trace}
+
+
+def test_released_statistic_is_freed_and_recollected_for_a_later_step():
+    model = tiny_model()
+    tokens = random_tokens(4, 16)
+    expected = float(_down_input_gram(copy.deepcopy(model), tokens, 1).trace())
+    first, second = ReleasingModifier(layers=[1]), RecordingModifier(layers=[1])
+    report = make_session(model, tokens).run_layer_modifiers([first, second])
+    assert report["0"]["layers"]["1"]["trace"] == pytest.approx(expected, rel=1e-6)
+    # the second step got a freshly collected Gram, not the released (None) one
+    assert report["1"]["layers"]["1"]["trace"] == pytest.approx(expected, rel=1e-6)
+    statistic = InputCovariance("mlp.down_proj")
+    statistic.update(torch.ones(1, 2, 3), None)
+    statistic.release()
+    assert statistic.gram is None and statistic.count is None and statistic.released
