@@ -189,6 +189,8 @@ def main() -> None:
     for name in names:
         row = run_method(name, args, dense, tokenizer, texts)
         row["date"] = datetime.date.today().isoformat()
+        if results.exists():  # re-read: another invocation may have added rows since this one started
+            by_key = {**{key(r): r for r in json.loads(results.read_text())["rows"]}, **by_key}
         by_key[key(row)] = row
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps({"model": args.model, "machine": platform.processor() or platform.machine(),
