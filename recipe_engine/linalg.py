@@ -123,6 +123,10 @@ def _restore_lower_from_upper(gram: torch.Tensor, diagonal: torch.Tensor, block:
         square.diagonal().copy_(diagonal[start:stop])
 
 
+#: rows per panel where a product would otherwise gather a large block of the Gram
+PANEL = 512
+
+
 def submatrix(matrix: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """``matrix[rows][:, columns]`` gathered in one step (no ``|rows| × n`` intermediate)."""
     return matrix[rows.unsqueeze(1), columns.unsqueeze(0)]
@@ -139,7 +143,9 @@ def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Ten
     weight = weight.to(torch.float64)
     drop = _complement(keep, gram.shape[0])
     # (G_KK + λI) Δᵀ = G_KD W_Dᵀ  →  Δ = W_D G_DK (G_KK + λI)⁻¹ (Cholesky: G_KK + λI is SPD for λ > 0)
-    rhs = submatrix(gram, keep, drop) @ weight[:, drop].T
+    dropped = weight[:, drop].T
+    rhs = torch.cat([submatrix(gram, keep[start:start + PANEL], drop) @ dropped  # no |K| × |D| block of G
+                     for start in range(0, len(keep), PANEL)])
     system = submatrix(gram, keep, keep)
     system.diagonal().add_(ridge)
     return weight[:, keep] + spd_solve_(system, rhs).T
