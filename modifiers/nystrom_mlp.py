@@ -157,13 +157,15 @@ class NystromMLP(LayerModifier):
         return list(self.layers) if self.layers is not None else session.oversized_layers("mlp")
 
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
-        """fp64: the widest target's ``down_proj`` input Gram ``G`` (n × n; the leverage factor is made in
-        its storage), one ``n × 512`` panel, and at the target refit ``G_KK`` plus its factor (2 k × k) and
-        the cross moment."""
+        """fp64, at Theorem 3.1's refit (the largest moment): the widest target's ``down_proj`` input Gram
+        ``G`` (n × n; the leverage factor was made in its storage), ``G_KK`` factored in place (k × k), two
+        ``n × 512`` panels, the right-hand side and solution (k × hidden each). The target refit comes after
+        ``G`` is released (``G_KK`` and its factor, 2 k × k)."""
         targets = self.layers if self.layers is not None else shape.oversized_layers("mlp")
         width = max((shape.layers[i].intermediate_size for i in targets), default=0)
-        kept = shape.intermediate_size
-        return 8 * (width * width + 2 * kept * kept + width * 512 + width * shape.hidden_size)
+        kept, hidden = shape.intermediate_size, shape.hidden_size
+        return 8 * max(width * width + kept * kept + 2 * width * 512 + 2 * kept * hidden,
+                       2 * kept * kept + 2 * kept * hidden)
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:
         return [InputCovariance(session.adapter.path("down_proj"))]

@@ -274,7 +274,9 @@ def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
     nystrom = plans[True]["steps"][2]
     merged = 2 * config.intermediate_size  # the widest merged layer joins two layers
     kept = config.intermediate_size  # the Gram, one panel, the target refit's G_KK and factor, the cross moment
-    assert nystrom["working_bytes"] == 8 * (merged**2 + 2 * kept**2 + merged * 512 + merged * config.hidden_size)
+    hidden = config.hidden_size
+    assert nystrom["working_bytes"] == 8 * max(merged**2 + kept**2 + 2 * merged * 512 + 2 * kept * hidden,
+                                               2 * kept**2 + 2 * kept * hidden)
     assert [s["whole_model"] for s in plans[True]["steps"]] == [False, False, False]
     assert all(s["whole_model"] for s in plans[False]["steps"])
     assert plans[True]["host_peak_bytes"] < plans[False]["host_peak_bytes"]
