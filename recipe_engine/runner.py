@@ -95,6 +95,8 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
     with discard_on_error(owned), _workspace(recipe.output, writing, force) as workdir, \
             Progress(enabled=progress and parallel.rank == 0) as bar:
+        # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
+        before_weights = current_rss() if model is None else 0
         if model is None:
             bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
             model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
@@ -105,7 +107,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         windows, tokens_available = calibration_windows(tokenizer, texts, cal)
         resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
                                                   {id(t): t for t in model.state_dict().values()}.values())
-        plan = estimate(recipe, config, streamed, current_rss() - resident_weights)
+        plan = estimate(recipe, config, streamed, max(current_rss() - resident_weights, before_weights))
         report["data"] = {"dataset": cal.dataset, "origin": "; ".join(text.origin for text, _ in texts),
                           "tokens_available": tokens_available,
                           "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
