@@ -279,7 +279,6 @@ class ArchitectureAdapter:
         setattr(model.get_submodule(parent), name, layers)
 
 
-
 @torch.no_grad()
 def replace_linear(layer: nn.Module, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     """Install a new ``nn.Linear`` holding ``weight`` (and ``bias``) at ``path`` inside ``layer``."""

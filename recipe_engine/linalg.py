@@ -123,17 +123,13 @@ def _restore_lower_from_upper(gram: torch.Tensor, diagonal: torch.Tensor, block:
         square.diagonal().copy_(diagonal[start:stop])
 
 
-#: rows per panel where a product would otherwise gather a large block of the Gram
-PANEL = 512
-
-
 def submatrix(matrix: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """``matrix[rows][:, columns]`` gathered in one step (no ``|rows| × n`` intermediate)."""
     return matrix[rows.unsqueeze(1), columns.unsqueeze(0)]
 
 
 def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor,
-                       ridge: float) -> torch.Tensor:
+                       ridge: float, block: int = 512) -> torch.Tensor:
     """Kept columns refitted by ridge least squares (FlattenGPT Theorem 3.1, torch orientation).
 
     ``W'_K = W_K + W_D G_DK (G_KK + λI)⁻¹`` minimises ``‖X_K W'_Kᵀ − X Wᵀ‖² + λ‖W'_K − W_K‖²``, i.e. the
@@ -144,8 +140,8 @@ def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Ten
     drop = _complement(keep, gram.shape[0])
     # (G_KK + λI) Δᵀ = G_KD W_Dᵀ  →  Δ = W_D G_DK (G_KK + λI)⁻¹ (Cholesky: G_KK + λI is SPD for λ > 0)
     dropped = weight[:, drop].T
-    rhs = torch.cat([submatrix(gram, keep[start:start + PANEL], drop) @ dropped  # no |K| × |D| block of G
-                     for start in range(0, len(keep), PANEL)])
+    rhs = torch.cat([submatrix(gram, keep[start:start + block], drop) @ dropped  # no |K| × |D| block of G
+                     for start in range(0, len(keep), block)])
     system = submatrix(gram, keep, keep)
     system.diagonal().add_(ridge)
     return weight[:, keep] + spd_solve_(system, rhs).T

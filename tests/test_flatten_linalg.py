@@ -27,8 +27,9 @@ def test_ridge_compensation_equals_stacked_lstsq():
     lhs = torch.cat([x[:, keep], ridge ** 0.5 * torch.eye(len(keep), dtype=torch.float64)])
     rhs = torch.cat([x[:, drop] @ weight[:, drop].T, torch.zeros(len(keep), 5, dtype=torch.float64)])
     delta = torch.linalg.lstsq(lhs, rhs).solution.T
-    got = ridge_compensation(weight, x.T @ x, keep, ridge)
-    torch.testing.assert_close(got, weight[:, keep] + delta, rtol=1e-9, atol=1e-9)
+    for block in (512, 4):  # one panel of G_KD, then panels of 4 kept rows (the last one partial)
+        got = ridge_compensation(weight, x.T @ x, keep, ridge, block=block)
+        torch.testing.assert_close(got, weight[:, keep] + delta, rtol=1e-9, atol=1e-9)
 
 
 def test_ridge_compensation_without_ridge_is_least_squares_optimum():

@@ -273,7 +273,7 @@ def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
     assert plans[True]["model_bytes"] == 2 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     nystrom = plans[True]["steps"][2]
     merged = 2 * config.intermediate_size  # the widest merged layer joins two layers
-    kept = config.intermediate_size  # the Gram, one panel, the target refit's G_KK and factor, the cross moment
+    kept = config.intermediate_size  # Theorem 3.1: G, G_KK, two panels, rhs and solution; then 2 G_KK
     hidden = config.hidden_size
     assert nystrom["working_bytes"] == 8 * max(merged**2 + kept**2 + 2 * merged * 512 + 2 * kept * hidden,
                                                2 * kept**2 + 2 * kept * hidden)
