@@ -6,7 +6,7 @@ import copy
 import io
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -30,6 +30,56 @@ def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]
         blocks[best: best + 2] = [blocks[best] + blocks[best + 1]]
         scores.append(pair_scores[best])
     return blocks, scores
+
+
+@torch.no_grad()
+def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None = None
+                         ) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Greedy adjacent merging decided by the model's loss (issue 11's "decide by the result").
+
+    Blocks start as single layers of ``probe``'s model (a session over the calibration windows to score).
+    Each round scores every adjacent pair of blocks by the calibration NLL of the model with that pair
+    run as one parallel layer (``merge_layers``, unpruned) and the blocks merged in earlier rounds merged
+    too, and merges the argmin (ties: lowest index): SLEB's round-by-round search (Song et al. 2024, §3)
+    with "run the two blocks in parallel" in place of "skip the block". A round runs the prefix once,
+    keeping each block's input, and every candidate from its own block on. Returns the blocks and, per
+    round, the merged block, its NLL and every candidate's. ``rounds`` (extended in place) are earlier
+    rounds to start from: a greedy search for fewer merges is a prefix of one for more (a sweep over ``n``
+    shares them).
+    """
+    layers = list(probe.layers)
+
+    def run_block(block: list[int], states: list[torch.Tensor], kwargs_list) -> list[torch.Tensor]:
+        if len(block) == 1:
+            with probe.using(block[0]):
+                return probe.run_layer(layers[block[0]], states, kwargs_list)
+        with probe.loaded(*block):
+            merged = merge_layers([layers[i] for i in block], probe.adapter)
+        with probe.on_device(merged):
+            return probe.run_layer(merged, states, kwargs_list)
+
+    blocks = [[i] for i in range(len(layers))]
+    rounds = [] if rounds is None else rounds
+    for done in rounds[:merges]:
+        j = next(j for j in range(len(blocks) - 1) if blocks[j] + blocks[j + 1] == done["merged"])
+        blocks[j: j + 2] = [done["merged"]]
+    for _ in range(len(rounds), merges):
+        states, kwargs_list = probe.capture_inputs()
+        block_inputs = []
+        for block in blocks[:-1]:
+            block_inputs.append(states)
+            states = run_block(block, states, kwargs_list)
+        scores = []
+        for j in range(len(blocks) - 1):
+            states = run_block(blocks[j] + blocks[j + 1], block_inputs[j], kwargs_list)
+            for block in blocks[j + 2:]:
+                states = run_block(block, states, kwargs_list)
+            scores.append(probe.final_nll(states))
+        best = min(range(len(scores)), key=lambda j: (scores[j], j))
+        rounds.append({"merged": blocks[best] + blocks[best + 1], "nll": scores[best],
+                       "candidates": {"+".join(map(str, blocks[j] + blocks[j + 1])): v for j, v in enumerate(scores)}})
+        blocks[best: best + 2] = [blocks[best] + blocks[best + 1]]
+    return blocks, rounds
 
 
 def symbolic_blocks(num_layers: int, merges: int) -> list[list[int]]:
@@ -171,6 +221,11 @@ class FlattenAdjacent(Modifier):
     Exactly ``n`` merges are done (``select_blocks``); each removes one layer. Give exactly one of ``n``,
     ``sparsity`` (``n = round(sparsity × layers)``) or ``target_layers`` (``n = layers − target_layers``).
     The merged layers are wider than the config until HeadPrune and NystromMLP prune them back.
+
+    ``selection: nll`` (not in the paper) picks the blocks by the model's calibration loss instead of by
+    ``S`` (``select_blocks_by_nll``: each round merges the adjacent pair whose parallel, unpruned merge
+    gives the lowest NLL on the first ``search_samples`` × ``search_length`` calibration tokens). About
+    ``n × layers² / 2`` layer runs of those tokens and ``n × layers`` ``lm_head`` passes.
     """
 
     n: int | None = Field(None, ge=1, description="number of merges (layers removed)")
@@ -178,12 +233,37 @@ class FlattenAdjacent(Modifier):
     target_layers: int | None = Field(None, ge=1, description="number of layers to keep")
     similarity_tokens: int = Field(4096, ge=1, description="token positions sampled for S (memory bound)")
     seed: int = Field(0, description="seed of the token subsample")
+    selection: Literal["similarity", "nll"] = Field(
+        "similarity", description="which blocks to merge: by input cosine similarity (the paper) or by "
+                                  "calibration NLL of the merged model, round by round (SLEB-style)")
+    search_samples: int | None = Field(None, ge=1, description="selection nll: calibration windows scored, "
+                                                               "the first ones (None: min(8, samples))")
+    search_length: int | None = Field(None, ge=2, description="selection nll: tokens scored per window, its "
+                                                              "start (None: min(128, seq_len))")
 
     calibration_passes = 1
     streams = True
-    shared_ignores = ("n", "sparsity", "target_layers")  # S is computed before the merge count matters
+    shared_ignores = ("n", "sparsity", "target_layers")  # S / the NLL rounds do not depend on the count
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # merged layers must be pruned back
     needs = ("input cosine similarity of every layer pair",)
+
+    def passes(self, shape: ModelShape) -> int:
+        """Similarity: one pass. NLL: one per round (the prefix), candidates resume from kept inputs."""
+        return self.merges_for(shape.num_layers) if self.selection == "nll" else 1
+
+    def check_calibration(self, calibration) -> None:
+        if self.selection != "nll":
+            return
+        if self.search_samples is not None and self.search_samples > calibration.samples:
+            raise self.fail(f"search_samples={self.search_samples} exceeds calibration.samples="
+                            f"{calibration.samples}", field="search_samples")
+        if self.search_length is not None and self.search_length > calibration.seq_len:
+            raise self.fail(f"search_length={self.search_length} exceeds calibration.seq_len="
+                            f"{calibration.seq_len}", field="search_length")
+
+    def search_window(self, samples: int, seq_len: int) -> tuple[int, int]:
+        """Windows and tokens per window that ``selection: nll`` scores (defaults: at most 8 × 128)."""
+        return (self.search_samples or min(8, samples), self.search_length or min(128, seq_len))
 
     def merges_for(self, num_layers: int) -> int:
         """Resolve ``n`` / ``sparsity`` / ``target_layers`` against the current layer count."""
@@ -217,7 +297,13 @@ class FlattenAdjacent(Modifier):
 
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
         """The fp32 unit vectors of the sampled tokens (``input_similarity``): of every layer in memory;
-        streamed, one layer's plus one chunk of every layer's (the rest is in a scratch file)."""
+        streamed, one layer's plus one chunk of every layer's (the rest is in a scratch file). With
+        ``selection: nll``: the search's kept block inputs and its largest merged block."""
+        if self.selection == "nll":  # every block's input and one merged block (at most merges + 1 layers), fp32
+            probe_tokens = min(tokens, (self.search_samples or 8) * (self.search_length or 128))
+            widest = max(shape.layer_parameters(layer) for layer in shape.layers)
+            return 4 * (shape.num_layers * probe_tokens * shape.hidden_size
+                        + (self.merges_for(shape.num_layers) + 1) * widest)
         sampled = min(self.similarity_tokens, tokens)
         if shape.streamed:
             return (sampled + shape.num_layers * min(256, sampled)) * shape.hidden_size * 4
@@ -252,8 +338,17 @@ class FlattenAdjacent(Modifier):
 
     def apply(self, session) -> dict[str, Any]:
         merges = self.merges_for(len(session.layers))
-        similarity = session.shared(self, "FlattenAdjacent similarity", lambda: self.input_similarity(session))
-        blocks, scores = select_blocks(similarity, merges)
+        rounds = None
+        if self.selection == "nll":
+            samples, length = self.search_window(*session.calibration.shape)
+            probe = session.sibling(session.model, session.stream, session.calibration[:samples, :length])
+            rounds = session.shared(self, "FlattenAdjacent NLL rounds", list)
+            blocks, rounds = select_blocks_by_nll(probe, merges, rounds)
+            rounds = rounds[:merges]
+            similarity, scores = None, [r["nll"] for r in rounds]
+        else:
+            similarity = session.shared(self, "FlattenAdjacent similarity", lambda: self.input_similarity(session))
+            blocks, scores = select_blocks(similarity, merges)
         old_layers, old_origin = list(session.layers), session.layer_origin
         new_layers, spreads = [], {}
         for block in blocks:
@@ -266,10 +361,15 @@ class FlattenAdjacent(Modifier):
             session.release(new_layers[-1])  # streamed: staged now, not held until every block is merged
         session.set_layers(new_layers, [tuple(o for i in b for o in old_origin[i]) for b in blocks],
                            [b[0] for b in blocks])
-        session.add_artifact("similarity.png", similarity_heatmap(similarity, blocks))
+        if similarity is not None:
+            session.add_artifact("similarity.png", similarity_heatmap(similarity, blocks))
         groups = [{"layer": index, "merged": block, "origin": list(session.layer_origin[index]),
-                   "similarity": float(similarity[block[0], block[-1]]),
+                   **({"similarity": float(similarity[block[0], block[-1]])} if similarity is not None else {}),
                    **({"head_norm_spread": spreads[index]} if session.adapter.head_norms else {})}
                   for index, block in enumerate(blocks) if len(block) > 1]
-        return {"merges": merges, "merge_scores": scores, "groups": groups,
-                "layers_after": len(new_layers), "similarity": similarity.tolist()}
+        report = {"merges": merges, "merge_scores": scores, "groups": groups, "layers_after": len(new_layers)}
+        if similarity is not None:
+            report["similarity"] = similarity.tolist()
+        if rounds is not None:
+            report["rounds"] = rounds
+        return report

@@ -381,6 +381,12 @@ class Session:
             finals[:] = outputs
 
         self.layer_pass(keep_last, "calibration NLL", skip=skip)
+        return self.final_nll(finals)
+
+    @torch.no_grad()
+    def final_nll(self, finals: list[torch.Tensor]) -> float:
+        """Token-weighted mean next-token NLL of the calibration windows given the last decoder layer's
+        outputs ``finals`` (one tensor per batch): final norm, ``lm_head``, cross-entropy in fp32."""
         total, count = 0.0, 0
         norm, head = self.adapter.final_norm(self.model), self.adapter.lm_head(self.model)
         share = self.parallel.share(len(finals))

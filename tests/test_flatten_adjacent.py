@@ -149,3 +149,79 @@ def test_unit_vector_store_on_disk_equals_in_memory(tmp_path):
     expected = torch.einsum("ith,jth->ij", vectors.double(), vectors.double())
     torch.testing.assert_close(grams[0].double(), expected, rtol=1e-6, atol=1e-5)
     assert list(tmp_path.iterdir()) == []
+
+
+def parallel_model_nll(original, blocks, tokens) -> float:
+    """Mean next-token NLL of ``original`` with each block of layers run in parallel (``parallel_layer``,
+    on the unmodified layers: independent of ``merge_layers``)."""
+    batch, length = tokens.shape
+    with torch.no_grad():
+        x = original.model.embed_tokens(tokens)
+        position_embeddings = original.model.rotary_emb(x, torch.arange(length)[None].expand(batch, -1))
+        for block in blocks:
+            x = parallel_layer([original.model.layers[i] for i in block], x, position_embeddings,
+                               causal_mask(length))
+        logits = original.lm_head(original.model.norm(x))
+        return float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                       tokens[:, 1:].reshape(-1)))
+
+
+def brute_force_merges(original, tokens, merges):
+    """Greedy over every adjacent pair of blocks, each candidate scored by ``parallel_model_nll``."""
+    blocks, chosen = [[i] for i in range(original.config.num_hidden_layers)], []
+    for _ in range(merges):
+        losses = [parallel_model_nll(original, blocks[:j] + [blocks[j] + blocks[j + 1]] + blocks[j + 2:], tokens)
+                  for j in range(len(blocks) - 1)]
+        best = min(range(len(losses)), key=lambda j: (losses[j], j))
+        chosen.append((blocks[best] + blocks[best + 1], losses))
+        blocks[best: best + 2] = [blocks[best] + blocks[best + 1]]
+    return blocks, chosen
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_nll_selection_equals_brute_force_greedy(model_type):
+    """Each round's candidates' NLLs and choice equal a brute-force greedy over independently built
+    parallel models, scored on the first search_samples × search_length calibration tokens only."""
+    model = tiny_model(model_type, num_hidden_layers=6, seed=3, attn_implementation="eager")
+    original = copy.deepcopy(model)
+    tokens = random_tokens(4, 24, seed=5)
+    session = make_session(model, tokens)
+    report = FlattenAdjacent(n=3, selection="nll", search_samples=3, search_length=16).apply(session)
+    blocks, chosen = brute_force_merges(original, tokens[:3, :16], 3)
+    assert [r["merged"] for r in report["rounds"]] == [merged for merged, _ in chosen]
+    for record, (_, losses) in zip(report["rounds"], chosen):
+        assert list(record["candidates"].values()) == pytest.approx(losses, rel=1e-5)
+        assert record["nll"] == pytest.approx(min(losses), rel=1e-5)
+    assert session.layer_origin == [tuple(b) for b in blocks]
+    assert session.passes.value == FlattenAdjacent(n=3, selection="nll").passes(ModelShape.from_config(original.config))
+    assert "similarity" not in report and "similarity.png" not in session.artifacts
+    # the model left behind is the parallel model of the chosen blocks
+    with torch.no_grad():
+        got = float(model(tokens[:3, :16], labels=tokens[:3, :16]).loss)
+    assert got == pytest.approx(parallel_model_nll(original, blocks, tokens[:3, :16]), rel=1e-5)
+
+
+def test_nll_rounds_are_shared_as_a_prefix():
+    """A larger n continues the rounds a smaller n recorded (a sweep over n runs each round once)."""
+    from recipe_engine.modifiers.flatten_adjacent import select_blocks_by_nll
+
+    model = tiny_model(num_hidden_layers=5, seed=4)
+    session = make_session(model, random_tokens(2, 16, seed=6))
+    rounds: list = []
+    blocks_one, _ = select_blocks_by_nll(session, 1, rounds)
+    first = dict(rounds[0])
+    runs = session.layer_runs
+    blocks_two, rounds_two = select_blocks_by_nll(session, 2, rounds)
+    assert rounds_two[0] == first and len(rounds_two) == 2
+    # round 2 alone: one prefix walk (≤ 4 block runs) plus the candidates' suffixes, not round 1 again
+    assert session.layer_runs - runs <= 4 + sum(range(1, 5))
+    fresh, _ = select_blocks_by_nll(make_session(copy.deepcopy(model), random_tokens(2, 16, seed=6)), 2)
+    assert fresh == blocks_two
+
+
+@pytest.mark.parametrize("params,field", [({"search_samples": 5}, "search_samples"),
+                                          ({"search_length": 32}, "search_length")])
+def test_nll_selection_rejects_a_probe_larger_than_the_calibration(params, field):
+    with pytest.raises(RecipeError, match=field):
+        FlattenAdjacent(n=1, selection="nll", **params).check_calibration(
+            CalibrationConfig(samples=4, seq_len=16, batch_size=2))

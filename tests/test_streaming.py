@@ -79,6 +79,16 @@ def test_every_modifier_streamed_equals_in_memory(tmp_path, name):
         torch.testing.assert_close(a, b, rtol=0, atol=0.05 if trained else 0.0)
 
 
+def test_nll_selection_streamed_equals_in_memory(tmp_path):
+    """FlattenAdjacent's NLL search runs its candidates from layers loaded one at a time: same merges."""
+    model_dir = tmp_path / "model"
+    saved_model(model_dir, "qwen2")
+    steps = ["FlattenAdjacent<n:2,selection:nll>", "HeadPrune", "NystromMLP"]
+    (memory, streamed), report = run_both(tmp_path, model_dir, steps)
+    assert_same_weights(memory, streamed)
+    assert len(report.steps[0].result["rounds"]) == 2
+
+
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_flattengpt_streamed_equals_in_memory_across_architectures(tmp_path, model_type, tied):
