@@ -25,6 +25,7 @@ import argparse
 import copy
 import datetime
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -45,6 +46,9 @@ EVALS = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "all"), "code":
 WINDOWS = {"wikitext2": 24, "c4": 16, "code": 16}   # default windows × 1024 tokens (--windows to change)
 RESULTS = Path(__file__).parent / "results"
 CV_SCALES = [0.01, 0.1, 1.0, 10.0]
+LORA = {"max_samples": 256, "seq_len": 256, "epochs": 1, "batch_size": 16, "micro_batch_size": 4, "lr": 3e-4}
+ALPACA = str(Path(os.environ.get("RECIPE_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+             / "alpaca" / "alpaca_small.json")
 
 
 def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
@@ -67,6 +71,10 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
                                           {"NystromMLP": {"target": "merged"}}], {"propagate": "original"}),
         "FlattenGPT": (defaults, {}),
         "FlattenGPT+LinearPatch": (defaults + ["LinearPatch"], {}),
+        # issue 17: recovery after FlattenGPT (CPU budget: 256 examples × 256 tokens, one epoch, 16 steps)
+        "FlattenGPT+LoRA alpaca": (defaults + [{"LoRARecovery": {**LORA, "dataset": ALPACA}}], {}),
+        "FlattenGPT+LoRA distill": (defaults + [{"LoRARecovery": {**LORA, "dataset": "wikipedia-sample",
+                                                                  "distill": True}}], {}),
         # issue 11, session 8: the merges chosen by calibration NLL (SLEB-style rounds), not by input cosine
         "FlattenGPT nll": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll"}}, "HeadPrune",
                            "NystromMLP"], {}),
@@ -122,6 +130,7 @@ def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict
             "layers": model.config.num_hidden_layers,
             "params_pct": 100.0 * count_parameters(model) / count_parameters(dense), "ppl": ppl,
             "compress_s": sum(step.wall_s for step in report.steps) if report else 0.0,
+            "peak_rss_mib": report.peak_memory.rss_mib if report else None,
             "calibration_config": calibration, "modifiers": steps,
             "steps": [{"modifier": s.modifier, "result": s.result} for s in report.steps] if report else []}
 

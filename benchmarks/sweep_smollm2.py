@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="*")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--samples", type=int, default=16, help="calibration windows for every recipe")
+    parser.add_argument("--recipes", nargs="*", default=RECIPES,
+                        help="a subset of the four recipes (rows accumulate in --out; the plot shows all)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch
@@ -43,7 +45,7 @@ def main() -> None:
     from recipe_engine.sweep import Sweep, plot, table
 
     torch.set_num_threads(args.threads)
-    sweep = Sweep([str(ROOT / r) for r in RECIPES], [f"n={args.n}"], args.out, args.eval_limit, args.tasks,
+    sweep = Sweep([str(ROOT / r) for r in args.recipes], [f"n={args.n}"], args.out, args.eval_limit, args.tasks,
                   overrides=["calibration.dataset=wikitext2", "calibration.split=validation",
                              f"calibration.samples={args.samples}"])
     start = time.perf_counter()

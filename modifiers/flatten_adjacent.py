@@ -33,30 +33,58 @@ def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]
 
 
 @torch.no_grad()
-def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None = None
-                         ) -> tuple[list[list[int]], list[dict[str, Any]]]:
+def prune_to_config(probe, layer: torch.nn.Module, states: list[torch.Tensor], kwargs_list) -> torch.nn.Module:
+    """A wide (merged) layer pruned back to the config's widths in place, as the flagship recipe would:
+    ``HeadPrune`` then ``NystromMLP<target: merged>`` at their defaults, each on statistics of this layer
+    run over ``states`` (the MLP's after the attention is pruned). The layer is put alone in ``probe``'s
+    layer list while the two steps act on it (their ``compress_layer`` reads ``session.layers``)."""
+    from .head_prune import HeadPrune
+    from .nystrom_mlp import NystromMLP
+
+    layers = probe.adapter.layers(probe.model)
+    probe.adapter.set_layer_list(probe.model, torch.nn.ModuleList([layer]))
+    try:
+        with probe.on_device(layer):
+            for step in (HeadPrune(), NystromMLP(target="merged")):
+                hooks = step.statistics(probe, 0)
+                probe.run_layer(layer, states, kwargs_list, hooks=hooks)
+                step.compress_layer(probe, 0, {hook.key: hook for hook in hooks})
+    finally:
+        probe.adapter.set_layer_list(probe.model, layers)
+    return layer
+
+
+@torch.no_grad()
+def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None = None,
+                         pruned: bool = True) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """Greedy adjacent merging decided by the model's loss (issue 11's "decide by the result").
 
     Blocks start as single layers of ``probe``'s model (a session over the calibration windows to score).
     Each round scores every adjacent pair of blocks by the calibration NLL of the model with that pair
-    run as one parallel layer (``merge_layers``, unpruned) and the blocks merged in earlier rounds merged
-    too, and merges the argmin (ties: lowest index): SLEB's round-by-round search (Song et al. 2024, §3)
-    with "run the two blocks in parallel" in place of "skip the block". A round runs the prefix once,
-    keeping each block's input, and every candidate from its own block on. Returns the blocks and, per
-    round, the merged block, its NLL and every candidate's. ``rounds`` (extended in place) are earlier
-    rounds to start from: a greedy search for fewer merges is a prefix of one for more (a sweep over ``n``
-    shares them).
+    run as one parallel layer (``merge_layers``) and merges the argmin (ties: lowest index): SLEB's
+    round-by-round search (Song et al. 2024, §3) with "merge the two blocks" in place of "skip the block".
+    ``pruned``: every merged layer — candidate or merged in an earlier round — is pruned back to the
+    config's widths (``prune_to_config``) before it is scored, so a candidate is judged as it will end up;
+    else merged layers run unpruned (measured: a poor predictor, docs/flattengpt.md). A round walks the
+    prefix once, keeping each block's input (earlier rounds' blocks are pruned there, on those inputs, and
+    reused as they are in every candidate's suffix), and runs every candidate from its own block on.
+    Returns the blocks and, per round, the merged block, its NLL and every candidate's. ``rounds``
+    (extended in place) are earlier rounds to start from: a greedy search for fewer merges is a prefix of
+    one for more (a sweep over ``n`` shares them).
     """
     layers = list(probe.layers)
 
-    def run_block(block: list[int], states: list[torch.Tensor], kwargs_list) -> list[torch.Tensor]:
-        if len(block) == 1:
-            with probe.using(block[0]):
-                return probe.run_layer(layers[block[0]], states, kwargs_list)
+    def build(block: list[int], states: list[torch.Tensor], kwargs_list) -> torch.nn.Module:
         with probe.loaded(*block):
             merged = merge_layers([layers[i] for i in block], probe.adapter)
-        with probe.on_device(merged):
-            return probe.run_layer(merged, states, kwargs_list)
+        return prune_to_config(probe, merged, states, kwargs_list) if pruned else merged
+
+    def run(block: list[int], module: torch.nn.Module | None, states, kwargs_list) -> list[torch.Tensor]:
+        if module is None:
+            with probe.using(block[0]):
+                return probe.run_layer(layers[block[0]], states, kwargs_list)
+        with probe.on_device(module):
+            return probe.run_layer(module, states, kwargs_list)
 
     blocks = [[i] for i in range(len(layers))]
     rounds = [] if rounds is None else rounds
@@ -65,15 +93,18 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
         blocks[j: j + 2] = [done["merged"]]
     for _ in range(len(rounds), merges):
         states, kwargs_list = probe.capture_inputs()
-        block_inputs = []
+        block_inputs, modules = [], []
         for block in blocks[:-1]:
             block_inputs.append(states)
-            states = run_block(block, states, kwargs_list)
+            modules.append(build(block, states, kwargs_list) if len(block) > 1 else None)
+            states = run(block, modules[-1], states, kwargs_list)
+        modules.append(build(blocks[-1], states, kwargs_list) if len(blocks[-1]) > 1 else None)
         scores = []
         for j in range(len(blocks) - 1):
-            states = run_block(blocks[j] + blocks[j + 1], block_inputs[j], kwargs_list)
-            for block in blocks[j + 2:]:
-                states = run_block(block, states, kwargs_list)
+            candidate = blocks[j] + blocks[j + 1]
+            states = run(candidate, build(candidate, block_inputs[j], kwargs_list), block_inputs[j], kwargs_list)
+            for block, module in zip(blocks[j + 2:], modules[j + 2:]):
+                states = run(block, module, states, kwargs_list)
             scores.append(probe.final_nll(states))
         best = min(range(len(scores)), key=lambda j: (scores[j], j))
         rounds.append({"merged": blocks[best] + blocks[best + 1], "nll": scores[best],
@@ -236,6 +267,9 @@ class FlattenAdjacent(Modifier):
     selection: Literal["similarity", "nll"] = Field(
         "similarity", description="which blocks to merge: by input cosine similarity (the paper) or by "
                                   "calibration NLL of the merged model, round by round (SLEB-style)")
+    candidates: Literal["pruned", "merged"] = Field(
+        "pruned", description="selection nll: score each candidate pruned back to the config (HeadPrune + "
+                              "NystromMLP defaults) or merged and unpruned")
     search_samples: int | None = Field(None, ge=1, description="selection nll: calibration windows scored, "
                                                                "the first ones (None: min(8, samples))")
     search_length: int | None = Field(None, ge=2, description="selection nll: tokens scored per window, its "
@@ -343,7 +377,7 @@ class FlattenAdjacent(Modifier):
             samples, length = self.search_window(*session.calibration.shape)
             probe = session.sibling(session.model, session.stream, session.calibration[:samples, :length])
             rounds = session.shared(self, "FlattenAdjacent NLL rounds", list)
-            blocks, rounds = select_blocks_by_nll(probe, merges, rounds)
+            blocks, rounds = select_blocks_by_nll(probe, merges, rounds, pruned=self.candidates == "pruned")
             rounds = rounds[:merges]
             similarity, scores = None, [r["nll"] for r in rounds]
         else:

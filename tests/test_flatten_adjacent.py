@@ -186,7 +186,8 @@ def test_nll_selection_equals_brute_force_greedy(model_type):
     original = copy.deepcopy(model)
     tokens = random_tokens(4, 24, seed=5)
     session = make_session(model, tokens)
-    report = FlattenAdjacent(n=3, selection="nll", search_samples=3, search_length=16).apply(session)
+    report = FlattenAdjacent(n=3, selection="nll", candidates="merged", search_samples=3,
+                             search_length=16).apply(session)
     blocks, chosen = brute_force_merges(original, tokens[:3, :16], 3)
     assert [r["merged"] for r in report["rounds"]] == [merged for merged, _ in chosen]
     for record, (_, losses) in zip(report["rounds"], chosen):
@@ -201,6 +202,37 @@ def test_nll_selection_equals_brute_force_greedy(model_type):
     assert got == pytest.approx(parallel_model_nll(original, blocks, tokens[:3, :16]), rel=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_pruned_candidates_equal_the_pipeline_on_each_pair(model_type):
+    """``candidates: pruned``, one merge: every pair's score equals the NLL of the model the engine's own
+    pipeline builds with that pair merged (FlattenAdjacent's merge, then HeadPrune and NystromMLP<target:
+    merged> in the layer-sequential pass on the probe tokens), scored by HF's forward; the choice is the
+    argmin and the model left behind is unpruned, merged at that pair."""
+    from recipe_engine.modifiers.head_prune import HeadPrune
+    from recipe_engine.modifiers.nystrom_mlp import NystromMLP
+
+    model = tiny_model(model_type, num_hidden_layers=5, seed=7)
+    tokens = random_tokens(4, 24, seed=8)
+    probe_tokens = tokens[:2, :16]
+    expected = []
+    for j in range(4):
+        reference = copy.deepcopy(model)
+        session = make_session(reference, probe_tokens)
+        layers = list(session.layers)
+        blocks = [[i] for i in range(j)] + [[j, j + 1]] + [[i] for i in range(j + 2, 5)]
+        session.set_layers([merge_layers([layers[i] for i in b], session.adapter) if len(b) > 1 else layers[b[0]]
+                            for b in blocks], [tuple(b) for b in blocks], [b[0] for b in blocks])
+        session.run_layer_modifiers([HeadPrune(), NystromMLP(target="merged")])
+        with torch.no_grad():
+            expected.append(float(reference(probe_tokens, labels=probe_tokens).loss))
+    session = make_session(model, tokens)
+    report = FlattenAdjacent(n=1, selection="nll", search_samples=2, search_length=16).apply(session)
+    assert list(report["rounds"][0]["candidates"].values()) == pytest.approx(expected, rel=1e-5)
+    best = min(range(4), key=lambda j: expected[j])
+    assert report["rounds"][0]["merged"] == [best, best + 1]
+    assert session.oversized_layers() == [best]
+
+
 def test_nll_rounds_are_shared_as_a_prefix():
     """A larger n continues the rounds a smaller n recorded (a sweep over n runs each round once)."""
     from recipe_engine.modifiers.flatten_adjacent import select_blocks_by_nll
@@ -208,14 +240,15 @@ def test_nll_rounds_are_shared_as_a_prefix():
     model = tiny_model(num_hidden_layers=5, seed=4)
     session = make_session(model, random_tokens(2, 16, seed=6))
     rounds: list = []
-    blocks_one, _ = select_blocks_by_nll(session, 1, rounds)
+    blocks_one, _ = select_blocks_by_nll(session, 1, rounds, pruned=False)
     first = dict(rounds[0])
     runs = session.layer_runs
-    blocks_two, rounds_two = select_blocks_by_nll(session, 2, rounds)
+    blocks_two, rounds_two = select_blocks_by_nll(session, 2, rounds, pruned=False)
     assert rounds_two[0] == first and len(rounds_two) == 2
     # round 2 alone: one prefix walk (≤ 4 block runs) plus the candidates' suffixes, not round 1 again
     assert session.layer_runs - runs <= 4 + sum(range(1, 5))
-    fresh, _ = select_blocks_by_nll(make_session(copy.deepcopy(model), random_tokens(2, 16, seed=6)), 2)
+    fresh, _ = select_blocks_by_nll(make_session(copy.deepcopy(model), random_tokens(2, 16, seed=6)), 2,
+                                    pruned=False)
     assert fresh == blocks_two
 
 
