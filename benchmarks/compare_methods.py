@@ -78,6 +78,9 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         # issue 11, session 8: the merges chosen by calibration NLL (SLEB-style rounds), not by input cosine
         "FlattenGPT nll": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll"}}, "HeadPrune",
                            "NystromMLP"], {}),
+        "FlattenGPT nll merged": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll",
+                                                                    "candidates": "merged"}}, "HeadPrune",
+                                   "NystromMLP"], {}),
         # issue-11 ablation: the refits and choices added on top of the issue-3 defaults
         "FlattenGPT (issue-3 defaults)": (flatten + ["HeadPrune", {"NystromMLP": issue3}], {}),
         "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target": "merged"}}], {}),

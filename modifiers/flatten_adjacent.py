@@ -254,9 +254,11 @@ class FlattenAdjacent(Modifier):
     The merged layers are wider than the config until HeadPrune and NystromMLP prune them back.
 
     ``selection: nll`` (not in the paper) picks the blocks by the model's calibration loss instead of by
-    ``S`` (``select_blocks_by_nll``: each round merges the adjacent pair whose parallel, unpruned merge
-    gives the lowest NLL on the first ``search_samples`` × ``search_length`` calibration tokens). About
-    ``n × layers² / 2`` layer runs of those tokens and ``n × layers`` ``lm_head`` passes.
+    ``S`` (``select_blocks_by_nll``: each round merges the adjacent pair whose merge, pruned back to the
+    config by HeadPrune and NystromMLP at their defaults (``candidates: pruned``) or left unpruned, gives
+    the lowest NLL on the first ``search_samples`` × ``search_length`` calibration tokens). About
+    ``n × layers² / 2`` layer runs of those tokens, ``n × layers`` ``lm_head`` passes and, pruned, as many
+    prunes (each an ``o_proj`` and a ``down_proj`` Gram solve of the merged width).
     """
 
     n: int | None = Field(None, ge=1, description="number of merges (layers removed)")
@@ -336,8 +338,11 @@ class FlattenAdjacent(Modifier):
         if self.selection == "nll":  # every block's input and one merged block (at most merges + 1 layers), fp32
             probe_tokens = min(tokens, (self.search_samples or 8) * (self.search_length or 128))
             widest = max(shape.layer_parameters(layer) for layer in shape.layers)
-            return 4 * (shape.num_layers * probe_tokens * shape.hidden_size
-                        + (self.merges_for(shape.num_layers) + 1) * widest)
+            merges = self.merges_for(shape.num_layers)
+            # pruned: the kept pruned blocks, and NystromMLP's fp64 Gram of a merged pair (wider blocks: more)
+            pruning = (merges * widest * 4 + 8 * (2 * shape.intermediate_size) ** 2
+                       if self.candidates == "pruned" else 0)
+            return 4 * (shape.num_layers * probe_tokens * shape.hidden_size + (merges + 1) * widest) + pruning
         sampled = min(self.similarity_tokens, tokens)
         if shape.streamed:
             return (sampled + shape.num_layers * min(256, sampled)) * shape.hidden_size * 4
