@@ -206,8 +206,8 @@ def test_nll_selection_equals_brute_force_greedy(model_type):
 def test_pruned_candidates_equal_the_pipeline_on_each_pair(model_type):
     """``candidates: pruned``, one merge: every pair's score equals the NLL of the model the engine's own
     pipeline builds with that pair merged (FlattenAdjacent's merge, then HeadPrune and NystromMLP<target:
-    merged> in the layer-sequential pass on the probe tokens), scored by HF's forward; the choice is the
-    argmin and the model left behind is unpruned, merged at that pair."""
+    merged, criterion: energy> in the layer-sequential pass on the probe tokens), scored by HF's forward;
+    the choice is the argmin and the model left behind is unpruned, merged at that pair."""
     from recipe_engine.modifiers.head_prune import HeadPrune
     from recipe_engine.modifiers.nystrom_mlp import NystromMLP
 
@@ -222,7 +222,7 @@ def test_pruned_candidates_equal_the_pipeline_on_each_pair(model_type):
         blocks = [[i] for i in range(j)] + [[j, j + 1]] + [[i] for i in range(j + 2, 5)]
         session.set_layers([merge_layers([layers[i] for i in b], session.adapter) if len(b) > 1 else layers[b[0]]
                             for b in blocks], [tuple(b) for b in blocks], [b[0] for b in blocks])
-        session.run_layer_modifiers([HeadPrune(), NystromMLP(target="merged")])
+        session.run_layer_modifiers([HeadPrune(), NystromMLP(criterion="energy", target="merged")])
         with torch.no_grad():
             expected.append(float(reference(probe_tokens, labels=probe_tokens).loss))
     session = make_session(model, tokens)
