@@ -273,7 +273,7 @@ class FlattenAdjacent(Modifier):
 
     ``selection: nll`` (not in the paper) picks the blocks by the model's calibration loss instead of by
     ``S`` (``select_blocks_by_nll``: each round merges the adjacent pair whose merge, pruned back to the
-    config by HeadPrune and NystromMLP at their defaults (``candidates: pruned``) or left unpruned, gives
+    config (``candidates: pruned``: ``prune_to_config``) or left unpruned, gives
     the lowest NLL on the first ``search_samples`` × ``search_length`` calibration tokens). About
     ``n × layers² / 2`` layer runs of those tokens, ``n × layers`` ``lm_head`` passes and, pruned, as many
     prunes (each an ``o_proj`` and a ``down_proj`` Gram solve of the merged width).
@@ -288,8 +288,8 @@ class FlattenAdjacent(Modifier):
         "similarity", description="which blocks to merge: by input cosine similarity (the paper) or by "
                                   "calibration NLL of the merged model, round by round (SLEB-style)")
     candidates: Literal["pruned", "merged"] = Field(
-        "pruned", description="selection nll: score each candidate pruned back to the config (HeadPrune + "
-                              "NystromMLP defaults) or merged and unpruned")
+        "pruned", description="selection nll: score each candidate pruned back to the config (HeadPrune, "
+                              "NystromMLP<criterion: energy, target: merged>) or merged and unpruned")
     search_samples: int | None = Field(None, ge=1, description="selection nll: calibration windows scored, "
                                                                "the first ones (None: min(8, samples))")
     search_length: int | None = Field(None, ge=2, description="selection nll: tokens scored per window, its "
