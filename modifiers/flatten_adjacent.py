@@ -32,6 +32,10 @@ def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]
     return blocks, scores
 
 
+#: ``selection: nll`` scores the first this many calibration windows × tokens by default (SLEB's budget).
+SEARCH_SAMPLES, SEARCH_LENGTH = 8, 128
+
+
 def scoring_prune() -> tuple:
     """The steps ``prune_to_config`` applies (imported late: sibling modifier modules)."""
     from .head_prune import HeadPrune
@@ -119,8 +123,8 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
         scores = []
         for j in range(len(blocks) - 1):
             candidate = blocks[j] + blocks[j + 1]
-            module = build(blocks[:j], candidate, block_inputs[j], kwargs_list)
-            states = run(candidate, module, block_inputs[j], kwargs_list)
+            merged = build(blocks[:j], candidate, block_inputs[j], kwargs_list)
+            states = run(candidate, merged, block_inputs[j], kwargs_list)
             for block, module in zip(blocks[j + 2:], modules[j + 2:]):
                 states = run(block, module, states, kwargs_list)
             scores.append(probe.final_nll(states))
@@ -291,9 +295,9 @@ class FlattenAdjacent(Modifier):
         "pruned", description="selection nll: score each candidate pruned back to the config (HeadPrune, "
                               "NystromMLP<criterion: energy, target: merged>) or merged and unpruned")
     search_samples: int | None = Field(None, ge=1, description="selection nll: calibration windows scored, "
-                                                               "the first ones (None: min(8, samples))")
+                                                               f"the first ones (None: min({SEARCH_SAMPLES}, samples))")
     search_length: int | None = Field(None, ge=2, description="selection nll: tokens scored per window, its "
-                                                              "start (None: min(128, seq_len))")
+                                                              f"start (None: min({SEARCH_LENGTH}, seq_len))")
 
     calibration_passes = 1
     streams = True
@@ -316,8 +320,9 @@ class FlattenAdjacent(Modifier):
                             f"{calibration.seq_len}", field="search_length")
 
     def search_window(self, samples: int, seq_len: int) -> tuple[int, int]:
-        """Windows and tokens per window that ``selection: nll`` scores (defaults: at most 8 × 128)."""
-        return (self.search_samples or min(8, samples), self.search_length or min(128, seq_len))
+        """Windows and tokens per window that ``selection: nll`` scores (defaults: at most
+        ``SEARCH_SAMPLES × SEARCH_LENGTH``)."""
+        return (self.search_samples or min(SEARCH_SAMPLES, samples), self.search_length or min(SEARCH_LENGTH, seq_len))
 
     def merges_for(self, num_layers: int) -> int:
         """Resolve ``n`` / ``sparsity`` / ``target_layers`` against the current layer count."""
@@ -354,7 +359,7 @@ class FlattenAdjacent(Modifier):
         streamed, one layer's plus one chunk of every layer's (the rest is in a scratch file). With
         ``selection: nll``: the search's kept block inputs and its largest merged block."""
         if self.selection == "nll":  # every block's input and one merged block (at most merges + 1 layers), fp32
-            probe_tokens = min(tokens, (self.search_samples or 8) * (self.search_length or 128))
+            probe_tokens = min(tokens, (self.search_samples or SEARCH_SAMPLES) * (self.search_length or SEARCH_LENGTH))
             widest = max(shape.layer_parameters(layer) for layer in shape.layers)
             merges = self.merges_for(shape.num_layers)
             # pruned: the kept pruned blocks, and NystromMLP's fp64 Gram of a merged pair (wider blocks: more)
