@@ -25,7 +25,6 @@ import argparse
 import copy
 import datetime
 import json
-import os
 import platform
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 
 import recipe_engine
 from recipe_engine.adapters import count_parameters
-from recipe_engine.data import load_text
+from recipe_engine.data import data_dir, load_text
 from recipe_engine.errors import RecipeError
 from recipe_engine.evaluation.perplexity import perplexity
 from recipe_engine.models import load_model
@@ -47,8 +46,7 @@ WINDOWS = {"wikitext2": 24, "c4": 16, "code": 16}   # default windows × 1024 to
 RESULTS = Path(__file__).parent / "results"
 CV_SCALES = [0.01, 0.1, 1.0, 10.0]
 LORA = {"max_samples": 256, "seq_len": 256, "epochs": 1, "batch_size": 16, "micro_batch_size": 4, "lr": 3e-4}
-ALPACA = str(Path(os.environ.get("RECIPE_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
-             / "alpaca" / "alpaca_small.json")
+ALPACA = str((data_dir() or Path(__file__).resolve().parents[2] / "shared" / "data") / "alpaca" / "alpaca_small.json")
 
 
 def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
