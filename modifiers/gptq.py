@@ -6,26 +6,29 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, PositiveInt
 
-from recipe_engine.api import InputCovariance, LayerModifier, StagedLayer, position, register
+from recipe_engine.api import (InputCovariance, LayerModifier, StagedLayer, lower_triangular_inverse, position,
+                               register)
 
 from ._quant import Grid, GridParameters, QuantizedWeight, output_error
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)`` (GPTQ §4, Step 3:
-    row ``i`` of ``U`` divided by ``U_ii`` is the OBS update for column ``i`` given columns ``< i`` done)."""
-    damped = hessian.clone()  # at most two n × n buffers beside H at any time
-    damped.diagonal().add_(damp * torch.diagonal(hessian).mean())
-    lower, info = torch.linalg.cholesky_ex(damped)
-    del damped
+    row ``i`` of ``U`` divided by ``U_ii`` is the OBS update for column ``i`` given columns ``< i`` done).
+
+    With ``P`` the order reversal and ``P(H + λI)P = LLᵀ``, ``U = P L⁻¹ P`` (upper triangular, positive
+    diagonal, ``UᵀU = P L⁻ᵀL⁻¹ P = (H + λI)⁻¹``): one Cholesky and one triangular inverse, ``n³/3``
+    multiply-adds, where the reference code's Cholesky, ``cholesky_inverse`` and second Cholesky take
+    ``2n³/3`` (``down_proj`` of Llama-3-8B: n = 14336)."""
+    reversed_h = hessian.flip(0, 1)  # a copy: at most two n × n buffers beside H at any time
+    reversed_h.diagonal().add_(damp * torch.diagonal(hessian).mean())
+    lower, info = torch.linalg.cholesky_ex(reversed_h)
+    del reversed_h
     if int(info):
         raise ValueError(f"damped Hessian not positive definite (damp={damp}); raise damp")
-    inverse = torch.cholesky_inverse(lower)
+    inverse = lower_triangular_inverse(lower)
     del lower
-    inverse, info = torch.linalg.cholesky_ex(inverse, upper=True)
-    if int(info):
-        raise ValueError(f"inverse Hessian not positive definite (damp={damp}); raise damp")
-    return inverse
+    return inverse.flip(0, 1)
 
 
 @torch.no_grad()

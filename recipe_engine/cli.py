@@ -71,7 +71,7 @@ def cmd_apply(args) -> int:
 
     with _quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
-                          resume=args.resume)
+                          resume=args.resume, checkpoints=not args.no_checkpoints)
     if report.rank == 0:  # data-parallel: one summary
         print_summary(report, out)
     return 0
@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted (killed) run of the same output from its checkpoints")
+    p.add_argument("--no-checkpoints", action="store_true",
+                   help="keep no resume checkpoints: the run cannot be resumed, and needs disk room for the "
+                        "output once instead of twice")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("show", help="print the canonical resolved recipe")

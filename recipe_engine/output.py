@@ -108,7 +108,8 @@ def check_free_space(recipe, config, file: str | None = None, resume_checkpoints
     copies = 2 if resume_checkpoints else 1
     problem = space_problem(Path(recipe.output).expanduser(), copies * output_bytes(recipe, config))
     if problem:
-        what = "checkpoint and its resume checkpoints" if resume_checkpoints else "checkpoint"
+        what = ("checkpoint and its resume checkpoints; --no-checkpoints needs half" if resume_checkpoints
+                else "checkpoint")
         raise RecipeError(f"not enough disk space for output '{recipe.output}': {problem} "
                           f"({recipe.dtype} {what})", file=file, field="output")
 

@@ -55,7 +55,7 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
           force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
-          memo=None) -> tuple[Any, Report]:
+          memo=None, checkpoints: bool = True) -> tuple[Any, Report]:
     """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.report.Report``, as written to
     ``report.json``). Writes the output directory unless ``write=False``.
 
@@ -63,14 +63,16 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     ``memo`` (``recipe_engine.memo.SharedWork``): work shared with other runs of a sweep.
     A streamed run (``stream``) returns the model as a meta-device skeleton: its weights are the output.
     ``resume``: continue an interrupted run of the same output from its checkpoints (``recipe_engine.resume``).
+    ``checkpoints=False``: keep no resume checkpoints (a run that cannot be resumed, but needs disk room
+    for the output once instead of twice).
     """
     loaded = _resolve(recipe, list(overrides))
     with launched(resolve_device(loaded.recipe.device)) as parallel:
-        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo)
+        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints)
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
-           progress: bool, resume: bool = False, memo=None) -> tuple[Any, Report]:
+           progress: bool, resume: bool = False, memo=None, keep_checkpoints: bool = True) -> tuple[Any, Report]:
     """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
     recipe, file = loaded.recipe, loaded.path
     writing = write and parallel.rank == 0
@@ -80,8 +82,10 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     texts = _located(lambda: load_calibration(cal), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
-    if writing:  # a model from disk keeps resume checkpoints (``_checkpoints``)
-        check_free_space(recipe, config, file, resume_checkpoints=model is None)
+    if resume and not keep_checkpoints:
+        raise RecipeError("--resume and --no-checkpoints contradict each other", file=file)
+    if writing:  # a model from disk keeps resume checkpoints (``_checkpoints``) unless told not to
+        check_free_space(recipe, config, file, resume_checkpoints=model is None and keep_checkpoints)
     device = parallel.device
     in_memory = model is not None
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
@@ -119,7 +123,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         session.memo = memo
         if streamed:
             attach_stream(session, source.location, workdir / STAGING)
-        checkpoints = _checkpoints(recipe, report, source, resume, write, session, file)
+        checkpoints = _checkpoints(recipe, report, source, resume, write and keep_checkpoints, session, file)
         owned.append(checkpoints)
         if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
             from .evaluation import evaluate_session

@@ -107,13 +107,16 @@ def record_checkpoint(case: dict, base: Path) -> None:
     staging directory inside its temporary output directory."""
     output = Path(case["argv"][case["argv"].index("--output") + 1])
     directory = resume.resume_directory(str(output))
-    if not (directory / resume.MANIFEST).is_file():
+    staging = [str(p) for p in output.parent.glob(f".{output.name}.tmp-*/.staging")]
+    if not (directory / resume.MANIFEST).is_file():  # e.g. --no-checkpoints
+        (base / f"{case['name']}.checkpoint.json").write_text(json.dumps({
+            "resume_directory": directory.exists(), "staging_in_output": staging}))
         return
     manifest = json.loads((directory / resume.MANIFEST).read_text())
     (base / f"{case['name']}.checkpoint.json").write_text(json.dumps({
         "layers": manifest["layers"], "rest": manifest["rest"],
         "unit_files": sorted(p.name for p in directory.glob("unit-*")),
-        "staging_in_output": [str(p) for p in output.parent.glob(f".{output.name}.tmp-*/.staging")]}))
+        "staging_in_output": staging}))
 
 
 def run(case: dict, base: Path, paused: bool) -> int:

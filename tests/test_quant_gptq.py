@@ -102,3 +102,22 @@ def test_gptq_dead_inputs_zeroed_and_deterministic():
     second = gptq_quantize(weight, gram, Grid(4, 16, True), act_order=False, damp=0.01, block_size=128)
     assert torch.all(first.dequantized[:, 5] == 0)
     assert torch.equal(first.dequantized, second.dequantized)
+
+
+@pytest.mark.parametrize("size,block", [(7, 512), (300, 64), (257, 128)])
+def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(size, block):
+    """The reversed-order factor ``P L⁻¹ P`` equals LAPACK's upper Cholesky factor of ``(H + λI)⁻¹`` (the
+    reference code's chain); ``lower_triangular_inverse`` equals ``torch.linalg.inv`` of the triangle."""
+    from recipe_engine.linalg import lower_triangular_inverse
+    from recipe_engine.modifiers.gptq import inverse_hessian_factor
+
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(2 * size, size, generator=g, dtype=torch.float64) * torch.logspace(-1, 1, size, dtype=torch.float64)
+    h = x.T @ x
+    damped = h + 0.01 * torch.diagonal(h).mean() * torch.eye(size, dtype=torch.float64)
+    expected = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    assert torch.allclose(inverse_hessian_factor(h, 0.01), expected, rtol=1e-8, atol=1e-12 * expected.abs().max())
+    lower = torch.linalg.cholesky(damped)
+    inverse = lower_triangular_inverse(lower, block)
+    assert torch.allclose(inverse, torch.linalg.inv(lower), rtol=1e-9, atol=1e-12 * inverse.abs().max())
+    assert torch.equal(inverse, torch.tril(inverse))

@@ -77,6 +77,10 @@ def runs(tmp_path_factory):
         apply("changed_recipe", "refused", "--resume", "--set", "modifiers.4.lambda_scale=5"),
         {**apply("changed_model", "refused", "--resume"), "touch": str(base / "model" / "model.safetensors")},
         apply("start_over", "refused")]})
+    no_checkpoints = (*STREAMED, "--no-checkpoints")
+    cases.append({**apply("no_checkpoints_kill", "no_checkpoints", *no_checkpoints), "pause": "pass",
+                  "then": [apply("no_checkpoints_rerun", "no_checkpoints", *no_checkpoints),
+                           apply("no_checkpoints_resume", "no_checkpoints_resume", "--resume", *no_checkpoints)]})
     (base / "cases.json").write_text(json.dumps(cases))
     driver = Path(__file__).with_name("resume_driver.py")
     # generous timeout: the shared CI machine may be loaded
@@ -126,6 +130,24 @@ def test_a_streamed_checkpoint_is_the_staged_units_and_restores_nothing_into_mem
     assert killed["staging_in_output"] == []
     restored = json.loads((runs / f"streamed_resume_{point}.restored.json").read_text())
     assert restored == {"streamed": True, "materialized": 0}
+
+
+def test_a_run_without_checkpoints_keeps_none_and_writes_the_same_bytes(runs):
+    """``--no-checkpoints``: killed mid-pass it leaves no resume directory (and no staging data: the swept
+    temporary output held it); run again it writes the checkpointed run's bytes; with ``--resume`` it is
+    refused in one line before any work."""
+    assert rc(runs, "no_checkpoints_kill") == -9
+    killed = json.loads((runs / "no_checkpoints_kill.checkpoint.json").read_text())
+    assert killed["resume_directory"] is False and killed["staging_in_output"]  # staging lived in the temporary output
+    assert rc(runs, "no_checkpoints_rerun") == 0, (runs / "no_checkpoints_rerun.err").read_text()
+    assert sha256(runs / "out" / "no_checkpoints" / "model.safetensors") == \
+        sha256(runs / "out" / "streamed_reference" / "model.safetensors")
+    assert [p.name for p in (runs / "out").iterdir() if p.name.startswith(".no_checkpoints")] == []
+    errors = [line for line in (runs / "no_checkpoints_resume.err").read_text().splitlines()
+              if line.startswith("error")]
+    assert rc(runs, "no_checkpoints_resume") == 2 and len(errors) == 1
+    assert "--resume and --no-checkpoints contradict each other" in errors[0]
+    assert not (runs / "out" / "no_checkpoints_resume").exists()
 
 
 def test_a_changed_recipe_or_model_is_refused_and_a_plain_run_starts_over(runs):
