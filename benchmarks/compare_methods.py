@@ -79,6 +79,9 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "FlattenGPT nll merged": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll",
                                                                     "candidates": "merged"}}, "HeadPrune",
                                    "NystromMLP"], {}),
+        # issue 11, session 9: each round merges a pair or drops a layer, whichever gives the lower NLL
+        "FlattenGPT nll+drops": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True}},
+                                 "HeadPrune", "NystromMLP"], {}),
         # issue-11 ablation: the refits and choices added on top of the issue-3 defaults
         "FlattenGPT (issue-3 defaults)": (flatten + ["HeadPrune", {"NystromMLP": issue3}], {}),
         "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target": "merged"}}], {}),

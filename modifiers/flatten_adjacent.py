@@ -67,7 +67,7 @@ def prune_to_config(probe, layer: torch.nn.Module, states: list[torch.Tensor], k
 
 @torch.no_grad()
 def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None = None,
-                         pruned: bool = True) -> tuple[list[list[int]], list[dict[str, Any]]]:
+                         pruned: bool = True, drops: bool = False) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """Greedy adjacent merging decided by the model's loss (issue 11's "decide by the result").
 
     Blocks start as single layers of ``probe``'s model (a session over the calibration windows to score).
@@ -79,7 +79,10 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
     else merged layers run unpruned (measured: a poor predictor, docs/flattengpt.md). A round walks the
     prefix once, keeping each block's input (earlier rounds' blocks are pruned there, on those inputs, and
     reused as they are in every candidate's suffix), and runs every candidate from its own block on.
-    Returns the blocks and, per round, the merged block, its NLL and every candidate's. ``rounds``
+    ``drops``: a round also scores skipping each unmerged layer but the first and last (SLEB's own move,
+    candidate ``-j``) and takes whichever move, merge or drop, gives the lowest NLL (issue 11's "fall back to
+    dropping a layer when flattening loses", decided by the model's loss); a dropped layer leaves the blocks.
+    Returns the blocks and, per round, the merged block (or the dropped one), its NLL and every candidate's. ``rounds``
     (extended in place) are earlier rounds to start from: a greedy search for fewer merges is a prefix of
     one for more (a sweep over ``n`` shares them).
     """
@@ -108,6 +111,9 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
     blocks = [[i] for i in range(len(layers))]
     rounds = [] if rounds is None else rounds
     for done in rounds[:merges]:
+        if "dropped" in done:
+            blocks.remove(done["dropped"])
+            continue
         j = next(j for j in range(len(blocks) - 1) if blocks[j] + blocks[j + 1] == done["merged"])
         blocks[j: j + 2] = [done["merged"]]
     for _ in range(len(rounds), merges):
@@ -120,18 +126,30 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
             modules.append(build(blocks[:j], block, states, kwargs_list) if len(block) > 1 else None)
             if j < len(blocks) - 1:
                 states = run(block, modules[-1], states, kwargs_list)
-        scores = []
+        scores: dict[tuple[int, str], float] = {}  # (block index, "merge" | "drop") → NLL
         for j in range(len(blocks) - 1):
             candidate = blocks[j] + blocks[j + 1]
             merged = build(blocks[:j], candidate, block_inputs[j], kwargs_list)
             states = run(candidate, merged, block_inputs[j], kwargs_list)
             for block, module in zip(blocks[j + 2:], modules[j + 2:]):
                 states = run(block, module, states, kwargs_list)
-            scores.append(probe.final_nll(states))
-        best = min(range(len(scores)), key=lambda j: (scores[j], j))
-        rounds.append({"merged": blocks[best] + blocks[best + 1], "nll": scores[best],
-                       "candidates": {"+".join(map(str, blocks[j] + blocks[j + 1])): v for j, v in enumerate(scores)}})
-        blocks[best: best + 2] = [blocks[best] + blocks[best + 1]]
+            scores[j, "merge"] = probe.final_nll(states)
+        for j in range(1, len(blocks) - 1) if drops else ():
+            if len(blocks[j]) > 1:
+                continue
+            states = block_inputs[j]
+            for block, module in zip(blocks[j + 1:], modules[j + 1:]):
+                states = run(block, module, states, kwargs_list)
+            scores[j, "drop"] = probe.final_nll(states)
+        (best, move) = min(scores, key=lambda key: (scores[key], key[0], key[1] == "drop"))
+        name = lambda j, kind: "+".join(map(str, blocks[j] + blocks[j + 1])) if kind == "merge" else f"-{blocks[j][0]}"
+        record = {"merged": blocks[best] + blocks[best + 1]} if move == "merge" else {"dropped": blocks[best]}
+        rounds.append({**record, "nll": scores[best, move],
+                       "candidates": {name(j, kind): v for (j, kind), v in scores.items()}})
+        if move == "merge":
+            blocks[best: best + 2] = [blocks[best] + blocks[best + 1]]
+        else:
+            del blocks[best]
     return blocks, rounds
 
 
@@ -278,7 +296,9 @@ class FlattenAdjacent(Modifier):
     ``selection: nll`` (not in the paper) picks the blocks by the model's calibration loss instead of by
     ``S`` (``select_blocks_by_nll``: each round merges the adjacent pair whose merge, pruned back to the
     config (``candidates: pruned``: ``prune_to_config``) or left unpruned, gives
-    the lowest NLL on the first ``search_samples`` × ``search_length`` calibration tokens). About
+    the lowest NLL on the first ``search_samples`` × ``search_length`` calibration tokens); with ``drops``
+    a round may instead drop an unmerged layer (SLEB's move) when that gives the lower NLL, so fewer
+    (or no) layers end up merged and the report lists ``dropped``. About
     ``n × layers² / 2`` layer runs of those tokens, ``n × layers`` ``lm_head`` passes and, pruned, as many
     prunes (each an ``o_proj`` and a ``down_proj`` Gram solve of the merged width).
     """
@@ -296,6 +316,8 @@ class FlattenAdjacent(Modifier):
                               "NystromMLP<criterion: energy, target: merged>) or merged and unpruned")
     search_samples: int | None = Field(None, ge=1, description="selection nll: calibration windows scored, "
                                                                f"the first ones (None: min({SEARCH_SAMPLES}, samples))")
+    drops: bool = Field(False, description="selection nll: also score dropping each unmerged layer but the "
+                                           "first and last (SLEB's move) and take the better move each round")
     search_length: int | None = Field(None, ge=2, description="selection nll: tokens scored per window, its "
                                                               f"start (None: min({SEARCH_LENGTH}, seq_len))")
 
@@ -311,6 +333,9 @@ class FlattenAdjacent(Modifier):
 
     def check_calibration(self, calibration) -> None:
         if self.selection != "nll":
+            if self.drops:
+                raise self.fail("drops: true needs selection: nll (the moves are compared by calibration NLL)",
+                                field="drops")
             return
         if self.search_samples is not None and self.search_samples > calibration.samples:
             raise self.fail(f"search_samples={self.search_samples} exceeds calibration.samples="
@@ -405,7 +430,8 @@ class FlattenAdjacent(Modifier):
             samples, length = self.search_window(*session.calibration.shape)
             probe = session.sibling(session.model, session.stream, session.calibration[:samples, :length])
             rounds = session.shared(self, "FlattenAdjacent NLL rounds", list)
-            blocks, rounds = select_blocks_by_nll(probe, merges, rounds, pruned=self.candidates == "pruned")
+            blocks, rounds = select_blocks_by_nll(probe, merges, rounds, pruned=self.candidates == "pruned",
+                                                  drops=self.drops)
             rounds = rounds[:merges]
             similarity, scores = None, [r["nll"] for r in rounds]
         else:
@@ -429,7 +455,10 @@ class FlattenAdjacent(Modifier):
                    **({"similarity": float(similarity[block[0], block[-1]])} if similarity is not None else {}),
                    **({"head_norm_spread": spreads[index]} if session.adapter.head_norms else {})}
                   for index, block in enumerate(blocks) if len(block) > 1]
+        kept = {i for block in blocks for i in block}
         report = {"merges": merges, "merge_scores": scores, "groups": groups, "layers_after": len(new_layers)}
+        if len(kept) < len(old_layers):  # drops: true chose to skip these layers
+            report["dropped"] = [list(old_origin[i]) for i in range(len(old_layers)) if i not in kept]
         if similarity is not None:
             report["similarity"] = similarity.tolist()
         if rounds is not None:

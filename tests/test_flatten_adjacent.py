@@ -166,15 +166,20 @@ def parallel_model_nll(original, blocks, tokens) -> float:
                                                        tokens[:, 1:].reshape(-1)))
 
 
-def brute_force_merges(original, tokens, merges):
-    """Greedy over every adjacent pair of blocks, each candidate scored by ``parallel_model_nll``."""
+def brute_force_merges(original, tokens, merges, drops=False):
+    """Greedy over every adjacent pair of blocks (and, with ``drops``, every unmerged layer but the first and
+    last, skipped), each candidate model scored by ``parallel_model_nll``; ties: lowest index, merge first."""
     blocks, chosen = [[i] for i in range(original.config.num_hidden_layers)], []
     for _ in range(merges):
-        losses = [parallel_model_nll(original, blocks[:j] + [blocks[j] + blocks[j + 1]] + blocks[j + 2:], tokens)
-                  for j in range(len(blocks) - 1)]
-        best = min(range(len(losses)), key=lambda j: (losses[j], j))
-        chosen.append((blocks[best] + blocks[best + 1], losses))
-        blocks[best: best + 2] = [blocks[best] + blocks[best + 1]]
+        candidates = [(blocks[:j] + [blocks[j] + blocks[j + 1]] + blocks[j + 2:], (j, 0), blocks[j] + blocks[j + 1])
+                      for j in range(len(blocks) - 1)]
+        if drops:
+            candidates += [(blocks[:j] + blocks[j + 1:], (j, 1), [-blocks[j][0]])
+                           for j in range(1, len(blocks) - 1) if len(blocks[j]) == 1]
+        losses = [parallel_model_nll(original, model_blocks, tokens) for model_blocks, _, _ in candidates]
+        best = min(range(len(losses)), key=lambda c: (losses[c], candidates[c][1]))
+        chosen.append((candidates[best][2], losses))
+        blocks = candidates[best][0]
     return blocks, chosen
 
 
@@ -200,6 +205,39 @@ def test_nll_selection_equals_brute_force_greedy(model_type):
     with torch.no_grad():
         got = float(model(tokens[:3, :16], labels=tokens[:3, :16]).loss)
     assert got == pytest.approx(parallel_model_nll(original, blocks, tokens[:3, :16]), rel=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_nll_selection_with_drops_equals_brute_force_greedy(model_type):
+    """``drops: true``: merges and skips of single layers compete each round; the candidates' NLLs and the
+    choices equal the brute-force greedy over independently built models. Layer 2 is made nearly the
+    identity (its o_proj and down_proj scaled by 1e-3), so dropping a layer is cheap; on the Llama model both
+    moves occur (the random Qwen2 one merges every round, its drop candidates are still compared)."""
+    model = tiny_model(model_type, num_hidden_layers=6, seed=3, attn_implementation="eager")
+    with torch.no_grad():
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            model.model.layers[2].get_submodule(name).weight.mul_(1e-3)
+    original = copy.deepcopy(model)
+    tokens = random_tokens(4, 24, seed=5)
+    session = make_session(model, tokens)
+    report = FlattenAdjacent(n=3, selection="nll", candidates="merged", drops=True, search_samples=3,
+                             search_length=16).apply(session)
+    blocks, chosen = brute_force_merges(original, tokens[:3, :16], 3, drops=True)
+    moves = [r["merged"] if "merged" in r else [-r["dropped"][0]] for r in report["rounds"]]
+    assert moves == [move for move, _ in chosen]
+    dropped = sorted(-m[0] for m in moves if len(m) == 1)
+    assert any(len(m) > 1 for m in moves) and (dropped or model_type != "llama")
+    for record, (_, losses) in zip(report["rounds"], chosen):
+        assert list(record["candidates"].values()) == pytest.approx(losses, rel=1e-5)
+    assert report.get("dropped", []) == [[i] for i in dropped] and session.layer_origin == [tuple(b) for b in blocks]
+    with torch.no_grad():
+        got = float(model(tokens[:3, :16], labels=tokens[:3, :16]).loss)
+    assert got == pytest.approx(parallel_model_nll(original, blocks, tokens[:3, :16]), rel=1e-5)
+
+
+def test_drops_need_nll_selection():
+    with pytest.raises(RecipeError, match="drops: true needs selection: nll"):
+        FlattenAdjacent(n=1, drops=True).check_calibration(CalibrationConfig(samples=4, seq_len=16, batch_size=2))
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
