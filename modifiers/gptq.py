@@ -1,6 +1,7 @@
 """GPTQ: layer-wise weight quantization with second-order error feedback (Frantar et al., ICLR 2023)."""
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +30,10 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     inverse = lower_triangular_inverse(lower)
     del lower
     return inverse.flip(0, 1)
+
+
+#: Columns per inner lazy batch of ``gptq_quantize`` (speed only).
+SUB_BLOCK = 16
 
 
 @torch.no_grad()
@@ -69,20 +74,27 @@ def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_orde
     del h
     scale_t, zero_t = scale.t(), zero.t()  # views: a group's parameters are a row
     block = block_size if static else width * max(1, block_size // width)
+    # the lazy batch twice over: rank-1 updates within SUB_BLOCK columns, one product per sub-block for the
+    # rest of the block (the reference's per-column update of the whole block is memory-bound: 2.2× slower
+    # for gate/up of Llama-3-8B); a sub-block divides a dynamic group, so a group starts on a fresh one
+    sub = SUB_BLOCK if static else math.gcd(SUB_BLOCK, width)
     out = torch.empty_like(wt)
     for start in range(0, columns, block):
         end = min(start + block, columns)
         w1, hb = wt[start:end], factor[start:end, start:end]
         err = torch.empty_like(w1)
-        for i in range(end - start):
-            column = start + i
-            if not static and column % width == 0:
-                scale_t[column // width], zero_t[column // width] = grid.params(w1[i:i + width].t())
-            g = group_of[column]
-            q = grid.fake(w1[i], scale_t[g], zero_t[g])
-            err[i] = (w1[i] - q) / hb[i, i]
-            w1[i:].sub_(hb[i, i:, None] * err[i])
-            out[column] = q
+        for s0 in range(0, end - start, sub):
+            s1 = min(s0 + sub, end - start)
+            for i in range(s0, s1):
+                column = start + i
+                if not static and column % width == 0:
+                    scale_t[column // width], zero_t[column // width] = grid.params(w1[i:i + width].t())
+                g = group_of[column]
+                q = grid.fake(w1[i], scale_t[g], zero_t[g])
+                err[i] = (w1[i] - q) / hb[i, i]
+                w1[i + 1:s1].addr_(hb[i, i + 1:s1], err[i], alpha=-1)
+                out[column] = q
+            w1[s1:] -= hb[s0:s1, s1:].t() @ err[s0:s1]
         wt[end:] -= factor[start:end, end:].t() @ err
     return QuantizedWeight(out[torch.argsort(perm)].t(), scale, zero)
 
