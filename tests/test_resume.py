@@ -298,5 +298,6 @@ def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
     real = output.shutil.disk_usage
     monkeypatch.setattr(output.shutil, "disk_usage", lambda p: real(p)._replace(free=int(1.05 * 1.5 * size) + 2**20))
     output.check_free_space(recipe, config)
-    with pytest.raises(RecipeError, match="not enough disk space .* checkpoint and its resume checkpoints"):
+    with pytest.raises(RecipeError, match="not enough disk space .* checkpoint and its resume checkpoints; "
+                                          "--no-checkpoints needs half"):
         output.check_free_space(recipe, config, resume_checkpoints=True)
