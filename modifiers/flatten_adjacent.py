@@ -82,9 +82,9 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
     ``drops``: a round also scores skipping each unmerged layer but the first and last (SLEB's own move,
     candidate ``-j``) and takes whichever move, merge or drop, gives the lowest NLL (issue 11's "fall back to
     dropping a layer when flattening loses", decided by the model's loss); a dropped layer leaves the blocks.
-    Returns the blocks and, per round, the merged block (or the dropped one), its NLL and every candidate's. ``rounds``
-    (extended in place) are earlier rounds to start from: a greedy search for fewer merges is a prefix of
-    one for more (a sweep over ``n`` shares them).
+    Returns the blocks and, per round, the merged block (or the dropped one), its NLL and every
+    candidate's. ``rounds`` (extended in place) are earlier rounds to start from: a greedy search for fewer
+    merges is a prefix of one for more (a sweep over ``n`` shares them).
     """
     layers = list(probe.layers)
     # in memory, a block built on an unchanged prefix is reused in later rounds (same inputs: same layer)

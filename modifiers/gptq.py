@@ -75,8 +75,9 @@ def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_orde
     scale_t, zero_t = scale.t(), zero.t()  # views: a group's parameters are a row
     block = block_size if static else width * max(1, block_size // width)
     # the lazy batch twice over: rank-1 updates within SUB_BLOCK columns, one product per sub-block for the
-    # rest of the block (the reference's per-column update of the whole block is memory-bound: 2.2× slower
-    # for gate/up of Llama-3-8B); a sub-block divides a dynamic group, so a group starts on a fresh one
+    # rest of the block (the reference's per-column update of the whole block is memory-bound: 1.6–1.8×
+    # slower at Llama-3-8B's gate_proj shape, benchmarks/gptq_speed.py); a sub-block divides a dynamic
+    # group, so a group starts on a fresh one
     sub = SUB_BLOCK if static else math.gcd(SUB_BLOCK, width)
     out = torch.empty_like(wt)
     for start in range(0, columns, block):

@@ -21,8 +21,9 @@ from .adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, replace_linear, role
 from .data import load_text, tokenize
 from .errors import RecipeError
 from .hadamard import rotation
-from .linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, reconstruction_error, refit_error, ridge_compensation,
-                     ridge_leverage_scores, ridge_refit, set_linear_weight, submatrix)
+from .linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, reconstruction_error,
+                     refit_error, ridge_compensation, ridge_leverage_scores, ridge_refit, set_linear_weight,
+                     submatrix)
 from .modifier import LayerModifier, Modifier
 from .ops import fold_norm_into, top_k_kl
 from .quantization import Grid
@@ -34,6 +35,7 @@ from .stats import InputCovariance, Statistic, position
 
 __all__ = ["ADAPTERS", "UNFUSED_ROLES", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
            "Session", "StagedLayer", "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
-           "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error", "refit_error", "register",
+           "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
+           "refit_error", "register",
            "ridge_compensation", "ridge_leverage_scores", "ridge_refit", "rotation", "set_linear_weight",
            "submatrix", "tokenize", "top_k_kl"]
