@@ -82,16 +82,14 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     texts = _located(lambda: load_calibration(cal), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
-    if resume and not keep_checkpoints:
-        raise RecipeError("--resume and --no-checkpoints contradict each other", file=file)
-    if writing:  # a model from disk keeps resume checkpoints (``_checkpoints``) unless told not to
-        check_free_space(recipe, config, file, resume_checkpoints=model is None and keep_checkpoints)
-    device = parallel.device
     in_memory = model is not None
-    streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
-    if resume and (in_memory or not write):
-        why = "a model passed in memory" if in_memory else "write=False"
+    if resume and (in_memory or not write or not keep_checkpoints):
+        why = "a model passed in memory" if in_memory else "write=False" if not write else "--no-checkpoints"
         raise RecipeError(f"--resume is not supported for {why} (no checkpoints are kept)", file=file)
+    if writing:  # a model from disk keeps resume checkpoints (``_checkpoints``) unless told not to
+        check_free_space(recipe, config, file, resume_checkpoints=not in_memory and keep_checkpoints)
+    device = parallel.device
+    streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
                               "rank": parallel.rank, "ranks": parallel.world}

@@ -146,7 +146,7 @@ def test_a_run_without_checkpoints_keeps_none_and_writes_the_same_bytes(runs):
     errors = [line for line in (runs / "no_checkpoints_resume.err").read_text().splitlines()
               if line.startswith("error")]
     assert rc(runs, "no_checkpoints_resume") == 2 and len(errors) == 1
-    assert "--resume and --no-checkpoints contradict each other" in errors[0]
+    assert "--resume is not supported for --no-checkpoints (no checkpoints are kept)" in errors[0]
     assert not (runs / "out" / "no_checkpoints_resume").exists()
 
 
