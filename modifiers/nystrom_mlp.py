@@ -159,12 +159,12 @@ class NystromMLP(LayerModifier):
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
         """fp64, at Theorem 3.1's refit (the largest moment): the widest target's ``down_proj`` input Gram
         ``G`` (n × n; the leverage factor was made in its storage), ``G_KK`` factored in place (k × k), two
-        ``n × 512`` panels, the right-hand side and solution (k × hidden each). The target refit comes after
+        ``n × 512`` panels, the right-hand side solved in place (k × hidden). The target refit comes after
         ``G`` is released (``G_KK`` and its factor, 2 k × k)."""
         targets = self.layers if self.layers is not None else shape.oversized_layers("mlp")
         width = max((shape.layers[i].intermediate_size for i in targets), default=0)
         kept, hidden = shape.intermediate_size, shape.hidden_size
-        return 8 * max(width * width + kept * kept + 2 * width * 512 + 2 * kept * hidden,
+        return 8 * max(width * width + kept * kept + 2 * width * 512 + kept * hidden,
                        2 * kept * kept + 2 * kept * hidden)
 
     def statistics(self, session, layer_index: int) -> list[InputCovariance]:

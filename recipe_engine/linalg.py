@@ -146,27 +146,34 @@ def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Ten
 
     ``W'_K = W_K + W_D G_DK (G_KK + λI)⁻¹`` minimises ``‖X_K W'_Kᵀ − X Wᵀ‖² + λ‖W'_K − W_K‖²``, i.e. the
     stacked problem ``[X_K; √λ I] ΔWᵀ = [X_D W_Dᵀ; 0]``. Returns ``W'_K`` (``out × |K|``, fp64).
+    Working memory beside ``G``: ``G_KK`` (factored in place), the right-hand side (solved in place) and
+    ``W_D`` in fp64 while the right-hand side is built; never ``W`` whole in fp64 or a ``|K| × |D|`` block.
     """
     gram = gram.to(torch.float64)
-    weight = weight.to(torch.float64)
     drop = _complement(keep, gram.shape[0])
     # (G_KK + λI) Δᵀ = G_KD W_Dᵀ  →  Δ = W_D G_DK (G_KK + λI)⁻¹ (Cholesky: G_KK + λI is SPD for λ > 0)
-    dropped = weight[:, drop].T
-    rhs = torch.cat([submatrix(gram, keep[start:start + block], drop) @ dropped  # no |K| × |D| block of G
-                     for start in range(0, len(keep), block)])
+    dropped = weight[:, drop].T.to(torch.float64)
+    rhs = torch.empty(len(keep), weight.shape[0], dtype=torch.float64, device=gram.device)
+    for start in range(0, len(keep), block):
+        torch.matmul(submatrix(gram, keep[start:start + block], drop), dropped, out=rhs[start:start + block])
+    del dropped
     system = submatrix(gram, keep, keep)
     system.diagonal().add_(ridge)
-    return weight[:, keep] + spd_solve_(system, rhs).T
+    delta = spd_solve_(system, rhs, overwrite=True)
+    del system
+    return weight[:, keep].to(torch.float64).add_(delta.T)
 
 
-def spd_solve_(system: torch.Tensor, rhs: torch.Tensor, block: int = 512) -> torch.Tensor:
+def spd_solve_(system: torch.Tensor, rhs: torch.Tensor, block: int = 512,
+               overwrite: bool = False) -> torch.Tensor:
     """``A⁻¹ B`` for a symmetric positive definite fp64 ``A`` by Cholesky, overwriting ``A`` with its factor:
     on CPU blocked in place (``cholesky_lower_``, then blocked forward and back substitution), so no second
-    ``n × n`` matrix; a factor copy elsewhere."""
+    ``n × n`` matrix; a factor copy elsewhere. ``overwrite``: an fp64 ``B`` the caller owns becomes the
+    solution (no copy)."""
     if system.device.type == "cpu" and system.dtype == torch.float64 and system.is_contiguous():
         cholesky_lower_(system, block)
         size = system.shape[0]
-        solution = rhs.to(torch.float64, copy=True)
+        solution = rhs if overwrite and rhs.dtype == torch.float64 else rhs.to(torch.float64, copy=True)
         for r0 in range(0, size, block):  # L Y = B
             r1 = min(r0 + block, size)
             if r0:

@@ -93,15 +93,19 @@ class InputCovariance(Statistic):
         return super().key if self.products == torch.float64 else f"{super().key}@{self.products}"
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
-        """``G += XᵀX`` in row panels of ``ROW_PANEL``: beside the fp64 sum only an ``ROW_PANEL × n``
-        product exists, never a second ``n × n`` matrix (a merged 8B MLP: 6.6 GB saved)."""
+        """``G += XᵀX`` in row panels of ``ROW_PANEL``, each accumulated by ``addmm_`` into the fp64 sum's own
+        rows: no product buffer and never a second ``n × n`` matrix (a merged 8B MLP: 6.6 GB saved)."""
         x = inputs.reshape(-1, inputs.shape[-1]).to(self.products)
         width = x.shape[1]
         if self.gram is None:
             self.gram = torch.zeros(width, width, dtype=torch.float64, device=x.device)
         for start in range(0, width, ROW_PANEL):
             stop = min(start + ROW_PANEL, width)
-            self.gram[start:stop].add_(x[:, start:stop].T @ x)
+            rows = self.gram[start:stop]
+            if x.dtype == torch.float64:
+                rows.addmm_(x[:, start:stop].T, x)
+            else:
+                rows.add_(x[:, start:stop].T @ x)
         self.count += x.shape[0]
 
     @property

@@ -172,3 +172,18 @@ def test_spd_solve_matches_general_solve(layout):
     expected = torch.linalg.solve(system, rhs)
     given = system.clone() if layout == "contiguous" else system.clone().T
     torch.testing.assert_close(spd_solve_(given, rhs), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_spd_solve_overwrite_solves_in_the_callers_right_hand_side():
+    """``overwrite=True`` returns the solution in ``rhs``'s own storage (ridge_compensation's saving);
+    by default ``rhs`` is left as given."""
+    x = correlated_inputs()
+    system = x.T @ x + 0.5 * torch.eye(12, dtype=torch.float64)
+    rhs = torch.randn(12, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    expected = torch.linalg.solve(system, rhs)
+    given = rhs.clone()
+    kept = spd_solve_(system.clone(), given)
+    assert torch.equal(given, rhs) and kept.data_ptr() != given.data_ptr()
+    solved = spd_solve_(system.clone(), given, block=5, overwrite=True)
+    assert solved.data_ptr() == given.data_ptr()
+    torch.testing.assert_close(given, expected, rtol=1e-10, atol=1e-10)

@@ -283,9 +283,9 @@ def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
     assert plans[True]["model_bytes"] == 2 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     nystrom = plans[True]["steps"][2]
     merged = 2 * config.intermediate_size  # the widest merged layer joins two layers
-    kept = config.intermediate_size  # Theorem 3.1: G, G_KK, two panels, rhs and solution; then 2 G_KK
+    kept = config.intermediate_size  # Theorem 3.1: G, G_KK, two panels, rhs solved in place; then 2 G_KK
     hidden = config.hidden_size
-    assert nystrom["working_bytes"] == 8 * max(merged**2 + kept**2 + 2 * merged * 512 + 2 * kept * hidden,
+    assert nystrom["working_bytes"] == 8 * max(merged**2 + kept**2 + 2 * merged * 512 + kept * hidden,
                                                2 * kept**2 + 2 * kept * hidden)
     assert [s["whole_model"] for s in plans[True]["steps"]] == [False, False, False]
     assert all(s["whole_model"] for s in plans[False]["steps"])
