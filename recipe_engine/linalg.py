@@ -168,8 +168,8 @@ def spd_solve_(system: torch.Tensor, rhs: torch.Tensor, block: int = 512,
                overwrite: bool = False) -> torch.Tensor:
     """``A⁻¹ B`` for a symmetric positive definite fp64 ``A`` by Cholesky, overwriting ``A`` with its factor:
     on CPU blocked in place (``cholesky_lower_``, then blocked forward and back substitution), so no second
-    ``n × n`` matrix; a factor copy elsewhere. ``overwrite``: an fp64 ``B`` the caller owns becomes the
-    solution (no copy)."""
+    ``n × n`` matrix; a factor copy elsewhere. ``overwrite``: on that CPU path an fp64 ``B`` the caller
+    owns becomes the solution (no copy); elsewhere the solution is a new tensor either way."""
     if system.device.type == "cpu" and system.dtype == torch.float64 and system.is_contiguous():
         cholesky_lower_(system, block)
         size = system.shape[0]
