@@ -98,7 +98,7 @@ def wikitext_rows(raw: str) -> list[str]:
 BUILTIN_TEXT = (*SAMPLE_FILES, "wikitext2", "c4")
 
 
-#: How the builtin hub sources are read: ``load_dataset`` path, keyword arguments, the split read.
+#: How the builtin hub sources are read: ``load_dataset``'s path and keyword arguments.
 HUB_BUILTINS = {"wikitext2": ("wikitext", {"name": "wikitext-2-raw-v1"}),
                 "c4": ("allenai/c4", {"data_files": {"validation": "en/c4-validation.00000-of-00008.json.gz"}})}
 
@@ -218,13 +218,14 @@ def source_kind(name: str, split: str = "train") -> str:
     if hint and "/" not in name:
         raise SourceError(f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}) or a local "
                           f"path{hint} (an HF hub dataset of this name: write its full id, owner/name)")
-    if not _valid_hub_id(name):
+    if not valid_hub_id(name):
         raise SourceError(f"data not found: '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}), a local "
                           f"path or a valid HF hub dataset id{hint}")
     return "hub"
 
 
-def _valid_hub_id(name: str) -> bool:
+def valid_hub_id(name: str) -> bool:
+    """Could ``name`` be an HF hub repository id (``huggingface_hub``'s own rules; no request)?"""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .cleanup import MARKER, sweep_stale, temporary_directory
-from .data import hub_unreachable, offline_mode
+from .data import hub_unreachable, offline_mode, valid_hub_id
 from .errors import SourceError
 from .output import estimated_output_bytes, space_problem
 from .suggest import did_you_mean
@@ -171,27 +171,20 @@ def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     hint = did_you_mean(spec, builtin_names())
     if hint and "/" not in spec:  # a misspelt alias, not a hub id (hub model ids are owner/name)
         raise SourceError(f"model '{spec}' is not a builtin alias, a local directory or a .gguf file{hint}")
+    if path.exists():
+        raise SourceError(f"model {spec} is a file, not a model directory (config.json and weights), a .gguf "
+                          f"file or a builtin alias ({builtins})")
     parent = Path(spec).parent
-    if (spec.startswith((".", "/", "~")) or path.exists() or spec.count("/") > 1 or not _valid_hub_id(spec)
+    if (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or not valid_hub_id(spec)
             or (parent != Path(".") and parent.expanduser().is_dir())):
         raise SourceError(f"model not found: {spec} (no such directory or .gguf file here, {Path.cwd()}; "
                           f"{builtins})")
-    problem = hub_unreachable() or (offline_mode() and "HF offline mode is set")
+    problem = hub_unreachable() or (offline_mode("HF_HUB_OFFLINE") and "HF offline mode is set")
     if problem and not _hub_cached(spec):
         raise SourceError(f"model '{spec}' is not a local directory, .gguf file or builtin alias ({builtins}; "
                           f"no directory {path.absolute()}), and as an HF hub id: not in the local HF cache, "
                           f"and {problem}")
     return ModelSource(spec, "hub", spec)
-
-
-def _valid_hub_id(spec: str) -> bool:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(spec)
-    except HFValidationError:
-        return False
-    return True
 
 
 def check_safetensors(directory: Path) -> None:

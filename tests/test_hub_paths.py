@@ -247,7 +247,9 @@ def assert_one_line_error(run, *fragments):
 
 def test_a_hub_model_loads_from_the_hf_cache_and_is_one_line_when_absent(tmp_path, model_dir):
     """validate and apply with ``model: owner/name`` served by the HF cache (offline mode, as after a
-    download); an id the cache lacks is one line naming both readings (local path and hub id)."""
+    download), in memory (``from_pretrained`` of the id) and streamed (``snapshot_download``): both write the
+    same weights, the source's embedding unchanged (FuseNorm keeps it); an id the cache lacks is one line
+    naming both readings (local path and hub id)."""
     cache = fake_hf_cache(tmp_path / "hf", model_dir)
     work = tmp_path / "work"
     work.mkdir()
@@ -264,7 +266,12 @@ def test_a_hub_model_loads_from_the_hf_cache_and_is_one_line_when_absent(tmp_pat
 
     source = load_file(cache / f"models--someuser--tiny-llama/snapshots/{COMMIT}/model.safetensors")
     written = load_file(work / "out" / "model.safetensors")
-    assert written["model.embed_tokens.weight"].equal(source["model.embed_tokens.weight"])  # FuseNorm keeps it
+    assert written["model.embed_tokens.weight"].equal(source["model.embed_tokens.weight"])
+    run = cli(["apply", recipe, "--quiet", "--set", "stream=on", "--output", str(work / "streamed")], work, env)
+    assert run.returncode == 0, run.stderr
+    assert json.loads((work / "streamed" / "report.json").read_text())["streamed"] is True
+    streamed = load_file(work / "streamed" / "model.safetensors")
+    assert streamed.keys() == written.keys() and all(streamed[k].equal(written[k]) for k in written)
     missing = write_recipe(work, "someuser/not-cached", str(work / "cal.txt"))
     assert_one_line_error(cli(["validate", missing], work, env),
                           "model 'someuser/not-cached' is not a local directory, .gguf file or builtin alias",
