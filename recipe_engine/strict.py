@@ -8,10 +8,11 @@ as numbers where pydantic reads them (``--set modifiers.0.n=4`` gives YAML's int
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -48,8 +49,28 @@ class StrictParameters(BaseModel):
     @field_validator("*", mode="wrap")
     @classmethod
     def _exact_numbers(cls, raw: Any, handler, info: ValidationInfo) -> Any:
+        if isinstance(raw, bool) and _numeric_field(cls, info.field_name):  # before its own bounds (n: false)
+            raise PydanticCustomError(NUMBER_ERROR, f"expected a number, got the boolean {str(raw).lower()}")
         value = handler(raw)
         problem = number_problem(raw, value)
         if problem:
             raise PydanticCustomError(NUMBER_ERROR, problem)
         return value
+
+
+@functools.cache
+def _numeric_field(cls: type[BaseModel], name: str | None) -> bool:
+    """Does field ``name`` of ``cls`` take a number and not a boolean (pydantic's strict mode)?"""
+    field = cls.model_fields.get(name or "")
+    if field is None:
+        return False
+    adapter = TypeAdapter(field.annotation)
+
+    def accepts(value) -> bool:
+        try:
+            adapter.validate_python(value, strict=True)
+        except ValidationError:
+            return False
+        return True
+
+    return accepts(1) and not accepts(True)
