@@ -63,33 +63,39 @@ def load(directory: Path) -> list[dict]:
     files = []
     for path in sorted(directory.glob("*.json")):
         data = json.loads(path.read_text())
-        where = path.name
-        if data.get("schema") != SCHEMA:
-            raise RowsError(f"{where}: schema must be {SCHEMA}")
-        for field in ("section", "order"):
-            if field not in data:
-                raise RowsError(f"{where}: missing field {field!r}")
-        runs = data.get("runs", {})
-        for run_id, run in runs.items():
-            for field in ("command", "machine", "date"):
-                if not run.get(field):
-                    raise RowsError(f"{where}: run {run_id!r} has no {field}")
-            if ";" in run["machine"]:
-                raise RowsError(f"{where}: run {run_id!r} machine must not contain ';' (it separates the fields)")
-            if not DATE.match(run["date"]):
-                raise RowsError(f"{where}: run {run_id!r} date {run['date']!r} is not YYYY-MM-DD")
-        tables = data.get("tables", [])
-        for row in data.get("rows", []) + data.get("sweep", []) + [r for t in tables for r in t["rows"]]:
-            ids = row_runs(row)
-            if not ids or any(i not in runs for i in ids):
-                raise RowsError(f"{where}: row {row} names no run or an unknown one ({ids})")
-        for row in data.get("rows", []) + data.get("sweep", []):
-            for field in ("protocol", "method"):
-                if field not in row:
-                    raise RowsError(f"{where}: row {row} has no {field!r}")
-        data["_file"] = where
+        check(data, path.name)
+        data["_file"] = path.name
         files.append(data)
     return sorted(files, key=lambda f: (f["order"], f["_file"]))
+
+
+def check(data: dict, where: str) -> None:
+    """Raise RowsError naming the file and the field when ``data`` does not follow the schema."""
+    if data.get("schema") != SCHEMA:
+        raise RowsError(f"{where}: schema must be {SCHEMA}")
+    for field in ("section", "order"):
+        if field not in data:
+            raise RowsError(f"{where}: missing field {field!r}")
+    runs = data.get("runs", {})
+    for run_id, run in runs.items():
+        for field in ("command", "machine", "date"):
+            if not run.get(field):
+                raise RowsError(f"{where}: run {run_id!r} has no {field}")
+        if ";" in run["machine"] or "`" in run["command"]:
+            raise RowsError(f"{where}: run {run_id!r}: no ';' in machine, no '`' in command (the page uses them)")
+        if not DATE.match(run["date"]):
+            raise RowsError(f"{where}: run {run_id!r} date {run['date']!r} is not YYYY-MM-DD")
+    tables = data.get("tables", [])
+    for row in data.get("rows", []) + data.get("sweep", []) + [r for t in tables for r in t["rows"]]:
+        ids = row_runs(row)
+        if not ids or any(i not in runs for i in ids):
+            raise RowsError(f"{where}: row {row} names no run or an unknown one ({ids})")
+    required = [(row, ("protocol", "method")) for row in data.get("rows", [])]
+    required += [(row, ("protocol", "method", "n", "layers", "params_pct", "ppl")) for row in data.get("sweep", [])]
+    for row, fields in required:
+        missing = [f for f in fields if f not in row]
+        if missing:
+            raise RowsError(f"{where}: row {row} has no {missing}")
 
 
 def row_runs(row: dict) -> list[str]:
@@ -113,6 +119,11 @@ def table(header: list[str], body: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in body]
 
 
+def letter(index: int) -> str:
+    """a, b, …, z, aa, ab, …"""
+    return letter(index // 26 - 1) + chr(ord("a") + index % 26) if index >= 26 else chr(ord("a") + index)
+
+
 class RunLetters:
     """Letters for the runs of one table, in order of first use, and the block that lists them."""
 
@@ -125,16 +136,16 @@ class RunLetters:
         for run_id in row_runs(row)[:1] if first_only else row_runs(row):
             if run_id not in self.order:
                 self.order.append(run_id)
-            letters.append(chr(ord("a") + self.order.index(run_id)))
+            letters.append(letter(self.order.index(run_id)))
         return ", ".join(letters)
 
     def block(self) -> list[str]:
         lines = ["", "Runs:" if len(self.order) > 1 else "Run:", ""]
         for i, run_id in enumerate(self.order):
             run = self.runs[run_id]
-            letter = f"**{chr(ord('a') + i)}**: " if len(self.order) > 1 else ""
+            mark = f"**{letter(i)}**: " if len(self.order) > 1 else ""
             conditions = f"; {run['conditions']}" if run.get("conditions") else ""
-            lines.append(f"- {letter}`{run['command']}`; machine: {run['machine']}; date: {run['date']}{conditions}")
+            lines.append(f"- {mark}`{run['command']}`; machine: {run['machine']}; date: {run['date']}{conditions}")
         return lines
 
 
@@ -274,7 +285,7 @@ def sweep_rows(data: dict) -> list[dict]:
     extra = []
     for protocol in protocols_in(sweep):
         mine = [r for r in sweep if r["protocol"] == protocol]
-        quality = [r for r in data.get("rows", []) if r["protocol"] == protocol and "bits" not in r]
+        quality = [r for r in data.get("rows", []) if r["protocol"] == protocol and "bits" not in r and "layers" in r]
         dense = [r for r in quality if r["method"] == "dense"]
         if not dense:
             continue
