@@ -251,6 +251,12 @@ def main() -> None:
     args.windows = dict(zip(WINDOWS, args.windows))
     results = RAW / f"compare_methods_{args.model}.json"
     committed = args.rows or RESULTS / ROW_FILES[args.model][0]
+    if not args.no_rows:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import rowstore
+
+        run = rowstore.run_record(args.conditions)
+        rowstore.load_file(committed, *ROW_FILES[args.model][1:])   # an unreadable file fails before the work
     rows = json.loads(results.read_text())["rows"] if results.exists() else []
     if args.table:
         print_table(rows)
@@ -260,12 +266,6 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown methods {unknown}; known: {list(known)}")
     names = args.only or ["dense", "ShortGPT", "SLEB", "ShortGPT+LinearPatch", "FlattenGPT (paper)", "FlattenGPT"]
-    if not args.no_rows:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import rowstore
-
-        run = rowstore.run_record(args.conditions)
-        rowstore.load_file(committed, *ROW_FILES[args.model][1:])   # an unreadable file fails before the work
     dense, tokenizer, _ = load_model(args.model, "float32")
     calibrated = CALIBRATIONS[args.calibration][0]
     calibrated = [calibrated] if isinstance(calibrated, str) else calibrated
