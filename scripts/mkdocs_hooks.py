@@ -11,11 +11,17 @@ CHANGELOG.md its changelog (``changelog.md``). They are not copied into ``docs/`
 * any other repository file (a script, a recipe) → its path as inline code, since the site does not serve it.
 
 So ``mkdocs build --strict`` checks every link of these pages too. Web links and anchors are left alone.
+
+Pages under ``docs/`` link the top-level files as the repository has them (``../BENCHMARKS.md`` from
+``docs/``, ``../../BENCHMARKS.md`` from ``docs/guides/``), so the links also work when the files are read on a
+forge; ``on_page_markdown`` points such links at the generated pages, and renders a link to any other file
+outside ``docs/`` as its path in inline code.
 """
 from __future__ import annotations
 
+import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from mkdocs.structure.files import File
 
@@ -63,3 +69,27 @@ def on_files(files, config):
     for uri, path in extra.items():
         files.append(File.generated(config, uri, abs_src_path=str(path)))
     return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    if page.file.src_uri in TOP_PAGES.values():
+        return markdown  # rewritten when generated
+    docs = Path(config["docs_dir"]).resolve()
+    here = PurePosixPath(page.file.src_uri).parent
+
+    def replace(match: re.Match) -> str:
+        target = match.group(2)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
+            return match.group(0)
+        path, _, anchor = target.partition("#")
+        resolved = (docs / here / path).resolve()
+        if resolved.is_relative_to(docs):
+            return match.group(0)
+        relative = resolved.relative_to(ROOT).as_posix() if resolved.is_relative_to(ROOT) else path
+        if relative in TOP_PAGES:
+            site = os.path.relpath(TOP_PAGES[relative], here.as_posix() or ".")
+            return f"{match.group(1)}{site}{'#' + anchor if anchor else ''}{match.group(3)}"
+        label = match.group(1)[match.group(1).index("[") + 1:-2]
+        return f"{label} (`{relative}`)" if label and label != relative else f"`{relative}`"
+
+    return LINK.sub(replace, markdown)

@@ -85,6 +85,14 @@ def _argument(action: argparse.Action) -> str:
     return f"{option} {metavar}" + (" ..." if action.nargs in ("+", "*") else "")
 
 
+def _help(action: argparse.Action, prog: str) -> str:
+    """The help text as ``--help`` prints it (argparse's ``%(default)s`` expanded, ``%%`` unescaped)."""
+    if not action.help:
+        return ""
+    params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
+    return action.help % dict(params, prog=prog)
+
+
 def _synopsis(name: str, parser: argparse.ArgumentParser) -> str:
     parts = [f"recipe {name}"]
     for action in parser._actions:
@@ -117,7 +125,7 @@ def render_cli() -> str:
                 default = "required"
             choices = f" (one of {', '.join(f'`{c}`' for c in action.choices)})" if action.choices else ""
             repeat = " (repeatable)" if isinstance(action, argparse._AppendAction) else ""
-            text = action.help or ("" if action.option_strings else "positional")
+            text = _help(action, sub.prog) or ("" if action.option_strings else "positional")
             lines.append(f"| `{_argument(action)}` | {default} | {_cell(text + choices + repeat)} |")
         lines.append("")
     return "\n".join(lines)
