@@ -10,6 +10,7 @@ test: setup
 	.venv/bin/python -m pytest -q
 check-install:
 	@bash scripts/check_install.sh
+docs: export NO_MKDOCS_2_WARNING = 1
 docs: setup
 	.venv/bin/python scripts/render_reference.py --check
 	.venv/bin/mkdocs build --strict --site-dir site
