@@ -52,7 +52,7 @@ ALPACA = str((data_dir() or Path(__file__).resolve().parents[2] / "shared" / "da
 def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
     """name → (modifiers, calibration overrides)."""
     flatten = ["FuseNorm", {"FlattenAdjacent": {"n": n}}]
-    stated = {"target_scales": None, "fallback": False}  # NystromMLP with its defaults stated
+    issue3 = {"target_scales": None, "fallback": False}  # NystromMLP as in issue 3
     defaults = flatten + ["HeadPrune", "NystromMLP"]
     return {
         "dense": ([], {}),
@@ -69,30 +69,30 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
                                           {"NystromMLP": {"target": "merged"}}], {"propagate": "original"}),
         "FlattenGPT": (defaults, {}),
         "FlattenGPT+LinearPatch": (defaults + ["LinearPatch"], {}),
-        # recovery after FlattenGPT (CPU budget: 256 examples × 256 tokens, one epoch, 16 steps)
+        # issue 17: recovery after FlattenGPT (CPU budget: 256 examples × 256 tokens, one epoch, 16 steps)
         "FlattenGPT+LoRA alpaca": (defaults + [{"LoRARecovery": {**LORA, "dataset": ALPACA}}], {}),
         "FlattenGPT+LoRA distill": (defaults + [{"LoRARecovery": {**LORA, "dataset": "wikipedia-sample",
                                                                   "distill": True}}], {}),
-        # the merges chosen by calibration NLL (SLEB-style rounds), not by input cosine
+        # issue 11, session 8: the merges chosen by calibration NLL (SLEB-style rounds), not by input cosine
         "FlattenGPT nll": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll"}}, "HeadPrune",
                            "NystromMLP"], {}),
         "FlattenGPT nll merged": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll",
                                                                     "candidates": "merged"}}, "HeadPrune",
                                    "NystromMLP"], {}),
-        # each round merges a pair or drops a layer, whichever gives the lower NLL
+        # issue 11, session 9: each round merges a pair or drops a layer, whichever gives the lower NLL
         "FlattenGPT nll+drops": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True}},
                                  "HeadPrune", "NystromMLP"], {}),
-        # ablation: the refits and choices added on top of the defaults
-        "FlattenGPT (stated defaults)": (flatten + ["HeadPrune", {"NystromMLP": stated}], {}),
-        "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**stated, "target": "merged"}}], {}),
-        "FlattenGPT +cv": (flatten + ["HeadPrune", {"NystromMLP": {**stated, "target_scales": CV_SCALES}}], {}),
-        "FlattenGPT +fallback": (flatten + ["HeadPrune", {"NystromMLP": {**stated, "fallback": True}}], {}),
+        # issue-11 ablation: the refits and choices added on top of the issue-3 defaults
+        "FlattenGPT (issue-3 defaults)": (flatten + ["HeadPrune", {"NystromMLP": issue3}], {}),
+        "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target": "merged"}}], {}),
+        "FlattenGPT +cv": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target_scales": CV_SCALES}}], {}),
+        "FlattenGPT +fallback": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "fallback": True}}], {}),
         "FlattenGPT +cv+fallback": (flatten + ["HeadPrune", {"NystromMLP": {
-            **stated, "target_scales": CV_SCALES, "fallback": True}}], {}),
-        # diagnosis (benchmarks/flatten_diagnosis.py): MLP channels by output energy, not leverage
-        "FlattenGPT energy": (flatten + ["HeadPrune", {"NystromMLP": {**stated, "criterion": "energy"}}], {}),
+            **issue3, "target_scales": CV_SCALES, "fallback": True}}], {}),
+        # issue-11 diagnosis (benchmarks/flatten_diagnosis.py): MLP channels by output energy, not leverage
+        "FlattenGPT energy": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "criterion": "energy"}}], {}),
         "FlattenGPT energy +cv": (flatten + ["HeadPrune", {"NystromMLP": {
-            **stated, "criterion": "energy", "target_scales": CV_SCALES}}], {}),
+            **issue3, "criterion": "energy", "target_scales": CV_SCALES}}], {}),
     }
 
 
