@@ -1,4 +1,4 @@
-"""Which part of FlattenGPT loses on held-out text? A cheap per-part ablation at model level (issue 11).
+"""Which part of FlattenGPT loses on held-out text? A cheap per-part ablation at model level.
 
 The merged pairs (default: the ones FlattenAdjacent picks on Qwen2.5-0.5B at n = 5) are built from the
 dense model's own inputs (every pair calibrated on dense activations, independently: no propagation), and

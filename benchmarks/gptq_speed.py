@@ -1,4 +1,4 @@
-"""GPTQ's two speed-ups side by side (issue 12: the Llama-3-8B GPTQ leg is CPU-bound), fp64, same inputs.
+"""GPTQ's two speed-ups side by side (the Llama-3-8B GPTQ leg is CPU-bound), fp64, same inputs.
 
 1. The inverse-Hessian factor: ``inverse_hessian_factor`` (reversed Cholesky + triangular inverse, n³/3
    multiply-adds) against the GPTQ reference code's chain (Cholesky, ``cholesky_inverse``, upper Cholesky:

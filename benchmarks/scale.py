@@ -1,4 +1,4 @@
-"""Scale-up benchmarks (issue 12): peak host memory of streamed runs on synthetic Llama-shaped checkpoints.
+"""Scale-up benchmarks: peak host memory of streamed runs on synthetic Llama-shaped checkpoints.
 
 Synthetic checkpoints have a real architecture's shapes and seeded random weights (N(0, 0.02²), norms 1),
 written shard by shard (one layer per file) so that writing one never holds the model. Their quality
