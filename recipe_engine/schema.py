@@ -205,8 +205,14 @@ def _field_error(exc: ValidationError, cls: type[BaseModel], index: int | None) 
     loc = ".".join(str(p) for p in err["loc"])
     modifier = cls.__name__ if index is not None else None
     if err["type"] == "extra_forbidden":
-        known = list(_owner(cls, err["loc"][:-1]).model_fields)
-        detail = f"unknown field{did_you_mean(str(err['loc'][-1]), known)} (known: {', '.join(known)})"
+        owner, key = _owner(cls, err["loc"][:-1]), str(err["loc"][-1])
+        known = list(owner.model_fields)
+        aliases = {field.alias: name for name, field in owner.model_fields.items() if field.alias}
+        if key in known or key in aliases:  # a field given by its name and by its alias
+            name = aliases.get(key, key)
+            detail = f"given twice, as '{name}' and as its alias '{owner.model_fields[name].alias}'"
+        else:
+            detail = f"unknown field{did_you_mean(key, known)} (known: {', '.join(known)})"
     else:
         got = err.get("input")
         plain = isinstance(got, dict) or err["type"] == NUMBER_ERROR  # the message names what was given

@@ -185,6 +185,8 @@ def test_an_unknown_key_inside_a_section_lists_that_section_s_fields(work, capsy
 
 @pytest.mark.parametrize("body, fragment", [
     ("modifiers: ['ShortGPT<n:2,n:3>']\n", "step 0: parameter 'n' given twice in 'ShortGPT<n:2,n:3>'"),
+    ("modifiers: ['LaCo<combine:3,C:4>']\n", "step 0 (LaCo): field 'combine': given twice, as 'combine' and as its "
+                                             "alias 'C'"),
     ("modifiers:\n  - ShortGPT:\n      n: 1\n      n: 2\n",
      "YAML error at line 9, column 7: duplicate key 'n' (first given at line 8)"),
 ])
