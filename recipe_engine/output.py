@@ -145,6 +145,7 @@ def atomic_directory(output: str, force: bool) -> Iterator[Path]:
         with temporary_directory(target.parent, target.name, OUTPUT_KIND) as tmp:
             yield tmp
             write_marker(tmp, OUTPUT_KIND, "complete")
+            default_modes(tmp)
             if target.exists() or target.is_symlink():
                 if not force:
                     raise RecipeError(f"output '{output}' appeared during the run; not replaced",
@@ -160,6 +161,34 @@ def atomic_directory(output: str, force: bool) -> Iterator[Path]:
         detail = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"writing output '{output}' failed: {detail}; nothing written",
                           field="output") from None
+
+
+def default_modes(directory: Path) -> None:
+    """Give every file under ``directory`` the mode a plain ``open`` gives (``0o666 & ~umask``) and every
+    directory ``0o777 & ~umask``: safetensors writes through a private temporary file (mode 0600) renamed
+    into place, which would leave ``model.safetensors`` unreadable to the other accounts that can read the
+    rest of the output (a serving account)."""
+    mask = current_umask()
+    for root, directories, files in os.walk(directory):
+        for name in directories:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def package_versions() -> dict[str, str]:
