@@ -336,3 +336,24 @@ def test_every_output_file_has_the_umasks_mode(work, umask):
     assert expected == 0o666 & ~umask
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp / "out").iterdir() if p.is_file()}
     assert "model.safetensors" in modes and set(modes.values()) == {expected}, modes
+
+
+def test_hub_rows_that_cannot_be_read_are_one_line(monkeypatch):
+    """In HF offline mode the reachability check is skipped (the caches are used): a task whose rows are not
+    cached fails in lm-eval with a ConnectionError, which becomes one line."""
+    import lm_eval
+    import lm_eval.models.huggingface as hf
+
+    from recipe_engine.errors import SourceError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(zeroshot, "hub_task_names", lambda: frozenset({"piqa"}))
+    monkeypatch.setattr(hf, "HFLM", lambda **_: type("Wrapped", (), {"device": torch.device("cpu")})())
+
+    def offline(**_):
+        raise ConnectionError("Couldn't reach 'baber/piqa' on the Hub (LocalEntryNotFoundError)\nmore")
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    with pytest.raises(SourceError) as caught:
+        zeroshot.run_harness(None, None, ["piqa"], 2, "hub")
+    assert str(caught.value) == ("task_data: hub: cannot read the rows of piqa: Couldn't reach 'baber/piqa' on the "
+                                 "Hub (LocalEntryNotFoundError)")
