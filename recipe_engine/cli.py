@@ -106,9 +106,12 @@ def cmd_validate(args) -> int:
 
 def cmd_plan(args) -> int:
     from .plan import print_plan
+    from .preflight import check_device, located
     from .recipe_io import load_recipe
 
-    recipe = load_recipe(args.recipe, _overrides(args)).recipe
+    loaded = load_recipe(args.recipe, _overrides(args))
+    recipe = loaded.recipe
+    located(lambda: check_device(recipe.device, here=False), loaded.path, "device")  # its form, as validate
     if args.json:
         import json
 

@@ -24,7 +24,7 @@ SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
 
 #: Per command: flag → good values and bad values ({work} is the working directory, {model} the tiny model).
 GOOD = {
-    "plan": {"--ranks": ["1", "3"], "--json": [None], "--set": ["calibration.samples=8"]},
+    "plan": {"--ranks": ["1", "3"], "--json": [None], "--set": ["calibration.samples=8"], "--device": ["cuda:1"]},
     "validate": {"--device": ["cpu", "auto", "cuda:1"], "--set": ["calibration.samples=8"],
                  "--output": ["{work}/o"]},
     "apply": {"--device": ["cpu", "auto"], "--set": ["calibration.samples=8"], "--output": ["{work}/o"],
@@ -37,7 +37,8 @@ GOOD = {
     "bench": {"--device": ["cpu"], "--batch": ["1"], "--json": ["{work}/b.json"], "--dtype": ["bfloat16"]},
 }
 BAD = {
-    "plan": {"--ranks": ["0", "-2", "x", ""], "--set": ["calibration.sample=8", "modifiers.7.n=1", "x"]},
+    "plan": {"--ranks": ["0", "-2", "x", ""], "--set": ["calibration.sample=8", "modifiers.7.n=1", "x"],
+             "--device": ["mps", "cpu:x"]},
     "validate": {"--device": ["mps", "xpu", "cuda:x", "", "meta"],
                  "--set": ["evaluate.tasks=[arc_esay]", "evaluate.perplexity.dataset=./none.txt",
                            "calibration.dataset=./none.txt", "modifiers.0.n=9", "model=./none"]},
