@@ -129,38 +129,43 @@ def test_second_run_on_a_live_output_is_refused_and_leaves_its_checkpoints(tmp_p
     assert listing(work) == ["cal.txt", "r.yaml"]  # the lock file went with the run
 
 
-def test_lock_of_a_killed_run_is_taken_over(tmp_path, model_dir, capsys, stall_step):
-    work = work_dir(tmp_path, model_dir)
-    argv = ["apply", str(work / "r.yaml"), "--quiet", "--device", "cpu"]
-    driver, base = start_driver(tmp_path, [{"name": "killed", "point": "pass", "stall": "python",
-                                            "cwd": str(work), "argv": argv, "env": {}}])
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory, model_dir):
+    """Two runs in one driver (its imports paid once): ``killed`` gets SIGKILL inside its layer pass,
+    ``eval`` SIGTERM inside the dense model's perplexity (progress bars on). Returns
+    ``{name: (work directory, exit code, stderr)}``."""
+    root = tmp_path_factory.mktemp("signalled")
+    works = {"killed": work_dir(root, model_dir, "killed"), "eval": work_dir(root, model_dir, "eval", evaluate=True)}
+    cases = [{"name": "killed", "point": "pass", "stall": "python", "cwd": str(works["killed"]),
+              "argv": ["apply", str(works["killed"] / "r.yaml"), "--quiet", "--device", "cpu"], "env": {}},
+             {"name": "eval", "point": "evaluating", "stall": "python", "cwd": str(works["eval"]),
+              "argv": ["apply", str(works["eval"] / "r.yaml"), "--device", "cpu"], "env": {}}]
+    driver, base = start_driver(root, cases)
     try:
-        os.kill(wait_ready(driver, base, "killed"), signal.SIGKILL)
-        code, _ = finish(driver, base, "killed")
+        for name, sig in (("killed", signal.SIGKILL), ("eval", signal.SIGTERM)):
+            os.kill(wait_ready(driver, base, name), sig)
+        driver.communicate(timeout=120)
     finally:
         if driver.poll() is None:
             driver.kill()
+    return {name: (work, int((base / f"{name}.rc").read_text()), (base / f"{name}.err").read_text())
+            for name, work in works.items()}
+
+
+def test_lock_of_a_killed_run_is_taken_over(signalled, capsys, stall_step):
+    work, code, _ = signalled["killed"]
     assert code == -signal.SIGKILL
     left = listing(work)
     assert ".out.lock" in left and ".out.resume" in left, left  # what SIGKILL leaves
-    assert main(argv) == 0
+    assert main(["apply", str(work / "r.yaml"), "--quiet", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     assert "removing the checkpoints of an interrupted run" in err and "left by an interrupted run" in err
     assert listing(work) == ["cal.txt", "out", "r.yaml"]
 
 
-def test_sigterm_during_evaluation_is_one_line(tmp_path, model_dir):
+def test_sigterm_during_evaluation_is_one_line(signalled):
     """The progress bar's generator, closed after its display ended, leaves no "Exception ignored" traceback."""
-    work = work_dir(tmp_path, model_dir, evaluate=True)
-    argv = ["apply", str(work / "r.yaml"), "--device", "cpu"]  # progress bars on
-    driver, base = start_driver(tmp_path, [{"name": "eval", "point": "evaluating", "stall": "python",
-                                            "cwd": str(work), "argv": argv, "env": {}}])
-    try:
-        os.kill(wait_ready(driver, base, "eval"), signal.SIGTERM)
-        code, err = finish(driver, base, "eval")
-    finally:
-        if driver.poll() is None:
-            driver.kill()
+    work, code, err = signalled["eval"]
     assert code == 128 + signal.SIGTERM, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert err.strip().splitlines()[-1] == "interrupted by SIGTERM; nothing written", err
