@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.metadata
 import os
 import resource
@@ -167,15 +168,18 @@ def default_modes(directory: Path) -> None:
     """Give every file under ``directory`` the mode a plain ``open`` gives (``0o666 & ~umask``) and every
     directory ``0o777 & ~umask``: safetensors writes through a private temporary file (mode 0600) renamed
     into place, which would leave ``model.safetensors`` unreadable to the other accounts that can read the
-    rest of the output (a serving account)."""
+    rest of the output (a serving account). A file system without POSIX modes (vfat, some network mounts)
+    refuses ``chmod``; there every file already has the mount's one mode, so that refusal is ignored."""
     mask = current_umask()
     for root, directories, files in os.walk(directory):
-        for name in directories:
-            os.chmod(os.path.join(root, name), 0o777 & ~mask)
-        for name in files:
+        for name, mode in [(d, 0o777) for d in directories] + [(f, 0o666) for f in files]:
             path = os.path.join(root, name)
             if not os.path.islink(path):
-                os.chmod(path, 0o666 & ~mask)
+                try:
+                    os.chmod(path, mode & ~mask)
+                except OSError as exc:
+                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                        raise
 
 
 def current_umask() -> int:
