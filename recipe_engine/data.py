@@ -213,7 +213,7 @@ def source_kind(name: str, split: str = "train") -> str:
     parent = Path(name).parent
     if (name.startswith((".", "/", "~")) or path.suffix in (".txt", ".jsonl", ".json")
             or (parent != Path(".") and parent.expanduser().is_dir())):
-        raise SourceError(f"data not found: {name} (no such file or directory here, {Path.cwd()})")
+        raise SourceError(f"data not found: {name}")
     hint = did_you_mean(name, BUILTIN_TEXT)
     if hint and "/" not in name:
         raise SourceError(f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}) or a local "

@@ -177,8 +177,7 @@ def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     parent = Path(spec).parent
     if (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or not valid_hub_id(spec)
             or (parent != Path(".") and parent.expanduser().is_dir())):
-        raise SourceError(f"model not found: {spec} (no such directory or .gguf file here, {Path.cwd()}; "
-                          f"{builtins})")
+        raise SourceError(f"model not found: {spec} (not a directory, .gguf file or builtin alias; {builtins})")
     problem = hub_unreachable() or (offline_mode("HF_HUB_OFFLINE") and "HF offline mode is set")
     if problem and not _hub_cached(spec):
         raise SourceError(f"model '{spec}' is not a local directory, .gguf file or builtin alias ({builtins}; "

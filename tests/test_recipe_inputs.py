@@ -265,8 +265,8 @@ def test_a_missing_model_path_is_not_found(work, capsys, monkeypatch, spec):
     tmp, recipe = work
     (tmp / "models").mkdir()
     path = recipe("modifiers: [FuseNorm]\n", model=spec)
-    refused(capsys, path, f"model not found: {spec} (no such directory or .gguf file here, {tmp};",
-            "builtins: smollm2-135m")
+    refused(capsys, path, f"model not found: {spec} (not a directory, .gguf file or builtin alias; builtins: "
+                          f"smollm2-135m")
 
 
 def test_a_truncated_source_checkpoint_is_named_before_loading(work, capsys, model_dir, tmp_path):
