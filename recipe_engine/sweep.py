@@ -26,12 +26,17 @@ SWEEP_FILE = "sweep.json"
 
 def parse_vary(text: str) -> tuple[str, list[Any]]:
     """``modifiers.1.n=2,4,6`` → ``("modifiers.1.n", [2, 4, 6])`` (values are YAML scalars)."""
-    from .schema import safe_load
+    import yaml
+
+    from .schema import safe_load, yaml_problem
 
     path, sep, values = text.partition("=")
     if not sep or not path.strip() or not values.strip():
         raise RecipeError(f"--vary {text!r}: expected PATH=v1,v2,... (e.g. modifiers.1.n=2,4,6 or n=2,4,6)")
-    return path.strip(), [safe_load(v.strip()) for v in values.split(",")]
+    try:
+        return path.strip(), [safe_load(v.strip()) for v in values.split(",")]
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--vary {text!r}: a value is not valid YAML: {yaml_problem(exc)}") from None
 
 
 def resolve_path(recipe, path: str, file: str) -> str:
