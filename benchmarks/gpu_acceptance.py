@@ -360,16 +360,29 @@ def stream8b_recipe(args, model: Path, work: Path) -> dict:
             "modifiers": steps, "output": str(work / "stream8b-out")}
 
 
-def device_estimate(memory: dict, recipe: dict, config) -> dict:
-    """The plan's accelerator share: its largest step's weights and working memory (a streamed layer-scope
-    step: its largest layer, one original layer, its statistics and solve buffers) plus one batch's
-    activations (the MLP intermediate ×3 in fp32, the term of the host estimate for one batch). Everything
-    else of the host estimate (all calibration activations, the runtime) stays on the host (``offload``)."""
+def device_estimate(recipe: dict, config) -> dict:
+    """The accelerator's share of ``recipe plan``'s estimate (``recipe_engine.memory.estimate``, streamed):
+    the largest step's weights (a layer-scope step: its largest layer and one original layer) and the part
+    of its working memory that does not grow with the calibration tokens (statistics, solve buffers), plus
+    one batch's activations (the MLP intermediate ×3 in fp32, the host estimate's one-batch term). What grows
+    with the tokens (e.g. GPTQ's recorded block inputs) and the calibration activations live on the host
+    between layers (``calibration.offload``). The token-independent part is the intercept of each step's
+    working memory between ``samples`` and ``2 × samples`` windows (affine in the tokens)."""
+    from recipe_engine.memory import estimate
+    from recipe_engine.schema import recipe_from_dict
+
     cal = recipe["calibration"]
+
+    def steps(samples: int) -> list[dict]:
+        scaled = recipe_from_dict({**recipe, "calibration": {**cal, "samples": samples}})
+        return estimate(scaled, config, streamed=True, runtime=0)["steps"]
+
+    on_device = [{"step": a["step"], "bytes": a["weights_bytes"] + max(0, 2 * a["working_bytes"] - b["working_bytes"])}
+                 for a, b in zip(steps(cal["samples"]), steps(2 * cal["samples"]))]
+    largest = max(on_device, key=lambda s: s["bytes"])
     batch = 3 * cal["batch_size"] * cal["seq_len"] * config.intermediate_size * 4
-    step = max(memory["steps"], key=lambda s: s["weights_bytes"] + s["working_bytes"])
-    return {"bytes": step["weights_bytes"] + step["working_bytes"] + batch, "largest_step": step["step"],
-            "batch_activations_bytes": batch}
+    return {"bytes": largest["bytes"] + batch, "largest_step": largest["step"], "batch_activations_bytes": batch,
+            "steps_bytes": {s["step"]: s["bytes"] for s in on_device}}
 
 
 def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
@@ -385,7 +398,7 @@ def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
     written_s = time.perf_counter() - started
     recipe = stream8b_recipe(args, model, work)
     memory = plan_memory(recipe, work)
-    estimate = device_estimate(memory, recipe, load_config(str(model)))
+    estimate = device_estimate(recipe, load_config(str(model)))
     result = apply_recipe(recipe, work, timeout=600 if args.tiny else 1500)
     report = result["report"]
     steps = {f"{s.index} {s.modifier}": round(s.wall_s, 2) for s in report.steps}
@@ -401,7 +414,9 @@ def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
                "layers": f"{report.before.layers} -> {report.after.layers}",
                "calibration": f"{recipe['calibration']['samples']} x {recipe['calibration']['seq_len']}",
                "peak_gpu_mib": gpu_mib, "gpu_estimate_mib": round(estimate["bytes"] / 2**20, 1),
-               "gpu_estimate_largest_step": estimate["largest_step"], "peak_host_gib": round(host_gib, 3),
+               "gpu_estimate_largest_step": estimate["largest_step"],
+               "gpu_estimate_steps_mib": {k: round(v / 2**20, 1) for k, v in estimate["steps_bytes"].items()},
+               "peak_host_gib": round(host_gib, 3),
                "host_estimate_gib": round(memory["host_peak_bytes"] / 2**30, 3)}
     on_gpu = report.device.startswith("cuda")
     figures["steps"] = recipe["modifiers"]

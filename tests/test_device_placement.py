@@ -14,6 +14,10 @@ makes that run behave like one on a GPU where placement is concerned:
   seeded random floats and zero integers, since ``meta`` holds no data: the run goes on with meaningless
   numbers, which is enough to follow every code path the data does not choose.
 
+Code that branches on the device type as ``device.type == "cpu"`` takes its accelerator side on ``meta``
+(e.g. the ridge solves of ``recipe_engine.linalg``, whose in-place CPU path is skipped), so those branches
+run here too.
+
 What it cannot catch: anything that depends on values (the run computes on zeros, so a branch the data
 would take, a NaN, a wrong result, a failed solve is not seen, and steps may choose differently than on a
 GPU); speed (a host round trip per layer, a synchronising ``.item()`` in a loop, a slow fp64 solve on the

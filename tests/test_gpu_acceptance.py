@@ -132,3 +132,56 @@ def test_without_a_launcher_no_process_group(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with launched(torch.device("cpu")) as parallel:
         assert not parallel.active and not dist.is_initialized()
+
+
+def _acceptance():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_acceptance
+
+    return gpu_acceptance
+
+
+def test_full_size_recipes_are_valid_for_their_models(tmp_path):
+    """What a GPU runs without --tiny: the SmolLM2 leg's two recipes and the 8B-shaped recipe validate
+    against their configs (group sizes divide, merges fit), before any GPU time is spent on them."""
+    from argparse import Namespace
+
+    from transformers import LlamaConfig
+
+    from recipe_engine.models import load_config
+    from recipe_engine.schema import recipe_from_dict
+    from recipe_engine.validate import check_against_config
+
+    acceptance = _acceptance()
+    import scale
+
+    for recipe in acceptance.smollm2_recipes("cuda", tmp_path, tiny=False).values():
+        assert recipe["model"] == "smollm2-135m" and recipe["device"] == "cuda"
+        check_against_config(recipe_from_dict(recipe), load_config("smollm2-135m"))
+    args = Namespace(device="cuda", tiny=False, samples=128, seq_len=2048)
+    recipe = acceptance.stream8b_recipe(args, tmp_path / "llama3-8b-bf16", tmp_path)
+    config = LlamaConfig(num_hidden_layers=acceptance.LLAMA3_8B_LAYERS, **scale.LLAMA3_8B)
+    shape = check_against_config(recipe_from_dict(recipe), config)
+    assert shape.num_layers == 25 and recipe["dtype"] == "bfloat16" and recipe["stream"] == "on"
+
+
+def test_smollm2_leg_judges_against_the_committed_cpu_reference(tmp_path, monkeypatch):
+    acceptance = _acceptance()
+    reference = json.loads(acceptance.REFERENCE.read_text())["figures"]
+    assert reference["flatten"]["merges"] == [[3, 4], [9, 10], [12, 13], [14, 15], [17, 18], [26, 27]]
+
+    def leg(figures):
+        monkeypatch.setattr(acceptance, "smollm2_figures", lambda *_a: figures)
+        args = type("Args", (), {"device": "cuda", "tiny": False})
+        return {r["figure"]: r["met"] for r in acceptance.leg_smollm2(args, tmp_path)[1]}
+
+    close = json.loads(json.dumps(reference))
+    close["flatten"]["ppl_after"] *= 1.009
+    close["gptq"]["ppl_after"] *= 0.992
+    assert all(leg(close).values())
+    off = json.loads(json.dumps(reference))
+    off["gptq"]["ppl_after"] *= 1.011
+    off["flatten"]["merges"][0] = [2, 3]
+    met = leg(off)
+    assert met["GPTQ W4 g64 WikiText-2 PPL"] is False and met["FlattenGPT merged layers"] is False
+    assert met["FlattenGPT WikiText-2 PPL"] is True
