@@ -18,17 +18,18 @@ Code that branches on the device type as ``device.type == "cpu"`` takes its acce
 (e.g. the ridge solves of ``recipe_engine.linalg``, whose in-place CPU path is skipped), so those branches
 run here too.
 
-What it cannot catch: anything that depends on values (the run computes on zeros, so a branch the data
-would take, a NaN, a wrong result, a failed solve is not seen, and steps may choose differently than on a
-GPU); speed (a host round trip per layer, a synchronising ``.item()`` in a loop, a slow fp64 solve on the
+What it cannot catch: anything that depends on values (the device side has none and the host copies are
+noise, so a branch the data would take, a NaN, a wrong result, a failed solve is not seen, and steps may
+choose differently than on a GPU); speed (a host round trip per layer, a synchronising ``.item()`` in a loop, a slow fp64 solve on the
 GPU: ``benchmarks/gpu_acceptance.py`` measures those on a GPU); placement decided by device *type* that
 treats ``meta`` unlike ``cuda`` (``device.type == "cuda"`` checks: ``torch.cuda`` memory calls, CUDA-only
 kernels and dtypes, NCCL); kernels with no ``meta`` implementation (their op fails here with
 NotImplementedError rather than passing); memory (``meta`` allocates nothing; the acceptance command
 compares the peak GPU memory with the plan). Streamed runs are not covered: streaming marks a released
 unit by its weights being on ``meta``, so ``meta`` cannot also play the accelerator there; the acceptance
-command's 8B-shaped leg streams on a GPU. Placement bugs inside transformers' own forward are CUDA's
-concern and show up here the same way, as mixed-device errors.
+command's 8B-shaped leg streams on a GPU. Nor are evaluation (the example recipes evaluate nothing) and
+LoRARecovery's training, which the HF Trainer places itself (on the CPU when it finds no GPU).
+transformers' own forward runs under the mode too: a placement bug there fails here the same way.
 """
 from __future__ import annotations
 
