@@ -27,8 +27,9 @@ kernels and dtypes, NCCL); kernels with no ``meta`` implementation (their op fai
 NotImplementedError rather than passing); memory (``meta`` allocates nothing; the acceptance command
 compares the peak GPU memory with the plan). Streamed runs are not covered: streaming marks a released
 unit by its weights being on ``meta``, so ``meta`` cannot also play the accelerator there; the acceptance
-command's 8B-shaped leg streams on a GPU. Nor are evaluation (the example recipes evaluate nothing) and
-LoRARecovery's training, which the HF Trainer places itself (on the CPU when it finds no GPU).
+command's 8B-shaped leg streams on a GPU. Nor are zero-shot evaluation, ``recipe bench``'s generation
+(perplexity is: the last test) and LoRARecovery's training, which the HF Trainer places itself (on the CPU
+when it finds no GPU).
 transformers' own forward runs under the mode too: a placement bug there fails here the same way.
 """
 from __future__ import annotations
@@ -193,3 +194,16 @@ def test_every_modifier_places_its_tensors_on_the_session_device(tmp_path, name)
         assert mode.ops_on_accelerator > 100, mode.ops_on_accelerator
     assert all(p.device.type == "cpu" for p in model.parameters())  # back on the host at rest
 
+
+
+def test_evaluation_places_its_tensors_on_the_session_device(tmp_path):
+    """Perplexity before and after, in memory, under the stand-in (what the acceptance command's SmolLM2
+    leg runs on a GPU)."""
+    recipe = example_recipe(tmp_path, "NystromMLP")
+    recipe["evaluate"] = {"perplexity": {"dataset": str(tmp_path / "cal.txt"), "split": "all", "seq_len": 32,
+                                         "limit": 2}}
+    mode = AcceleratorStandIn()
+    with mode:
+        _, report = recipe_engine.apply(recipe, model=tiny_model(num_hidden_layers=6, vocab_size=BYTE_VOCAB),
+                                        tokenizer=byte_tokenizer(), write=False, progress=False)
+    assert report.evaluation.before["perplexity"]["windows"] == report.evaluation.after["perplexity"]["windows"] == 2
