@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine.api import ADAPTERS, LayerShape, ModelShape, Modifier, register, replace_linear
+from recipe_engine.api import ADAPTERS, LayerBudget, LayerShape, ModelShape, Modifier, budget_field, register, replace_linear
 
 
 def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]], list[float]]:
@@ -303,9 +303,9 @@ class FlattenAdjacent(Modifier):
     prunes (each an ``o_proj`` and a ``down_proj`` Gram solve of the merged width).
     """
 
-    n: int | None = Field(None, ge=1, description="number of merges (layers removed)")
+    n: LayerBudget | None = budget_field(None, "number of merges (layers removed)")
     sparsity: float | None = Field(None, gt=0, lt=1, description="fraction of layers to remove")
-    target_layers: int | None = Field(None, ge=1, description="number of layers to keep")
+    target_layers: LayerBudget | None = budget_field(None, "number of layers to keep")
     similarity_tokens: int = Field(4096, ge=1, description="token positions sampled for S (memory bound)")
     seed: int = Field(0, description="seed of the token subsample")
     selection: Literal["similarity", "nll"] = Field(

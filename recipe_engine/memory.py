@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .schema import Recipe
 from .shape import ModelShape
+from .validate import bound_steps
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -109,7 +110,7 @@ def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None)
 
     whole = shape_bytes(shape, width)
     steps = []
-    for step in recipe.modifiers:
+    for step in bound_steps(recipe, config):
         largest = max(shape.layer_parameters(layer) for layer in shape.layers) * width
         if not streamed:
             held = shape_bytes(shape, width)

@@ -29,7 +29,7 @@ from .memory import PeakWatch, current_rss, estimate
 from .resume import discard_on_error
 from .session import Session
 from .streaming import attach_stream, exceeds_memory
-from .validate import check_against_config
+from .validate import bound_steps, check_against_config
 
 
 def group_steps(steps: list[Modifier]) -> list[list[tuple[int, Modifier]]]:
@@ -82,6 +82,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     texts = _located(lambda: load_calibration(cal), file)
     config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
     check_against_config(recipe, config, file)
+    steps = bound_steps(recipe, config, file)  # percentages of layers resolved against this model
     in_memory = model is not None
     if resume and (in_memory or not write or not keep_checkpoints):
         why = "a model passed in memory" if in_memory else "write=False" if not write else "--no-checkpoints"
@@ -90,6 +91,10 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         check_free_space(recipe, config, file, resume_checkpoints=not in_memory and keep_checkpoints)
     device = parallel.device
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
+    refusing = next(((i, step) for i, step in enumerate(steps) if streamed and step.refuses_streaming), None)
+    if refusing is not None:
+        raise RecipeError(f"cannot run streamed: {refusing[1].refuses_streaming} (set stream: off)", file=file,
+                          step=refusing[0], modifier=refusing[1].step_name(), field="stream")
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
                               "rank": parallel.rank, "ranks": parallel.world}
@@ -127,7 +132,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
             from .evaluation import evaluate_session
 
             report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
-        report["steps"] = run_steps(session, recipe.modifiers, bar, watch, plan, checkpoints, report)
+        report["steps"] = run_steps(session, steps, bar, watch, plan, checkpoints, report)
         _check_uniform(session)
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
                            "layer_origin": [list(o) for o in session.layer_origin]}
