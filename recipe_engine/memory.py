@@ -93,7 +93,7 @@ def output_bytes(recipe: Recipe, config) -> int:
     """Bytes of the checkpoint the recipe writes: the model after every step's shape change (fewer,
     narrower layers), in the recipe's dtype; a packed quantized export is counted unpacked (an upper bound)."""
     shape = ModelShape.from_config(config)
-    for step in recipe.modifiers:
+    for step in bound_steps(recipe, config):
         step.check(shape)
     return shape_bytes(shape, DTYPE_BYTES[recipe.dtype])
 
