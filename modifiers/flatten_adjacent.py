@@ -429,7 +429,8 @@ class FlattenAdjacent(Modifier):
             # pruned: the kept pruned blocks, and NystromMLP's fp64 Gram of a merged pair (wider blocks: more)
             pruning = (merges * widest * 4 + 8 * (2 * shape.intermediate_size) ** 2
                        if self.candidates == "pruned" else 0)
-            return 4 * (shape.num_layers * probe_tokens * shape.hidden_size + (merges + 1) * widest) + pruning
+            kept = 2 if self.fits_on_other_windows else 1  # heldout: block inputs over fit and score windows
+            return 4 * (kept * shape.num_layers * probe_tokens * shape.hidden_size + (merges + 1) * widest) + pruning
         sampled = min(self.similarity_tokens, tokens)
         if shape.streamed:
             return (sampled + shape.num_layers * min(256, sampled)) * shape.hidden_size * 4
