@@ -49,6 +49,14 @@ LORA = {"max_samples": 256, "seq_len": 256, "epochs": 1, "batch_size": 16, "micr
 ALPACA = str((data_dir() or Path(__file__).resolve().parents[2] / "shared" / "data") / "alpaca" / "alpaca_small.json")
 
 
+def auto_steps(n: int) -> list:
+    """The steps of ``recipes/depth20_auto.yaml`` with its budget ``20%`` replaced by the count ``n``."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "depth20_auto.yaml"
+    return json.loads(json.dumps(yaml.safe_load(path.read_text())["modifiers"]).replace("20%", str(n)))
+
+
 def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
     """name → (modifiers, calibration overrides)."""
     flatten = ["FuseNorm", {"FlattenAdjacent": {"n": n}}]
@@ -74,14 +82,24 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "FlattenGPT+LoRA distill": (defaults + [{"LoRARecovery": {**LORA, "dataset": "wikipedia-sample",
                                                                   "distill": True}}], {}),
         # issue 11, session 8: the merges chosen by calibration NLL (SLEB-style rounds), not by input cosine
-        "FlattenGPT nll": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll"}}, "HeadPrune",
-                           "NystromMLP"], {}),
-        "FlattenGPT nll merged": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll",
+        # (score: insample: the rows recorded before held-out scoring became the default)
+        "FlattenGPT nll": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "score": "insample"}},
+                            "HeadPrune", "NystromMLP"], {}),
+        "FlattenGPT nll merged": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "score": "insample",
                                                                     "candidates": "merged"}}, "HeadPrune",
                                    "NystromMLP"], {}),
         # issue 11, session 9: each round merges a pair or drops a layer, whichever gives the lower NLL
-        "FlattenGPT nll+drops": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True}},
+        "FlattenGPT nll+drops": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True,
+                                                                   "score": "insample"}},
                                  "HeadPrune", "NystromMLP"], {}),
+        # merges pruned on fit windows, every move scored on held-out score windows (docs/best_of.md)
+        "FlattenGPT nll+drops heldout": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True,
+                                                                           "score": "heldout"}},
+                                         "HeadPrune", "NystromMLP"], {}),
+        # SLEB scored on 8 × 128 tokens of the calibration, LinearPatch fitted on all of it
+        "SLEB+LinearPatch": ([{"SLEB": {"n": n, "search_samples": 8, "search_length": 128}}, "LinearPatch"], {}),
+        # recipes/depth20_auto.yaml with its 20 % replaced by n: BestOf by held-out calibration NLL
+        "auto (depth20_auto)": (auto_steps(n), {}),
         # issue-11 ablation: the refits and choices added on top of the issue-3 defaults
         "FlattenGPT (issue-3 defaults)": (flatten + ["HeadPrune", {"NystromMLP": issue3}], {}),
         "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target": "merged"}}], {}),
