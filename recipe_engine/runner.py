@@ -136,7 +136,8 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         _check_uniform(session)
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
                            "layer_origin": [list(o) for o in session.layer_origin]}
-        report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers)
+        # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
+        report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not session.extras
         gate = None
         if recipe.evaluate is not None:
             from .evaluation import evaluate_session, retained

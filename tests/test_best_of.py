@@ -184,6 +184,7 @@ def test_best_of_in_a_recipe_skips_a_refused_alternative_and_reports_every_score
     assert saved["steps"][0]["params"]["alternatives"][1] == [{"SLEB": {"n": 1, "search_samples": None,
                                                                          "search_length": None}}]
     assert saved["after"]["layers"] == 5 and saved["steps"][1]["modifier"] == "GPTQ"
+    assert saved["stock_checkpoint"] is True  # the winner added no extra
     refuse = recipe(tmp_path, [{"BestOf": {"refused": "fail", "alternatives": steps[0]["BestOf"]["alternatives"]}}])
     with pytest.raises(RecipeError, match=r"step 0 \(BestOf\): field 'alternatives.0': alternative 0 "
                                           r"\[FlattenAdjacent<n:1>, HeadPrune, NystromMLP\]"):
