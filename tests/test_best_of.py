@@ -123,16 +123,26 @@ def standalone(original, steps, fit_tokens, score_tokens):
         return model, float(model(score_tokens, labels=score_tokens).loss)
 
 
-def test_best_of_equals_the_alternatives_run_alone():
+def test_best_of_equals_the_alternatives_run_alone(monkeypatch):
     """BestOf's scores equal each alternative run alone on the fit windows and scored on the score windows,
-    its choice is their argmin, and the model it leaves computes what the winner's standalone run does."""
+    its choice is their argmin, and the model it leaves computes what the winner's standalone run does.
+    Every calibration walk (captures of the alternatives' own steps, their reference model's, the scoring)
+    is instrumented: the score windows are walked exactly once per alternative, to score it."""
     model = tiny_model(num_hidden_layers=6, seed=1)
     original = copy.deepcopy(model)
     tokens = random_tokens(8, 32, seed=2)
     step = parse_step({"BestOf": {"alternatives": ALTERNATIVES}}, 0)
     session = make_session(model, tokens)
+    walked = []
+    capture = Session.capture_inputs
+    monkeypatch.setattr(Session, "capture_inputs", lambda self: (walked.append(self.calibration.clone()),
+                                                                 capture(self))[1])
     report = step.apply(session)
+    monkeypatch.undo()
     split = heldout_split(8, 0)
+    on_score = [w for w in walked if torch.equal(w, tokens[list(split.score)])]
+    assert len(on_score) == len(ALTERNATIVES)
+    assert all(torch.equal(w, tokens[list(split.fit)]) for w in walked if not torch.equal(w, tokens[list(split.score)]))
     assert report["score"]["fit_windows"] == list(split.fit) and report["score"]["score_windows"] == list(split.score)
     fit_tokens, score_tokens = tokens[list(split.fit)], tokens[list(split.score)]
     runs = [standalone(original, steps, fit_tokens, score_tokens) for steps in ALTERNATIVES]
