@@ -86,13 +86,13 @@ class BestOf(Modifier):
     @classmethod
     def _parse(cls, value: Any) -> Any:
         if not isinstance(value, list):
-            raise ValueError("expected a list of alternatives, each a list of steps")
+            raise RecipeError("expected a list of alternatives, each a list of steps", field="alternatives")
         parsed = []
         for a, steps in enumerate(value):
             if isinstance(steps, (str, dict)):
                 steps = [steps]
             if not isinstance(steps, list) or not steps:
-                raise ValueError(f"alternative {a}: expected a non-empty list of steps")
+                raise RecipeError(f"alternative {a}: expected a non-empty list of steps", field=f"alternatives.{a}")
             built = []
             for i, raw in enumerate(steps):
                 if isinstance(raw, Modifier):
@@ -100,10 +100,14 @@ class BestOf(Modifier):
                     continue
                 try:
                     built.append(parse_step(raw, i))
-                except RecipeError as exc:
-                    raise ValueError(f"alternative {a}, {exc.detail if exc.step is None else str(exc)}") from None
+                except RecipeError as exc:  # one line naming the alternative, its step and the field
+                    step = f"step {i}" + (f" ({exc.modifier})" if exc.modifier else "")
+                    raise RecipeError(f"alternative {a}, {step}: {exc.detail}",
+                                      field=".".join(str(p) for p in ("alternatives", a, i, exc.field) if p is not None)
+                                      ) from None
             if any(isinstance(step, BestOf) for step in built):
-                raise ValueError(f"alternative {a}: a BestOf inside a BestOf is not supported")
+                raise RecipeError(f"alternative {a}: a BestOf inside a BestOf is not supported",
+                                  field=f"alternatives.{a}")
             parsed.append(built)
         return parsed
 

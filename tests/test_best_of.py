@@ -203,8 +203,12 @@ def test_best_of_in_a_recipe_skips_a_refused_alternative_and_reports_every_score
 
 @pytest.mark.parametrize("alternatives,message", [
     ([["ShortGPT<n:2>"], ["SLEB<n:3>"]], r"alternative 1 \[SLEB<n:3>\] leaves 3 layers .* alternative 0 4"),
-    ([["ShortGPT<n:2>"], ["SLEB<m:3>"]], r"alternative 1, step 0 \(SLEB\): field 'm': unknown field"),
-    ([["ShortGPT<n:2>"], ["Nope"]], r"alternative 1, step 0: unknown modifier 'Nope'"),
+    ([["ShortGPT<n:2>"], ["SLEB<m:3>"]],
+     r"^step 0 \(BestOf\): field 'alternatives.1.0.m': alternative 1, step 0 \(SLEB\): unknown field"),
+    ([["ShortGPT<n:2>"], ["Nope"]],
+     r"^step 0 \(BestOf\): field 'alternatives.1.0': alternative 1, step 0: unknown modifier 'Nope'"),
+    ([["ShortGPT<n:2>"], "oops"], r"alternative 1, step 0: unknown modifier 'oops'"),
+    ([["ShortGPT<n:2>"], [[]]], r"alternative 1, step 0: a step is"),
     ([["ShortGPT<n:2>"]], r"at least 2 items"),
     ([["ShortGPT<n:2>"], ["SLEB<n:2,search_samples:7>"]], r"search_samples=7 exceeds calibration.samples=6"),
 ])
