@@ -1,7 +1,7 @@
 """Speed and size of the FlattenGPT-20% SmolLM2 output against the dense model (``recipe bench``).
 
     recipe apply recipes/flatten20_smollm2.yaml          # once: writes out/flatten20_smollm2
-    nice -n 10 python benchmarks/bench_flatten_vs_dense.py > benchmarks/results/bench_flatten_vs_dense.log 2>&1
+    nice -n 10 python benchmarks/bench_flatten_vs_dense.py > bench_flatten_vs_dense.log 2>&1
 
 CPU defaults (the paper's GPU protocol is batch 64 × 128 generated tokens and a 2048-token prefill,
 ``--paper`` restores it): batch 8 × 32 generated tokens, 512-token prefill, 1 warm-up, median of 5
@@ -18,7 +18,7 @@ import torch
 from recipe_engine.cli import main as recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "raw"   # raw output (ignored by git)
 
 
 def run() -> int:
@@ -34,6 +34,7 @@ def run() -> int:
         print(f"{args.compressed} missing: run `recipe apply recipes/flatten20_smollm2.yaml` first", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     sizes = ["--batch", "64", "--gen-tokens", "128", "--prefill-tokens", "2048"] if args.paper else \
         ["--batch", "8", "--gen-tokens", "32", "--prefill-tokens", "512"]
     return recipe(["bench", args.dense, args.compressed, *sizes, "--repeats", str(args.repeats),

@@ -9,15 +9,18 @@ sample's train split (then the C4 column is its test split, in-domain), ``wikipe
 both (code stays held out); seed 0. SLEB's ~n × layers
 calibration-NLL passes use 8 × 128 tokens of the same source. Perplexity (``--evals``): WikiText-2 test
 (first 24 windows × 1024), the C4 sample (``c4.utf8``, 16 × 1024) and the code sample (``code.utf8``,
-16 × 1024; Qwen2.5-Coder is a code model); ``--windows`` changes the counts (the figures in BENCHMARKS.md
-used 16 8 8 on the shared 2-core CPU). Each method runs through ``recipe_engine.apply(recipe,
+16 × 1024; Qwen2.5-Coder is a code model); ``--windows`` changes the counts (the Qwen2.5-0.5B figures in
+BENCHMARKS.md use 16 8 8 on a 2-core CPU). Each method runs through ``recipe_engine.apply(recipe,
 write=False)`` on a fresh copy of the dense model; "compress s" is the sum of the steps' wall times.
 
 Run: nice -n 10 python benchmarks/compare_methods.py --model qwen2.5-0.5b [--calibration wikipedia]
      [--n 5] [--only NAME ...] [--task-limit 200]
-(prints a table; merges each finished row into benchmarks/results/compare_methods_<model>.json keyed by
-method, calibration and n, so runs with --only accumulate; --table reprints it; a method that validation
-refuses on the model's architecture, e.g. FlattenGPT on Gemma 3, is a row with the one-line reason)
+It prints a table and merges each finished row into the raw file
+benchmarks/results/raw/compare_methods_<model>.json (keyed by method, calibration and n, so runs with --only
+accumulate; --table reprints it) and into the committed rows, ``--rows`` (default
+benchmarks/results/quality_<model>.json; the model's main n goes to its quality table, any other n to its
+quality-against-budget table); ``python benchmarks/report.py`` then re-renders BENCHMARKS.md. A method that
+validation refuses on the model's architecture (FlattenGPT on Gemma 3) is a row with the one-line reason.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import argparse
 import copy
 import datetime
 import json
-import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -43,7 +46,24 @@ CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikit
 # c4 / code: the whole file (none of it is calibrated on), except the test split of a calibrated source
 EVALS = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "all"), "code": ("code-sample", "all")}
 WINDOWS = {"wikitext2": 24, "c4": 16, "code": 16}   # default windows × 1024 tokens (--windows to change)
+MAIN_WINDOWS = {"qwen2.5-0.5b": {"wikitext2": 16, "c4": 8, "code": 8}}   # the windows of its committed tables
 RESULTS = Path(__file__).parent / "results"
+RAW = RESULTS / "raw"
+#: model → (committed result file, page section, order on the page)
+ROW_FILES = {"smollm2-135m": ("quality_smollm2.json", "SmolLM2-135M", 10),
+             "qwen2.5-0.5b": ("quality_qwen2_5_0_5b.json", "Qwen2.5-0.5B", 20),
+             "gemma3-270m": ("quality_gemma3_270m.json", "Gemma-3-270M", 30)}
+#: calibration source → protocol name in the committed rows
+PROTOCOLS = {"wikitext2": "in-domain", "wikipedia": "held-out", "wikipedia+c4": "mixed", "c4": "in-domain C4"}
+#: method key here → its name in BENCHMARKS.md (other keys are shown as they are)
+LABELS = {"FlattenGPT": "FlattenGPT (ours)", "ShortGPT+LinearPatch": "ShortGPT + LinearPatch",
+          "FlattenGPT+LinearPatch": "FlattenGPT + LinearPatch", "LaCo": "LaCo (C = 4)", "LaCo C=2": "LaCo (C = 2)",
+          "GPTQ W4": "GPTQ W4 g64", "SLEB 2×128": "SLEB, 2 × 128 calibration",
+          "FlattenGPT+LoRA alpaca": "FlattenGPT + LoRA (Alpaca)", "FlattenGPT+LoRA distill": "FlattenGPT + LoRA (distill)",
+          "FlattenGPT +cv+fallback": "FlattenGPT, cross-validated λ_t", "FlattenGPT energy": "FlattenGPT, energy channels",
+          "FlattenGPT nll": "FlattenGPT, merges by NLL",
+          "FlattenGPT nll merged": "FlattenGPT, merges by NLL (unpruned candidates)",
+          "FlattenGPT nll+drops": "FlattenGPT, merges by NLL or drops"}
 CV_SCALES = [0.01, 0.1, 1.0, 10.0]
 LORA = {"max_samples": 256, "seq_len": 256, "epochs": 1, "batch_size": 16, "micro_batch_size": 4, "lr": 3e-4}
 ALPACA = str((data_dir() or Path(__file__).resolve().parents[2] / "shared" / "data") / "alpaca" / "alpaca_small.json")
@@ -60,7 +80,7 @@ def auto_steps(n: int) -> list:
 def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
     """name → (modifiers, calibration overrides)."""
     flatten = ["FuseNorm", {"FlattenAdjacent": {"n": n}}]
-    issue3 = {"target_scales": None, "fallback": False}  # NystromMLP as in issue 3
+    plain = {"target_scales": None, "fallback": False}  # NystromMLP's own defaults, stated for the variants below
     defaults = flatten + ["HeadPrune", "NystromMLP"]
     return {
         "dense": ([], {}),
@@ -77,22 +97,22 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
                                           {"NystromMLP": {"target": "merged"}}], {"propagate": "original"}),
         "FlattenGPT": (defaults, {}),
         "FlattenGPT+LinearPatch": (defaults + ["LinearPatch"], {}),
-        # issue 17: recovery after FlattenGPT (CPU budget: 256 examples × 256 tokens, one epoch, 16 steps)
+        # recovery after FlattenGPT (CPU budget: 256 examples × 256 tokens, one epoch, 16 steps)
         "FlattenGPT+LoRA alpaca": (defaults + [{"LoRARecovery": {**LORA, "dataset": ALPACA}}], {}),
         "FlattenGPT+LoRA distill": (defaults + [{"LoRARecovery": {**LORA, "dataset": "wikipedia-sample",
                                                                   "distill": True}}], {}),
-        # issue 11, session 8: the merges chosen by calibration NLL (SLEB-style rounds), not by input cosine
+        # the merges chosen by calibration NLL (SLEB-style rounds), not by input cosine
         # (score: insample: the rows recorded before held-out scoring became the default)
         "FlattenGPT nll": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "score": "insample"}},
                             "HeadPrune", "NystromMLP"], {}),
         "FlattenGPT nll merged": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "score": "insample",
                                                                     "candidates": "merged"}}, "HeadPrune",
                                    "NystromMLP"], {}),
-        # issue 11, session 9: each round merges a pair or drops a layer, whichever gives the lower NLL
+        # each round merges a pair or drops a layer, whichever gives the lower NLL
         "FlattenGPT nll+drops": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True,
                                                                    "score": "insample"}},
                                  "HeadPrune", "NystromMLP"], {}),
-        # merges pruned on fit windows, every move scored on held-out score windows (docs/best_of.md)
+        # merges pruned on fit windows, every move scored on held-out score windows (docs/methods/bestof.md)
         "FlattenGPT nll+drops heldout": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True,
                                                                            "score": "heldout"}},
                                          "HeadPrune", "NystromMLP"], {}),
@@ -100,17 +120,16 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "SLEB+LinearPatch": ([{"SLEB": {"n": n, "search_samples": 8, "search_length": 128}}, "LinearPatch"], {}),
         # recipes/depth20_auto.yaml with its 20 % replaced by n: BestOf by held-out calibration NLL
         "auto (depth20_auto)": (auto_steps(n), {}),
-        # issue-11 ablation: the refits and choices added on top of the issue-3 defaults
-        "FlattenGPT (issue-3 defaults)": (flatten + ["HeadPrune", {"NystromMLP": issue3}], {}),
-        "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target": "merged"}}], {}),
-        "FlattenGPT +cv": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "target_scales": CV_SCALES}}], {}),
-        "FlattenGPT +fallback": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "fallback": True}}], {}),
+        # NystromMLP variants on top of the defaults: its target, cross-validated λ_t, the fallback to dropping
+        "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "target": "merged"}}], {}),
+        "FlattenGPT +cv": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "target_scales": CV_SCALES}}], {}),
+        "FlattenGPT +fallback": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "fallback": True}}], {}),
         "FlattenGPT +cv+fallback": (flatten + ["HeadPrune", {"NystromMLP": {
-            **issue3, "target_scales": CV_SCALES, "fallback": True}}], {}),
-        # issue-11 diagnosis (benchmarks/flatten_diagnosis.py): MLP channels by output energy, not leverage
-        "FlattenGPT energy": (flatten + ["HeadPrune", {"NystromMLP": {**issue3, "criterion": "energy"}}], {}),
+            **plain, "target_scales": CV_SCALES, "fallback": True}}], {}),
+        # MLP channels by output energy, not leverage (benchmarks/flatten_diagnosis.py)
+        "FlattenGPT energy": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "criterion": "energy"}}], {}),
         "FlattenGPT energy +cv": (flatten + ["HeadPrune", {"NystromMLP": {
-            **issue3, "criterion": "energy", "target_scales": CV_SCALES}}], {}),
+            **plain, "criterion": "energy", "target_scales": CV_SCALES}}], {}),
     }
 
 
@@ -157,6 +176,46 @@ def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict
             "steps": [{"modifier": s.modifier, "result": s.result} for s in report.steps] if report else []}
 
 
+def committed_row(row: dict, model: str, sweep: bool) -> dict:
+    """The raw row in the committed schema (benchmarks/results/README.md): protocol, display name, rounded
+    figures; with ``sweep`` (a run off the model's main n) it carries ``n`` and goes to the
+    quality-against-budget table. Evaluation windows other than the model's usual ones name the protocol."""
+    cal = row["calibration_config"]
+    method = LABELS.get(row["method"], row["method"])
+    if cal["samples"] != 32 and row["method"] != "dense" and "SLEB" not in row["method"]:
+        method += f", {cal['samples']} × {cal['seq_len']} calibration"
+    protocol = PROTOCOLS.get(row["calibration"], row["calibration"])
+    windows = row["eval_windows"]
+    usual = MAIN_WINDOWS.get(model, WINDOWS)
+    if windows != {k: v for k, v in usual.items() if k in windows}:
+        count = windows.get("wikitext2", max(windows.values()))
+        protocol += f", {count} window" + ("s" if count != 1 else "")
+    out = {"protocol": protocol, "method": method}
+    if sweep and "refused" not in row:
+        out["n"] = row["n"]
+    if "refused" in row:
+        return {**out, "status": "refused at validation", "note": f"`{row['refused']}`"}
+    out.update(layers=row["layers"], params_pct=round(row["params_pct"], 1),
+               ppl={k: round(v, 2) for k, v in row["ppl"].items()})
+    if row["method"] == "GPTQ W4":
+        out["bits"] = "W4 g64"
+    if row.get("zero_shot"):
+        z = row["zero_shot"]
+        out["zero_shot"] = {"average": round(z["average"], 3), "tasks": {t: round(v, 3) for t, v in z["tasks"].items()}}
+    if row["compress_s"]:
+        out["compress_s"] = round(row["compress_s"])
+    if row.get("peak_rss_mib"):
+        out["peak_rss_gib"] = round(row["peak_rss_mib"] / 1024, 2)
+    return out
+
+
+def write_committed(path: Path, model: str, row: dict, sweep: bool, run: dict) -> None:
+    import rowstore
+
+    _, section, order = ROW_FILES[model]
+    rowstore.upsert_model_row(path, committed_row(row, model, sweep), run, section=section, order=order, model=model)
+
+
 def key(row: dict) -> str:
     windows = ",".join(f"{k}{v}" for k, v in row["eval_windows"].items())
     return f"{row['method']}|{row['calibration']}|{row['calibration_config']['samples']}x" \
@@ -200,11 +259,22 @@ def main() -> None:
     parser.add_argument("--task-limit", type=int, help="also the zero-shot average over the paper's five "
                                                        "tasks, first N rows of each")
     parser.add_argument("--table", action="store_true", help="only reprint the stored table")
+    parser.add_argument("--rows", type=Path, help="committed result file to upsert rows into (default "
+                                                   "benchmarks/results/quality_<model>.json)")
+    parser.add_argument("--no-rows", action="store_true", help="write only the raw file, no committed rows")
+    parser.add_argument("--conditions", help="what else ran on the machine (load), recorded with the run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.n = args.n or MODELS[args.model]
     args.windows = dict(zip(WINDOWS, args.windows))
-    results = RESULTS / f"compare_methods_{args.model}.json"
+    results = RAW / f"compare_methods_{args.model}.json"
+    committed = args.rows or RESULTS / ROW_FILES[args.model][0]
+    if not args.no_rows:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import rowstore
+
+        run = rowstore.run_record(args.conditions)
+        rowstore.load_file(committed, *ROW_FILES[args.model][1:])   # an unreadable file fails before the work
     rows = json.loads(results.read_text())["rows"] if results.exists() else []
     if args.table:
         print_table(rows)
@@ -227,8 +297,9 @@ def main() -> None:
             by_key = {**{key(r): r for r in json.loads(results.read_text())["rows"]}, **by_key}
         by_key[key(row)] = row
         results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text(json.dumps({"model": args.model, "machine": platform.processor() or platform.machine(),
-                                       "rows": list(by_key.values())}, indent=2, default=str))
+        results.write_text(json.dumps({"model": args.model, "rows": list(by_key.values())}, indent=2, default=str))
+        if not args.no_rows:
+            write_committed(committed, args.model, row, args.n != MODELS[args.model], run)
         if "refused" in row:
             print(f"{name:<32} refused: {row['refused']}", flush=True)
             continue

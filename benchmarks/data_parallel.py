@@ -7,8 +7,10 @@ Runs ``recipes/flatten20_smollm2.yaml`` (SmolLM2-135M FlattenGPT) on WikiText-2 
 compression only) twice, back to back: one process with ``OMP_NUM_THREADS=1``, then torchrun with N ranks of
 one thread each. Wall time is the whole command (process start, model load, steps, write). Then both outputs
 get the same perplexity evaluation (WikiText-2 test, 1024-token windows, ``--ppl-limit`` windows, in this
-process) and their weights are compared. Prints a table and writes ``benchmarks/results/data_parallel.json``.
-The machine is shared: the load average before and after is recorded.
+process) and their weights are compared. Prints a table, writes the raw record to
+``benchmarks/results/raw/data_parallel.json`` and the table's rows to the committed
+``benchmarks/results/data_parallel.json`` (``python benchmarks/report.py`` renders them into BENCHMARKS.md).
+The load average before and after is recorded with the run.
 """
 from __future__ import annotations
 
@@ -100,9 +102,38 @@ def main() -> None:
           f"(per rank / single: {record['cpu_ratio_per_rank']:.3f})")
     print(f"wall ratio {record['wall_ratio']:.3f} (goal <= 0.6); PPL diff {record['ppl_relative_diff']:.2e} "
           f"(goal <= 5e-3); max relative weight diff {worst:.2e}; load {load_before} -> {load_after}")
-    out = ROOT / "benchmarks" / "results" / "data_parallel.json"
-    out.parent.mkdir(exist_ok=True)
+    out = ROOT / "benchmarks" / "results" / "raw" / "data_parallel.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
+    write_rows(record, args.ranks)
+
+
+def write_rows(record: dict, ranks: int) -> None:
+    """The committed table rows (benchmarks/results/data_parallel.json), this run as their run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import rowstore
+
+    load = record["load_average"]
+    run = rowstore.run_record(f"load average {load['before'][0]} before, {load['after'][0]} after the two runs")
+    wall, cpu, ppl, batches = (record[k] for k in ("wall_s", "cpu_s", "ppl", "layer_batches"))
+    rows = [
+        {"run_": "1 process × 1 thread", "wall": f"{wall['single']:.1f}", "cpu": f"{cpu['single']:.1f}",
+         "ppl": f"{ppl['single']:.5f}", "batches": str(batches["single"])},
+        {"run_": f"torchrun {ranks} ranks × 1 thread", "wall": f"{wall['parallel']:.1f}",
+         "cpu": f"{cpu['parallel_all_ranks']:.1f} ({cpu['parallel_all_ranks'] / ranks:.1f} per rank)",
+         "ppl": f"{ppl['parallel']:.5f}", "batches": str(batches["parallel"])},
+        {"run_": "ratio", "wall": f"**{record['wall_ratio']:.2f}**",
+         "cpu": f"**{record['cpu_ratio_per_rank']:.2f}** per rank / single",
+         "ppl": f"rel. diff {record['ppl_relative_diff']:.1e}",
+         "batches": f"{batches['parallel'] / batches['single']:.2f}"},
+    ]
+    columns = [{"key": "run_", "label": "setup"}, {"key": "wall", "label": "wall s"},
+               {"key": "cpu", "label": "CPU s (all processes)"}, {"key": "ppl", "label": "PPL"},
+               {"key": "batches", "label": "batches run through layers (rank 0)"}]
+    for row in rows:
+        rowstore.upsert_table_row(ROOT / "benchmarks" / "results" / "data_parallel.json",
+                                  "Data-parallel calibration: 1 process against `torchrun --nproc-per-node 2`", row,
+                                  run, "run_", section="Scale", order=61, columns=columns)
 
 
 if __name__ == "__main__":

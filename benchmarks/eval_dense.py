@@ -1,6 +1,6 @@
 """Dense SmolLM2-135M quality baseline: WikiText-2 perplexity and the paper's five zero-shot accuracies.
 
-    nice -n 10 python benchmarks/eval_dense.py > benchmarks/results/eval_dense.log 2>&1 &
+    nice -n 10 python benchmarks/eval_dense.py > eval_dense.log 2>&1 &
 
 Perplexity: the full WikiText-2 raw test set (``--ppl-limit`` windows to cut it). Zero-shot: the offline
 lm-eval tasks (``recipe_engine/evaluation/tasks``), first ``--task-limit`` rows of each (full sets do not fit
@@ -24,7 +24,7 @@ from recipe_engine.evaluation.zeroshot import PAPER_TASKS
 from recipe_engine.models import load_model
 from recipe_engine.schema import EvaluateConfig, PerplexityConfig
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "raw"   # raw output (ignored by git)
 
 
 def table(record: dict) -> Table:

@@ -6,7 +6,7 @@ copy of the flattened model, so its wall time is the flatten time plus its own p
 row drops the 6 layers with the lowest Block Influence (ShortGPT: BI = 1 − mean cos(input, output)).
 
 Run: python benchmarks/flatten_ablation.py [--only NAME ...]   (merges its rows into
-benchmarks/results/flatten_ablation.json, each row dated;
+benchmarks/results/raw/flatten_ablation.json, each row dated;
 ``--table``  prints the Markdown table of that file)
 """
 from __future__ import annotations
@@ -127,7 +127,7 @@ def markdown_table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="rows to run (default: all, incl. dense and shortgpt)")
-    parser.add_argument("--out", default="benchmarks/results/flatten_ablation.json")
+    parser.add_argument("--out", default="benchmarks/results/raw/flatten_ablation.json")
     parser.add_argument("--table", action="store_true", help="print the table of an existing --out file and exit")
     args = parser.parse_args()
     if args.table:

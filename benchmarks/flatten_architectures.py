@@ -16,7 +16,7 @@ For each pair (i, i+1), on the inputs ``x`` of layer i (calibration: Wikipedia s
   Qwen3): ``‖Σ_j u_j(mean gains) − Σ_j u_j‖ / ‖Σ_j u_j‖``.
 
 Run: nice -n 10 python benchmarks/flatten_architectures.py [--samples 4 --seq-len 256]
-(prints a table; writes benchmarks/results/flatten_architectures.json)
+(prints a table; writes benchmarks/results/raw/flatten_architectures.json)
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from recipe_engine.models import load_model
 from recipe_engine.schema import CalibrationConfig
 from recipe_engine.session import Session
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results" / "raw"   # raw output (ignored by git)
 
 
 def unit(u: torch.Tensor) -> torch.Tensor:

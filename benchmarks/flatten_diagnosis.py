@@ -1,4 +1,4 @@
-"""Which part of FlattenGPT loses on held-out text? A cheap per-part ablation at model level (issue 11).
+"""Which part of FlattenGPT loses on held-out text? A cheap per-part ablation at model level.
 
 The merged pairs (default: the ones FlattenAdjacent picks on Qwen2.5-0.5B at n = 5) are built from the
 dense model's own inputs (every pair calibrated on dense activations, independently: no propagation), and
@@ -19,7 +19,7 @@ the variants below replace *every* pair at once; perplexity is measured on a few
 
 Run: nice -n 10 python benchmarks/flatten_diagnosis.py [--model qwen2.5-0.5b] [--pairs 10,11 13,14 ...]
      [--samples 8] [--windows 2 2 4 2]
-(prints a table, writes benchmarks/results/flatten_diagnosis_<model>_s<samples>.json)
+(prints a table, writes benchmarks/results/raw/flatten_diagnosis_<model>_s<samples>.json)
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from recipe_engine.data import load_text, sample_windows, tokenize
 from recipe_engine.evaluation.perplexity import make_windows
 from recipe_engine.linalg import mean_eigenvalue, ridge_compensation, ridge_leverage_scores, set_linear_weight
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results" / "raw"   # raw output (ignored by git)
 SOURCES = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "all"), "code": ("code-sample", "all"),
            "wiki-heldout": ("wikipedia-sample", "test")}
 
@@ -276,7 +276,7 @@ def main() -> None:
               + "  rel.err cal/wt2/code " + " ".join(f"{e['calibration']:.3f}/{e['wikitext2']:.3f}/{e['code']:.3f}"
                                                 for e in errors.values())
               + f"  {row['seconds']:.0f}s", flush=True)
-        RESULTS.mkdir(exist_ok=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"flatten_diagnosis_{args.model}_s{args.samples}{args.tag}.json").write_text(json.dumps(
             {"pairs": args.pairs, "samples": args.samples, "calibration": args.calibration, "windows": args.windows, "rows": rows}, indent=2))
 

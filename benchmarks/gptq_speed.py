@@ -1,4 +1,4 @@
-"""GPTQ's two speed-ups side by side (issue 12: the Llama-3-8B GPTQ leg is CPU-bound), fp64, same inputs.
+"""GPTQ's two speed-ups side by side (the Llama-3-8B GPTQ leg is CPU-bound), fp64, same inputs.
 
 1. The inverse-Hessian factor: ``inverse_hessian_factor`` (reversed Cholesky + triangular inverse, n³/3
    multiply-adds) against the GPTQ reference code's chain (Cholesky, ``cholesky_inverse``, upper Cholesky:
@@ -12,7 +12,7 @@
 
 Each pair runs alternately ``--repeat`` times and the fastest of each is kept (the CPU is shared).
 
-Writes benchmarks/results/gptq_speed.json and prints a table.
+Writes benchmarks/results/raw/gptq_speed.json and prints a table.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 from recipe_engine.modifiers import gptq
 from recipe_engine.modifiers._quant import Grid
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "raw"   # raw output (ignored by git)
 
 
 def reference_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:

@@ -8,8 +8,9 @@ sha256 of both ``model.safetensors`` (goal: identical), the resumed run's wall t
 one's (goal <= 0.5), where the kill landed (the checkpoint the resume started from) and the size of the
 checkpoint directory at the kill. ``--streamed``: both runs streamed (``stream: on``: the model a meta
 skeleton, changed units staged in the checkpoint directory, which is then the checkpoint); the JSON also
-holds the peak RSS of each run. Prints a table and writes ``benchmarks/results/resume.json`` (or
-``resume_streamed.json``).
+holds the peak RSS of each run. Prints a table, writes the raw record to
+``benchmarks/results/raw/resume.json`` (or ``resume_streamed.json``) and the mode's row of the committed
+``benchmarks/results/resume.json`` (``python benchmarks/report.py`` renders it into BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -87,9 +88,34 @@ def main() -> None:
     print(f"resumed / full {record['resumed_ratio']:.3f} (goal <= 0.5); killed at {manifest['reached']}; "
           f"checkpoints {stored / 2**20:.0f} MiB; sha256 identical: {record['identical']}; "
           f"load {load_before} -> {load_after}")
-    out = ROOT / "benchmarks" / "results" / ("resume_streamed.json" if args.streamed else "resume.json")
-    out.parent.mkdir(exist_ok=True)
+    out = ROOT / "benchmarks" / "results" / "raw" / ("resume_streamed.json" if args.streamed else "resume.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
+    written = json.loads((base / "full" / "report.json").read_text()).get("checkpoints") or {}
+    write_row(record, args.kill_at, written)
+
+
+def write_row(record: dict, kill_at: float, written: dict) -> None:
+    """This mode's row of the committed table (benchmarks/results/resume.json), this run as its run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import rowstore
+
+    load = record["load_average"]
+    run = rowstore.run_record(f"load average {load['before'][0]} before, {load['after'][0]} after; one sample")
+    rss = record["peak_rss_mib"]
+    row = {"mode": "streamed" if record["streamed"] else "in memory", "full": f"{record['full_s']:.1f}",
+           "killed": f"{record['killed_after_s']:.1f} ({kill_at:.2f})",
+           "resumed": f"**{record['resumed_s']:.1f}** (**{record['resumed_ratio']:.2f}**; after layer "
+                      f"{record['killed_at'].get('layer')})",
+           "checkpoints": f"{written.get('written', '–')}, {written.get('seconds', 0):.1f} s, "
+                          f"{written.get('bytes', 0) / 1e6:.0f} MB",
+           "at_kill": f"{record['checkpoint_bytes'] / 2**20:.0f} MiB",
+           "rss": f"{rss['full']['rss_mib']:.0f} / {rss['resumed']['rss_mib']:.0f} MiB",
+           "sha": f"`{record['sha256']['full'][:8]}…` {'yes' if record['identical'] else 'no'}"}
+    columns = [{"key": k, "label": k} for k in row]   # used only if the table is missing
+    rowstore.upsert_table_row(ROOT / "benchmarks" / "results" / "resume.json",
+                              "Resume after SIGKILL at 60 % of an uninterrupted run", row, run, "mode",
+                              section="Scale", order=62, columns=columns)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Scale-up benchmarks (issue 12): peak host memory of streamed runs on synthetic Llama-shaped checkpoints.
+"""Scale-up benchmarks: peak host memory of streamed runs on synthetic Llama-shaped checkpoints.
 
 Synthetic checkpoints have a real architecture's shapes and seeded random weights (N(0, 0.02²), norms 1),
 written shard by shard (one layer per file) so that writing one never holds the model. Their quality
@@ -10,7 +10,7 @@ means nothing; their memory and time are real. The tokenizer is SmolLM2's (ids <
 
 Each run is a subprocess (`python -m recipe_engine.cli apply`); its peak RSS is read from /proc while it
 runs (VmHWM) and from report.json; `recipe plan`'s estimate is recorded beside it. Results go to
-benchmarks/results/scale-<bench>.json and a table on stdout.
+benchmarks/results/raw/scale-<bench>.json and a table on stdout.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import recipe_engine
 from recipe_engine.evaluation.bench import checkpoint_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "raw"   # raw output (ignored by git)
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0)
 DEPTH = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,

@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child")
-    parser.add_argument("--json", default="benchmarks/results/session_overhead.json")
+    parser.add_argument("--json", default="benchmarks/results/raw/session_overhead.json")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.samples, args.seq_len)))

@@ -11,7 +11,10 @@ windows × 1024 tokens (and zero-shot on ``--tasks`` with the same row limit, if
 
 Run (repository root; resumable: rerunning skips finished rows):
     nice -n 10 python benchmarks/sweep_smollm2.py --out benchmarks/results/sweep_smollm2
-It writes ``sweep.json`` and ``pareto.png`` under ``--out`` and copies the plot to docs/images/.
+It writes ``sweep.json`` and ``pareto.png`` under ``--out`` and copies the plot to docs/images/, and upserts
+this run's rows into the SmolLM2 quality-against-budget table of the committed
+``benchmarks/results/quality_smollm2.json`` (``--no-rows`` to skip); ``python benchmarks/report.py`` then
+re-renders BENCHMARKS.md and its plots.
 """
 from __future__ import annotations
 
@@ -25,6 +28,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ["recipes/shortgpt_smollm2.yaml", "recipes/flatten20_smollm2.yaml",  # cheapest first
            "recipes/shortgpt_linearpatch_smollm2.yaml", "recipes/sleb_smollm2.yaml"]
+#: recipe file → method name in BENCHMARKS.md
+METHODS = {"shortgpt_smollm2.yaml": "ShortGPT", "flatten20_smollm2.yaml": "FlattenGPT (ours)",
+           "shortgpt_linearpatch_smollm2.yaml": "ShortGPT + LinearPatch", "sleb_smollm2.yaml": "SLEB"}
+
+
+def write_rows(rows: list[dict], recipes: list[str], samples: int, eval_limit: int) -> None:
+    """This run's rows (the chosen recipes and the dense baseline) into quality_smollm2.json's ``sweep``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import rowstore
+
+    protocol = "in-domain, small" if (samples, eval_limit) == (16, 8) else \
+        f"in-domain, {samples} calibration windows, {eval_limit} test windows"
+    run = rowstore.run_record()
+    dense = next(r for r in rows if r["recipe"] == "dense")
+    chosen = {Path(r).name for r in recipes}
+    for row in rows:
+        name = Path(row["file"]).name if row["file"] else None
+        if row["recipe"] != "dense" and name not in chosen:
+            continue   # rows of earlier runs keep their own run
+        n = 0 if row["recipe"] == "dense" else next(v for k, v in row["params"].items() if k.split(".")[-1] == "n")
+        rowstore.upsert_model_row(
+            ROOT / "benchmarks" / "results" / "quality_smollm2.json",
+            {"protocol": protocol, "method": "dense" if n == 0 else METHODS.get(name, row["recipe"]), "n": n,
+             "layers": row["layers"], "params_pct": round(100 * row["parameters"] / dense["parameters"], 1),
+             "ppl": {"wikitext2": round(row["ppl"], 2)}},
+            run, section="SmolLM2-135M", order=10, model="smollm2-135m")
 
 
 def main() -> None:
@@ -37,6 +66,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16, help="calibration windows for every recipe")
     parser.add_argument("--recipes", nargs="*", default=RECIPES,
                         help="a subset of the four recipes (rows accumulate in --out; the plot shows all)")
+    parser.add_argument("--no-rows", action="store_true", help="do not write the committed result rows")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch
@@ -55,6 +85,8 @@ def main() -> None:
     print(json.dumps({"shared_work": shared, "wall_s": time.perf_counter() - start}))
     out = Path(args.out)
     (out / "shared_work.json").write_text(json.dumps(shared, indent=2))
+    if not args.no_rows:
+        write_rows(rows, args.recipes, args.samples, args.eval_limit)
     problem = plot(rows, out / "pareto.png")
     if problem:
         sys.exit(problem)

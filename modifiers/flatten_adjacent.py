@@ -69,7 +69,7 @@ def prune_to_config(probe, layer: torch.nn.Module, states: list[torch.Tensor], k
 @torch.no_grad()
 def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None = None,
                          pruned: bool = True, drops: bool = False, fit=None) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    """Greedy adjacent merging decided by the model's loss (issue 11's "decide by the result").
+    """Greedy adjacent merging decided by the model's loss rather than by a similarity proxy.
 
     Blocks start as single layers of ``probe``'s model (a session over the calibration windows to score).
     Each round scores every adjacent pair of blocks by the calibration NLL of the model with that pair
@@ -77,12 +77,12 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
     round-by-round search (Song et al. 2024, §3) with "merge the two blocks" in place of "skip the block".
     ``pruned``: every merged layer — candidate or merged in an earlier round — is pruned back to the
     config's widths (``prune_to_config``) before it is scored, so a candidate is judged as it will end up;
-    else merged layers run unpruned (measured: a poor predictor, docs/flattengpt.md). A round walks the
+    else merged layers run unpruned (measured: a poor predictor, docs/methods/flattengpt.md). A round walks the
     prefix once, keeping each block's input (earlier rounds' blocks are pruned there, on those inputs, and
     reused as they are in every candidate's suffix), and runs every candidate from its own block on.
     ``drops``: a round also scores skipping each unmerged layer but the first and last (SLEB's own move,
-    candidate ``-j``) and takes whichever move, merge or drop, gives the lowest NLL (issue 11's "fall back to
-    dropping a layer when flattening loses", decided by the model's loss); a dropped layer leaves the blocks.
+    candidate ``-j``) and takes whichever move, merge or drop, gives the lowest NLL (a fallback to
+    dropping a layer when flattening loses, decided by the model's loss); a dropped layer leaves the blocks.
     ``fit``: a session over other windows (same model) that merged blocks are pruned on (``score: heldout``):
     a round then walks the prefix over both sets of windows, prunes every merged block on its fit-window
     inputs and scores every candidate on ``probe``'s windows only, so a fitted merge and an unfitted drop are
@@ -186,7 +186,7 @@ def merge_layers(layers: list[torch.nn.Module], adapter) -> torch.nn.Module:
     a fused linear (Phi-3 qkv, gate_up) member by member. Heads keep their order: layer 0's heads, then
     layer 1's, ... Per-head q/k norms (Qwen3) are shared by all heads of a layer, so the merged layer takes
     the mean gain of its sources: exact when they agree, else an approximation (``head_norm_spread``; see
-    docs/flattengpt.md). The source layers are left unchanged.
+    docs/methods/flattengpt.md). The source layers are left unchanged.
     """
     merged = copy.deepcopy(layers[0])
     head_dim = adapter.attention(layers[0]).head_dim
@@ -410,7 +410,7 @@ class FlattenAdjacent(Modifier):
         if adapter is not None and adapter.output_norms:
             raise self.fail(f"{shape.model_type} normalizes each layer's attention and MLP output on its own "
                             f"(post-attention/post-feedforward norms): a parallel sum of such layers is not one "
-                            f"stock layer (best one-norm form: see docs/flattengpt.md)")
+                            f"stock layer (best one-norm form: see docs/methods/flattengpt.md)")
         blocks = symbolic_blocks(shape.num_layers, self.merges_for(shape.num_layers))
         shape.layers = [LayerShape(sum(shape.layers[i].num_heads for i in block),
                                    sum(shape.layers[i].num_kv_heads for i in block),

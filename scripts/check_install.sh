@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Clean-install check (issue 16): a non-editable `pip install .` into a fresh venv, used from outside the
+# Clean-install check: a non-editable `pip install .` into a fresh venv, used from outside the
 # repository, lists every built-in modifier, runs a FlattenGPT recipe on smollm2-135m and installs no
 # top-level name but ours. Usage: bash scripts/check_install.sh [venv dir] (default /tmp/recipe-install-check).
 set -euo pipefail

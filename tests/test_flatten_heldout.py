@@ -1,4 +1,4 @@
-"""Issue-11 options of NystromMLP (channel choice by output energy, no Theorem 3.1 refit), against
+"""Held-out options of NystromMLP (channel choice by output energy, no Theorem 3.1 refit), against
 independent references built from the merged layer's own activations (hooks)."""
 import copy
 

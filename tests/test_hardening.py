@@ -1,4 +1,4 @@
-"""Issue 14: every failure is one line (exit 2), caught before the expensive work, and leaves nothing behind.
+"""Hardening: every failure is one line (exit 2), caught before the expensive work, and leaves nothing behind.
 
 In-process calls of the CLI's ``main`` on a tiny random model saved to a temporary directory.
 """

@@ -1,4 +1,4 @@
-"""Property test of the CLI (issue 14): mutated recipes and arguments never give a traceback.
+"""Property test of the CLI: mutated recipes and arguments never give a traceback.
 
 Each example mutates a valid recipe (a value's type, an unknown or misspelled key, a duplicated key, a
 YAML tag, the text encoding, truncation) or the command line (``--set`` paths and values, ``--output``,
