@@ -274,58 +274,29 @@ def test_percent_budget_validates_and_runs_like_the_count(tmp_path, name):
 
 
 def test_depth20_auto_validates_on_every_shipped_model_config():
-    """The auto recipe moves to each shipped model by --model alone: 20 % of 30 / 24 / 18 layers."""
+    """The auto recipe moves to each shipped model by --model alone: 20 % of 30 / 24 / 18 layers. Qwen2.5-0.5B
+    and Gemma-3-270M: their published configs (reading them from the builtin GGUFs takes ~30 s each); on
+    Gemma 3 the FlattenGPT alternative is refused and skipped, the others validate."""
     from pathlib import Path
+
+    from transformers import Gemma3TextConfig, Qwen2Config
 
     from recipe_engine.models import load_config
     from recipe_engine.recipe_io import load_recipe
 
+    configs = {
+        "qwen2.5-0.5b": lambda: Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                            num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                            tie_word_embeddings=True),
+        "gemma3-270m": lambda: Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                                num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                                vocab_size=262144, sliding_window=512),
+        "smollm2-135m": lambda: load_config("smollm2-135m")}
     path = Path(__file__).resolve().parents[1] / "recipes" / "depth20_auto.yaml"
-    for model, layers in [("smollm2-135m", 24), ("qwen2.5-0.5b", 19), ("gemma3-270m", 14)]:
+    for model, layers in [("qwen2.5-0.5b", 19), ("gemma3-270m", 14), ("smollm2-135m", 24)]:
         try:
-            config = load_config(model)
+            config = configs[model]()
         except RecipeError as exc:
             pytest.skip(f"{model}: {exc.detail}")
         recipe = load_recipe(str(path), [f"model={model}"]).recipe
         assert check_against_config(recipe, config).num_layers == layers
-
-
-def test_a_run_killed_after_best_of_resumes_with_the_winner(tmp_path):
-    """SIGKILLed between BestOf and the next step, ``--resume`` does not run the alternatives again: the
-    resumed run starts after BestOf's group, keeps its record, restores the winner (and its LinearPatch
-    extras) and writes the same bytes as an uninterrupted run."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import yaml
-
-    from tests.helpers import save_tiny_model
-    from tests.test_resume import ENV, sha256
-
-    save_tiny_model(tmp_path / "model", num_hidden_layers=6)
-    (tmp_path / "cal.txt").write_text("The quick brown fox jumps over the lazy dog. " * 100)
-    steps = [{"BestOf": {"alternatives": [["ShortGPT<n:2>", "LinearPatch"], ["SLEB<n:2>", "LinearPatch"]]}},
-             "PauseStep", "GPTQ<group_size:32>"]
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
-        "version": 1, "name": "best", "model": str(tmp_path / "model"), "output": str(tmp_path / "out" / "x"),
-        "modifiers": steps, "calibration": {"dataset": str(tmp_path / "cal.txt"), "samples": 8, "seq_len": 32,
-                                            "batch_size": 2}}))
-
-    def apply(name, *extra):
-        return {"name": name, "argv": ["apply", str(tmp_path / "recipe.yaml"), "--output",
-                                       str(tmp_path / "out" / name.split("_")[0]), "--quiet", *extra]}
-
-    cases = [apply("reference"), {**apply("killed_run"), "pause": "step", "then": [apply("killed_resume", "--resume")]}]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    driver = Path(__file__).with_name("resume_driver.py")
-    subprocess.run([sys.executable, str(driver), str(tmp_path / "cases.json")], env=ENV, check=True, timeout=600)
-    assert (tmp_path / "killed_run.rc").read_text() == "-9"
-    assert (tmp_path / "killed_resume.rc").read_text() == "0", (tmp_path / "killed_resume.err").read_text()
-    reference = json.loads((tmp_path / "out" / "reference" / "report.json").read_text())
-    resumed = json.loads((tmp_path / "out" / "killed" / "report.json").read_text())
-    assert resumed["resumed"] == {"group": 1, "layer": None}
-    assert resumed["steps"][0]["result"]["chosen"] == reference["steps"][0]["result"]["chosen"]
-    assert resumed["calibration_layer_runs"] < reference["calibration_layer_runs"]  # no alternative ran again
-    for name in ("model.safetensors", "recipe_extras.safetensors"):
-        assert sha256(tmp_path / "out" / "killed" / name) == sha256(tmp_path / "out" / "reference" / name)
