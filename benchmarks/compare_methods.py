@@ -69,6 +69,14 @@ LORA = {"max_samples": 256, "seq_len": 256, "epochs": 1, "batch_size": 16, "micr
 ALPACA = str((data_dir() or Path(__file__).resolve().parents[2] / "shared" / "data") / "alpaca" / "alpaca_small.json")
 
 
+def auto_steps(n: int) -> list:
+    """The steps of ``recipes/depth20_auto.yaml`` with its budget ``20%`` replaced by the count ``n``."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "depth20_auto.yaml"
+    return json.loads(json.dumps(yaml.safe_load(path.read_text())["modifiers"]).replace("20%", str(n)))
+
+
 def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
     """name → (modifiers, calibration overrides)."""
     flatten = ["FuseNorm", {"FlattenAdjacent": {"n": n}}]
@@ -94,14 +102,24 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "FlattenGPT+LoRA distill": (defaults + [{"LoRARecovery": {**LORA, "dataset": "wikipedia-sample",
                                                                   "distill": True}}], {}),
         # the merges chosen by calibration NLL (SLEB-style rounds), not by input cosine
-        "FlattenGPT nll": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll"}}, "HeadPrune",
-                           "NystromMLP"], {}),
-        "FlattenGPT nll merged": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll",
+        # (score: insample: the rows recorded before held-out scoring became the default)
+        "FlattenGPT nll": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "score": "insample"}},
+                            "HeadPrune", "NystromMLP"], {}),
+        "FlattenGPT nll merged": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "score": "insample",
                                                                     "candidates": "merged"}}, "HeadPrune",
                                    "NystromMLP"], {}),
         # each round merges a pair or drops a layer, whichever gives the lower NLL
-        "FlattenGPT nll+drops": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True}},
+        "FlattenGPT nll+drops": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True,
+                                                                   "score": "insample"}},
                                  "HeadPrune", "NystromMLP"], {}),
+        # merges pruned on fit windows, every move scored on held-out score windows (docs/methods/bestof.md)
+        "FlattenGPT nll+drops heldout": (["FuseNorm", {"FlattenAdjacent": {"n": n, "selection": "nll", "drops": True,
+                                                                           "score": "heldout"}},
+                                         "HeadPrune", "NystromMLP"], {}),
+        # SLEB scored on 8 × 128 tokens of the calibration, LinearPatch fitted on all of it
+        "SLEB+LinearPatch": ([{"SLEB": {"n": n, "search_samples": 8, "search_length": 128}}, "LinearPatch"], {}),
+        # recipes/depth20_auto.yaml with its 20 % replaced by n: BestOf by held-out calibration NLL
+        "auto (depth20_auto)": (auto_steps(n), {}),
         # NystromMLP variants on top of the defaults: its target, cross-validated λ_t, the fallback to dropping
         "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "target": "merged"}}], {}),
         "FlattenGPT +cv": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "target_scales": CV_SCALES}}], {}),

@@ -11,7 +11,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine.api import ADAPTERS, LayerShape, ModelShape, Modifier, register, replace_linear
+from recipe_engine.api import (ADAPTERS, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier, budget_field,
+                               heldout_split, register, replace_linear)
 
 
 def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]], list[float]]:
@@ -67,7 +68,7 @@ def prune_to_config(probe, layer: torch.nn.Module, states: list[torch.Tensor], k
 
 @torch.no_grad()
 def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None = None,
-                         pruned: bool = True, drops: bool = False) -> tuple[list[list[int]], list[dict[str, Any]]]:
+                         pruned: bool = True, drops: bool = False, fit=None) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """Greedy adjacent merging decided by the model's loss rather than by a similarity proxy.
 
     Blocks start as single layers of ``probe``'s model (a session over the calibration windows to score).
@@ -82,6 +83,10 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
     ``drops``: a round also scores skipping each unmerged layer but the first and last (SLEB's own move,
     candidate ``-j``) and takes whichever move, merge or drop, gives the lowest NLL (a fallback to
     dropping a layer when flattening loses, decided by the model's loss); a dropped layer leaves the blocks.
+    ``fit``: a session over other windows (same model) that merged blocks are pruned on (``score: heldout``):
+    a round then walks the prefix over both sets of windows, prunes every merged block on its fit-window
+    inputs and scores every candidate on ``probe``'s windows only, so a fitted merge and an unfitted drop are
+    judged on windows neither was fitted on; None: pruned on the scored windows themselves (in-sample).
     Returns the blocks and, per round, the merged block (or the dropped one), its NLL and every
     candidate's. ``rounds`` (extended in place) are earlier rounds to start from: a greedy search for fewer
     merges is a prefix of one for more (a sweep over ``n`` shares them).
@@ -90,13 +95,16 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
     # in memory, a block built on an unchanged prefix is reused in later rounds (same inputs: same layer)
     built: dict[tuple, torch.nn.Module] | None = {} if probe.stream is None else None
 
+    fitter = probe if fit is None else fit
+
     def build(prefix: list[list[int]], block: list[int], states: list[torch.Tensor], kwargs_list) -> torch.nn.Module:
+        """The merged ``block`` on ``prefix``, pruned on ``states`` (``fitter``'s windows)."""
         key = (tuple(map(tuple, prefix)), tuple(block))
         if built is not None and key in built:
             return built[key]
         with probe.loaded(*block):
             merged = merge_layers([layers[i] for i in block], probe.adapter)
-        module = prune_to_config(probe, merged, states, kwargs_list) if pruned else merged
+        module = prune_to_config(fitter, merged, states, kwargs_list) if pruned else merged
         if built is not None:
             built[key] = module
         return module
@@ -120,16 +128,20 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
         if built is not None:  # forget blocks built on a prefix that has changed
             built = {key: m for key, m in built.items() if [list(b) for b in key[0]] == blocks[: len(key[0])]}
         states, kwargs_list = probe.capture_inputs()
-        block_inputs, modules = [], []
+        # the fitting windows' states (the scored ones themselves when in-sample)
+        fit_states, fit_kwargs = fit.capture_inputs() if fit is not None else (states, kwargs_list)
+        block_inputs, fit_inputs, modules = [], [], []
         for j, block in enumerate(blocks):
             block_inputs.append(states)
-            modules.append(build(blocks[:j], block, states, kwargs_list) if len(block) > 1 else None)
+            fit_inputs.append(fit_states)
+            modules.append(build(blocks[:j], block, fit_states, fit_kwargs) if len(block) > 1 else None)
             if j < len(blocks) - 1:
                 states = run(block, modules[-1], states, kwargs_list)
+                fit_states = states if fit is None else run(block, modules[-1], fit_states, fit_kwargs)
         scores: dict[tuple[int, str], float] = {}  # (block index, "merge" | "drop") → NLL
         for j in range(len(blocks) - 1):
             candidate = blocks[j] + blocks[j + 1]
-            merged = build(blocks[:j], candidate, block_inputs[j], kwargs_list)
+            merged = build(blocks[:j], candidate, fit_inputs[j], fit_kwargs)
             states = run(candidate, merged, block_inputs[j], kwargs_list)
             for block, module in zip(blocks[j + 2:], modules[j + 2:]):
                 states = run(block, module, states, kwargs_list)
@@ -298,14 +310,16 @@ class FlattenAdjacent(Modifier):
     config (``candidates: pruned``: ``prune_to_config``) or left unpruned, gives
     the lowest NLL on the first ``search_samples`` × ``search_length`` calibration tokens); with ``drops``
     a round may instead drop an unmerged layer (SLEB's move) when that gives the lower NLL, so fewer
-    (or no) layers end up merged and the report lists ``dropped``. About
+    (or no) layers end up merged and the report lists ``dropped``. ``score: heldout`` (default) prunes the
+    candidates on fit windows and scores them on held-out score windows (``recipe_engine.split``; one more
+    prefix walk per round), ``insample`` on the same first windows (docs/best_of.md). About
     ``n × layers² / 2`` layer runs of those tokens, ``n × layers`` ``lm_head`` passes and, pruned, as many
     prunes (each an ``o_proj`` and a ``down_proj`` Gram solve of the merged width).
     """
 
-    n: int | None = Field(None, ge=1, description="number of merges (layers removed)")
+    n: LayerBudget | None = budget_field(None, "number of merges (layers removed)")
     sparsity: float | None = Field(None, gt=0, lt=1, description="fraction of layers to remove")
-    target_layers: int | None = Field(None, ge=1, description="number of layers to keep")
+    target_layers: LayerBudget | None = budget_field(None, "number of layers to keep")
     similarity_tokens: int = Field(4096, ge=1, description="token positions sampled for S (memory bound)")
     seed: int = Field(0, description="seed of the token subsample")
     selection: Literal["similarity", "nll"] = Field(
@@ -320,6 +334,11 @@ class FlattenAdjacent(Modifier):
                                            "first and last (SLEB's move) and take the better move each round")
     search_length: int | None = Field(None, ge=2, description="selection nll: tokens scored per window, its "
                                                               f"start (None: min({SEARCH_LENGTH}, seq_len))")
+    score: Literal["heldout", "insample"] = Field(
+        "heldout", description="selection nll: prune candidates on fit windows and score them on held-out score "
+                               "windows (recipe_engine.split), or prune and score on the same first windows")
+    score_fraction: float = Field(SCORE_FRACTION, gt=0, lt=1, description="selection nll, score heldout: share "
+                                                                          "of the calibration windows held out")
 
     calibration_passes = 1
     streams = True
@@ -328,8 +347,16 @@ class FlattenAdjacent(Modifier):
     needs = ("input cosine similarity of every layer pair",)
 
     def passes(self, shape: ModelShape) -> int:
-        """Similarity: one pass. NLL: one per round (the prefix), candidates resume from kept inputs."""
-        return self.merges_for(shape.num_layers) if self.selection == "nll" else 1
+        """Similarity: one pass. NLL: one per round (the prefix), candidates resume from kept inputs; with
+        ``score: heldout`` and pruned candidates, a second per round (the prefix over the fit windows)."""
+        if self.selection != "nll":
+            return 1
+        return self.merges_for(shape.num_layers) * (2 if self.fits_on_other_windows else 1)
+
+    @property
+    def fits_on_other_windows(self) -> bool:
+        """Whether candidates are pruned on fit windows that are not the scored ones."""
+        return self.score == "heldout" and self.candidates == "pruned"
 
     def check_calibration(self, calibration) -> None:
         if self.selection != "nll":
@@ -337,6 +364,9 @@ class FlattenAdjacent(Modifier):
                 raise self.fail("drops: true needs selection: nll (the moves are compared by calibration NLL)",
                                 field="drops")
             return
+        if self.score == "heldout" and calibration.samples < 2:
+            raise self.fail("score: heldout needs at least 2 calibration windows (fit and score); "
+                            "use score: insample", field="score")
         if self.search_samples is not None and self.search_samples > calibration.samples:
             raise self.fail(f"search_samples={self.search_samples} exceeds calibration.samples="
                             f"{calibration.samples}", field="search_samples")
@@ -348,6 +378,15 @@ class FlattenAdjacent(Modifier):
         """Windows and tokens per window that ``selection: nll`` scores (defaults: at most
         ``SEARCH_SAMPLES × SEARCH_LENGTH``)."""
         return (self.search_samples or min(SEARCH_SAMPLES, samples), self.search_length or min(SEARCH_LENGTH, seq_len))
+
+    def search_windows(self, samples: int, seed: int, count: int) -> tuple[list[int], list[int]]:
+        """``selection: nll``: indices of the windows candidates are scored on and fitted on, at most
+        ``count`` each. ``heldout``: the first ``count`` score and fit windows of
+        ``heldout_split(samples, seed, score_fraction)``; ``insample``: the first ``count`` windows, both."""
+        if self.score == "insample":
+            return list(range(count)), list(range(count))
+        split = heldout_split(samples, seed, self.score_fraction)
+        return list(split.score[:count]), list(split.fit[:count])
 
     def merges_for(self, num_layers: int) -> int:
         """Resolve ``n`` / ``sparsity`` / ``target_layers`` against the current layer count."""
@@ -390,7 +429,8 @@ class FlattenAdjacent(Modifier):
             # pruned: the kept pruned blocks, and NystromMLP's fp64 Gram of a merged pair (wider blocks: more)
             pruning = (merges * widest * 4 + 8 * (2 * shape.intermediate_size) ** 2
                        if self.candidates == "pruned" else 0)
-            return 4 * (shape.num_layers * probe_tokens * shape.hidden_size + (merges + 1) * widest) + pruning
+            kept = 2 if self.fits_on_other_windows else 1  # heldout: block inputs over fit and score windows
+            return 4 * (kept * shape.num_layers * probe_tokens * shape.hidden_size + (merges + 1) * widest) + pruning
         sampled = min(self.similarity_tokens, tokens)
         if shape.streamed:
             return (sampled + shape.num_layers * min(256, sampled)) * shape.hidden_size * 4
@@ -428,10 +468,13 @@ class FlattenAdjacent(Modifier):
         rounds = None
         if self.selection == "nll":
             samples, length = self.search_window(*session.calibration.shape)
-            probe = session.sibling(session.model, session.stream, session.calibration[:samples, :length])
+            scored, fitted = self.search_windows(session.calibration.shape[0], session.config.seed, samples)
+            probe = session.sibling(session.model, session.stream, session.windows(scored)[:, :length])
+            fit = (session.sibling(session.model, session.stream, session.windows(fitted)[:, :length])
+                   if self.fits_on_other_windows else None)
             rounds = session.shared(self, "FlattenAdjacent NLL rounds", list)
             blocks, rounds = select_blocks_by_nll(probe, merges, rounds, pruned=self.candidates == "pruned",
-                                                  drops=self.drops)
+                                                  drops=self.drops, fit=fit)
             rounds = rounds[:merges]
             similarity, scores = None, [r["nll"] for r in rounds]
         else:
@@ -463,4 +506,6 @@ class FlattenAdjacent(Modifier):
             report["similarity"] = similarity.tolist()
         if rounds is not None:
             report["rounds"] = rounds
+            report["search"] = {"score": self.score, "score_windows": scored, "tokens_per_window": length,
+                                "fit_windows": fitted if self.fits_on_other_windows else scored}
         return report

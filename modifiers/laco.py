@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from pydantic import ConfigDict, Field
 
-from recipe_engine.api import Modifier, RecipeError, Session, register
+from recipe_engine.api import LayerBudget, Modifier, RecipeError, Session, budget_field, register
 
 from ._depth import require_uniform, token_mask
 
@@ -105,7 +105,7 @@ class LaCo(Modifier):
                                                                 "exclusive); null: all layers (the paper's H = layer count)")
     interval: int = Field(2, ge=1, alias="I", description="I: minimum interval between two merge bases")
     threshold: float = Field(0.65, ge=-1, le=1, alias="T", description="T: similarity threshold (lower merges more)")
-    target_layers: int | None = Field(None, ge=1, description="search T for this many layers instead")
+    target_layers: LayerBudget | None = budget_field(None, "search T for this many layers instead")
     search_steps: int = Field(10, ge=1, description="bisection steps of the T search (with target_layers)")
     samples: int = Field(10, ge=1, description="few-shot sentences D: the first N calibration windows")
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine.api import Modifier, RecipeError, adapter_for, register, rotation, top_k_kl
+from recipe_engine.api import LayerBudget, Modifier, RecipeError, adapter_for, budget_field, register, rotation, top_k_kl
 
 from ._depth import drop_symbolic, require_uniform, token_mask
 
@@ -170,7 +170,7 @@ class LinearPatch(Modifier):
     example = ("ShortGPT<n:1>", "LinearPatch")
 
     select: Literal["contiguous"] | None = Field(None, description="remove n contiguous layers first (Eq. 2)")
-    n: int | None = Field(None, ge=1, description="layers to remove with select: contiguous")
+    n: LayerBudget | None = budget_field(None, "layers to remove with select: contiguous")
     merged_as: Literal["base", "span"] = Field("base", description="what a merged layer's output stands for")
     seed: int = Field(0, description="seed of the random orthogonal H when no Hadamard matrix is known")
     tune: Tune | None = Field(None, description="distil P with KL on the teacher's top-K logits")

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from recipe_engine.api import Modifier, RecipeError, register
+from recipe_engine.api import LayerBudget, Modifier, RecipeError, budget_field, register
 
 from ._depth import drop_symbolic, require_uniform, token_mask
 
@@ -50,7 +50,7 @@ class ShortGPT(Modifier):
     shared_ignores = ("n",)  # the scores come before the count
     needs = ("per-token cosine between every layer's input and output",)
 
-    n: int = Field(1, ge=1, description="number of layers to remove (paper: 9 of 32 on Llama-2-7B)")
+    n: LayerBudget = budget_field(1, "number of layers to remove (paper: 9 of 32 on Llama-2-7B)")
 
     def check(self, shape) -> None:
         if self.n >= shape.num_layers:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
-from recipe_engine.api import Modifier, register
+from recipe_engine.api import LayerBudget, Modifier, budget_field, register
 
 from ._depth import drop_symbolic, require_uniform
 
@@ -22,17 +22,29 @@ class SLEB(Modifier):
     Round r evaluates ``NLL(model without removed ∪ {j})`` for every remaining j except the first and the
     last block, removes the argmin (ties: lowest index), and re-scores in the next round (SLEB's
     iterative elimination: the metric is recomputed after every removal). About ``n × layers``
-    calibration NLL passes: keep the calibration small.
+    calibration NLL passes: keep the calibration small, or score only its first ``search_samples`` windows
+    × ``search_length`` tokens (the other windows are then left for later steps to fit on).
     """
 
     streams = True
     needs = ("calibration NLL with each remaining block skipped, re-measured after every removal",)
 
-    n: int = Field(1, ge=1, description="number of blocks to remove (paper: 20% of the blocks)")
+    n: LayerBudget = budget_field(1, "number of blocks to remove (paper: 20% of the blocks)")
+    search_samples: int | None = Field(None, ge=1, description="calibration windows scored, the first ones "
+                                                               "(None: all)")
+    search_length: int | None = Field(None, ge=2, description="tokens scored per window, its start (None: all)")
 
     def passes(self, shape) -> int:
         """Round r scores every remaining block but the first and last: ``Σ_{r<n} (layers − 2 − r)``."""
         return sum(shape.num_layers - 2 - r for r in range(self.n))
+
+    def check_calibration(self, calibration) -> None:
+        if self.search_samples is not None and self.search_samples > calibration.samples:
+            raise self.fail(f"search_samples={self.search_samples} exceeds calibration.samples="
+                            f"{calibration.samples}", field="search_samples")
+        if self.search_length is not None and self.search_length > calibration.seq_len:
+            raise self.fail(f"search_length={self.search_length} exceeds calibration.seq_len="
+                            f"{calibration.seq_len}", field="search_length")
 
     def check(self, shape) -> None:
         if self.n > shape.num_layers - 2:
@@ -48,9 +60,13 @@ class SLEB(Modifier):
         recomputing the prefix for every ``n``."""
         rounds: list[tuple[int, dict[str, Any]]] = session.shared(self, "SLEB rounds", list)
         last = len(session.layers) - 1
+        samples, length = session.calibration.shape
+        probe = session if self.search_samples is None and self.search_length is None else session.sibling(
+            session.model, session.stream,
+            session.calibration[: self.search_samples or samples, : self.search_length or length])
         while len(rounds) < self.n:
             removed = [index for index, _ in rounds]
-            scores = {j: session.calibration_nll(skip=tuple(removed) + (j,))
+            scores = {j: probe.calibration_nll(skip=tuple(removed) + (j,))
                       for j in range(1, last) if j not in removed}
             best = min(scores, key=lambda j: (scores[j], j))
             rounds.append((best, {"removed": list(session.layer_origin[best]), "nll": scores[best],

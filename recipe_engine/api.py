@@ -15,8 +15,20 @@ any private name); the session it receives is used through its public methods an
   held-out ridge scale, :func:`set_linear_weight`, :func:`submatrix`.
 * Transforms: :func:`rotation` (Hadamard / orthogonal), :class:`Grid` (the quantization grid),
   :func:`fold_norm_into` (norm folding), :func:`top_k_kl` (top-k distillation loss).
-* Data: :func:`load_text`, :func:`tokenize`.
+* Data: :func:`load_text`, :func:`tokenize`; the fit / score split of the calibration windows
+  (:func:`heldout_split`, :class:`WindowSplit`; ``Session.windows``).
+* Budgets: :data:`LayerBudget` / :func:`budget_field` (a count or a percentage of the model's layers,
+  resolved by the engine before a step sees it).
+* Steps inside a step (a combinator): :func:`parse_step`, :func:`step_to_dict`, :func:`check_steps` (the
+  recipe's validation rules on a shape), :func:`steps_passes`, ``Session.branch`` / ``run_steps`` /
+  ``adopt`` / ``current_shape``, :class:`SharedWork` (work shared between branches over the same windows).
 """
+from .budget import LayerBudget, budget_field
+from .memo import SharedWork
+from .plan import steps_passes
+from .schema import parse_step, step_to_dict
+from .split import SCORE_FRACTION, WindowSplit, heldout_split
+from .validate import check_steps
 from .adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, replace_linear, roles_problem
 from .data import load_text, tokenize
 from .errors import RecipeError
@@ -33,7 +45,8 @@ from .shape import LayerShape, ModelShape
 from .staged import StagedLayer
 from .stats import InputCovariance, Statistic, position
 
-__all__ = ["ADAPTERS", "UNFUSED_ROLES", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
+__all__ = ["LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
+           "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
            "Session", "StagedLayer", "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
            "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
            "refit_error", "register",

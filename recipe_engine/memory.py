@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .schema import Recipe
 from .shape import ModelShape
+from .validate import bound_steps
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -92,7 +93,7 @@ def output_bytes(recipe: Recipe, config) -> int:
     """Bytes of the checkpoint the recipe writes: the model after every step's shape change (fewer,
     narrower layers), in the recipe's dtype; a packed quantized export is counted unpacked (an upper bound)."""
     shape = ModelShape.from_config(config)
-    for step in recipe.modifiers:
+    for step in bound_steps(recipe, config):
         step.check(shape)
     return shape_bytes(shape, DTYPE_BYTES[recipe.dtype])
 
@@ -109,7 +110,7 @@ def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None)
 
     whole = shape_bytes(shape, width)
     steps = []
-    for step in recipe.modifiers:
+    for step in bound_steps(recipe, config):
         largest = max(shape.layer_parameters(layer) for layer in shape.layers) * width
         if not streamed:
             held = shape_bytes(shape, width)

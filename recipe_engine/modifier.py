@@ -45,6 +45,9 @@ class Modifier(StrictParameters):
     #: ``session.using``); otherwise the engine materializes the whole model around it (``recipe plan``
     #: says so). Layer-scope steps act on the layer the pass has loaded.
     streams: ClassVar[bool] = False
+    #: Why this step cannot run on a streamed model, or None when it can (with ``streams`` or materialized):
+    #: ``recipe apply`` refuses a streamed run of such a step before any weight is loaded.
+    refuses_streaming: ClassVar[str | None] = None
     #: True for steps whose output packs weights on a quantization grid (a later weight change is a
     #: validation error: it would fail when packing).
     quantizes: ClassVar[bool] = False

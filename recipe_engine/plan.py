@@ -10,6 +10,7 @@ from .errors import RecipeError
 from .runner import group_steps
 from .schema import Recipe
 from .shape import ModelShape
+from .validate import bound_steps
 
 
 Passes = tuple[int, int]
@@ -24,7 +25,8 @@ def plan_rows(recipe: Recipe, config=None) -> tuple[list[tuple[str, str, str, st
     """
     shape = ModelShape.from_config(config) if config is not None else None
     counts: list[Passes | None] = []
-    for index, step in enumerate(recipe.modifiers):
+    steps = recipe.modifiers if config is None else bound_steps(recipe, config)
+    for index, step in enumerate(steps):
         if shape is None:
             counts.append(None)
             continue
@@ -35,7 +37,7 @@ def plan_rows(recipe: Recipe, config=None) -> tuple[list[tuple[str, str, str, st
         except RecipeError as exc:
             raise exc.located(step=index, modifier=step.step_name()) from None
     rows, total = [], (0, 0)
-    for group in group_steps(recipe.modifiers):
+    for group in group_steps(steps):
         members = [counts[index] for index, _ in group]
         passes = None if None in members else (max(c[0] for c in members), max(c[1] for c in members))
         total = None if passes is None or total is None else (total[0] + passes[0], total[1] + passes[1])
@@ -45,6 +47,20 @@ def plan_rows(recipe: Recipe, config=None) -> tuple[list[tuple[str, str, str, st
             rows.append((f"{index} {step.step_name()}", step.scope, ", ".join(step.needs) or "-",
                          text if position == 0 else "↑ same pass"))
     return rows, total
+
+
+def steps_passes(steps: list, shape: ModelShape) -> Passes:
+    """Calibration passes of ``steps`` run in order from ``shape`` (which is updated as each step's
+    ``check`` leaves it): consecutive layer-scope steps share one pass group (its count: the largest)."""
+    total = (0, 0)
+    for group in group_steps(list(steps)):
+        counts = []
+        for _, step in group:
+            count = step.passes(shape)
+            counts.append((count, count) if isinstance(count, int) else tuple(count))
+            step.check(shape)
+        total = (total[0] + max(c[0] for c in counts), total[1] + max(c[1] for c in counts))
+    return total
 
 
 def format_passes(passes: Passes | None) -> str:

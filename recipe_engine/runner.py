@@ -31,6 +31,7 @@ from .memory import PeakWatch, current_rss, estimate
 from .resume import discard_on_error
 from .session import Session
 from .streaming import attach_stream, exceeds_memory
+from .validate import bound_steps
 
 
 def group_steps(steps: list[Modifier]) -> list[list[tuple[int, Modifier]]]:
@@ -94,6 +95,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     cal = recipe.calibration
     texts = _located(lambda: load_calibration(cal), file)
     config = check_recipe(recipe, file, model.config if model is not None else None)[0]
+    steps = bound_steps(recipe, config, file)  # percentages of layers resolved against this model
     in_memory = model is not None
     if resume and (in_memory or not write or not keep_checkpoints):
         why = "a model passed in memory" if in_memory else "write=False" if not write else "--no-checkpoints"
@@ -102,6 +104,10 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         check_free_space(recipe, config, file, resume_checkpoints=not in_memory and keep_checkpoints)
     device = parallel.device
     streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
+    refusing = next(((i, step) for i, step in enumerate(steps) if streamed and step.refuses_streaming), None)
+    if refusing is not None:
+        raise RecipeError(f"cannot run streamed: {refusing[1].refuses_streaming} (set stream: off)", file=file,
+                          step=refusing[0], modifier=refusing[1].step_name(), field="stream")
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
                               "rank": parallel.rank, "ranks": parallel.world}
@@ -139,11 +145,12 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
             from .evaluation import evaluate_session
 
             report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
-        report["steps"] = run_steps(session, recipe.modifiers, bar, watch, plan, checkpoints, report)
+        report["steps"] = run_steps(session, steps, bar, watch, plan, checkpoints, report)
         _check_uniform(session)
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
                            "layer_origin": [list(o) for o in session.layer_origin]}
-        report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers)
+        # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
+        report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not session.extras
         gate = None
         if recipe.evaluate is not None:
             from .evaluation import evaluate_session, retained

@@ -195,6 +195,8 @@ def parse_step(raw: Any, index: int) -> Modifier:
         return cls.model_validate(params)
     except ValidationError as exc:
         raise _field_error(exc, cls, index) from None
+    except RecipeError as exc:  # a step's own validator (e.g. of steps nested in it) raised a located error
+        raise exc.located(step=index, modifier=cls.__name__) from None
 
 
 def _field_error(exc: ValidationError, cls: type[BaseModel], index: int | None) -> RecipeError:

@@ -9,6 +9,7 @@ before it; with ``original`` from the layers as they were when the pass started.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import tempfile
 import time
@@ -20,11 +21,11 @@ from torch import nn
 
 from .adapters import LAYER_TYPE_KWARGS, ArchitectureAdapter
 from .distributed import Parallel, module_digest
-from .modifier import LayerModifier
+from .modifier import LayerModifier, Modifier
 from .progress import Progress
 from .quantization import Grid, QuantizedLinear
 from .schema import CalibrationConfig
-from .shape import WIDTH_INDEX, WidthPart
+from .shape import WIDTH_INDEX, LayerShape, ModelShape, WidthPart
 from .stats import Statistic, change_position
 from .streaming import WeightStream
 
@@ -81,6 +82,8 @@ class Session:
         cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layer_origin: list[tuple[int, ...]] = [(i,) for i in range(cfg.num_hidden_layers)]
+        #: Decoder layers of the model the run started from (``layer_origin`` indexes into them).
+        self.original_layers = cfg.num_hidden_layers
         self.extras: list[dict[str, Any]] = []
         self.artifacts: dict[str, bytes] = {}
         #: Linears a quantizing step recorded; the engine's writer packs them (``mark_quantized``).
@@ -171,6 +174,58 @@ class Session:
         return Session(model, self.tokenizer, self.adapter,
                        self.calibration if calibration is None else calibration, self.config, self.device,
                        self.progress, stream=stream, parallel=self.parallel, passes=self.passes)
+
+    # -- branches: alternatives run side by side (a step choosing between them) -------------
+    def windows(self, indices) -> torch.Tensor:
+        """The calibration windows at ``indices`` (e.g. a :class:`~recipe_engine.split.WindowSplit`'s)."""
+        return self.calibration[list(indices)]
+
+    def current_shape(self) -> ModelShape:
+        """The symbolic shape of the model as it is now (widths read from the weights, ``layer_origin``),
+        for checking steps against the model mid-run."""
+        shape = ModelShape.from_config(self.model.config)
+        shape.original_layers = self.original_layers
+        shape.layers = [LayerShape(*self.adapter.layer_widths(layer, self.head_dim)[:3], tuple(origin))
+                        for layer, origin in zip(self.layers, self.layer_origin)]
+        shape.streamed = self.stream is not None
+        return shape
+
+    def branch(self, calibration: torch.Tensor, memo=None) -> "Session":
+        """A session over a CPU copy of the model as it is now, calibrated on ``calibration``: steps run
+        on it (``run_steps``) leave this session untouched until :meth:`adopt`. It shares the pass counter,
+        device and progress; its reference model (``reference_session``) is this session's, over the same
+        ``calibration`` windows; ``memo`` (a ``SharedWork``) shares work between branches over the same
+        windows. In-memory models only (a streamed model has no second copy to branch into)."""
+        if self.stream is not None:
+            raise RuntimeError("a streamed session cannot branch (its weights live in one staged copy)")
+        branch = self.sibling(copy.deepcopy(self.model).to("cpu"), None, calibration)
+        branch.layer_origin, branch.original_layers = list(self.layer_origin), self.original_layers
+        branch.completed_steps = list(self.completed_steps)
+        branch.memo = memo
+        if self._reference_loader is not None or self._reference is not None:
+            branch._reference_loader = lambda: (lambda ref: ref.sibling(ref.model, ref.stream, calibration))(
+                self.reference_session())
+        return branch
+
+    def run_steps(self, steps: list[Modifier]) -> list[dict[str, Any]]:
+        """Run recipe steps on this session as a recipe would (consecutive layer steps share a pass);
+        returns their report records (no resume checkpoints)."""
+        from .runner import run_steps
+
+        return run_steps(self, list(steps), self.progress)
+
+    def adopt(self, branch: "Session") -> None:
+        """Make this session's model the branch's: its modules (with any hooks on them), config, layer
+        origins, extras, artifacts and quantization records move over; the model object stays the same."""
+        for name, child in list(branch.model.named_children()):
+            setattr(self.model, name, child)
+        self.model.config = branch.model.config
+        self.layer_origin = list(branch.layer_origin)
+        self.extras = list(branch.extras)
+        self.artifacts.update(branch.artifacts)
+        self.quantized.update(branch.quantized)
+        self.layer_runs += branch.layer_runs
+        self.layer_batches += branch.layer_batches
 
     # -- execution primitives ----------------------------------------------------------------
     @property

@@ -191,15 +191,16 @@ def test_nll_selection_equals_brute_force_greedy(model_type):
     original = copy.deepcopy(model)
     tokens = random_tokens(4, 24, seed=5)
     session = make_session(model, tokens)
-    report = FlattenAdjacent(n=3, selection="nll", candidates="merged", search_samples=3,
-                             search_length=16).apply(session)
+    step = FlattenAdjacent(n=3, selection="nll", candidates="merged", search_samples=3, search_length=16,
+                           score="insample")
+    report = step.apply(session)
     blocks, chosen = brute_force_merges(original, tokens[:3, :16], 3)
     assert [r["merged"] for r in report["rounds"]] == [merged for merged, _ in chosen]
     for record, (_, losses) in zip(report["rounds"], chosen):
         assert list(record["candidates"].values()) == pytest.approx(losses, rel=1e-5)
         assert record["nll"] == pytest.approx(min(losses), rel=1e-5)
     assert session.layer_origin == [tuple(b) for b in blocks]
-    assert session.passes.value == FlattenAdjacent(n=3, selection="nll").passes(ModelShape.from_config(original.config))
+    assert session.passes.value == step.passes(ModelShape.from_config(original.config))
     assert "similarity" not in report and "similarity.png" not in session.artifacts
     # the model left behind is the parallel model of the chosen blocks
     with torch.no_grad():
@@ -221,7 +222,7 @@ def test_nll_selection_with_drops_equals_brute_force_greedy(model_type):
     tokens = random_tokens(4, 24, seed=5)
     session = make_session(model, tokens)
     report = FlattenAdjacent(n=3, selection="nll", candidates="merged", drops=True, search_samples=3,
-                             search_length=16).apply(session)
+                             search_length=16, score="insample").apply(session)
     blocks, chosen = brute_force_merges(original, tokens[:3, :16], 3, drops=True)
     moves = [r["merged"] if "merged" in r else [-r["dropped"][0]] for r in report["rounds"]]
     assert moves == [move for move, _ in chosen]
@@ -264,7 +265,8 @@ def test_pruned_candidates_equal_the_pipeline_on_each_pair(model_type):
         with torch.no_grad():
             expected.append(float(reference(probe_tokens, labels=probe_tokens).loss))
     session = make_session(model, tokens)
-    report = FlattenAdjacent(n=1, selection="nll", search_samples=2, search_length=16).apply(session)
+    report = FlattenAdjacent(n=1, selection="nll", search_samples=2, search_length=16,
+                             score="insample").apply(session)
     assert list(report["rounds"][0]["candidates"].values()) == pytest.approx(expected, rel=1e-5)
     best = min(range(4), key=lambda j: expected[j])
     assert report["rounds"][0]["merged"] == [best, best + 1]

@@ -19,6 +19,17 @@ TINY_PARAMS = {"GPTQ": {"group_size": 16}, "LaCo": {"samples": 2}, "SLEB": {"n":
                                 "seq_len": 16, "save_adapter": False}}
 
 
+#: The same for steps inside a step's alternatives (BestOf), which must keep their sizes equal.
+TINY_NESTED = {"SLEB": {"search_samples": None, "search_length": None}}
+
+
+def tiny_step(step):
+    if "alternatives" in type(step).model_fields:
+        return step.model_copy(update={"alternatives": [[s.model_copy(update=TINY_NESTED.get(s.step_name(), {}))
+                                                          for s in steps] for steps in step.alternatives]})
+    return step.model_copy(update=TINY_PARAMS.get(step.step_name(), {}))
+
+
 def tiny_recipe(path: Path, tmp_path: Path):
     recipe = load_recipe(str(path)).recipe
     if recipe.model in HUB_CONFIGS:
@@ -32,7 +43,7 @@ def tiny_recipe(path: Path, tmp_path: Path):
                        intermediate_size=48, num_attention_heads=4, num_key_value_heads=2 if grouped else 4,
                        head_dim=8)
     (tmp_path / "cal.txt").write_text(TEXT)
-    steps = [step.model_copy(update=TINY_PARAMS.get(step.step_name(), {})) for step in recipe.modifiers]
+    steps = [tiny_step(step) for step in recipe.modifiers]
     calibration = recipe.calibration.model_copy(update={"dataset": str(tmp_path / "cal.txt"), "split": "train",
                                                         "samples": 2, "seq_len": 16, "batch_size": 2})
     return recipe.model_copy(update={"modifiers": steps, "calibration": calibration, "evaluate": None,

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import recipe_engine
 from recipe_engine.checkpoint import write_checkpoint
+from recipe_engine.errors import RecipeError
 from recipe_engine.registry import REGISTRY
 from recipe_engine.streaming import CheckpointReader, is_materialized
 from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, save_tiny_model, shared_data, tiny_model
@@ -64,6 +65,12 @@ def assert_same_weights(memory_dir, streamed_dir, atol: float = 0.0):
 def test_every_modifier_streamed_equals_in_memory(tmp_path, name):
     model_dir = tmp_path / "model"
     saved_model(model_dir)
+    if REGISTRY.get(name).refuses_streaming:  # declared: refused in one line before anything loads
+        with pytest.raises(RecipeError, match=f"{name}\\): field 'stream': cannot run streamed"):
+            recipe_engine.apply(recipe(tmp_path, model_dir, REGISTRY.get(name).example_steps(), "on", "out-on"),
+                                progress=False)
+        assert not (tmp_path / "out-on").exists()
+        return
     (memory, streamed), report = run_both(tmp_path, model_dir, REGISTRY.get(name).example_steps())
     # LoRA training (on the whole model, materialized) amplifies last-bit differences of BLAS on the
     # memory-mapped weights over its steps; every other step is bit-exact

@@ -1,0 +1,302 @@
+"""Choices by held-out loss: the fit / score window split, FlattenAdjacent's ``score: heldout`` search, the
+BestOf step (each checked against brute force: independent runs scored on the same windows) and layer
+budgets given as a percentage of the model's layers."""
+import copy
+import json
+
+import pytest
+import torch
+
+import recipe_engine
+from recipe_engine.budget import bind_step, resolve_budget
+from recipe_engine.errors import RecipeError
+from recipe_engine.modifiers.best_of import BestOf
+from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, merge_layers
+from recipe_engine.modifiers.head_prune import HeadPrune
+from recipe_engine.modifiers.nystrom_mlp import NystromMLP
+from recipe_engine.runner import run_steps
+from recipe_engine.progress import Progress
+from recipe_engine.schema import parse_step, recipe_from_dict
+from recipe_engine.session import Session
+from recipe_engine.shape import ModelShape
+from recipe_engine.split import heldout_split
+from recipe_engine.validate import check_against_config
+from tests.baselines_helpers import make_session
+from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, tiny_config, tiny_model
+
+
+# -- the split ---------------------------------------------------------------------------------
+def test_heldout_split_follows_the_documented_rule():
+    for samples, fraction, seed in [(32, 0.25, 0), (8, 0.25, 3), (5, 0.5, 1), (2, 0.9, 0)]:
+        split = heldout_split(samples, seed, fraction)
+        count = min(samples - 1, max(1, int(fraction * samples + 0.5)))
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed)).tolist()
+        assert list(split.score) == sorted(order[:count])
+        assert sorted(split.fit + split.score) == list(range(samples)) and not set(split.fit) & set(split.score)
+    assert heldout_split(32, 0) == heldout_split(32, 0) and heldout_split(32, 0) != heldout_split(32, 1)
+    with pytest.raises(ValueError, match="at least 2"):
+        heldout_split(1, 0)
+
+
+# -- FlattenAdjacent<selection: nll, score: heldout> -------------------------------------------------
+def pruned_candidate_nll(original, blocks, fit_tokens, score_tokens) -> float:
+    """The model with ``blocks`` (dropped layers absent) built independently: merged blocks merged, then
+    pruned back by the engine's layer-sequential pipeline (HeadPrune, NystromMLP<energy, merged>) on the fit
+    tokens only; scored by HF's forward on the score tokens."""
+    model = copy.deepcopy(original)
+    session = make_session(model, fit_tokens)
+    layers = list(session.layers)
+    session.set_layers([merge_layers([layers[i] for i in b], session.adapter) if len(b) > 1 else layers[b[0]]
+                        for b in blocks], [tuple(b) for b in blocks], [b[0] for b in blocks])
+    if any(len(b) > 1 for b in blocks):
+        session.run_layer_modifiers([HeadPrune(), NystromMLP(criterion="energy", target="merged")])
+    with torch.no_grad():
+        return float(model(score_tokens, labels=score_tokens).loss)
+
+
+def brute_force_heldout(original, fit_tokens, score_tokens, rounds):
+    """Greedy over every merge of adjacent blocks and every drop of an unmerged inner layer, each candidate
+    built and scored by ``pruned_candidate_nll``; ties: lowest index, merge first."""
+    blocks, chosen = [[i] for i in range(original.config.num_hidden_layers)], []
+    for _ in range(rounds):
+        candidates = [(blocks[:j] + [blocks[j] + blocks[j + 1]] + blocks[j + 2:], (j, 0), blocks[j] + blocks[j + 1])
+                      for j in range(len(blocks) - 1)]
+        candidates += [(blocks[:j] + blocks[j + 1:], (j, 1), [-blocks[j][0]])
+                       for j in range(1, len(blocks) - 1) if len(blocks[j]) == 1]
+        losses = [pruned_candidate_nll(original, b, fit_tokens, score_tokens) for b, _, _ in candidates]
+        best = min(range(len(losses)), key=lambda c: (losses[c], candidates[c][1]))
+        chosen.append((candidates[best][2], losses))
+        blocks = candidates[best][0]
+    return blocks, chosen
+
+
+def test_heldout_search_equals_brute_force_on_the_score_windows(monkeypatch):
+    """``selection: nll, drops: true, score: heldout``: each round's candidates (merges pruned on the fit
+    windows, drops) score what independently built models score on the score windows, the moves equal the
+    brute-force greedy's, and every prune saw fit windows only while every score saw score windows only."""
+    from recipe_engine.modifiers import flatten_adjacent
+
+    model = tiny_model(num_hidden_layers=5, seed=3, attn_implementation="eager")
+    with torch.no_grad():  # layer 2 nearly the identity: a drop is a real contender
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            model.model.layers[2].get_submodule(name).weight.mul_(1e-2)
+    original = copy.deepcopy(model)
+    tokens = random_tokens(8, 24, seed=5)
+    step = FlattenAdjacent(n=2, selection="nll", drops=True, search_samples=2, search_length=16)
+    split = heldout_split(8, 0, step.score_fraction)
+    fit_tokens, score_tokens = tokens[list(split.fit[:2]), :16], tokens[list(split.score[:2]), :16]
+
+    fitted_on, scored_on = [], []
+    real_prune, real_nll = flatten_adjacent.prune_to_config, Session.final_nll
+    monkeypatch.setattr(flatten_adjacent, "prune_to_config", lambda probe, *args: (
+        fitted_on.append(probe.calibration.clone()), real_prune(probe, *args))[1])
+    monkeypatch.setattr(Session, "final_nll", lambda self, finals: (
+        scored_on.append(self.calibration.clone()), real_nll(self, finals))[1])
+    session = make_session(model, tokens)
+    report = step.apply(session)
+    monkeypatch.undo()
+
+    assert fitted_on and all(torch.equal(t, fit_tokens) for t in fitted_on)
+    assert scored_on and all(torch.equal(t, score_tokens) for t in scored_on)
+    assert report["search"] == {"score": "heldout", "score_windows": list(split.score[:2]),
+                                "fit_windows": list(split.fit[:2]), "tokens_per_window": 16}
+    blocks, chosen = brute_force_heldout(original, fit_tokens, score_tokens, 2)
+    moves = [r["merged"] if "merged" in r else [-r["dropped"][0]] for r in report["rounds"]]
+    assert moves == [move for move, _ in chosen]
+    for record, (_, losses) in zip(report["rounds"], chosen):
+        assert list(record["candidates"].values()) == pytest.approx(losses, rel=1e-4)
+    assert session.passes.value == step.passes(ModelShape.from_config(original.config)) == 4
+
+
+# -- BestOf -----------------------------------------------------------------------------------------
+ALTERNATIVES = [["ShortGPT<n:2>"], ["SLEB<n:2>"], ["ShortGPT<n:2>", "LinearPatch"],
+                ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]]
+
+
+def standalone(original, steps, fit_tokens, score_tokens):
+    """One alternative run alone on a fresh copy over the fit windows (its own session and reference), scored
+    by HF's forward (with any patch hooks) on the score windows."""
+    model = copy.deepcopy(original)
+    session = make_session(model, fit_tokens)
+    run_steps(session, [parse_step(s, i) for i, s in enumerate(steps)], Progress(enabled=False))
+    with torch.no_grad():
+        return model, float(model(score_tokens, labels=score_tokens).loss)
+
+
+def test_best_of_equals_the_alternatives_run_alone(monkeypatch):
+    """BestOf's scores equal each alternative run alone on the fit windows and scored on the score windows,
+    its choice is their argmin, and the model it leaves computes what the winner's standalone run does.
+    Every calibration walk (captures of the alternatives' own steps, their reference model's, the scoring)
+    is instrumented: the score windows are walked exactly once per alternative, to score it."""
+    model = tiny_model(num_hidden_layers=6, seed=1)
+    original = copy.deepcopy(model)
+    tokens = random_tokens(8, 32, seed=2)
+    step = parse_step({"BestOf": {"alternatives": ALTERNATIVES}}, 0)
+    session = make_session(model, tokens)
+    walked = []
+    capture = Session.capture_inputs
+    monkeypatch.setattr(Session, "capture_inputs", lambda self: (walked.append(self.calibration.clone()),
+                                                                 capture(self))[1])
+    report = step.apply(session)
+    monkeypatch.undo()
+    split = heldout_split(8, 0)
+    on_score = [w for w in walked if torch.equal(w, tokens[list(split.score)])]
+    assert len(on_score) == len(ALTERNATIVES)
+    assert all(torch.equal(w, tokens[list(split.fit)]) for w in walked if not torch.equal(w, tokens[list(split.score)]))
+    assert report["score"]["fit_windows"] == list(split.fit) and report["score"]["score_windows"] == list(split.score)
+    fit_tokens, score_tokens = tokens[list(split.fit)], tokens[list(split.score)]
+    runs = [standalone(original, steps, fit_tokens, score_tokens) for steps in ALTERNATIVES]
+    assert [r["nll"] for r in report["alternatives"]] == pytest.approx([nll for _, nll in runs], rel=1e-5)
+    winner = min(range(len(runs)), key=lambda a: (runs[a][1], a))
+    assert report["chosen"] == winner
+    assert [r["layers"] for r in report["alternatives"]] == [4] * 4 and len(session.layers) == 4
+    assert all(r["records"][0]["modifier"] == parse_step(ALTERNATIVES[a][0], 0).step_name()
+               for a, r in enumerate(report["alternatives"]))
+    probe = random_tokens(2, 32, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(model(probe).logits, runs[winner][0](probe).logits, rtol=1e-5, atol=1e-5)
+    winner_state = runs[winner][0].state_dict()
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in winner_state.items()}
+    assert all(torch.equal(v, winner_state[k]) for k, v in model.state_dict().items())
+
+
+def test_best_of_shares_the_captures_between_alternatives():
+    model = tiny_model(num_hidden_layers=5, seed=1)
+    step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["ShortGPT<n:1>", "LinearPatch"]]}}, 0)
+    result = step.apply(make_session(model, random_tokens(8, 16, seed=2)))
+    # ShortGPT's scores computed once for both; the fit capture and the score capture taken once each
+    assert result["shared_work"]["computed"] == {"calibration capture": 2, "ShortGPT block influence": 1}
+    assert result["shared_work"]["reused"]["ShortGPT block influence"] == 1
+
+
+def recipe(tmp_path, modifiers, **extra):
+    (tmp_path / "cal.txt").write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    return {"version": 1, "name": "best", "model": "tiny-in-memory", "output": str(tmp_path / "out"),
+            "calibration": {"dataset": str(tmp_path / "cal.txt"), "samples": 8, "seq_len": 32, "batch_size": 2},
+            "modifiers": modifiers, **extra}
+
+
+def test_best_of_in_a_recipe_skips_a_refused_alternative_and_reports_every_score(tmp_path):
+    """On Gemma 3 the engine refuses FlattenAdjacent: BestOf skips it with the reason recorded, chooses
+    among the rest, and report.json holds every score, their records, the split and the choice; the next
+    step runs on the winner."""
+    model = tiny_model("gemma3_text", num_hidden_layers=6, vocab_size=BYTE_VOCAB)
+    steps = [{"BestOf": {"alternatives": [["FlattenAdjacent<n:20%>", "HeadPrune", "NystromMLP"],
+                                          ["SLEB<n:20%>"], ["ShortGPT<n:20%>"]]}}, "GPTQ<bits:4,group_size:16>"]
+    _, report = recipe_engine.apply(recipe(tmp_path, steps), model=model, tokenizer=byte_tokenizer(),
+                                    progress=False)
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    result = saved["steps"][0]["result"]
+    assert "normalizes each layer's attention and MLP output" in result["alternatives"][0]["refused"]
+    scored = result["alternatives"][1:]
+    assert all(r["nll"] > 0 and r["records"] for r in scored)
+    assert result["chosen"] == min((1, 2), key=lambda a: (result["alternatives"][a]["nll"], a))
+    assert saved["steps"][0]["params"]["alternatives"][1] == [{"SLEB": {"n": 1, "search_samples": None,
+                                                                         "search_length": None}}]
+    assert saved["after"]["layers"] == 5 and saved["steps"][1]["modifier"] == "GPTQ"
+    assert saved["stock_checkpoint"] is True  # the winner added no extra
+    refuse = recipe(tmp_path, [{"BestOf": {"refused": "fail", "alternatives": steps[0]["BestOf"]["alternatives"]}}])
+    with pytest.raises(RecipeError, match=r"step 0 \(BestOf\): field 'alternatives.0': alternative 0 "
+                                          r"\[FlattenAdjacent<n:1>, HeadPrune, NystromMLP\]"):
+        check_against_config(recipe_from_dict(refuse), model.config)
+
+
+@pytest.mark.parametrize("alternatives,message", [
+    ([["ShortGPT<n:2>"], ["SLEB<n:3>"]], r"alternative 1 \[SLEB<n:3>\] leaves 3 layers .* alternative 0 4"),
+    ([["ShortGPT<n:2>"], ["SLEB<m:3>"]],
+     r"^step 0 \(BestOf\): field 'alternatives.1.0.m': alternative 1, step 0 \(SLEB\): unknown field"),
+    ([["ShortGPT<n:2>"], ["Nope"]],
+     r"^step 0 \(BestOf\): field 'alternatives.1.0': alternative 1, step 0: unknown modifier 'Nope'"),
+    ([["ShortGPT<n:2>"], "oops"], r"alternative 1, step 0: unknown modifier 'oops'"),
+    ([["ShortGPT<n:2>"], [[]]], r"alternative 1, step 0: a step is"),
+    ([["ShortGPT<n:2>"]], r"at least 2 items"),
+    ([["ShortGPT<n:2>"], ["SLEB<n:2,search_samples:7>"]], r"search_samples=7 exceeds calibration.samples=6"),
+])
+def test_best_of_validation_errors_are_one_line(tmp_path, alternatives, message):
+    """Every alternative is parsed and checked before weights load; an error is one located line."""
+    config = tiny_config(num_hidden_layers=6)
+    with pytest.raises(RecipeError, match=message) as caught:
+        check_against_config(recipe_from_dict(recipe(tmp_path, [{"BestOf": {"alternatives": alternatives}}])),
+                             config, "r.yaml")
+    assert "\n" not in str(caught.value)
+
+
+def test_best_of_refuses_a_streamed_run_before_loading(tmp_path):
+    from tests.helpers import save_tiny_model
+
+    save_tiny_model(tmp_path / "model", num_hidden_layers=4)
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+    spec = recipe(tmp_path, [{"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"]]}}], stream="on")
+    spec["model"] = str(tmp_path / "model")
+    with pytest.raises(RecipeError, match=r"step 0 \(BestOf\): field 'stream': cannot run streamed: BestOf runs"):
+        recipe_engine.apply(spec, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_best_of_dumps_and_reloads_losslessly(tmp_path):
+    loaded = recipe_from_dict(recipe(tmp_path, [{"BestOf": {"alternatives": ALTERNATIVES}}]))
+    from recipe_engine.schema import dump_recipe, load_yaml
+
+    again = recipe_from_dict(load_yaml(dump_recipe(loaded)))
+    assert again.modifiers == loaded.modifiers and dump_recipe(again) == dump_recipe(loaded)
+
+
+# -- budgets as a percentage of layers ----------------------------------------------------------
+def test_percent_budget_rounds_half_up_against_the_original_layers():
+    assert [resolve_budget("20%", layers) for layers in (30, 24, 18)] == [6, 5, 4]
+    assert resolve_budget("25%", 30) == 8 and resolve_budget("12.5%", 4) == 1 and resolve_budget(3, 30) == 3
+    step = bind_step(parse_step("SLEB<n:20%>", 0), 24)
+    assert step.n == 5 and parse_step("SLEB<n:20%>", 0).n == "20%"
+    nested = bind_step(parse_step({"BestOf": {"alternatives": [["SLEB<n:20%>"], ["ShortGPT<n:5>"]]}}, 0), 24)
+    assert nested.alternatives[0][0].n == 5
+    for bad in ("20", "0%", "100%", "x%", 0):
+        with pytest.raises(RecipeError, match="field 'n'"):
+            parse_step({"ShortGPT": {"n": bad}}, 0)
+
+
+@pytest.mark.parametrize("name", ["SLEB", "ShortGPT", "FlattenAdjacent", "LinearPatch"])
+def test_percent_budget_validates_and_runs_like_the_count(tmp_path, name):
+    """``n: 20%`` on a 10-layer model is ``n: 2``: the same validated shape, and the run records the count."""
+    steps = {"SLEB": ["SLEB<n:20%>"], "ShortGPT": ["ShortGPT<n:20%>"], "LinearPatch":
+             ["LinearPatch<select:contiguous,n:20%>"],
+             "FlattenAdjacent": ["FlattenAdjacent<n:20%>", "HeadPrune", "NystromMLP"]}[name]
+    config = tiny_config(num_hidden_layers=10)
+    shape = check_against_config(recipe_from_dict(recipe(tmp_path, steps)), config)
+    counted = [s.replace("20%", "2") for s in steps]
+    assert shape.num_layers == check_against_config(recipe_from_dict(recipe(tmp_path, counted)), config).num_layers == 8
+    if name in ("SLEB", "ShortGPT"):
+        _, report = recipe_engine.apply(recipe(tmp_path, steps), model=tiny_model(num_hidden_layers=10, vocab_size=BYTE_VOCAB),
+                                        tokenizer=byte_tokenizer(), progress=False, write=False)
+        assert report.steps[0].params["n"] == 2 and report.after.layers == 8
+    tiny = tiny_config(num_hidden_layers=3)
+    with pytest.raises(RecipeError, match=r"step 0 .*field 'n': 10% of 3 layers rounds to 0"):
+        check_against_config(recipe_from_dict(recipe(tmp_path, [s.replace("20%", "10%") for s in steps])), tiny)
+
+
+def test_depth20_auto_validates_on_every_shipped_model_config():
+    """The auto recipe moves to each shipped model by --model alone: 20 % of 30 / 24 / 18 layers. Qwen2.5-0.5B
+    and Gemma-3-270M: their published configs (reading them from the builtin GGUFs takes ~30 s each); on
+    Gemma 3 the FlattenGPT alternative is refused and skipped, the others validate."""
+    from pathlib import Path
+
+    from transformers import Gemma3TextConfig, Qwen2Config
+
+    from recipe_engine.models import load_config
+    from recipe_engine.recipe_io import load_recipe
+
+    configs = {
+        "qwen2.5-0.5b": lambda: Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                            num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                            tie_word_embeddings=True),
+        "gemma3-270m": lambda: Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                                num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                                vocab_size=262144, sliding_window=512),
+        "smollm2-135m": lambda: load_config("smollm2-135m")}
+    path = Path(__file__).resolve().parents[1] / "recipes" / "depth20_auto.yaml"
+    for model, layers in [("qwen2.5-0.5b", 19), ("gemma3-270m", 14), ("smollm2-135m", 24)]:
+        try:
+            config = configs[model]()
+        except RecipeError as exc:
+            pytest.skip(f"{model}: {exc.detail}")
+        recipe = load_recipe(str(path), [f"model={model}"]).recipe
+        assert check_against_config(recipe, config).num_layers == layers
