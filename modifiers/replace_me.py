@@ -18,6 +18,13 @@ from recipe_engine.api import (ADAPTERS, Modifier, RecipeError, Statistic, mean_
 from ._depth import drop_symbolic, require_uniform, span_scores, token_mask
 
 
+def statistics_mask(session, batch: torch.Tensor, skip_first: int) -> torch.Tensor:
+    """Non-pad tokens (``token_mask``) except the first ``skip_first`` positions of every window."""
+    mask = token_mask(session, batch).clone()
+    mask[:, :skip_first] = False
+    return mask
+
+
 def last_token_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows, positions)`` of the last non-pad token of every window that has one."""
     rows = mask.any(1).nonzero().flatten()
@@ -26,12 +33,13 @@ def last_token_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def block_distances(session, n: int, tokens: Literal["last", "all"]) -> dict[int, float]:
+def block_distances(session, n: int, tokens: Literal["last", "all"], skip_first: int = 0) -> dict[int, float]:
     """``d(ℓ) = E_t arccos(cos(X_{ℓ,t}, X_{ℓ+n,t})) / π`` for every start ``ℓ = 1 … L − n`` (the block
     ``ℓ … ℓ+n−1``): ``X_ℓ`` is layer ℓ's input, ``X_L`` the last layer's output before the final norm. ``tokens``:
-    ``last``, the last non-pad token of each calibration window (the authors' code), or ``all`` non-pad tokens.
-    Cosines and means in fp64; a NaN distance (a zero hidden state) is an error."""
-    masks = [token_mask(session, batch) for batch in session.batches()]
+    ``last``, the last non-pad token of each calibration window (the authors' code), or ``all`` non-pad tokens
+    after the first ``skip_first`` of each window. Cosines and means in fp64; a NaN distance (a zero hidden
+    state) is an error."""
+    masks = [statistics_mask(session, batch, skip_first) for batch in session.batches()]
     picks = [last_token_rows(mask) for mask in masks] if tokens == "last" else None
 
     def keep(index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -104,11 +112,11 @@ class Seam:
 
 
 @torch.no_grad()
-def seam_moments(session, start: int, n: int, keep_rows: bool) -> Seam:
+def seam_moments(session, start: int, n: int, keep_rows: bool, skip_first: int = 0) -> Seam:
     """One calibration pass through layers ``0 … start+n−1`` (the layers after the block are not run):
-    ``M`` and ``H`` of layer ``start − 1`` are kept (non-pad rows) until the block's output ``L`` arrives,
-    batch by batch."""
-    masks = [token_mask(session, batch) for batch in session.batches()]
+    ``M`` and ``H`` of layer ``start − 1`` are kept (non-pad rows after the first ``skip_first`` positions of
+    each window) until the block's output ``L`` arrives, batch by batch."""
+    masks = [statistics_mask(session, batch, skip_first) for batch in session.batches()]
     seam, kept = Seam(keep_rows), []
     mlp = BlockOutput(session.adapter.path("mlp"))
 
@@ -179,6 +187,8 @@ class ReplaceMe(Modifier):
     accumulated over calibration batches (``λ = ridge × mean eigenvalue of MᵀM``, shrinking ``T`` towards the
     plain drop ``T = I``; 0: the paper's plain least squares); ``objective: cosine`` minimises
     ``1 − mean cos(M T, L − Y)`` with Adam (``adam``). ``down_proj``'s weight ``W`` becomes ``Tᵀ W``.
+    Statistics leave out the first ``skip_first`` positions of each window (deviation: the attention sink's
+    massive hidden state dominates a least-squares fit; SmolLM2: 96 % of ``‖L − H‖²`` sits at position 0).
     Refused on architectures that normalize the MLP output before the residual add (Gemma 3).
     """
 
@@ -193,6 +203,8 @@ class ReplaceMe(Modifier):
     distance_tokens: Literal["last", "all"] = Field(
         "last", description="tokens the block distance averages over: the last of each window, or all")
     ridge: float = Field(0.0, ge=0, description="λ as a multiple of MᵀM's mean eigenvalue (lstsq)")
+    skip_first: int = Field(1, ge=0, description="leading positions of every calibration window left out of the "
+                                                 "statistics (the attention-sink token's massive activations)")
     adam: Adam | None = Field(None, description="optimiser of objective: cosine (None: the authors' settings)")
 
     def check(self, shape) -> None:
@@ -212,6 +224,11 @@ class ReplaceMe(Modifier):
         require_uniform(self, shape)
         drop_symbolic(shape, self.n)
 
+    def check_calibration(self, calibration) -> None:
+        if self.skip_first >= calibration.seq_len:
+            raise self.fail(f"skip_first={self.skip_first} leaves no token of the {calibration.seq_len}-token "
+                            f"calibration windows", field="skip_first")
+
     def working_memory(self, shape, tokens: int) -> int:
         """The larger of: the distance pass's ``n + 1`` kept hidden states (``distance_tokens: all``), and the
         fit's kept ``M`` and ``H`` (fp32) with two fp64 ``hidden²`` moments and the solve's copy; the cosine
@@ -225,9 +242,9 @@ class ReplaceMe(Modifier):
 
     def apply(self, session) -> dict[str, Any]:
         distances = session.shared(self, "ReplaceMe block distances",
-                                   lambda: block_distances(session, self.n, self.distance_tokens))
+                                   lambda: block_distances(session, self.n, self.distance_tokens, self.skip_first))
         start = min(distances, key=lambda s: (distances[s], s))
-        seam = seam_moments(session, start, self.n, keep_rows=self.objective == "cosine")
+        seam = seam_moments(session, start, self.n, self.objective == "cosine", self.skip_first)
         identity = torch.eye(seam.gram.shape[0], dtype=torch.float64)
         fit: dict[str, Any] = {"tokens": seam.tokens}
         if self.objective == "lstsq":
@@ -252,4 +269,5 @@ class ReplaceMe(Modifier):
         removed = session.remove_layers(list(range(start, start + self.n)))
         return {"start": start, "removed": [list(o) for o in removed], "folded_into": folded_into,
                 "distance": distances[start], "distances": distances, "distance_tokens": self.distance_tokens,
+                "skip_first": self.skip_first,
                 "objective": self.objective, "fit": fit, "layers": len(session.layers)}

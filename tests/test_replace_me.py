@@ -39,21 +39,21 @@ def hf_states(model, tokens) -> list[torch.Tensor]:
     return list(states[:-1]) + [got["last"]]
 
 
-def brute_force_distances(model, tokens, n: int, last_only: bool) -> dict[int, float]:
+def brute_force_distances(model, tokens, n: int, last_only: bool, skip_first: int = 1) -> dict[int, float]:
     states = hf_states(model, tokens)
     result = {}
     for start in range(1, len(model.model.layers) - n + 1):
         a, b = states[start].double(), states[start + n].double()
-        if last_only:
-            a, b = a[:, -1], b[:, -1]
+        a, b = (a[:, -1], b[:, -1]) if last_only else (a[:, skip_first:], b[:, skip_first:])
         cos = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
         result[start] = float(torch.arccos(cos.clamp(-1, 1)).mean() / math.pi)
     return result
 
 
-def seam_rows(model, tokens, start: int, n: int):
+def seam_rows(model, tokens, start: int, n: int, skip_first: int = 1):
     """``M`` (MLP output of layer start − 1), ``Y`` (the residual it is added to) and ``L`` (the output of layer
-    start + n − 1), stacked over tokens, from hooks on the plain HF model."""
+    start + n − 1) of every token after the first ``skip_first`` of each window, stacked, from hooks on the
+    plain HF model."""
     got = {}
     layers = model.model.layers
     handles = [layers[start - 1].mlp.register_forward_hook(recorder(got, "M", lambda _a, out: out)),
@@ -63,7 +63,7 @@ def seam_rows(model, tokens, start: int, n: int):
         model(tokens)
     for handle in handles:
         handle.remove()
-    return [got[key].reshape(-1, got[key].shape[-1]).double() for key in ("M", "Y", "L")]
+    return [got[key][:, skip_first:].reshape(-1, got[key].shape[-1]).double() for key in ("M", "Y", "L")]
 
 
 class MappedMLP(torch.nn.Module):
@@ -81,9 +81,9 @@ class MappedMLP(torch.nn.Module):
 @pytest.mark.parametrize("tokens_kind", ["last", "all"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_chosen_block_is_the_brute_force_minimum_of_hf_hidden_states(model_type, tokens_kind, n):
-    model, tokens = tiny_model(model_type, num_hidden_layers=5), random_tokens(4, 16)
+    model, tokens = tiny_model(model_type, num_hidden_layers=5), random_tokens(4, 32)
     expected = brute_force_distances(model, tokens, n, last_only=tokens_kind == "last")
-    got = block_distances(make_session(model, tokens), n, tokens_kind)
+    got = block_distances(make_session(model, tokens), n, tokens_kind, skip_first=1)
     assert sorted(got) == sorted(expected) == list(range(1, 6 - n))
     assert [got[s] for s in expected] == pytest.approx(list(expected.values()), rel=1e-6)
     report = ReplaceMe(n=n, distance_tokens=tokens_kind).apply(make_session(model, tokens))
@@ -94,7 +94,7 @@ def test_chosen_block_is_the_brute_force_minimum_of_hf_hidden_states(model_type,
 def test_an_identity_block_is_chosen_and_its_replacement_is_the_identity():
     """Layers 2 and 3 with zero output projections add nothing: distance 0 for that block, and the least-
     squares map is exactly I (the plain drop), so the folded model equals the dropped one."""
-    model, tokens = tiny_model(num_hidden_layers=6), random_tokens(4, 16)
+    model, tokens = tiny_model(num_hidden_layers=6), random_tokens(4, 32)
     with torch.no_grad():
         for k in (2, 3):
             model.model.layers[k].self_attn.o_proj.weight.zero_()
@@ -107,18 +107,19 @@ def test_an_identity_block_is_chosen_and_its_replacement_is_the_identity():
         torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_map_is_lstsq_and_the_fold_is_the_explicit_replaced_model(model_type):
+@pytest.mark.parametrize("model_type, skip_first", [("llama", 0), ("llama", 1), ("qwen2", 3)])
+def test_map_is_lstsq_and_the_fold_is_the_explicit_replaced_model(model_type, skip_first):
     model, tokens = tiny_model(model_type, num_hidden_layers=6, hidden_size=32, head_dim=8), random_tokens(8, 32)
     dense = copy.deepcopy(model)
-    report = ReplaceMe(n=2).apply(make_session(model, tokens))
+    report = ReplaceMe(n=2, skip_first=skip_first).apply(make_session(model, tokens))
     start = report["start"]
-    m, y, l = seam_rows(dense, tokens, start, 2)
+    m, y, l = seam_rows(dense, tokens, start, 2, skip_first)
+    assert report["fit"]["tokens"] == 8 * (32 - skip_first) == m.shape[0]
     transform = torch.linalg.lstsq(m, l - y).solution
     # the fit's residual from the moments equals the residual of the lstsq solution
     assert report["fit"]["fit_error"] == pytest.approx(float((m @ transform + y - l).pow(2).sum()) / m.shape[0],
                                                        rel=1e-6)
-    assert report["fit"]["drop_error"] == pytest.approx(float((m + y - l).pow(2).sum()) / m.shape[0], rel=1e-9)
+    assert report["fit"]["drop_error"] == pytest.approx(float((m + y - l).pow(2).sum()) / m.shape[0], rel=1e-6)
     assert report["fit"]["relative"] < 1
     # the folded down_proj is Tᵀ W with T from lstsq
     down = dense.model.layers[start - 1].mlp.down_proj.weight.double()
@@ -156,7 +157,7 @@ def test_cosine_objective_lowers_the_cosine_loss_and_is_seeded():
     report = step.apply(make_session(first, tokens))
     step.apply(make_session(second, tokens))
     fit = report["fit"]
-    assert fit["cosine_loss"] < fit["cosine_loss_drop"] and fit["tokens"] == 4 * 32
+    assert fit["cosine_loss"] < fit["cosine_loss_drop"] and fit["tokens"] == 4 * 31
     for a, b in zip(first.parameters(), second.parameters()):
         assert torch.equal(a, b)
     # the reported cosine loss is the one of the folded model's MLP output against the target
@@ -174,11 +175,11 @@ def test_pad_tokens_are_left_out():
 
     model, tokens = tiny_model(num_hidden_layers=4), random_tokens(4, 16)
     tokens[:, 10:] = 7
-    # 40 tokens for a 64-wide MLP output: MᵀM is singular, which is one clear error naming the field
+    # 36 tokens for a 64-wide MLP output: MᵀM is singular, which is one clear error naming the field
     with pytest.raises(RecipeError, match="field 'ridge': MᵀM is singular.*set ridge > 0"):
         ReplaceMe(n=1).apply(make_session(copy.deepcopy(model), tokens, tokenizer=Pad()))
     report = ReplaceMe(n=1, ridge=0.01).apply(make_session(model, tokens, tokenizer=Pad()))
-    assert report["fit"]["tokens"] == 4 * 10
+    assert report["fit"]["tokens"] == 4 * 9  # pads and the first position left out
     # "last" is the last non-pad token of each window: the brute force on the windows cut before the pads
     expected = brute_force_distances(tiny_model(num_hidden_layers=4), tokens[:, :10], 1, last_only=True)
     assert [report["distances"][s] for s in expected] == pytest.approx(list(expected.values()), rel=1e-6)
@@ -186,6 +187,14 @@ def test_pad_tokens_are_left_out():
 
 def shape_of(model_type="llama", layers=4):
     return ModelShape.from_config(tiny_config(model_type, num_hidden_layers=layers))
+
+
+def test_skip_first_must_leave_tokens(tmp_path, capsys):
+    from recipe_engine.schema import CalibrationConfig
+
+    ReplaceMe(n=1, skip_first=15).check_calibration(CalibrationConfig(seq_len=16))
+    with pytest.raises(RecipeError, match="field 'skip_first': skip_first=16 leaves no token"):
+        ReplaceMe(n=1, skip_first=16).check_calibration(CalibrationConfig(seq_len=16))
 
 
 def test_check_bounds_and_shape():
