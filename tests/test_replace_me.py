@@ -178,7 +178,7 @@ def test_pad_tokens_are_left_out():
     # 36 tokens for a 64-wide MLP output: MᵀM is singular, which is one clear error naming the field
     with pytest.raises(RecipeError, match="field 'ridge': MᵀM is singular.*set ridge > 0"):
         ReplaceMe(n=1).apply(make_session(copy.deepcopy(model), tokens, tokenizer=Pad()))
-    report = ReplaceMe(n=1, ridge=0.01).apply(make_session(model, tokens, tokenizer=Pad()))
+    report = ReplaceMe(n=1, ridge=0.01, distance_tokens="last").apply(make_session(model, tokens, tokenizer=Pad()))
     assert report["fit"]["tokens"] == 4 * 9  # pads and the first position left out
     # "last" is the last non-pad token of each window: the brute force on the windows cut before the pads
     expected = brute_force_distances(tiny_model(num_hidden_layers=4), tokens[:, :10], 1, last_only=True)
