@@ -35,10 +35,10 @@ def last_token_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def block_distances(session, n: int, tokens: Literal["last", "all"], skip_first: int = 0) -> dict[int, float]:
     """``d(ℓ) = E_t arccos(cos(X_{ℓ,t}, X_{ℓ+n,t})) / π`` for every start ``ℓ = 1 … L − n`` (the block
-    ``ℓ … ℓ+n−1``): ``X_ℓ`` is layer ℓ's input, ``X_L`` the last layer's output before the final norm. ``tokens``:
-    ``all`` non-pad tokens after the first ``skip_first`` of each window, or ``last``, the last non-pad token of
-    each calibration window (the authors' code, whose documents end there). Cosines and means in fp64; a NaN distance (a zero hidden
-    state) is an error."""
+    ``ℓ … ℓ+n−1``): ``X_ℓ`` is layer ℓ's input, ``X_L`` the last layer's output before the final norm.
+    ``tokens``: ``all`` non-pad tokens after the first ``skip_first`` of each window, or ``last``, the last
+    non-pad token of each calibration window (the authors' code, whose documents end there). Cosines and means
+    in fp64; a NaN distance (a zero hidden state) is an error."""
     masks = [statistics_mask(session, batch, skip_first) for batch in session.batches()]
     picks = [last_token_rows(mask) for mask in masks] if tokens == "last" else None
 
@@ -196,7 +196,7 @@ class ReplaceMe(Modifier):
 
     streams = True
     calibration_passes = 2
-    shared_ignores = ("objective", "ridge", "adam")  # the distances depend on n and distance_tokens only
+    shared_ignores = ("objective", "ridge", "adam")  # the distances depend on n, distance_tokens, skip_first
     needs = ("angular distance between every block's input and output hidden states",
              "MLP output and residual stream before the block, and the block's output (fp64 Grams)")
 
@@ -259,7 +259,8 @@ class ReplaceMe(Modifier):
                                 field="ridge") from exc
             fit["ridge"] = ridge
         else:
-            transform, fit["cosine_loss_drop"], fit["cosine_loss"] = cosine_fit(seam, self.adam or Adam(), session.device)
+            transform, fit["cosine_loss_drop"], fit["cosine_loss"] = cosine_fit(seam, self.adam or Adam(),
+                                                                                session.device)
         residual = refit_error(seam.error, seam.gram, seam.cross, transform.T - identity)
         fit.update(drop_error=seam.error / seam.tokens, fit_error=residual / seam.tokens,
                    relative=residual / seam.error if seam.error else 0.0)

@@ -164,7 +164,8 @@ def test_cosine_objective_lowers_the_cosine_loss_and_is_seeded():
     start = report["start"]
     m, y, l = seam_rows(model, tokens, start, 2)
     folded = first.model.layers[start - 1].mlp.down_proj.weight.detach().double()
-    transform = torch.linalg.lstsq(model.model.layers[start - 1].mlp.down_proj.weight.double().T, folded.T).solution.detach()
+    original = model.model.layers[start - 1].mlp.down_proj.weight.detach().double()
+    transform = torch.linalg.lstsq(original.T, folded.T).solution
     loss = 1 - torch.nn.functional.cosine_similarity(m @ transform, l - y, dim=-1).mean()
     assert float(loss) == pytest.approx(fit["cosine_loss"], rel=1e-4)
 
