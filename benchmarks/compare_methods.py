@@ -92,7 +92,8 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         # the contiguous block closest in angular distance, replaced by a linear map folded into down_proj
         "ReplaceMe": ([{"ReplaceMe": {"n": n}}], {}),
         "ReplaceMe cosine": ([{"ReplaceMe": {"n": n, "objective": "cosine"}}], {}),
-        "ReplaceMe all-token distance": ([{"ReplaceMe": {"n": n, "distance_tokens": "all"}}], {}),
+        # the authors' selection: the block distance over the last token of each calibration window only
+        "ReplaceMe last-token distance": ([{"ReplaceMe": {"n": n, "distance_tokens": "last"}}], {}),
         "GPTQ W4": ([{"GPTQ": {"bits": 4, "group_size": 64}}], {}),   # no layer removed; g64 divides 576 and 640
         "LaCo": ([{"LaCo": {"target_layers": layers - n, "search_steps": 6}}], {}),
         "LaCo C=2": ([{"LaCo": {"C": 2, "target_layers": layers - n, "search_steps": 8}}], {}),

@@ -32,8 +32,8 @@ def drop_symbolic(shape: ModelShape, count: int) -> None:
 @torch.no_grad()
 def span_scores(session, n: int, keep: Callable[[int, list[torch.Tensor]], Any],
                 score: Callable[[Any, Any], float], description: str) -> dict[int, float]:
-    """``score(keep(ℓ, X_ℓ), keep(ℓ + n, X_{ℓ+n}))`` for every start ``ℓ = 0 … L − n`` of the current layers, in one
-    calibration pass: ``X_i`` is layer i's input (one tensor per calibration batch), ``X_L`` the last layer's
+    """``score(keep(ℓ, X_ℓ), keep(ℓ + n, X_{ℓ+n}))`` for every start ``ℓ = 0 … L − n`` of the current layers, in
+    one calibration pass: ``X_i`` is layer i's input (one tensor per calibration batch), ``X_L`` the last layer's
     output (before the final norm). At most ``n + 1`` kept states are held at once."""
     last = len(session.layers) - 1
     kept: dict[int, Any] = {}

@@ -164,7 +164,8 @@ def test_cosine_objective_lowers_the_cosine_loss_and_is_seeded():
     start = report["start"]
     m, y, l = seam_rows(model, tokens, start, 2)
     folded = first.model.layers[start - 1].mlp.down_proj.weight.detach().double()
-    transform = torch.linalg.lstsq(model.model.layers[start - 1].mlp.down_proj.weight.double().T, folded.T).solution.detach()
+    original = model.model.layers[start - 1].mlp.down_proj.weight.detach().double()
+    transform = torch.linalg.lstsq(original.T, folded.T).solution
     loss = 1 - torch.nn.functional.cosine_similarity(m @ transform, l - y, dim=-1).mean()
     assert float(loss) == pytest.approx(fit["cosine_loss"], rel=1e-4)
 
@@ -178,7 +179,7 @@ def test_pad_tokens_are_left_out():
     # 36 tokens for a 64-wide MLP output: MᵀM is singular, which is one clear error naming the field
     with pytest.raises(RecipeError, match="field 'ridge': MᵀM is singular.*set ridge > 0"):
         ReplaceMe(n=1).apply(make_session(copy.deepcopy(model), tokens, tokenizer=Pad()))
-    report = ReplaceMe(n=1, ridge=0.01).apply(make_session(model, tokens, tokenizer=Pad()))
+    report = ReplaceMe(n=1, ridge=0.01, distance_tokens="last").apply(make_session(model, tokens, tokenizer=Pad()))
     assert report["fit"]["tokens"] == 4 * 9  # pads and the first position left out
     # "last" is the last non-pad token of each window: the brute force on the windows cut before the pads
     expected = brute_force_distances(tiny_model(num_hidden_layers=4), tokens[:, :10], 1, last_only=True)

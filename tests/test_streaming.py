@@ -96,7 +96,7 @@ def test_nll_selection_streamed_equals_in_memory(tmp_path):
     assert len(report.steps[0].result["rounds"]) == 2
 
 
-@pytest.mark.parametrize("step", ["ReplaceMe<n:2,distance_tokens:all>",
+@pytest.mark.parametrize("step", ["ReplaceMe<n:2,distance_tokens:last>",
                                   {"ReplaceMe": {"n": 3, "objective": "cosine", "adam": {"epochs": 2}}}])
 def test_replace_me_streamed_equals_in_memory(tmp_path, step):
     """ReplaceMe's fit pass runs the layers up to the block's end from a streamed skeleton and folds the map
