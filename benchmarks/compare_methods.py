@@ -89,6 +89,10 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         # ~n × layers NLL passes: on Gemma-3-270M (262 k vocabulary, shared 2-core CPU) 8 × 128 took too long
         "SLEB 2×128": ([{"SLEB": {"n": n}}], {"samples": 2, "seq_len": 128}),
         "ShortGPT+LinearPatch": ([{"ShortGPT": {"n": n}}, "LinearPatch"], {}),
+        # the contiguous block closest in angular distance, replaced by a linear map folded into down_proj
+        "ReplaceMe": ([{"ReplaceMe": {"n": n}}], {}),
+        "ReplaceMe cosine": ([{"ReplaceMe": {"n": n, "objective": "cosine"}}], {}),
+        "ReplaceMe all-token distance": ([{"ReplaceMe": {"n": n, "distance_tokens": "all"}}], {}),
         "GPTQ W4": ([{"GPTQ": {"bits": 4, "group_size": 64}}], {}),   # no layer removed; g64 divides 576 and 640
         "LaCo": ([{"LaCo": {"target_layers": layers - n, "search_steps": 6}}], {}),
         "LaCo C=2": ([{"LaCo": {"C": 2, "target_layers": layers - n, "search_steps": 8}}], {}),
@@ -283,7 +287,8 @@ def main() -> None:
     unknown = [m for m in args.only or () if m not in known]
     if unknown:
         parser.error(f"unknown methods {unknown}; known: {list(known)}")
-    names = args.only or ["dense", "ShortGPT", "SLEB", "ShortGPT+LinearPatch", "FlattenGPT (paper)", "FlattenGPT"]
+    names = args.only or ["dense", "ShortGPT", "SLEB", "ShortGPT+LinearPatch", "ReplaceMe", "FlattenGPT (paper)",
+                          "FlattenGPT"]
     dense, tokenizer, _ = load_model(args.model, "float32")
     calibrated = CALIBRATIONS[args.calibration][0]
     calibrated = [calibrated] if isinstance(calibrated, str) else calibrated

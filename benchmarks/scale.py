@@ -41,9 +41,10 @@ DEPTH = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, n
 
 
 def write_synthetic(directory: Path, layers: int, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    **shape) -> Path:
+                    device: str = "cpu", **shape) -> Path:
     """A Llama checkpoint with ``layers`` decoder layers of ``shape``, one safetensors shard per layer
-    (plus one for embeddings, one for norm + lm_head) and an index; skipped when already complete."""
+    (plus one for embeddings, one for norm + lm_head) and an index; skipped when already complete.
+    ``device`` draws the random weights there (a GPU draws an 8B model's in seconds; other numbers)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig
 
@@ -61,10 +62,10 @@ def write_synthetic(directory: Path, layers: int, dtype: torch.dtype = torch.flo
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     d = h // config.num_attention_heads
     kv = config.num_key_value_heads * d
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed)
 
     def randn(*size):
-        return (torch.randn(*size, generator=generator) * 0.02).to(dtype)
+        return (torch.randn(*size, generator=generator, device=device) * 0.02).to(dtype).cpu()
 
     units = [{"model.embed_tokens.weight": randn(v, h)}]
     shapes = {"self_attn.q_proj.weight": (config.num_attention_heads * d, h), "self_attn.k_proj.weight": (kv, h),

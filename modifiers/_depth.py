@@ -1,6 +1,8 @@
-"""Helpers shared by the depth-pruning modifiers (ShortGPT, LaCo, SLEB, LinearPatch); not a modifier.
+"""Helpers shared by the depth-pruning modifiers (ShortGPT, LaCo, SLEB, LinearPatch, ReplaceMe); not a modifier.
 Removing layers is the session's (``Session.remove_layers``)."""
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 
@@ -25,3 +27,27 @@ def require_uniform(step, shape: ModelShape) -> None:
 def drop_symbolic(shape: ModelShape, count: int) -> None:
     """Symbolic removal of ``count`` layers (which ones is data-dependent; the shape drops the last)."""
     shape.layers = shape.layers[: shape.num_layers - count]
+
+
+@torch.no_grad()
+def span_scores(session, n: int, keep: Callable[[int, list[torch.Tensor]], Any],
+                score: Callable[[Any, Any], float], description: str) -> dict[int, float]:
+    """``score(keep(ℓ, X_ℓ), keep(ℓ + n, X_{ℓ+n}))`` for every start ``ℓ = 0 … L − n`` of the current layers, in one
+    calibration pass: ``X_i`` is layer i's input (one tensor per calibration batch), ``X_L`` the last layer's
+    output (before the final norm). At most ``n + 1`` kept states are held at once."""
+    last = len(session.layers) - 1
+    kept: dict[int, Any] = {}
+    scores: dict[int, float] = {}
+
+    def take(index: int, hidden: list[torch.Tensor]) -> None:
+        kept[index] = keep(index, hidden)
+        if index - n in kept:
+            scores[index - n] = score(kept.pop(index - n), kept[index])
+
+    def visit(index: int, inputs, outputs) -> None:
+        take(index, inputs)
+        if index == last:
+            take(last + 1, outputs)
+
+    session.layer_pass(visit, description)
+    return scores

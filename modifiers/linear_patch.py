@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from recipe_engine.api import LayerBudget, Modifier, RecipeError, adapter_for, budget_field, register, rotation, top_k_kl
 
-from ._depth import drop_symbolic, require_uniform, token_mask
+from ._depth import drop_symbolic, require_uniform, span_scores, token_mask
 
 EXTRA_TYPE, EXTRA_VERSION = "linear_patch", 1
 
@@ -89,24 +89,16 @@ def rotated_magnitudes(reference, wanted: set[int], h: torch.Tensor) -> dict[int
 def contiguous_scores(session, n: int) -> dict[int, float]:
     """``E_i cos(X_i^{(ℓ)}, X_i^{(ℓ+n)})`` for every ℓ (Eq. 2, LLM-Streamline): each sample's L×C inputs
     flattened (Frobenius cosine, fp64, pad rows zeroed), averaged over calibration samples."""
-    last = len(session.layers) - 1
     masks = [token_mask(session, batch) for batch in session.batches()]
-    kept: dict[int, list[torch.Tensor]] = {}
-    scores: dict[int, float] = {}
 
-    def take(index: int, hidden: list[torch.Tensor]) -> None:
-        kept[index] = [(x.double() * m[..., None].to(x.device)).flatten(1) for x, m in zip(hidden, masks)]
-        if index - n in kept:
-            cos = [torch.nn.functional.cosine_similarity(a, b, dim=1) for a, b in zip(kept.pop(index - n), kept[index])]
-            scores[index - n] = float(torch.cat(cos).mean())
+    def keep(_index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [(x.double() * m[..., None].to(x.device)).flatten(1) for x, m in zip(hidden, masks)]
 
-    def visit(index: int, inputs, outputs) -> None:
-        take(index, inputs)
-        if index == last:
-            take(last + 1, outputs)
+    def score(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+        return float(torch.cat([torch.nn.functional.cosine_similarity(a, b, dim=1)
+                                for a, b in zip(first, second)]).mean())
 
-    session.layer_pass(visit, "LinearPatch contiguous selection")
-    return scores
+    return span_scores(session, n, keep, score, "LinearPatch contiguous selection")
 
 
 def distil(session, patches: list[Patch], tune: "Tune") -> list[float]:

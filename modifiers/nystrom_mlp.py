@@ -38,8 +38,8 @@ class _TargetMoments(Statistic):
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         fold = self.batch % self.folds
-        residual = (self.targets[self.batch].to(output.device) - output).reshape(-1, output.shape[-1])
-        residual = residual.to(torch.float64)
+        target = self.targets[self.batch].to(output.device, torch.float64)  # subtract in fp64, not the model dtype
+        residual = (target - output.to(torch.float64)).reshape(-1, output.shape[-1])
         flat = self.sigma.value.reshape(-1, self.cross.shape[1])
         self.cross[fold].add_(flat.to(torch.float64).T @ residual)
         self.error[fold] += residual.pow(2).sum()

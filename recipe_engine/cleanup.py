@@ -92,7 +92,7 @@ def temporary_directory(parent: Path, name: str, kind: str) -> Iterator[Path]:
 
 def track(path: Path) -> None:
     """Remove ``path`` too if a signal forces the process out (``_exit_now``), like a temporary directory
-    (the resume checkpoints of a live run: only a hard kill leaves them)."""
+    (the resume checkpoints of a live run: only a hard kill leaves them; an output's lock file)."""
     with _LOCK:
         _ACTIVE.add(path)
 
@@ -226,7 +226,11 @@ def _exit_now(signum: int) -> None:
         paths = list(_ACTIVE)
     for path in paths:
         for _ in range(5):  # the main thread may still be adding files
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:  # a file: an output's lock (``output_lock``)
+                with contextlib.suppress(OSError):
+                    path.unlink()
             if not path.exists():
                 break
     name = signal.Signals(signum).name

@@ -86,28 +86,20 @@ def cmd_show(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .data import check_text
-    from .models import load_config
+    from .preflight import validate_recipe
     from .recipe_io import load_recipe
-    from .validate import check_against_config
 
     failed = 0
     for spec in args.recipes:  # every file is reported, bad or good
         try:
             loaded = load_recipe(spec, _overrides(args))
-            try:
-                config = load_config(loaded.recipe.model)
-                cal = loaded.recipe.calibration
-                for name, share in zip(cal.sources, cal.shares()):
-                    check_text(name, cal.split, cal.text_field, share * cal.seq_len)
-            except RecipeError as exc:
-                raise exc.located(file=loaded.path) from None
-            shape = check_against_config(loaded.recipe, config, loaded.path)
+            config, shape, unchecked = validate_recipe(loaded)
         except (RecipeError, RegistryError) as exc:
             print(f"error: {one_line(str(exc))}", file=sys.stderr)
             failed += 1
             continue
-        print(f"{spec}: ok ({config.model_type}, {config.num_hidden_layers} → {shape.num_layers} layers)")
+        verdict = f"not fully checked ({'; '.join(unchecked)})" if unchecked else "ok"
+        print(f"{spec}: {verdict} ({config.model_type}, {config.num_hidden_layers} → {shape.num_layers} layers)")
     if failed and len(args.recipes) > 1:
         print(f"{failed} of {len(args.recipes)} recipes failed", file=sys.stderr)
     return RecipeError.exit_code if failed else 0
@@ -115,9 +107,12 @@ def cmd_validate(args) -> int:
 
 def cmd_plan(args) -> int:
     from .plan import print_plan
+    from .preflight import check_device, located
     from .recipe_io import load_recipe
 
-    recipe = load_recipe(args.recipe, _overrides(args)).recipe
+    loaded = load_recipe(args.recipe, _overrides(args))
+    recipe = loaded.recipe
+    located(lambda: check_device(recipe.device, here=False), loaded.path, "device")  # its form, as validate
     if args.json:
         import json
 
@@ -190,6 +185,8 @@ def cmd_sweep(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .evaluation.cli import positive_int
+
     parser = Parser(prog="recipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -225,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print steps, statistics, calibration passes and a memory estimate")
     p.add_argument("recipe")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
-                   help="data-parallel processes (torchrun --nproc-per-node × nodes): per-rank memory")
+    p.add_argument("--ranks", type=positive_int, default=os.environ.get("WORLD_SIZE", "1"),
+                   help="data-parallel processes (torchrun --nproc-per-node × nodes): per-rank memory "
+                        "(default: $WORLD_SIZE, else 1)")
     with_overrides(p)
     p.set_defaults(func=cmd_plan)
 
@@ -253,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vary", action="append", metavar="PATH=V1,V2",
                    help="values of one field, e.g. modifiers.1.n=2,4,6 (a bare n: the step that sets n)")
     p.add_argument("--recipes", nargs="+", metavar="RECIPE", help="more recipes, varied the same way")
-    p.add_argument("--eval-limit", type=int, help="first N perplexity windows and N rows per zero-shot task")
+    p.add_argument("--eval-limit", type=positive_int, help="first N perplexity windows and N rows per zero-shot task")
     p.add_argument("--tasks", nargs="*", help="zero-shot tasks (default: the recipe's evaluate.tasks)")
     p.add_argument("--output", required=True, help="directory for sweep.json and pareto.png")
     p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override every recipe, before --vary")

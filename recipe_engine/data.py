@@ -98,17 +98,34 @@ def wikitext_rows(raw: str) -> list[str]:
 BUILTIN_TEXT = (*SAMPLE_FILES, "wikitext2", "c4")
 
 
-def _hf_rows(name: str, split: str, field: str, **kwargs) -> list[str]:
-    require_hub(name)
+#: How the builtin hub sources are read: ``load_dataset``'s path and keyword arguments.
+HUB_BUILTINS = {"wikitext2": ("wikitext", {"name": "wikitext-2-raw-v1"}),
+                "c4": ("allenai/c4", {"data_files": {"validation": "en/c4-validation.00000-of-00008.json.gz"}})}
+
+
+def _hf_rows(source: str, dataset: str, split: str, field: str, **load_kwargs) -> list[str]:
+    """Rows of ``field`` of HF dataset ``dataset`` (``datasets.load_dataset(dataset, split=split,
+    **load_kwargs)``), read for the recipe's source name ``source``; any failure is one line."""
+    require_hub(source)
     try:
         import datasets
 
-        table = datasets.load_dataset(name, split=split, **kwargs)
+        table = datasets.load_dataset(dataset, split=split, **load_kwargs)
     except Exception as exc:  # datasets raises many unrelated types; each becomes one located line
-        raise SourceError(f"cannot load dataset '{name}' split '{split}': "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                          f"{did_you_mean(name, BUILTIN_TEXT)}") from None
-    return _column(table, field, name)
+        raise SourceError(f"cannot load dataset '{dataset}' split '{split}'{_read_for(source, dataset)}: "
+                          f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+                          f"{'' if source in BUILTIN_TEXT else did_you_mean(source, BUILTIN_TEXT)}") from None
+    return _column(table, field, dataset)
+
+
+def _read_for(source: str, dataset: str) -> str:
+    return "" if source == dataset else f" (read for '{source}')"
+
+
+def offline_mode(*variables: str) -> bool:
+    """Is HF offline mode set by any of ``variables`` (default: both the hub's and datasets')?"""
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in variables or ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def require_hub(name: str, timeout_s: float = 3.0) -> None:
@@ -117,12 +134,21 @@ def require_hub(name: str, timeout_s: float = 3.0) -> None:
     In HF offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) nothing is probed: ``datasets``
     reads its cache without retrying.
     """
-    if os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+    if offline_mode("HF_DATASETS_OFFLINE"):
         return
     problem = hub_unreachable(timeout_s)
     if problem:
-        raise SourceError(f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}) or a local path, "
-                          f"and {problem}{did_you_mean(name, BUILTIN_TEXT)}")
+        raise SourceError(f"{_hub_source_phrase(name)}, and {problem}")
+
+
+def _hub_source_phrase(name: str) -> str:
+    """What a hub source is, for a message: a builtin read from the hub, or a name that is nothing local."""
+    if name == "wikitext2":
+        return (f"dataset 'wikitext2' is read from the HF hub (wikitext, wikitext-2-raw-v1) when "
+                f"${DATA_DIR_VARIABLE} has no wikitext-2-raw/ files")
+    if name == "c4":
+        return "dataset 'c4' is read from the HF hub (allenai/c4)"
+    return f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}) or a local path"
 
 
 def hub_unreachable(timeout_s: float = 3.0) -> str | None:
@@ -144,8 +170,7 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
 
 def require_hub_dataset(name: str) -> None:
     """The hub knows dataset ``name`` (one metadata request, no download); skipped in offline mode."""
-    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
-           for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    if offline_mode():
         return
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
@@ -160,29 +185,77 @@ def require_hub_dataset(name: str) -> None:
                           f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
 
 
+def source_kind(name: str, split: str = "train") -> str:
+    """Classify a text source without reading it (what ``apply`` and ``validate`` both check offline):
+    ``sample`` (a builtin sample file), ``local`` (a file or directory here, WikiText-2 under
+    ``$RECIPE_DATA_DIR`` included) or ``hub`` (read from the HF hub: ``wikitext2`` without local files,
+    ``c4``, or an HF datasets id).
+
+    Refused here, in one line: a builtin's unknown split; a path-like name (``./x``, ``/x``, ``~/x``,
+    ``x.txt``/``.jsonl``/``.json``, or under a directory that exists here) that does not exist; a name that
+    is not a valid hub id; and a bare name (no ``owner/``) that is a near miss of a builtin name
+    (``wikipedia-sampel``: did you mean ``wikipedia-sample``?): such a name is taken for a misspelt
+    builtin, online or offline alike. A hub dataset of such a name is read by its full id (``owner/name``).
+    """
+    if name in SAMPLE_FILES:
+        if split not in SAMPLE_SPLITS:
+            raise SourceError(f"{name} has splits {', '.join(SAMPLE_SPLITS)} (got '{split}')")
+        return "sample"
+    if name == "wikitext2":
+        if split not in WIKITEXT_SPLITS:
+            raise SourceError(f"wikitext2 has splits train, validation, test (got '{split}')")
+        return "hub" if local_wikitext(split) is None else "local"
+    if name == "c4":
+        return "hub"
+    path = Path(name).expanduser()
+    if path.exists():
+        return "local"
+    parent = Path(name).parent
+    if (name.startswith((".", "/", "~")) or path.suffix in (".txt", ".jsonl", ".json")
+            or (parent != Path(".") and parent.expanduser().is_dir())):
+        raise SourceError(f"data not found: {name}")
+    hint = did_you_mean(name, BUILTIN_TEXT)
+    if hint and "/" not in name:
+        raise SourceError(f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}) or a local "
+                          f"path{hint} (an HF hub dataset of this name: write its full id, owner/name)")
+    if not valid_hub_id(name):
+        raise SourceError(f"data not found: '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}), a local "
+                          f"path or a valid HF hub dataset id{hint}")
+    return "hub"
+
+
+def valid_hub_id(name: str) -> bool:
+    """Could ``name`` be an HF hub repository id (``huggingface_hub``'s own rules; no request)?"""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def is_hub_source(name: str, split: str = "train") -> bool:
     """Would :func:`load_text` read ``name`` from the HF hub (rather than a file on this machine)?"""
-    if name in SAMPLE_FILES:
-        return False
-    if name == "wikitext2":
-        return local_wikitext(split) is None
-    path = Path(name).expanduser()
-    return name == "c4" or not (path.exists() or name.startswith((".", "/", "~"))
-                                or path.suffix in (".txt", ".jsonl", ".json"))
+    return source_kind(name, split) == "hub"
 
 
-def check_text(name: str, split: str, text_field: str, tokens: int) -> None:
-    """``recipe validate``'s data check: a local source is read and must hold at least ``tokens`` bytes of
-    text (a token covers at least one byte, so fewer bytes can never give enough tokens); a hub source
-    must be reachable. The exact token count is checked after tokenization (``sample_windows``)."""
-    if is_hub_source(name, split):
-        if name == "wikitext2" and split not in WIKITEXT_SPLITS:
-            raise SourceError(f"wikitext2 has splits train, validation, test (got '{split}')")
+def check_text(name: str, split: str, text_field: str, tokens: int) -> str | None:
+    """``recipe validate``'s data check, :func:`source_kind`'s checks first (as ``apply``'s
+    :func:`load_text`): a local source is read and must hold at least ``tokens`` bytes of text (a token
+    covers at least one byte, so fewer bytes can never give enough tokens); a hub source must be reachable
+    and, for an HF datasets id, known to the hub. The exact token count is checked after tokenization
+    (``sample_windows``). Returns None when fully checked, else one line on what could not be checked
+    (a hub source in HF offline mode: the hub is not asked)."""
+    if source_kind(name, split) == "hub":
         require_hub(name)
+        if offline_mode():
+            return f"dataset '{name}' (HF hub) not checked: HF offline mode is set"
         if name not in BUILTIN_TEXT:
             require_hub_dataset(name)
-        return
+        return None
     check_length(load_text(name, split, text_field), tokens)
+    return None
 
 
 def load_calibration(cal) -> list[tuple[TextSource, int]]:
@@ -223,10 +296,9 @@ def _column(table, field: str, name: str) -> list[str]:
 def load_text(name: str, split: str, text_field: str = "text") -> TextSource:
     """Resolve a text source to one string (rows joined by blank lines). ``text_field``: the field of
     json/jsonl/dataset records (evaluation sources are read with ``text``; calibration states its own)."""
+    kind = source_kind(name, split)
     if name in SAMPLE_FILES:
         path = exllama_sample(SAMPLE_FILES[name])
-        if split not in SAMPLE_SPLITS:
-            raise SourceError(f"{name} has splits {', '.join(SAMPLE_SPLITS)} (got '{split}')")
         raw = _read(path)
         docs = split_documents(raw)
         cut = int(len(docs) * 0.9)
@@ -234,26 +306,23 @@ def load_text(name: str, split: str, text_field: str = "text") -> TextSource:
         text = raw.strip() if split == "all" and not _DOC_TAG.search(raw) else "\n\n".join(chosen)
         return TextSource(name, f"{path} [{split}: {len(chosen)} documents]", text)
     if name == "wikitext2":
-        if split not in WIKITEXT_SPLITS:
-            raise SourceError(f"wikitext2 has splits train, validation, test (got '{split}')")
         local = local_wikitext(split)
         if local is not None:
             return TextSource(name, str(local), "\n\n".join(wikitext_rows(_read(local))))
         hf_split = "validation" if split == "valid" else split
-        rows = _hf_rows("wikitext", hf_split, "text", name="wikitext-2-raw-v1")
+        dataset, load_kwargs = HUB_BUILTINS[name]
+        rows = _hf_rows(name, dataset, hf_split, "text", **load_kwargs)
         return TextSource(name, f"hf:wikitext/wikitext-2-raw-v1[{hf_split}]", "\n\n".join(rows))
     if name == "c4":
-        rows = _hf_rows("allenai/c4", "validation", "text",
-                        data_files={"validation": "en/c4-validation.00000-of-00008.json.gz"})
+        dataset, load_kwargs = HUB_BUILTINS[name]
+        rows = _hf_rows(name, dataset, "validation", "text", **load_kwargs)
         return TextSource(name, "hf:allenai/c4[validation shard 0]", "\n\n".join(rows))
     path = Path(name).expanduser()
-    if path.is_dir():
+    if kind == "local" and path.is_dir():
         return TextSource(name, str(path), "\n\n".join(_disk_rows(path, split, text_field)))
-    if path.is_file():
+    if kind == "local":
         return TextSource(name, str(path), "\n\n".join(_file_rows(path, text_field)))
-    if name.startswith((".", "/", "~")) or path.suffix in (".txt", ".jsonl", ".json"):
-        raise SourceError(f"data not found: {name}")
-    rows = _hf_rows(name, split, text_field)
+    rows = _hf_rows(name, name, split, text_field)
     return TextSource(name, f"hf:{name}[{split}]", "\n\n".join(rows))
 
 

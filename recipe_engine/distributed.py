@@ -62,13 +62,15 @@ class Parallel:
     """This process's place in a data-parallel run; one process is rank 0 of 1 (every method a no-op)."""
 
     def __init__(self, rank: int = 0, world: int = 1, device: torch.device = torch.device("cpu"),
-                 comm: torch.device = torch.device("cpu")):
+                 comm: torch.device = torch.device("cpu"), grouped: bool | None = None):
         self.rank, self.world, self.device, self.comm = rank, world, device, comm
+        #: The collectives run through a process group (a launch, also of one rank); else every method is a no-op.
+        self.grouped = world > 1 if grouped is None else grouped
         self._stopped = False
 
     @property
     def active(self) -> bool:
-        return self.world > 1
+        return self.grouped
 
     def share(self, batches: int) -> range | None:
         """This rank's contiguous share of ``batches`` (None: not split, every rank runs all of them)."""
@@ -231,11 +233,18 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_by_torchrun() -> bool:
+    """Started by a distributed launcher (torchrun sets ``WORLD_SIZE`` and the rendezvous ``MASTER_ADDR``),
+    even with one rank: ``torchrun --nproc-per-node 1`` runs every collective through a one-rank group, so
+    one GPU checks the NCCL path end to end (``benchmarks/gpu_acceptance.py``)."""
+    return "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
 @contextlib.contextmanager
 def launched(device: torch.device) -> Iterator[Parallel]:
     """The run's :class:`Parallel`: initializes the default process group under a distributed launch (and
     destroys it after, if it created it). An exception on this rank is announced to the others first."""
-    if world_size() <= 1:
+    if world_size() <= 1 and not launched_by_torchrun():
         yield Parallel(device=device)
         return
     import torch.distributed as dist
@@ -249,7 +258,7 @@ def launched(device: torch.device) -> Iterator[Parallel]:
         timeout = timedelta(seconds=float(os.environ.get("RECIPE_DIST_TIMEOUT", "1800")))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    parallel = Parallel(dist.get_rank(), dist.get_world_size(), device, comm)
+    parallel = Parallel(dist.get_rank(), dist.get_world_size(), device, comm, grouped=True)
     try:
         yield parallel
     except BaseException as exc:

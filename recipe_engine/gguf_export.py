@@ -230,26 +230,44 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
                 name: str | None = None) -> dict:
     """Write ``output`` (a ``.gguf`` file) from the HF output directory ``directory``; returns a summary
     ``{"file", "type", "architecture", "tensors", "bytes"}``; ``name`` is ``general.name`` (default: the
-    directory's name; note transformers reads a name containing "mistral" as a Mistral model). Atomic: a temporary sibling renamed into place."""
-    import gguf
-    from safetensors import safe_open
-    from transformers import AutoConfig
+    directory's name; note transformers reads a name containing "mistral" as a Mistral model).
 
-    directory, output = Path(directory).expanduser(), Path(output).expanduser()
+    Before a byte is written (``preflight.check_file_output``): the output is not a directory (not even
+    with ``force``), not an existing file without ``force``, its directory is writable and has room for the
+    file (tensor sizes from the safetensors headers). The output's lock (``output_lock``) is held while
+    writing; temporaries of a killed export of the same file are removed. Atomic: a temporary sibling
+    renamed into place."""
+    from .output_lock import output_lock
+    from .preflight import check_file_output
+
+    directory = Path(directory).expanduser()
     if kind not in TYPES:
         raise _fail(f"--type {kind!r} is not one of {', '.join(TYPES)}")
     if not (directory / "config.json").is_file():
         raise _fail(f"'{directory}' is not a model directory (no config.json)")
-    if output.exists() and not force:
-        raise _fail(f"'{output}' already exists (use --force to replace it)")
+    output = check_file_output(output, force)
+    with output_lock(output):
+        return _export(directory, check_file_output(output, force), kind, name)
+
+
+def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
+    import gguf
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from .cleanup import track, untrack
+    from .preflight import check_free_bytes
+
     config = AutoConfig.from_pretrained(directory)
     check_exportable(directory, config)
     arch_name = ARCHITECTURES[config.model_type]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     plan = _tensor_plan(directory, config, kind, arch)
     tokens, types, pre = _vocabulary(directory, config.vocab_size)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    check_free_bytes(output, planned_bytes(plan, tokens), f"the {kind} GGUF file")
+    _remove_stale_temporaries(output)
     temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    track(temporary)
     try:
         writer = gguf.GGUFWriter(str(temporary), arch_name)
         _metadata(writer, config, arch_name, kind, name or directory.resolve().name)
@@ -277,8 +295,36 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
             writer.write_tensor_data(_encoding(tensor, qtype))
         writer.close()
         os.replace(temporary, output)
+    except OSError as exc:  # a disk that filled up after the check, a file system that went read-only
+        temporary.unlink(missing_ok=True)
+        raise _fail(f"writing '{output}' failed: {exc.strerror or exc}; nothing written") from None
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+    finally:
+        untrack(temporary)
     return {"file": str(output), "type": kind, "architecture": arch_name, "tensors": len(plan),
             "bytes": output.stat().st_size}
+
+
+def planned_bytes(plan, tokens: list[str]) -> int:
+    """The GGUF file's size from the tensor plan (each tensor in its GGML type: ``GGML_QUANT_SIZES`` gives
+    the block length and bytes per block) plus the vocabulary's strings; the other metadata is small."""
+    import gguf
+
+    size = 0
+    for _, _, _, shape, qtype in plan:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        size += int(np.prod(shape)) // block * block_bytes
+    return size + sum(len(token.encode("utf-8")) + 16 for token in tokens)
+
+
+def _remove_stale_temporaries(output: Path) -> None:
+    """``.NAME.tmp-PID`` files beside the output were left by a killed export: the lock we hold says no live
+    export of this file is writing one."""
+    import sys
+
+    for path in output.parent.glob(f".{output.name}.tmp-*"):
+        if path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+            print(f"note: removed {path}, left by an interrupted export", file=sys.stderr)

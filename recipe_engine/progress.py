@@ -31,17 +31,21 @@ class Progress:
             self._rich = None
 
     def track(self, items: Iterable[T], description: str) -> Iterator[T]:
-        if self._rich is None:
+        """``items`` with a bar. The display is held locally: a generator closed after the display ended (a
+        signal unwinds the ``with Progress`` block before the garbage collector closes the generator)
+        removes its task from the display it was added to, not from ``None``."""
+        rich = self._rich
+        if rich is None:
             yield from items
             return
         items = list(items)
-        task = self._rich.add_task(description, total=len(items))
+        task = rich.add_task(description, total=len(items))
         try:
             for item in items:
                 yield item
-                self._rich.advance(task)
+                rich.advance(task)
         finally:
-            self._rich.remove_task(task)
+            rich.remove_task(task)
 
     def log(self, message: str) -> None:
         if self.enabled:

@@ -11,7 +11,8 @@ from typing import Any
 import yaml
 
 from .errors import RecipeError
-from .schema import Recipe, load_yaml, parse_compact, recipe_from_dict, recipe_to_dict, safe_load, yaml_problem
+from .schema import (MAX_YAML_BYTES, Recipe, load_yaml, parse_compact, recipe_from_dict, recipe_to_dict, safe_load,
+                     yaml_problem)
 from .suggest import did_you_mean
 
 
@@ -39,6 +40,10 @@ def read_recipe_text(spec: str) -> tuple[str, str]:
         if not file.is_file():
             raise RecipeError("recipe file not found", file=path)
         try:
+            size = file.stat().st_size
+            if size > MAX_YAML_BYTES:
+                raise RecipeError(f"{size:,} bytes; a recipe is read only up to {MAX_YAML_BYTES:,} bytes of YAML",
+                                  file=path)
             data = file.read_bytes()
         except OSError as exc:
             raise RecipeError(f"cannot read recipe file: {exc.strerror}", file=path) from None

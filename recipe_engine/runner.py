@@ -18,9 +18,11 @@ from .data import calibration_windows, fingerprint, load_calibration
 from .errors import QualityGateError, RecipeError
 from .extras import save_extras
 from .modifier import LayerModifier, Modifier
-from .models import load_config, load_model, resolve_device
+from .models import load_model
 from .output import (atomic_directory, check_free_space, check_output_free, git_info,
                      package_versions, peak_memory)
+from .output_lock import output_lock
+from .preflight import check_device, check_recipe, located
 from .progress import Progress
 from .recipe_io import LoadedRecipe, load_recipe
 from .report import Report
@@ -29,7 +31,7 @@ from .memory import PeakWatch, current_rss, estimate
 from .resume import discard_on_error
 from .session import Session
 from .streaming import attach_stream, exceeds_memory
-from .validate import bound_steps, check_against_config
+from .validate import bound_steps
 
 
 def group_steps(steps: list[Modifier]) -> list[list[tuple[int, Modifier]]]:
@@ -67,8 +69,22 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     for the output once instead of twice).
     """
     loaded = _resolve(recipe, list(overrides))
-    with launched(resolve_device(loaded.recipe.device)) as parallel:
+    device = located(lambda: check_device(loaded.recipe.device), loaded.path, "device")
+    with launched(device) as parallel, _claim_output(loaded, write and parallel.rank == 0, force):
         return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints)
+
+
+@contextlib.contextmanager
+def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool) -> Iterator[None]:
+    """The output's pre-flight (``output.check_output_free``), then its lock (``output_lock``) for the run:
+    a second run aimed at the same output is refused before it touches this run's temporary files or
+    resume checkpoints."""
+    if not writing:
+        yield
+        return
+    check_output_free(loaded.recipe.output, force, loaded.path)
+    with output_lock(loaded.recipe.output, loaded.path):
+        yield
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
@@ -76,12 +92,9 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
     recipe, file = loaded.recipe, loaded.path
     writing = write and parallel.rank == 0
-    if writing:
-        check_output_free(recipe.output, force, file)
     cal = recipe.calibration
     texts = _located(lambda: load_calibration(cal), file)
-    config = model.config if model is not None else _located(lambda: load_config(recipe.model), file)
-    check_against_config(recipe, config, file)
+    config = check_recipe(recipe, file, model.config if model is not None else None)[0]
     steps = bound_steps(recipe, config, file)  # percentages of layers resolved against this model
     in_memory = model is not None
     if resume and (in_memory or not write or not keep_checkpoints):

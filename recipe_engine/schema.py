@@ -15,13 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from .errors import RecipeError
 from .modifier import Modifier
 from .registry import REGISTRY
+from .strict import NUMBER_ERROR, StrictParameters
 from .suggest import did_you_mean
 
 RECIPE_VERSION = 1
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+class StrictModel(StrictParameters):
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class CalibrationConfig(StrictModel):
@@ -160,6 +161,8 @@ def parse_compact(text: str) -> tuple[str, dict[str, Any]]:
         key, sep, raw = item.partition(":")
         if not sep or not key.strip():
             raise RecipeError(f"cannot parse parameter {item.strip()!r} in {text!r}; expected key:value")
+        if key.strip() in params:
+            raise RecipeError(f"parameter {key.strip()!r} given twice in {text!r}")
         try:
             params[key.strip()] = safe_load(raw.strip()) if raw.strip() else None
         except yaml.YAMLError as exc:
@@ -171,7 +174,10 @@ def parse_compact(text: str) -> tuple[str, dict[str, Any]]:
 def parse_step(raw: Any, index: int) -> Modifier:
     """Build the registered modifier model for one step (string or one-key mapping)."""
     if isinstance(raw, str):
-        name, params = parse_compact(raw)
+        try:
+            name, params = parse_compact(raw)
+        except RecipeError as exc:
+            raise exc.located(step=index) from None
     elif isinstance(raw, dict) and len(raw) == 1:
         name, params = next(iter(raw.items()))
         params = {} if params is None else params
@@ -194,17 +200,48 @@ def parse_step(raw: Any, index: int) -> Modifier:
 
 
 def _field_error(exc: ValidationError, cls: type[BaseModel], index: int | None) -> RecipeError:
-    """Turn the first pydantic error into one located line."""
-    err = exc.errors()[0]
+    """Turn the first pydantic error into one located line; an unknown field comes first (``Modifiers:``
+    for ``modifiers:`` is one unknown field with a suggestion, not the missing field it leaves)."""
+    errors = exc.errors()
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = ".".join(str(p) for p in err["loc"])
     modifier = cls.__name__ if index is not None else None
     if err["type"] == "extra_forbidden":
-        known = list(cls.model_fields)
-        detail = f"unknown field{did_you_mean(str(err['loc'][-1]), known)} (known: {', '.join(known)})"
+        owner, key = _owner(cls, err["loc"][:-1]), str(err["loc"][-1])
+        known = list(owner.model_fields)
+        aliases = {field.alias: name for name, field in owner.model_fields.items() if field.alias}
+        if key in known or key in aliases:  # a field given by its name and by its alias
+            name = aliases.get(key, key)
+            detail = f"given twice, as '{name}' and as its alias '{owner.model_fields[name].alias}'"
+        else:
+            detail = f"unknown field{did_you_mean(key, known)} (known: {', '.join(known)})"
     else:
         got = err.get("input")
-        detail = f"{err['msg']} (got {got!r})" if not isinstance(got, dict) else err["msg"]
+        plain = isinstance(got, dict) or err["type"] == NUMBER_ERROR  # the message names what was given
+        detail = err["msg"] if plain else f"{err['msg']} (got {_short_repr(got)})"
     return RecipeError(detail, step=index, modifier=modifier, field=loc or None)
+
+
+def _owner(cls: type[BaseModel], loc: tuple) -> type[BaseModel]:
+    """The model class that holds the field at ``loc`` (a nested section such as ``calibration``)."""
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        inner = getattr(field, "annotation", None) if field is not None else None
+        inner = next((a for a in getattr(inner, "__args__", ()) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), inner)
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return cls
+        cls = inner
+    return cls
+
+
+def _short_repr(value: Any) -> str:
+    """``repr`` bounded in size and depth (an aliased YAML value may be large)."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 3, 80, 80
+    return short.repr(value)
 
 
 def recipe_from_dict(data: Any, file: str | None = None) -> Recipe:
@@ -219,9 +256,56 @@ def recipe_from_dict(data: Any, file: str | None = None) -> Recipe:
         raise _field_error(exc, Recipe, None).located(file=file) from None
 
 
+#: Bounds on YAML read from files and command lines (hostile input stays one line, in bounded memory):
+#: bytes of text, nesting depth, and nodes and depth with every alias expanded (a "billion laughs" alias
+#: bomb is small as text and as a composed graph, but not once a consumer walks it).
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_DEPTH = 64
+MAX_YAML_NODES = 100_000
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+
+
+class YAMLBoundError(yaml.composer.ComposerError):
+    """YAML beyond one of the bounds above (or an alias that contains itself)."""
+
+
 class StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (at any depth) instead of
-    silently keeping the last one; ``<<`` merge keys keep their usual override semantics."""
+    """``yaml.SafeLoader`` for recipes, with checks at compose time (before any object is built):
+
+    * a key given twice in one mapping (at any depth) is refused instead of silently keeping the last one
+      (``<<`` merge keys keep their usual override semantics);
+    * nesting deeper than ``MAX_YAML_DEPTH``, more than ``MAX_YAML_NODES`` nodes or ``MAX_YAML_DEPTH``
+      levels once aliases are expanded, and an alias inside its own anchor are refused;
+    * booleans are YAML 1.2's: only ``true``/``false`` (any case form PyYAML knows); YAML 1.1's
+      ``yes``/``no``/``on``/``off`` stay strings, so ``stream: on`` means ``'on'`` (a true/false field
+      still accepts them: pydantic reads ``'on'``/``'yes'`` as true, ``'off'``/``'no'`` as false).
+    """
+
+    yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+                               for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise YAMLBoundError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                     self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self):
+        node = super().compose_document()
+        nodes, depth = _expanded_size(node, {}, set())
+        if nodes > MAX_YAML_NODES or depth > MAX_YAML_DEPTH:
+            raise YAMLBoundError(None, None, f"aliases expand to more than {MAX_YAML_NODES:,} nodes or "
+                                 f"{MAX_YAML_DEPTH} levels (an alias bomb?)", node.start_mark)
+        return node
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -242,8 +326,39 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+StrictLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+
+
+def _expanded_size(node, memo: dict[int, tuple[int, int]], active: set[int]) -> tuple[int, int]:
+    """(nodes, depth) of ``node`` with every alias expanded; each distinct node is visited once (memo),
+    so an alias bomb costs its composed size, not its expanded size. Counts saturate past the bounds."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in active:
+        raise YAMLBoundError(None, None, "an alias refers to a node that contains it (a recursive structure)",
+                             node.start_mark)
+    if isinstance(node, yaml.ScalarNode):
+        return 1, 1
+    active.add(key)
+    children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+    nodes, depth = 1, 0
+    for child in children:
+        child_nodes, child_depth = _expanded_size(child, memo, active)
+        nodes, depth = min(nodes + child_nodes, MAX_YAML_NODES + 1), max(depth, child_depth)
+    active.discard(key)
+    memo[key] = nodes, depth + 1
+    return memo[key]
+
+
 def safe_load(text: str) -> Any:
-    """``yaml.safe_load`` with duplicate keys refused (see :class:`StrictLoader`)."""
+    """YAML text loaded with :class:`StrictLoader` (duplicate keys refused, bounds checked); text over
+    ``MAX_YAML_BYTES`` is refused before it is parsed."""
+    size = len(text) if len(text) > MAX_YAML_BYTES else len(text.encode("utf-8", errors="replace"))
+    if size > MAX_YAML_BYTES:
+        raise YAMLBoundError(None, None, f"{size:,} bytes of YAML; at most {MAX_YAML_BYTES:,} are read "
+                             f"(a recipe is a few hundred bytes)", None)
     return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
 
 
@@ -259,8 +374,8 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     mark = getattr(exc, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    kind = "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
-    return f"{kind}{where}: {problem}"
+    syntax = not isinstance(exc, (yaml.constructor.ConstructorError, YAMLBoundError))
+    return f"{'YAML syntax error' if syntax else 'YAML error'}{where}: {problem}"
 
 
 def step_to_dict(step: Modifier) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -296,17 +297,20 @@ class Session:
 
     @contextlib.contextmanager
     def on_device(self, *modules: nn.Module) -> Iterator[None]:
-        """Move modules to the session device for the duration of the block."""
+        """Move modules to the session device for the duration of the block, then back where each was (a
+        module already on the device, e.g. the layer a pass is using, stays there)."""
         if self.device.type == "cpu":
             yield
             return
+        homes = [next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
+                 for module in modules]
         for module in modules:
             module.to(self.device)
         try:
             yield
         finally:
-            for module in modules:
-                module.to("cpu")
+            for module, home in zip(modules, homes):
+                module.to(home)
 
     def shared(self, step, label: str, compute: Callable[[], Any]) -> Any:
         """``compute()``, or its value from an earlier sweep variant in the same state (``memo``)."""

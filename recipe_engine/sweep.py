@@ -26,12 +26,17 @@ SWEEP_FILE = "sweep.json"
 
 def parse_vary(text: str) -> tuple[str, list[Any]]:
     """``modifiers.1.n=2,4,6`` → ``("modifiers.1.n", [2, 4, 6])`` (values are YAML scalars)."""
-    from .schema import safe_load
+    import yaml
+
+    from .schema import safe_load, yaml_problem
 
     path, sep, values = text.partition("=")
     if not sep or not path.strip() or not values.strip():
         raise RecipeError(f"--vary {text!r}: expected PATH=v1,v2,... (e.g. modifiers.1.n=2,4,6 or n=2,4,6)")
-    return path.strip(), [safe_load(v.strip()) for v in values.split(",")]
+    try:
+        return path.strip(), [safe_load(v.strip()) for v in values.split(",")]
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--vary {text!r}: a value is not valid YAML: {yaml_problem(exc)}") from None
 
 
 def resolve_path(recipe, path: str, file: str) -> str:
@@ -123,11 +128,41 @@ class Sweep:
         return self.memos.setdefault(key, SharedWork())
 
     def run(self) -> list[dict[str, Any]]:
+        from .output_lock import output_lock
+
+        planned = [(spec, params, recipe) for spec in self.specs for params, recipe in variants(spec, self.vary, self.overrides)]
+        self.check(planned)
+        with output_lock(self.output):
+            return self._run(planned)
+
+    def check(self, planned: list[tuple[str, dict, Any]]) -> None:
+        """``apply``'s pre-flight for every variant before the first model is loaded (``preflight``): the
+        output directory, each variant's device, model config, steps on the symbolic shape, calibration text
+        and evaluation (tasks, perplexity text); each distinct model, calibration and evaluation once."""
+        from .preflight import check_calibration, check_evaluation, check_model, check_recipe, check_sweep_output
+
+        check_sweep_output(self.output)
+        configs: dict[str, Any] = {}
+        checked: set[str] = set()
+        for spec, _, recipe in planned:
+            if recipe.model not in configs:
+                configs[recipe.model] = check_model(recipe.model, spec)
+            check_recipe(recipe.model_copy(update={"evaluate": None}), spec, configs[recipe.model])
+            calibration = json.dumps(recipe.calibration.model_dump(mode="json"), sort_keys=True)
+            if calibration not in checked:
+                check_calibration(recipe.calibration, spec)
+                checked.add(calibration)
+            evaluation = evaluation_config(recipe, self.eval_limit, self.tasks)
+            key = json.dumps(evaluation.model_dump(mode="json"), sort_keys=True)
+            if key not in checked:
+                check_evaluation(evaluation, spec)
+                checked.add(key)
+
+    def _run(self, planned: list[tuple[str, dict, Any]]) -> list[dict[str, Any]]:
         from .evaluation import evaluate_model
         from .models import resolve_device
         from .runner import apply
 
-        planned = [(spec, params, recipe) for spec in self.specs for params, recipe in variants(spec, self.vary, self.overrides)]
         self._load_rows()
         done = {(row["recipe_sha256"], row.get("evaluation_sha256")) for row in self.rows}
         for spec, params, recipe in planned:

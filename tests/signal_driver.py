@@ -10,7 +10,8 @@ driver writes each child's exit code to ``NAME.rc``.
 
 POINT is where the run stalls: ``loading`` (before the weights are read), ``converting`` (a GGUF model
 being dequantized into the cache, after the tokenizer was saved there), ``pass`` (inside the shared
-layer-sequential pass, in a layer step's ``compress_layer``) or ``writing`` (after the checkpoint files are
+layer-sequential pass, in a layer step's ``compress_layer``), ``evaluating`` (in the perplexity of the
+``evaluate:`` block, with its progress bar running) or ``writing`` (after the checkpoint files are
 written into the temporary output directory, before the rename). STALL is ``python`` (an interruptible
 ``time.sleep``) or ``native`` (one long torch call that does not return to Python for ~30 s, like a large
 solve). ``NAME.ready`` is created when the stall begins, so the test knows when to send its signal.
@@ -67,6 +68,14 @@ def install(point: str, kind: str, ready: Path) -> None:
             return model
 
         transformers.AutoModelForCausalLM.from_pretrained = from_pretrained
+    elif point == "evaluating":  # in the dense model's perplexity, inside the progress bar's loop
+        cross_entropy = torch.nn.functional.cross_entropy
+
+        def stalled_cross_entropy(*args, **kwargs):
+            stall(kind, ready)
+            return cross_entropy(*args, **kwargs)
+
+        torch.nn.functional.cross_entropy = stalled_cross_entropy
     elif point == "writing":
         save = transformers.PreTrainedModel.save_pretrained
 

@@ -20,6 +20,7 @@ NAMES = REGISTRY.names()
 #: (modifier, architecture) pairs that ``recipe validate`` refuses, and a phrase of the one-line reason.
 REFUSED = {(name, "gemma3_text"): "post-attention/post-feedforward norms"
            for name in ("FlattenAdjacent", "HeadPrune", "NystromMLP")}  # their examples start with FlattenAdjacent
+REFUSED["ReplaceMe", "gemma3_text"] = "normalizes the MLP output"  # no exact fold through the post-MLP norm
 
 
 def example_recipe(tmp_path, name):

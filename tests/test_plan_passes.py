@@ -15,6 +15,7 @@ from tests.test_recipes import HUB_CONFIGS, RECIPES
 TEXT = "Plan and run count the same calibration passes, on a tiny model of the same depth. " * 200
 #: Parameters that only fit the real widths or read external data, replaced on the tiny model.
 TINY_PARAMS = {"GPTQ": {"group_size": 16}, "LaCo": {"samples": 2}, "SLEB": {"n": 1},  # SLEB: time (28 passes)
+               "ReplaceMe": {"ridge": 1e-3},  # 32 calibration tokens for a 32-wide MLP output: MᵀM near singular
                "LoRARecovery": {"dataset": None, "max_steps": 1, "batch_size": 2, "micro_batch_size": 2,
                                 "seq_len": 16, "save_adapter": False}}
 

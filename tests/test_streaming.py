@@ -96,6 +96,19 @@ def test_nll_selection_streamed_equals_in_memory(tmp_path):
     assert len(report.steps[0].result["rounds"]) == 2
 
 
+@pytest.mark.parametrize("step", ["ReplaceMe<n:2,distance_tokens:all>",
+                                  {"ReplaceMe": {"n": 3, "objective": "cosine", "adam": {"epochs": 2}}}])
+def test_replace_me_streamed_equals_in_memory(tmp_path, step):
+    """ReplaceMe's fit pass runs the layers up to the block's end from a streamed skeleton and folds the map
+    into a down_proj loaded on its own: the same weights as in memory (Qwen2: q/k/v biases)."""
+    model_dir = tmp_path / "model"
+    saved_model(model_dir, "qwen2")
+    (memory, streamed), report = run_both(tmp_path, model_dir, [step])
+    assert_same_weights(memory, streamed)
+    result = report.steps[0].result
+    assert report.after.layers == 6 - len(result["removed"]) and result["fit"]["tokens"] == 4 * 31
+
+
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_flattengpt_streamed_equals_in_memory_across_architectures(tmp_path, model_type, tied):

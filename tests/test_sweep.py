@@ -114,6 +114,14 @@ def test_bare_field_must_name_one_step(recipes, tmp_path):
     assert [r.modifiers[0].n for _, r in variants(recipes[1], [("n", [2, 3])])] == [2, 3]
 
 
+def test_invalid_yaml_in_vary_is_one_line(recipes, tmp_path, capsys):
+    out = tmp_path / "sweep-out"
+    assert main(["sweep", recipes[1], "--vary", "n=[", "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--vary 'n=['" in err[0] and "YAML" in err[0]
+    assert not out.exists()
+
+
 def test_pareto_front_matches_brute_force():
     rng = random.Random(0)
     for _ in range(50):

@@ -120,7 +120,7 @@ def eval_table(results: dict, baseline: dict | None) -> Table:
 
 
 def cmd_eval(args) -> int:
-    from ..models import resolve_device
+    from ..preflight import check_device, check_evaluation, check_model
     from ..progress import Progress
     from ..schema import EvaluateConfig, PerplexityConfig
     from .run import evaluate_session, evaluation_session, retained
@@ -131,9 +131,12 @@ def cmd_eval(args) -> int:
     config = EvaluateConfig(perplexity=ppl, **given(tasks=args.tasks, limit=args.task_limit, task_data=args.task_data))
     baseline = read_baseline(args.baseline)
     check_json_path(args.json)
+    device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
+    check_model(args.model)
+    check_evaluation(config, fields=None)
     start = time.perf_counter()
     with Progress() as bar:
-        session, source = evaluation_session(args.model, args.dtype, resolve_device(args.device), args.stream, bar)
+        session, source = evaluation_session(args.model, args.dtype, device, args.stream, bar)
         results = evaluate_session(session, config, bar)
     results = {"model": model_record(args.model, source.location), **results,
                "lm_eval_version": version("lm_eval"), "dtype": args.dtype,
@@ -171,14 +174,17 @@ def bench_table(names: list[str], runs: list[dict], ratio: dict | None) -> Table
 
 
 def cmd_bench(args) -> int:
-    from ..models import load_model, resolve_device
     from ..errors import RecipeError
+    from ..models import load_model
+    from ..preflight import check_device, check_model
     from .bench import bench, checkpoint_bytes, protocol_note, ratios
 
     if len(args.dirs) > 2:
         raise RecipeError(f"recipe bench takes DIR_A [DIR_B], got {len(args.dirs)} directories")
     check_json_path(args.json)
-    device = resolve_device(args.device)
+    device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
+    for spec in args.dirs:
+        check_model(spec)
     loaded = [load_model(spec, args.dtype) for spec in args.dirs]
     runs = bench([m for m, _, _ in loaded], args.batch, args.gen_tokens, args.prefill_tokens, args.warmup,
                  args.repeats, device)

@@ -8,11 +8,13 @@ the papers' "Avg." column.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
 from ..errors import SourceError
+from ..suggest import did_you_mean
 from . import task_data
 
 TASKS_DIR = Path(__file__).with_name("tasks")
@@ -29,12 +31,35 @@ def task_manager(data: str):
 
 
 def check_tasks(tasks: list[str], data: str) -> None:
-    unknown = [t for t in tasks if data == "local" and t not in task_data.LOCAL_TASKS]
+    """Before any model is loaded: every task has a config (local: ``tasks/``; hub: lm-eval's task index,
+    with the hub reachable), with a did-you-mean for a near miss; an offline task's files exist."""
+    if not tasks:
+        return
+    if data == "local":
+        known = task_data.LOCAL_TASKS
+        unknown = [t for t in tasks if t not in known]
+        if unknown:
+            raise SourceError(f"no offline config for task(s) {', '.join(unknown)}{did_you_mean(unknown[0], known)} "
+                              f"(offline: {', '.join(known)}); use task_data: hub for lm-eval's stock tasks")
+        for task in tasks:
+            task_data.source_files(task)  # raises the one-line install hint before lm-eval starts
+        return
+    from ..data import hub_unreachable
+
+    problem = hub_unreachable()
+    if problem:
+        raise SourceError(f"task_data: hub reads task(s) {', '.join(tasks)} from the HF hub, and {problem} "
+                          f"(task_data: local runs {', '.join(task_data.LOCAL_TASKS)} offline)")
+    known = hub_task_names()
+    unknown = [t for t in tasks if t not in known]
     if unknown:
-        raise SourceError(f"no offline config for task(s) {', '.join(unknown)} (offline: "
-                          f"{', '.join(task_data.LOCAL_TASKS)}); use task_data: hub for lm-eval's stock tasks")
-    for task in tasks if data == "local" else []:
-        task_data.source_files(task)  # raises the one-line install hint before lm-eval starts
+        raise SourceError(f"lm-eval has no task(s) {', '.join(unknown)}{did_you_mean(unknown[0], known)}")
+
+
+@functools.lru_cache(maxsize=1)
+def hub_task_names() -> frozenset[str]:
+    """Every task, group and tag name in lm-eval's stock index (read from its installed configs)."""
+    return frozenset(task_manager("hub").all_tasks)
 
 
 def headline(metrics: dict) -> tuple[str, float]:
@@ -75,10 +100,16 @@ def run_harness(model, tokenizer, tasks: list[str], limit: int | None, data: str
     wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     if device is not None and wrapped.device.type == "meta":
         wrapped._device = torch.device(device)  # HFLM reads the device from the first parameter
-    return lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), num_fewshot=0, limit=limit,
-                                   task_manager=task_manager(data), log_samples=log_samples,
-                                   bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
-                                   torch_random_seed=0)
+    try:
+        return lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), num_fewshot=0, limit=limit,
+                                       task_manager=task_manager(data), log_samples=log_samples,
+                                       bootstrap_iters=1000, random_seed=0, numpy_random_seed=0,
+                                       torch_random_seed=0)
+    except (ConnectionError, OSError) as exc:  # a hub task's rows (offline mode without a cache, a lost network)
+        if data == "local":
+            raise
+        raise SourceError(f"task_data: hub: cannot read the rows of {', '.join(tasks)}: "
+                          f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
 
 
 def zero_shot(model, tokenizer, tasks: list[str], limit: int | None, device, data: str = "local",

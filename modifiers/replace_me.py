@@ -1,0 +1,273 @@
+"""ReplaceMe: remove a contiguous block of layers and fold a linear map in its place into ``down_proj``.
+
+Shopkhoev et al. 2025, "ReplaceMe: Network Simplification via Depth Pruning and Linear Transformations", §3
+(layer selection; estimating the linear transform by least squares or by a cosine objective). The output is a
+stock checkpoint: the map is multiplied into the ``down_proj`` of the layer before the block.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from recipe_engine.api import (ADAPTERS, Modifier, RecipeError, Statistic, mean_eigenvalue, refit_error,
+                               register, ridge_refit, set_linear_weight)
+
+from ._depth import drop_symbolic, require_uniform, span_scores, token_mask
+
+
+def statistics_mask(session, batch: torch.Tensor, skip_first: int) -> torch.Tensor:
+    """Non-pad tokens (``token_mask``) except the first ``skip_first`` positions of every window."""
+    mask = token_mask(session, batch).clone()
+    mask[:, :skip_first] = False
+    return mask
+
+
+def last_token_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, positions)`` of the last non-pad token of every window that has one."""
+    rows = mask.any(1).nonzero().flatten()
+    positions = mask.shape[1] - 1 - mask.flip(1).int().argmax(1)
+    return rows, positions[rows]
+
+
+@torch.no_grad()
+def block_distances(session, n: int, tokens: Literal["last", "all"], skip_first: int = 0) -> dict[int, float]:
+    """``d(ℓ) = E_t arccos(cos(X_{ℓ,t}, X_{ℓ+n,t})) / π`` for every start ``ℓ = 1 … L − n`` (the block
+    ``ℓ … ℓ+n−1``): ``X_ℓ`` is layer ℓ's input, ``X_L`` the last layer's output before the final norm. ``tokens``:
+    ``last``, the last non-pad token of each calibration window (the authors' code), or ``all`` non-pad tokens
+    after the first ``skip_first`` of each window. Cosines and means in fp64; a NaN distance (a zero hidden
+    state) is an error."""
+    masks = [statistics_mask(session, batch, skip_first) for batch in session.batches()]
+    picks = [last_token_rows(mask) for mask in masks] if tokens == "last" else None
+
+    def keep(index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        if index == 0:
+            return None  # layer 0 is never removed (the map is folded into the layer before the block)
+        if picks is not None:
+            return [x[rows.to(x.device), positions.to(x.device)] for x, (rows, positions) in zip(hidden, picks)]
+        return [x[mask.to(x.device)] for x, mask in zip(hidden, masks)]
+
+    def score(first: list[torch.Tensor] | None, second: list[torch.Tensor]) -> float:
+        if first is None:
+            return math.nan
+        total, count = 0.0, 0
+        for a, b in zip(first, second):
+            cos = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1, eps=0.0)
+            total += float((cos.clamp(-1.0, 1.0).acos() / math.pi).sum())
+            count += cos.numel()
+        return total / count
+
+    scores = span_scores(session, n, keep, score, "ReplaceMe block distances")
+    scores.pop(0)
+    bad = [start for start, value in scores.items() if value != value]
+    if bad:
+        raise RecipeError(f"block distance is NaN for starts {bad} (zero or non-finite hidden states)",
+                          modifier="ReplaceMe")
+    return scores
+
+
+class BlockOutput(Statistic):
+    """A block's output on the calibration batch being run (one batch at a time, nothing summed)."""
+
+    sums = ()
+
+    def __init__(self, module: str):
+        super().__init__(module)
+        self.output: torch.Tensor | None = None
+
+    def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        self.output = output
+
+
+class Seam:
+    """Moments of the replacement problem ``min_T ‖M T + Y − L‖²`` over non-pad calibration tokens (fp64).
+
+    ``M``: the MLP output of the layer before the block; ``H = Y + M`` that layer's output; ``L`` the block's
+    output. With the plain drop as starting point (``T = I``) the errors are ``E = L − H``:
+    ``gram = MᵀM``, ``cross = MᵀE``, ``error = ‖E‖²`` (what ``ridge_refit`` / ``refit_error`` take, the
+    weight being the identity). ``rows`` keeps ``M`` and the target ``L − Y`` in fp32 for the cosine objective.
+    """
+
+    def __init__(self, keep_rows: bool):
+        self.gram: torch.Tensor | None = None
+        self.cross: torch.Tensor | None = None
+        self.error = 0.0
+        self.tokens = 0
+        self.rows: tuple[list[torch.Tensor], list[torch.Tensor]] | None = ([], []) if keep_rows else None
+
+    def add(self, mlp: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> None:
+        m, e = mlp.double(), after.double() - before.double()
+        if self.gram is None:
+            self.gram = torch.zeros(m.shape[1], m.shape[1], dtype=torch.float64, device=m.device)
+            self.cross = torch.zeros_like(self.gram)
+        self.gram.addmm_(m.T, m)
+        self.cross.addmm_(m.T, e)
+        self.error += float(e.pow(2).sum())
+        self.tokens += m.shape[0]
+        if self.rows is not None:
+            self.rows[0].append(mlp.float().cpu())
+            self.rows[1].append((e + m).float().cpu())
+
+
+@torch.no_grad()
+def seam_moments(session, start: int, n: int, keep_rows: bool, skip_first: int = 0) -> Seam:
+    """One calibration pass through layers ``0 … start+n−1`` (the layers after the block are not run):
+    ``M`` and ``H`` of layer ``start − 1`` are kept (non-pad rows after the first ``skip_first`` positions of
+    each window) until the block's output ``L`` arrives, batch by batch."""
+    masks = [statistics_mask(session, batch, skip_first) for batch in session.batches()]
+    seam, kept = Seam(keep_rows), []
+    mlp = BlockOutput(session.adapter.path("mlp"))
+
+    def keep(k: int, output: torch.Tensor) -> None:
+        mask = masks[k].to(output.device)
+        kept.append((mlp.output[mask].to(session.storage), output[mask].to(session.storage)))
+
+    def fold(k: int, output: torch.Tensor) -> None:
+        m, h = kept[k]
+        seam.add(m.to(output.device), h.to(output.device), output[masks[k].to(output.device)])
+        kept[k] = None
+
+    inputs, kwargs_list = session.capture_inputs()
+    for index in session.progress.track(range(start + n), "ReplaceMe activations"):
+        on_batch = keep if index == start - 1 else fold if index == start + n - 1 else None
+        with session.using(index):
+            inputs = session.run_layer(session.layers[index], inputs, kwargs_list,
+                                       hooks=[mlp] if on_batch is keep else (), on_batch=on_batch)
+    seam.gram, seam.cross = seam.gram.cpu(), seam.cross.cpu()
+    return seam
+
+
+class Adam(BaseModel):
+    """The cosine objective's optimiser (the authors' code: Adam, lr 1e-4, 10 epochs of 1024-token batches,
+    from ``T = I``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    epochs: int = Field(10, ge=1, description="passes over the captured calibration tokens")
+    lr: float = Field(1e-4, gt=0, description="Adam learning rate")
+    batch_tokens: int = Field(1024, ge=1, description="tokens per Adam step (shuffled, seeded)")
+    seed: int = Field(0, description="seed of the token shuffle")
+
+
+def cosine_fit(seam: Seam, adam: Adam, device: torch.device) -> tuple[torch.Tensor, float, float]:
+    """``T = argmin 1 − mean_t cos(M_t T, L_t − Y_t)`` by Adam in fp32 from ``T = I``; returns ``T`` (fp64) and
+    the loss on all tokens before and after."""
+    mlp = torch.cat(seam.rows[0]).to(device)
+    target = torch.cat(seam.rows[1]).to(device)
+    seam.rows = None
+
+    def loss(t: torch.Tensor, rows=slice(None)) -> torch.Tensor:
+        return 1 - torch.nn.functional.cosine_similarity(mlp[rows] @ t, target[rows], dim=-1).mean()
+
+    transform = torch.nn.Parameter(torch.eye(mlp.shape[1], device=device))
+    optimizer = torch.optim.Adam([transform], lr=adam.lr)
+    generator = torch.Generator().manual_seed(adam.seed)
+    with torch.no_grad():
+        before = float(loss(transform))
+    for _ in range(adam.epochs):
+        for rows in torch.randperm(mlp.shape[0], generator=generator).split(adam.batch_tokens):
+            optimizer.zero_grad()
+            loss(transform, rows.to(device)).backward()
+            optimizer.step()
+    with torch.no_grad():
+        after = float(loss(transform))
+    return transform.detach().cpu().double(), before, after
+
+
+@register
+class ReplaceMe(Modifier):
+    """Remove the ``n`` contiguous layers whose input and output are closest; fold a linear map ``T`` in their place.
+
+    Selection (§3): the start ``ℓ ≥ 1`` minimising the mean angular distance ``arccos(cos(X_ℓ, X_{ℓ+n}))/π``
+    between the block's input and output hidden states (``block_distances``). Estimation: ``M`` is the MLP
+    output of layer ``ℓ−1``, ``Y`` the residual stream it is added to, ``L`` the block's output;
+    ``objective: lstsq`` solves ``T = (MᵀM + λI)⁻¹ (Mᵀ(L − Y) + λI)`` in fp64 from Gram matrices
+    accumulated over calibration batches (``λ = ridge × mean eigenvalue of MᵀM``, shrinking ``T`` towards the
+    plain drop ``T = I``; 0: the paper's plain least squares); ``objective: cosine`` minimises
+    ``1 − mean cos(M T, L − Y)`` with Adam (``adam``). ``down_proj``'s weight ``W`` becomes ``Tᵀ W``.
+    Statistics leave out the first ``skip_first`` positions of each window (deviation: the attention sink's
+    massive hidden state dominates a least-squares fit; SmolLM2: 96 % of ``‖L − H‖²`` sits at position 0).
+    Refused on architectures that normalize the MLP output before the residual add (Gemma 3).
+    """
+
+    streams = True
+    calibration_passes = 2
+    shared_ignores = ("objective", "ridge", "adam")  # the distances depend on n and distance_tokens only
+    needs = ("angular distance between every block's input and output hidden states",
+             "MLP output and residual stream before the block, and the block's output (fp64 Grams)")
+
+    n: int = Field(1, ge=1, description="number of contiguous layers to remove (paper: 25% of the layers)")
+    objective: Literal["lstsq", "cosine"] = Field("lstsq", description="least squares, or the cosine objective")
+    distance_tokens: Literal["last", "all"] = Field(
+        "last", description="tokens the block distance averages over: the last of each window, or all")
+    ridge: float = Field(0.0, ge=0, description="λ as a multiple of MᵀM's mean eigenvalue (lstsq)")
+    skip_first: int = Field(1, ge=0, description="leading positions of every calibration window left out of the "
+                                                 "statistics (the attention-sink token's massive activations)")
+    adam: Adam | None = Field(None, description="optimiser of objective: cosine (None: the authors' settings)")
+
+    def check(self, shape) -> None:
+        adapter = ADAPTERS.get(shape.model_type)
+        if adapter is not None and "mlp_output_norm" in adapter.norms:
+            raise self.fail(f"{shape.model_type} normalizes the MLP output ({adapter.norms['mlp_output_norm']}) "
+                            f"before the residual add, so the map cannot be folded into down_proj; use "
+                            f"SLEB, ShortGPT or LinearPatch<select: contiguous> on this architecture")
+        if self.n > shape.num_layers - 1:
+            raise self.fail(f"n={self.n} is too many: the first of the {shape.num_layers} layers is kept (the map "
+                            f"is folded into the layer before the block), so at most {shape.num_layers - 1}",
+                            field="n")
+        if self.objective == "lstsq" and self.adam is not None:
+            raise self.fail("adam applies only with objective: cosine", field="adam")
+        if self.objective == "cosine" and "ridge" in self.model_fields_set:
+            raise self.fail("ridge applies only with objective: lstsq", field="ridge")
+        require_uniform(self, shape)
+        drop_symbolic(shape, self.n)
+
+    def check_calibration(self, calibration) -> None:
+        if self.skip_first >= calibration.seq_len:
+            raise self.fail(f"skip_first={self.skip_first} leaves no token of the {calibration.seq_len}-token "
+                            f"calibration windows", field="skip_first")
+
+    def working_memory(self, shape, tokens: int) -> int:
+        """The larger of: the distance pass's ``n + 1`` kept hidden states (``distance_tokens: all``), and the
+        fit's kept ``M`` and ``H`` (fp32) with two fp64 ``hidden²`` moments and the solve's copy; the cosine
+        objective adds ``M`` and the target in fp32 and ``T`` with its gradient and Adam moments."""
+        h = shape.hidden_size
+        distances = (self.n + 1) * tokens * h * 4 if self.distance_tokens == "all" else 0
+        fit = 2 * tokens * h * 4 + 3 * h * h * 8
+        if self.objective == "cosine":
+            fit += 2 * tokens * h * 4 + 4 * h * h * 4
+        return max(distances, fit)
+
+    def apply(self, session) -> dict[str, Any]:
+        distances = session.shared(self, "ReplaceMe block distances",
+                                   lambda: block_distances(session, self.n, self.distance_tokens, self.skip_first))
+        start = min(distances, key=lambda s: (distances[s], s))
+        seam = seam_moments(session, start, self.n, self.objective == "cosine", self.skip_first)
+        identity = torch.eye(seam.gram.shape[0], dtype=torch.float64)
+        fit: dict[str, Any] = {"tokens": seam.tokens}
+        if self.objective == "lstsq":
+            ridge = self.ridge * mean_eigenvalue(seam.gram)
+            try:
+                transform = ridge_refit(identity, seam.gram, seam.cross, ridge).T
+            except torch.linalg.LinAlgError as exc:
+                raise self.fail(f"MᵀM is singular on the calibration tokens ({exc}); set ridge > 0",
+                                field="ridge") from exc
+            fit["ridge"] = ridge
+        else:
+            transform, fit["cosine_loss_drop"], fit["cosine_loss"] = cosine_fit(seam, self.adam or Adam(), session.device)
+        residual = refit_error(seam.error, seam.gram, seam.cross, transform.T - identity)
+        fit.update(drop_error=seam.error / seam.tokens, fit_error=residual / seam.tokens,
+                   relative=residual / seam.error if seam.error else 0.0)
+        with session.loaded(start - 1):
+            down = session.layers[start - 1].get_submodule(session.adapter.path("down_proj"))
+            weight = transform.T @ down.weight.double()
+            bias = transform.T @ down.bias.double() if down.bias is not None else None
+            set_linear_weight(down, weight, bias)
+        folded_into = list(session.layer_origin[start - 1])
+        removed = session.remove_layers(list(range(start, start + self.n)))
+        return {"start": start, "removed": [list(o) for o in removed], "folded_into": folded_into,
+                "distance": distances[start], "distances": distances, "distance_tokens": self.distance_tokens,
+                "skip_first": self.skip_first,
+                "objective": self.objective, "fit": fit, "layers": len(session.layers)}

@@ -1,0 +1,187 @@
+"""The GPU acceptance command runs on CPU with tiny random models (``--device cpu --tiny``), so it cannot rot
+between the sessions that have a GPU; and a one-rank launch goes through a real process group."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from recipe_engine.distributed import launched
+from recipe_engine.stats import InputCovariance
+from tests.helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.py"
+
+
+def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**base, **(env or {})}, timeout=900)
+
+
+def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
+    run = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
+    assert result["complete"] and result["tiny"]
+    assert {leg: r["status"] for leg, r in result["legs"].items()} == dict.fromkeys(
+        ("smollm2", "stream8b", "bench", "dp"), "ok"), result["legs"]
+    machine = result["machine"]
+    assert machine["device"] == "cpu" and machine["torch"] == torch.__version__ and machine["date"]
+    assert "--tiny" in machine["command"]
+    rows = {(r["leg"], r["figure"]): r for r in result["rows"]}
+    assert all(r["goal"] for r in rows.values())
+    # the SmolLM2 leg compares a device run with a CPU run: on CPU both are the same run
+    smollm2 = [r for r in result["rows"] if r["leg"] == "smollm2"]
+    assert len(smollm2) == 4 and all(r["met"] for r in smollm2)
+    figures = result["legs"]["smollm2"]["figures"]["figures"]
+    assert figures["flatten"]["merges"] and figures["flatten"]["layers"] == 6  # n = 2 on 8 layers
+    assert figures["gptq"]["ppl_after"] > 1
+    stream = result["legs"]["stream8b"]["figures"]
+    assert stream["layers"] == "8 -> 6" and stream["peak_gpu_mib"] is None  # no GPU: no GPU peak
+    assert set(stream["steps_own_s"]) == {"0 FlattenAdjacent", "1 HeadPrune", "2 NystromMLP", "3 GPTQ"}
+    assert stream["peak_host_gib"] > 0 and stream["gpu_estimate_mib"] > 0
+    # time goals are judged on a GPU only
+    assert all(r["met"] is None for r in result["rows"] if r["leg"] in ("stream8b", "bench"))
+    assert result["legs"]["bench"]["figures"]["depth_ratio"] == 8 / 6
+    dp = result["legs"]["dp"]["figures"]
+    assert dp["backend"] == "gloo" and dp["ranks"] == 1 and dp["identical_weights"] is True
+    assert "dp" in run.stdout and "met" in run.stdout  # the table
+    kept = [p for p in (tmp_path / "work").rglob("*") if p.is_file()]  # logs and recipes only
+    assert kept and {p.suffix for p in kept} <= {".log", ".yaml", ".json"}
+
+
+def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_acceptance
+
+    ran = []
+
+    def broken(*_args):
+        ran.append("smollm2")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+
+    def fine(name):
+        def leg(*_args):
+            ran.append(name)
+            return {"x": 1}, [gpu_acceptance.row(name, "a figure", 1.0, "s", "<= 2", True)]
+        return leg
+
+    monkeypatch.setattr(gpu_acceptance, "leg_smollm2", broken)
+    for name in ("stream8b", "bench", "dp"):
+        monkeypatch.setattr(gpu_acceptance, f"leg_{name}", fine(name))
+    assert gpu_acceptance.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert ran == ["smollm2", "dp", "stream8b", "bench"]
+    result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
+    assert result["complete"]
+    assert result["legs"]["smollm2"]["status"] == "error"
+    assert result["legs"]["smollm2"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert [r["met"] for r in result["rows"]] == [False, True, True, True]
+    assert result["rows"][0]["error"] == result["legs"]["smollm2"]["error"]
+
+
+def test_missing_package_is_one_line_before_any_work(tmp_path):
+    # as on the GPU image before the wheels are carried: pydantic and gguf are not found
+    code = ("import sys, importlib.util; real = importlib.util.find_spec\n"
+            "importlib.util.find_spec = lambda n, *a: None if n in ('pydantic', 'gguf') else real(n, *a)\n"
+            f"sys.argv = ['gpu_acceptance.py', '--device', 'cpu', '--tiny', '--out', {str(tmp_path / 'out')!r}]\n"
+            f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import gpu_acceptance\n"
+            "sys.exit(gpu_acceptance.main())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: missing Python packages: pydantic, gguf;")
+    assert "--prepare-carry" in lines[0] and "pydantic-core" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_one_rank_launch_runs_its_collectives_through_a_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    stat = InputCovariance("")
+    stat.update(x, None)
+    expected = x.reshape(-1, 3).T @ x.reshape(-1, 3)
+    with launched(torch.device("cpu")) as parallel:
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        assert parallel.active and parallel.world == 1 and parallel.share(4) == range(0, 4)
+        parallel.reduce_statistics([stat])
+        outputs = parallel.gather([torch.ones(2, 3), torch.zeros(1, 3)], 2)
+    assert not dist.is_initialized()
+    torch.testing.assert_close(stat.gram, expected, rtol=0, atol=0)
+    assert stat.count == 10
+    assert [o.tolist() for o in outputs] == [[[1.0] * 3] * 2, [[0.0] * 3]]
+
+
+def test_without_a_launcher_no_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    with launched(torch.device("cpu")) as parallel:
+        assert not parallel.active and not dist.is_initialized()
+
+
+def _acceptance():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_acceptance
+
+    return gpu_acceptance
+
+
+def test_full_size_recipes_are_valid_for_their_models(tmp_path):
+    """What a GPU runs without --tiny: the SmolLM2 leg's two recipes and the 8B-shaped recipe validate
+    against their configs (group sizes divide, merges fit), before any GPU time is spent on them."""
+    from argparse import Namespace
+
+    from transformers import LlamaConfig
+
+    from recipe_engine.models import load_config
+    from recipe_engine.schema import recipe_from_dict
+    from recipe_engine.validate import check_against_config
+
+    acceptance = _acceptance()
+    import scale
+
+    for recipe in acceptance.smollm2_recipes("cuda", tmp_path, tiny=False).values():
+        assert recipe["model"] == "smollm2-135m" and recipe["device"] == "cuda"
+        check_against_config(recipe_from_dict(recipe), load_config("smollm2-135m"))
+    args = Namespace(device="cuda", tiny=False, samples=128, seq_len=2048)
+    recipe = acceptance.stream8b_recipe(args, tmp_path / "llama3-8b-bf16", tmp_path)
+    config = LlamaConfig(num_hidden_layers=acceptance.LLAMA3_8B_LAYERS, **scale.LLAMA3_8B)
+    shape = check_against_config(recipe_from_dict(recipe), config)
+    assert shape.num_layers == 25 and recipe["dtype"] == "bfloat16" and recipe["stream"] == "on"
+
+
+def test_smollm2_leg_judges_against_the_committed_cpu_reference(tmp_path, monkeypatch):
+    acceptance = _acceptance()
+    reference = json.loads(acceptance.REFERENCE.read_text())["figures"]
+    assert reference["flatten"]["merges"] == [[3, 4], [9, 10], [12, 13], [14, 15], [17, 18], [26, 27]]
+
+    def leg(figures):
+        monkeypatch.setattr(acceptance, "smollm2_figures", lambda *_a: figures)
+        args = type("Args", (), {"device": "cuda", "tiny": False})
+        return {r["figure"]: r["met"] for r in acceptance.leg_smollm2(args, tmp_path)[1]}
+
+    close = json.loads(json.dumps(reference))
+    close["flatten"]["ppl_after"] *= 1.009
+    close["gptq"]["ppl_after"] *= 0.992
+    assert all(leg(close).values())
+    off = json.loads(json.dumps(reference))
+    off["gptq"]["ppl_after"] *= 1.011
+    off["flatten"]["merges"][0] = [2, 3]
+    met = leg(off)
+    assert met["GPTQ W4 g64 WikiText-2 PPL"] is False and met["FlattenGPT merged layers"] is False
+    assert met["FlattenGPT WikiText-2 PPL"] is True

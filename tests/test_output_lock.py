@@ -1,0 +1,210 @@
+"""One writer per output: a second run aimed at a live run's output is refused in one line naming the live
+process, whose temporary files and resume checkpoints stay untouched; the lock of a killed run is taken over.
+
+Real processes: the live run is a child of tests/signal_driver.py stalled inside its layer pass (its
+``.out.resume`` checkpoints exist by then); the second run is this test process calling the CLI's ``main``.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recipe_engine.cli import main
+from recipe_engine.modifier import LayerModifier
+from recipe_engine.output_lock import lock_path, output_lock
+from recipe_engine.registry import REGISTRY
+from tests.helpers import save_tiny_model
+
+DRIVER = Path(__file__).with_name("signal_driver.py")
+ROOT = DRIVER.parents[1]
+TEXT = "The quick brown fox jumps over the lazy dog. " * 40
+
+
+class StallInPass(LayerModifier):
+    """The driver's step of the same name, here without a stall (it changes nothing)."""
+
+    def target_layers(self, session):
+        return list(range(len(session.layers)))
+
+    def compress_layer(self, session, layer_index, stats):
+        return {}
+
+
+@pytest.fixture
+def stall_step(monkeypatch):
+    monkeypatch.setitem(REGISTRY._classes, "StallInPass", StallInPass)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    save_tiny_model(path)
+    return path
+
+
+def work_dir(tmp_path: Path, model: Path, name: str = "work", evaluate: bool = False) -> Path:
+    work = tmp_path / name
+    work.mkdir()
+    (work / "cal.txt").write_text(TEXT)
+    recipe = {"version": 1, "name": "lock", "model": str(model), "output": str(work / "out"),
+              "calibration": {"dataset": str(work / "cal.txt"), "samples": 4, "seq_len": 32, "batch_size": 2},
+              "modifiers": ["FuseNorm", "StallInPass"]}
+    if evaluate:
+        recipe["evaluate"] = {"perplexity": {"dataset": [str(work / "cal.txt")], "seq_len": 32, "split": "all"}}
+    (work / "r.yaml").write_text(yaml.safe_dump(recipe))
+    return work
+
+
+def start_driver(tmp_path: Path, cases: list[dict]) -> tuple[subprocess.Popen, Path]:
+    base = tmp_path / "driver"
+    base.mkdir()
+    (base / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    driver = subprocess.Popen([sys.executable, str(DRIVER), str(base / "cases.json")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return driver, base
+
+
+def wait_ready(driver: subprocess.Popen, base: Path, name: str) -> int:
+    deadline = time.monotonic() + 240
+    while not (base / f"{name}.ready").exists():
+        assert not (base / f"{name}.rc").exists(), (base / f"{name}.err").read_text()
+        assert driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline, "the run never reached its stall"
+        time.sleep(0.05)
+    return int((base / f"{name}.pid").read_text())
+
+
+def finish(driver: subprocess.Popen, base: Path, name: str) -> tuple[int, str]:
+    try:
+        driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    return int((base / f"{name}.rc").read_text()), (base / f"{name}.err").read_text()
+
+
+def listing(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+def one_line(capsys, argv, code=2) -> str:
+    got = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert got == code, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_second_run_on_a_live_output_is_refused_and_leaves_its_checkpoints(tmp_path, model_dir, capsys,
+                                                                           stall_step):
+    work = work_dir(tmp_path, model_dir)
+    argv = ["apply", str(work / "r.yaml"), "--quiet", "--device", "cpu"]
+    driver, base = start_driver(tmp_path, [{"name": "first", "point": "pass", "stall": "python",
+                                            "cwd": str(work), "argv": argv, "env": {}}])
+    try:
+        pid = wait_ready(driver, base, "first")
+        live = listing(work)
+        assert ".out.resume" in live and ".out.lock" in live and any(n.startswith(".out.tmp-") for n in live), live
+        checkpoint_files = listing(work / ".out.resume")
+        for extra in ([], ["--force"], ["--resume"]):  # none of them may touch the live run's files
+            err = one_line(capsys, argv + extra)
+            assert f"field 'output': output '{work / 'out'}' is being written by another run (pid {pid} on " in err
+            assert listing(work) == live and listing(work / ".out.resume") == checkpoint_files
+        # the same output reached through a symbolic link is the same lock
+        (tmp_path / "alias").symlink_to(work)
+        one_line(capsys, argv + ["--output", str(tmp_path / "alias" / "out")])
+        os.kill(pid, signal.SIGTERM)
+        code, err = finish(driver, base, "first")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert code == 128 + signal.SIGTERM and err.strip() == "interrupted by SIGTERM; nothing written", err
+    assert listing(work) == ["cal.txt", "r.yaml"]  # the lock file went with the run
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory, model_dir):
+    """Two runs in one driver (its imports paid once): ``killed`` gets SIGKILL inside its layer pass,
+    ``eval`` SIGTERM inside the dense model's perplexity (progress bars on). Returns
+    ``{name: (work directory, exit code, stderr)}``."""
+    root = tmp_path_factory.mktemp("signalled")
+    works = {"killed": work_dir(root, model_dir, "killed"), "eval": work_dir(root, model_dir, "eval", evaluate=True)}
+    cases = [{"name": "killed", "point": "pass", "stall": "python", "cwd": str(works["killed"]),
+              "argv": ["apply", str(works["killed"] / "r.yaml"), "--quiet", "--device", "cpu"], "env": {}},
+             {"name": "eval", "point": "evaluating", "stall": "python", "cwd": str(works["eval"]),
+              "argv": ["apply", str(works["eval"] / "r.yaml"), "--device", "cpu"], "env": {}}]
+    driver, base = start_driver(root, cases)
+    try:
+        for name, sig in (("killed", signal.SIGKILL), ("eval", signal.SIGTERM)):
+            os.kill(wait_ready(driver, base, name), sig)
+        driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    return {name: (work, int((base / f"{name}.rc").read_text()), (base / f"{name}.err").read_text())
+            for name, work in works.items()}
+
+
+def test_lock_of_a_killed_run_is_taken_over(signalled, capsys, stall_step):
+    work, code, _ = signalled["killed"]
+    assert code == -signal.SIGKILL
+    left = listing(work)
+    assert ".out.lock" in left and ".out.resume" in left, left  # what SIGKILL leaves
+    assert main(["apply", str(work / "r.yaml"), "--quiet", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "removing the checkpoints of an interrupted run" in err and "left by an interrupted run" in err
+    assert listing(work) == ["cal.txt", "out", "r.yaml"]
+
+
+def test_sigterm_during_evaluation_is_one_line(signalled):
+    """The progress bar's generator, closed after its display ended, leaves no "Exception ignored" traceback."""
+    work, code, err = signalled["eval"]
+    assert code == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted by SIGTERM; nothing written", err
+    assert listing(work) == ["cal.txt", "r.yaml"]
+
+
+def test_progress_generator_closed_after_the_display(capsys):
+    import gc
+
+    from recipe_engine.progress import Progress
+
+    unraisable = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with Progress() as bar:
+            rows = bar.track(range(3), "rows")
+            next(rows)
+        del rows
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert unraisable == []
+
+
+@pytest.mark.parametrize("command", ["export", "sweep"])
+def test_export_and_sweep_outputs_are_locked_too(tmp_path, model_dir, capsys, command):
+    target = tmp_path / ("m.gguf" if command == "export" else "sweep")
+    (tmp_path / "cal.txt").write_text(TEXT)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"version": 1, "name": "s", "model": str(model_dir), "output": "unused",
+                                      "calibration": {"dataset": str(tmp_path / "cal.txt"), "samples": 4,
+                                                      "seq_len": 32},
+                                      "modifiers": [{"ShortGPT": {"n": 1}}],
+                                      "evaluate": {"perplexity": {"dataset": [str(tmp_path / "cal.txt")],
+                                                                  "seq_len": 32, "split": "all"}}}))
+    argv = (["export", str(model_dir), "--format", "gguf", "--output", str(target)] if command == "export" else
+            ["sweep", str(recipe), "--vary", "n=1", "--output", str(target), "--quiet"])
+    with output_lock(target):  # held by this process: a second open of the lock file is refused like another's
+        err = one_line(capsys, argv)
+    assert f"is being written by another run (pid {os.getpid()} on " in err
+    assert listing(tmp_path) == ["cal.txt", "r.yaml"]
+    assert not lock_path(target).exists()
