@@ -12,8 +12,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine.api import (ADAPTERS, Modifier, RecipeError, Statistic, mean_eigenvalue, refit_error,
-                               register, ridge_refit, set_linear_weight)
+from recipe_engine.api import (ADAPTERS, LayerBudget, Modifier, RecipeError, Statistic, budget_field,
+                               mean_eigenvalue, refit_error, register, ridge_refit, set_linear_weight)
 
 from ._depth import drop_symbolic, require_uniform, span_scores, token_mask
 
@@ -198,7 +198,7 @@ class ReplaceMe(Modifier):
     needs = ("angular distance between every block's input and output hidden states",
              "MLP output and residual stream before the block, and the block's output (fp64 Grams)")
 
-    n: int = Field(1, ge=1, description="number of contiguous layers to remove (paper: 25% of the layers)")
+    n: LayerBudget = budget_field(1, "number of contiguous layers to remove (paper: 25% of the layers)")
     objective: Literal["lstsq", "cosine"] = Field("lstsq", description="least squares, or the cosine objective")
     distance_tokens: Literal["last", "all"] = Field(
         "last", description="tokens the block distance averages over: the last of each window, or all")
