@@ -176,9 +176,10 @@ class BestOf(Modifier):
         return low, high
 
     def working_memory(self, shape, tokens: int) -> int:
-        """Two fp32 copies of the decoder layers (the running alternative and the best so far) plus the
-        largest working memory of any alternative's step."""
-        copies = 2 * 4 * _layer_parameters(shape)
+        """Two fp32 copies of the model (the running alternative and the best so far: decoder layers,
+        embeddings and an untied head) plus the largest working memory of any alternative's step."""
+        matrices = 1 if shape.tie_word_embeddings else 2
+        copies = 2 * 4 * (_layer_parameters(shape) + matrices * shape.vocab_size * shape.hidden_size)
         largest = 0
         for steps in self.alternatives:
             trial = copy.deepcopy(shape)
@@ -218,6 +219,7 @@ class BestOf(Modifier):
                           calibration_passes=session.passes.value - passes, layers=len(branch.layers))
             if nll < best_nll:
                 best, best_nll = (a, branch), nll
+            branch = scorer = None  # a losing copy is freed before the next alternative copies the model
         chosen, branch = best
         session.adopt(branch)
         shared = {"computed": dict(fit_memo.computed + score_memo.computed),

@@ -21,7 +21,8 @@ TINY_PARAMS = {"GPTQ": {"group_size": 16}, "LaCo": {"samples": 2}, "SLEB": {"n":
 
 
 #: The same for steps inside a step's alternatives (BestOf), which must keep their sizes equal.
-TINY_NESTED = {"SLEB": {"search_samples": None, "search_length": None}, "ReplaceMe": TINY_PARAMS["ReplaceMe"]}
+TINY_NESTED = {"SLEB": {"search_samples": None, "search_length": None},
+               "ReplaceMe": {"ridge": 0.1}}  # one 16-token fit window: MᵀM is singular without a ridge
 
 
 def tiny_step(step):
