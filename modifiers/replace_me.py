@@ -35,10 +35,10 @@ def last_token_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def block_distances(session, n: int, tokens: Literal["last", "all"], skip_first: int = 0) -> dict[int, float]:
     """``d(ℓ) = E_t arccos(cos(X_{ℓ,t}, X_{ℓ+n,t})) / π`` for every start ``ℓ = 1 … L − n`` (the block
-    ``ℓ … ℓ+n−1``): ``X_ℓ`` is layer ℓ's input, ``X_L`` the last layer's output before the final norm. ``tokens``:
-    ``last``, the last non-pad token of each calibration window (the authors' code), or ``all`` non-pad tokens
-    after the first ``skip_first`` of each window. Cosines and means in fp64; a NaN distance (a zero hidden
-    state) is an error."""
+    ``ℓ … ℓ+n−1``): ``X_ℓ`` is layer ℓ's input, ``X_L`` the last layer's output before the final norm.
+    ``tokens``: ``all`` non-pad tokens after the first ``skip_first`` of each window, or ``last``, the last
+    non-pad token of each calibration window (the authors' code, whose documents end there). Cosines and means
+    in fp64; a NaN distance (a zero hidden state) is an error."""
     masks = [statistics_mask(session, batch, skip_first) for batch in session.batches()]
     picks = [last_token_rows(mask) for mask in masks] if tokens == "last" else None
 
@@ -187,21 +187,24 @@ class ReplaceMe(Modifier):
     accumulated over calibration batches (``λ = ridge × mean eigenvalue of MᵀM``, shrinking ``T`` towards the
     plain drop ``T = I``; 0: the paper's plain least squares); ``objective: cosine`` minimises
     ``1 − mean cos(M T, L − Y)`` with Adam (``adam``). ``down_proj``'s weight ``W`` becomes ``Tᵀ W``.
-    Statistics leave out the first ``skip_first`` positions of each window (deviation: the attention sink's
-    massive hidden state dominates a least-squares fit; SmolLM2: 96 % of ``‖L − H‖²`` sits at position 0).
+    Deviations, measured on SmolLM2 (docs/methods/replaceme.md): the distance averages over every calibration token
+    (``distance_tokens: all``; the authors' code: the last token of each sample), and statistics leave out the
+    first ``skip_first`` positions of each window (the attention sink's massive hidden state dominates a
+    least-squares fit: 96 % of ``‖L − H‖²`` sits at position 0).
     Refused on architectures that normalize the MLP output before the residual add (Gemma 3).
     """
 
     streams = True
     calibration_passes = 2
-    shared_ignores = ("objective", "ridge", "adam")  # the distances depend on n and distance_tokens only
+    shared_ignores = ("objective", "ridge", "adam")  # the distances depend on n, distance_tokens, skip_first
     needs = ("angular distance between every block's input and output hidden states",
              "MLP output and residual stream before the block, and the block's output (fp64 Grams)")
 
     n: LayerBudget = budget_field(1, "number of contiguous layers to remove (paper: 25% of the layers)")
     objective: Literal["lstsq", "cosine"] = Field("lstsq", description="least squares, or the cosine objective")
     distance_tokens: Literal["last", "all"] = Field(
-        "last", description="tokens the block distance averages over: the last of each window, or all")
+        "all", description="tokens the block distance averages over: all (measured better), or the last of each "
+                           "window (the authors' code)")
     ridge: float = Field(0.0, ge=0, description="λ as a multiple of MᵀM's mean eigenvalue (lstsq)")
     skip_first: int = Field(1, ge=0, description="leading positions of every calibration window left out of the "
                                                  "statistics (the attention-sink token's massive activations)")
@@ -256,7 +259,8 @@ class ReplaceMe(Modifier):
                                 field="ridge") from exc
             fit["ridge"] = ridge
         else:
-            transform, fit["cosine_loss_drop"], fit["cosine_loss"] = cosine_fit(seam, self.adam or Adam(), session.device)
+            transform, fit["cosine_loss_drop"], fit["cosine_loss"] = cosine_fit(seam, self.adam or Adam(),
+                                                                                session.device)
         residual = refit_error(seam.error, seam.gram, seam.cross, transform.T - identity)
         fit.update(drop_error=seam.error / seam.tokens, fit_error=residual / seam.tokens,
                    relative=residual / seam.error if seam.error else 0.0)
