@@ -49,6 +49,19 @@ from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, tiny_model
 
 TEXT = "Calibration text for the placement tests, repeated to have enough tokens. " * 300
 ACCELERATOR = "meta"
+
+
+@pytest.fixture(autouse=True)
+def meta_is_a_device(monkeypatch):
+    """The engine refuses devices other than CPU and CUDA for users; here ``meta`` must pass its device check
+    so that it can play the accelerator."""
+    import recipe_engine.models as models
+    import recipe_engine.validate as validate
+
+    strict = models.parse_device
+    lenient = lambda name: torch.device(name) if str(name).startswith(ACCELERATOR) else strict(name)
+    monkeypatch.setattr(models, "parse_device", lenient)
+    monkeypatch.setattr(validate, "parse_device", lenient)
 #: ops that take device data and CPU indices on CUDA (the indices are moved by the kernel)
 INDEXING = {"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
 TRANSFERS = {"aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"}
@@ -124,7 +137,13 @@ def example_recipe(tmp_path, name: str, device: str = ACCELERATOR) -> dict:
     return {"version": 1, "name": f"placement-{name}", "model": "tiny", "device": device,
             "output": str(tmp_path / "out"),
             "calibration": {"dataset": str(data), "samples": 4, "seq_len": 32, "batch_size": 2},
-            "modifiers": REGISTRY.get(name).example_steps()}
+            "modifiers": [STAND_IN_PARAMS.get(name, step) for step in REGISTRY.get(name).example_steps()]}
+
+
+#: Steps whose solve needs data: ``meta`` holds none (a Gram copied to the host is seeded noise, not positive
+#: definite), so ReplaceMe's Cholesky least squares cannot run here; its cosine objective (Adam on the
+#: session's device) exercises the same capture pass and a device-side fit.
+STAND_IN_PARAMS = {"ReplaceMe": {"ReplaceMe": {"n": 1, "objective": "cosine", "adam": {"epochs": 1}}}}
 
 
 # -- the stand-in itself ---------------------------------------------------------------------------
