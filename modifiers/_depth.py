@@ -24,6 +24,17 @@ def require_uniform(step, shape: ModelShape) -> None:
                         f"different widths: {sorted(widths)}); place it before that step")
 
 
+def check_search_window(step, calibration) -> None:
+    """A loss search scored on the first ``search_samples`` windows × ``search_length`` tokens (SLEB,
+    FlattenAdjacent's ``selection: nll``) must fit inside the calibration."""
+    if step.search_samples is not None and step.search_samples > calibration.samples:
+        raise step.fail(f"search_samples={step.search_samples} exceeds calibration.samples="
+                        f"{calibration.samples}", field="search_samples")
+    if step.search_length is not None and step.search_length > calibration.seq_len:
+        raise step.fail(f"search_length={step.search_length} exceeds calibration.seq_len="
+                        f"{calibration.seq_len}", field="search_length")
+
+
 def drop_symbolic(shape: ModelShape, count: int) -> None:
     """Symbolic removal of ``count`` layers (which ones is data-dependent; the shape drops the last)."""
     shape.layers = shape.layers[: shape.num_layers - count]

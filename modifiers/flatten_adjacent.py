@@ -14,6 +14,8 @@ from pydantic import Field
 from recipe_engine.api import (ADAPTERS, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier, budget_field,
                                heldout_split, register, replace_linear)
 
+from ._depth import check_search_window
+
 
 def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]], list[float]]:
     """Greedy adjacent merging with the paper's row/column deletion (Algorithm 1, lines 3 and 10).
@@ -367,12 +369,7 @@ class FlattenAdjacent(Modifier):
         if self.score == "heldout" and calibration.samples < 2:
             raise self.fail("score: heldout needs at least 2 calibration windows (fit and score); "
                             "use score: insample", field="score")
-        if self.search_samples is not None and self.search_samples > calibration.samples:
-            raise self.fail(f"search_samples={self.search_samples} exceeds calibration.samples="
-                            f"{calibration.samples}", field="search_samples")
-        if self.search_length is not None and self.search_length > calibration.seq_len:
-            raise self.fail(f"search_length={self.search_length} exceeds calibration.seq_len="
-                            f"{calibration.seq_len}", field="search_length")
+        check_search_window(self, calibration)
 
     def search_window(self, samples: int, seq_len: int) -> tuple[int, int]:
         """Windows and tokens per window that ``selection: nll`` scores (defaults: at most

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from recipe_engine.api import LayerBudget, Modifier, budget_field, register
 
-from ._depth import drop_symbolic, require_uniform
+from ._depth import check_search_window, drop_symbolic, require_uniform
 
 
 def _name(origin: tuple[int, ...]) -> str:
@@ -39,12 +39,7 @@ class SLEB(Modifier):
         return sum(shape.num_layers - 2 - r for r in range(self.n))
 
     def check_calibration(self, calibration) -> None:
-        if self.search_samples is not None and self.search_samples > calibration.samples:
-            raise self.fail(f"search_samples={self.search_samples} exceeds calibration.samples="
-                            f"{calibration.samples}", field="search_samples")
-        if self.search_length is not None and self.search_length > calibration.seq_len:
-            raise self.fail(f"search_length={self.search_length} exceeds calibration.seq_len="
-                            f"{calibration.seq_len}", field="search_length")
+        check_search_window(self, calibration)
 
     def check(self, shape) -> None:
         if self.n > shape.num_layers - 2:
