@@ -147,6 +147,8 @@ class BestOf(Modifier):
         outcomes = self._outcomes(shape)
         final = next(final for final, _ in outcomes if final is not None)
         shape.layers, shape.pinned, shape.quantized_by = final.layers, final.pinned, final.quantized_by
+        shape.notes.extend(f"{self.step_name()} skips alternative {a} {describe(self.alternatives[a])}: {why}"
+                           for a, (final, why) in enumerate(outcomes) if final is None)
 
     def check_calibration(self, calibration) -> None:
         try:

@@ -100,6 +100,8 @@ def cmd_validate(args) -> int:
             continue
         verdict = f"not fully checked ({'; '.join(unchecked)})" if unchecked else "ok"
         print(f"{spec}: {verdict} ({config.model_type}, {config.num_hidden_layers} → {shape.num_layers} layers)")
+        for note in shape.notes:
+            print(f"  note: {one_line(note)}")
     if failed and len(args.recipes) > 1:
         print(f"{failed} of {len(args.recipes)} recipes failed", file=sys.stderr)
     return RecipeError.exit_code if failed else 0

@@ -46,6 +46,9 @@ class ModelShape:
     quantized_by: str | None = None
     #: Whether the run streams its weights (memory estimates: streamed steps may spill to scratch files).
     streamed: bool = False
+    #: What a step's ``check`` decided that the user should see at ``recipe validate`` without it being an
+    #: error (e.g. an alternative the model refuses, to be skipped); one line each.
+    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
