@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field, PositiveInt, field_validator
 
-from recipe_engine.api import ADAPTERS, UNFUSED_ROLES, Grid, ModelShape, roles_problem
+from recipe_engine.api import ADAPTERS, UNFUSED_ROLES, Grid, ModelShape, RecipeError, roles_problem
 
 #: Target roles (``recipe_engine.adapters``); a fused linear (Phi-3 ``qkv_proj``) is targeted by all its members.
 LINEARS = UNFUSED_ROLES
@@ -57,7 +57,9 @@ def input_width(shape: ModelShape, layer: int, target: str) -> int:
 
 def linear_path(model_type: str, role: str) -> str:
     """Path inside a decoder layer of the linear holding ``role`` (a fused one for its members)."""
-    adapter = ADAPTERS.get(model_type, ADAPTERS["llama"])
+    if model_type not in ADAPTERS:
+        raise RecipeError(f"unsupported architecture '{model_type}'; supported: {', '.join(sorted(ADAPTERS))}")
+    adapter = ADAPTERS[model_type]
     return adapter.path(next((f for f, members in adapter.fused.items() if role in members), role))
 
 

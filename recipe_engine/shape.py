@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .adapters import ADAPTERS
+
 WidthPart = Literal["attention", "mlp"]
 #: Which of (query heads, KV heads, intermediate size) each part compares with the config.
 WIDTH_INDEX: dict[WidthPart | None, tuple[int, ...]] = {"attention": (0,), "mlp": (2,), None: (0, 1, 2)}
@@ -60,7 +62,7 @@ class ModelShape:
         return cls(config.model_type, config.hidden_size, head_dim, heads, kv,
                    config.intermediate_size, bool(getattr(config, "tie_word_embeddings", False)), layers,
                    original_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
-                   qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)))
+                   qkv_bias=_has_qkv_bias(config))
 
     @property
     def num_layers(self) -> int:
@@ -81,3 +83,9 @@ class ModelShape:
         attention = (2 * layer.num_heads + 2 * layer.num_kv_heads) * d * h
         biases = (layer.num_heads + 2 * layer.num_kv_heads) * d if self.qkv_bias else 0
         return attention + biases + 3 * h * layer.intermediate_size + 2 * h
+
+
+def _has_qkv_bias(config) -> bool:
+    """q/k/v biases: the architecture's own (its adapter: Qwen2) or the config's ``attention_bias``."""
+    adapter = ADAPTERS.get(config.model_type)
+    return bool(adapter is not None and adapter.qkv_bias) or bool(getattr(config, "attention_bias", False))

@@ -208,3 +208,16 @@ def test_streamed_run_equals_in_memory(tmp_path, model_type, steps):
     saved_model(tmp_path / "model", model_type, shard="40KB", tie_word_embeddings=model_type == "gemma3_text")
     (memory, streamed), _ = run_both(tmp_path, tmp_path / "model", steps)
     assert_same_weights(memory, streamed)
+
+
+def test_shape_takes_qkv_biases_from_the_adapter():
+    """``ModelShape.qkv_bias`` (memory estimates) is the adapter's fact, or the config's ``attention_bias``."""
+    from transformers import AutoConfig
+
+    from recipe_engine.adapters import ADAPTERS
+    from recipe_engine.shape import ModelShape
+
+    for model_type, adapter in ADAPTERS.items():
+        config = AutoConfig.for_model(model_type, num_hidden_layers=2)
+        assert ModelShape.from_config(config).qkv_bias == adapter.qkv_bias, model_type
+    assert ModelShape.from_config(AutoConfig.for_model("llama", num_hidden_layers=2, attention_bias=True)).qkv_bias

@@ -224,3 +224,12 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
                                    reference.model.layers[index].get_submodule(target).weight, rtol=0, atol=1e-5)
     assert not torch.allclose(model.model.layers[0].mlp.down_proj.weight,
                               one_pass.model.layers[0].mlp.down_proj.weight)
+
+
+def test_linear_path_of_an_unknown_architecture_is_one_line_not_llamas():
+    from recipe_engine.errors import RecipeError
+    from recipe_engine.modifiers._quant import linear_path
+
+    with pytest.raises(RecipeError, match="unsupported architecture 'falcon'"):
+        linear_path("falcon", "q_proj")
+    assert linear_path("phi3", "q_proj") == "self_attn.qkv_proj"  # a fused linear, from phi3's own adapter
