@@ -28,19 +28,14 @@ class Parser(argparse.ArgumentParser):
 
 
 def _overrides(args) -> list[str]:
+    from .recipe_io import yaml_scalar
+
     sets = list(args.set or [])
     for name in ("model", "output", "device"):
         value = getattr(args, name, None)
         if value is not None:  # an explicit empty value is validated, not ignored
-            sets.append(f"{name}={_quoted(value)}")
+            sets.append(f"{name}={yaml_scalar(value)}")
     return sets
-
-
-def _quoted(value: str) -> str:
-    """A command-line string as a YAML scalar that loads back as that same string."""
-    import yaml
-
-    return yaml.safe_dump(value, default_style='"', width=2**31).strip()
 
 
 @contextlib.contextmanager

@@ -16,6 +16,11 @@ from .schema import (MAX_YAML_BYTES, Recipe, load_yaml, parse_compact, recipe_fr
 from .suggest import did_you_mean
 
 
+def yaml_scalar(value: str) -> str:
+    """A command-line string as a YAML scalar that loads back as that same string (for ``--set``)."""
+    return yaml.safe_dump(value, default_style='"', width=2**31).strip()
+
+
 @dataclass
 class LoadedRecipe:
     recipe: Recipe

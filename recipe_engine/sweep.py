@@ -53,15 +53,14 @@ def resolve_path(recipe, path: str, file: str) -> str:
 def variants(spec: str, vary: list[tuple[str, list[Any]]], overrides: list[str] = ()) -> list[tuple[dict, Any]]:
     """``(params, resolved recipe)`` for every combination of the varied values (validated now); ``overrides``
     (``--set``) apply to every variant first."""
-    from .cli import _quoted
-    from .recipe_io import load_recipe
+    from .recipe_io import load_recipe, yaml_scalar
 
     base = load_recipe(spec, list(overrides))
     paths = [resolve_path(base.recipe, path, base.path) for path, _ in vary]
     out = []
     for values in itertools.product(*(v for _, v in vary)):
         params = dict(zip(paths, values))
-        sets = [f"{p}={_quoted(v) if isinstance(v, str) else json.dumps(v)}" for p, v in params.items()]
+        sets = [f"{p}={yaml_scalar(v) if isinstance(v, str) else json.dumps(v)}" for p, v in params.items()]
         out.append((params, load_recipe(spec, [*overrides, *sets]).recipe))
     return out
 
