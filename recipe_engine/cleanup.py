@@ -48,7 +48,7 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
-def _identity() -> dict:
+def process_identity() -> dict:
     return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
 
 
@@ -61,7 +61,7 @@ def _start_time(pid: int) -> str | None:
 
 
 def write_marker(directory: Path, kind: str, state: str) -> None:
-    owner = _identity() if state in ("writing", "replacing") else {}
+    owner = process_identity() if state in ("writing", "replacing") else {}
     record = {"type": kind, "version": 1, "state": state, **owner}
     (directory / MARKER).write_text(json.dumps(record) + "\n")
 
@@ -102,7 +102,7 @@ def untrack(path: Path) -> None:
         _ACTIVE.discard(path)
 
 
-def _alive(record: dict) -> bool:
+def process_alive(record: dict) -> bool:
     if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
         return True  # another machine's process, or not ours to judge: keep
     try:
@@ -147,7 +147,7 @@ def _sweep_one(path: Path, target: Path, legacy: bool, note) -> bool:
     if record is None or record.get("state") not in ("writing", "replacing"):
         note(f"{path} looks like an interrupted write but has no {MARKER} of ours; not removed")
         return False
-    if _alive(record):
+    if process_alive(record):
         return False  # a run in progress
     previous = path / "previous"
     if record["state"] == "replacing" and previous.exists() and not target.exists():

@@ -70,7 +70,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .cleanup import _alive, _identity, track, untrack
+from .cleanup import process_alive, process_identity, track, untrack
 from .errors import RecipeError
 
 MANIFEST = "manifest.json"
@@ -148,7 +148,7 @@ class Checkpoints:
                 checkpoints.manifest, checkpoints.manifest_sha = found, hashlib.sha256(text.encode()).hexdigest()
             return checkpoints
         owner = (found or {}).get("owner")
-        if owner and owner.get("pid") != os.getpid() and _alive(owner):
+        if owner and owner.get("pid") != os.getpid() and process_alive(owner):
             raise RecipeError(f"another run of {output} is in progress (pid {owner['pid']} on {owner['host']}); "
                               f"its checkpoints in {directory} are left alone", file=file, field="output")
         if directory.exists() and not resume:
@@ -361,11 +361,11 @@ class Checkpoints:
     def _home(self, stream, unit: nn.Module) -> dict[str, Any]:
         """A streamed unit's home as the manifest records it: a staged file in this directory (``file``) or
         the source checkpoint (``file`` None), and its tensor names there."""
-        from .streaming import _StagedFile
+        from .streaming import StagedFile
 
         stream.settle(unit)
         home = stream.home(unit)
-        if not isinstance(home.reader, _StagedFile):
+        if not isinstance(home.reader, StagedFile):
             return {"file": None, "names": home.names}
         path = home.reader.path
         if path.parent != self.directory:
@@ -427,7 +427,7 @@ class Checkpoints:
             + ([pass_state["inputs"]] if pass_state else []) \
             + ([pass_state["reference"]["states"]] if pass_state and pass_state["reference"] else [])
         files = {name: self._digests[name] for name in named}
-        manifest = {"type": KIND, "version": VERSION, "owner": _identity(), "identity": self.identity,
+        manifest = {"type": KIND, "version": VERSION, "owner": process_identity(), "identity": self.identity,
                     "reached": reached, "streamed": session.stream is not None,
                     "layers": layers, "rest": rest, "config": session.model.config.to_dict(),
                     "extras": extras_name, "extra_entries": [{"modifier": e["modifier"], "config": e["config"]}

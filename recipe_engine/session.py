@@ -34,13 +34,13 @@ class _Captured(Exception):
     pass
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(to_device(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
+        return {k: to_device(v, device) for k, v in value.items()}
     return value
 
 
@@ -48,7 +48,7 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _hidden(output: Any) -> torch.Tensor:
+def hidden_state(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
@@ -343,7 +343,7 @@ class Session:
         count = len(self.layers)
 
         def keep(kwargs: dict[str, Any]) -> dict[str, Any]:
-            return {k: _to(v, self.storage) for k, v in kwargs.items()
+            return {k: to_device(v, self.storage) for k, v in kwargs.items()
                     if k != "hidden_states" and k != "past_key_values"}
 
         class Recorder(nn.Module):
@@ -393,7 +393,7 @@ class Session:
             module = layer.get_submodule(stat.module) if stat.module else layer
 
             def hook(_m, args, kwargs, output, stat=stat):
-                stat.update(_first_tensor(args, kwargs), _hidden(output))
+                stat.update(_first_tensor(args, kwargs), hidden_state(output))
 
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
         outputs = []
@@ -403,7 +403,7 @@ class Session:
                     continue
                 for stat in hooks:
                     stat.batch = k
-                out = _hidden(layer(x.to(self.device), **_to(self.adapter.layer_kwargs(layer, kwargs), self.device)))
+                out = hidden_state(layer(x.to(self.device), **to_device(self.adapter.layer_kwargs(layer, kwargs), self.device)))
                 self.layer_batches += 1
                 if on_batch is not None:
                     on_batch(len(outputs), out)

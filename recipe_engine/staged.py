@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .session import _hidden, _to
+from .session import hidden_state, to_device
 from .stats import Statistic, position
 
 
@@ -135,10 +135,10 @@ class StagedLayer:
                     self._statistic.batch = k
                 self.session.layer_batches += 1
                 try:
-                    out = self.layer(x.to(device), **_to(self.session.adapter.layer_kwargs(self.layer, kwargs), device))
+                    out = self.layer(x.to(device), **to_device(self.session.adapter.layer_kwargs(self.layer, kwargs), device))
                 except _Stop:
                     continue
-                outputs.append(_hidden(out).to(self.session.storage))
+                outputs.append(hidden_state(out).to(self.session.storage))
         finally:
             for module in replayed:
                 del module.forward

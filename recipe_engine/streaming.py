@@ -86,11 +86,11 @@ class Home:
     """Where a released unit's weights are: ``names`` maps the unit's own tensor names to names in
     ``reader`` (the source checkpoint, or a staging file)."""
 
-    reader: CheckpointReader | "_StagedFile"
+    reader: CheckpointReader | "StagedFile"
     names: dict[str, str]
 
 
-class _StagedFile:
+class StagedFile:
     """One staged unit: a safetensors file written by :meth:`WeightStream.stage`."""
 
     def __init__(self, path: Path):
@@ -185,13 +185,13 @@ class WeightStream:
         save_file(tensors, str(path))
         self.bytes_staged += sum(t.numel() * t.element_size() for t in tensors.values())
         self.discard_staged(unit)  # its earlier staged state is obsolete: staging holds one file per unit
-        self._homes[unit] = Home(_StagedFile(path), {name: name for name in tensors})
+        self._homes[unit] = Home(StagedFile(path), {name: name for name in tensors})
 
     def discard_staged(self, unit: nn.Module) -> None:
         """Delete the staging file that is ``unit``'s home, if it has one (the writer calls this once a
         unit is in the output, so staging and output together never hold a unit twice)."""
         home = self._homes.get(unit)
-        if home is not None and isinstance(home.reader, _StagedFile):
+        if home is not None and isinstance(home.reader, StagedFile):
             if not self.keep_staged:
                 home.reader.path.unlink(missing_ok=True)
             del self._homes[unit]
@@ -214,7 +214,7 @@ class WeightStream:
     def adopt(self, unit: nn.Module, staged: Path | None, names: dict[str, str]) -> None:
         """Make a released (meta) unit's home the staged file ``staged``, or the source checkpoint when None;
         ``names`` maps the unit's tensor names to names there (``recipe_engine.resume`` restoring a unit)."""
-        self._homes[unit] = Home(self.source if staged is None else _StagedFile(staged), dict(names))
+        self._homes[unit] = Home(self.source if staged is None else StagedFile(staged), dict(names))
 
     def read_unit(self, unit: nn.Module) -> dict[str, torch.Tensor]:
         """The unit's current tensors (from memory when materialized, else from its home), CPU."""

@@ -153,10 +153,10 @@ def test_input_covariance_fp32_products_agree_with_fp64_and_are_keyed_apart():
 
 def test_layer_keyword_arguments_move_to_the_device_with_nesting():
     """Captured layer kwargs (a dict holding the (cos, sin) tuple) reach the session device whole."""
-    from recipe_engine.session import _to
+    from recipe_engine.session import to_device
 
     kwargs = {"position_embeddings": (torch.ones(2), torch.zeros(2)), "attention_mask": torch.ones(1), "flag": 3}
-    moved = _to(kwargs, torch.device("meta"))
+    moved = to_device(kwargs, torch.device("meta"))
     assert [t.device.type for t in moved["position_embeddings"]] == ["meta", "meta"]
     assert moved["attention_mask"].device.type == "meta" and moved["flag"] == 3
 
