@@ -57,6 +57,7 @@ ROW_FILES = {"smollm2-135m": ("quality_smollm2.json", "SmolLM2-135M", 10),
 PROTOCOLS = {"wikitext2": "in-domain", "wikipedia": "held-out", "wikipedia+c4": "mixed", "c4": "in-domain C4"}
 #: method key here → its name in BENCHMARKS.md (other keys are shown as they are)
 LABELS = {"FlattenGPT": "FlattenGPT (ours)", "ShortGPT+LinearPatch": "ShortGPT + LinearPatch",
+          "SLEB+LinearPatch": "SLEB + LinearPatch", "auto (depth20_auto)": "auto (`depth20_auto`)",
           "FlattenGPT+LinearPatch": "FlattenGPT + LinearPatch", "LaCo": "LaCo (C = 4)", "LaCo C=2": "LaCo (C = 2)",
           "GPTQ W4": "GPTQ W4 g64", "SLEB 2×128": "SLEB, 2 × 128 calibration",
           "FlattenGPT+LoRA alpaca": "FlattenGPT + LoRA (Alpaca)", "FlattenGPT+LoRA distill": "FlattenGPT + LoRA (distill)",

@@ -166,15 +166,22 @@ class BestOf(Modifier):
                                     ) from None
 
     def passes(self, shape) -> tuple[int, int]:
-        """Each alternative's own passes on the fit windows, plus one pass per alternative to score it."""
+        """Each alternative's own passes on the fit windows, plus one pass per alternative to score it. Fewest:
+        an alternative whose first step repeats an earlier alternative's (same parameters but its
+        ``shared_ignores``) reuses that step's work from the same starting model (``Session.shared``)."""
         low = high = 0
+        first_steps: set[tuple[str, str]] = set()
         for steps in self.alternatives:
             trial = copy.deepcopy(shape)
             try:
                 count = steps_passes(steps, trial)
             except RecipeError:
                 continue  # refused: skipped at run time
-            low, high = low + count[0] + 1, high + count[1] + 1
+            first = steps[0]
+            key = (first.step_name(), repr(first.model_dump(mode="json", exclude=set(first.shared_ignores))))
+            own = first.passes(copy.deepcopy(shape)) if key in first_steps else 0
+            first_steps.add(key)
+            low, high = low + count[0] - (own if isinstance(own, int) else own[0]) + 1, high + count[1] + 1
         return low, high
 
     def working_memory(self, shape, tokens: int) -> int:
