@@ -29,11 +29,11 @@ class RecipeError(Exception):
         return one_line(": ".join(parts + [self.detail]))
 
     def located(self, *, file: str | None = None, step: int | None = None,
-                modifier: str | None = None) -> "RecipeError":
-        """Return a copy with missing location parts filled in."""
-        return RecipeError(self.detail, file=self.file or file,
-                           step=self.step if self.step is not None else step,
-                           modifier=self.modifier or modifier, field=self.field)
+                modifier: str | None = None, field: str | None = None) -> "RecipeError":
+        """Return a copy (of the same class) with missing location parts filled in."""
+        return type(self)(self.detail, file=self.file or file,
+                          step=self.step if self.step is not None else step,
+                          modifier=self.modifier or modifier, field=self.field or field)
 
 
 def one_line(text: str) -> str:

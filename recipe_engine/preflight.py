@@ -186,5 +186,4 @@ def located(check, file: str | None, field: str | None = None):
     try:
         return check()
     except RecipeError as exc:
-        raise type(exc)(exc.detail, file=exc.file or file, step=exc.step, modifier=exc.modifier,
-                         field=exc.field or field) from None
+        raise exc.located(file=file, field=field) from None

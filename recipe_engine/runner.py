@@ -93,7 +93,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     recipe, file = loaded.recipe, loaded.path
     writing = write and parallel.rank == 0
     cal = recipe.calibration
-    texts = _located(lambda: load_calibration(cal), file)
+    texts = located(lambda: load_calibration(cal), file)
     config = check_recipe(recipe, file, model.config if model is not None else None)[0]
     steps = bound_steps(recipe, config, file)  # percentages of layers resolved against this model
     in_memory = model is not None
@@ -103,7 +103,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     if writing:  # a model from disk keeps resume checkpoints (``_checkpoints``) unless told not to
         check_free_space(recipe, config, file, resume_checkpoints=not in_memory and keep_checkpoints)
     device = parallel.device
-    streamed = _located(lambda: decide_streaming(recipe, in_memory, write), file)
+    streamed = located(lambda: decide_streaming(recipe, in_memory, write), file)
     refusing = next(((i, step) for i, step in enumerate(steps) if streamed and step.refuses_streaming), None)
     if refusing is not None:
         raise RecipeError(f"cannot run streamed: {refusing[1].refuses_streaming} (set stream: off)", file=file,
@@ -250,14 +250,6 @@ def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool
         checkpoints.agree(parallel)
     session.checkpoint = checkpoints
     return checkpoints
-
-
-def _located(load, file: str):
-    """Run a source loader; its error names the recipe file."""
-    try:
-        return load()
-    except RecipeError as exc:
-        raise exc.located(file=file) from None
 
 
 def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None = None,
