@@ -210,9 +210,7 @@ def source_kind(name: str, split: str = "train") -> str:
     path = Path(name).expanduser()
     if path.exists():
         return "local"
-    parent = Path(name).parent
-    if (name.startswith((".", "/", "~")) or path.suffix in (".txt", ".jsonl", ".json")
-            or (parent != Path(".") and parent.expanduser().is_dir())):
+    if names_a_local_path(name) or path.suffix in (".txt", ".jsonl", ".json"):
         raise SourceError(f"data not found: {name}")
     hint = did_you_mean(name, BUILTIN_TEXT)
     if hint and "/" not in name:
@@ -222,6 +220,13 @@ def source_kind(name: str, split: str = "train") -> str:
         raise SourceError(f"data not found: '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}), a local "
                           f"path or a valid HF hub dataset id{hint}")
     return "hub"
+
+
+def names_a_local_path(name: str) -> bool:
+    """Is ``name`` written as a path on this machine (``./x``, ``/x``, ``~/x``, or under a directory that
+    exists here), so that, when it does not exist, it is "not found" rather than a hub id?"""
+    parent = Path(name).parent
+    return name.startswith((".", "/", "~")) or (parent != Path(".") and parent.expanduser().is_dir())
 
 
 def valid_hub_id(name: str) -> bool:

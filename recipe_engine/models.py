@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .cleanup import MARKER, sweep_stale, temporary_directory
-from .data import hub_unreachable, offline_mode, valid_hub_id
+from .data import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
 from .errors import SourceError
 from .output import estimated_output_bytes, space_problem
 from .suggest import did_you_mean
@@ -174,9 +174,7 @@ def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     if path.exists():
         raise SourceError(f"model {spec} is a file, not a model directory (config.json and weights), a .gguf "
                           f"file or a builtin alias ({builtins})")
-    parent = Path(spec).parent
-    if (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or not valid_hub_id(spec)
-            or (parent != Path(".") and parent.expanduser().is_dir())):
+    if names_a_local_path(spec) or spec.count("/") > 1 or not valid_hub_id(spec):
         raise SourceError(f"model not found: {spec} (not a directory, .gguf file or builtin alias; {builtins})")
     problem = hub_unreachable() or (offline_mode("HF_HUB_OFFLINE") and "HF offline mode is set")
     if problem and not _hub_cached(spec):

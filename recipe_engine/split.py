@@ -42,4 +42,5 @@ def heldout_split(samples: int, seed: int, fraction: float = SCORE_FRACTION) -> 
     count = min(samples - 1, max(1, math.floor(fraction * samples + 0.5)))
     order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed)).tolist()
     score = sorted(order[:count])
-    return WindowSplit(tuple(i for i in range(samples) if i not in set(score)), tuple(score))
+    held = set(score)
+    return WindowSplit(tuple(i for i in range(samples) if i not in held), tuple(score))
