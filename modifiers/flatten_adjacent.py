@@ -314,7 +314,7 @@ class FlattenAdjacent(Modifier):
     a round may instead drop an unmerged layer (SLEB's move) when that gives the lower NLL, so fewer
     (or no) layers end up merged and the report lists ``dropped``. ``score: heldout`` (default) prunes the
     candidates on fit windows and scores them on held-out score windows (``recipe_engine.split``; one more
-    prefix walk per round), ``insample`` on the same first windows (docs/best_of.md). About
+    prefix walk per round), ``insample`` on the same first windows (docs/methods/bestof.md). About
     ``n × layers² / 2`` layer runs of those tokens, ``n × layers`` ``lm_head`` passes and, pruned, as many
     prunes (each an ``o_proj`` and a ``down_proj`` Gram solve of the merged width).
     """

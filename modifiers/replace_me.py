@@ -61,7 +61,7 @@ def block_distances(session, n: int, tokens: Literal["last", "all"], skip_first:
 
     scores = span_scores(session, n, keep, score, "ReplaceMe block distances")
     scores.pop(0)
-    bad = [start for start, value in scores.items() if value != value]
+    bad = [start for start, value in scores.items() if math.isnan(value)]
     if bad:
         raise RecipeError(f"block distance is NaN for starts {bad} (zero or non-finite hidden states)",
                           modifier="ReplaceMe")

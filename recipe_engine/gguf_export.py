@@ -246,7 +246,7 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
     if not (directory / "config.json").is_file():
         raise _fail(f"'{directory}' is not a model directory (no config.json)")
     output = check_file_output(output, force)
-    with output_lock(output):
+    with output_lock(output):  # checked again under the lock: another export may have written it meanwhile
         return _export(directory, check_file_output(output, force), kind, name)
 
 

@@ -22,7 +22,7 @@ RECIPE_VERSION = 1
 
 
 class StrictModel(StrictParameters):
-    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_default=True)  # allow_inf_nan=False: StrictParameters
 
 
 class CalibrationConfig(StrictModel):
