@@ -10,6 +10,16 @@ if SHARED_DATA.is_dir():
     os.environ.setdefault("RECIPE_DATA_DIR", str(SHARED_DATA))
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama checkpoint with its tokenizer (``tests.helpers.save_tiny_model``), one per test module."""
+    from tests.helpers import save_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    save_tiny_model(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (fp32, CPU), loaded once per test session: deepcopy before mutating."""

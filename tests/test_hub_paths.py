@@ -19,7 +19,7 @@ import yaml
 from recipe_engine import data
 from recipe_engine.cli import main
 from recipe_engine.errors import SourceError
-from tests.helpers import have_smollm2, save_tiny_model
+from tests.helpers import have_smollm2
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ["", " = Valkyria Chronicles = \n", "", " The game began development in 2010 . \n"] * 60
@@ -117,13 +117,6 @@ def test_an_unreachable_hub_is_one_line_before_load_dataset(name, monkeypatch):
     if name == "wikitext2":
         assert "$RECIPE_DATA_DIR has no wikitext-2-raw/ files" in message
     assert "did you mean" not in message  # a builtin is not a misspelling of itself
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny_model(path)
-    return path
 
 
 def write_recipe(tmp_path, model, dataset, **changes) -> str:

@@ -19,7 +19,6 @@ from recipe_engine.cli import main
 from recipe_engine.modifier import LayerModifier
 from recipe_engine.output_lock import lock_path, output_lock
 from recipe_engine.registry import REGISTRY
-from tests.helpers import save_tiny_model
 
 DRIVER = Path(__file__).with_name("signal_driver.py")
 ROOT = DRIVER.parents[1]
@@ -39,13 +38,6 @@ class StallInPass(LayerModifier):
 @pytest.fixture
 def stall_step(monkeypatch):
     monkeypatch.setitem(REGISTRY._classes, "StallInPass", StallInPass)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny_model(path)
-    return path
 
 
 def work_dir(tmp_path: Path, model: Path, name: str = "work", evaluate: bool = False) -> Path:

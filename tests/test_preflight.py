@@ -13,16 +13,8 @@ import yaml
 from recipe_engine import gguf_export, models, output, runner
 from recipe_engine.cli import main
 from recipe_engine.evaluation import zeroshot
-from tests.helpers import save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # 1800 bytes
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny_model(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -18,18 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recipe_engine.cli import main
-from tests.helpers import save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny_model(path)
-    return path
 
 
 def base_recipe(work: Path, model_dir: Path) -> dict:

@@ -19,17 +19,9 @@ from recipe_engine import runner
 from recipe_engine.cli import main
 from recipe_engine.errors import RecipeError
 from recipe_engine.schema import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES, parse_step, safe_load
-from tests.helpers import save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    save_tiny_model(path)
-    return path
 
 
 @pytest.fixture
