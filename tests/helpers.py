@@ -175,3 +175,60 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def hf_model_with_layers(original, kept: list[int]):
+    """The reference for a layer removal, built by HF alone: a fresh ``from_config`` model with only the
+    decoder layers ``kept`` of ``original`` (their weights, renumbered; per-layer ``layer_types`` kept)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(original.config)
+    config.num_hidden_layers = len(kept)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [original.config.layer_types[i] for i in kept]
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    state = {}
+    for name, value in original.state_dict().items():
+        if name.startswith("model.layers."):
+            index, rest = name[len("model.layers."):].split(".", 1)
+            if int(index) in kept:
+                state[f"model.layers.{kept.index(int(index))}.{rest}"] = value
+        else:
+            state[name] = value
+    reference.load_state_dict(state)
+    return reference
+
+
+def start_signal_driver(tmp_path, cases: list[dict]):
+    """Start ``tests/signal_driver.py`` on ``cases`` (runs that stall at a named point until signalled) in a
+    subprocess; returns ``(process, base)``, ``base`` holding each case's ``NAME.ready`` / ``.pid`` / ``.rc``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    driver = Path(__file__).with_name("signal_driver.py")
+    root = driver.parents[1]
+    base = Path(tmp_path) / "driver"
+    base.mkdir()
+    (base / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, str(driver), str(base / "cases.json")], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return process, base
+
+
+def forbid_loading(monkeypatch, message: str) -> None:
+    """Make loading a model's weights (and writing GGUF tensors) fail with ``message``: a check that must
+    refuse before the expensive work proves it did."""
+    from recipe_engine import gguf_export, models, runner
+
+    def refuse(*_a, **_k):
+        raise AssertionError(message)
+    monkeypatch.setattr(runner, "load_model", refuse)
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(gguf_export, "_encoding", refuse)
+

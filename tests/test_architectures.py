@@ -16,7 +16,7 @@ from recipe_engine.errors import RecipeError
 from recipe_engine.schema import CalibrationConfig
 from recipe_engine.session import Session
 from recipe_engine.shape import ModelShape
-from tests.helpers import ARCHITECTURES, CharTokenizer, random_tokens, tiny_config, tiny_model
+from tests.helpers import ARCHITECTURES, CharTokenizer, hf_model_with_layers, random_tokens, tiny_config, tiny_model
 
 NEW = ("qwen3", "gemma3_text", "phi3")
 TEXT = "Calibration text for the architecture tests, repeated to have enough tokens. " * 300
@@ -99,20 +99,7 @@ def test_shortgpt_equals_hf_with_those_layers_removed(tmp_path, model_type):
     result, report = run(tmp_path, model, ["ShortGPT<n:2>"])
     removed = [origin[0] for origin in report.steps[0].result["removed"]]
     kept = [i for i in range(6) if i not in removed]
-    config = copy.deepcopy(original.config)
-    config.num_hidden_layers = len(kept)
-    if getattr(config, "layer_types", None):
-        config.layer_types = [original.config.layer_types[i] for i in kept]
-    reference = AutoModelForCausalLM.from_config(config).eval()
-    state = {}
-    for name, value in original.state_dict().items():
-        if name.startswith("model.layers."):
-            index, rest = name[len("model.layers."):].split(".", 1)
-            if int(index) in kept:
-                state[f"model.layers.{kept.index(int(index))}.{rest}"] = value
-        else:
-            state[name] = value
-    reference.load_state_dict(state)
+    reference = hf_model_with_layers(original, kept)
     tokens = random_tokens()
     with torch.no_grad():
         torch.testing.assert_close(result(tokens).logits, reference(tokens).logits, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,6 @@ import torch
 import recipe_engine
 from recipe_engine.budget import bind_step, resolve_budget
 from recipe_engine.errors import RecipeError
-from recipe_engine.modifiers.best_of import BestOf
 from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, merge_layers
 from recipe_engine.modifiers.head_prune import HeadPrune
 from recipe_engine.modifiers.nystrom_mlp import NystromMLP

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import recipe_engine
 from recipe_engine.errors import RecipeError
 from recipe_engine.registry import REGISTRY
-from tests.helpers import CharTokenizer, random_tokens, tiny_model
+from tests.helpers import CharTokenizer, hf_model_with_layers, random_tokens, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "guides" / "writing_a_modifier.md"
@@ -99,18 +99,7 @@ def test_guide_example_modifier_equals_hf_without_those_layers(tmp_path, drop_la
                                          progress=False)
     assert report.steps[0].result["removed"] == [[1], [4]] and report.steps[1].result["removed"] == [[0]]
     kept = [2, 3, 5]
-    config = copy.deepcopy(original.config)
-    config.num_hidden_layers = len(kept)
-    reference = AutoModelForCausalLM.from_config(config).eval()
-    state = {}
-    for name, value in original.state_dict().items():
-        if name.startswith("model.layers."):
-            index, rest = name[len("model.layers."):].split(".", 1)
-            if int(index) in kept:
-                state[f"model.layers.{kept.index(int(index))}.{rest}"] = value
-        else:
-            state[name] = value
-    reference.load_state_dict(state)
+    reference = hf_model_with_layers(original, kept)
     tokens = random_tokens()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():

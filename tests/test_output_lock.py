@@ -4,7 +4,6 @@ process, whose temporary files and resume checkpoints stay untouched; the lock o
 Real processes: the live run is a child of tests/signal_driver.py stalled inside its layer pass (its
 ``.out.resume`` checkpoints exist by then); the second run is this test process calling the CLI's ``main``.
 """
-import json
 import os
 import signal
 import subprocess
@@ -19,9 +18,8 @@ from recipe_engine.cli import main
 from recipe_engine.modifier import LayerModifier
 from recipe_engine.output_lock import lock_path, output_lock
 from recipe_engine.registry import REGISTRY
+from tests.helpers import start_signal_driver
 
-DRIVER = Path(__file__).with_name("signal_driver.py")
-ROOT = DRIVER.parents[1]
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 
 
@@ -51,16 +49,6 @@ def work_dir(tmp_path: Path, model: Path, name: str = "work", evaluate: bool = F
         recipe["evaluate"] = {"perplexity": {"dataset": [str(work / "cal.txt")], "seq_len": 32, "split": "all"}}
     (work / "r.yaml").write_text(yaml.safe_dump(recipe))
     return work
-
-
-def start_driver(tmp_path: Path, cases: list[dict]) -> tuple[subprocess.Popen, Path]:
-    base = tmp_path / "driver"
-    base.mkdir()
-    (base / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    driver = subprocess.Popen([sys.executable, str(DRIVER), str(base / "cases.json")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return driver, base
 
 
 def wait_ready(driver: subprocess.Popen, base: Path, name: str) -> int:
@@ -98,7 +86,7 @@ def test_second_run_on_a_live_output_is_refused_and_leaves_its_checkpoints(tmp_p
                                                                            stall_step):
     work = work_dir(tmp_path, model_dir)
     argv = ["apply", str(work / "r.yaml"), "--quiet", "--device", "cpu"]
-    driver, base = start_driver(tmp_path, [{"name": "first", "point": "pass", "stall": "python",
+    driver, base = start_signal_driver(tmp_path, [{"name": "first", "point": "pass", "stall": "python",
                                             "cwd": str(work), "argv": argv, "env": {}}])
     try:
         pid = wait_ready(driver, base, "first")
@@ -132,7 +120,7 @@ def signalled(tmp_path_factory, model_dir):
               "argv": ["apply", str(works["killed"] / "r.yaml"), "--quiet", "--device", "cpu"], "env": {}},
              {"name": "eval", "point": "evaluating", "stall": "python", "cwd": str(works["eval"]),
               "argv": ["apply", str(works["eval"] / "r.yaml"), "--device", "cpu"], "env": {}}]
-    driver, base = start_driver(root, cases)
+    driver, base = start_signal_driver(root, cases)
     try:
         for name, sig in (("killed", signal.SIGKILL), ("eval", signal.SIGTERM)):
             os.kill(wait_ready(driver, base, name), sig)

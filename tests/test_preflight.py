@@ -10,9 +10,10 @@ import pytest
 import torch
 import yaml
 
-from recipe_engine import gguf_export, models, output, runner
+from recipe_engine import gguf_export, output
 from recipe_engine.cli import main
 from recipe_engine.evaluation import zeroshot
+from tests.helpers import forbid_loading
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # 1800 bytes
 
@@ -44,11 +45,7 @@ def work(tmp_path, model_dir, monkeypatch):
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fail the test if any command gets as far as loading weights (or writing GGUF tensors)."""
-    def refuse(*_a, **_k):
-        raise AssertionError("the model was loaded before the error was found")
-    monkeypatch.setattr(runner, "load_model", refuse)
-    monkeypatch.setattr(models, "load_model", refuse)
-    monkeypatch.setattr(gguf_export, "_encoding", refuse)
+    forbid_loading(monkeypatch, "the model was loaded before the error was found")
 
 
 def one_line_error(capsys, argv, *fragments, code=2):

@@ -12,7 +12,6 @@ import string
 import tempfile
 from pathlib import Path
 
-import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

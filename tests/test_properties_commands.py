@@ -14,9 +14,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recipe_engine import gguf_export, models, runner
 from recipe_engine.cli import main
-from tests.helpers import save_tiny_model
+from tests.helpers import forbid_loading, save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
@@ -70,11 +69,7 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture
 def guarded(monkeypatch):
     """No CUDA (the same on every machine), and no loading or GGUF writing: either fails the property."""
-    def loaded(*_a, **_k):
-        raise AssertionError("got past the pre-flight")
-    monkeypatch.setattr(runner, "load_model", loaded)
-    monkeypatch.setattr(models, "load_model", loaded)
-    monkeypatch.setattr(gguf_export, "_encoding", loaded)
+    forbid_loading(monkeypatch, "got past the pre-flight")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 

@@ -2,12 +2,9 @@
 128+n, one line, nothing left beside the output, the conversion cache consistent. Real processes: one driver
 (tests/signal_driver.py) imports the engine once and forks a child per case; the test signals each child
 when it reaches its stall."""
-import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,10 +12,8 @@ import pytest
 import yaml
 
 from recipe_engine import models
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, tiny_model, write_tiny_gguf
+from tests.helpers import BYTE_VOCAB, byte_tokenizer, start_signal_driver, tiny_model, write_tiny_gguf
 
-DRIVER = Path(__file__).with_name("signal_driver.py")
-ROOT = DRIVER.parents[1]
 POINTS = ("loading", "pass", "writing")
 CASES = [(sig, point, "python") for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) for point in POINTS]
 # the issue's "SIGINT during a long solve takes ~23 s": a ~30 s native call is cut short by the watchdog
@@ -59,12 +54,7 @@ def test_signals_at_every_point_leave_nothing(tmp_path, monkeypatch):
     cases.append(case(tmp_path, "converting", gguf, "converting", "python", cache=tmp_path / "cache"))
     signals["converting"] = signal.SIGTERM
 
-    base = tmp_path / "driver"
-    base.mkdir()
-    (base / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    driver = subprocess.Popen([sys.executable, str(DRIVER), str(base / "cases.json")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver, base = start_signal_driver(tmp_path, cases)
     deadline, sent = time.monotonic() + 300, {}
     try:
         while len(sent) < len(cases):
