@@ -124,6 +124,13 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
                                          "HeadPrune", "NystromMLP"], {}),
         # SLEB scored on 8 × 128 tokens of the calibration, LinearPatch fitted on all of it
         "SLEB+LinearPatch": ([{"SLEB": {"n": n, "search_samples": 8, "search_length": 128}}, "LinearPatch"], {}),
+        # combinations of two moves at half the budget each (the first takes n // 2 layers)
+        "ReplaceMe+FlattenGPT": ([{"ReplaceMe": {"n": n // 2}}, "FuseNorm", {"FlattenAdjacent": {"n": n - n // 2}},
+                                  "HeadPrune", "NystromMLP"], {}),
+        "FlattenGPT+ReplaceMe": (["FuseNorm", {"FlattenAdjacent": {"n": n // 2}}, "HeadPrune", "NystromMLP",
+                                  {"ReplaceMe": {"n": n - n // 2}}], {}),
+        "ReplaceMe×2": ([{"ReplaceMe": {"n": n // 2}}, {"ReplaceMe": {"n": n - n // 2}}], {}),
+        "ReplaceMe+LinearPatch": ([{"ReplaceMe": {"n": n}}, "LinearPatch"], {}),
         # recipes/depth20_auto.yaml with its 20 % replaced by n: BestOf by held-out calibration NLL
         "auto (depth20_auto)": (auto_steps(n), {}),
         # NystromMLP variants on top of the defaults: its target, cross-validated λ_t, the fallback to dropping

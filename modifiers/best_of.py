@@ -56,16 +56,23 @@ class BestOf(Modifier):
     checks refuse the model (e.g. FlattenAdjacent on Gemma 3) is skipped with its reason recorded
     (``refused: skip``) or fails the recipe (``refused: fail``); if every alternative is refused it fails.
 
-    Cost: the sum of the alternatives' own costs on the fit windows, plus one pass over the score windows
-    per alternative; work shared between alternatives over the same windows is done once (the layer-0
-    capture, and ``session.shared`` values of steps reached in the same state, e.g. ShortGPT's Block
-    Influence). Memory: two extra copies of the model (the alternative being run and the best so far).
+    Refit (``refit: true``, the default): once chosen, the winner runs again on a fresh copy over *all*
+    the calibration windows and that model is kept, as cross-validation refits the chosen model on all the
+    data: the score windows only decide, so the step gives exactly what the chosen alternative gives run
+    alone, with nothing lost to the held-out quarter. ``refit: false`` keeps the fit-window model (no
+    extra run).
+
+    Cost: the sum of the alternatives' own costs on the fit windows, plus one pass over the score windows per
+    alternative, plus (refit) the winner's own cost once more on all windows; work shared between alternatives
+    over the same windows is done once (the layer-0 capture, and ``session.shared`` values of steps reached in
+    the same state, e.g. ShortGPT's Block Influence). Memory: two extra copies of the model (the alternative
+    being run and the best so far).
 
     Layering: BestOf is a modifier, not an engine construct; it uses the engine's declared API
     (``Session.branch`` / ``run_steps`` / ``adopt``, ``check_steps``, ``heldout_split``), so any registered
-    modifier (built-in or plugin) works as an alternative and the engine names none. A streamed run is
-    refused (a branch needs a second in-memory copy of the model); ``--resume`` resumes after a finished
-    BestOf, and an interrupted one is run again from its first alternative (branches keep no checkpoints).
+    modifier (built-in or plugin) works as an alternative and the engine names none. A streamed run is refused
+    (a branch needs a second in-memory copy of the model); ``--resume`` resumes after a finished BestOf, and an
+    interrupted one is run again from its first alternative (branches keep no checkpoints).
     """
 
     needs = ("every alternative's own statistics on the fit windows; the NLL of the score windows",)
@@ -79,6 +86,8 @@ class BestOf(Modifier):
                                                                           "alternative")
     refused: Literal["skip", "fail"] = Field("skip", description="an alternative the model refuses at "
                                                                  "validation: skip it (reason recorded) or fail")
+    refit: bool = Field(True, description="run the chosen alternative again on all calibration windows (the "
+                                          "score windows only choose); false keeps its fit-window model")
 
     example = ("BestOf<alternatives:[[ShortGPT<n:1>],[SLEB<n:1>]]>",)
 
@@ -168,20 +177,25 @@ class BestOf(Modifier):
     def passes(self, shape) -> tuple[int, int]:
         """Each alternative's own passes on the fit windows, plus one pass per alternative to score it. Fewest:
         an alternative whose first step repeats an earlier alternative's (same parameters but its
-        ``shared_ignores``) reuses that step's work from the same starting model (``Session.shared``)."""
+        ``shared_ignores``) reuses that step's work from the same starting model (``Session.shared``).
+        The refit adds the cheapest alternative's passes (fewest) or the dearest's (most)."""
         low = high = 0
         first_steps: set[tuple[str, str]] = set()
+        own_counts: list[tuple[int, int]] = []
         for steps in self.alternatives:
             trial = copy.deepcopy(shape)
             try:
                 count = steps_passes(steps, trial)
             except RecipeError:
                 continue  # refused: skipped at run time
+            own_counts.append(count)
             first = steps[0]
             key = (first.step_name(), repr(first.model_dump(mode="json", exclude=set(first.shared_ignores))))
             own = first.passes(copy.deepcopy(shape)) if key in first_steps else 0
             first_steps.add(key)
             low, high = low + count[0] - (own if isinstance(own, int) else own[0]) + 1, high + count[1] + 1
+        if self.refit and own_counts:
+            low, high = low + min(c[0] for c in own_counts), high + max(c[1] for c in own_counts)
         return low, high
 
     def working_memory(self, shape, tokens: int) -> int:
@@ -230,10 +244,20 @@ class BestOf(Modifier):
                 best, best_nll = (a, branch), nll
             branch = scorer = None  # a losing copy is freed before the next alternative copies the model
         chosen, branch = best
+        refit = None
+        if self.refit:
+            branch = None  # the fit-window model is freed before the refit copies the model
+            started, passes = time.perf_counter(), session.passes.value
+            session.progress.log(f"BestOf: refit of alternative {chosen} {describe(self.alternatives[chosen])} on "
+                                 f"all {session.calibration.shape[0]} calibration windows")
+            branch = session.branch(session.calibration, SharedWork())
+            refit = {"windows": int(session.calibration.shape[0]), "records": branch.run_steps(self.alternatives[chosen]),
+                     "wall_s": time.perf_counter() - started, "calibration_passes": session.passes.value - passes}
         session.adopt(branch)
         shared = {"computed": dict(fit_memo.computed + score_memo.computed),
                   "reused": dict(fit_memo.reused + score_memo.reused)}
         return {"score": {"split": self.score.split, "fraction": self.score.fraction,
                           "seed": self._seed(session.config.seed), **split.record()},
                 "alternatives": records, "chosen": chosen, "chosen_steps": describe(self.alternatives[chosen]),
-                "nll": best_nll, "ppl": math.exp(best_nll), "shared_work": shared, "layers": len(session.layers)}
+                "nll": best_nll, "ppl": math.exp(best_nll), "refit": refit, "shared_work": shared,
+                "layers": len(session.layers)}

@@ -122,15 +122,18 @@ def standalone(original, steps, fit_tokens, score_tokens):
         return model, float(model(score_tokens, labels=score_tokens).loss)
 
 
-def test_best_of_equals_the_alternatives_run_alone(monkeypatch):
+@pytest.mark.parametrize("refit", [False, True])
+def test_best_of_equals_the_alternatives_run_alone(monkeypatch, refit):
     """BestOf's scores equal each alternative run alone on the fit windows and scored on the score windows,
-    its choice is their argmin, and the model it leaves computes what the winner's standalone run does.
-    Every calibration walk (captures of the alternatives' own steps, their reference model's, the scoring)
-    is instrumented: the score windows are walked exactly once per alternative, to score it."""
+    its choice is their argmin, and the model it leaves computes what the winner's standalone run does: on
+    the fit windows (``refit: false``) or on all the windows (``refit: true``). Every calibration walk
+    (captures of the alternatives' own steps, their reference model's, the scoring, the refit) is
+    instrumented: before the choice the score windows are walked exactly once per alternative, to score it;
+    the only walks over all the windows are the refit's, after every score."""
     model = tiny_model(num_hidden_layers=6, seed=1)
     original = copy.deepcopy(model)
     tokens = random_tokens(8, 32, seed=2)
-    step = parse_step({"BestOf": {"alternatives": ALTERNATIVES}}, 0)
+    step = parse_step({"BestOf": {"alternatives": ALTERNATIVES, "refit": refit}}, 0)
     session = make_session(model, tokens)
     walked = []
     capture = Session.capture_inputs
@@ -139,11 +142,14 @@ def test_best_of_equals_the_alternatives_run_alone(monkeypatch):
     report = step.apply(session)
     monkeypatch.undo()
     split = heldout_split(8, 0)
-    on_score = [w for w in walked if torch.equal(w, tokens[list(split.score)])]
-    assert len(on_score) == len(ALTERNATIVES)
-    assert all(torch.equal(w, tokens[list(split.fit)]) for w in walked if not torch.equal(w, tokens[list(split.score)]))
-    assert report["score"]["fit_windows"] == list(split.fit) and report["score"]["score_windows"] == list(split.score)
     fit_tokens, score_tokens = tokens[list(split.fit)], tokens[list(split.score)]
+    kinds = ["score" if torch.equal(w, score_tokens) else "fit" if torch.equal(w, fit_tokens)
+             else "all" if torch.equal(w, tokens) else "other" for w in walked]
+    assert kinds.count("score") == len(ALTERNATIVES) and "other" not in kinds
+    last_score = max(i for i, kind in enumerate(kinds) if kind == "score")
+    assert all(kind == "all" for kind in kinds[last_score + 1:]) and "all" not in kinds[:last_score]
+    assert ("all" in kinds) == refit
+    assert report["score"]["fit_windows"] == list(split.fit) and report["score"]["score_windows"] == list(split.score)
     runs = [standalone(original, steps, fit_tokens, score_tokens) for steps in ALTERNATIVES]
     assert [r["nll"] for r in report["alternatives"]] == pytest.approx([nll for _, nll in runs], rel=1e-5)
     winner = min(range(len(runs)), key=lambda a: (runs[a][1], a))
@@ -151,12 +157,18 @@ def test_best_of_equals_the_alternatives_run_alone(monkeypatch):
     assert [r["layers"] for r in report["alternatives"]] == [4] * 4 and len(session.layers) == 4
     assert all(r["records"][0]["modifier"] == parse_step(ALTERNATIVES[a][0], 0).step_name()
                for a, r in enumerate(report["alternatives"]))
+    expected = standalone(original, ALTERNATIVES[winner], tokens, score_tokens)[0] if refit else runs[winner][0]
+    assert (report["refit"] is not None) == refit
+    if refit:
+        assert report["refit"]["windows"] == 8
+        assert [r["modifier"] for r in report["refit"]["records"]] == [r["modifier"] for r in
+                                                                       report["alternatives"][winner]["records"]]
     probe = random_tokens(2, 32, seed=9)
     with torch.no_grad():
-        torch.testing.assert_close(model(probe).logits, runs[winner][0](probe).logits, rtol=1e-5, atol=1e-5)
-    winner_state = runs[winner][0].state_dict()
-    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in winner_state.items()}
-    assert all(torch.equal(v, winner_state[k]) for k, v in model.state_dict().items())
+        torch.testing.assert_close(model(probe).logits, expected(probe).logits, rtol=1e-5, atol=1e-5)
+    expected_state = expected.state_dict()
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in expected_state.items()}
+    assert all(torch.equal(v, expected_state[k]) for k, v in model.state_dict().items())
 
 
 def test_best_of_shares_the_captures_between_alternatives():
