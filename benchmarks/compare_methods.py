@@ -70,12 +70,17 @@ LORA = {"max_samples": 256, "seq_len": 256, "epochs": 1, "batch_size": 16, "micr
 ALPACA = str((data_dir() or Path(__file__).resolve().parents[2] / "shared" / "data") / "alpaca" / "alpaca_small.json")
 
 
-def auto_steps(n: int) -> list:
-    """The steps of ``recipes/depth20_auto.yaml`` with its budget ``20%`` replaced by the count ``n``."""
+def auto_steps(n: int, layers: int) -> list:
+    """The steps of ``recipes/depth20_auto.yaml`` with its budgets as counts for removing ``n`` of ``layers``
+    layers: ``20%`` → ``n``, ``10%`` (the first move of a two-move alternative) → ``n // 2``, ``80%`` (the
+    layers kept) → ``layers − n``; at the recipe's own n = 20 % these are what the percentages resolve to."""
     import yaml
 
     path = Path(__file__).resolve().parents[1] / "recipes" / "depth20_auto.yaml"
-    return json.loads(json.dumps(yaml.safe_load(path.read_text())["modifiers"]).replace("20%", str(n)))
+    text = json.dumps(yaml.safe_load(path.read_text())["modifiers"])
+    for percent, count in (("20%", n), ("10%", n // 2), ("80%", layers - n)):
+        text = text.replace(percent, str(count))
+    return json.loads(text)
 
 
 def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
@@ -132,7 +137,7 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "ReplaceMe×2": ([{"ReplaceMe": {"n": n // 2}}, {"ReplaceMe": {"n": n - n // 2}}], {}),
         "ReplaceMe+LinearPatch": ([{"ReplaceMe": {"n": n}}, "LinearPatch"], {}),
         # recipes/depth20_auto.yaml with its 20 % replaced by n: BestOf by held-out calibration NLL
-        "auto (depth20_auto)": (auto_steps(n), {}),
+        "auto (depth20_auto)": (auto_steps(n, layers), {}),
         # NystromMLP variants on top of the defaults: its target, cross-validated λ_t, the fallback to dropping
         "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "target": "merged"}}], {}),
         "FlattenGPT +cv": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "target_scales": CV_SCALES}}], {}),
