@@ -1,0 +1,83 @@
+"""Why BestOf's score can rank alternatives differently from the held-out perplexities: window length.
+
+BestOf scores alternatives on held-out *calibration* windows (512 tokens of the Wikipedia sample); the
+held-out protocol measures perplexity on 1024-token windows of other text. This script compresses a model
+with a few methods (the held-out protocol's calibration: 32 × 512 Wikipedia-sample tokens, seed 0) and
+measures every model on the same tokens cut into windows of 512 and of 1024 tokens (WikiText-2 test, the C4
+sample, the code sample: the first ``--tokens`` tokens of each), so a ranking that flips between the two
+lengths shows the positions beyond the calibration length at work.
+
+Run: python benchmarks/window_length_diagnosis.py [--model smollm2-135m] [--methods ReplaceMe FlattenGPT ...]
+It prints a table and writes benchmarks/results/raw/window_length_<model>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import recipe_engine  # noqa: E402
+from compare_methods import CALIBRATIONS, EVALS, MODELS, RAW, methods  # noqa: E402
+from recipe_engine.data import load_text  # noqa: E402
+from recipe_engine.evaluation.perplexity import perplexity  # noqa: E402
+from recipe_engine.models import load_model  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=list(MODELS), default="smollm2-135m")
+    parser.add_argument("--methods", nargs="*", default=["ReplaceMe", "FlattenGPT", "ReplaceMe+FlattenGPT"])
+    parser.add_argument("--tokens", type=int, default=16 * 1024, help="tokens measured per source")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dense, tokenizer, _ = load_model(args.model, "float32")
+    dense.eval()
+    n = MODELS[args.model]
+    texts = {e: load_text(name, split).text for e, (name, split) in EVALS.items()}
+    dataset, split = CALIBRATIONS["wikipedia"]
+    rows = []
+    for name in ["dense", *args.methods]:
+        steps, overrides = methods(n, dense.config.num_hidden_layers)[name]
+        model = dense
+        if steps:
+            recipe = {"version": 1, "name": "window-length", "model": args.model, "output": "out/unused",
+                      "calibration": {"dataset": dataset, "split": split, "samples": 32, "seq_len": 512, "seed": 0,
+                                      **overrides}, "modifiers": steps}
+            model, _ = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer, write=False,
+                                           progress=False)
+        row = {"method": name, "ppl": {}}
+        for source, text in texts.items():
+            for length in (512, 1024):
+                row["ppl"][f"{source}@{length}"] = perplexity(model, tokenizer, text, seq_len=length,
+                                                              limit=args.tokens // length)["ppl"]
+        rows.append(row)
+        print(name, {k: round(v, 2) for k, v in row["ppl"].items()}, flush=True)
+    columns = list(rows[0]["ppl"])
+    print("\n| method | " + " | ".join(columns) + " | geo. mean @512 | geo. mean @1024 |")
+    print("|---" * (len(columns) + 3) + "|")
+    for row in rows:
+        geo = {length: math.exp(sum(math.log(row["ppl"][f"{s}@{length}"]) for s in texts) / len(texts))
+               for length in (512, 1024)}
+        row["geo_mean"] = geo
+        print(f"| {row['method']} | " + " | ".join(f"{row['ppl'][c]:.2f}" for c in columns)
+              + f" | {geo[512]:.2f} | {geo[1024]:.2f} |")
+    RAW.mkdir(parents=True, exist_ok=True)
+    out = RAW / f"window_length_{args.model}.json"
+    out.write_text(json.dumps({"model": args.model, "n": n, "tokens_per_source": args.tokens,
+                               "date": datetime.date.today().isoformat(), "threads": args.threads,
+                               "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
