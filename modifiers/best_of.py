@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import time
 from typing import Any, ClassVar, Literal
@@ -243,10 +244,12 @@ class BestOf(Modifier):
             if nll < best_nll:
                 best, best_nll = (a, branch), nll
             branch = scorer = None  # a losing copy is freed before the next alternative copies the model
+            gc.collect()  # a session's hooks and closures can form reference cycles: free the copy now
         chosen, branch = best
         refit = None
         if self.refit:
-            branch = None  # the fit-window model is freed before the refit copies the model
+            branch = best = None  # the fit-window model is freed before the refit copies the model
+            gc.collect()
             started, passes = time.perf_counter(), session.passes.value
             session.progress.log(f"BestOf: refit of alternative {chosen} {describe(self.alternatives[chosen])} on "
                                  f"all {session.calibration.shape[0]} calibration windows")

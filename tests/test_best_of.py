@@ -171,6 +171,35 @@ def test_best_of_equals_the_alternatives_run_alone(monkeypatch, refit):
     assert all(torch.equal(v, expected_state[k]) for k, v in model.state_dict().items())
 
 
+def test_best_of_frees_each_losing_copy_before_the_next_alternative_copies_the_model(monkeypatch):
+    """Peak memory is two copies of the model beyond the session's own (the running alternative and the best
+    so far): when an alternative's copy is made, every earlier copy but the best so far is gone, even with
+    the cyclic garbage collector off; before the refit's copy, the best one is gone too."""
+    import gc
+    import weakref
+
+    model = tiny_model(num_hidden_layers=5, seed=1)
+    step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"], ["ShortGPT<n:1>", "LinearPatch"]]}},
+                      0)
+    copies, alive_at_copy = [], []
+    real_branch = Session.branch
+
+    def branch(self, calibration, memo=None):
+        alive_at_copy.append(sum(ref() is not None for ref in copies))
+        made = real_branch(self, calibration, memo)
+        copies.append(weakref.ref(made.model))
+        return made
+
+    monkeypatch.setattr(Session, "branch", branch)
+    gc.disable()
+    try:
+        step.apply(make_session(model, random_tokens(8, 16, seed=2)))
+    finally:
+        gc.enable()
+    assert alive_at_copy[0] == 0 and all(alive <= 1 for alive in alive_at_copy[1:-1]) and alive_at_copy[-1] == 0
+    assert len(alive_at_copy) == 4  # three alternatives and the refit
+
+
 def test_best_of_shares_the_captures_between_alternatives():
     model = tiny_model(num_hidden_layers=5, seed=1)
     step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["ShortGPT<n:1>", "LinearPatch"]]}}, 0)
