@@ -335,11 +335,12 @@ def _sentencepiece_vocabulary(data: dict, vocab_size: int) -> Vocabulary:
 
     add_space_prefix = space_prefix(data)
     by_id, added = _tokens_by_id(data, vocab_size)
+    merges = data["model"].get("merges") or []
     first_merge = {}
-    for rank, merge in enumerate(data["model"].get("merges") or []):
+    for rank, merge in enumerate(merges):
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
         first_merge.setdefault(left + right, rank)
-    unmerged = -float(len(first_merge) + 1)
+    unmerged = -float(len(merges) + 1)
     tokens, types, scores = [], [], []
     for i in range(vocab_size):
         token = by_id.get(i)

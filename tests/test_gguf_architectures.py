@@ -162,6 +162,8 @@ def test_sentencepiece_vocabulary_reads_back(tmp_path, arch):
     assert set(types[size:]) == {gguf.TokenType.UNUSED}
     pieces = [scores[source.convert_tokens_to_ids(p)] for p in PIECES]
     assert pieces == sorted(pieces, reverse=True) and len(set(pieces)) == len(pieces)  # merge order kept
+    characters = {scores[source.convert_tokens_to_ids(c)] for c in CHARACTERS}  # no merge forms them
+    assert len(characters) == 1 and characters.pop() < min(pieces)
     unk, eos = ("<unk>", "<eos>") if arch == "gemma3_text" else ("<unk>", "</s>")
     assert fields["tokenizer.ggml.unknown_token_id"] == source.convert_tokens_to_ids(unk)
     assert fields["tokenizer.ggml.eos_token_id"] == source.convert_tokens_to_ids(eos)
