@@ -1,34 +1,39 @@
 """GGUF export of a finished output directory, for llama.cpp / Ollama / LM Studio.
 
 Reads only the directory (``config.json``, safetensors weights, ``tokenizer.json`` and its config), and
-writes one GGUF file with the ``gguf`` package's writer: architecture metadata, the byte-level BPE tokenizer
-(tokens with their types, merges, special token ids, chat template) and the weights under llama.cpp's tensor
-names (``gguf.get_tensor_name_map``). Tensors are streamed: tensor infos first (sizes from the shapes),
-then the data one tensor at a time, into a temporary sibling renamed into place.
+writes one GGUF file with the ``gguf`` package's writer: architecture metadata, the tokenizer (byte-level BPE
+as llama.cpp's ``gpt2`` vocabulary with its merges, or a SentencePiece-style BPE with byte fallback as its
+``llama`` vocabulary with scores and token types; special token ids and chat template through
+``gguf.SpecialVocab``) and the weights under llama.cpp's tensor names. Tensors are streamed: tensor infos
+first (sizes from the shapes), then the data one tensor at a time, into a temporary sibling renamed into place.
 
-Conventions followed (llama.cpp's ``convert_hf_to_gguf.py``, read, not copied): 1-D tensors (norms, biases)
-stay F32 whatever ``--type``; Llama/Mistral q/k rows are reordered from HF's rotate-half layout to GGML's
-adjacent-pair rope (``permute_rope``); a tied ``lm_head`` is not written (llama.cpp and transformers reuse
-``token_embd``). Refused in one line: anything GGUF or llama.cpp's graph cannot express for these
-architectures — recipe extras (LinearPatch), compressed-tensors packed weights, non-uniform layers, rope
-scaling, sliding windows, unknown pre-tokenizers.
+Every architecture fact comes from the model's adapter (``adapters.GGUFLayout``: llama.cpp's architecture
+name, the tensor name of each role, rope row order, sliding windows, soft-capping, activation, further
+config checks); this module names no architecture. Conventions followed (llama.cpp's
+``convert_hf_to_gguf.py``, read, not copied): 1-D tensors (norms, biases) stay F32 whatever ``--type``;
+q/k rows are reordered from HF's rotate-half layout to GGML's adjacent-pair rope where the graph rotates pairs
+(``permute_rope``); norms stored as ``w`` with gain ``offset + w`` (Gemma's ``1 + w``) are written as the gain;
+a tied ``lm_head`` is not written (llama.cpp and transformers reuse ``token_embd``). Refused in one line:
+anything GGUF or the architecture's llama.cpp graph cannot express — recipe extras (LinearPatch),
+compressed-tensors packed weights, non-uniform layers, rope scaling, sliding windows where the graph attends
+fully, unknown tokenizers and pre-tokenizers.
 """
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .adapters import ADAPTERS, ArchitectureAdapter, adapter_for
 from .errors import RecipeError
 from .extras import EXTRAS_JSON
 from .streaming import INDEX_FILE, SINGLE_FILE
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
-#: HF model_type → llama.cpp architecture (Mistral without sliding window is llama.cpp's llama graph).
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 #: tokenizer.json pre-tokenizer → llama.cpp ``tokenizer.ggml.pre`` (the regex llama.cpp applies before BPE).
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -95,17 +100,58 @@ def check_exportable(directory: Path, config) -> None:
     check_config(config)
 
 
+def gguf_adapter(config) -> ArchitectureAdapter:
+    """The adapter of ``config.model_type`` if it has GGUF facts; anything else is one line."""
+    adapter = ADAPTERS.get(getattr(config, "model_type", None))
+    if adapter is None or adapter.gguf is None:
+        supported = ", ".join(t for t, a in ADAPTERS.items() if a.gguf is not None)
+        raise _fail(f"model_type {getattr(config, 'model_type', None)!r} is not supported (supported: {supported})")
+    try:
+        adapter_for(config)  # the variants the engine refuses (attention or MLP biases it does not model)
+    except RecipeError as exc:
+        raise _fail(exc.detail) from None
+    return adapter
+
+
+def rope_parameters(config) -> dict[str, dict]:
+    """Rope parameters per attention kind: ``{"full_attention": {...}, "sliding_attention": {...}}`` as
+    transformers nests them for models with layer types (Gemma 3), else ``{"full_attention": the one dict}``."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        return rope
+    return {"full_attention": rope}
+
+
+def sliding_layers(config) -> list[bool] | None:
+    """Which layers attend through a sliding window (``config.layer_types``; every layer when the config has a
+    window and no layer types), or None when none does (no window, ``use_sliding_window: false``)."""
+    if not getattr(config, "sliding_window", None) or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    flags = [kind == "sliding_attention" for kind in types] if types else [True] * config.num_hidden_layers
+    return flags if any(flags) else None
+
+
+def _activation(config) -> str | None:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
 def check_config(config) -> None:
-    """Architectures and attention variants this export writes (and llama.cpp's graphs compute)."""
-    if config.model_type not in ARCHITECTURES:
-        raise _fail(f"model_type {config.model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise _fail(f"rope scaling {rope.get('rope_type')!r} is not exported (needs llama.cpp's rope_freqs)")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise _fail("sliding-window attention is not exported (llama.cpp's llama/qwen2 graphs attend fully)")
-    if getattr(config, "mlp_bias", False):
-        raise _fail("MLP biases are not exported (llama.cpp's llama graph has none)")
+    """The architecture (its adapter has GGUF facts) and the attention variants its llama.cpp graph computes."""
+    layout = gguf_adapter(config).gguf
+    for kind, rope in rope_parameters(config).items():
+        if rope.get("rope_type", "default") != "default":
+            raise _fail(f"rope scaling {rope.get('rope_type')!r} is not exported (needs llama.cpp's rope_freqs)")
+    if sliding_layers(config) and not layout.sliding_window:
+        raise _fail(f"sliding-window attention is not exported (llama.cpp's {layout.arch} graph attends fully)")
+    if getattr(config, "final_logit_softcapping", None) and not layout.final_logit_softcapping:
+        raise _fail(f"final logit soft-capping is not computed by llama.cpp's {layout.arch} graph")
+    if _activation(config) != layout.activation:
+        raise _fail(f"activation {_activation(config)!r} is not the {layout.activation!r} llama.cpp's "
+                    f"{layout.arch} graph computes")
+    problem = layout.config_problem(config) if layout.config_problem else None
+    if problem:
+        raise _fail(problem)
 
 
 def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -128,15 +174,15 @@ def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)
 
 
-def _tensor_plan(directory: Path, config, kind: str, arch) -> list[tuple[str, str, str, tuple[int, ...], object]]:
-    """``(gguf name, hf name, file, shape, GGML type)`` per tensor, in file order; refuses unknown names,
+def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str, str, str, tuple[int, ...], object, str]]:
+    """``(gguf name, hf name, file, shape, GGML type, role)`` per tensor, in file order; refuses unknown names,
     shapes that differ from the config (non-uniform layers) and rows Q8_0 cannot block."""
     import gguf
     from safetensors import safe_open
 
     files = _weights(directory)
     expected = _expected_shapes(config)
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    names = adapter.gguf_tensors(config.num_hidden_layers)
     plan, shapes = [], {}
     for file in dict.fromkeys(files.values()):
         with safe_open(file, "pt") as f:
@@ -148,9 +194,9 @@ def _tensor_plan(directory: Path, config, kind: str, arch) -> list[tuple[str, st
         if shape != expected[hf_name]:
             raise _fail(f"{hf_name} has shape {list(shape)} but the config implies {list(expected[hf_name])}: "
                         f"non-uniform layers (this export writes one head count and FFN width per model)")
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
+        if hf_name not in names:
             raise _fail(f"no llama.cpp name for tensor {hf_name}")
+        gguf_name, role = names[hf_name]
         if len(shape) == 1 or kind == "f32":
             qtype = gguf.GGMLQuantizationType.F32
         else:
@@ -159,8 +205,19 @@ def _tensor_plan(directory: Path, config, kind: str, arch) -> list[tuple[str, st
             block = gguf.GGML_QUANT_SIZES[qtype][0]
             if shape[-1] % block:
                 raise _fail(f"{hf_name}: row length {shape[-1]} is not a multiple of {kind}'s block {block}")
-        plan.append((gguf_name, hf_name, files[hf_name], shape, qtype))
+        plan.append((gguf_name, hf_name, files[hf_name], shape, qtype, role))
     return sorted(plan, key=lambda row: _order(row[0]))
+
+
+def gguf_tensor(tensor: torch.Tensor, role: str, adapter, config) -> torch.Tensor:
+    """An HF tensor as llama.cpp reads it: q/k rows in adjacent-pair rope order where the graph rotates pairs,
+    a norm's weight ``w`` as its gain ``norm_offset + w`` (fp32)."""
+    if adapter.gguf.rope_adjacent_pairs and role in ("q_proj", "k_proj"):
+        heads = config.num_attention_heads
+        return permute_rope(tensor, heads if role == "q_proj" else getattr(config, "num_key_value_heads", None) or heads)
+    if adapter.norm_offset and (role in adapter.norms or role == "final_norm"):
+        return tensor.float() + adapter.norm_offset
+    return tensor
 
 
 def _order(gguf_name: str) -> tuple[int, str]:
@@ -171,41 +228,146 @@ def _order(gguf_name: str) -> tuple[int, str]:
     return (0 if parts[0] == "token_embd" else 10**9), gguf_name
 
 
-def _vocabulary(directory: Path, vocab_size: int) -> tuple[list[str], list[int], str]:
-    """Tokens by id (``[PAD{i}]`` for ids the tokenizer lacks up to the config's vocabulary), their llama.cpp
-    types (special added tokens CONTROL, other added tokens USER_DEFINED, ids without a token UNUSED) and
-    the pre-tokenizer name. Only byte-level BPE (``tokenizer.ggml.model: gpt2``) is exported."""
-    import gguf
+@dataclass(frozen=True)
+class Vocabulary:
+    """What ``tokenizer.ggml.*`` holds: llama.cpp's vocabulary ``model`` (``gpt2``: byte-level BPE with merges;
+    ``llama``: SentencePiece-style BPE with byte fallback, merge order as scores), its ``pre``-tokenizer, tokens
+    by id, their types, and for ``llama`` the scores and whether a space is prepended to the text."""
 
+    model: str
+    pre: str
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    add_space_prefix: bool | None = None
+
+    def write(self, writer, directory: Path) -> None:
+        import gguf
+
+        writer.add_tokenizer_model(self.model)
+        writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(self.tokens)
+        writer.add_token_types(self.types)
+        if self.scores is not None:
+            writer.add_token_scores(self.scores)
+        if self.add_space_prefix is not None:
+            writer.add_add_space_prefix(self.add_space_prefix)
+        special = gguf.SpecialVocab(directory, load_merges=self.model == "gpt2", n_vocab=len(self.tokens))
+        special.add_to_gguf(writer, quiet=True)
+
+
+def _vocabulary(directory: Path, vocab_size: int) -> Vocabulary:
+    """The tokenizer of ``directory/tokenizer.json`` as llama.cpp's vocabulary, padded to the config's
+    vocabulary with ``[PAD{i}]`` tokens of type UNUSED. Byte-level BPE becomes ``gpt2``; a BPE with byte
+    fallback over ``▁``-escaped text (Llama 2, Mistral v0.1, Phi-3, Gemma) becomes ``llama``; others are
+    refused."""
     path = directory / "tokenizer.json"
     if not path.is_file():
-        raise _fail(f"'{directory}' has no tokenizer.json (a byte-level BPE tokenizer is required)")
+        raise _fail(f"'{directory}' has no tokenizer.json (a BPE tokenizer is required)")
     data = json.loads(path.read_text(encoding="utf-8"))
     model, decoder = data.get("model") or {}, data.get("decoder") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder.get("type") != "ByteLevel":
-        raise _fail("only byte-level BPE tokenizers are exported (llama.cpp 'gpt2' vocabulary); "
-                    f"this one is {model.get('type')} with a {decoder.get('type')} decoder")
-    if not model.get("merges"):
-        raise _fail("the BPE tokenizer has no merges; llama.cpp refuses a BPE vocabulary without them")
-    pre = pre_tokenizer_name(data)
-    by_id = {i: t for t, i in model["vocab"].items()}
-    kinds = {}
-    for added in data.get("added_tokens", []):
-        by_id[added["id"]] = added["content"]
-        kinds[added["id"]] = gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
+    if model.get("type") == "BPE" and not model.get("byte_fallback") and decoder.get("type") == "ByteLevel":
+        return _byte_level_vocabulary(data, vocab_size)
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        return _sentencepiece_vocabulary(data, vocab_size)
+    raise _fail("only byte-level BPE (llama.cpp 'gpt2') and byte-fallback BPE (llama.cpp 'llama') tokenizers are "
+                f"exported; this one is {model.get('type')} with a {decoder.get('type')} decoder")
+
+
+def _tokens_by_id(data: dict, vocab_size: int) -> tuple[dict[int, str], dict[int, bool]]:
+    """Token text by id (model vocabulary and added tokens) and, for added tokens, whether each is special."""
+    by_id = {i: t for t, i in data["model"]["vocab"].items()}
+    added = {}
+    for token in data.get("added_tokens", []):
+        by_id[token["id"]] = token["content"]
+        added[token["id"]] = bool(token["special"])
     if max(by_id) >= vocab_size:
         raise _fail(f"tokenizer has id {max(by_id)} but the model's vocabulary is {vocab_size}")
+    return by_id, added
+
+
+def _byte_level_vocabulary(data: dict, vocab_size: int) -> Vocabulary:
+    """Special added tokens CONTROL, other added tokens USER_DEFINED, ids without a token UNUSED."""
+    import gguf
+
+    if not data["model"].get("merges"):
+        raise _fail("the BPE tokenizer has no merges; llama.cpp refuses a BPE vocabulary without them")
+    pre = pre_tokenizer_name(data)
+    by_id, added = _tokens_by_id(data, vocab_size)
+    kinds = {i: gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED for i, special in added.items()}
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
     types = [int(kinds.get(i, gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED))
              for i in range(vocab_size)]
-    return tokens, types, pre
+    return Vocabulary("gpt2", pre, tokens, types)
 
 
-def _metadata(writer, config, arch_name: str, kind: str, name: str) -> None:
+def space_prefix(data: dict) -> bool:
+    """Whether the tokenizer prepends ``▁`` to the text before BPE (SentencePiece's ``add_dummy_prefix``):
+    read from its normalizer (``Prepend`` + ``Replace(' ', '▁')``, or ``Replace`` alone) or its ``Metaspace``
+    pre-tokenizer; other shapes llama.cpp's ``llama`` vocabulary does not reproduce are refused."""
+    normalizer, pre = data.get("normalizer") or {}, data.get("pre_tokenizer") or {}
+    steps = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
+    steps = [step for step in steps if step]
+    kinds = [step.get("type") for step in steps]
+    escapes = [step for step in steps if step.get("type") == "Replace"
+               and step.get("pattern", {}).get("String") == " " and step.get("content") == "\u2581"]
+    # a Split on " " after every space became "▁" splits nothing (Gemma's tokenizer.json has one)
+    inert_pre = not pre or (escapes and pre.get("type") == "Split" and pre.get("pattern", {}).get("String") == " ")
+    if kinds == ["Prepend", "Replace"] and steps[0].get("prepend") == "\u2581" and escapes and inert_pre:
+        return True
+    if kinds == ["Replace"] and escapes and inert_pre:
+        return False
+    if not steps and pre.get("type") == "Metaspace" and pre.get("replacement") == "\u2581" and not pre.get("split"):
+        scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
+        if scheme in ("always", "first", "never"):
+            return scheme != "never"
+    raise _fail(f"normalizer {json.dumps(normalizer)[:80]} with pre-tokenizer {json.dumps(pre)[:80]} is not the "
+                f"'▁' escaping llama.cpp's SentencePiece-style vocabulary applies")
+
+
+def _sentencepiece_vocabulary(data: dict, vocab_size: int) -> Vocabulary:
+    """llama.cpp's ``llama`` vocabulary merges the adjacent pair whose concatenation is the token with the
+    highest score; HF's BPE merges the pair of lowest rank in ``merges``. So a token's score is minus the rank
+    of the first merge that forms it (tokens no merge forms score below all of them); ``<0xXX>`` tokens are
+    BYTE, special added tokens CONTROL, other added tokens USER_DEFINED (score -1000, as llama.cpp's converter
+    writes them), ids without a token UNUSED."""
+    import gguf
+
+    add_space_prefix = space_prefix(data)
+    by_id, added = _tokens_by_id(data, vocab_size)
+    merges = data["model"].get("merges") or []
+    first_merge = {}
+    for rank, merge in enumerate(merges):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        first_merge.setdefault(left + right, rank)
+    unmerged = -float(len(merges) + 1)
+    tokens, types, scores = [], [], []
+    for i in range(vocab_size):
+        token = by_id.get(i)
+        if token is None:
+            kind, score, token = gguf.TokenType.UNUSED, -10000.0, f"[PAD{i}]"
+        elif i in added:
+            kind, score = (gguf.TokenType.CONTROL if added[i] else gguf.TokenType.USER_DEFINED), -1000.0
+        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            kind, score = gguf.TokenType.BYTE, 0.0
+        else:
+            kind, score = gguf.TokenType.NORMAL, -float(first_merge[token]) if token in first_merge else unmerged
+        tokens.append(token)
+        types.append(int(kind))
+        scores.append(score)
+    return Vocabulary("llama", "default", tokens, types, scores, add_space_prefix)
+
+
+def _metadata(writer, config, kind: str, name: str) -> None:
+    """The ``{arch}.*`` keys llama.cpp reads: sizes, head counts and length, norm epsilon, rope base and rotated
+    dimensions; sliding window, its per-layer pattern and the sliding layers' rope base, and the final logit
+    soft-cap where the config has them (``check_config`` refused them where the graph does not compute them)."""
     import gguf
 
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = rope_parameters(config)
+    full = rope["full_attention"]
     writer.add_name(name)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -213,12 +375,18 @@ def _metadata(writer, config, arch_name: str, kind: str, name: str) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(full["rope_theta"]))
+    writer.add_rope_dimension_count(int(head_dim * full.get("partial_rotary_factor", 1.0)))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    sliding = sliding_layers(config)
+    if sliding:
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern(sliding)
+        writer.add_rope_freq_base_swa(float(rope.get("sliding_attention", full)["rope_theta"]))
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
     writer.add_vocab_size(config.vocab_size)
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                   "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -260,23 +428,19 @@ def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
 
     config = AutoConfig.from_pretrained(directory)
     check_exportable(directory, config)
-    arch_name = ARCHITECTURES[config.model_type]
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
-    plan = _tensor_plan(directory, config, kind, arch)
-    tokens, types, pre = _vocabulary(directory, config.vocab_size)
-    check_free_bytes(output, planned_bytes(plan, tokens), f"the {kind} GGUF file")
+    adapter = gguf_adapter(config)
+    arch_name = adapter.gguf.arch
+    plan = _tensor_plan(directory, config, kind, adapter)
+    vocabulary = _vocabulary(directory, config.vocab_size)
+    check_free_bytes(output, planned_bytes(plan, vocabulary.tokens), f"the {kind} GGUF file")
     _remove_stale_temporaries(output)
     temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     track(temporary)
     try:
         writer = gguf.GGUFWriter(str(temporary), arch_name)
-        _metadata(writer, config, arch_name, kind, name or directory.resolve().name)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(pre)
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        gguf.SpecialVocab(directory, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-        for gguf_name, _, _, shape, qtype in plan:
+        _metadata(writer, config, kind, name or directory.resolve().name)
+        vocabulary.write(writer, directory)
+        for gguf_name, _, _, shape, qtype, _ in plan:
             if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 dtype = np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16
                 writer.add_tensor_info(gguf_name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
@@ -286,13 +450,10 @@ def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-        for gguf_name, hf_name, file, _, qtype in plan:
+        for _, hf_name, file, _, qtype, role in plan:
             with safe_open(file, "pt") as f:
                 tensor = f.get_tensor(hf_name)
-            if arch_name == "llama" and gguf_name.split(".")[-2] in ("attn_q", "attn_k"):
-                tensor = permute_rope(tensor, heads if gguf_name.split(".")[-2] == "attn_q" else kv_heads or heads)
-            writer.write_tensor_data(_encoding(tensor, qtype))
+            writer.write_tensor_data(_encoding(gguf_tensor(tensor, role, adapter, config), qtype))
         writer.close()
         os.replace(temporary, output)
     except OSError as exc:  # a disk that filled up after the check, a file system that went read-only
@@ -313,7 +474,7 @@ def planned_bytes(plan, tokens: list[str]) -> int:
     import gguf
 
     size = 0
-    for _, _, _, shape, qtype in plan:
+    for _, _, _, shape, qtype, _ in plan:
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         size += int(np.prod(shape)) // block * block_bytes
     return size + sum(len(token.encode("utf-8")) + 16 for token in tokens)

@@ -1,0 +1,270 @@
+"""GGUF export of every architecture with GGUF facts in its adapter (Qwen3, Gemma 3 text, Phi-3 beside the
+Llama-family tests of ``test_gguf_export.py``): read back by transformers (``gguf_file=``) and by
+``gguf.GGUFReader``, the adapters' name maps checked against gguf-py's own tables, the SentencePiece-style
+vocabulary read back by transformers' GGUF tokenizer, and the per-architecture refusals."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from recipe_engine.adapters import ADAPTERS, GGUFLayout
+from recipe_engine.errors import RecipeError
+from recipe_engine.gguf_export import check_config, export_gguf
+from tests.helpers import ARCHITECTURES, tiny_config, tiny_model
+from tests.test_gguf_export import VOCAB, bpe_tokenizer, read_back, relative_error
+
+#: SentencePiece-style vocabulary of the tests: specials, 256 byte tokens, characters, merged pieces.
+CHARACTERS = ["▁", "h", "e", "l", "o", "w", "r", "d"]
+PIECES = ["he", "ll", "▁h", "hell", "▁he", "hello", "▁hello", "▁w", "or", "▁wor", "ld", "▁world"]
+SPM_VOCAB = 300  # > the 283 tokens below: the padding ids are written as UNUSED [PAD{i}]
+
+
+def spm_tokenizer(arch: str):
+    """A saveable SentencePiece-style BPE tokenizer (byte fallback, "▁"-escaped spaces), shaped like Gemma 3's
+    (specials <pad> <eos> <bos> <unk>, no prefix space) or like Phi-3's (Llama 2's: <unk> <s> </s>, a "▁"
+    prepended). Its merges are every split of every piece into two tokens, best piece first, as transformers
+    derives them from a SentencePiece model."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import generate_merges
+
+    gemma = arch == "gemma3_text"
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] if gemma else ["<unk>", "<s>", "</s>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + CHARACTERS + PIECES
+    vocab = {token: i for i, token in enumerate(tokens)}
+    priority = {piece: -rank for rank, piece in enumerate(PIECES)}
+    merges = generate_merges(vocab, priority)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    escape = normalizers.Replace(" ", "▁")
+    backend.normalizer = escape if gemma else normalizers.Sequence([normalizers.Prepend("▁"), escape])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    names = (dict(bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>") if gemma
+             else dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **names)
+    tokenizer.add_tokens([AddedToken("<tool>", normalized=False)])
+    return tokenizer
+
+
+def gemma_defaults(**overrides):
+    """Gemma 3 settings transformers' GGUF reader assumes (it reads neither the layer pattern, the sliding rope
+    base nor query_pre_attn_scalar): its default 6-layer pattern, query_pre_attn_scalar = head_dim = 256."""
+    from transformers import Gemma3TextConfig
+
+    return dict(dict(num_hidden_layers=6, head_dim=256, query_pre_attn_scalar=256,
+                     layer_types=Gemma3TextConfig(num_hidden_layers=6).layer_types, tie_word_embeddings=True),
+                **overrides)
+
+
+#: per architecture: the tiny model's overrides that transformers' GGUF reader assumes (Qwen3's head_dim is
+#: not read from the file: its default, 128)
+READABLE = {"qwen3": dict(head_dim=128), "gemma3_text": gemma_defaults(), "phi3": {}}
+
+
+def saved(tmp_path, arch, tokenizer=None, vocab_size=VOCAB, **overrides):
+    model = tiny_model(arch, vocab_size=vocab_size, **overrides)
+    directory = tmp_path / arch
+    model.save_pretrained(directory)
+    (tokenizer or bpe_tokenizer()).save_pretrained(directory)
+    return model, directory
+
+
+@pytest.mark.parametrize("arch", sorted(READABLE))
+@pytest.mark.parametrize("kind,tolerance", [("f32", 1e-6), ("f16", 1e-2)])
+def test_transformers_reads_back_the_same_logits(tmp_path, arch, kind, tolerance):
+    """f32 is exact up to fp32 rounding of Gemma's ``1 + w`` norm gains (transformers subtracts the 1 again);
+    f16 rounds every matrix (relative logit error ~5e-4; ~5e-3 for Gemma 3, whose random norm gains near 2
+    and sqrt(hidden)-scaled embeddings amplify it)."""
+    model, directory = saved(tmp_path, arch, **READABLE[arch])
+    summary = export_gguf(directory, tmp_path / "m.gguf", kind, name="tiny")
+    assert summary["architecture"] == ADAPTERS[arch].gguf.arch
+    assert relative_error(model, read_back(tmp_path / "m.gguf")) < tolerance
+
+
+def test_gemma3_file_holds_what_llama_cpp_reads(tmp_path):
+    """A Gemma 3 with what transformers' reader ignores set away from its defaults: sliding window 8 on layers
+    0, 1, 3 (full attention on 2), sliding rope base 20000, final logit soft-cap 30, query_pre_attn_scalar =
+    head_dim 16. Every key llama.cpp's gemma3 loader reads, and every tensor — under gguf-py's name for it
+    and with the norm weights stored as their gains ``1 + w`` — read back by ``gguf.GGUFReader``."""
+    import gguf
+
+    model, directory = saved(tmp_path, "gemma3_text", final_logit_softcapping=30.0,
+                             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}})
+    export_gguf(directory, tmp_path / "g.gguf", "f32")
+    reader = gguf.GGUFReader(str(tmp_path / "g.gguf"))
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    assert fields["general.architecture"] == "gemma3"
+    assert fields["gemma3.attention.sliding_window"] == 8
+    assert fields["gemma3.attention.sliding_window_pattern"] == [True, True, False, True]
+    assert fields["gemma3.rope.freq_base"] == 1e6 and fields["gemma3.rope.freq_base_swa"] == 2e4
+    assert fields["gemma3.final_logit_softcapping"] == 30.0
+    assert fields["gemma3.attention.key_length"] == fields["gemma3.attention.value_length"] == 16
+    assert fields["gemma3.rope.dimension_count"] == 16
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, 4)
+    state = model.state_dict()
+    written = {tensor.name: torch.from_numpy(tensor.data.copy()) for tensor in reader.tensors}
+    assert not model.config.tie_word_embeddings and len(written) == len(state)
+    for hf_name, value in state.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        expected = value + 1.0 if hf_name.endswith("norm.weight") else value
+        # GGUFReader gives numpy's row-major shape of GGML's (reversed) dimensions: the HF shape
+        assert torch.equal(written[name].reshape(value.shape), expected), hf_name
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_adapter_name_maps_cover_every_tensor_once(arch):
+    """Every tensor of a tiny model has exactly one GGUF name from its adapter, no two share one, each is a
+    tensor llama.cpp's architecture declares (``gguf.MODEL_TENSORS``), and it is the name gguf-py's own
+    HF→GGUF table (``get_tensor_name_map``, the table llama.cpp's converter uses) gives."""
+    import gguf
+
+    adapter = ADAPTERS[arch]
+    assert adapter.gguf is not None, f"{arch} has no GGUF facts"
+    state = tiny_model(arch).state_dict()
+    names = adapter.gguf_tensors(tiny_config(arch).num_hidden_layers)
+    mapped = {hf: names[hf][0] for hf in state}  # KeyError: a tensor without a name
+    assert len(set(mapped.values())) == len(mapped)
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == adapter.gguf.arch)
+    declared = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
+    reference = gguf.get_tensor_name_map(arch_id, tiny_config(arch).num_hidden_layers)
+    for hf, name in mapped.items():
+        base, suffix = name.rsplit(".", 1)
+        assert any(base == d.format(bid=b) for d in declared for b in range(4)) or base in declared, name
+        assert reference.get_name(hf, try_suffixes=(".weight", ".bias")) == name, hf
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "phi3"])
+def test_sentencepiece_vocabulary_reads_back(tmp_path, arch):
+    """A byte-fallback BPE tokenizer becomes llama.cpp's ``llama`` vocabulary: tokens by id, BYTE / CONTROL /
+    USER_DEFINED / UNUSED types, scores from the merge order, the prefix space — and transformers' GGUF
+    tokenizer (Phi-3: merges rebuilt from our scores; Gemma: from token order) splits text as the source does."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    source = spm_tokenizer(arch)
+    _, directory = saved(tmp_path, arch, tokenizer=source, vocab_size=SPM_VOCAB, **READABLE[arch])
+    export_gguf(directory, tmp_path / "t.gguf", "f32")
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(str(tmp_path / "t.gguf")).fields.items()
+              if k.startswith("tokenizer.")}
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.pre"] == "default"
+    assert fields["tokenizer.ggml.add_space_prefix"] == (arch == "phi3")
+    tokens, types, scores = (fields[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores"))
+    size = len(source)
+    assert tokens[:size] == source.convert_ids_to_tokens(list(range(size)))
+    assert tokens[size:] == [f"[PAD{i}]" for i in range(size, SPM_VOCAB)]
+    specials = 4 if arch == "gemma3_text" else 3
+    assert set(types[:specials]) == {gguf.TokenType.CONTROL}
+    assert set(types[specials:specials + 256]) == {gguf.TokenType.BYTE}
+    assert types[size - 1] == gguf.TokenType.USER_DEFINED  # <tool>
+    assert set(types[size:]) == {gguf.TokenType.UNUSED}
+    pieces = [scores[source.convert_tokens_to_ids(p)] for p in PIECES]
+    assert pieces == sorted(pieces, reverse=True) and len(set(pieces)) == len(pieces)  # merge order kept
+    characters = {scores[source.convert_tokens_to_ids(c)] for c in CHARACTERS}  # no merge forms them
+    assert len(characters) == 1 and characters.pop() < min(pieces)
+    unk, eos = ("<unk>", "<eos>") if arch == "gemma3_text" else ("<unk>", "</s>")
+    assert fields["tokenizer.ggml.unknown_token_id"] == source.convert_tokens_to_ids(unk)
+    assert fields["tokenizer.ggml.eos_token_id"] == source.convert_tokens_to_ids(eos)
+    back = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    for text in ("hello world", "hello  world", "held low", "héllo wörld", "hello<tool>world"):
+        assert back(text, add_special_tokens=False)["input_ids"] == \
+            source(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_unsupported_architecture_is_one_line(tmp_path, monkeypatch):
+    """A model_type without an adapter, and an adapter without GGUF facts: one line, nothing written, before
+    any weight is read."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(RecipeError, match=r"GGUF export: model_type 'gpt2' is not supported \(supported: llama, "
+                                          r"mistral, qwen2, qwen3, gemma3_text, phi3\)") as caught:
+        export_gguf(tmp_path / "gpt2", tmp_path / "a.gguf")
+    assert "\n" not in str(caught.value)
+    _, directory = saved(tmp_path, "qwen3")
+    monkeypatch.setitem(ADAPTERS, "qwen3", ADAPTERS["qwen3"].__class__("qwen3", norms=ADAPTERS["qwen3"].norms))
+    with pytest.raises(RecipeError, match="model_type 'qwen3' is not supported") as caught:
+        export_gguf(directory, tmp_path / "b.gguf")
+    assert "\n" not in str(caught.value) and "qwen3" not in caught.value.detail.split("supported:")[1]
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+@pytest.mark.parametrize("arch,change,message", [
+    ("qwen3", dict(sliding_window=8, use_sliding_window=True, max_window_layers=0),
+     "sliding-window attention is not exported \\(llama.cpp's qwen3 graph attends fully\\)"),
+    ("phi3", dict(sliding_window=8), "llama.cpp's phi3 graph attends fully"),
+    ("qwen3", dict(final_logit_softcapping=30.0), "soft-capping is not computed by llama.cpp's qwen3 graph"),
+    ("phi3", dict(hidden_act="gelu"), "activation 'gelu' is not the 'silu'"),
+    ("gemma3_text", dict(query_pre_attn_scalar=64), "query_pre_attn_scalar 64 differs from the 16"),
+    ("gemma3_text", dict(attn_logit_softcapping=50.0), "attention logit soft-capping"),
+    ("gemma3_text", dict(hidden_activation="gelu"), "activation 'gelu' is not the 'gelu_pytorch_tanh'"),
+    ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     "rope scaling 'linear'"),
+])
+def test_per_architecture_refusals(arch, change, message):
+    """What each architecture's llama.cpp graph cannot compute, refused in one line from the config alone;
+    Gemma 3's sliding windows are written, not refused."""
+    with pytest.raises(RecipeError, match=message) as caught:
+        check_config(tiny_config(arch, **change))
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("field 'output': GGUF export: ")
+
+
+def test_gemma3_sliding_windows_and_soft_cap_pass_the_checks():
+    check_config(tiny_config("gemma3_text", final_logit_softcapping=30.0))
+    assert ADAPTERS["gemma3_text"].gguf.sliding_window and not ADAPTERS["qwen3"].gguf.sliding_window
+    assert isinstance(ADAPTERS["phi3"].gguf, GGUFLayout)
+
+
+def test_refused_tokenizer_shape(tmp_path):
+    """A byte-fallback BPE whose pre-tokenizer splits words (not SentencePiece's "▁" escaping): one line."""
+    _, directory = saved(tmp_path, "phi3", tokenizer=spm_tokenizer("phi3"), vocab_size=SPM_VOCAB)
+    data = json.loads((directory / "tokenizer.json").read_text())
+    data["pre_tokenizer"] = {"type": "Whitespace"}
+    (directory / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(RecipeError, match="is not the '▁' escaping") as caught:
+        export_gguf(directory, tmp_path / "t.gguf")
+    assert "\n" not in str(caught.value) and not (tmp_path / "t.gguf").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama.cpp reader not installed: pip install 'recipe-engine[gguf]' (builds llama.cpp)")
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen3", {}), ("phi3", {}),
+    # sliding window 8 < the 20 positions, an irregular pattern, its own rope base, soft-capped logits
+    ("gemma3_text", dict(final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention",
+                                                                    "sliding_attention", "sliding_attention"],
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}})),
+])
+def test_llama_cpp_computes_the_same_logits(tmp_path, arch, overrides):
+    """llama.cpp's own loader and graph (llama-cpp-python) on the f32 file, token ids in; its KV cache is f16."""
+    from llama_cpp import Llama
+
+    model, directory = saved(tmp_path, arch, **overrides)
+    export_gguf(directory, tmp_path / "m.gguf", "f32")
+    ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2))
+    llm = Llama(str(tmp_path / "m.gguf"), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(ids.tolist())
+    theirs = torch.tensor(llm.scores[: len(ids)])
+    with torch.no_grad():
+        ours = model(ids[None]).logits[0]
+    assert float((ours - theirs).norm() / ours.norm()) < 1e-3
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama.cpp reader not installed: pip install 'recipe-engine[gguf]' (builds llama.cpp)")
+@pytest.mark.parametrize("arch", ["gemma3_text", "phi3"])
+def test_llama_cpp_tokenizes_as_the_source(tmp_path, arch):
+    from llama_cpp import Llama
+
+    source = spm_tokenizer(arch)
+    _, directory = saved(tmp_path, arch, tokenizer=source, vocab_size=SPM_VOCAB, **READABLE[arch])
+    export_gguf(directory, tmp_path / "t.gguf", "f32")
+    llm = Llama(str(tmp_path / "t.gguf"), n_ctx=64, verbose=False, n_threads=1, vocab_only=True)
+    for text in ("hello world", "hello  world", "held low", "héllo wörld", "hello<tool>world"):
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == \
+            source(text, add_special_tokens=False)["input_ids"], text
