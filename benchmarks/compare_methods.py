@@ -9,8 +9,8 @@ sample's train split (then the C4 column is its test split, in-domain), ``wikipe
 both (code stays held out); seed 0. SLEB's ~n × layers
 calibration-NLL passes use 8 × 128 tokens of the same source. Perplexity (``--evals``): WikiText-2 test
 (first 24 windows × 1024), the C4 sample (``c4.utf8``, 16 × 1024) and the code sample (``code.utf8``,
-16 × 1024; Qwen2.5-Coder is a code model); ``--windows`` changes the counts (the Qwen2.5-0.5B figures in
-BENCHMARKS.md use 16 8 8 on a 2-core CPU). Each method runs through ``recipe_engine.apply(recipe,
+16 × 1024; Qwen2.5-Coder is a code model); ``--windows`` changes the counts (the default is the model's
+committed tables' windows: 16 8 8 for Qwen2.5-0.5B on a 2-core CPU). Each method runs through ``recipe_engine.apply(recipe,
 write=False)`` on a fresh copy of the dense model; "compress s" is the sum of the steps' wall times.
 
 Run: nice -n 10 python benchmarks/compare_methods.py --model qwen2.5-0.5b [--calibration wikipedia]
@@ -272,7 +272,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only these methods (names from the table)")
     parser.add_argument("--evals", nargs="*", choices=list(EVALS), default=list(EVALS))
     parser.add_argument("--windows", nargs=3, type=int, metavar=("WIKITEXT2", "C4", "CODE"),
-                        default=list(WINDOWS.values()), help="evaluation windows × 1024 tokens per source")
+                        help="evaluation windows × 1024 tokens per source (default: the model's committed tables' "
+                             "windows, MAIN_WINDOWS, else 24 16 16)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--task-limit", type=int, help="also the zero-shot average over the paper's five "
                                                        "tasks, first N rows of each")
@@ -284,7 +285,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.n = args.n or MODELS[args.model]
-    args.windows = dict(zip(WINDOWS, args.windows))
+    args.windows = dict(zip(WINDOWS, args.windows)) if args.windows else dict(MAIN_WINDOWS.get(args.model, WINDOWS))
     results = RAW / f"compare_methods_{args.model}.json"
     committed = args.rows or RESULTS / ROW_FILES[args.model][0]
     if not args.no_rows:
