@@ -26,7 +26,7 @@ RECIPES = {"flattengpt_24": "recipes/flatten20_smollm2.yaml", "shortgpt_24": "re
 
 def build_models(out: Path) -> dict[str, Path]:
     from recipe_engine import apply
-    from recipe_engine.models import load_model
+    from recipe_engine.io.models import load_model
 
     dirs = {"dense_30": out / "dense"}
     if not (dirs["dense_30"] / "config.json").is_file():
@@ -80,8 +80,8 @@ def main() -> None:
         import llama_cpp
     except ImportError:
         sys.exit("llama-cpp-python is not installed: pip install '.[gguf]' (it builds llama.cpp with cmake)")
-    from recipe_engine.data import load_text
-    from recipe_engine.gguf_export import export_gguf
+    from recipe_engine.io.data import load_text
+    from recipe_engine.io.gguf_export import export_gguf
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)

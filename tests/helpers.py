@@ -224,7 +224,9 @@ def start_signal_driver(tmp_path, cases: list[dict]):
 def forbid_loading(monkeypatch, message: str) -> None:
     """Make loading a model's weights (and writing GGUF tensors) fail with ``message``: a check that must
     refuse before the expensive work proves it did."""
-    from recipe_engine import gguf_export, models, runner
+    from recipe_engine.io import gguf_export
+    from recipe_engine.io import models
+    from recipe_engine.workflows import runner
 
     def refuse(*_a, **_k):
         raise AssertionError(message)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..adapters import count_parameters
+from ..architectures.adapters import count_parameters
 
 PAPER = {"batch": 64, "gen_tokens": 128, "prefill_tokens": 2048}
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..data import fingerprint, tokenize
+from ..io.data import fingerprint, tokenize
 from ..errors import SourceError
 
 

@@ -1,9 +1,9 @@
 """The ``evaluate:`` block of a recipe: quality before and after compression."""
 from __future__ import annotations
 
-from ..data import load_text
+from ..io.data import load_text
 from ..errors import SourceError
-from ..schema import EvaluateConfig
+from ..recipe.schema import EvaluateConfig
 from .perplexity import perplexity, streamed_perplexity
 
 
@@ -40,11 +40,11 @@ def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=No
 def evaluation_session(spec: str, dtype: str, device, stream: str = "auto", progress=None):
     """A session for evaluating model ``spec`` (no calibration): in memory, or a read-only skeleton streamed
     from its files (``stream``: on, off, or auto = when its weights exceed half the free host memory)."""
-    from ..adapters import adapter_for
-    from ..models import load_model
-    from ..schema import CalibrationConfig
-    from ..session import Session
-    from ..streaming import attach_stream, exceeds_memory
+    from ..architectures.adapters import adapter_for
+    from ..io.models import load_model
+    from ..recipe.schema import CalibrationConfig
+    from ..execution.session import Session
+    from ..execution.streaming import attach_stream, exceeds_memory
 
     streamed = stream == "on" or (stream == "auto" and exceeds_memory(spec))
     model, tokenizer, source = load_model(spec, dtype, skeleton=streamed)
@@ -69,7 +69,7 @@ def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
     if config.tasks:
         from .zeroshot import zero_shot
 
-        from ..streaming import forward_streamed
+        from ..execution.streaming import forward_streamed
 
         with forward_streamed(session, session.device):
             results["zero_shot"] = zero_shot(session.model, session.tokenizer, config.tasks, config.limit,

