@@ -25,7 +25,7 @@ import torch
 import recipe_engine
 from recipe_engine.architectures.adapters import count_parameters
 from recipe_engine.io.data import load_text
-from recipe_engine.evaluation.bench import checkpoint_bytes
+from recipe_engine.io.models import checkpoint_bytes
 from recipe_engine.evaluation.perplexity import perplexity
 from recipe_engine.io.models import load_model
 

@@ -95,7 +95,7 @@ def ppl(model, tokenizer, text: str, windows: int) -> float:
 
 
 def disk_mb(directory: Path) -> float:
-    from recipe_engine.evaluation.bench import checkpoint_bytes
+    from recipe_engine.io.models import checkpoint_bytes
 
     return checkpoint_bytes(directory) / 2 ** 20
 

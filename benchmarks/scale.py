@@ -30,7 +30,7 @@ import torch
 import yaml
 
 import recipe_engine
-from recipe_engine.evaluation.bench import checkpoint_bytes
+from recipe_engine.io.models import checkpoint_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "raw"   # raw output (ignored by git)

@@ -78,7 +78,7 @@ def test_recipes_validate_against_their_configs():
     from pathlib import Path
 
     from recipe_engine.recipe.files import load_recipe
-    from recipe_engine.recipe.validate import check_against_config
+    from recipe_engine.plan.preflight import check_against_config
     from tests.helpers import tiny_config
 
     root = Path(__file__).resolve().parents[1] / "recipes"

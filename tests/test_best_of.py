@@ -13,13 +13,13 @@ from recipe_engine.errors import RecipeError
 from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, merge_layers
 from recipe_engine.modifiers.head_prune import HeadPrune
 from recipe_engine.modifiers.nystrom_mlp import NystromMLP
-from recipe_engine.workflows.runner import run_steps
+from recipe_engine.execution.steps import run_steps
 from recipe_engine.system.progress import Progress
 from recipe_engine.recipe.schema import parse_step, recipe_from_dict
 from recipe_engine.execution.session import Session
 from recipe_engine.architectures.shape import ModelShape
 from recipe_engine.recipe.split import heldout_split
-from recipe_engine.recipe.validate import check_against_config
+from recipe_engine.plan.preflight import check_against_config
 from tests.baselines_helpers import make_session
 from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, tiny_config, tiny_model
 

@@ -1,4 +1,5 @@
-"""recipe_engine.numerics.linalg against independent references (lstsq on the stacked ridge problem, explicit inverses)."""
+"""recipe_engine.numerics.linalg against independent references (lstsq on the stacked ridge problem, explicit
+inverses)."""
 import os
 import subprocess
 import sys

@@ -386,14 +386,14 @@ def test_stale_conversion_directory_is_swept(work, gguf_file, capsys):
 # 10. recipe eval arguments ------------------------------------------------------------------------------
 
 def test_eval_arguments_are_checked_before_loading(work, model_dir, capsys, monkeypatch):
-    from recipe_engine.io import models
+    from tests.helpers import refuse_loading
 
     tmp, _ = work
 
     def refuse(*_a, **_k):
         raise AssertionError("the model was loaded before the error was found")
 
-    monkeypatch.setattr(models, "load_model", refuse)
+    refuse_loading(monkeypatch, refuse)
     one_line_error(capsys, ["eval", str(model_dir), "--limit", "-1"],
                    "recipe eval: argument --limit: expected a positive integer, got -1")
     one_line_error(capsys, ["eval", str(model_dir), "--seq-len", "abc"], "argument --seq-len")

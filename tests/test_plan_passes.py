@@ -8,7 +8,7 @@ import recipe_engine
 from recipe_engine.io.models import load_config
 from recipe_engine.plan.steps import plan_rows
 from recipe_engine.recipe.files import load_recipe
-from recipe_engine.workflows.runner import group_steps
+from recipe_engine.execution.steps import group_steps
 from tests.helpers import CharTokenizer, have_smollm2, tiny_model
 from tests.test_recipes import HUB_CONFIGS, RECIPES
 

@@ -76,7 +76,7 @@ def test_misspelled_task_is_refused_up_front(work, capsys, no_loading, command):
 
 def test_hub_task_names_come_from_lm_evals_index(work, capsys, no_loading, monkeypatch):
     """task_data: hub checks the name against lm-eval's own task index (read from its installed configs)."""
-    monkeypatch.setattr("recipe_engine.io.data.hub_unreachable", lambda timeout_s=3.0: None)
+    monkeypatch.setattr(zeroshot, "hub_unreachable", lambda timeout_s=3.0: None)
     assert {"arc_easy", "piqa", "hellaswag"} <= zeroshot.hub_task_names()
     _, recipe = work
     path = recipe(evaluate={"tasks": ["hellaswag", "hellaswga"], "task_data": "hub"})

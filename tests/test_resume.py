@@ -286,6 +286,7 @@ def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
     from transformers import LlamaConfig
 
     from recipe_engine.io import output
+    from recipe_engine.plan.preflight import check_free_space
     from recipe_engine.errors import RecipeError
     from recipe_engine.plan.estimates import output_bytes
     from recipe_engine.recipe.schema import recipe_from_dict
@@ -297,7 +298,7 @@ def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
     size = output_bytes(recipe, config)
     real = output.shutil.disk_usage
     monkeypatch.setattr(output.shutil, "disk_usage", lambda p: real(p)._replace(free=int(1.05 * 1.5 * size) + 2**20))
-    output.check_free_space(recipe, config)
+    check_free_space(recipe, config)
     with pytest.raises(RecipeError, match="not enough disk space .* checkpoint and its resume checkpoints; "
                                           "--no-checkpoints needs half"):
-        output.check_free_space(recipe, config, resume_checkpoints=True)
+        check_free_space(recipe, config, resume_checkpoints=True)

@@ -17,7 +17,7 @@ import recipe_engine
 from recipe_engine.io.checkpoint_writer import write_checkpoint
 from recipe_engine.errors import RecipeError
 from recipe_engine.recipe.registry import REGISTRY
-from recipe_engine.execution.streaming import CheckpointReader, is_materialized
+from recipe_engine.io.checkpoint_reader import CheckpointReader, is_materialized
 from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, save_tiny_model, shared_data, tiny_model
 
 TEXT = "Streaming calibration text, repeated so that there are enough tokens for every window. " * 200
@@ -255,7 +255,7 @@ PACKED = "export:compressed-tensors"
 ])
 def test_weight_change_after_quantizing_is_a_validation_error(tmp_path, steps, message):
     from recipe_engine.recipe.schema import recipe_from_dict
-    from recipe_engine.recipe.validate import check_against_config
+    from recipe_engine.plan.preflight import check_against_config
     from tests.helpers import tiny_config
 
     data = recipe(tmp_path, tmp_path, steps, "off", "q")

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 import recipe_engine
-import recipe_engine.workflows.runner as runner
+import recipe_engine.workflows.sweep as sweep_module
 from recipe_engine.cli import main
 from recipe_engine.errors import RecipeError
 from recipe_engine.workflows.sweep import Sweep, pareto_front, variants
@@ -60,7 +60,7 @@ def test_shared_work_is_computed_once_and_rows_equal_plain_runs(recipes, tmp_pat
 
 def test_interrupted_sweep_keeps_rows_and_rerun_skips_them(recipes, tmp_path, monkeypatch, capsys):
     calls = []
-    real_apply = runner.apply
+    real_apply = sweep_module.apply
 
     def interrupting(*args, **kwargs):
         calls.append(1)
@@ -68,7 +68,7 @@ def test_interrupted_sweep_keeps_rows_and_rerun_skips_them(recipes, tmp_path, mo
             raise KeyboardInterrupt
         return real_apply(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "apply", interrupting)
+    monkeypatch.setattr(sweep_module, "apply", interrupting)
     out = str(tmp_path / "sweep")
     argv = ["sweep", recipes[0], "--recipes", recipes[1], "--vary", "n=1,2", "--output", out, "--quiet",
             "--eval-limit", "1"]
@@ -77,9 +77,9 @@ def test_interrupted_sweep_keeps_rows_and_rerun_skips_them(recipes, tmp_path, mo
     kept = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"]
     assert [r["recipe"] for r in kept] == ["dense", "flatten", "flatten"]
     calls.clear()
-    monkeypatch.setattr(runner, "apply", real_apply)
+    monkeypatch.setattr(sweep_module, "apply", real_apply)
     counted = []
-    monkeypatch.setattr(runner, "apply", lambda *a, **k: counted.append(1) or real_apply(*a, **k))
+    monkeypatch.setattr(sweep_module, "apply", lambda *a, **k: counted.append(1) or real_apply(*a, **k))
     assert main(argv) == 0
     rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"]
     assert len(counted) == 2  # only ShortGPT n=1, n=2 ran

@@ -3,19 +3,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..system.cleanup import Interrupted, handle_signals
-from ..execution.distributed import DistributedError
 from ..errors import QualityGateError, RecipeError, one_line
+from ..execution.distributed import DistributedError
+from ..io.gguf_export import TYPES, export_gguf
+from ..io.output import SWEEP_FILE
+from ..plan.preflight import check_device, located, validate_recipe
+from ..plan.steps import memory_plan, plan_config, plan_rows, print_plan, rank_memory
+from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
 from ..recipe.registry import REGISTRY, RegistryError
+from ..recipe.schema import dump_recipe
+from ..system.cleanup import Interrupted, handle_signals
+from ..workflows.runner import apply
+from ..workflows.sweep import Sweep, plot, table
+from .evaluate import add_commands, positive_int
+from .summary import print_summary
 
 out = Console()
 
@@ -28,8 +40,6 @@ class Parser(argparse.ArgumentParser):
 
 
 def _overrides(args) -> list[str]:
-    from ..recipe.files import yaml_scalar
-
     sets = list(args.set or [])
     for name in ("model", "output", "device"):
         value = getattr(args, name, None)
@@ -45,6 +55,7 @@ def _quiet_libraries(quiet: bool):
     if not quiet:
         yield
         return
+    # deferred: the hub client (~0.2 s) is needed only for hub sources
     import huggingface_hub.utils as hub
     from transformers.utils import logging as hf_logging
 
@@ -61,9 +72,6 @@ def _quiet_libraries(quiet: bool):
 
 
 def cmd_apply(args) -> int:
-    from ..workflows.runner import apply
-    from .summary import print_summary
-
     with _quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
                           resume=args.resume, checkpoints=not args.no_checkpoints)
@@ -73,17 +81,11 @@ def cmd_apply(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from ..recipe.files import load_recipe
-    from ..recipe.schema import dump_recipe
-
     print(dump_recipe(load_recipe(args.recipe, _overrides(args)).recipe), end="")
     return 0
 
 
 def cmd_validate(args) -> int:
-    from ..plan.preflight import validate_recipe
-    from ..recipe.files import load_recipe
-
     failed = 0
     for spec in args.recipes:  # every file is reported, bad or good
         try:
@@ -103,18 +105,10 @@ def cmd_validate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from ..plan.steps import print_plan
-    from ..plan.preflight import check_device, located
-    from ..recipe.files import load_recipe
-
     loaded = load_recipe(args.recipe, _overrides(args))
     recipe = loaded.recipe
     located(lambda: check_device(recipe.device, here=False), loaded.path, "device")  # its form, as validate
     if args.json:
-        import json
-
-        from ..plan.steps import memory_plan, plan_config, plan_rows, rank_memory
-
         rows, total = plan_rows(recipe, plan_config(recipe)[0])
         memory = memory_plan(recipe)
         ranks = rank_memory(recipe, memory, args.ranks) if args.ranks > 1 and "unavailable" not in memory else None
@@ -125,8 +119,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from ..recipe.files import diff_recipes, load_recipe
-
     lines = diff_recipes(load_recipe(args.old).recipe, load_recipe(args.new).recipe)
     for line in lines or ["no semantic difference"]:
         print(line)
@@ -147,8 +139,6 @@ def cmd_list(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from ..io.gguf_export import export_gguf
-
     summary = export_gguf(args.directory, args.output, args.type, force=args.force)
     out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
               f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
@@ -156,9 +146,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from ..system.cleanup import Interrupted
-    from ..workflows.sweep import SWEEP_FILE, Sweep, plot, table
-
     sweep = Sweep([args.recipe, *(args.recipes or [])], args.vary or [], args.output, args.eval_limit,
                   args.tasks, progress=not args.quiet, overrides=list(args.set or []))
     try:
@@ -174,7 +161,6 @@ def cmd_sweep(args) -> int:
     if shared:
         out.print("shared work: " + "; ".join(f"{k} computed {v['computed']}, reused {v['reused']}"
                                               for k, v in sorted(shared.items())))
-    from pathlib import Path
 
     problem = plot(rows, Path(args.output) / "pareto.png")
     out.print(problem or f"wrote {escape(args.output)}/{SWEEP_FILE} and pareto.png")
@@ -182,8 +168,6 @@ def cmd_sweep(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .evaluate import positive_int
-
     parser = Parser(prog="recipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -233,8 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list-modifiers", help="every registered modifier with its parameters")
     p.set_defaults(func=cmd_list)
 
-    from ..io.gguf_export import TYPES
-
     p = sub.add_parser("export", help="convert an output directory to another format (gguf for llama.cpp)")
     p.add_argument("directory", help="a recipe output or any HF model directory")
     p.add_argument("--format", choices=["gguf"], required=True)
@@ -254,8 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override every recipe, before --vary")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_sweep)
-
-    from .evaluate import add_commands
 
     add_commands(sub)
     return parser

@@ -12,13 +12,21 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..errors import RecipeError
+from ..evaluation.bench import bench, protocol_note, ratios
+from ..evaluation.run import evaluate_session, evaluation_session, retained
+from ..io.models import checkpoint_bytes, load_model
+from ..io.output import check_writable_parent
+from ..io.report import REPORT_FILE, load_report
+from ..plan.preflight import check_device, check_evaluation, check_model
+from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
+from ..system.progress import Progress
+
 out = Console()
 
 
 def recipe_sha(model_spec: str) -> str | None:
     """sha256 of the recipe that produced an output directory (its ``report.json``), else None."""
-    from ..io.report import REPORT_FILE, load_report
-
     directory = Path(model_spec).expanduser()
     return load_report(directory).recipe.sha256 if (directory / REPORT_FILE).is_file() else None
 
@@ -46,8 +54,6 @@ def non_negative_int(text: str) -> int:
 def write_json(path: str | None, record: dict) -> None:
     """Write ``record`` atomically (temporary file beside it, then rename); errors are one line."""
     if path:
-        from ..errors import RecipeError
-
         target = Path(path)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -65,9 +71,6 @@ def write_json(path: str | None, record: dict) -> None:
 def check_json_path(path: str | None) -> None:
     """Pre-flight of ``--json``, before any model is loaded: the file can be created there."""
     if path:
-        from ..errors import RecipeError
-        from ..io.output import check_writable_parent
-
         if Path(path).is_dir():
             raise RecipeError(f"--json {path}: is a directory; give a file name")
         check_writable_parent(Path(path), lambda message: RecipeError(f"--json: {message}"))
@@ -76,7 +79,6 @@ def check_json_path(path: str | None) -> None:
 def read_baseline(path: str | None) -> dict | None:
     if not path:
         return None
-    from ..errors import RecipeError
 
     try:
         baseline = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -120,11 +122,6 @@ def eval_table(results: dict, baseline: dict | None) -> Table:
 
 
 def cmd_eval(args) -> int:
-    from ..plan.preflight import check_device, check_evaluation, check_model
-    from ..system.progress import Progress
-    from ..recipe.schema import EvaluateConfig, PerplexityConfig
-    from ..evaluation.run import evaluate_session, evaluation_session, retained
-
     given = lambda **values: {k: v for k, v in values.items() if v is not None}  # unset: the schema's default
     ppl = None if args.no_ppl else PerplexityConfig(**given(dataset=args.dataset, seq_len=args.seq_len,
                                                             limit=args.limit))
@@ -174,11 +171,6 @@ def bench_table(names: list[str], runs: list[dict], ratio: dict | None) -> Table
 
 
 def cmd_bench(args) -> int:
-    from ..errors import RecipeError
-    from ..io.models import load_model
-    from ..plan.preflight import check_device, check_model
-    from ..evaluation.bench import bench, checkpoint_bytes, protocol_note, ratios
-
     if len(args.dirs) > 2:
         raise RecipeError(f"recipe bench takes DIR_A [DIR_B], got {len(args.dirs)} directories")
     check_json_path(args.json)
@@ -212,8 +204,6 @@ def _default(model, name: str) -> str:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
-
     dtypes = list(Recipe.model_fields["dtype"].annotation.__args__)
     p = sub.add_parser("eval", help="perplexity and zero-shot accuracy of a model or output directory")
     p.add_argument("model", help="output directory, HF dir, .gguf, hub id or builtin alias")

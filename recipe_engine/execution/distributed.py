@@ -40,6 +40,7 @@ from datetime import timedelta
 from typing import Any, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from ..errors import one_line
 
@@ -81,8 +82,6 @@ class Parallel:
     # -- failure protocol ----------------------------------------------------------------------
     def _status(self, failure: str | None = None) -> None:
         """All-reduce who failed; a rank that did not fail raises :class:`RankFailed` if any did."""
-        import torch.distributed as dist
-
         flags = torch.zeros(self.world, dtype=torch.int64, device=self.comm)
         flags[self.rank] = failure is not None
         dist.all_reduce(flags)
@@ -114,8 +113,6 @@ class Parallel:
     # -- collectives ---------------------------------------------------------------------------
     def reduce_statistics(self, statistics: Iterable) -> None:
         """All-reduce (sum, fp64) the ``sums`` of each statistic in place; numbers stay numbers."""
-        import torch.distributed as dist
-
         if not self.active:
             return
         self._status()
@@ -141,8 +138,6 @@ class Parallel:
     def map(self, function, items: list) -> list:
         """``[function(x) for x in items]`` with the items spread over the ranks (contiguous shares) and the
         results all-gathered, so every rank returns the same list (results must be picklable)."""
-        import torch.distributed as dist
-
         share = self.share(len(items))
         if share is None:
             return [function(item) for item in items]
@@ -154,8 +149,6 @@ class Parallel:
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise fp64 sum of ``values`` over ranks."""
-        import torch.distributed as dist
-
         if not self.active:
             return values
         self._status()
@@ -166,8 +159,6 @@ class Parallel:
     def gather(self, local: list[torch.Tensor], batches: int) -> list[torch.Tensor]:
         """Every rank's ``local`` outputs (its ``share`` of ``batches``) in global batch order, on every rank;
         tensors travel as raw bytes (any dtype, exact)."""
-        import torch.distributed as dist
-
         self._status()
         storage = local[0].device
         header = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in local]
@@ -193,8 +184,6 @@ class Parallel:
 
     def agree(self, what: str, digest: str) -> None:
         """Stop every rank with one line unless all ranks computed the same sha256 ``digest``."""
-        import torch.distributed as dist
-
         if not self.active:
             return
         self._status()
@@ -247,7 +236,6 @@ def launched(device: torch.device) -> Iterator[Parallel]:
     if world_size() <= 1 and not launched_by_torchrun():
         yield Parallel(device=device)
         return
-    import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":

@@ -17,7 +17,7 @@ A run keeps ``PARENT/.NAME.resume/`` beside its output ``PARENT/NAME``:
 **Units of an in-memory run**: ``unit-<sha256>.safetensors`` per decoder layer and one for the rest,
 content-addressed, and written only when the unit's tensors changed (identity and version counter).
 
-**Units of a streamed run** (``recipe_engine.streaming``): the checkpoint directory *is* the staging
+**Units of a streamed run** (``recipe_engine.execution.streaming``): the checkpoint directory *is* the staging
 directory, so the staged unit files (``unit-<token>-NNNNN.safetensors``, written anyway when a step changes
 a unit) are the checkpointed units: nothing is copied, and a checkpoint costs the manifest, the activations
 and the sha256 of each newly staged file. The manifest records each unit's *home* (a staged file here, or
@@ -40,7 +40,7 @@ a pass after its last finished layer from the stored activations: exact bits, wh
 finished layers would cost a forward per layer (and, for the original model's states, a forward of every
 original layer before them).
 
-**Data-parallel runs** (``recipe_engine.distributed``): every rank holds the same state, so rank 0 alone
+**Data-parallel runs** (``recipe_engine.execution.distributed``): every rank holds the same state, so rank 0 alone
 writes the checkpoints (the other ranks' ``Checkpoints`` are readers: ``writer`` False). With ``--resume``
 every rank reads and restores the same directory (the ranks need one shared file system, as for the output):
 rank 0 verifies the files' sha256, each rank the identity, and the ranks then compare the sha256 of the
@@ -68,10 +68,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..system.cleanup import process_alive, process_identity, track, untrack
 from ..errors import RecipeError
+from ..io.checkpoint_writer import SAFETENSORS_DTYPES
+from ..numerics.quantization import Grid, QuantizedLinear
+from ..recipe.registry import REGISTRY
+from ..system.cleanup import process_alive, process_identity, track, untrack
+from .streaming import StagedFile
 
 MANIFEST = "manifest.json"
 KIND, VERSION = "recipe-resume", 2
@@ -198,9 +203,6 @@ class Checkpoints:
         """Bring a freshly loaded session to the checkpointed state (no-op when not resuming)."""
         if self.manifest is None:
             return
-        from safetensors.torch import load_file
-
-        from ..recipe.registry import REGISTRY
 
         state = self.manifest
         stream = session.stream
@@ -241,8 +243,6 @@ class Checkpoints:
         for name, stored in state["artifacts"].items():
             session.artifacts[name] = (self.directory / stored).read_bytes()
         if state["quantized"]:
-            from ..numerics.quantization import Grid, QuantizedLinear
-
             files = {name: load_file(str(self.directory / name)) for name in {e["file"] for e in state["quantized"]}}
             for entry in state["quantized"]:
                 tensors, key = files[entry["file"]], entry["key"]
@@ -272,8 +272,6 @@ class Checkpoints:
     def _load_pass(self) -> tuple | None:
         """The interrupted pass's state (``pass_state``), read when restoring: before the run writes its next
         checkpoint (which removes these files), on every rank."""
-        from safetensors.torch import load_file
-
         saved = self.manifest["pass"]
         if saved is None:
             return None
@@ -326,8 +324,6 @@ class Checkpoints:
     def _store(self, tensors: dict[str, torch.Tensor], prefix: str) -> str:
         """Write ``tensors`` as ``prefix-<sha256>.safetensors`` (content-addressed: an existing file is kept),
         straight to disk: no in-memory copy of the file; returns its name."""
-        from safetensors.torch import save_file
-
         part = self.directory / f".{prefix}.part"
         save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(part))
         digest = _sha(part)
@@ -361,8 +357,6 @@ class Checkpoints:
     def _home(self, stream, unit: nn.Module) -> dict[str, Any]:
         """A streamed unit's home as the manifest records it: a staged file in this directory (``file``) or
         the source checkpoint (``file`` None), and its tensor names there."""
-        from .streaming import StagedFile
-
         stream.settle(unit)
         home = stream.home(unit)
         if not isinstance(home.reader, StagedFile):
@@ -471,8 +465,6 @@ def discard_on_error(owned: list) -> Iterator[None]:
 
 def _meta_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file as meta tensors (names, shapes, dtypes from its header alone)."""
-    from ..io.checkpoint_writer import SAFETENSORS_DTYPES
-
     dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
     with open(path, "rb") as handle:
         header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))

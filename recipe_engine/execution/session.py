@@ -20,13 +20,14 @@ import torch
 from torch import nn
 
 from ..architectures.adapters import LAYER_TYPE_KWARGS, ArchitectureAdapter
-from .distributed import Parallel, module_digest
-from ..recipe.modifier import LayerModifier, Modifier
-from ..system.progress import Progress
-from ..numerics.quantization import Grid, QuantizedLinear
-from ..recipe.schema import CalibrationConfig
 from ..architectures.shape import WIDTH_INDEX, LayerShape, ModelShape, WidthPart
+from ..numerics.quantization import Grid, QuantizedLinear
+from ..recipe.modifier import LayerModifier, Modifier
+from ..recipe.schema import CalibrationConfig
+from ..system.progress import Progress
+from .distributed import Parallel, module_digest
 from .stats import Statistic, change_position
+from .steps import run_steps
 from .streaming import WeightStream
 
 
@@ -73,9 +74,9 @@ class Session:
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
         #: Calibration passes made so far by this session and its siblings (``recipe plan`` predicts them).
         self.passes = passes or PassCounter()
-        #: This process's rank in a data-parallel run (``recipe_engine.distributed``); one process: a no-op.
+        #: This process's rank in a data-parallel run (``recipe_engine.execution.distributed``); one process: a no-op.
         self.parallel = parallel or Parallel(device=device)
-        #: Set when the model is a meta-device skeleton streamed from disk (``recipe_engine.streaming``).
+        #: Set when the model is a meta-device skeleton streamed from disk (``recipe_engine.execution.streaming``).
         self.stream = stream
         self.calibration, self.config, self.device = calibration, config, device
         self.progress = progress or Progress(enabled=False)
@@ -89,7 +90,7 @@ class Session:
         #: Linears a quantizing step recorded; the engine's writer packs them (``mark_quantized``).
         self.quantized: dict[nn.Module, QuantizedLinear] = {}
         self.layer_runs = 0
-        #: Checkpoints of finished layers for ``--resume`` (``recipe_engine.resume.Checkpoints``), or None.
+        #: Checkpoints of finished layers for ``--resume`` (``recipe_engine.execution.resume.Checkpoints``), or None.
         self.checkpoint = None
         #: Calibration batches this process ran through (part of) a layer (a data-parallel rank: its share).
         self.layer_batches = 0
@@ -101,7 +102,7 @@ class Session:
         self._provided: list[torch.Tensor] | None = None
         #: Original model's hidden states in lockstep with a pass: (next original layer, states, kwargs).
         self._reference_stream: tuple[int, list[torch.Tensor], list[dict[str, Any]]] | None = None
-        #: Work shared across a sweep's variants (``recipe_engine.memo``), None in a plain run; the canonical
+        #: Work shared across a sweep's variants (``recipe_engine.execution.memo``), None in a plain run; the canonical
         #: parameters of the steps completed so far (set by ``run_steps``) key it.
         self.memo = None
         self.completed_steps: list[str] = []
@@ -136,7 +137,7 @@ class Session:
                 != [standard[k] for k in picked]]
 
     def add_extra(self, modifier: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.extras``)."""
+        """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.io.extras``)."""
         self.extras.append({"modifier": modifier, "config": config, "tensors": tensors})
 
     def add_artifact(self, filename: str, data: bytes) -> None:
@@ -177,7 +178,7 @@ class Session:
 
     # -- branches: alternatives run side by side (a step choosing between them) -------------
     def windows(self, indices) -> torch.Tensor:
-        """The calibration windows at ``indices`` (e.g. a :class:`~recipe_engine.split.WindowSplit`'s)."""
+        """The calibration windows at ``indices`` (e.g. a :class:`~recipe_engine.recipe.split.WindowSplit`'s)."""
         return self.calibration[list(indices)]
 
     def current_shape(self) -> ModelShape:
@@ -210,8 +211,6 @@ class Session:
     def run_steps(self, steps: list[Modifier]) -> list[dict[str, Any]]:
         """Run recipe steps on this session as a recipe would (consecutive layer steps share a pass);
         returns their report records (no resume checkpoints)."""
-        from ..workflows.runner import run_steps
-
         return run_steps(self, list(steps), self.progress)
 
     def adopt(self, branch: "Session") -> None:

@@ -15,7 +15,7 @@ output check is not assumed: on the first batch the block runs to the end and it
 output linear's result (the same tensor, or one item of a tuple); anything else is a one-line error
 naming the block.
 
-Data-parallel (``recipe_engine.distributed``): each rank runs its share of the batches; the statistic fed
+Data-parallel (``recipe_engine.execution.distributed``): each rank runs its share of the batches; the statistic fed
 by ``inputs_of`` is all-reduced after each run, and ``outputs`` all-gathers the layer's outputs.
 """
 from __future__ import annotations

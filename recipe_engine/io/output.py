@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import SafetensorError
 
-from ..system.cleanup import MARKER, read_marker, sweep_stale, temporary_directory, write_marker
 from ..errors import RecipeError
+from ..system.cleanup import MARKER, read_marker, sweep_stale, temporary_directory, write_marker
+from .report import ReportError, load_report
 
 OUTPUT_KIND = "recipe-output"
 
@@ -37,7 +39,6 @@ def is_recipe_output(directory: Path) -> bool:
     marker = read_marker(directory)
     if marker is not None:
         return marker.get("type") == OUTPUT_KIND and marker.get("state") == "complete"
-    from .report import ReportError, load_report
 
     try:
         load_report(directory)
@@ -87,34 +88,6 @@ def check_writable_parent(target: Path, fail) -> None:
         raise fail(f"cannot write '{target}': {existing}: {exc.strerror or exc}") from None
 
 
-def estimated_output_bytes(config, dtype: str) -> int:
-    """Bytes of the model's parameters in ``dtype`` (built on the meta device; tied weights once).
-    The steps only remove, merge or narrow layers, so the written checkpoint is at most about this."""
-    from transformers import AutoModelForCausalLM
-
-    from .models import DTYPES
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters()) * DTYPES[dtype].itemsize
-
-
-def check_free_space(recipe, config, file: str | None = None, resume_checkpoints: bool = False) -> None:
-    """Refuse to start when the output's file system lacks room for the checkpoint the recipe writes
-    (``memory.output_bytes``: the compressed model's size, plus 5 %). A run that keeps resume checkpoints
-    (``recipe_engine.resume``; a streamed run's staged units are among them) holds its changed units there
-    until the output is in place, at most the compressed model's size again: twice the room."""
-    from ..plan.estimates import output_bytes
-
-    copies = 2 if resume_checkpoints else 1
-    problem = space_problem(Path(recipe.output).expanduser(), copies * output_bytes(recipe, config))
-    if problem:
-        what = ("checkpoint and its resume checkpoints; --no-checkpoints needs half" if resume_checkpoints
-                else "checkpoint")
-        raise RecipeError(f"not enough disk space for output '{recipe.output}': {problem} "
-                          f"({recipe.dtype} {what})", file=file, field="output")
-
-
 def space_problem(target: Path, size: int) -> str | None:
     """None when the file system that will hold ``target`` has room for ``size`` bytes plus 5 %, else
     ``"needs about X GiB, Y GiB free on DIR"``."""
@@ -133,13 +106,11 @@ def atomic_directory(output: str, force: bool) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success mark it as a recipe output and rename it to
     ``output``.
 
-    Any exception (including :class:`~recipe_engine.cleanup.Interrupted` from SIGINT/SIGTERM/SIGHUP)
+    Any exception (including :class:`~recipe_engine.system.cleanup.Interrupted` from SIGINT/SIGTERM/SIGHUP)
     removes the temporary directory, so an interrupted run leaves nothing behind; an ``OSError`` while
     writing (disk full, permissions) becomes one located :class:`RecipeError`. With ``force`` an existing
     output is replaced only after the new one is done.
     """
-    from safetensors import SafetensorError
-
     target = Path(output).expanduser()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -223,7 +194,7 @@ def git_info(path: str) -> dict[str, object] | None:
 
 def peak_memory(watch=None) -> dict[str, float]:
     """Peak resident set size of this process (MiB; over every phase of ``watch``, a
-    ``memory.PeakWatch``, else ``ru_maxrss``) and peak CUDA allocation when a GPU was used."""
+    ``host_memory.PeakWatch``, else ``ru_maxrss``) and peak CUDA allocation when a GPU was used."""
     if watch is not None:
         watch.start()  # closes the last phase into the overall peak
     rss = watch.overall_bytes / 2**20 if watch is not None else \
@@ -232,3 +203,30 @@ def peak_memory(watch=None) -> dict[str, float]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return peak
+
+
+def check_file_output(output: str | Path, force: bool, option: str = "--output") -> Path:
+    """A single-file output (``recipe export``): not a directory (also not with ``--force``), not an existing
+    file without ``--force``, not a symbolic link, and its directory can take a new entry. Returns the path."""
+    fail = lambda message: RecipeError(f"{option} {output}: {message}")
+    target = Path(output).expanduser()
+    if not str(output).strip():
+        raise RecipeError(f"{option} is empty; give a file name")
+    if target.is_symlink():
+        raise fail("is a symbolic link; not replaced (choose another file)")
+    if target.is_dir():
+        raise fail("is a directory; give a file name (--force replaces files only)")
+    if target.exists() and not force:
+        raise fail("already exists (use --force to replace it)")
+    check_writable_parent(target, lambda message: RecipeError(f"{option}: {message}"))
+    return target
+
+
+def check_free_bytes(target: Path, size: int, what: str, option: str = "--output") -> None:
+    """The file system that will hold ``target`` has room for ``size`` bytes (+5 %), or one line."""
+    problem = space_problem(target, size)
+    if problem:
+        raise RecipeError(f"{option} {target}: not enough disk space for {what}: {problem}")
+
+
+SWEEP_FILE = "sweep.json"

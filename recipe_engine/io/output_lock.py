@@ -24,8 +24,8 @@ import socket
 from pathlib import Path
 from typing import Iterator
 
-from ..system.cleanup import track, untrack
 from ..errors import RecipeError
+from ..system.cleanup import track, untrack
 
 
 def lock_path(output: str | Path) -> Path:

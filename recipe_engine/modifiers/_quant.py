@@ -1,6 +1,6 @@
 """Helpers every quantizing step (``GPTQ``, ``Quantize``) uses (private: not a modifier module): which
 linears a step targets, the ``group_size`` check against a symbolic shape, round-to-nearest on the engine's
-grid (``recipe_engine.quantization.Grid``) and the relative layer-output error used in reports.
+grid (``recipe_engine.numerics.quantization.Grid``) and the relative layer-output error used in reports.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pydantic import BaseModel, Field, PositiveInt, field_validator
 
 from recipe_engine.api import ADAPTERS, UNFUSED_ROLES, Grid, ModelShape, RecipeError, roles_problem
 
-#: Target roles (``recipe_engine.adapters``); a fused linear (Phi-3 ``qkv_proj``) is targeted by all its members.
+#: Target roles (``recipe_engine.architectures.adapters``); a fused linear (Phi-3 ``qkv_proj``) is targeted by
+#: all its members.
 LINEARS = UNFUSED_ROLES
 
 

@@ -15,6 +15,8 @@ from recipe_engine.api import (ADAPTERS, SCORE_FRACTION, LayerBudget, LayerShape
                                heldout_split, register, replace_linear)
 
 from ._depth import check_search_window
+from .head_prune import HeadPrune
+from .nystrom_mlp import NystromMLP
 
 
 def select_blocks(similarity: torch.Tensor, merges: int) -> tuple[list[list[int]], list[float]]:
@@ -41,9 +43,6 @@ SEARCH_SAMPLES, SEARCH_LENGTH = 8, 128
 
 def scoring_prune() -> tuple:
     """The steps ``prune_to_config`` applies (imported late: sibling modifier modules)."""
-    from .head_prune import HeadPrune
-    from .nystrom_mlp import NystromMLP
-
     return HeadPrune(), NystromMLP(criterion="energy", target="merged")
 
 
@@ -231,9 +230,11 @@ def head_norm_spread(layers: list[torch.nn.Module], adapter) -> float:
 
 def similarity_heatmap(similarity: torch.Tensor, blocks: list[list[int]]) -> bytes:
     """PNG of the input cosine-similarity matrix with each merged block outlined."""
+    # deferred: matplotlib is needed only to draw a plot
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: as above
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
@@ -313,7 +314,7 @@ class FlattenAdjacent(Modifier):
     the lowest NLL on the first ``search_samples`` × ``search_length`` calibration tokens); with ``drops``
     a round may instead drop an unmerged layer (SLEB's move) when that gives the lower NLL, so fewer
     (or no) layers end up merged and the report lists ``dropped``. ``score: heldout`` (default) prunes the
-    candidates on fit windows and scores them on held-out score windows (``recipe_engine.split``; one more
+    candidates on fit windows and scores them on held-out score windows (``recipe_engine.recipe.split``; one more
     prefix walk per round), ``insample`` on the same first windows (docs/methods/bestof.md). About
     ``n × layers² / 2`` layer runs of those tokens, ``n × layers`` ``lm_head`` passes and, pruned, as many
     prunes (each an ``o_proj`` and a ``down_proj`` Gram solve of the merged width).
@@ -338,7 +339,7 @@ class FlattenAdjacent(Modifier):
                                                               f"start (None: min({SEARCH_LENGTH}, seq_len))")
     score: Literal["heldout", "insample"] = Field(
         "heldout", description="selection nll: prune candidates on fit windows and score them on held-out score "
-                               "windows (recipe_engine.split), or prune and score on the same first windows")
+                               "windows (recipe_engine.recipe.split), or prune and score on the same first windows")
     score_fraction: float = Field(SCORE_FRACTION, gt=0, lt=1, description="selection nll, score heldout: share "
                                                                           "of the calibration windows held out")
 

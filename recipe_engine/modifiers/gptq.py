@@ -107,7 +107,7 @@ class GPTQ(GridParameters, LayerModifier):
     ``sequential: true`` (default) is the GPTQ reference code's "true sequential": linears are quantized
     in dataflow order (q/k/v, o, gate/up, down) and each group's Hessian is taken from its input with the
     groups before it already quantized, so it also corrects their error. The layer runs piecewise
-    (``recipe_engine.staged``): each group's input is computed once, finished blocks are replayed from
+    (``recipe_engine.execution.staged``): each group's input is computed once, finished blocks are replayed from
     their output linear, and the layer's outputs are handed to the pass, so this costs about one layer
     forward, less than the one-pass mode's two. ``sequential: false`` quantizes all linears from grams
     collected in one run of the unquantized layer (llm-compressor's way); those statistics come from the

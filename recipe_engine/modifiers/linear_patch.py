@@ -149,7 +149,7 @@ class LinearPatch(Modifier):
     """Insert ``P = H diag(d) Hᵀ`` at every interface where layers were removed or merged (not stock).
 
     ``d_k = mean|(X^{(end)} H)_k| / mean|(X^{(start)} H)_k|`` over calibration tokens of the original model
-    (``interfaces`` defines start/end), ``H`` an orthonormal Hadamard matrix (``recipe_engine.hadamard``).
+    (``interfaces`` defines start/end), ``H`` an orthonormal Hadamard matrix (``recipe_engine.numerics.hadamard``).
     ``select: contiguous`` first removes the ``n`` contiguous layers whose input and the input ``n`` layers
     later are most similar (LLM-Streamline). Must come after every step that removes or merges layers.
     """

@@ -95,6 +95,7 @@ def pad_batch(examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
 def make_trainer(model, args, examples, teacher=None, top_k: int = 0):
     """An HF ``Trainer`` (label loss) or, with a teacher, one whose loss is :func:`top_k_kl` on the
     positions that carry labels."""
+    # deferred: transformers' Trainer takes seconds to import; only this step's training needs it
     from transformers import Trainer
 
     class DistillTrainer(Trainer):
@@ -116,6 +117,7 @@ def make_trainer(model, args, examples, teacher=None, top_k: int = 0):
 
 def loss_plot(history: list[float], title: str) -> bytes:
     """PNG of the training loss per optimizer step (matplotlib Agg, no pyplot state)."""
+    # deferred: matplotlib is needed only to draw a plot
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(5, 3), dpi=100)
@@ -182,6 +184,7 @@ class LoRARecovery(Modifier):
             raise self.fail(problem, field="targets")
 
     def apply(self, session) -> dict[str, Any]:
+        # deferred: accelerate and peft are needed only when this step trains
         from accelerate import PartialState
         from peft import LoraConfig, get_peft_model
 
@@ -217,6 +220,7 @@ class LoRARecovery(Modifier):
                 "distill": self.distill, "wall_s": time.perf_counter() - start}
 
     def _train(self, session, peft_model, examples, processes: int) -> tuple[list[float], int]:
+        # deferred: as Trainer above
         from transformers import TrainingArguments
 
         with tempfile.TemporaryDirectory() as scratch:

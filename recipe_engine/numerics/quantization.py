@@ -8,7 +8,7 @@ with ``x⁺ = max(x, 0)``, ``x⁻ = min(x, 0)`` and ``z = round(-min(x⁻) / s)`
 ``[-2^(b-1), 2^(b-1) - 1]`` with zero point 0. An all-zero row gets the range [-1, 1].
 
 A quantizing step records each linear it quantized with :meth:`Session.mark_quantized` (its grid, scale
-and zero point); the engine's checkpoint writer (``recipe_engine.checkpoint``) then stores those linears
+and zero point); the engine's checkpoint writer (``recipe_engine.io.checkpoint_writer``) then stores those linears
 packed — ``weight_packed`` (int32, ``32 / b`` codes per word), ``weight_scale`` (model dtype),
 ``weight_zero_point`` (asymmetric grids; packed int32 along rows), ``weight_shape`` — with a
 ``quantization_config`` that vLLM and transformers' compressed-tensors loader read.
@@ -66,6 +66,7 @@ class Grid:
 
     def scheme(self):
         """The compressed-tensors ``QuantizationScheme`` of this grid (weights only, every Linear)."""
+        # deferred: compressed-tensors is an optional extra (vLLM export) that imports transformers
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
         args = QuantizationArgs(num_bits=self.bits, type="int", symmetric=self.sym,
@@ -110,6 +111,7 @@ def packed_layout(weight: torch.Tensor, record: QuantizedLinear) -> dict[str, to
 def pack(name: str, weight: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:
     """The linear's packed tensors (keys as :func:`packed_layout`). Zero points move to the signed
     compressed-tensors grid: ``z_ct = z - 2^(b-1)``."""
+    # deferred: compressed-tensors is an optional extra (vLLM export) that imports transformers
     from compressed_tensors.compressors import PackedQuantizationCompressor
 
     check_on_grid(name, weight, record)
@@ -122,6 +124,7 @@ def pack(name: str, weight: torch.Tensor, record: QuantizedLinear) -> dict[str, 
 
 def quantization_config(grid: Grid, ignore: list[str]) -> dict:
     """``config.json``'s ``quantization_config`` for linears packed on ``grid`` (``ignore``: the others)."""
+    # deferred: compressed-tensors is an optional extra (vLLM export) that imports transformers
     from compressed_tensors.quantization import QuantizationConfig
 
     config = QuantizationConfig(config_groups={"group_0": grid.scheme()}, format="pack-quantized",

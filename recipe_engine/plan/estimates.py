@@ -15,67 +15,22 @@
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from ..recipe.schema import Recipe
 from ..architectures.shape import ModelShape
+from ..io.data import calibration_windows, load_calibration
+from ..io.models import resolve_model
+from ..recipe.schema import Recipe
 from ..recipe.validate import bound_steps
+from ..system.host_memory import current_rss
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def current_rss() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
-
-
-class PeakWatch:
-    """Peak resident memory per phase of a run (e.g. per step) and overall.
-
-    Linux keeps one high-water mark per process (``VmHWM``), which writing ``5`` to
-    ``/proc/self/clear_refs`` resets; ``start`` resets it, ``stop`` reads it. Where the reset is not
-    allowed, phases report ``None`` and the overall peak is ``getrusage``'s ``ru_maxrss``.
-    """
-
-    CLEAR_REFS = Path("/proc/self/clear_refs")
-
-    def __init__(self):
-        import resource
-
-        self.overall_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        self.resets = self.CLEAR_REFS.exists() and self._try_reset()
-
-    def _try_reset(self) -> bool:
-        try:
-            self.CLEAR_REFS.write_text("5")
-            return True
-        except OSError:
-            return False
-
-    @staticmethod
-    def _high_water() -> int:
-        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024
-
-    def start(self) -> None:
-        self.overall_bytes = max(self.overall_bytes, self._high_water())
-        if self.resets:
-            self._try_reset()
-
-    def stop(self) -> int | None:
-        """Peak bytes since ``start`` (None where the high-water mark cannot be reset)."""
-        peak = self._high_water()
-        self.overall_bytes = max(self.overall_bytes, peak)
-        return peak if self.resets else None
-
-
 def runtime_bytes(recipe: Recipe) -> int:
     """Resident memory of this process after doing what ``apply`` does before it loads weights: import
-    the engine and the model classes, read the calibration text, load the tokenizer and tokenize."""
+    the engine (done: this module sits above execution and evaluation, and the CLI imports every command at
+    start) and the model classes, read the calibration text, load the tokenizer and tokenize."""
+    # deferred: the model classes are imported here on purpose, as apply imports them before loading weights
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-    from ..workflows import runner  # noqa: F401
-    from ..io.data import calibration_windows, load_calibration
-    from ..io.models import resolve_model
 
     calibration_windows(AutoTokenizer.from_pretrained(resolve_model(recipe.model).location),
                         load_calibration(recipe.calibration), recipe.calibration)

@@ -4,9 +4,9 @@
 ``here=False``: a CUDA recipe validates on a laptop); ``recipe sweep`` checks every variant with it before the
 first load; ``recipe eval`` checks its device, model and evaluation with :func:`check_device`,
 :func:`check_model` and :func:`check_evaluation`, ``recipe bench`` its device and models. Outputs:
-:func:`output.check_output_free` (``apply``'s directory), :func:`check_file_output` (``export``'s file),
+:func:`output.check_output_free` (``apply``'s directory), :func:`output.check_file_output` (``export``'s file),
 :func:`check_sweep_output` (``sweep``'s directory); each writer then holds the output's lock
-(``recipe_engine.output_lock``) until its output is in place.
+(``recipe_engine.io.output_lock``) until its output is in place.
 
 Every refusal is one :class:`~recipe_engine.errors.RecipeError` line (exit code 2) naming the recipe file and
 field where there is one; nothing is written before these checks pass.
@@ -16,7 +16,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import RecipeError
+import torch
+
+from ..architectures.adapters import adapter_for
+from ..architectures.shape import ModelShape
+from ..errors import RecipeError, SourceError
+from ..evaluation.zeroshot import check_tasks
+from ..io.data import check_text, is_hub_source, load_text
+from ..io.gguf_export import check_recipe_exportable
+from ..io.models import load_config, parse_device, resolve_device
+from ..io.output import SWEEP_FILE, check_writable_parent, space_problem
+from ..recipe.schema import Recipe
+from ..recipe.validate import bound_steps, check_steps
+from .estimates import output_bytes
 
 #: Fields of a recipe that :func:`check_evaluation` names.
 RECIPE_FIELDS = {"tasks": "evaluate.tasks", "dataset": "evaluate.perplexity.dataset"}
@@ -25,8 +37,6 @@ RECIPE_FIELDS = {"tasks": "evaluate.tasks", "dataset": "evaluate.perplexity.data
 def check_device(name: str, here: bool = True):
     """The ``torch.device`` for ``name``: supported (auto, cpu, cuda, cuda:i) and, with ``here``, present
     on this machine (``models.resolve_device``); without ``here`` only its form is checked (None for auto)."""
-    from ..io.models import parse_device, resolve_device
-
     if here:
         return resolve_device(name)
     return None if name == "auto" else parse_device(name)
@@ -34,8 +44,6 @@ def check_device(name: str, here: bool = True):
 
 def check_model(spec: str, file: str | None = None):
     """The model's config, read without its weights (a missing path, an unknown hub id offline: one line)."""
-    from ..io.models import load_config
-
     return located(lambda: load_config(spec), file, "model")
 
 
@@ -48,7 +56,6 @@ def check_evaluation(config, file: str | None = None, fields: dict[str, str] | N
     here (``data.check_text``'s notes)."""
     if config is None:
         return
-    from ..evaluation.zeroshot import check_tasks
 
     fields = fields or {}
     located(lambda: check_tasks(list(config.tasks), config.task_data), file, fields.get("tasks"))
@@ -60,9 +67,6 @@ def check_perplexity_text(ppl, unchecked: list[str] | None = None) -> None:
     """The first of ``ppl.dataset`` that is available (as ``evaluation.run.first_available_text`` picks it)
     holds one window of ``ppl.seq_len`` tokens (at least as many bytes: a token covers at least one byte).
     A hub source is available when the hub answers (``data.check_text``)."""
-    from ..io.data import check_text, is_hub_source, load_text
-    from ..errors import SourceError
-
     reasons = []
     for name in ppl.dataset:
         try:
@@ -84,8 +88,6 @@ def check_perplexity_text(ppl, unchecked: list[str] | None = None) -> None:
 def check_calibration(cal, file: str | None = None, unchecked: list[str] | None = None) -> None:
     """``recipe validate``'s calibration check (``apply`` reads the same text in full: ``data.load_calibration``);
     ``unchecked`` collects what could not be checked here (a hub source in HF offline mode)."""
-    from ..io.data import check_text
-
     for name, share in zip(cal.sources, cal.shares()):
         _note(located(lambda: check_text(name, cal.split, cal.text_field, share * cal.seq_len), file, None),
               unchecked)
@@ -102,10 +104,8 @@ def check_recipe(recipe, file: str | None = None, config=None, here: bool = True
     device (with ``here``: present on this machine), the model's config (``config`` when the model is
     passed in memory), with ``calibration`` the calibration text (``apply`` reads it in full instead:
     ``data.load_calibration``), the evaluation block, and every step on the symbolic shape
-    (``validate.check_against_config``). Returns ``(config, shape)``; ``unchecked`` collects what could not be
+    (:func:`check_against_config`). Returns ``(config, shape)``; ``unchecked`` collects what could not be
     checked here (``data.check_text``'s notes: a hub source in HF offline mode)."""
-    from ..recipe.validate import check_against_config
-
     located(lambda: check_device(recipe.device, here), file, "device")
     if config is None:
         config = check_model(recipe.model, file)
@@ -124,40 +124,9 @@ def validate_recipe(loaded):
     return config, shape, unchecked
 
 
-def check_file_output(output: str | Path, force: bool, option: str = "--output") -> Path:
-    """A single-file output (``recipe export``): not a directory (also not with ``--force``), not an existing
-    file without ``--force``, not a symbolic link, and its directory can take a new entry. Returns the path."""
-    from ..io.output import check_writable_parent
-
-    fail = lambda message: RecipeError(f"{option} {output}: {message}")
-    target = Path(output).expanduser()
-    if not str(output).strip():
-        raise RecipeError(f"{option} is empty; give a file name")
-    if target.is_symlink():
-        raise fail("is a symbolic link; not replaced (choose another file)")
-    if target.is_dir():
-        raise fail("is a directory; give a file name (--force replaces files only)")
-    if target.exists() and not force:
-        raise fail("already exists (use --force to replace it)")
-    check_writable_parent(target, lambda message: RecipeError(f"{option}: {message}"))
-    return target
-
-
-def check_free_bytes(target: Path, size: int, what: str, option: str = "--output") -> None:
-    """The file system that will hold ``target`` has room for ``size`` bytes (+5 %), or one line."""
-    from ..io.output import space_problem
-
-    problem = space_problem(target, size)
-    if problem:
-        raise RecipeError(f"{option} {target}: not enough disk space for {what}: {problem}")
-
-
 def check_sweep_output(output: str | Path) -> Path:
     """``recipe sweep --output``: a directory (new, or an earlier sweep's, whose ``sweep.json`` must be one)
     that can take ``sweep.json`` and ``pareto.png``. Returns the path."""
-    from ..io.output import check_writable_parent
-    from ..workflows.sweep import SWEEP_FILE
-
     fail = lambda message: RecipeError(f"--output {output}: {message}")
     target = Path(output).expanduser()
     if not str(output).strip():
@@ -187,3 +156,64 @@ def located(check, file: str | None, field: str | None = None):
         return check()
     except RecipeError as exc:
         raise exc.located(file=file, field=field) from None
+
+
+def check_free_space(recipe, config, file: str | None = None, resume_checkpoints: bool = False) -> None:
+    """Refuse to start when the output's file system lacks room for the checkpoint the recipe writes
+    (``estimates.output_bytes``: the compressed model's size, plus 5 %). A run that keeps resume checkpoints
+    (``recipe_engine.execution.resume``; a streamed run's staged units are among them) holds its changed units there
+    until the output is in place, at most the compressed model's size again: twice the room."""
+    copies = 2 if resume_checkpoints else 1
+    problem = space_problem(Path(recipe.output).expanduser(), copies * output_bytes(recipe, config))
+    if problem:
+        what = ("checkpoint and its resume checkpoints; --no-checkpoints needs half" if resume_checkpoints
+                else "checkpoint")
+        raise RecipeError(f"not enough disk space for output '{recipe.output}': {problem} "
+                          f"({recipe.dtype} {what})", file=file, field="output")
+
+
+#: Fewest decoder layers a recipe may leave: one layer is a bigram-like model, not a compressed LLM.
+MIN_LAYERS = 2
+
+
+def check_against_config(recipe: Recipe, config, file: str | None = None) -> ModelShape:
+    """Run every step's ``check`` on the symbolic shape (and ``check_calibration`` on the recipe's
+    calibration settings); the final model must be uniform, and no step may
+    change the layers after a step that pinned them (``ModelShape.pinned``).
+
+    The architecture is also instantiated on the meta device to prove transformers can build it.
+    """
+    try:
+        adapter_for(config)
+        if recipe.device != "auto":
+            parse_device(recipe.device)  # syntax only: validating a GPU recipe on a laptop is fine
+    except RecipeError as exc:
+        raise exc.located(file=file) from None
+    _build_on_meta(config, file)
+    shape = ModelShape.from_config(config)
+    check_steps(bound_steps(recipe, config, file), shape, recipe.calibration, file)
+    if shape.num_layers < MIN_LAYERS <= shape.original_layers:
+        raise RecipeError(f"the recipe leaves {shape.num_layers} of {shape.original_layers} decoder layers; a "
+                          f"model needs at least {MIN_LAYERS} to be a useful result (remove fewer layers)",
+                          file=file, field="modifiers")
+    odd = shape.oversized_layers()
+    if odd:
+        raise RecipeError(f"the recipe leaves layers {odd} wider than the config; a stock checkpoint needs "
+                          f"uniform layers (add pruning steps that cover them)", file=file, field="modifiers")
+    if recipe.export is not None:
+        try:
+            check_recipe_exportable(recipe, config)
+        except RecipeError as exc:
+            raise exc.located(file=file) from None
+    return shape
+
+
+def _build_on_meta(config, file: str | None) -> None:
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # the config itself is unusable
+        raise RecipeError(f"cannot build {config.model_type} from its config: {exc}", file=file) from None

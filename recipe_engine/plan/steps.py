@@ -6,11 +6,13 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import RecipeError
-from ..workflows.runner import group_steps
-from ..recipe.schema import Recipe
 from ..architectures.shape import ModelShape
+from ..errors import RecipeError
+from ..execution.steps import group_steps
+from ..io.models import exceeds_memory, load_config
+from ..recipe.schema import Recipe
 from ..recipe.validate import bound_steps
+from .estimates import estimate
 
 
 Passes = tuple[int, int]
@@ -72,8 +74,6 @@ def format_passes(passes: Passes | None) -> str:
 
 def plan_config(recipe: Recipe):
     """The model's config, or ``(None, reason)`` when it cannot be read here (e.g. a hub id offline)."""
-    from ..io.models import load_config
-
     try:
         return load_config(recipe.model), None
     except RecipeError as exc:
@@ -81,12 +81,8 @@ def plan_config(recipe: Recipe):
 
 
 def memory_plan(recipe: Recipe) -> dict:
-    """``memory.estimate`` for the recipe's model, streamed as ``apply`` would decide; ``{"unavailable":
+    """``estimates.estimate`` for the recipe's model, streamed as ``apply`` would decide; ``{"unavailable":
     reason}`` when the model's config cannot be read here (e.g. a hub id offline)."""
-    from .estimates import estimate
-    from ..io.models import load_config
-    from ..execution.streaming import exceeds_memory
-
     try:
         config = load_config(recipe.model)
         streamed = recipe.stream == "on" or (recipe.stream == "auto" and exceeds_memory(recipe.model))
@@ -96,12 +92,9 @@ def memory_plan(recipe: Recipe) -> dict:
 
 
 def rank_memory(recipe: Recipe, memory: dict, ranks: int) -> dict:
-    """Per-rank host memory of a data-parallel run over ``ranks`` processes (``recipe_engine.distributed``):
+    """Per-rank host memory of a data-parallel run over ``ranks`` processes (``recipe_engine.execution.distributed``):
     every rank holds all calibration activations (replicated) and, while a layer's outputs are gathered,
     one more set plus its own share twice (send and padded buffers)."""
-    from ..io.models import load_config
-    from ..architectures.shape import ModelShape
-
     cal = recipe.calibration
     shape = ModelShape.from_config(load_config(recipe.model))
     one_set = cal.samples * cal.seq_len * shape.hidden_size * (4 if recipe.dtype == "float32" else 2)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import re
 from fractions import Fraction
-from typing import TYPE_CHECKING, Annotated, Any, get_args
+from typing import Annotated, Any, get_args
 
 from pydantic import AfterValidator, BaseModel, Field
 
-if TYPE_CHECKING:
-    from .modifier import Modifier
+from ..errors import RecipeError
+from .modifier import Modifier
+
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
@@ -75,8 +76,6 @@ def bind_step(step: "Modifier", num_layers: int) -> "Modifier":
     """``step`` with every percentage budget resolved against ``num_layers`` (the original layer count);
     steps nested in a field (a list of steps, or a list of lists) are bound too. A step without any
     percentage is returned as it is."""
-    from .modifier import Modifier
-
     def bind_value(value: Any) -> Any:
         if isinstance(value, Modifier):
             return bind_step(value, num_layers)
@@ -106,8 +105,6 @@ def bind_step(step: "Modifier", num_layers: int) -> "Modifier":
 
 def bind_steps(steps: list["Modifier"], num_layers: int) -> list["Modifier"]:
     """:func:`bind_step` for every step; an error names the step's index."""
-    from ..errors import RecipeError
-
     bound = []
     for index, step in enumerate(steps):
         try:

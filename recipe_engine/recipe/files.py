@@ -11,9 +11,9 @@ from typing import Any
 import yaml
 
 from ..errors import RecipeError
-from .schema import (MAX_YAML_BYTES, Recipe, load_yaml, parse_compact, recipe_from_dict, recipe_to_dict, safe_load,
-                     yaml_problem)
 from ..suggest import did_you_mean
+from .schema import (MAX_YAML_BYTES, CalibrationConfig, EvaluateConfig, PerplexityConfig, Recipe, load_yaml,
+                     parse_compact, recipe_from_dict, recipe_to_dict, safe_load, yaml_problem)
 
 
 def yaml_scalar(value: str) -> str:
@@ -134,8 +134,6 @@ def apply_override(data: dict[str, Any], assignment: str, file: str) -> None:
 
 def override_paths() -> list[str]:
     """Every dotted path ``--set`` accepts outside ``modifiers.INDEX.PARAMETER``."""
-    from .schema import CalibrationConfig, EvaluateConfig, PerplexityConfig
-
     models = {"": Recipe, "calibration": CalibrationConfig, "evaluate": EvaluateConfig,
               "evaluate.perplexity": PerplexityConfig}
     return [f"{parent}.{name}" if parent else name for parent, model in models.items()

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from ..errors import RecipeError
 from ..architectures.shape import ModelShape
+from ..errors import RecipeError
 from .strict import StrictParameters
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Modifier(StrictParameters):
 
     @classmethod
     def restore_extra(cls, model, config: dict[str, Any], tensors: dict[str, Any]) -> None:
-        """Re-apply a non-stock addition saved with ``session.add_extra`` (see ``recipe_engine.extras``)."""
+        """Re-apply a non-stock addition saved with ``session.add_extra`` (see ``recipe_engine.io.extras``)."""
         raise NotImplementedError(f"{cls.step_name()} saved no extras it can restore")
 
 
@@ -114,7 +114,7 @@ class LayerModifier(Modifier):
     calibration_passes: ClassVar[int] = 1
     streams: ClassVar[bool] = True
     #: Submodules (paths inside a decoder layer) that ``compress_layer`` changes; statistics downstream
-    #: of the earliest one are recollected for the next modifier (see ``recipe_engine.stats``).
+    #: of the earliest one are recollected for the next modifier (see ``recipe_engine.execution.stats``).
     modifies: ClassVar[tuple[str, ...]] = ("self_attn", "mlp")
 
     def target_layers(self, session: "Session") -> list[int]:

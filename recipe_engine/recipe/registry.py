@@ -15,8 +15,8 @@ from functools import partial
 from importlib.metadata import entry_points
 
 from ..errors import RecipeError
-from .modifier import Modifier
 from ..suggest import did_you_mean
+from .modifier import Modifier
 
 ENTRY_POINT_GROUP = "recipe_engine.modifiers"
 BUILTIN_PACKAGE = "recipe_engine.modifiers"

@@ -7,16 +7,17 @@ mapping with all parameters resolved, so dump → load → dump is lossless.
 from __future__ import annotations
 
 import re
+import reprlib
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from ..errors import RecipeError
+from ..suggest import did_you_mean
 from .modifier import Modifier
 from .registry import REGISTRY
 from .strict import NUMBER_ERROR, StrictParameters
-from ..suggest import did_you_mean
 
 RECIPE_VERSION = 1
 
@@ -237,8 +238,6 @@ def _owner(cls: type[BaseModel], loc: tuple) -> type[BaseModel]:
 
 def _short_repr(value: Any) -> str:
     """``repr`` bounded in size and depth (an aliased YAML value may be large)."""
-    import reprlib
-
     short = reprlib.Repr()
     short.maxlevel, short.maxstring, short.maxother = 3, 80, 80
     return short.repr(value)

@@ -4,45 +4,34 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..architectures.adapters import adapter_for, count_parameters
-from ..io.checkpoint_writer import write_checkpoint
-from ..execution.distributed import Parallel, launched, module_digest
-from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..errors import QualityGateError, RecipeError
-from ..io.extras import save_extras
-from ..recipe.modifier import LayerModifier, Modifier
-from ..io.models import load_model
-from ..io.output import (atomic_directory, check_free_space, check_output_free, git_info,
-                     package_versions, peak_memory)
-from ..io.output_lock import output_lock
-from ..plan.preflight import check_device, check_recipe, located
-from ..system.progress import Progress
-from ..recipe.files import LoadedRecipe, load_recipe
-from ..io.report import Report
-from ..recipe.schema import Recipe, dump_recipe, recipe_from_dict, step_to_dict
-from ..plan.estimates import PeakWatch, current_rss, estimate
-from ..execution.resume import discard_on_error
+from ..evaluation import evaluate_session, retained
+from ..execution.distributed import Parallel, launched
+from ..execution.resume import Checkpoints, discard_on_error, model_fingerprint
 from ..execution.session import Session
-from ..execution.streaming import attach_stream, exceeds_memory
+from ..execution.steps import run_steps
+from ..execution.streaming import attach_stream
+from ..io.checkpoint_writer import write_checkpoint
+from ..io.data import calibration_windows, fingerprint, load_calibration
+from ..io.extras import save_extras
+from ..io.gguf_export import export_gguf
+from ..io.models import exceeds_memory, load_model
+from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
+from ..io.output_lock import output_lock
+from ..io.report import Report
+from ..plan.estimates import estimate
+from ..plan.preflight import check_device, check_free_space, check_recipe, located
+from ..recipe.files import LoadedRecipe, load_recipe
+from ..recipe.schema import Recipe, dump_recipe, recipe_from_dict
 from ..recipe.validate import bound_steps
-
-
-def group_steps(steps: list[Modifier]) -> list[list[tuple[int, Modifier]]]:
-    """Consecutive layer-scope steps share one pass; each model-scope step is its own group."""
-    groups: list[list[tuple[int, Modifier]]] = []
-    for index, step in enumerate(steps):
-        if step.scope == "layer" and groups and groups[-1][0][1].scope == "layer":
-            groups[-1].append((index, step))
-        else:
-            groups.append([(index, step)])
-    return groups
+from ..system.host_memory import PeakWatch, current_rss
+from ..system.progress import Progress
 
 
 def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> LoadedRecipe:
@@ -58,13 +47,14 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
           force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
           memo=None, checkpoints: bool = True) -> tuple[Any, Report]:
-    """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.report.Report``, as written to
+    """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.io.report.Report``, as written to
     ``report.json``). Writes the output directory unless ``write=False``.
 
     ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
-    ``memo`` (``recipe_engine.memo.SharedWork``): work shared with other runs of a sweep.
+    ``memo`` (``recipe_engine.execution.memo.SharedWork``): work shared with other runs of a sweep.
     A streamed run (``stream``) returns the model as a meta-device skeleton: its weights are the output.
-    ``resume``: continue an interrupted run of the same output from its checkpoints (``recipe_engine.resume``).
+    ``resume``: continue an interrupted run of the same output from its checkpoints
+    (``recipe_engine.execution.resume``).
     ``checkpoints=False``: keep no resume checkpoints (a run that cannot be resumed, but needs disk room
     for the output once instead of twice).
     """
@@ -142,8 +132,6 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         checkpoints = _checkpoints(recipe, report, source, resume, write and keep_checkpoints, session, file)
         owned.append(checkpoints)
         if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
-            from ..evaluation import evaluate_session
-
             report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
         report["steps"] = run_steps(session, steps, bar, watch, plan, checkpoints, report)
         _check_uniform(session)
@@ -153,8 +141,6 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not session.extras
         gate = None
         if recipe.evaluate is not None:
-            from ..evaluation import evaluate_session, retained
-
             after = evaluate_session(session, recipe.evaluate, bar)
             report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
             gate = _quality_gate(recipe, report["evaluation"]["retained"])
@@ -231,15 +217,13 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
 
 def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool, session: Session,
                  file: str):
-    """The run's resume checkpoints (``recipe_engine.resume``), restored into ``session`` when resuming (a
+    """The run's resume checkpoints (``recipe_engine.execution.resume``), restored into ``session`` when resuming (a
     streamed session stages its units there); None when this run keeps none (not written, model passed in
     memory). Data-parallel: rank 0 writes them; with ``resume`` every rank restores them and the ranks check
     that they adopted the same manifest (its sha256)."""
     parallel = session.parallel
     if not write or source is None or (parallel.rank > 0 and not resume):
         return None
-    from ..execution.resume import Checkpoints, model_fingerprint
-
     identity = {"recipe": report["recipe"]["resolved_sha256"], "model": model_fingerprint(source.location),
                 "calibration": report["data"]["fingerprint"], "packages": report["packages"]}
     checkpoints = Checkpoints.open(recipe.output, identity, resume, file, writer=parallel.rank == 0)
@@ -250,66 +234,6 @@ def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool
         checkpoints.agree(parallel)
     session.checkpoint = checkpoints
     return checkpoints
-
-
-def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None = None,
-              plan: dict | None = None, checkpoints=None, report: dict | None = None) -> list[dict[str, Any]]:
-    """Run the steps (consecutive layer steps share one pass); each record has the step's own wall time,
-    and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate. With
-    ``checkpoints``, finished groups of an interrupted run are skipped and each group (and each layer of a
-    pass) is checkpointed when done."""
-    records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
-    watch = watch or PeakWatch()
-    for number, group in enumerate(group_steps(steps)):
-        if checkpoints is not None:
-            if number < checkpoints.next_group:
-                continue
-            checkpoints.begin_group(number, [step for _, step in group], records, report)
-        watch.start()
-        start, passes_before = time.perf_counter(), session.passes.value
-        names = ", ".join(step.step_name() for _, step in group)
-        bar.log(f"step {group[0][0]}: {names}")
-        if group[0][1].scope == "layer":
-            layer_steps: list[LayerModifier] = [step for _, step in group]  # type: ignore[misc]
-            outputs = session.run_layer_modifiers(layer_steps)
-            results = [outputs[str(k)] for k in range(len(group))]
-        else:
-            step = group[0][1]
-            with _whole_model(session, step):
-                results = [step.apply(session)]
-        elapsed = time.perf_counter() - start
-        session.completed_steps += [json.dumps(step_to_dict(step), sort_keys=True) for _, step in group]
-        if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
-            session.parallel.agree(f"step {group[0][0]} ({names})",
-                                   module_digest(session.model, [list(o) for o in session.layer_origin]))
-        peak = watch.stop()
-        own = [result.pop("own_s", elapsed) for result in results]
-        for (index, step), result, own_s in zip(group, results, own):
-            memory = {"peak_rss_mib": None if peak is None else peak / 2**20}
-            if plan is not None:
-                planned = max(plan["steps"][i]["weights_bytes"] + plan["steps"][i]["working_bytes"]
-                              for i, _ in group)
-                memory["estimate_rss_mib"] = (plan["runtime_bytes"] + plan["activations_bytes"] + planned) / 2**20
-            records.append({"index": index, "modifier": step.step_name(), "group": number,
-                            "params": step.model_dump(mode="json"), "wall_s": own_s,
-                            "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),
-                            "calibration_passes": session.passes.value - passes_before,
-                            "layers_after": len(session.layers), **memory, "result": result})
-        if checkpoints is not None:
-            checkpoints.group_done(session, number, records, report)
-    return records
-
-
-@contextlib.contextmanager
-def _whole_model(session: Session, step: Modifier) -> Iterator[None]:
-    """A model-scope step that does not declare ``streams`` sees the whole model (and the original, if it
-    needs it) materialized in host memory; ``recipe plan`` says so."""
-    if session.stream is None or step.streams:
-        yield
-        return
-    reference = session.reference_session().resident() if step.needs_reference else contextlib.nullcontext()
-    with session.resident(), reference:
-        yield
 
 
 def _check_uniform(session: Session) -> None:
@@ -353,8 +277,6 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp
     save_extras(tmp, session.extras)
     (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
     if recipe.export is not None:  # from the finished files, so it sees exactly what was written
-        from ..io.gguf_export import export_gguf
-
         report["export"] = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
         report["export"]["file"] = recipe.export.file
     final = Report.model_validate(report)

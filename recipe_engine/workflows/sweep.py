@@ -3,7 +3,7 @@
 Every variant is the recipe with CLI-style overrides (``--vary PATH=v1,v2``; a bare field such as ``n``
 means the one step of each recipe that sets it). Work that does not depend on the varied values is done
 once: the dense model is loaded once per (model, dtype) and copied per variant, and each (model, dtype,
-calibration) shares a ``recipe_engine.memo.SharedWork`` (calibration capture, FlattenAdjacent's
+calibration) shares a ``recipe_engine.execution.memo.SharedWork`` (calibration capture, FlattenAdjacent's
 similarity, ShortGPT's block influence). Rows go to ``DIR/sweep.json`` as each variant finishes (atomic
 replace), so an interrupted sweep keeps its rows and a rerun skips variants whose resolved recipe sha
 and evaluation settings are already there (another ``--eval-limit`` or task list evaluates again).
@@ -19,17 +19,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import RecipeError
+import yaml
+from rich.table import Table
 
-SWEEP_FILE = "sweep.json"
+from ..architectures.adapters import count_parameters
+from ..errors import RecipeError
+from ..evaluation import evaluate_model
+from ..execution.memo import SharedWork
+from ..io.models import load_model, resolve_device
+from ..io.output import SWEEP_FILE
+from ..io.output_lock import output_lock
+from ..plan.preflight import check_calibration, check_evaluation, check_model, check_recipe, check_sweep_output
+from ..recipe.files import load_recipe, yaml_scalar
+from ..recipe.schema import EvaluateConfig, PerplexityConfig, dump_recipe, safe_load, yaml_problem
+from .runner import apply
 
 
 def parse_vary(text: str) -> tuple[str, list[Any]]:
     """``modifiers.1.n=2,4,6`` → ``("modifiers.1.n", [2, 4, 6])`` (values are YAML scalars)."""
-    import yaml
-
-    from ..recipe.schema import safe_load, yaml_problem
-
     path, sep, values = text.partition("=")
     if not sep or not path.strip() or not values.strip():
         raise RecipeError(f"--vary {text!r}: expected PATH=v1,v2,... (e.g. modifiers.1.n=2,4,6 or n=2,4,6)")
@@ -53,8 +60,6 @@ def resolve_path(recipe, path: str, file: str) -> str:
 def variants(spec: str, vary: list[tuple[str, list[Any]]], overrides: list[str] = ()) -> list[tuple[dict, Any]]:
     """``(params, resolved recipe)`` for every combination of the varied values (validated now); ``overrides``
     (``--set``) apply to every variant first."""
-    from ..recipe.files import load_recipe, yaml_scalar
-
     base = load_recipe(spec, list(overrides))
     paths = [resolve_path(base.recipe, path, base.path) for path, _ in vary]
     out = []
@@ -66,8 +71,6 @@ def variants(spec: str, vary: list[tuple[str, list[Any]]], overrides: list[str] 
 
 
 def evaluation_config(recipe, limit: int | None, tasks: list[str] | None):
-    from ..recipe.schema import EvaluateConfig, PerplexityConfig
-
     config = recipe.evaluate or EvaluateConfig()
     ppl = config.perplexity or PerplexityConfig()
     return config.model_copy(update={
@@ -77,14 +80,10 @@ def evaluation_config(recipe, limit: int | None, tasks: list[str] | None):
 
 
 def recipe_sha(recipe) -> str:
-    from ..recipe.schema import dump_recipe
-
     return hashlib.sha256(dump_recipe(recipe.model_copy(update={"output": "-", "overrides": []})).encode()).hexdigest()
 
 
 def summarize(model, evaluation: dict) -> dict[str, Any]:
-    from ..architectures.adapters import count_parameters
-
     return {"layers": model.config.num_hidden_layers, "parameters": count_parameters(model),
             "ppl": evaluation.get("perplexity", {}).get("ppl"), "zero_shot": evaluation.get("zero_shot")}
 
@@ -112,8 +111,6 @@ class Sweep:
         os.replace(temporary, self.output / SWEEP_FILE)
 
     def _dense(self, recipe):
-        from ..io.models import load_model
-
         key = (recipe.model, recipe.dtype)
         if key not in self.models:
             model, tokenizer, _ = load_model(recipe.model, recipe.dtype)
@@ -121,14 +118,10 @@ class Sweep:
         return self.models[key]
 
     def memo_for(self, recipe):
-        from ..execution.memo import SharedWork
-
         key = json.dumps([recipe.model, recipe.dtype, recipe.calibration.model_dump(mode="json")])
         return self.memos.setdefault(key, SharedWork())
 
     def run(self) -> list[dict[str, Any]]:
-        from ..io.output_lock import output_lock
-
         planned = [(spec, params, recipe) for spec in self.specs for params, recipe in variants(spec, self.vary, self.overrides)]
         self.check(planned)
         with output_lock(self.output):
@@ -138,8 +131,6 @@ class Sweep:
         """``apply``'s pre-flight for every variant before the first model is loaded (``preflight``): the
         output directory, each variant's device, model config, steps on the symbolic shape, calibration text
         and evaluation (tasks, perplexity text); each distinct model, calibration and evaluation once."""
-        from ..plan.preflight import check_calibration, check_evaluation, check_model, check_recipe, check_sweep_output
-
         check_sweep_output(self.output)
         configs: dict[str, Any] = {}
         checked: set[str] = set()
@@ -158,10 +149,6 @@ class Sweep:
                 checked.add(key)
 
     def _run(self, planned: list[tuple[str, dict, Any]]) -> list[dict[str, Any]]:
-        from ..evaluation import evaluate_model
-        from ..io.models import resolve_device
-        from .runner import apply
-
         self._load_rows()
         done = {(row["recipe_sha256"], row.get("evaluation_sha256")) for row in self.rows}
         for spec, params, recipe in planned:
@@ -232,10 +219,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> str | None:
     """``pareto.png``: PPL (and mean zero-shot accuracy when measured) vs parameters, one line per recipe,
     the Pareto front circled. Returns why not written when matplotlib is missing."""
     try:
+        # deferred: matplotlib is needed only to draw a plot
         import matplotlib
     except ImportError:
         return "pareto.png not written: matplotlib is not installed (pip install matplotlib)"
     matplotlib.use("Agg")
+    # deferred: as above
     import matplotlib.pyplot as plt
 
     accuracy = [mean_accuracy(r) for r in rows]
@@ -269,8 +258,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> str | None:
 
 
 def table(rows: list[dict[str, Any]]):
-    from rich.table import Table
-
     out = Table(title="recipe sweep", title_justify="left")
     for column in ("recipe", "params", "layers", "parameters", "PPL", "zero-shot", "compress s"):
         out.add_column(column, justify="left" if column in ("recipe", "params") else "right")
