@@ -3,4 +3,5 @@ import sys
 
 from .commands import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a tool (doctest collection) imports the module
+    sys.exit(main())
