@@ -55,7 +55,7 @@ def _quiet_libraries(quiet: bool):
     if not quiet:
         yield
         return
-    # deferred: the hub client (~0.2 s) is needed only for hub sources
+    # deferred: transformers and the hub client add seconds to every command's start; only --quiet needs them
     import huggingface_hub.utils as hub
     from transformers.utils import logging as hf_logging
 

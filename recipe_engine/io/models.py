@@ -416,7 +416,7 @@ def skeleton_model(location: str, dtype: torch.dtype) -> nn.Module:
     """The model of the HF checkpoint directory ``location`` with every parameter on the meta device
     (``accelerate.init_empty_weights``; buffers such as rotary frequencies are real), in eval mode, with
     the directory's generation config: what ``from_pretrained`` builds, minus the weights."""
-    # deferred: accelerate (~0.2 s) is needed only when weights stream
+    # deferred: accelerate and transformers' model classes (seconds) are needed only when weights stream
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -440,6 +440,7 @@ def checkpoint_bytes_on_disk(spec: str) -> int:
 
 
 def checkpoint_bytes(directory: str | Path) -> int:
+    """Bytes of the safetensors files in ``directory``."""
     return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
 
 
