@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 
 import recipe_engine
-from recipe_engine.adapters import count_parameters
-from recipe_engine.data import data_dir, load_text
+from recipe_engine.architectures.adapters import count_parameters
+from recipe_engine.io.data import data_dir, load_text
 from recipe_engine.errors import RecipeError
 from recipe_engine.evaluation.perplexity import perplexity
-from recipe_engine.models import load_model
+from recipe_engine.io.models import load_model
 
 MODELS = {"smollm2-135m": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}   # default n: ~20 % of the depth (4 of 18)
 CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikitext2", "validation"),
@@ -155,7 +155,7 @@ def zero_shot(model, tokenizer, limit: int) -> dict:
     """The paper's five zero-shot tasks (offline lm-eval configs), first ``limit`` rows of each."""
     from recipe_engine.evaluation import evaluate_model
     from recipe_engine.evaluation.zeroshot import PAPER_TASKS
-    from recipe_engine.schema import EvaluateConfig
+    from recipe_engine.recipe.schema import EvaluateConfig
 
     config = EvaluateConfig(perplexity=None, tasks=PAPER_TASKS, limit=limit)
     result = evaluate_model(model, tokenizer, config, torch.device("cpu"), None)["zero_shot"]

@@ -21,8 +21,8 @@ from rich.table import Table
 
 from recipe_engine.evaluation import evaluate_model
 from recipe_engine.evaluation.zeroshot import PAPER_TASKS
-from recipe_engine.models import load_model
-from recipe_engine.schema import EvaluateConfig, PerplexityConfig
+from recipe_engine.io.models import load_model
+from recipe_engine.recipe.schema import EvaluateConfig, PerplexityConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "raw"   # raw output (ignored by git)
 

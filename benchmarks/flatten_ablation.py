@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from recipe_engine.adapters import adapter_for, count_parameters
-from recipe_engine.data import load_text, sample_windows, tokenize
+from recipe_engine.architectures.adapters import adapter_for, count_parameters
+from recipe_engine.io.data import load_text, sample_windows, tokenize
 from recipe_engine.evaluation.perplexity import perplexity
-from recipe_engine.models import load_model
-from recipe_engine.runner import run_steps
-from recipe_engine.schema import CalibrationConfig, parse_step
-from recipe_engine.session import Session
-from recipe_engine.progress import Progress
+from recipe_engine.io.models import load_model
+from recipe_engine.execution.steps import run_steps
+from recipe_engine.recipe.schema import CalibrationConfig, parse_step
+from recipe_engine.execution.session import Session
+from recipe_engine.system.progress import Progress
 
 MERGES = 6
 PAPER_MLP = "NystromMLP<lambda_scale:10,target:merged>"

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from recipe_engine.modifiers.flatten_adjacent import head_norm_spread
-from recipe_engine.adapters import adapter_for
-from recipe_engine.data import load_text, sample_windows, tokenize
-from recipe_engine.models import load_model
-from recipe_engine.schema import CalibrationConfig
-from recipe_engine.session import Session
+from recipe_engine.architectures.adapters import adapter_for
+from recipe_engine.io.data import load_text, sample_windows, tokenize
+from recipe_engine.io.models import load_model
+from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.session import Session
 
 RESULTS = Path(__file__).parent / "results" / "raw"   # raw output (ignored by git)
 

@@ -34,10 +34,10 @@ import torch
 
 from recipe_engine.modifiers.flatten_adjacent import merge_layers
 from recipe_engine.modifiers.head_prune import best_groups_by_error, eq12_group_scores, group_channels
-from recipe_engine.adapters import adapter_for
-from recipe_engine.data import load_text, sample_windows, tokenize
+from recipe_engine.architectures.adapters import adapter_for
+from recipe_engine.io.data import load_text, sample_windows, tokenize
 from recipe_engine.evaluation.perplexity import make_windows
-from recipe_engine.linalg import mean_eigenvalue, ridge_compensation, ridge_leverage_scores, set_linear_weight
+from recipe_engine.numerics.linalg import mean_eigenvalue, ridge_compensation, ridge_leverage_scores, set_linear_weight
 
 RESULTS = Path(__file__).parent / "results" / "raw"   # raw output (ignored by git)
 SOURCES = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "all"), "code": ("code-sample", "all"),
@@ -199,7 +199,7 @@ def layer_error(layers, inputs, kwargs, targets):
 
 @torch.no_grad()
 def main() -> None:
-    from recipe_engine.models import load_model
+    from recipe_engine.io.models import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-0.5b")

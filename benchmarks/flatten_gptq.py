@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 import recipe_engine
-from recipe_engine.adapters import count_parameters
-from recipe_engine.data import load_text
-from recipe_engine.evaluation.bench import checkpoint_bytes
+from recipe_engine.architectures.adapters import count_parameters
+from recipe_engine.io.data import load_text
+from recipe_engine.io.models import checkpoint_bytes
 from recipe_engine.evaluation.perplexity import perplexity
-from recipe_engine.models import load_model
+from recipe_engine.io.models import load_model
 
 CALIBRATION = {"dataset": "wikitext2", "split": "validation", "samples": 32, "seq_len": 512, "seed": 0}
 FLATTEN = ["FuseNorm", {"FlattenAdjacent": {"n": 6}}, "HeadPrune", "NystromMLP"]

@@ -53,7 +53,7 @@ TINY_EXTRA = {
 
 
 def smollm2_dense(out: Path) -> Path:
-    from recipe_engine.models import load_model
+    from recipe_engine.io.models import load_model
 
     directory = out / "dense"
     if not (directory / "config.json").is_file():
@@ -80,7 +80,7 @@ def build_tiny(out: Path, tokenizer) -> dict[str, Path]:
     ``1 + 0.3·N(0, 1)`` (seeded) so the norm conventions (Gemma's ``1 + w``) change the result."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from recipe_engine.adapters import ADAPTERS
+    from recipe_engine.architectures.adapters import ADAPTERS
 
     dirs = {}
     for model_type, adapter in ADAPTERS.items():
@@ -103,7 +103,7 @@ def build_tiny(out: Path, tokenizer) -> dict[str, Path]:
 
 def build_gemma(out: Path) -> dict[str, Path]:
     from recipe_engine import apply
-    from recipe_engine.models import load_model
+    from recipe_engine.io.models import load_model
 
     dirs = {"gemma3_270m_18": out / "gemma3_270m", "gemma3_270m_sleb_14": out / "gemma3_270m_sleb"}
     if not (dirs["gemma3_270m_18"] / "config.json").is_file():
@@ -217,8 +217,8 @@ def main() -> None:
         sys.exit("llama-cpp-python is not installed: pip install '.[gguf]' (it builds llama.cpp with cmake)")
     from transformers import AutoTokenizer
 
-    from recipe_engine.data import load_text
-    from recipe_engine.gguf_export import export_gguf
+    from recipe_engine.io.data import load_text
+    from recipe_engine.io.gguf_export import export_gguf
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)

@@ -62,9 +62,9 @@ def llmcompressor_side(args) -> None:
 
 
 def session_for(model, tokenizer, ids, batch_size: int):
-    from recipe_engine.adapters import adapter_for
-    from recipe_engine.schema import CalibrationConfig
-    from recipe_engine.session import Session
+    from recipe_engine.architectures.adapters import adapter_for
+    from recipe_engine.recipe.schema import CalibrationConfig
+    from recipe_engine.execution.session import Session
 
     config = CalibrationConfig(samples=ids.shape[0], seq_len=ids.shape[1], batch_size=batch_size)
     return Session(model, tokenizer, adapter_for(model.config), ids, config, torch.device("cpu"))
@@ -95,15 +95,15 @@ def ppl(model, tokenizer, text: str, windows: int) -> float:
 
 
 def disk_mb(directory: Path) -> float:
-    from recipe_engine.evaluation.bench import checkpoint_bytes
+    from recipe_engine.io.models import checkpoint_bytes
 
     return checkpoint_bytes(directory) / 2 ** 20
 
 
 def prepare(args, out: Path):
     """Dense checkpoint (for llm-compressor) and the shared calibration ids, saved under ``out``."""
-    from recipe_engine.data import load_text, sample_windows, tokenize
-    from recipe_engine.models import load_model
+    from recipe_engine.io.data import load_text, sample_windows, tokenize
+    from recipe_engine.io.models import load_model
 
     dense, tokenizer, _ = load_model("smollm2-135m", "float32")
     dense.save_pretrained(out / "dense")
@@ -121,8 +121,8 @@ def main_side(args) -> None:
     import copy
 
     from recipe_engine.modifiers.quantize import Quantize
-    from recipe_engine.checkpoint import write_checkpoint
-    from recipe_engine.data import load_text
+    from recipe_engine.io.checkpoint_writer import write_checkpoint
+    from recipe_engine.io.data import load_text
     from safetensors.torch import load_file
 
     out = Path(args.out)

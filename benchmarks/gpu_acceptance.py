@@ -370,15 +370,15 @@ def stream8b_recipe(args, model: Path, work: Path) -> dict:
 
 
 def device_estimate(recipe: dict, config) -> dict:
-    """The accelerator's share of ``recipe plan``'s estimate (``recipe_engine.memory.estimate``, streamed):
+    """The accelerator's share of ``recipe plan``'s estimate (``recipe_engine.plan.estimates.estimate``, streamed):
     the largest step's weights (a layer-scope step: its largest layer and one original layer) and the part
     of its working memory that does not grow with the calibration tokens (statistics, solve buffers), plus
     one batch's activations (the MLP intermediate ×3 in fp32, the host estimate's one-batch term). What grows
     with the tokens (e.g. GPTQ's recorded block inputs) and the calibration activations live on the host
     between layers (``calibration.offload``). The token-independent part is the intercept of each step's
     working memory between ``samples`` and ``2 × samples`` windows (affine in the tokens)."""
-    from recipe_engine.memory import estimate
-    from recipe_engine.schema import recipe_from_dict
+    from recipe_engine.plan.estimates import estimate
+    from recipe_engine.recipe.schema import recipe_from_dict
 
     cal = recipe["calibration"]
 
@@ -398,7 +398,7 @@ def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
     import torch
 
     import scale
-    from recipe_engine.models import load_config
+    from recipe_engine.io.models import load_config
 
     started = time.perf_counter()
     shape, layers = (TINY_SHAPE, TINY_LAYERS) if args.tiny else (scale.LLAMA3_8B, LLAMA3_8B_LAYERS)

@@ -24,11 +24,11 @@ def child(mode: str, samples: int, seq_len: int) -> dict:
     import torch
 
     import recipe_engine
-    from recipe_engine.adapters import adapter_for
-    from recipe_engine.data import load_text, sample_windows, tokenize
-    from recipe_engine.models import load_model
-    from recipe_engine.schema import CalibrationConfig
-    from recipe_engine.session import Session
+    from recipe_engine.architectures.adapters import adapter_for
+    from recipe_engine.io.data import load_text, sample_windows, tokenize
+    from recipe_engine.io.models import load_model
+    from recipe_engine.recipe.schema import CalibrationConfig
+    from recipe_engine.execution.session import Session
 
     torch.manual_seed(0)
     model, tokenizer, _ = load_model("smollm2-135m")

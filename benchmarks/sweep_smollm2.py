@@ -1,6 +1,6 @@
 """FlattenGPT vs ShortGPT vs ShortGPT+LinearPatch vs SLEB on SmolLM2-135M at n = 2, 4, 6, 8, 10 removed layers.
 
-The ``recipe sweep`` machinery (``recipe_engine.sweep.Sweep``) over the four shipped SmolLM2 recipes, all
+The ``recipe sweep`` machinery (``recipe_engine.workflows.sweep.Sweep``) over the four shipped SmolLM2 recipes, all
 calibrated on WikiText-2 validation (FlattenGPT's recipe calibrates on the Wikipedia sample by default;
 overrides make every method see the same text), ``--samples`` windows (default 16, half the recipes' 32, to
 fit a shared 2-core machine) of each recipe's length, seed 0: 16 × 512 tokens (SLEB: 16 × 128, its recipe's
@@ -72,7 +72,7 @@ def main() -> None:
     import torch
     from rich.console import Console
 
-    from recipe_engine.sweep import Sweep, plot, table
+    from recipe_engine.workflows.sweep import Sweep, plot, table
 
     torch.set_num_threads(args.threads)
     sweep = Sweep([str(ROOT / r) for r in args.recipes], [f"n={args.n}"], args.out, args.eval_limit, args.tasks,

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import recipe_engine  # noqa: E402
 from compare_methods import CALIBRATIONS, EVALS, MODELS, RAW, methods  # noqa: E402
-from recipe_engine.data import load_text  # noqa: E402
+from recipe_engine.io.data import load_text  # noqa: E402
 from recipe_engine.evaluation.perplexity import perplexity  # noqa: E402
-from recipe_engine.models import load_model  # noqa: E402
+from recipe_engine.io.models import load_model  # noqa: E402
 
 
 def main() -> None:

@@ -23,27 +23,27 @@ any private name); the session it receives is used through its public methods an
   recipe's validation rules on a shape), :func:`steps_passes`, ``Session.branch`` / ``run_steps`` /
   ``adopt`` / ``current_shape``, :class:`SharedWork` (work shared between branches over the same windows).
 """
-from .budget import LayerBudget, budget_field
-from .memo import SharedWork
-from .plan import steps_passes
-from .schema import parse_step, step_to_dict
-from .split import SCORE_FRACTION, WindowSplit, heldout_split
-from .validate import check_steps
-from .adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, replace_linear, roles_problem
-from .data import load_text, tokenize
+from .architectures.adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, replace_linear, roles_problem
+from .architectures.shape import LayerShape, ModelShape
 from .errors import RecipeError
-from .hadamard import rotation
-from .linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, reconstruction_error,
-                     refit_error, ridge_compensation, ridge_leverage_scores, ridge_refit, set_linear_weight,
-                     submatrix)
-from .modifier import LayerModifier, Modifier
-from .ops import fold_norm_into, top_k_kl
-from .quantization import Grid
-from .registry import register
-from .session import Session
-from .shape import LayerShape, ModelShape
-from .staged import StagedLayer
-from .stats import InputCovariance, Statistic, position
+from .execution.memo import SharedWork
+from .execution.session import Session
+from .execution.staged import StagedLayer
+from .execution.stats import InputCovariance, Statistic, position
+from .io.data import load_text, tokenize
+from .numerics.hadamard import rotation
+from .numerics.linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, reconstruction_error,
+                              refit_error, ridge_compensation, ridge_leverage_scores, ridge_refit, set_linear_weight,
+                              submatrix)
+from .numerics.ops import fold_norm_into, top_k_kl
+from .numerics.quantization import Grid
+from .plan.steps import steps_passes
+from .recipe.budget import LayerBudget, budget_field
+from .recipe.modifier import LayerModifier, Modifier
+from .recipe.registry import register
+from .recipe.schema import parse_step, step_to_dict
+from .recipe.split import SCORE_FRACTION, WindowSplit, heldout_split
+from .recipe.validate import check_steps
 
 __all__ = ["LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
            "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",

@@ -27,7 +27,7 @@ echo "top-level names installed by recipe-engine: $ours"
 [ "$ours" = "recipe_engine" ] || { echo "FAIL: expected only recipe_engine"; exit 1; }
 "$venv/bin/python" -c 'import modifiers' 2>/dev/null && { echo "FAIL: a top-level 'modifiers' is importable"; exit 1; }
 "$venv/bin/recipe" list-modifiers > modifiers.txt
-expected="$(ls "$repo"/modifiers/*.py | xargs -n1 basename | grep -v '^_' | wc -l)"
+expected="$(ls "$repo"/recipe_engine/modifiers/*.py | xargs -n1 basename | grep -v '^_' | wc -l)"
 listed="$(grep -c '\[model\]\|\[layer\]' modifiers.txt || true)"
 echo "modifiers listed: $listed (modifier files in the repository: $expected)"
 [ "$listed" -ge "$expected" ] || { echo "FAIL: not every built-in is listed"; exit 1; }

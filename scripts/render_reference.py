@@ -50,7 +50,7 @@ def _first_paragraph(cls) -> str:
 
 
 def render_modifiers() -> str:
-    from recipe_engine.registry import REGISTRY
+    from recipe_engine.recipe.registry import REGISTRY
 
     lines = ["# Modifiers: every parameter", "", HEADER.rstrip(), "",
              "Every registered modifier, as `recipe list-modifiers` prints it. A recipe step names the modifier "

@@ -5,9 +5,9 @@ import copy
 
 import torch
 
-from recipe_engine.adapters import adapter_for
-from recipe_engine.schema import CalibrationConfig
-from recipe_engine.session import Session
+from recipe_engine.architectures.adapters import adapter_for
+from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.session import Session
 
 
 def make_session(model, tokens, batch_size: int = 2, tokenizer=None) -> Session:

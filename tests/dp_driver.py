@@ -24,8 +24,8 @@ import torch.distributed as dist
 from pydantic import Field
 
 from recipe_engine.cli import main as cli_main
-from recipe_engine.modifier import LayerModifier, Modifier
-from recipe_engine.registry import REGISTRY
+from recipe_engine.recipe.modifier import LayerModifier, Modifier
+from recipe_engine.recipe.registry import REGISTRY
 from tests.resume_driver import install as install_pause_points
 
 

@@ -224,11 +224,23 @@ def start_signal_driver(tmp_path, cases: list[dict]):
 def forbid_loading(monkeypatch, message: str) -> None:
     """Make loading a model's weights (and writing GGUF tensors) fail with ``message``: a check that must
     refuse before the expensive work proves it did."""
-    from recipe_engine import gguf_export, models, runner
+    from recipe_engine.io import gguf_export
 
     def refuse(*_a, **_k):
         raise AssertionError(message)
-    monkeypatch.setattr(runner, "load_model", refuse)
-    monkeypatch.setattr(models, "load_model", refuse)
+    refuse_loading(monkeypatch, refuse)
     monkeypatch.setattr(gguf_export, "_encoding", refuse)
+
+
+def refuse_loading(monkeypatch, refuse) -> None:
+    """Replace ``io.models.load_model`` with ``refuse`` in every engine module that imported it."""
+    import sys
+
+    import recipe_engine.cli  # noqa: F401  (every command's module, each with its own load_model name)
+    from recipe_engine.io import models
+
+    real = models.load_model
+    for name, module in list(sys.modules.items()):
+        if name.startswith("recipe_engine") and getattr(module, "load_model", None) is real:
+            monkeypatch.setattr(module, "load_model", refuse)
 

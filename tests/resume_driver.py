@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from recipe_engine import resume, runner
+from recipe_engine.execution import resume
+from recipe_engine.workflows import runner
 from recipe_engine.cli import main as cli_main
-from recipe_engine.modifier import LayerModifier, Modifier
-from recipe_engine.registry import REGISTRY
+from recipe_engine.recipe.modifier import LayerModifier, Modifier
+from recipe_engine.recipe.registry import REGISTRY
 
 
 def pause(ready: Path) -> None:

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from recipe_engine import runner
+from recipe_engine.workflows import runner
 from recipe_engine.cli import main as cli_main
-from recipe_engine.modifier import LayerModifier
-from recipe_engine.registry import REGISTRY
+from recipe_engine.recipe.modifier import LayerModifier
+from recipe_engine.recipe.registry import REGISTRY
 
 
 def stall(kind: str, ready: Path) -> None:

@@ -9,9 +9,9 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from recipe_engine.modifier import LayerModifier
-from recipe_engine.registry import REGISTRY
-from recipe_engine.data import sample_windows
+from recipe_engine.recipe.modifier import LayerModifier
+from recipe_engine.recipe.registry import REGISTRY
+from recipe_engine.io.data import sample_windows
 from tests.helpers import CharTokenizer, random_tokens, tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 200

@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM
 import recipe_engine
 from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, head_norm_spread, merge_layers
 from recipe_engine.modifiers.gptq import GPTQ
-from recipe_engine.adapters import ADAPTERS, adapter_for
+from recipe_engine.architectures.adapters import ADAPTERS, adapter_for
 from recipe_engine.errors import RecipeError
-from recipe_engine.schema import CalibrationConfig
-from recipe_engine.session import Session
-from recipe_engine.shape import ModelShape
+from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.session import Session
+from recipe_engine.architectures.shape import ModelShape
 from tests.helpers import ARCHITECTURES, CharTokenizer, hf_model_with_layers, random_tokens, tiny_config, tiny_model
 
 NEW = ("qwen3", "gemma3_text", "phi3")
@@ -201,8 +201,8 @@ def test_shape_takes_qkv_biases_from_the_adapter():
     """``ModelShape.qkv_bias`` (memory estimates) is the adapter's fact, or the config's ``attention_bias``."""
     from transformers import AutoConfig
 
-    from recipe_engine.adapters import ADAPTERS
-    from recipe_engine.shape import ModelShape
+    from recipe_engine.architectures.adapters import ADAPTERS
+    from recipe_engine.architectures.shape import ModelShape
 
     for model_type, adapter in ADAPTERS.items():
         config = AutoConfig.for_model(model_type, num_hidden_layers=2)

@@ -77,8 +77,8 @@ def test_validation_errors(tmp_path, steps, message):
 def test_recipes_validate_against_their_configs():
     from pathlib import Path
 
-    from recipe_engine.recipe_io import load_recipe
-    from recipe_engine.validate import check_against_config
+    from recipe_engine.recipe.files import load_recipe
+    from recipe_engine.plan.preflight import check_against_config
     from tests.helpers import tiny_config
 
     root = Path(__file__).resolve().parents[1] / "recipes"

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from recipe_engine.hadamard import hadamard, orthogonal, rotation
+from recipe_engine.numerics.hadamard import hadamard, orthogonal, rotation
 
 SIZES = {1: "walsh-hadamard(2^0)", 2: "walsh-hadamard(2^1)", 12: "paley1(p=11)", 20: "paley1(p=19)",
          28: "paley2(p=13)", 36: "paley2(p=17)", 40: "paley1(p=19)", 44: "paley1(p=43)", 60: "paley1(p=59)",

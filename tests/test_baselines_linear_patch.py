@@ -6,8 +6,8 @@ import torch
 
 from recipe_engine.modifiers.linear_patch import LinearPatch, Tune, contiguous_scores, install, interfaces
 from recipe_engine.modifiers.shortgpt import ShortGPT
-from recipe_engine.adapters import adapter_for
-from recipe_engine.hadamard import rotation
+from recipe_engine.architectures.adapters import adapter_for
+from recipe_engine.numerics.hadamard import rotation
 from tests.baselines_helpers import layer_io, make_session, without_layers
 from tests.helpers import random_tokens, tiny_model
 

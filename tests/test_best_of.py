@@ -8,18 +8,18 @@ import pytest
 import torch
 
 import recipe_engine
-from recipe_engine.budget import bind_step, resolve_budget
+from recipe_engine.recipe.budget import bind_step, resolve_budget
 from recipe_engine.errors import RecipeError
 from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, merge_layers
 from recipe_engine.modifiers.head_prune import HeadPrune
 from recipe_engine.modifiers.nystrom_mlp import NystromMLP
-from recipe_engine.runner import run_steps
-from recipe_engine.progress import Progress
-from recipe_engine.schema import parse_step, recipe_from_dict
-from recipe_engine.session import Session
-from recipe_engine.shape import ModelShape
-from recipe_engine.split import heldout_split
-from recipe_engine.validate import check_against_config
+from recipe_engine.execution.steps import run_steps
+from recipe_engine.system.progress import Progress
+from recipe_engine.recipe.schema import parse_step, recipe_from_dict
+from recipe_engine.execution.session import Session
+from recipe_engine.architectures.shape import ModelShape
+from recipe_engine.recipe.split import heldout_split
+from recipe_engine.plan.preflight import check_against_config
 from tests.baselines_helpers import make_session
 from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, tiny_config, tiny_model
 
@@ -275,7 +275,7 @@ def test_best_of_refuses_a_streamed_run_before_loading(tmp_path):
 
 def test_best_of_dumps_and_reloads_losslessly(tmp_path):
     loaded = recipe_from_dict(recipe(tmp_path, [{"BestOf": {"alternatives": ALTERNATIVES}}]))
-    from recipe_engine.schema import dump_recipe, load_yaml
+    from recipe_engine.recipe.schema import dump_recipe, load_yaml
 
     again = recipe_from_dict(load_yaml(dump_recipe(loaded)))
     assert again.modifiers == loaded.modifiers and dump_recipe(again) == dump_recipe(loaded)
@@ -321,8 +321,8 @@ def test_depth20_auto_validates_on_every_shipped_model_config():
 
     from transformers import Gemma3TextConfig, Qwen2Config
 
-    from recipe_engine.models import load_config
-    from recipe_engine.recipe_io import load_recipe
+    from recipe_engine.io.models import load_config
+    from recipe_engine.recipe.files import load_recipe
 
     configs = {
         "qwen2.5-0.5b": lambda: Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

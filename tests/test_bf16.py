@@ -33,9 +33,9 @@ from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import recipe_engine
-from recipe_engine.registry import REGISTRY
-from recipe_engine.session import Session
-from recipe_engine.stats import Statistic
+from recipe_engine.recipe.registry import REGISTRY
+from recipe_engine.execution.session import Session
+from recipe_engine.execution.stats import Statistic
 from tests.helpers import BYTE_VOCAB, random_tokens, save_tiny_model
 
 TEXT = "Calibration text for the bf16 tests, repeated to have enough tokens. " * 300

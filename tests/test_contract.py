@@ -10,8 +10,8 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from recipe_engine.registry import REGISTRY
-from recipe_engine.schema import dump_recipe, recipe_from_dict
+from recipe_engine.recipe.registry import REGISTRY
+from recipe_engine.recipe.schema import dump_recipe, recipe_from_dict
 from recipe_engine.errors import RecipeError
 from tests.helpers import ARCHITECTURES, BYTE_VOCAB, CharTokenizer, byte_tokenizer, random_tokens, tiny_model
 

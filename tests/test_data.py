@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from recipe_engine import data
+from recipe_engine.io import data
 from recipe_engine.errors import SourceError
 from tests.helpers import shared_data
 
@@ -89,7 +89,7 @@ def test_fingerprint_is_sha256_of_ids():
 
 
 def test_data_dir_unset_reads_hub_and_task_file_says_so(monkeypatch):
-    from recipe_engine.data import data_dir, is_hub_source
+    from recipe_engine.io.data import data_dir, is_hub_source
     from recipe_engine.evaluation.task_data import data_file
 
     monkeypatch.delenv("RECIPE_DATA_DIR", raising=False)
@@ -100,7 +100,7 @@ def test_data_dir_unset_reads_hub_and_task_file_says_so(monkeypatch):
 
 
 def test_data_dir_that_is_not_a_directory_is_one_line(monkeypatch, tmp_path):
-    from recipe_engine.data import load_text
+    from recipe_engine.io.data import load_text
 
     monkeypatch.setenv("RECIPE_DATA_DIR", str(tmp_path / "missing"))
     with pytest.raises(SourceError, match=r"RECIPE_DATA_DIR=.*missing is not a directory"):
@@ -115,7 +115,7 @@ class ByteTokenizer:
 
 
 def test_mixed_calibration_shares_windows_among_sources_in_order():
-    from recipe_engine.schema import CalibrationConfig
+    from recipe_engine.recipe.schema import CalibrationConfig
 
     cal = CalibrationConfig(dataset=["wikipedia-sample", "c4-sample"], samples=5, seq_len=64, split="train")
     assert cal.shares() == [3, 2]

@@ -15,7 +15,7 @@ makes that run behave like one on a GPU where placement is concerned:
   numbers, which is enough to follow every code path the data does not choose.
 
 Code that branches on the device type as ``device.type == "cpu"`` takes its accelerator side on ``meta``
-(e.g. the ridge solves of ``recipe_engine.linalg``, whose in-place CPU path is skipped), so those branches
+(e.g. the ridge solves of ``recipe_engine.numerics.linalg``, whose in-place CPU path is skipped), so those branches
 run here too.
 
 What it cannot catch: anything that depends on values (the device side has none and the host copies are
@@ -40,11 +40,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import recipe_engine
-from recipe_engine.adapters import adapter_for
-from recipe_engine.registry import REGISTRY
-from recipe_engine.schema import recipe_from_dict
-from recipe_engine.session import Session
-from recipe_engine.stats import InputCovariance
+from recipe_engine.architectures.adapters import adapter_for
+from recipe_engine.recipe.registry import REGISTRY
+from recipe_engine.recipe.schema import recipe_from_dict
+from recipe_engine.execution.session import Session
+from recipe_engine.execution.stats import InputCovariance
 from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, tiny_model
 
 TEXT = "Calibration text for the placement tests, repeated to have enough tokens. " * 300
@@ -55,13 +55,13 @@ ACCELERATOR = "meta"
 def meta_is_a_device(monkeypatch):
     """The engine refuses devices other than CPU and CUDA for users; here ``meta`` must pass its device check
     so that it can play the accelerator."""
-    import recipe_engine.models as models
-    import recipe_engine.validate as validate
+    import recipe_engine.io.models as models
+    import recipe_engine.plan.preflight as preflight
 
     strict = models.parse_device
     lenient = lambda name: torch.device(name) if str(name).startswith(ACCELERATOR) else strict(name)
     monkeypatch.setattr(models, "parse_device", lenient)
-    monkeypatch.setattr(validate, "parse_device", lenient)
+    monkeypatch.setattr(preflight, "parse_device", lenient)
 #: ops that take device data and CPU indices on CUDA (the indices are moved by the kernel)
 INDEXING = {"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
 TRANSFERS = {"aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"}

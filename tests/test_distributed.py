@@ -1,4 +1,4 @@
-"""Data-parallel calibration (recipe_engine.distributed): 2 gloo processes vs 1 process on tiny models.
+"""Data-parallel calibration (recipe_engine.execution.distributed): 2 gloo processes vs 1 process on tiny models.
 
 Two ranks (``tests/dp_driver.py``) run every job of one launch; the same recipes run here in one process.
 The outputs must agree (fp64-reduced statistics: max relative weight difference ≤ 1e-6 per tensor) and so

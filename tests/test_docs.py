@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import recipe_engine
 from recipe_engine.errors import RecipeError
-from recipe_engine.registry import REGISTRY
+from recipe_engine.recipe.registry import REGISTRY
 from tests.helpers import CharTokenizer, hf_model_with_layers, random_tokens, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ from recipe_engine.cli import main
 from recipe_engine.errors import QualityGateError
 from recipe_engine.evaluation import perplexity
 from recipe_engine.evaluation.bench import alternate, protocol_note, ratios
-from recipe_engine.modifier import Modifier
-from recipe_engine.schema import recipe_from_dict
+from recipe_engine.recipe.modifier import Modifier
+from recipe_engine.recipe.schema import recipe_from_dict
 from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, shared_data, tiny_model
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 6  # 480 bytes
@@ -47,7 +47,7 @@ def test_eval_cli_writes_json_record(saved, tmp_path, capsys):
     assert (ppl["windows"], ppl["windows_available"], ppl["seq_len"], ppl["tokens"]) == (3, 7, 64, 3 * 63)
     assert len(ppl["fingerprint"]) == 64 and ppl["origin"] == str(text)
     assert record["lm_eval_version"] == version("lm_eval")
-    from recipe_engine.models import load_model
+    from recipe_engine.io.models import load_model
 
     model, tokenizer, _ = load_model(str(dense))
     assert ppl["ppl"] == pytest.approx(perplexity(model, tokenizer, TEXT, 64, 3)["ppl"], rel=1e-6)

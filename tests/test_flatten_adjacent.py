@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, merge_layers, select_blocks, symbolic_blocks
-from recipe_engine.adapters import adapter_for
+from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.errors import RecipeError
-from recipe_engine.schema import CalibrationConfig
-from recipe_engine.session import Session
-from recipe_engine.shape import ModelShape
+from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.session import Session
+from recipe_engine.architectures.shape import ModelShape
 from tests.helpers import random_tokens, tiny_config, tiny_model
 
 

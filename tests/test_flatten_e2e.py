@@ -65,7 +65,7 @@ def test_flatten_smollm2_end_to_end(tmp_path, smollm2):
     the full protocol, 32 × 512 calibration, measures +0.51 on WikiText-2 test, ShortGPT's drop +1.11)."""
     import copy
 
-    from recipe_engine.data import load_text, tokenize
+    from recipe_engine.io.data import load_text, tokenize
 
     dense, tokenizer = smollm2
     recipe = flatten_recipe(tmp_path / "smol", ["FlattenAdjacent<n:6>", "HeadPrune", "NystromMLP"],

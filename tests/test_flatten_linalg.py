@@ -1,4 +1,5 @@
-"""recipe_engine.linalg against independent references (lstsq on the stacked ridge problem, explicit inverses)."""
+"""recipe_engine.numerics.linalg against independent references (lstsq on the stacked ridge problem, explicit
+inverses)."""
 import os
 import subprocess
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipe_engine.linalg import (mean_eigenvalue, reconstruction_error, ridge_compensation,
+from recipe_engine.numerics.linalg import (mean_eigenvalue, reconstruction_error, ridge_compensation,
                                   ridge_leverage_scores, ridge_refit, spd_solve_)
 
 
@@ -73,7 +74,7 @@ def test_reconstruction_error_matches_residual_norm():
 def test_refit_error_and_heldout_scale_match_explicit_fits():
     """Moments-only errors against residuals of explicit ridge fits (lstsq on the stacked problem);
     the chosen multiple against brute force over the grid."""
-    from recipe_engine.linalg import heldout_ridge_scale, refit_error
+    from recipe_engine.numerics.linalg import heldout_ridge_scale, refit_error
 
     generator = torch.Generator().manual_seed(4)
     x = correlated_inputs(tokens=45, channels=12, seed=5)
@@ -118,7 +119,7 @@ def test_leverage_in_place_restores_gram_when_not_positive_definite(block):
 
 LEVERAGE_PEAK_PROBE = """
 import sys, torch, scipy.linalg  # imported before the baseline
-from recipe_engine.linalg import ridge_leverage_scores
+from recipe_engine.numerics.linalg import ridge_leverage_scores
 n, contiguous = int(sys.argv[1]), sys.argv[2] == "in-place"
 x = torch.randn(n + 200, n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 gram = x.T @ x

@@ -9,11 +9,11 @@ import torch
 from recipe_engine.modifiers.flatten_adjacent import merge_layers
 from recipe_engine.modifiers.head_prune import HeadPrune
 from recipe_engine.modifiers.nystrom_mlp import NystromMLP
-from recipe_engine.adapters import adapter_for
+from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.errors import RecipeError
-from recipe_engine.schema import CalibrationConfig
-from recipe_engine.session import Session
-from recipe_engine.shape import ModelShape
+from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.session import Session
+from recipe_engine.architectures.shape import ModelShape
 from tests.helpers import layer_kwargs, random_tokens, tiny_config, tiny_model
 
 HEAD_DIM, QUERIES_PER_GROUP = 16, 2
@@ -265,7 +265,7 @@ def test_greedy_group_elimination_equals_scoring_every_candidate(seed, ridge):
     """The downdated greedy (one inverse, OBS updates) makes the same choices as re-solving and scoring
     each candidate with reconstruction_error, on 10 groups of 3 correlated channels down to 3."""
     from recipe_engine.modifiers.head_prune import greedy_group_elimination
-    from recipe_engine.linalg import reconstruction_error
+    from recipe_engine.numerics.linalg import reconstruction_error
 
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(200, 30, generator=generator, dtype=torch.float64) @ torch.randn(

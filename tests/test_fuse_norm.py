@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from recipe_engine.modifiers.fuse_norm import FuseNorm
-from recipe_engine.adapters import adapter_for
-from recipe_engine.schema import CalibrationConfig
-from recipe_engine.session import Session
+from recipe_engine.architectures.adapters import adapter_for
+from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.session import Session
 from tests.helpers import random_tokens, requires_smollm2, tiny_model
 
 

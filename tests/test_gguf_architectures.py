@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from recipe_engine.adapters import ADAPTERS, GGUFLayout
+from recipe_engine.architectures.adapters import ADAPTERS, GGUFLayout
 from recipe_engine.errors import RecipeError
-from recipe_engine.gguf_export import check_config, export_gguf
+from recipe_engine.io.gguf_export import check_config, export_gguf
 from tests.helpers import ARCHITECTURES, tiny_config, tiny_model
 from tests.test_gguf_export import VOCAB, bpe_tokenizer, read_back, relative_error
 

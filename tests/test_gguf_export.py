@@ -10,7 +10,7 @@ import torch
 import recipe_engine
 from recipe_engine.cli import main
 from recipe_engine.errors import RecipeError
-from recipe_engine.gguf_export import export_gguf
+from recipe_engine.io.gguf_export import export_gguf
 from tests.helpers import tiny_model
 
 VOCAB = 259  # 256 byte symbols, "he" (one merge: llama.cpp needs merges), "<|eos|>" (special), "<tool>"
@@ -111,7 +111,7 @@ def test_refusals_are_one_line(tmp_path):
 
 def test_write_is_atomic(tmp_path, monkeypatch):
     """A failure while tensors are written leaves neither the file nor its temporary sibling."""
-    import recipe_engine.gguf_export as module
+    import recipe_engine.io.gguf_export as module
 
     _, directory = saved(tmp_path)
     calls = []

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from recipe_engine.distributed import launched
-from recipe_engine.stats import InputCovariance
+from recipe_engine.execution.distributed import launched
+from recipe_engine.execution.stats import InputCovariance
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,9 +148,9 @@ def test_full_size_recipes_are_valid_for_their_models(tmp_path):
 
     from transformers import LlamaConfig
 
-    from recipe_engine.models import load_config
-    from recipe_engine.schema import recipe_from_dict
-    from recipe_engine.validate import check_against_config
+    from recipe_engine.io.models import load_config
+    from recipe_engine.recipe.schema import recipe_from_dict
+    from recipe_engine.plan.preflight import check_against_config
 
     acceptance = _acceptance()
     import scale

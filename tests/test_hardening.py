@@ -9,7 +9,9 @@ import time
 import pytest
 import yaml
 
-from recipe_engine import cleanup, output, runner
+from recipe_engine.system import cleanup
+from recipe_engine.io import output
+from recipe_engine.workflows import runner
 from recipe_engine.cli import main
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # 1800 bytes
@@ -344,7 +346,7 @@ def test_corrupt_gguf_is_one_line(work, gguf_file, capsys, no_loading, damage, c
 
 
 def test_validate_reads_gguf_metadata_without_converting(work, gguf_file, capsys, monkeypatch):
-    from recipe_engine import models
+    from recipe_engine.io import models
 
     tmp, recipe = work
 
@@ -367,7 +369,7 @@ def test_gguf_apply_converts_once_into_the_cache(work, gguf_file, capsys):
 
 
 def test_stale_conversion_directory_is_swept(work, gguf_file, capsys):
-    from recipe_engine import models
+    from recipe_engine.io import models
 
     tmp, _ = work
     target = models.gguf_cache_dir(gguf_file)
@@ -384,14 +386,14 @@ def test_stale_conversion_directory_is_swept(work, gguf_file, capsys):
 # 10. recipe eval arguments ------------------------------------------------------------------------------
 
 def test_eval_arguments_are_checked_before_loading(work, model_dir, capsys, monkeypatch):
-    from recipe_engine import models
+    from tests.helpers import refuse_loading
 
     tmp, _ = work
 
     def refuse(*_a, **_k):
         raise AssertionError("the model was loaded before the error was found")
 
-    monkeypatch.setattr(models, "load_model", refuse)
+    refuse_loading(monkeypatch, refuse)
     one_line_error(capsys, ["eval", str(model_dir), "--limit", "-1"],
                    "recipe eval: argument --limit: expected a positive integer, got -1")
     one_line_error(capsys, ["eval", str(model_dir), "--seq-len", "abc"], "argument --seq-len")
@@ -474,7 +476,7 @@ def test_validate_online_asks_the_hub_whether_the_dataset_exists(work, capsys, m
     import huggingface_hub
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    from recipe_engine import data
+    from recipe_engine.io import data
 
     _, recipe = work
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):

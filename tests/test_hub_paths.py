@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipe_engine import data
+from recipe_engine.io import data
 from recipe_engine.cli import main
 from recipe_engine.errors import SourceError
 from tests.helpers import have_smollm2

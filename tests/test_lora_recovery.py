@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import recipe_engine
 from recipe_engine.modifiers.lora_recovery import alpaca_prompt, training_examples
-from recipe_engine.ops import top_k_kl
+from recipe_engine.numerics.ops import top_k_kl
 from tests.helpers import CharTokenizer, tiny_model
 
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "piano", "lemon"]

@@ -3,7 +3,7 @@ import hashlib
 
 import pytest
 
-from recipe_engine import models
+from recipe_engine.io import models
 from recipe_engine.errors import SourceError
 from tests.helpers import requires_smollm2, tiny_model
 
@@ -129,7 +129,7 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path):
     import os
     import shutil
 
-    from recipe_engine.models import gguf_cache_dir
+    from recipe_engine.io.models import gguf_cache_dir
 
     first = tmp_path / "a" / "model.gguf"
     first.parent.mkdir()

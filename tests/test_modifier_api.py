@@ -7,7 +7,7 @@ import pytest
 
 import recipe_engine.api as api
 
-MODIFIERS = sorted((Path(__file__).resolve().parents[1] / "modifiers").glob("*.py"))
+MODIFIERS = sorted((Path(__file__).resolve().parents[1] / "recipe_engine" / "modifiers").glob("*.py"))
 
 
 def _engine_imports(tree: ast.AST) -> list[tuple[str, str]]:
@@ -37,5 +37,5 @@ def test_api_names_exist():
 
 
 def test_check_catches_a_private_import(tmp_path):
-    tree = ast.parse("from recipe_engine.session import _to\nfrom recipe_engine.api import Modifier\n")
-    assert _engine_imports(tree) == [("recipe_engine.session", "_to"), ("recipe_engine.api", "Modifier")]
+    tree = ast.parse("from recipe_engine.execution.session import _to\nfrom recipe_engine.api import Modifier\n")
+    assert _engine_imports(tree) == [("recipe_engine.execution.session", "_to"), ("recipe_engine.api", "Modifier")]

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from recipe_engine.cli import main
-from recipe_engine.modifier import LayerModifier
-from recipe_engine.output_lock import lock_path, output_lock
-from recipe_engine.registry import REGISTRY
+from recipe_engine.recipe.modifier import LayerModifier
+from recipe_engine.io.output_lock import lock_path, output_lock
+from recipe_engine.recipe.registry import REGISTRY
 from tests.helpers import start_signal_driver
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
@@ -155,7 +155,7 @@ def test_sigterm_during_evaluation_is_one_line(signalled):
 def test_progress_generator_closed_after_the_display(capsys):
     import gc
 
-    from recipe_engine.progress import Progress
+    from recipe_engine.system.progress import Progress
 
     unraisable = []
     hook, sys.unraisablehook = sys.unraisablehook, unraisable.append

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 
 import recipe_engine
-from recipe_engine.models import load_config
-from recipe_engine.plan import plan_rows
-from recipe_engine.recipe_io import load_recipe
-from recipe_engine.runner import group_steps
+from recipe_engine.io.models import load_config
+from recipe_engine.plan.steps import plan_rows
+from recipe_engine.recipe.files import load_recipe
+from recipe_engine.execution.steps import group_steps
 from tests.helpers import CharTokenizer, have_smollm2, tiny_model
 from tests.test_recipes import HUB_CONFIGS, RECIPES
 
@@ -69,7 +69,7 @@ def test_plan_passes_match_the_run(path, tmp_path):
 
 def test_sleb_plan_counts_every_round():
     from recipe_engine.modifiers.sleb import SLEB
-    from recipe_engine.shape import ModelShape
+    from recipe_engine.architectures.shape import ModelShape
 
     shape = ModelShape.from_config(tiny_model(num_hidden_layers=30).config)
     assert SLEB(n=6).passes(shape) == 28 + 27 + 26 + 25 + 24 + 23

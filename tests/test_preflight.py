@@ -1,4 +1,4 @@
-"""Every command's pre-flight (``recipe_engine.preflight``): one line, exit code 2, nothing written, and found
+"""Every command's pre-flight (``recipe_engine.plan.preflight``): one line, exit code 2, nothing written, and found
 before any model is loaded — for ``apply`` and ``validate`` alike, and for ``export``, ``sweep``, ``eval``,
 ``bench`` and ``plan``. In-process calls of the CLI's ``main`` on a tiny random model."""
 import json
@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from recipe_engine import gguf_export, output
+from recipe_engine.io import gguf_export
+from recipe_engine.io import output
 from recipe_engine.cli import main
 from recipe_engine.evaluation import zeroshot
 from tests.helpers import forbid_loading
@@ -75,7 +76,7 @@ def test_misspelled_task_is_refused_up_front(work, capsys, no_loading, command):
 
 def test_hub_task_names_come_from_lm_evals_index(work, capsys, no_loading, monkeypatch):
     """task_data: hub checks the name against lm-eval's own task index (read from its installed configs)."""
-    monkeypatch.setattr("recipe_engine.data.hub_unreachable", lambda timeout_s=3.0: None)
+    monkeypatch.setattr(zeroshot, "hub_unreachable", lambda timeout_s=3.0: None)
     assert {"arc_easy", "piqa", "hellaswag"} <= zeroshot.hub_task_names()
     _, recipe = work
     path = recipe(evaluate={"tasks": ["hellaswag", "hellaswga"], "task_data": "hub"})

@@ -108,7 +108,7 @@ def test_gptq_dead_inputs_zeroed_and_deterministic():
 def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(size, block):
     """The reversed-order factor ``P L⁻¹ P`` equals LAPACK's upper Cholesky factor of ``(H + λI)⁻¹`` (the
     reference code's chain); ``lower_triangular_inverse`` equals ``torch.linalg.inv`` of the triangle."""
-    from recipe_engine.linalg import lower_triangular_inverse
+    from recipe_engine.numerics.linalg import lower_triangular_inverse
     from recipe_engine.modifiers.gptq import inverse_hessian_factor
 
     g = torch.Generator().manual_seed(size)

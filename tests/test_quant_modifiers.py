@@ -7,10 +7,10 @@ from transformers import AutoModelForCausalLM
 
 import recipe_engine
 from recipe_engine.modifiers.gptq import GPTQ
-from recipe_engine.checkpoint import write_checkpoint
+from recipe_engine.io.checkpoint_writer import write_checkpoint
 from recipe_engine.errors import RecipeError
-from recipe_engine.schema import recipe_from_dict
-from recipe_engine.validate import check_against_config
+from recipe_engine.recipe.schema import recipe_from_dict
+from recipe_engine.plan.preflight import check_against_config
 from tests.helpers import CharTokenizer, random_tokens, tiny_config, tiny_model
 from tests.test_session import make_session
 

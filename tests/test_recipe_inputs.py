@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipe_engine import runner
+from recipe_engine.workflows import runner
 from recipe_engine.cli import main
 from recipe_engine.errors import RecipeError
-from recipe_engine.schema import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES, parse_step, safe_load
+from recipe_engine.recipe.schema import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES, parse_step, safe_load
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def test_hostile_yaml_from_a_subprocess_is_one_line_without_a_traceback(tmp_path
 def test_stream_on_as_the_readme_writes_it(work, capsys):
     """``on``/``off``/``yes``/``no`` are strings (YAML 1.2): ``stream: on`` is the mode 'on'; a true/false
     field still reads them as booleans (pydantic)."""
-    from recipe_engine.recipe_io import load_recipe
+    from recipe_engine.recipe.files import load_recipe
 
     _, recipe = work
     for mode in ("on", "off", "auto"):
@@ -189,7 +189,7 @@ def test_a_parameter_given_twice_is_refused(work, capsys, body, fragment):
 
 @pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", ".NaN", "1e999"])
 def test_floats_are_finite_in_every_parameter_model(work, capsys, value):
-    """Engine-wide (``recipe_engine.strict``): a modifier's float, a nested parameter model's float
+    """Engine-wide (``recipe_engine.recipe.strict``): a modifier's float, a nested parameter model's float
     (``LinearPatch``'s ``tune``: its own ``gt=0`` may refuse first), and a recipe section's float.
     (``1e999`` is a string in YAML, which pydantic reads as inf.)"""
     _, recipe = work
@@ -237,7 +237,7 @@ def test_numbers_and_booleans_where_they_belong_still_validate():
 # --- model sources ---------------------------------------------------------------------------------------
 
 def test_a_misspelt_builtin_model_gets_did_you_mean_without_the_hub(work, capsys, monkeypatch):
-    from recipe_engine import models
+    from recipe_engine.io import models
 
     monkeypatch.setattr(models, "hub_unreachable", lambda *a: pytest.fail("the hub was probed"))
     _, recipe = work
@@ -251,7 +251,7 @@ def test_a_misspelt_builtin_model_gets_did_you_mean_without_the_hub(work, capsys
 def test_a_missing_model_path_is_not_found(work, capsys, monkeypatch, spec):
     """A path-like model that does not exist is "not found" (``models/`` exists here: ``models/mine`` is a
     path, not a hub id), never a hub connection error."""
-    from recipe_engine import models
+    from recipe_engine.io import models
 
     monkeypatch.setattr(models, "hub_unreachable", lambda *a: pytest.fail("the hub was probed"))
     tmp, recipe = work
@@ -284,7 +284,7 @@ def test_a_truncated_source_checkpoint_is_named_before_loading(work, capsys, mod
 
 
 def test_recipe_cache_that_is_a_file_is_one_line(work, capsys, monkeypatch, tmp_path):
-    from recipe_engine import models
+    from recipe_engine.io import models
     from tests.helpers import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "tiny.gguf")

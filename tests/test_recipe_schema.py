@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recipe_engine.errors import RecipeError
-from recipe_engine.recipe_io import apply_override, load_recipe
-from recipe_engine.schema import dump_recipe, parse_compact, recipe_from_dict
+from recipe_engine.recipe.files import apply_override, load_recipe
+from recipe_engine.recipe.schema import dump_recipe, parse_compact, recipe_from_dict
 
 BASE = {"version": 1, "name": "t", "model": "smollm2-135m", "output": "out/t",
         "modifiers": ["FuseNorm"]}

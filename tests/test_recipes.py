@@ -6,9 +6,9 @@ import pytest
 from transformers import LlamaConfig, Qwen2Config
 
 from recipe_engine.errors import SourceError
-from recipe_engine.models import BUILTIN_SPLIT_MODELS, load_config
-from recipe_engine.recipe_io import load_recipe
-from recipe_engine.validate import check_against_config
+from recipe_engine.io.models import BUILTIN_SPLIT_MODELS, load_config
+from recipe_engine.recipe.files import load_recipe
+from recipe_engine.plan.preflight import check_against_config
 from tests.helpers import have_smollm2
 
 ROOT = Path(__file__).resolve().parents[1]

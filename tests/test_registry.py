@@ -3,8 +3,8 @@ import importlib.metadata
 
 import pytest
 
-from recipe_engine.modifier import Modifier
-from recipe_engine.registry import REGISTRY, Registry, RegistryError
+from recipe_engine.recipe.modifier import Modifier
+from recipe_engine.recipe.registry import REGISTRY, Registry, RegistryError
 
 
 def test_builtin_modifiers_are_registered():
@@ -39,7 +39,7 @@ class FakeEntryPoint:
 
 
 def _patch_entry_points(monkeypatch, entries):
-    import recipe_engine.registry as registry_module
+    import recipe_engine.recipe.registry as registry_module
 
     monkeypatch.setattr(registry_module, "entry_points",
                         lambda group: entries if group == "recipe_engine.modifiers" else [])
@@ -64,8 +64,8 @@ def test_plugin_import_error_is_reported_not_swallowed(monkeypatch):
 
 
 def test_cli_reports_plugin_error(monkeypatch, capsys):
-    import recipe_engine.cli as cli
-    import recipe_engine.registry as registry_module
+    import recipe_engine.cli.commands as cli
+    import recipe_engine.recipe.registry as registry_module
 
     _patch_entry_points(monkeypatch, [FakeEntryPoint("broken", "x", error=ImportError("boom"))])
     monkeypatch.setattr(registry_module, "REGISTRY", Registry())
@@ -85,8 +85,8 @@ def test_builtins_register_under_our_namespace():
 
 
 def test_broken_builtin_module_is_one_line_at_the_cli(monkeypatch, capsys, tmp_path):
-    import recipe_engine.cli as cli
-    import recipe_engine.registry as registry_module
+    import recipe_engine.cli.commands as cli
+    import recipe_engine.recipe.registry as registry_module
 
     package = tmp_path / "broken_builtins"
     package.mkdir()

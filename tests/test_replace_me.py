@@ -10,7 +10,7 @@ import yaml
 from recipe_engine.cli import main
 from recipe_engine.errors import RecipeError
 from recipe_engine.modifiers.replace_me import ReplaceMe, block_distances
-from recipe_engine.shape import ModelShape
+from recipe_engine.architectures.shape import ModelShape
 from tests.baselines_helpers import make_session, without_layers
 from tests.helpers import have_smollm2, random_tokens, tiny_config, tiny_model
 
@@ -191,7 +191,7 @@ def shape_of(model_type="llama", layers=4):
 
 
 def test_skip_first_must_leave_tokens(tmp_path, capsys):
-    from recipe_engine.schema import CalibrationConfig
+    from recipe_engine.recipe.schema import CalibrationConfig
 
     ReplaceMe(n=1, skip_first=15).check_calibration(CalibrationConfig(seq_len=16))
     with pytest.raises(RecipeError, match="field 'skip_first': skip_first=16 leaves no token"):

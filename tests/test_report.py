@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import recipe_engine
-from recipe_engine.report import FORMAT_VERSION, Report, ReportError, load_report
+from recipe_engine.io.report import FORMAT_VERSION, Report, ReportError, load_report
 from tests.helpers import CharTokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def test_every_field_is_documented():
 
 
 def test_force_replaces_a_format0_output_only_as_a_recipe_output(tmp_path):
-    from recipe_engine.output import is_recipe_output
+    from recipe_engine.io.output import is_recipe_output
 
     shutil.copytree(FORMAT0, tmp_path / "old")
     assert not is_recipe_output(tmp_path / "old")  # no recipe.yaml beside it

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipe_engine.resume import resume_directory
+from recipe_engine.execution.resume import resume_directory
 from tests.helpers import free_port, save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 60
@@ -261,7 +261,7 @@ def test_ranks_that_adopted_different_checkpoints_are_refused(tmp_path):
     """``Checkpoints.agree``: each rank's manifest sha256 is gathered (``Parallel.map`` with one item per
     rank); a rank that saw another checkpoint, or none (no shared file system), stops the run with one line."""
     from recipe_engine.errors import RecipeError
-    from recipe_engine.resume import Checkpoints
+    from recipe_engine.execution.resume import Checkpoints
 
     class TwoRanks:  # what Parallel.map returns on every rank: rank r's result at position r
         world = 2
@@ -285,10 +285,11 @@ def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
     place: the free-space check asks for twice the output's size, and says so."""
     from transformers import LlamaConfig
 
-    from recipe_engine import output
+    from recipe_engine.io import output
+    from recipe_engine.plan.preflight import check_free_space
     from recipe_engine.errors import RecipeError
-    from recipe_engine.memory import output_bytes
-    from recipe_engine.schema import recipe_from_dict
+    from recipe_engine.plan.estimates import output_bytes
+    from recipe_engine.recipe.schema import recipe_from_dict
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2)
@@ -297,7 +298,7 @@ def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
     size = output_bytes(recipe, config)
     real = output.shutil.disk_usage
     monkeypatch.setattr(output.shutil, "disk_usage", lambda p: real(p)._replace(free=int(1.05 * 1.5 * size) + 2**20))
-    output.check_free_space(recipe, config)
+    check_free_space(recipe, config)
     with pytest.raises(RecipeError, match="not enough disk space .* checkpoint and its resume checkpoints; "
                                           "--no-checkpoints needs half"):
-        output.check_free_space(recipe, config, resume_checkpoints=True)
+        check_free_space(recipe, config, resume_checkpoints=True)

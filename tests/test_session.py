@@ -4,11 +4,11 @@ import copy
 import pytest
 import torch
 
-from recipe_engine.adapters import adapter_for
-from recipe_engine.modifier import LayerModifier
-from recipe_engine.schema import CalibrationConfig
-from recipe_engine.session import Session
-from recipe_engine.stats import InputCovariance
+from recipe_engine.architectures.adapters import adapter_for
+from recipe_engine.recipe.modifier import LayerModifier
+from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.session import Session
+from recipe_engine.execution.stats import InputCovariance
 from tests.helpers import layer_kwargs, random_tokens, tiny_model
 
 
@@ -153,7 +153,7 @@ def test_input_covariance_fp32_products_agree_with_fp64_and_are_keyed_apart():
 
 def test_layer_keyword_arguments_move_to_the_device_with_nesting():
     """Captured layer kwargs (a dict holding the (cos, sin) tuple) reach the session device whole."""
-    from recipe_engine.session import to_device
+    from recipe_engine.execution.session import to_device
 
     kwargs = {"position_embeddings": (torch.ones(2), torch.zeros(2)), "attention_mask": torch.ones(1), "flag": 3}
     moved = to_device(kwargs, torch.device("meta"))
@@ -163,7 +163,7 @@ def test_layer_keyword_arguments_move_to_the_device_with_nesting():
 
 def test_input_covariance_row_panels_equal_one_product(monkeypatch):
     """The Gram summed in row panels (no second n × n product) equals ``XᵀX`` of all batches."""
-    import recipe_engine.stats as stats
+    import recipe_engine.execution.stats as stats
 
     monkeypatch.setattr(stats, "ROW_PANEL", 16)
     x = torch.randn(4, 10, 50, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipe_engine import models
+from recipe_engine.io import models
 from tests.helpers import BYTE_VOCAB, byte_tokenizer, start_signal_driver, tiny_model, write_tiny_gguf
 
 POINTS = ("loading", "pass", "writing")

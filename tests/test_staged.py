@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from recipe_engine.modifier import LayerModifier
-from recipe_engine.staged import StagedLayer
-from recipe_engine.stats import Statistic
+from recipe_engine.recipe.modifier import LayerModifier
+from recipe_engine.execution.staged import StagedLayer
+from recipe_engine.execution.stats import Statistic
 from tests.helpers import random_tokens, tiny_model
 from tests.test_session import make_session
 

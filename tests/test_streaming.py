@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import recipe_engine
-from recipe_engine.checkpoint import write_checkpoint
+from recipe_engine.io.checkpoint_writer import write_checkpoint
 from recipe_engine.errors import RecipeError
-from recipe_engine.registry import REGISTRY
-from recipe_engine.streaming import CheckpointReader, is_materialized
+from recipe_engine.recipe.registry import REGISTRY
+from recipe_engine.io.checkpoint_reader import CheckpointReader, is_materialized
 from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, save_tiny_model, shared_data, tiny_model
 
 TEXT = "Streaming calibration text, repeated so that there are enough tokens for every window. " * 200
@@ -138,11 +138,11 @@ def test_streamed_evaluation_matches_in_memory_perplexity(tmp_path):
 def test_release_stages_only_changed_units(tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
     saved_model(model_dir)
-    from recipe_engine.adapters import adapter_for
-    from recipe_engine.models import load_model
-    from recipe_engine.schema import CalibrationConfig
-    from recipe_engine.session import Session
-    from recipe_engine.streaming import attach_stream
+    from recipe_engine.architectures.adapters import adapter_for
+    from recipe_engine.io.models import load_model
+    from recipe_engine.recipe.schema import CalibrationConfig
+    from recipe_engine.execution.session import Session
+    from recipe_engine.execution.streaming import attach_stream
 
     model, tokenizer, source = load_model(str(model_dir), skeleton=True)
     assert not any(is_materialized(layer) for layer in model.model.layers)
@@ -150,7 +150,7 @@ def test_release_stages_only_changed_units(tmp_path, monkeypatch):
                                     CalibrationConfig(batch_size=2), torch.device("cpu")),
                             source.location, tmp_path / "staging")
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    import recipe_engine.streaming as streaming
+    import recipe_engine.execution.streaming as streaming
 
     trims = []  # the heap is trimmed once per block, after its units are released
     monkeypatch.setattr(streaming, "trim_heap", lambda: trims.append(is_materialized(session.layers[0])))
@@ -191,7 +191,7 @@ def test_stream_on_with_an_in_memory_model_is_refused(tmp_path):
 INTERRUPT = """
 import os, signal, sys
 from recipe_engine.cli import main
-from recipe_engine.streaming import WeightStream
+from recipe_engine.execution.streaming import WeightStream
 stage, count = WeightStream.stage, [0]
 def stage_then_signal(self, unit):
     stage(self, unit)
@@ -254,8 +254,8 @@ PACKED = "export:compressed-tensors"
     ([f"GPTQ<group_size:32,{PACKED}>", "Quantize<group_size:32>"], "changes weights that step 0 \\(GPTQ\\) quantized"),
 ])
 def test_weight_change_after_quantizing_is_a_validation_error(tmp_path, steps, message):
-    from recipe_engine.schema import recipe_from_dict
-    from recipe_engine.validate import check_against_config
+    from recipe_engine.recipe.schema import recipe_from_dict
+    from recipe_engine.plan.preflight import check_against_config
     from tests.helpers import tiny_config
 
     data = recipe(tmp_path, tmp_path, steps, "off", "q")
@@ -272,7 +272,7 @@ def test_incremental_safetensors_writer_matches_the_library(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from recipe_engine.checkpoint import write_safetensors_incrementally
+    from recipe_engine.io.checkpoint_writer import write_safetensors_incrementally
 
     generator = torch.Generator().manual_seed(0)
     tensors = {"b.weight": torch.randn(3, 5, generator=generator).to(torch.bfloat16),
@@ -294,8 +294,8 @@ def test_incremental_safetensors_writer_matches_the_library(tmp_path):
 def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
     """The estimate's model size equals the parameters HF builds (× dtype bytes); NystromMLP's working memory
     is its fp64 Gram of the merged width (factored in place) and the refit's kept-width system; the streamed peak is far below the in-memory one."""
-    from recipe_engine.memory import estimate
-    from recipe_engine.schema import recipe_from_dict
+    from recipe_engine.plan.estimates import estimate
+    from recipe_engine.recipe.schema import recipe_from_dict
     from tests.helpers import tiny_config
 
     config = tiny_config(model_type, num_hidden_layers=6, tie_word_embeddings=tied)
@@ -324,7 +324,7 @@ def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
 def test_packed_export_streamed_equals_in_memory_without_the_whole_model(tmp_path, monkeypatch, steps):
     """The engine's writer packs quantized linears unit by unit: a streamed run never makes the whole
     model resident (``Session.resident`` is refused), and its packed files equal the in-memory run's."""
-    from recipe_engine.session import Session
+    from recipe_engine.execution.session import Session
 
     model_dir = tmp_path / "model"
     saved_model(model_dir)
@@ -344,7 +344,7 @@ def test_packed_export_streamed_equals_in_memory_without_the_whole_model(tmp_pat
                                                     (8, None, True, 72), (4, 64, False, 13)])
 def test_packed_layout_is_what_the_compressor_returns(bits, group, sym, rows):
     """The writer fixes each file's header before packing: its layout must be the library's output."""
-    from recipe_engine.quantization import Grid, QuantizedLinear, pack, packed_layout
+    from recipe_engine.numerics.quantization import Grid, QuantizedLinear, pack, packed_layout
 
     grid = Grid(bits, group, sym)
     weight = torch.randn(rows, 128, dtype=torch.float32)
@@ -382,8 +382,8 @@ def test_streamed_zero_shot_equals_in_memory_with_one_unit_resident(tmp_path, mo
     """lm-eval on a streamed skeleton (accelerate hooks load each unit for its forward) gives the in-memory
     scores, and never holds more than one unit plus the tied head's embedding at a time."""
     from recipe_engine.evaluation.run import evaluate_session, evaluation_session
-    from recipe_engine.schema import EvaluateConfig
-    from recipe_engine.streaming import WeightStream
+    from recipe_engine.recipe.schema import EvaluateConfig
+    from recipe_engine.execution.streaming import WeightStream
 
     model_dir = tmp_path / "model"
     saved_model(model_dir)
@@ -415,8 +415,8 @@ def test_streamed_zero_shot_equals_in_memory_with_one_unit_resident(tmp_path, mo
 def test_output_size_estimate_is_the_compressed_models_size(tmp_path):
     """The free-space check counts the checkpoint the recipe writes (fewer, narrower layers), not the
     input model: the estimate equals the written safetensors' tensor bytes."""
-    from recipe_engine.memory import output_bytes
-    from recipe_engine.schema import recipe_from_dict
+    from recipe_engine.plan.estimates import output_bytes
+    from recipe_engine.recipe.schema import recipe_from_dict
 
     model_dir = tmp_path / "model"
     saved_model(model_dir)

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 import recipe_engine
-import recipe_engine.runner as runner
+import recipe_engine.workflows.sweep as sweep_module
 from recipe_engine.cli import main
 from recipe_engine.errors import RecipeError
-from recipe_engine.sweep import Sweep, pareto_front, variants
+from recipe_engine.workflows.sweep import Sweep, pareto_front, variants
 from tests.helpers import BYTE_VOCAB, byte_tokenizer, tiny_model
 
 
@@ -49,7 +49,7 @@ def test_shared_work_is_computed_once_and_rows_equal_plain_runs(recipes, tmp_pat
     plain, _ = recipe_engine.apply(variants(recipes[0], [("modifiers.1.n", [2])])[0][1], write=False,
                                    progress=False)
     from recipe_engine.evaluation import perplexity
-    from recipe_engine.data import load_text
+    from recipe_engine.io.data import load_text
 
     tokenizer = byte_tokenizer()
     text = load_text(str(tmp_path / "text.txt"), "train").text
@@ -60,7 +60,7 @@ def test_shared_work_is_computed_once_and_rows_equal_plain_runs(recipes, tmp_pat
 
 def test_interrupted_sweep_keeps_rows_and_rerun_skips_them(recipes, tmp_path, monkeypatch, capsys):
     calls = []
-    real_apply = runner.apply
+    real_apply = sweep_module.apply
 
     def interrupting(*args, **kwargs):
         calls.append(1)
@@ -68,7 +68,7 @@ def test_interrupted_sweep_keeps_rows_and_rerun_skips_them(recipes, tmp_path, mo
             raise KeyboardInterrupt
         return real_apply(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "apply", interrupting)
+    monkeypatch.setattr(sweep_module, "apply", interrupting)
     out = str(tmp_path / "sweep")
     argv = ["sweep", recipes[0], "--recipes", recipes[1], "--vary", "n=1,2", "--output", out, "--quiet",
             "--eval-limit", "1"]
@@ -77,9 +77,9 @@ def test_interrupted_sweep_keeps_rows_and_rerun_skips_them(recipes, tmp_path, mo
     kept = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"]
     assert [r["recipe"] for r in kept] == ["dense", "flatten", "flatten"]
     calls.clear()
-    monkeypatch.setattr(runner, "apply", real_apply)
+    monkeypatch.setattr(sweep_module, "apply", real_apply)
     counted = []
-    monkeypatch.setattr(runner, "apply", lambda *a, **k: counted.append(1) or real_apply(*a, **k))
+    monkeypatch.setattr(sweep_module, "apply", lambda *a, **k: counted.append(1) or real_apply(*a, **k))
     assert main(argv) == 0
     rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"]
     assert len(counted) == 2  # only ShortGPT n=1, n=2 ran
@@ -100,7 +100,7 @@ def test_sleb_rounds_are_shared_across_n(recipes, tmp_path):
         plain, report = recipe_engine.apply(variants(recipes[2], [("n", [row["params"]["modifiers.0.n"]])])[0][1],
                                             write=False, progress=False)
         assert plain.config.num_hidden_layers == row["layers"]
-        from recipe_engine.data import load_text
+        from recipe_engine.io.data import load_text
         from recipe_engine.evaluation import perplexity
 
         text = load_text(str(tmp_path / "text.txt"), "train").text

@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from ..adapters import count_parameters
+from ..architectures.adapters import count_parameters
 
 PAPER = {"batch": 64, "gen_tokens": 128, "prefill_tokens": 2048}
-
-
-def checkpoint_bytes(directory: str | Path) -> int:
-    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
 
 
 def _sync(device: torch.device) -> None:

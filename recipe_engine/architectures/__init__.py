@@ -1,0 +1,1 @@
+"""Architectures: the adapters (where each decoder family keeps its parts) and the symbolic model shape."""

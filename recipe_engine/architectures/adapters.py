@@ -1,0 +1,429 @@
+"""Architecture adapters: declarative role maps, the one place that knows how HF decoder models are laid out.
+
+An adapter maps *roles* to module paths (model level: embeddings, layers, final norm, lm_head, rotary; per
+layer: the attention and MLP blocks, the linears ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``
+or the fused ``qkv_proj`` / ``gate_up_proj``, and the norms) and records capability facts: RMSNorm gain
+parameterisation (Gemma's ``(1 + w)``: ``norm_offset = 1``), scaled embeddings, per-head q/k norms, norms on
+a block's output (Gemma's sandwich norms), per-layer attention types (``config.layer_types``: sliding /
+global). Statistics, modifiers, LoRA targets and quantization targets address roles; adding an architecture
+is one :data:`ADAPTERS` entry plus its tests.
+
+Norm roles: ``attention_norm`` (read by q/k/v), ``mlp_norm`` (read by gate/up), ``attention_output_norm`` and
+``mlp_output_norm`` (applied to a block's output before the residual add), ``q_norm`` / ``k_norm`` (per head).
+The adapter also keeps the config consistent after a change of layer count (``num_hidden_layers``,
+``layer_types``, ``max_window_layers``, each attention module's ``layer_idx`` / ``layer_type``).
+
+GGUF facts (:class:`GGUFLayout`, an adapter's ``gguf``): how llama.cpp names and computes the architecture —
+its ``general.architecture``, the GGUF tensor name of every role, the rope row order, which attention
+variants its graph computes (sliding windows, logit soft-capping) and the config checks that differ per
+architecture. ``recipe_engine.io.gguf_export`` reads only these; an adapter without them is not exported.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import RecipeError
+from ..numerics.linalg import set_linear_weight
+
+#: Linear roles in dataflow order with their stage (0: reads the attention norm, 1: attention output,
+#: 2: reads the MLP norm, 3: MLP output). Fused roles list the roles they stack (output rows in order).
+LINEAR_ROLES = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "qkv_proj": 0, "o_proj": 1,
+                "gate_proj": 2, "up_proj": 2, "gate_up_proj": 2, "down_proj": 3}
+UNFUSED_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_ROLES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: Key of the per-layer-type keyword arguments inside a captured layer-kwargs dict (``layer_kwargs``).
+LAYER_TYPE_KWARGS = "_recipe_layer_type_kwargs"
+
+
+def _unfused_linears(attention: str = "self_attn", mlp: str = "mlp") -> dict[str, str]:
+    return {**{r: f"{attention}.{r}" for r in UNFUSED_ROLES[:4]}, **{r: f"{mlp}.{r}" for r in UNFUSED_ROLES[4:]}}
+
+
+LLAMA_NORMS = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
+#: GGUF tensor names of the roles every exported architecture shares (``gguf.TENSOR_NAMES``).
+GGUF_MODEL_TENSORS = {"embeddings": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
+GGUF_LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                      "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+                      "attention_norm": "attn_norm", "mlp_norm": "ffn_norm",
+                      "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """What llama.cpp expects of one architecture in a GGUF file (read in llama.cpp's ``convert_hf_to_gguf.py``,
+    ``gguf-py/gguf/constants.py`` and the architecture's graph in ``src/models/``; not copied).
+
+    ``layer_tensors``: adapter role → tensor name in block ``blk.N`` (linears and norms of a decoder layer);
+    ``model_tensors``: model-level role → tensor name. ``rope_adjacent_pairs``: the graph rotates adjacent
+    pairs (``LLAMA_ROPE_TYPE_NORM``), so HF's rotate-half q/k rows are reordered; the others rotate halves
+    (NEOX) like HF. ``sliding_window``: the graph computes per-layer sliding windows from
+    ``attention.sliding_window`` and a per-layer ``attention.sliding_window_pattern`` (else a config with
+    sliding layers is refused: the graph would attend fully). ``final_logit_softcapping``: the graph applies
+    ``c·tanh(logits/c)``. ``activation``: the MLP activation the graph computes (``hidden_act`` /
+    ``hidden_activation``). ``config_problem``: a further check of the config (None: fine), for facts only
+    this architecture's graph has (a fixed query scale, square attention output)."""
+
+    arch: str
+    layer_tensors: dict[str, str] = field(default_factory=lambda: dict(GGUF_LAYER_TENSORS))
+    model_tensors: dict[str, str] = field(default_factory=lambda: dict(GGUF_MODEL_TENSORS))
+    rope_adjacent_pairs: bool = False
+    sliding_window: bool = False
+    final_logit_softcapping: bool = False
+    activation: str = "silu"
+    config_problem: Callable[[Any], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class ArchitectureAdapter:
+    model_type: str
+    #: linear role → path inside a decoder layer (fused roles replace their members)
+    linears: dict[str, str] = field(default_factory=_unfused_linears)
+    #: norm role → path inside a decoder layer
+    norms: dict[str, str] = field(default_factory=lambda: dict(LLAMA_NORMS))
+    qkv_bias: bool = False
+    #: RMSNorm output ``x / rms(x) · (norm_offset + w)``: 0 for Llama-style gains, 1 for Gemma's ``1 + w``
+    norm_offset: float = 0.0
+    #: the embedding output is multiplied by ``sqrt(hidden_size)`` (Gemma)
+    scaled_embeddings: bool = False
+    attention_block: str = "self_attn"
+    mlp_block: str = "mlp"
+    #: model-level roles (paths from the ``*ForCausalLM`` module)
+    model_paths: dict[str, str] = field(default_factory=lambda: {
+        "layers": "model.layers", "embeddings": "model.embed_tokens", "final_norm": "model.norm",
+        "lm_head": "lm_head", "rotary": "model.rotary_emb"})
+    #: how llama.cpp reads this architecture from a GGUF file (None: GGUF export refuses it)
+    gguf: GGUFLayout | None = None
+
+    # -- role facts -----------------------------------------------------------------------------
+    @property
+    def head_norms(self) -> tuple[str, ...]:
+        """Per-head q/k norm roles this architecture has (Qwen3, Gemma 3)."""
+        return tuple(r for r in ("q_norm", "k_norm") if r in self.norms)
+
+    @property
+    def output_norms(self) -> tuple[str, ...]:
+        """Norms on a block's output before the residual add (Gemma 3's sandwich norms)."""
+        return tuple(r for r in ("attention_output_norm", "mlp_output_norm") if r in self.norms)
+
+    @property
+    def fused(self) -> dict[str, tuple[str, ...]]:
+        return {role: FUSED_ROLES[role] for role in self.linears if role in FUSED_ROLES}
+
+    @property
+    def attention_inputs(self) -> tuple[str, ...]:
+        """Roles of the linears that read the attention norm (q, k, v or the fused qkv)."""
+        return tuple(r for r in self.linears if LINEAR_ROLES[r] == 0)
+
+    @property
+    def mlp_inputs(self) -> tuple[str, ...]:
+        """Roles of the linears that read the MLP norm (gate, up or the fused gate_up)."""
+        return tuple(r for r in self.linears if LINEAR_ROLES[r] == 2)
+
+    @property
+    def output_linears(self) -> dict[str, str]:
+        """Block path → path of the linear whose result is the block's output (``recipe_engine.execution.staged``)."""
+        return {self.attention_block: self.linears["o_proj"], self.mlp_block: self.linears["down_proj"]}
+
+    @property
+    def norm_reads(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(norm role, roles of the linears reading its output): what ``FuseNorm`` folds."""
+        return (("attention_norm", self.attention_inputs), ("mlp_norm", self.mlp_inputs))
+
+    def path(self, role: str) -> str:
+        """Path inside a decoder layer of a linear, norm or block role (``self_attn``/``mlp``: the blocks)."""
+        if role in self.linears:
+            return self.linears[role]
+        if role in self.norms:
+            return self.norms[role]
+        if role in ("attention", "mlp"):
+            return self.attention_block if role == "attention" else self.mlp_block
+        fused = next((f for f, members in self.fused.items() if role in members), None)
+        where = f" (fused into {fused})" if fused else ""
+        raise RecipeError(f"{self.model_type} has no module for role '{role}'{where}")
+
+    def positions(self) -> dict[str, int]:
+        """Dataflow position of each linear and block path (see ``recipe_engine.execution.stats``)."""
+        return {**{path: LINEAR_ROLES[role] for role, path in self.linears.items()},
+                self.attention_block: 0, self.mlp_block: 2}
+
+    def module_roles(self, roles: list[str] | tuple[str, ...]) -> list[str]:
+        """The linear roles of this architecture that ``roles`` (unfused names) select, in dataflow order: a
+        fused linear when all its members are selected; a fused linear selected in part is an error."""
+        wanted = set(roles)
+        chosen = []
+        for role in self.linears:
+            members = FUSED_ROLES.get(role, (role,))
+            picked = wanted & set(members)
+            if picked and picked != set(members):
+                raise RecipeError(f"{self.model_type} fuses {', '.join(members)} into {role}: target all of "
+                                  f"them or none (got {', '.join(sorted(picked))})")
+            if picked:
+                chosen.append(role)
+        return chosen
+
+    def gguf_tensors(self, num_layers: int) -> dict[str, tuple[str, str]]:
+        """HF state-dict tensor name → (GGUF tensor name, role), for the ``.weight`` and ``.bias`` of every role
+        of the model and of each of ``num_layers`` layers (role paths + ``gguf``'s names); an adapter without
+        GGUF facts is one line."""
+        if self.gguf is None:
+            raise RecipeError(f"{self.model_type} has no GGUF layout")
+        layers = self.model_paths["layers"]
+        bases = {self.model_paths[role]: (name, role) for role, name in self.gguf.model_tensors.items()}
+        for index in range(num_layers):
+            for role, name in self.gguf.layer_tensors.items():
+                if role in self.linears or role in self.norms:
+                    bases[f"{layers}.{index}.{self.path(role)}"] = (f"blk.{index}.{name}", role)
+        return {f"{hf}.{suffix}": (f"{name}.{suffix}", role)
+                for hf, (name, role) in bases.items() for suffix in ("weight", "bias")}
+
+    # -- navigation -------------------------------------------------------------------------------
+    def _model_part(self, model: nn.Module, role: str) -> nn.Module:
+        return model.get_submodule(self.model_paths[role])
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return self._model_part(model, "layers")
+
+    def embeddings(self, model: nn.Module) -> nn.Module:
+        return self._model_part(model, "embeddings")
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return self._model_part(model, "final_norm")
+
+    def lm_head(self, model: nn.Module) -> nn.Linear:
+        return self._model_part(model, "lm_head")
+
+    def rotary(self, model: nn.Module) -> nn.Module:
+        return self._model_part(model, "rotary")
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        return layer.get_submodule(self.attention_block)
+
+    def mlp(self, layer: nn.Module) -> nn.Module:
+        return layer.get_submodule(self.mlp_block)
+
+    def linear(self, layer: nn.Module, role: str) -> nn.Linear:
+        return layer.get_submodule(self.path(role))
+
+    def norm(self, layer: nn.Module, role: str) -> nn.Module:
+        return layer.get_submodule(self.norms[role])
+
+    def norm_gain(self, norm: nn.Module) -> torch.Tensor:
+        """The fp32 gain ``g`` of an RMSNorm as applied (``norm_offset + w``)."""
+        return norm.weight.detach().float() + self.norm_offset
+
+    @torch.no_grad()
+    def set_norm_gain(self, norm: nn.Module, gain: torch.Tensor | float) -> None:
+        """Store gain ``g`` in the norm's parameterisation (``w = g − norm_offset``)."""
+        if isinstance(gain, torch.Tensor):
+            norm.weight.copy_((gain.float() - self.norm_offset).to(norm.weight.dtype))
+        else:
+            norm.weight.fill_(gain - self.norm_offset)
+
+    # -- widths of one layer ------------------------------------------------------------------
+    def layer_widths(self, layer: nn.Module, head_dim: int) -> tuple[int, int, int]:
+        """(query heads, KV heads, intermediate size) read from the weight shapes."""
+        heads = self.linear(layer, "o_proj").in_features // head_dim
+        if "k_proj" in self.linears:
+            kv = self.linear(layer, "k_proj").out_features // head_dim
+        else:
+            kv = self.member_rows(layer, "qkv_proj", head_dim)["k_proj"] // head_dim
+        return heads, kv, self.linear(layer, "down_proj").in_features
+
+    def member_rows(self, layer: nn.Module, role: str, head_dim: int) -> dict[str, int]:
+        """Output rows of each member role of linear ``role`` (a plain linear: itself). A fused qkv holds
+        ``(r + 2)·KV`` heads for the config's query heads per KV head ``r`` (merging and pruning whole KV
+        groups keeps ``r``), so its split is read from its own rows."""
+        rows = self.linear(layer, role).out_features
+        if role == "qkv_proj":
+            config = self.attention(layer).config
+            config = getattr(self.attention(layer), "_recipe_shared_config", config)
+            kv = rows // head_dim // (config.num_attention_heads // config.num_key_value_heads + 2) * head_dim
+            return {"q_proj": rows - 2 * kv, "k_proj": kv, "v_proj": kv}
+        if role == "gate_up_proj":
+            return {"gate_proj": rows // 2, "up_proj": rows // 2}
+        return {role: rows}
+
+    def member_parts(self, layer: nn.Module, role: str, head_dim: int) -> dict[str, tuple[torch.Tensor, Any]]:
+        """``{member role: (weight rows, bias rows or None)}`` of linear ``role`` (views, not copies)."""
+        linear = self.linear(layer, role)
+        rows = self.member_rows(layer, role, head_dim)
+        weights = linear.weight.split(list(rows.values()))
+        biases = linear.bias.split(list(rows.values())) if linear.bias is not None else [None] * len(rows)
+        return {member: (w, b) for member, w, b in zip(rows, weights, biases)}
+
+    @torch.no_grad()
+    def keep_rows(self, layer: nn.Module, rows: dict[str, torch.Tensor], head_dim: int) -> None:
+        """Keep output rows ``rows[member]`` of the given member roles (q/k/v or gate/up), slicing a fused
+        linear member by member; then sync per-module widths (``sync_widths``)."""
+        for role in self.module_roles(list(rows)):
+            linear = self.linear(layer, role)
+            parts = self.member_parts(layer, role, head_dim)
+            weight = torch.cat([parts[m][0][rows[m]] for m in parts])
+            bias = torch.cat([parts[m][1][rows[m]] for m in parts]) if linear.bias is not None else None
+            set_linear_weight(linear, weight, bias)
+        self.sync_widths(layer, head_dim)
+
+    def sync_widths(self, layer: nn.Module, head_dim: int) -> None:
+        """Make modules that read their widths from the config agree with the weights (Phi-3's attention
+        splits ``qkv_proj`` at ``config.num_attention_heads``): a layer wider than the config gets a private
+        config copy; a stock-width layer shares the model config again."""
+        if "qkv_proj" not in self.linears:
+            return
+        attention = self.attention(layer)
+        heads, kv, _ = self.layer_widths(layer, head_dim)
+        shared = getattr(attention, "_recipe_shared_config", attention.config)
+        config = shared
+        if (heads, kv) != (shared.num_attention_heads, shared.num_key_value_heads):
+            config = copy.copy(shared)
+            config.num_attention_heads, config.num_key_value_heads = heads, kv
+        attention._recipe_shared_config = shared
+        attention.config = config
+        attention.num_key_value_heads, attention.num_key_value_groups = kv, heads // kv
+
+    # -- layer kwargs -------------------------------------------------------------------------
+    @staticmethod
+    def layer_type(layer: nn.Module) -> str | None:
+        attention = getattr(layer, "self_attn", None)
+        return getattr(attention, "layer_type", None)
+
+    def layer_kwargs(self, layer: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments ``layer`` runs with: a captured dict holding per-layer-type variants
+        (attention mask, rotary embeddings of sliding vs global layers) gives the layer's own type's."""
+        by_type = kwargs.get(LAYER_TYPE_KWARGS)
+        if by_type is None:
+            return kwargs
+        plain = {k: v for k, v in kwargs.items() if k != LAYER_TYPE_KWARGS}
+        return {**plain, **by_type[self.layer_type(layer)]}
+
+    # -- structure edits -------------------------------------------------------------------
+    def set_layers(self, model: nn.Module, layers: list[nn.Module], kept_origin: list[int]) -> None:
+        """Install a new list of decoder layers and fix the config and layer indices.
+
+        ``kept_origin[i]`` is the index (in the current model) whose per-layer config entries
+        (``layer_types``) the new layer ``i`` inherits.
+        """
+        config = model.config
+        old_types = getattr(config, "layer_types", None)
+        self.set_layer_list(model, nn.ModuleList(layers))
+        config.num_hidden_layers = len(layers)
+        if old_types is not None:
+            config.layer_types = [old_types[i] for i in kept_origin]
+        if getattr(config, "max_window_layers", None) is not None:
+            config.max_window_layers = min(config.max_window_layers, len(layers))
+        for index, layer in enumerate(layers):
+            attention = self.attention(layer)
+            attention.layer_idx = index
+            if old_types is not None and hasattr(attention, "layer_type"):
+                attention.layer_type = config.layer_types[index]
+                sliding = attention.layer_type == "sliding_attention"
+                if hasattr(attention, "is_sliding"):
+                    attention.is_sliding = sliding
+                if hasattr(attention, "sliding_window"):
+                    attention.sliding_window = config.sliding_window if sliding else None
+
+    def set_layer_list(self, model: nn.Module, layers: nn.ModuleList) -> None:
+        """Put ``layers`` at the layers' path (no config change; ``set_layers`` keeps the config in step)."""
+        parent, name = self.model_paths["layers"].rsplit(".", 1)
+        setattr(model.get_submodule(parent), name, layers)
+
+
+@torch.no_grad()
+def replace_linear(layer: nn.Module, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """Install a new ``nn.Linear`` holding ``weight`` (and ``bias``) at ``path`` inside ``layer``."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype,
+                       device=weight.device)
+    linear.weight.copy_(weight)
+    if bias is not None:
+        linear.bias.copy_(bias)
+    parent, name = path.rsplit(".", 1)
+    setattr(layer.get_submodule(parent), name, linear)
+    return linear
+
+
+QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+
+
+def _gemma3_gguf_problem(config) -> str | None:
+    """llama.cpp's gemma3 graph scales queries by ``1/sqrt(head_dim)`` — ``1/sqrt(hidden/heads)`` when the
+    model has 62 layers (its 27B) — and reads no ``query_pre_attn_scalar``; attention logits are not soft-capped
+    and attention is causal."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    expected = (config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62 else head_dim)
+    if config.query_pre_attn_scalar != expected:
+        return (f"query_pre_attn_scalar {config.query_pre_attn_scalar} differs from the {expected} llama.cpp's "
+                f"gemma3 graph scales queries by")
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping is not computed by llama.cpp's gemma3 graph"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention is not computed by llama.cpp's gemma3 graph"
+    return None
+
+
+def _phi3_gguf_problem(config) -> str | None:
+    """llama.cpp's phi3 graph sizes the attention output ``hidden × hidden``: heads · head_dim = hidden_size."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim * config.num_attention_heads != config.hidden_size:
+        return (f"{config.num_attention_heads} heads of {head_dim} do not fill hidden_size {config.hidden_size}, "
+                f"which llama.cpp's phi3 graph requires")
+    return None
+
+
+GEMMA3_NORMS = {"attention_norm": "input_layernorm", "attention_output_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm", "mlp_output_norm": "post_feedforward_layernorm", **QK_NORMS}
+ADAPTERS = {
+    "llama": ArchitectureAdapter("llama", gguf=GGUFLayout("llama", rope_adjacent_pairs=True)),
+    # llama.cpp has no mistral graph: Mistral without sliding windows is its llama graph
+    "mistral": ArchitectureAdapter("mistral", gguf=GGUFLayout("llama", rope_adjacent_pairs=True)),
+    "qwen2": ArchitectureAdapter("qwen2", qkv_bias=True, gguf=GGUFLayout("qwen2")),
+    "qwen3": ArchitectureAdapter("qwen3", norms={**LLAMA_NORMS, **QK_NORMS}, gguf=GGUFLayout("qwen3")),
+    "gemma3_text": ArchitectureAdapter(
+        "gemma3_text", norm_offset=1.0, scaled_embeddings=True, norms=GEMMA3_NORMS,
+        gguf=GGUFLayout("gemma3", layer_tensors={**GGUF_LAYER_TENSORS, "attention_output_norm": "post_attention_norm",
+                                                 "mlp_output_norm": "post_ffw_norm"},
+                        sliding_window=True, final_logit_softcapping=True, activation="gelu_pytorch_tanh",
+                        config_problem=_gemma3_gguf_problem)),
+    # llama.cpp's phi3 keeps HF's fusions: attn_qkv (q, k, v rows) and ffn_up holding [gate; up]
+    "phi3": ArchitectureAdapter("phi3", linears={"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
+                                                 "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"},
+                                gguf=GGUFLayout("phi3", layer_tensors={**GGUF_LAYER_TENSORS, "qkv_proj": "attn_qkv",
+                                                                       "gate_up_proj": "ffn_up"},
+                                                config_problem=_phi3_gguf_problem)),
+}
+
+
+def adapter_for(config) -> ArchitectureAdapter:
+    """Adapter for ``config.model_type``; anything else is a one-line error."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise RecipeError(f"unsupported architecture '{model_type}'; supported: "
+                          f"{', '.join(sorted(ADAPTERS))}")
+    adapter = ADAPTERS[model_type]
+    if getattr(config, "attention_bias", False) and not adapter.qkv_bias:
+        raise RecipeError(f"unsupported {model_type} variant with attention_bias=true")
+    if getattr(config, "mlp_bias", False):
+        raise RecipeError(f"unsupported {model_type} variant with mlp_bias=true")
+    return adapter
+
+
+def roles_problem(model_type: str, roles: list[str]) -> str | None:
+    """Why ``roles`` cannot be targeted on ``model_type`` (a fused linear selected in part), or None."""
+    if model_type not in ADAPTERS:
+        return None
+    try:
+        ADAPTERS[model_type].module_roles(roles)
+    except RecipeError as exc:
+        return exc.detail
+    return None
+
+
+@torch.no_grad()
+def count_parameters(model: nn.Module) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,270 @@
+"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, export, sweep, eval, bench."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..errors import QualityGateError, RecipeError, one_line
+from ..execution.distributed import DistributedError
+from ..io.gguf_export import TYPES, export_gguf
+from ..io.output import SWEEP_FILE
+from ..plan.preflight import check_device, located, validate_recipe
+from ..plan.steps import memory_plan, plan_config, plan_rows, print_plan, rank_memory
+from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
+from ..recipe.registry import REGISTRY, RegistryError
+from ..recipe.schema import dump_recipe
+from ..system.cleanup import Interrupted, handle_signals
+from ..workflows.runner import apply
+from ..workflows.sweep import Sweep, plot, table
+from .evaluate import add_commands, positive_int
+from .summary import print_summary
+
+out = Console()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``error: recipe apply: ...``, exit 2) like every other mistake."""
+
+    def error(self, message: str):
+        raise RecipeError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _overrides(args) -> list[str]:
+    sets = list(args.set or [])
+    for name in ("model", "output", "device"):
+        value = getattr(args, name, None)
+        if value is not None:  # an explicit empty value is validated, not ignored
+            sets.append(f"{name}={yaml_scalar(value)}")
+    return sets
+
+
+@contextlib.contextmanager
+def _quiet_libraries(quiet: bool):
+    """No transformers/hub progress bars ("Loading weights", "Writing model shards") under --quiet;
+    their previous state is restored afterwards (``main`` may be called in-process)."""
+    if not quiet:
+        yield
+        return
+    # deferred: transformers and the hub client add seconds to every command's start; only --quiet needs them
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as hf_logging
+
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if not hub_was_off:
+            hub.enable_progress_bars()
+
+
+def cmd_apply(args) -> int:
+    with _quiet_libraries(args.quiet):
+        _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
+                          resume=args.resume, checkpoints=not args.no_checkpoints)
+    if report.rank == 0:  # data-parallel: one summary
+        print_summary(report, out)
+    return 0
+
+
+def cmd_show(args) -> int:
+    print(dump_recipe(load_recipe(args.recipe, _overrides(args)).recipe), end="")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    failed = 0
+    for spec in args.recipes:  # every file is reported, bad or good
+        try:
+            loaded = load_recipe(spec, _overrides(args))
+            config, shape, unchecked = validate_recipe(loaded)
+        except (RecipeError, RegistryError) as exc:
+            print(f"error: {one_line(str(exc))}", file=sys.stderr)
+            failed += 1
+            continue
+        verdict = f"not fully checked ({'; '.join(unchecked)})" if unchecked else "ok"
+        print(f"{spec}: {verdict} ({config.model_type}, {config.num_hidden_layers} → {shape.num_layers} layers)")
+        for note in shape.notes:
+            print(f"  note: {one_line(note)}")
+    if failed and len(args.recipes) > 1:
+        print(f"{failed} of {len(args.recipes)} recipes failed", file=sys.stderr)
+    return RecipeError.exit_code if failed else 0
+
+
+def cmd_plan(args) -> int:
+    loaded = load_recipe(args.recipe, _overrides(args))
+    recipe = loaded.recipe
+    located(lambda: check_device(recipe.device, here=False), loaded.path, "device")  # its form, as validate
+    if args.json:
+        rows, total = plan_rows(recipe, plan_config(recipe)[0])
+        memory = memory_plan(recipe)
+        ranks = rank_memory(recipe, memory, args.ranks) if args.ranks > 1 and "unavailable" not in memory else None
+        print(json.dumps({"steps": rows, "calibration_passes": total, "memory": memory, "data_parallel": ranks}))
+        return 0
+    print_plan(recipe, out, args.ranks)
+    return 0
+
+
+def cmd_diff(args) -> int:
+    lines = diff_recipes(load_recipe(args.old).recipe, load_recipe(args.new).recipe)
+    for line in lines or ["no semantic difference"]:
+        print(line)
+    return 0
+
+
+def cmd_list(args) -> int:
+    for cls in REGISTRY.classes():
+        table = Table(title=escape(f"{cls.step_name()} [{cls.scope}] — {cls.summary()}"), title_justify="left")
+        for column in ("parameter", "type", "default", "description"):
+            table.add_column(column)
+        for name, field in cls.model_fields.items():
+            annotation = getattr(field.annotation, "__name__", None) or str(field.annotation)
+            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            table.add_row(name, annotation.replace("typing.", ""), default, field.description or "")
+        out.print(table)
+    return 0
+
+
+def cmd_export(args) -> int:
+    summary = export_gguf(args.directory, args.output, args.type, force=args.force)
+    out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
+              f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    sweep = Sweep([args.recipe, *(args.recipes or [])], args.vary or [], args.output, args.eval_limit,
+                  args.tasks, progress=not args.quiet, overrides=list(args.set or []))
+    try:
+        with _quiet_libraries(args.quiet):
+            rows = sweep.run()
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}; {len(sweep.rows)} finished rows kept in "
+              f"{args.output}/{SWEEP_FILE} (rerun to continue)", file=sys.stderr)
+        return 128 + signum
+    out.print(table(rows))
+    shared = sweep.shared_work()
+    if shared:
+        out.print("shared work: " + "; ".join(f"{k} computed {v['computed']}, reused {v['reused']}"
+                                              for k, v in sorted(shared.items())))
+
+    problem = plot(rows, Path(args.output) / "pareto.png")
+    out.print(problem or f"wrote {escape(args.output)}/{SWEEP_FILE} and pareto.png")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="recipe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_overrides(p: Parser) -> None:
+        p.add_argument("--set", action="append", metavar="PATH=VALUE",
+                       help="override a recipe field, e.g. calibration.samples=32 or modifiers.2.n=4")
+        p.add_argument("--model", help="override the recipe's model")
+        p.add_argument("--output", help="override the recipe's output directory")
+        p.add_argument("--device", help="auto | cpu | cuda | cuda:i")
+
+    p = sub.add_parser("apply", help="run a recipe and write the compressed checkpoint")
+    p.add_argument("recipe")
+    with_overrides(p)
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted (killed) run of the same output from its checkpoints")
+    p.add_argument("--no-checkpoints", action="store_true",
+                   help="keep no resume checkpoints: the run cannot be resumed, and needs disk room for the "
+                        "output once instead of twice")
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("show", help="print the canonical resolved recipe")
+    p.add_argument("recipe")
+    with_overrides(p)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("validate", help="validate recipes against their model's config (no weights)")
+    p.add_argument("recipes", nargs="+")
+    with_overrides(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("plan", help="print steps, statistics, calibration passes and a memory estimate")
+    p.add_argument("recipe")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--ranks", type=positive_int, default=os.environ.get("WORLD_SIZE", "1"),
+                   help="data-parallel processes (torchrun --nproc-per-node × nodes): per-rank memory "
+                        "(default: $WORLD_SIZE, else 1)")
+    with_overrides(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("diff", help="semantic difference of two recipes (path or path@gitrev)")
+    p.add_argument("old")
+    p.add_argument("new")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("list-modifiers", help="every registered modifier with its parameters")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("export", help="convert an output directory to another format (gguf for llama.cpp)")
+    p.add_argument("directory", help="a recipe output or any HF model directory")
+    p.add_argument("--format", choices=["gguf"], required=True)
+    p.add_argument("--output", required=True, help="the .gguf file to write (atomically)")
+    p.add_argument("--type", choices=TYPES, default="f16", help="2-D weights' type; norms and biases stay f32")
+    p.add_argument("--force", action="store_true", help="replace an existing file")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("sweep", help="run recipes over a grid of parameter values; table, JSON, Pareto plot")
+    p.add_argument("recipe")
+    p.add_argument("--vary", action="append", metavar="PATH=V1,V2",
+                   help="values of one field, e.g. modifiers.1.n=2,4,6 (a bare n: the step that sets n)")
+    p.add_argument("--recipes", nargs="+", metavar="RECIPE", help="more recipes, varied the same way")
+    p.add_argument("--eval-limit", type=positive_int, help="first N perplexity windows and N rows per zero-shot task")
+    p.add_argument("--tasks", nargs="*", help="zero-shot tasks (default: the recipe's evaluate.tasks)")
+    p.add_argument("--output", required=True, help="directory for sweep.json and pareto.png")
+    p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override every recipe, before --vary")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_sweep)
+
+    add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 ok, 2 user error (one line), 3 quality gate, 128+n signal n, 1 internal bug
+    (a traceback: please report it). See docs/errors.md."""
+    try:
+        with handle_signals():
+            args = build_parser().parse_args(argv)
+            handler: Callable = args.func
+            return handler(args)
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except (RecipeError, RegistryError) as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return RecipeError.exit_code
+    except DistributedError as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return DistributedError.exit_code
+    except QualityGateError as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return QualityGateError.exit_code
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}; nothing written", file=sys.stderr)
+        return 128 + signum
+
+
+if __name__ == "__main__":
+    sys.exit(main())

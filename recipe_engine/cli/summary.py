@@ -1,0 +1,62 @@
+"""The rich summary table printed at the end of ``recipe apply``."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..io.report import Report, StepRecord
+
+
+def _ppl(results: dict | None) -> str:
+    ppl = (results or {}).get("perplexity")
+    return f"{ppl['ppl']:.2f}" if ppl else "-"
+
+
+def print_summary(report: Report, console: Console) -> None:
+    before, after = report.before, report.after
+    table = Table(title=f"recipe {report.recipe.name}")
+    table.add_column("")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    table.add_column("ratio", justify="right")
+    table.add_row("parameters", f"{before.parameters / 1e6:.2f}M", f"{after.parameters / 1e6:.2f}M",
+                  f"{after.parameters / before.parameters:.3f}")
+    table.add_row("layers", str(before.layers), str(after.layers), f"{after.layers / before.layers:.3f}")
+    evaluation = report.evaluation
+    if evaluation is not None:
+        ppl = evaluation.before.get("perplexity")
+        if ppl:
+            note = escape(f" [{ppl['dataset']}, {ppl['windows']}×{ppl['seq_len']} tokens]")
+            ratio = (evaluation.retained or {}).get("perplexity")
+            table.add_row("perplexity" + note, _ppl(evaluation.before), _ppl(evaluation.after),
+                          f"{1 / ratio:.3f}" if ratio else "-")
+        zs_before = evaluation.before.get("zero_shot")
+        if zs_before:
+            zs_after = (evaluation.after or {}).get("zero_shot", {})
+            for task, res in zs_before["tasks"].items():
+                value = zs_after.get("tasks", {}).get(task, {}).get("value", float("nan"))
+                table.add_row(f"{task} {res['metric']}", f"{res['value']:.4f}", f"{value:.4f}", "")
+            table.add_row("zero-shot average", f"{zs_before['average']:.4f}",
+                          f"{zs_after.get('average', float('nan')):.4f}", "")
+    steps = report.steps
+    for step, following in zip(steps, steps[1:] + [None]):
+        peak = f" (peak {step.peak_rss_mib / 1024:.2f} GiB)" if step.peak_rss_mib else ""
+        table.add_row(f"step {step.index} {step.modifier}{peak}", "", f"{step.wall_s:.1f}s", "")
+        if step.pass_shared_s and not _same_pass(step, following):
+            passes = "" if step.calibration_passes is None else f", {step.calibration_passes} calibration passes"
+            table.add_row(f"  shared pass (loading, forwards{passes})", "", f"{step.pass_shared_s:.1f}s", "")
+    memory = report.peak_memory
+    if memory.rss_mib:
+        planned = f" (plan {memory.estimate_rss_mib / 1024:.2f})" if memory.estimate_rss_mib else ""
+        table.add_row("peak host memory", "", f"{memory.rss_mib / 1024:.2f} GiB{planned}", "")
+    console.print(table)
+
+
+def _same_pass(step: StepRecord, following: StepRecord | None) -> bool:
+    """Whether ``following`` ran in the same pass group as ``step`` (such steps are consecutive)."""
+    if following is None:
+        return False
+    if step.group is not None:
+        return following.group == step.group
+    return step.shared_pass and following.shared_pass and following.pass_shared_s == step.pass_shared_s

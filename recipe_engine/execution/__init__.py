@@ -1,0 +1,1 @@
+"""Execution: the calibration session, statistics, staged layers, weight streaming, data parallelism, resume."""

@@ -1,0 +1,492 @@
+"""Resume an interrupted ``recipe apply`` (``--resume``) from checkpoints of its finished work.
+
+A run keeps ``PARENT/.NAME.resume/`` beside its output ``PARENT/NAME``:
+
+* ``manifest.json``, replaced atomically after each checkpoint (written last, so a kill at any moment leaves
+  the previous complete checkpoint): the run's identity (resolved-recipe sha256, model source fingerprint,
+  calibration fingerprint, package versions), what is finished (``reached``: the next step group and, inside
+  a layer-sequential pass, the last finished layer), the session state (layer origins, config, extras,
+  artifacts, step records, quantization records) and the sha256 of every file it names;
+* the model's units (each decoder layer; the rest: embeddings, final norm, ``lm_head``), see below;
+* ``inputs-<sha256>.safetensors``: inside a pass, the next layer's inputs (the activation checkpoint), and
+  ``reference-<sha256>.safetensors``: the original model's states the pass follows (NystromMLP's
+  ``target: original``), where it had them;
+* ``quantized-<sha256>.safetensors``: scales and zero points of quantized linears (``session.quantized``,
+  for the packed export), each record written once, by the first checkpoint after it exists.
+
+**Units of an in-memory run**: ``unit-<sha256>.safetensors`` per decoder layer and one for the rest,
+content-addressed, and written only when the unit's tensors changed (identity and version counter).
+
+**Units of a streamed run** (``recipe_engine.execution.streaming``): the checkpoint directory *is* the staging
+directory, so the staged unit files (``unit-<token>-NNNNN.safetensors``, written anyway when a step changes
+a unit) are the checkpointed units: nothing is copied, and a checkpoint costs the manifest, the activations
+and the sha256 of each newly staged file. The manifest records each unit's *home* (a staged file here, or
+the source checkpoint with the unit's tensor names there, for a unit no step changed); a unit still
+materialized and changed at a checkpoint is staged first (``WeightStream.settle``). The stream leaves a
+superseded staged file on disk (``keep_staged``) and the checkpoint deletes it once a new manifest no longer
+names it, so a kill between two checkpoints still finds every file of the previous one. The writer keeps the
+staged units too until the output is in place (a kill while writing resumes from them): during the write the
+changed units are on disk twice (staging and output), as an in-memory run's checkpoints and its output are.
+Restoring a streamed run touches no weight: each unit is a copy of the skeleton's (meta) layer it stands
+for, shaped from the staged file's header (a pruned Linear is rebuilt at its stored shape), with its home set
+(``WeightStream.adopt``); memory stays one unit at a time. A run that ``stream: auto`` decided differently
+from the interrupted one is refused with one line (set ``stream`` explicitly).
+
+Checkpoints follow every step group (a model-scope step, a whole shared pass) and every layer of a pass.
+Resume loads the model from its source as usual, restores the checkpointed units (in memory: a copy of the
+original layer each stands for, with every tensor loaded; a Linear whose stored shape differs is rebuilt at
+that shape), the extras (``restore_extra``), records and artifacts, skips the finished groups, and continues
+a pass after its last finished layer from the stored activations: exact bits, where recomputing them from the
+finished layers would cost a forward per layer (and, for the original model's states, a forward of every
+original layer before them).
+
+**Data-parallel runs** (``recipe_engine.execution.distributed``): every rank holds the same state, so rank 0 alone
+writes the checkpoints (the other ranks' ``Checkpoints`` are readers: ``writer`` False). With ``--resume``
+every rank reads and restores the same directory (the ranks need one shared file system, as for the output):
+rank 0 verifies the files' sha256, each rank the identity, and the ranks then compare the sha256 of the
+manifest they adopted (``agree``): a rank that sees another checkpoint, or none, stops the run with one line.
+What a restore reads later (a streamed unit's staged file) stays on disk until rank 0 writes its next
+checkpoint, which follows a collective every rank passed only after loading it; the interrupted pass's
+activations are read while restoring, before that. A streamed rank > 0 stages its own changes in its own
+temporary directory, as in any data-parallel run.
+
+An exception or a handled signal removes the checkpoints with the run's other files; SIGKILL, the OOM killer or a lost machine leave
+them for ``--resume``. Without ``--resume`` an earlier run's checkpoints are reported and removed, never
+silently reused.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..errors import RecipeError
+from ..io.checkpoint_writer import SAFETENSORS_DTYPES
+from ..numerics.quantization import Grid, QuantizedLinear
+from ..recipe.registry import REGISTRY
+from ..system.cleanup import process_alive, process_identity, track, untrack
+from .streaming import StagedFile
+
+MANIFEST = "manifest.json"
+KIND, VERSION = "recipe-resume", 2
+
+
+def resume_directory(output: str) -> Path:
+    target = Path(output).expanduser()
+    return target.parent / f".{target.name}.resume"
+
+
+def model_fingerprint(location: str) -> str:
+    """sha256 of the source directory's config and of each weight file's name, size and mtime (cheap; a
+    rewritten or replaced checkpoint changes it)."""
+    sha = hashlib.sha256()
+    directory = Path(location)
+    for path in sorted(directory.glob("*")):
+        if path.name == "config.json":
+            sha.update(path.read_bytes())
+        elif path.suffix in (".safetensors", ".bin", ".gguf") or path.name.endswith(".index.json"):
+            stat = path.stat()
+            sha.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return sha.hexdigest()
+
+
+def _sha(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _tensors(module: nn.Module, skip: set[int] = frozenset()) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in module.named_parameters() if id(p) not in skip}
+
+
+class Checkpoints:
+    """The resume directory of one run (see the module docstring); ``session.checkpoint`` inside passes."""
+
+    def __init__(self, directory: Path, identity: dict[str, Any], writer: bool = True):
+        #: False on the other ranks of a data-parallel run: they read the checkpoint rank 0 writes
+        self.directory, self.identity, self.writer = directory, identity, writer
+        #: sha256 of the manifest resumed from (the ranks of a data-parallel run compare it)
+        self.manifest_sha: str | None = None
+        #: the interrupted pass's state, loaded by ``restore`` (see ``pass_state``)
+        self._pass: tuple | None = None
+        self.manifest: dict[str, Any] | None = None  # the last written or the one resumed from
+        #: tensors' signature (prefix, names, ids, versions) → (file, the tensors: held so no id is reused)
+        self._written: dict[tuple, tuple[str, list[torch.Tensor]]] = {}
+        #: sha256 of each file the next manifest may name
+        self._digests: dict[str, str] = {}
+        #: id of a quantization record → (file, key, the record: held so no id is reused)
+        self._quantized_files: dict[int, tuple[str, str, Any]] = {}
+        self.file: str | None = None
+        self._group = 0
+        #: Cost of checkpointing in this process: seconds and bytes written (``report.json`` ``checkpoints``).
+        self.seconds, self.bytes_written, self.count = 0.0, 0, 0
+
+    # -- opening --------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, output: str, identity: dict[str, Any], resume: bool, file: str | None,
+             writer: bool = True) -> "Checkpoints":
+        """Verify and adopt an interrupted run's checkpoints (``resume``), or report and remove them. A reader
+        (``writer`` False: rank > 0 of a data-parallel run) only adopts them (rank 0 verifies their files)."""
+        directory = resume_directory(output)
+        manifest_path = directory / MANIFEST
+        text = manifest_path.read_text() if manifest_path.is_file() else None
+        found = json.loads(text) if text is not None else None
+        checkpoints = cls(directory, identity, writer)
+        checkpoints.file = file
+        if not writer:
+            if resume and found is not None:
+                checkpoints._verify(found, file, files=False)
+                checkpoints.manifest, checkpoints.manifest_sha = found, hashlib.sha256(text.encode()).hexdigest()
+            return checkpoints
+        owner = (found or {}).get("owner")
+        if owner and owner.get("pid") != os.getpid() and process_alive(owner):
+            raise RecipeError(f"another run of {output} is in progress (pid {owner['pid']} on {owner['host']}); "
+                              f"its checkpoints in {directory} are left alone", file=file, field="output")
+        if directory.exists() and not resume:
+            print(f"note: removing the checkpoints of an interrupted run of {output} (continue one with "
+                  f"--resume)", file=sys.stderr)
+            shutil.rmtree(directory, ignore_errors=True)
+        elif resume and found is None:
+            print(f"note: no interrupted run of {output} to resume; starting from the beginning", file=sys.stderr)
+            shutil.rmtree(directory, ignore_errors=True)
+        elif resume:
+            checkpoints._verify(found, file)
+            checkpoints.manifest, checkpoints._digests = found, dict(found["files"])
+            checkpoints.manifest_sha = hashlib.sha256(text.encode()).hexdigest()
+        directory.mkdir(parents=True, exist_ok=True)
+        track(directory)
+        return checkpoints
+
+    def _verify(self, found: dict[str, Any], file: str | None, files: bool = True) -> None:
+        fail = lambda what: RecipeError(f"cannot resume: {what} since the interrupted run; run without --resume "
+                                        f"to start over", file=file, field="output")
+        if (found.get("type"), found.get("version")) != (KIND, VERSION):
+            raise fail(f"the checkpoint format changed ({found.get('type')} v{found.get('version')})")
+        names = {"recipe": "the resolved recipe changed", "model": "the model source changed",
+                 "calibration": "the calibration data changed"}
+        for key, what in names.items():
+            if found["identity"][key] != self.identity[key]:
+                raise fail(f"{what} (sha256 {found['identity'][key][:12]} → {self.identity[key][:12]})")
+        old, new = found["identity"]["packages"], self.identity["packages"]
+        changed = [f"{k} {old.get(k)} → {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        if changed:
+            raise fail(f"package versions changed ({', '.join(changed)})")
+        for name, digest in found["files"].items() if files else ():
+            path = self.directory / name
+            if not path.is_file() or _sha(path) != digest:
+                raise fail(f"checkpoint file {name} is missing or damaged")
+
+    # -- resuming -------------------------------------------------------------------------------
+    @property
+    def next_group(self) -> int:
+        return self.manifest["reached"]["group"] if self.manifest else 0
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return list(self.manifest["records"]) if self.manifest else []
+
+    def restore(self, session, report: dict[str, Any]) -> None:
+        """Bring a freshly loaded session to the checkpointed state (no-op when not resuming)."""
+        if self.manifest is None:
+            return
+
+        state = self.manifest
+        stream = session.stream
+        if state["streamed"] != (stream is not None):
+            was, now = ("streamed", "is not") if state["streamed"] else ("in memory", "is streamed")
+            raise RecipeError(f"cannot resume: the interrupted run was {was} and this one {now} (stream: auto "
+                              f"decided otherwise); set stream: {'on' if state['streamed'] else 'off'}",
+                              file=self.file, field="stream")
+        original = list(session.layers)
+        layers, origins = [], []
+        for entry in state["layers"]:
+            origin = tuple(entry["origin"])
+            layer = copy.deepcopy(original[min(origin)])
+            if stream is not None:
+                self._adopt(stream, layer, entry["home"])
+            else:
+                _fill(layer, load_file(str(self.directory / entry["file"])))
+            layers.append(layer)
+            origins.append(origin)
+        session.set_layers(layers, origins, [min(o) for o in origins])
+        if stream is not None:
+            rest = session.stream_units()[len(layers):]
+            if len(rest) != len(state["rest"]):
+                raise RecipeError(f"cannot resume: the checkpoint has {len(state['rest'])} units besides the "
+                                  f"layers, the model {len(rest)}", file=self.file)
+            for unit, home in zip(rest, state["rest"]):
+                self._adopt(stream, unit, home)
+        else:
+            _fill(session.model, load_file(str(self.directory / state["rest"])))
+        for key, value in state["config"].items():
+            if getattr(session.model.config, key, None) != value:
+                setattr(session.model.config, key, value)
+        extras = load_file(str(self.directory / state["extras"])) if state["extras"] else {}
+        for i, entry in enumerate(state["extra_entries"]):
+            own = {k[len(f"{i}."):]: v for k, v in extras.items() if k.startswith(f"{i}.")}
+            session.extras.append({"modifier": entry["modifier"], "config": entry["config"], "tensors": own})
+            REGISTRY.get(entry["modifier"]).restore_extra(session.model, entry["config"], own)
+        for name, stored in state["artifacts"].items():
+            session.artifacts[name] = (self.directory / stored).read_bytes()
+        if state["quantized"]:
+            files = {name: load_file(str(self.directory / name)) for name in {e["file"] for e in state["quantized"]}}
+            for entry in state["quantized"]:
+                tensors, key = files[entry["file"]], entry["key"]
+                record = QuantizedLinear(Grid(*entry["grid"]), tensors[f"{key}.scale"], tensors[f"{key}.zero"])
+                session.quantized[session.model.get_submodule(entry["module"])] = record
+                self._quantized_files[id(record)] = (entry["file"], key, record)
+        self._pass = self._load_pass()
+        report.update(state["report"])
+        report["resumed"] = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
+
+    def _adopt(self, stream, unit: nn.Module, home: dict[str, Any]) -> None:
+        """Give a restored (meta) unit its checkpointed home; a staged one's tensors take the shapes in the
+        file's header (read without loading a tensor: a pruned Linear is rebuilt at its stored shape)."""
+        path = None if home["file"] is None else self.directory / home["file"]
+        if path is not None:
+            _fill(unit, _meta_tensors(path))
+        stream.adopt(unit, path, home["names"])
+
+    def pass_state(self):
+        """``(next layer, its inputs, reports, targets, reference)`` of the interrupted pass now starting, or
+        None; ``reference``: ``(next original layer, the original model's states there)`` or None."""
+        if self._pass is None or self.manifest["reached"]["group"] != self._group:
+            return None
+        state, self._pass = self._pass, None
+        return state
+
+    def _load_pass(self) -> tuple | None:
+        """The interrupted pass's state (``pass_state``), read when restoring: before the run writes its next
+        checkpoint (which removes these files), on every rank."""
+        saved = self.manifest["pass"]
+        if saved is None:
+            return None
+        inputs = load_file(str(self.directory / saved["inputs"]))
+        reference = None
+        if saved["reference"] is not None:
+            states = load_file(str(self.directory / saved["reference"]["states"]))
+            reference = (saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
+        return (saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
+                [set(t) for t in saved["targets"]], reference)
+
+    def agree(self, parallel) -> None:
+        """Data-parallel: every rank must have adopted the same checkpoint (the manifest's sha256, or none)."""
+        mine = self.manifest_sha or "none"
+        digests = parallel.map(lambda _rank: mine, list(range(parallel.world)))
+        differ = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+        if differ:
+            raise RecipeError(f"cannot resume: ranks {differ} see another checkpoint in {self.directory} than "
+                              f"rank 0 (the ranks need one shared file system)", file=self.file, field="output")
+
+    # -- writing --------------------------------------------------------------------------------
+    def keep_staging(self, stream) -> None:
+        """A streamed run stages its changed units here: the staged files are the checkpointed units."""
+        stream.staging, stream.keep_staged = self.directory, True
+
+    def group_done(self, session, group_index: int, records: list, report: dict[str, Any]) -> None:
+        if not self.writer:
+            return
+        self._save(session, {"group": group_index + 1, "layer": None}, records, report, None)
+
+    def layer_done(self, session, index: int, inputs: list[torch.Tensor], reports: list, targets: list,
+                   reference: tuple | None) -> None:
+        """Checkpoint after pass layer ``index``: the model, the next layer's inputs and, when the pass
+        follows the original model (``reference``: next original layer, its states, kwargs), its states."""
+        if not self.writer:
+            return
+        start = time.perf_counter()
+        pass_state = {"layer": index, "inputs": self._store({str(k): t for k, t in enumerate(inputs)}, "inputs"),
+                      "targets": [sorted(t) for t in targets],
+                      "reports": json.loads(json.dumps(reports, default=str)), "reference": None}
+        if reference is not None:
+            states = self._store({str(k): t for k, t in enumerate(reference[1])}, "reference")
+            pass_state["reference"] = {"next": reference[0], "states": states}
+        self.seconds += time.perf_counter() - start
+        self._save(session, {"group": self._group, "layer": index}, self._records, self._report, pass_state)
+
+    def begin_group(self, group_index: int, steps: list, records: list, report: dict[str, Any]) -> None:
+        self._group, self._pass_steps, self._records, self._report = group_index, steps, records, report
+
+    def _store(self, tensors: dict[str, torch.Tensor], prefix: str) -> str:
+        """Write ``tensors`` as ``prefix-<sha256>.safetensors`` (content-addressed: an existing file is kept),
+        straight to disk: no in-memory copy of the file; returns its name."""
+        part = self.directory / f".{prefix}.part"
+        save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(part))
+        digest = _sha(part)
+        name = f"{prefix}-{digest}.safetensors"
+        if (self.directory / name).is_file():
+            part.unlink()
+        else:
+            self.bytes_written += part.stat().st_size
+            os.replace(part, self.directory / name)
+        self._digests[name] = digest
+        return name
+
+    def _store_bytes(self, data: bytes, prefix: str) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        name = f"{prefix}-{digest}"
+        if not (self.directory / name).is_file():
+            part = self.directory / f".{name}.part"
+            part.write_bytes(data)
+            os.replace(part, self.directory / name)
+            self.bytes_written += len(data)
+        self._digests[name] = digest
+        return name
+
+    def _cached(self, tensors: dict[str, torch.Tensor], prefix: str) -> str:
+        """``_store``, skipped when these very tensors (identity and version counter) were stored already."""
+        signature = (prefix, *((name, id(t), t._version) for name, t in sorted(tensors.items())))
+        if signature not in self._written:
+            self._written[signature] = (self._store(tensors, prefix), list(tensors.values()))
+        return self._written[signature][0]
+
+    def _home(self, stream, unit: nn.Module) -> dict[str, Any]:
+        """A streamed unit's home as the manifest records it: a staged file in this directory (``file``) or
+        the source checkpoint (``file`` None), and its tensor names there."""
+        stream.settle(unit)
+        home = stream.home(unit)
+        if not isinstance(home.reader, StagedFile):
+            return {"file": None, "names": home.names}
+        path = home.reader.path
+        if path.parent != self.directory:
+            raise RuntimeError(f"staged unit {path} is outside the checkpoint directory {self.directory}")
+        if path.name not in self._digests:
+            self._digests[path.name] = _sha(path)
+        return {"file": path.name, "names": home.names}
+
+    def _model_state(self, session) -> tuple[list[dict[str, Any]], Any]:
+        """``(layers, rest)``: each decoder layer's origin and unit, and the rest's (embeddings, final norm,
+        ``lm_head``): files of this directory (in memory) or homes (streamed: ``_home``)."""
+        stream = session.stream
+        if stream is not None:
+            units = session.stream_units()
+            layers = [{"origin": list(origin), "home": self._home(stream, layer)}
+                      for layer, origin in zip(units, session.layer_origin)]
+            return layers, [self._home(stream, unit) for unit in units[len(layers):]]
+        layer_ids = {id(p) for layer in session.layers for p in layer.parameters()}
+        layers = [{"origin": list(origin), "file": self._cached(_tensors(layer), "unit")}
+                  for layer, origin in zip(session.layers, session.layer_origin)]
+        return layers, self._cached(_tensors(session.model, layer_ids), "unit")
+
+    def _quantized_state(self, session) -> list[dict[str, Any]]:
+        """One entry per quantized linear (module name, grid, file and key of its scales and zero points);
+        records stored by an earlier checkpoint keep their file, new ones go to one new file (so a pass that
+        quantizes layer by layer writes each record once)."""
+        names = {id(m): name for name, m in session.model.named_modules()}
+        pending = [(module, record) for module, record in session.quantized.items()
+                   if id(record) not in self._quantized_files]
+        if pending:
+            tensors = {}
+            for k, (_, record) in enumerate(pending):
+                tensors.update({f"{k}.scale": record.scale, f"{k}.zero": record.zero})
+            name = self._store(tensors, "quantized")
+            for k, (_, record) in enumerate(pending):
+                self._quantized_files[id(record)] = (name, str(k), record)
+        entries = []
+        for module, record in session.quantized.items():
+            file, key, _ = self._quantized_files[id(record)]
+            grid = record.grid
+            entries.append({"module": names[id(module)], "grid": [grid.bits, grid.group_size, grid.sym],
+                            "file": file, "key": key})
+        return entries
+
+    def _save(self, session, reached: dict, records: list, report: dict[str, Any], pass_state: dict | None) -> None:
+        start = time.perf_counter()
+        layers, rest = self._model_state(session)
+        extras_name = None
+        if session.extras:
+            extras_name = self._cached({f"{i}.{k}": t for i, e in enumerate(session.extras)
+                                        for k, t in e["tensors"].items()}, "extras")
+        artifacts = {name: self._store_bytes(data, "artifact")  # names may hold one "/" (a subdirectory)
+                     for name, data in session.artifacts.items()}
+        quantized = self._quantized_state(session)
+        homes = [e["home"] for e in layers] + rest if session.stream is not None else []
+        named = [e["file"] for e in layers if "file" in e] + [h["file"] for h in homes if h["file"]] \
+            + ([rest] if session.stream is None else []) + ([extras_name] if extras_name else []) \
+            + [e["file"] for e in quantized] + list(artifacts.values()) \
+            + ([pass_state["inputs"]] if pass_state else []) \
+            + ([pass_state["reference"]["states"]] if pass_state and pass_state["reference"] else [])
+        files = {name: self._digests[name] for name in named}
+        manifest = {"type": KIND, "version": VERSION, "owner": process_identity(), "identity": self.identity,
+                    "reached": reached, "streamed": session.stream is not None,
+                    "layers": layers, "rest": rest, "config": session.model.config.to_dict(),
+                    "extras": extras_name, "extra_entries": [{"modifier": e["modifier"], "config": e["config"]}
+                                                             for e in session.extras],
+                    "artifacts": artifacts, "quantized": quantized,
+                    "records": json.loads(json.dumps(records, default=str)),
+                    "report": {k: report[k] for k in ("evaluation",) if k in report},
+                    "pass": pass_state, "files": files}
+        tmp = self.directory / f".{MANIFEST}.part"
+        tmp.write_text(json.dumps(manifest, default=str))
+        os.replace(tmp, self.directory / MANIFEST)
+        self.manifest = manifest
+        for path in self.directory.iterdir():  # files no checkpoint names any more (superseded staged units too)
+            if path.name != MANIFEST and path.name not in files and path.is_file():
+                path.unlink(missing_ok=True)
+        self._written = {s: w for s, w in self._written.items() if w[0] in files}
+        self._digests = {name: digest for name, digest in self._digests.items() if name in files}
+        self._quantized_files = {k: v for k, v in self._quantized_files.items() if v[0] in files}
+        self.seconds += time.perf_counter() - start
+        self.count += 1
+
+    def discard(self) -> None:
+        if not self.writer:
+            return
+        shutil.rmtree(self.directory, ignore_errors=True)
+        untrack(self.directory)
+
+
+@contextlib.contextmanager
+def discard_on_error(owned: list) -> Iterator[None]:
+    """Remove the checkpoints in ``owned`` (appended once a run adopted them) when the block raises: an
+    exception or a handled signal leaves nothing behind; only a hard kill leaves checkpoints to resume."""
+    try:
+        yield
+    except BaseException:
+        for checkpoints in owned:
+            if checkpoints is not None:
+                checkpoints.discard()
+        raise
+
+
+def _meta_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as meta tensors (names, shapes, dtypes from its header alone)."""
+    dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+    with open(path, "rb") as handle:
+        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    return {name: torch.empty(spec["shape"], dtype=dtypes[spec["dtype"]], device="meta")
+            for name, spec in header.items() if name != "__metadata__"}
+
+
+@torch.no_grad()
+def _fill(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load ``tensors`` into ``module``'s parameters; a Linear's weight/bias of another shape is replaced
+    (what pruning steps do), any other shape change is an error. Meta tensors (a streamed skeleton's unit)
+    only set shapes."""
+    for name, value in tensors.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        current = getattr(owner, attr)
+        if current.shape == value.shape and current.dtype == value.dtype:
+            current.data.copy_(value)
+            continue
+        if not isinstance(owner, nn.Linear):
+            raise RecipeError(f"cannot resume: checkpointed {name} has shape {tuple(value.shape)}, the model "
+                              f"{tuple(current.shape)}, and is not a Linear's")
+        setattr(owner, attr, nn.Parameter(value.clone(), requires_grad=current.requires_grad))
+        if attr == "weight":
+            owner.out_features, owner.in_features = value.shape

@@ -1,0 +1,88 @@
+"""Running recipe steps on a session: consecutive layer-scope steps share one calibration pass, a
+model-scope step runs alone; each step leaves one report record."""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ..recipe.modifier import LayerModifier, Modifier
+from ..recipe.schema import step_to_dict
+from ..system.host_memory import PeakWatch
+from ..system.progress import Progress
+from .distributed import module_digest
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+def group_steps(steps: list[Modifier]) -> list[list[tuple[int, Modifier]]]:
+    """Consecutive layer-scope steps share one pass; each model-scope step is its own group."""
+    groups: list[list[tuple[int, Modifier]]] = []
+    for index, step in enumerate(steps):
+        if step.scope == "layer" and groups and groups[-1][0][1].scope == "layer":
+            groups[-1].append((index, step))
+        else:
+            groups.append([(index, step)])
+    return groups
+
+
+def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None = None,
+              plan: dict | None = None, checkpoints=None, report: dict | None = None) -> list[dict[str, Any]]:
+    """Run the steps (consecutive layer steps share one pass); each record has the step's own wall time,
+    and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate. With
+    ``checkpoints``, finished groups of an interrupted run are skipped and each group (and each layer of a
+    pass) is checkpointed when done."""
+    records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
+    watch = watch or PeakWatch()
+    for number, group in enumerate(group_steps(steps)):
+        if checkpoints is not None:
+            if number < checkpoints.next_group:
+                continue
+            checkpoints.begin_group(number, [step for _, step in group], records, report)
+        watch.start()
+        start, passes_before = time.perf_counter(), session.passes.value
+        names = ", ".join(step.step_name() for _, step in group)
+        bar.log(f"step {group[0][0]}: {names}")
+        if group[0][1].scope == "layer":
+            layer_steps: list[LayerModifier] = [step for _, step in group]  # type: ignore[misc]
+            outputs = session.run_layer_modifiers(layer_steps)
+            results = [outputs[str(k)] for k in range(len(group))]
+        else:
+            step = group[0][1]
+            with _whole_model(session, step):
+                results = [step.apply(session)]
+        elapsed = time.perf_counter() - start
+        session.completed_steps += [json.dumps(step_to_dict(step), sort_keys=True) for _, step in group]
+        if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
+            session.parallel.agree(f"step {group[0][0]} ({names})",
+                                   module_digest(session.model, [list(o) for o in session.layer_origin]))
+        peak = watch.stop()
+        own = [result.pop("own_s", elapsed) for result in results]
+        for (index, step), result, own_s in zip(group, results, own):
+            memory = {"peak_rss_mib": None if peak is None else peak / 2**20}
+            if plan is not None:
+                planned = max(plan["steps"][i]["weights_bytes"] + plan["steps"][i]["working_bytes"]
+                              for i, _ in group)
+                memory["estimate_rss_mib"] = (plan["runtime_bytes"] + plan["activations_bytes"] + planned) / 2**20
+            records.append({"index": index, "modifier": step.step_name(), "group": number,
+                            "params": step.model_dump(mode="json"), "wall_s": own_s,
+                            "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),
+                            "calibration_passes": session.passes.value - passes_before,
+                            "layers_after": len(session.layers), **memory, "result": result})
+        if checkpoints is not None:
+            checkpoints.group_done(session, number, records, report)
+    return records
+
+
+@contextlib.contextmanager
+def _whole_model(session: Session, step: Modifier) -> Iterator[None]:
+    """A model-scope step that does not declare ``streams`` sees the whole model (and the original, if it
+    needs it) materialized in host memory; ``recipe plan`` says so."""
+    if session.stream is None or step.streams:
+        yield
+        return
+    reference = session.reference_session().resident() if step.needs_reference else contextlib.nullcontext()
+    with session.resident(), reference:
+        yield

@@ -1,0 +1,257 @@
+"""Streaming weights: a model skeleton on the meta device whose parts are materialized from disk on use.
+
+A model too large for host memory is built with accelerate's ``init_empty_weights`` (parameters on the
+meta device, buffers such as rotary frequencies real). Its *units* — each decoder layer, the embeddings,
+the final norm and ``lm_head`` — are materialized on CPU when a pass needs them and released after
+(``accelerate.utils.set_module_tensor_to_device``). Each unit has a *home* on disk:
+
+* the source checkpoint (``safetensors`` read lazily with ``safe_open``: the tensors are memory-mapped, so
+  an untouched tensor costs page cache, not resident memory), under the unit's original name;
+* or, once a step changed it, a file in the staging directory (``unit-<token>-NNNNN.safetensors``, the
+  token fresh per process, so a resumed run never reuses an interrupted one's names).
+
+Releasing a unit compares every tensor's identity and version counter with what was loaded: a unit that a
+step changed (in place, or by replacing a submodule) is written to staging first; an unchanged one simply
+returns to meta. A unit built by a step (e.g. a merged layer) has no home until it is released. Nothing is
+ever silently dropped: a unit is only freed after its current weights are on disk.
+
+A run that keeps resume checkpoints (``recipe_engine.execution.resume``) makes its checkpoint directory the staging
+directory and sets ``keep_staged``: a superseded staging file is then left for the checkpoint store, which
+deletes it once no checkpoint names it (the staged files *are* the checkpointed units).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import secrets
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ..io.checkpoint_reader import CheckpointReader, is_materialized
+from ..system.host_memory import release_freed_memory_eagerly, trim_heap
+
+
+@dataclass(frozen=True)
+class Home:
+    """Where a released unit's weights are: ``names`` maps the unit's own tensor names to names in
+    ``reader`` (the source checkpoint, or a staging file)."""
+
+    reader: CheckpointReader | "StagedFile"
+    names: dict[str, str]
+
+
+class StagedFile:
+    """One staged unit: a safetensors file written by :meth:`WeightStream.stage`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        with safe_open(str(self.path), "pt") as handle:
+            return {name: handle.get_tensor(name) for name in names}
+
+
+def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by qualified name (``state_dict`` keys, tied ones once)."""
+    return dict(module.state_dict(keep_vars=True))
+
+
+class WeightStream:
+    """The homes of a meta-device model's units, and the materialize / release cycle over them.
+
+    ``units`` are the modules that are loaded and released whole; every parameter of the model belongs to
+    exactly one. ``staging`` is the directory for changed units (created on first use).
+    """
+
+    def __init__(self, model: nn.Module, units: list[nn.Module], source: CheckpointReader,
+                 staging: Path | None, retie: Callable[[], None] = lambda: None):
+        self.staging, self._retie, self.source = staging, retie, source
+        #: Leave superseded staging files on disk (the resume checkpoint store deletes them; see above).
+        self.keep_staged = False
+        self._token = secrets.token_hex(4)
+        self._homes: "weakref.WeakKeyDictionary[nn.Module, Home]" = weakref.WeakKeyDictionary()
+        self._loaded: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int]]]" = weakref.WeakKeyDictionary()
+        self._pins: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+        self._staged = itertools.count()
+        self.bytes_read = self.bytes_staged = 0
+        names = {id(m): name for name, m in model.named_modules()}
+        covered: set[int] = set()
+        for unit in units:
+            prefix = names[id(unit)] + "."
+            self._homes[unit] = Home(source, {n: prefix + n for n in _tensors(unit)})
+            covered.update(id(p) for p in unit.parameters())
+        stray = [n for n, p in model.named_parameters() if id(p) not in covered]
+        if stray:
+            raise RuntimeError(f"parameters outside every streamed unit: {stray[:3]}")
+
+    # -- one unit ------------------------------------------------------------------------------
+    def materialize(self, unit: nn.Module, device: torch.device = torch.device("cpu")) -> None:
+        """Load ``unit``'s weights from its home onto ``device`` (no-op when it is already materialized)."""
+        # deferred: accelerate (~0.2 s) is needed only when weights stream
+        from accelerate.utils import set_module_tensor_to_device
+
+        if unit in self._loaded or is_materialized(unit):
+            self._loaded.setdefault(unit, self._versions(unit))
+            return
+        home = self._homes.get(unit)
+        if home is None:
+            raise RuntimeError("a released unit has no home on disk (it was never staged)")
+        values = home.reader.read(home.names.values())
+        for name, stored in home.names.items():
+            value = values[stored]
+            set_module_tensor_to_device(unit, name, device, value=value)
+            self.bytes_read += value.numel() * value.element_size()
+        self._retie()
+        self._loaded[unit] = self._versions(unit)
+
+    def release(self, unit: nn.Module) -> None:
+        """Return ``unit`` to the meta device; first stage it when it changed since it was loaded or has
+        no home. A pinned unit (inside a ``loaded`` block) stays."""
+        if self._pins.get(unit, 0) > 0 or not is_materialized(unit):
+            return
+        loaded = self._loaded.pop(unit, None)
+        if loaded is None or loaded != self._versions(unit) or unit not in self._homes:
+            self.stage(unit)
+        # deferred: accelerate (~0.2 s) is needed only when weights stream
+        from accelerate.utils import set_module_tensor_to_device
+
+        for name in _tensors(unit):
+            set_module_tensor_to_device(unit, name, "meta")
+        self._retie()
+
+    def stage(self, unit: nn.Module) -> None:
+        """Write ``unit``'s current tensors to a new staging file and make it the unit's home."""
+        if self.staging is None:
+            raise RuntimeError("this weight stream is read-only (no staging directory)")
+        self.staging.mkdir(parents=True, exist_ok=True)
+        path = self.staging / f"unit-{self._token}-{next(self._staged):05d}.safetensors"
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in _tensors(unit).items()}
+        save_file(tensors, str(path))
+        self.bytes_staged += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.discard_staged(unit)  # its earlier staged state is obsolete: staging holds one file per unit
+        self._homes[unit] = Home(StagedFile(path), {name: name for name in tensors})
+
+    def discard_staged(self, unit: nn.Module) -> None:
+        """Delete the staging file that is ``unit``'s home, if it has one (the writer calls this once a
+        unit is in the output, so staging and output together never hold a unit twice)."""
+        home = self._homes.get(unit)
+        if home is not None and isinstance(home.reader, StagedFile):
+            if not self.keep_staged:
+                home.reader.path.unlink(missing_ok=True)
+            del self._homes[unit]
+
+    def home(self, unit: nn.Module) -> Home | None:
+        """Where ``unit``'s current weights are on disk: after :meth:`settle`, always its current state."""
+        return self._homes.get(unit)
+
+    def settle(self, unit: nn.Module) -> None:
+        """Make ``unit``'s home hold its current weights: a materialized unit that changed since it was
+        loaded (or was built by a step) is staged now and stays materialized (it is not staged again on
+        release unless it changes again)."""
+        if not is_materialized(unit):
+            return
+        loaded = self._loaded.get(unit)
+        if loaded is None or loaded != self._versions(unit) or unit not in self._homes:
+            self.stage(unit)
+            self._loaded[unit] = self._versions(unit)
+
+    def adopt(self, unit: nn.Module, staged: Path | None, names: dict[str, str]) -> None:
+        """Make a released (meta) unit's home the staged file ``staged``, or the source checkpoint when None;
+        ``names`` maps the unit's tensor names to names there (``recipe_engine.execution.resume`` restoring a unit)."""
+        self._homes[unit] = Home(self.source if staged is None else StagedFile(staged), dict(names))
+
+    def read_unit(self, unit: nn.Module) -> dict[str, torch.Tensor]:
+        """The unit's current tensors (from memory when materialized, else from its home), CPU."""
+        if is_materialized(unit):
+            return {name: t.detach() for name, t in _tensors(unit).items()}
+        home = self._homes[unit]
+        values = home.reader.read(home.names.values())
+        return {name: values[stored] for name, stored in home.names.items()}
+
+    @staticmethod
+    def _versions(unit: nn.Module) -> dict[str, tuple[int, int]]:
+        return {name: (id(t), t._version) for name, t in _tensors(unit).items()}
+
+    # -- blocks ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def loaded(self, units: list[nn.Module], device: torch.device = torch.device("cpu")) -> Iterator[None]:
+        """Materialize ``units`` for the block, then release them (staging what changed). On an exception
+        nothing is staged: the run is ending and its staging directory goes with it."""
+        for unit in units:
+            self._pins[unit] = self._pins.get(unit, 0) + 1
+        try:
+            for unit in units:
+                self.materialize(unit, device)
+            yield
+        finally:
+            for unit in units:
+                self._pins[unit] -= 1
+        for unit in units:
+            self.release(unit)
+        trim_heap()
+
+
+def attach_stream(session, location: str, staging: Path | None):
+    """Make ``session`` stream its (meta-device) model from the checkpoint at ``location``; changed units
+    go to ``staging`` (``None``: read-only, for the original model). Returns the session."""
+    model, adapter = session.model, session.adapter
+    release_freed_memory_eagerly()
+
+    def retie() -> None:  # a tied lm_head is the embedding matrix, whatever state that is in
+        if getattr(model.config, "tie_word_embeddings", False):
+            adapter.lm_head(model).weight = adapter.embeddings(model).weight
+
+    retie()
+    session.stream = WeightStream(model, session.stream_units(), CheckpointReader(location), staging, retie)
+    return session
+
+
+@contextlib.contextmanager
+def forward_streamed(session, device: torch.device) -> Iterator[None]:
+    """Whole-model forwards (lm-eval's zero-shot tasks) on a streamed model with one unit resident at a
+    time: an accelerate ``ModelHook`` on every unit (and on a tied ``lm_head``, which is the embedding
+    matrix) materializes it on ``device`` when its forward starts and releases it when the forward ends —
+    accelerate's offload-hook mechanism (``add_hook_to_module``) with the stream as the weights' home."""
+    # deferred: accelerate (~0.2 s) is needed only when weights stream
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+    from accelerate.utils import send_to_device
+
+    open_blocks: list[contextlib.AbstractContextManager] = []
+
+    class UnitOnDevice(ModelHook):
+        def __init__(self, units: list[nn.Module]):
+            super().__init__()
+            self.units = units
+
+        def pre_forward(self, module, *args, **kwargs):
+            block = session.stream.loaded(self.units, device)
+            block.__enter__()
+            open_blocks.append(block)
+            return send_to_device(args, device), send_to_device(kwargs, device)
+
+        def post_forward(self, module, output):
+            open_blocks.pop().__exit__(None, None, None)
+            return output
+
+    model = session.model
+    head = session.adapter.lm_head(model)
+    units = session.stream_units()
+    modules = units + ([head] if head not in units else [])
+    for module in modules:
+        add_hook_to_module(module, UnitOnDevice(session._units([module])))
+    try:
+        yield
+    finally:
+        while open_blocks:  # a forward that raised: release what it had loaded
+            open_blocks.pop().__exit__(None, None, None)
+        for module in modules:
+            remove_hook_from_module(module)
+
+

@@ -1,0 +1,180 @@
+"""The engine's checkpoint writer: sharded safetensors assembled unit by unit (never from a whole model),
+dense or with the linears a quantizing step recorded packed (``recipe_engine.numerics.quantization``).
+
+The layout is ``save_pretrained``'s: ``model.safetensors`` when everything fits one shard, else
+``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (``metadata.total_size``,
+``weight_map``); tensor names are the model's ``state_dict`` names with tied duplicates written once
+(``lm_head.weight`` of a tied head is the embedding matrix), each file with ``{"format": "pt"}``
+metadata. Shards are packed from whole units in model order; each file is written unit by unit
+(``write_safetensors_incrementally``), so host memory holds one unit's tensors, read from the source
+checkpoint, the staging directory or memory. A linear recorded by ``Session.mark_quantized`` is written as
+its packed tensors (``<name>.weight_packed``, ``weight_scale``, ...) in place of ``<name>.weight``, and
+``config.json`` carries the ``quantization_config``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..numerics.quantization import QuantizedLinear, pack, packed_layout, quantization_config
+from .checkpoint_reader import INDEX_FILE, SINGLE_FILE, is_materialized
+
+#: Default shard size (``save_pretrained``'s "5GB"); the writer holds one unit, not one shard, in memory.
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def _groups(session) -> list[tuple[torch.nn.Module | None, dict[str, str]]]:
+    """``(unit or None, {checkpoint name: name inside the unit})`` in ``state_dict`` order; a parameter
+    outside every unit (e.g. an untied ``lm_head`` that was never released) is a group of its own."""
+    model = session.model
+    prefixes = {id(m): name + "." for name, m in model.named_modules()}
+    unit_of = {}
+    for unit in session.stream_units():
+        for local in unit.state_dict(keep_vars=True):
+            unit_of[prefixes[id(unit)] + local] = (unit, local)
+    groups: list[tuple[torch.nn.Module | None, dict[str, str]]] = []
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # tied duplicate (save_pretrained writes it once)
+            continue
+        seen.add(id(tensor))
+        unit, local = unit_of.get(name, (None, name))
+        if groups and unit is not None and groups[-1][0] is unit:
+            groups[-1][1][name] = local
+        else:
+            groups.append((unit, {name: local}))
+    return groups
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+#: safetensors dtype names (https://github.com/huggingface/safetensors: the header's ``dtype`` field).
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor], chunks) -> int:
+    """A safetensors file whose tensors arrive in ``chunks`` (an iterable of ``{name: tensor}``) and are
+    written as they come, so at most one chunk is in memory. ``layout`` (meta tensors allowed) fixes the
+    header: names in file order with dtype and shape; every chunk tensor must match it. The file format:
+    an 8-byte little-endian header length, the JSON header (``__metadata__`` plus ``dtype``, ``shape`` and
+    contiguous ``data_offsets`` per tensor, space-padded to 8 bytes), then the raw little-endian data.
+    ``safetensors.torch.save_file`` needs every tensor at once; the files are byte-compatible."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in layout.items():
+        size = _nbytes(tensor)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    expected = iter(layout.items())
+    with open(path, "wb") as handle:
+        handle.write(len(text).to_bytes(8, "little"))
+        handle.write(text)
+        for chunk in chunks:
+            for name, tensor in chunk.items():
+                want, spec = next(expected)
+                if name != want or tensor.dtype != spec.dtype or tensor.shape != spec.shape:
+                    raise RuntimeError(f"{path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype}, "
+                                       f"expected {want} {tuple(spec.shape)} {spec.dtype}")
+                handle.write(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+    if next(expected, None) is not None:
+        raise RuntimeError(f"{path.name}: fewer tensors written than its header lists")
+    return offset
+
+
+def _quantized_weights(session) -> dict[str, QuantizedLinear]:
+    """``{"<linear name>.weight": record}`` for every linear a step recorded as quantized."""
+    names = {module: name for name, module in session.model.named_modules()}
+    missing = [module for module in session.quantized if module not in names]
+    if missing:
+        raise RuntimeError(f"{len(missing)} quantized linears are no longer in the model")
+    return {f"{names[module]}.weight": record for module, record in session.quantized.items()}
+
+
+def _unit_values(session, unit: torch.nn.Module) -> dict[str, torch.Tensor]:
+    if session.stream is not None:
+        return session.stream.read_unit(unit)
+    return {name: tensor.detach() for name, tensor in unit.state_dict(keep_vars=True).items()}
+
+
+def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinear]) -> dict[str, torch.Tensor]:
+    """The file entries of one state tensor: itself, or its packed tensors when it is a quantized weight."""
+    record = quantized.get(name)
+    if record is None:
+        return {name: tensor}
+    prefix = name[: -len("weight")]
+    if tensor.device.type == "meta":
+        return {prefix + key: value for key, value in packed_layout(tensor, record).items()}
+    return {prefix + key: value for key, value in pack(name[: -len(".weight")], tensor, record).items()}
+
+
+def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write the session's model into ``directory`` (weights, config, generation config), one unit at a
+    time (``write_safetensors_incrementally``), streamed or in memory, quantized linears packed; returns
+    the weight file names. A streamed unit's staging file is deleted once the unit is written (the stream
+    is finished after this), so staging and output never hold the same unit twice on disk."""
+    model = session.model
+    state = model.state_dict(keep_vars=True)
+    quantized = _quantized_weights(session)
+    layout_of = {name: _stored(name, tensor.to("meta"), quantized) for name, tensor in state.items()}
+    shards: list[list[tuple[torch.nn.Module | None, dict[str, str]]]] = [[]]
+    size = 0
+    for group in _groups(session):
+        group_bytes = sum(_nbytes(t) for name in group[1] for t in layout_of[name].values())
+        if shards[-1] and size + group_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(group)
+        size += group_bytes
+    files = [SINGLE_FILE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+
+    def chunks(shard):
+        for unit, names in shard:
+            if unit is None:
+                for name in names:
+                    if state[name].device.type == "meta":
+                        raise RuntimeError(f"{name} is neither streamed nor in memory")
+                values = {name: state[name] for name in names}
+            else:
+                unit_values = _unit_values(session, unit)
+                values = {name: unit_values[local] for name, local in names.items()}
+            yield {key: tensor for name, value in values.items()
+                   for key, tensor in _stored(name, value, quantized).items()}
+            if unit is not None and session.stream is not None and not is_materialized(unit):
+                session.stream.discard_staged(unit)  # written: its staging file is no longer needed
+
+    for file, shard in zip(files, shards):
+        layout = {key: meta for _, names in shard for name in names for key, meta in layout_of[name].items()}
+        total += write_safetensors_incrementally(directory / file, layout, chunks(shard))
+        weight_map.update({name: file for name in layout})
+    if len(files) > 1:
+        (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                        "weight_map": weight_map}, indent=2) + "\n")
+    _save_configs(session, directory, quantized)
+    return files
+
+
+def _save_configs(session, directory: Path, quantized: dict[str, QuantizedLinear]) -> None:
+    model = session.model
+    if quantized:
+        grids = {record.grid for record in quantized.values()}
+        linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        ignore = [name[: -len(".weight")] for name in linears - quantized.keys()]
+        model.config.quantization_config = quantization_config(grids.pop(), ignore)
+    try:
+        model.config.save_pretrained(directory)
+    finally:
+        if quantized:
+            del model.config.quantization_config
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(directory)

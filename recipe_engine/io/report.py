@@ -1,0 +1,190 @@
+"""The run report (``report.json`` in every output directory): a typed, versioned pydantic model.
+
+``Report`` is the only writer (``Report.write``) and reader (``load_report`` / ``Report.read``) of
+``report.json``; docs/report.md documents every field. ``format_version`` is :data:`FORMAT_VERSION`; a
+report without it (format 0: written before the field existed, same layout without the per-step
+``calibration_passes``) is read and upgraded; a newer format is refused with one line.
+Modifier-specific parts (a step's ``result``, evaluation results) stay JSON objects: their keys belong to
+the modifier or the evaluation, documented beside them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import RecipeError
+
+#: Version of the report layout written by this engine.
+FORMAT_VERSION = 1
+REPORT_FILE = "report.json"
+
+
+class ReportError(RecipeError):
+    """A ``report.json`` that cannot be read (missing, not JSON, a newer format, invalid)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")  # NaN stays NaN, as json.dumps
+
+
+class RecipeRecord(_Section):
+    """The recipe that produced the output."""
+
+    name: str
+    file: str = Field(description="recipe file, or <python> for a recipe passed as an object")
+    sha256: str = Field(description="sha256 of the recipe text as loaded")
+    resolved_sha256: str = Field(description="sha256 of the canonical resolved recipe (recipe.yaml)")
+    git: dict[str, Any] | None = Field(description="commit/tracked/dirty of the recipe file, if in git")
+    overrides: list[str] = Field(description="command-line overrides applied to the file")
+
+
+class ModelRecord(_Section):
+    spec: str = Field(description="the recipe's model field")
+    kind: str = Field(description="how it was found (builtin, local, hub, in-memory)")
+    location: str | None = Field(None, description="the directory read (absent for in-memory)")
+
+
+class DataRecord(_Section):
+    dataset: str | list[str] = Field(description="the calibration source, or the sources of a mix")
+    origin: str = Field(description="the file or dataset actually read")
+    tokens_available: int
+    samples: int
+    seq_len: int
+    seed: int
+    fingerprint: str = Field(description="sha256 of the calibration windows' int64 token ids")
+
+
+class ModelSize(_Section):
+    parameters: int
+    layers: int
+    layer_origin: list[list[int]] | None = Field(None, description="(after) original layers behind each layer")
+
+
+class StepRecord(_Section):
+    """One recipe step as it ran."""
+
+    index: int
+    modifier: str
+    group: int | None = Field(None, description="pass group: consecutive layer steps share one group and pass "
+                                                "(format 0: absent)")
+    params: dict[str, Any]
+    wall_s: float = Field(description="this step's own time (its statistics forwards, compression, finish)")
+    shared_pass: bool = Field(description="ran inside a layer pass shared with neighbouring steps")
+    pass_shared_s: float = Field(description="the group's time not attributable to one step (loading, "
+                                             "shared forwards); the same number for every step of a group")
+    calibration_passes: int | None = Field(None, description="calibration passes the step's group made, "
+                                                             "counted by the session (format 0: absent)")
+    layers_after: int
+    peak_rss_mib: float | None = None
+    estimate_rss_mib: float | None = None
+    result: dict[str, Any] = Field(description="the modifier's own report entries")
+
+
+class Evaluation(_Section):
+    before: dict[str, Any]
+    after: dict[str, Any] | None = None
+    retained: dict[str, float | None] | None = None
+    quality_gate: Literal["passed", "failed"] | None = None
+
+
+class PeakMemory(_Section):
+    rss_mib: float
+    cuda_mib: float | None = None
+    estimate_rss_mib: float | None = None
+
+
+class Checkpoints(_Section):
+    written: int
+    seconds: float
+    bytes: int
+
+
+class StreamRecord(_Section):
+    bytes_read: int
+    bytes_staged: int
+
+
+class Resumed(_Section):
+    group: int
+    layer: int | None
+
+
+class ExportRecord(_Section):
+    file: str
+    type: str
+    architecture: str
+    tensors: int
+    bytes: int
+
+
+class Report(_Section):
+    """``report.json``: provenance, sizes, every step's record, evaluation, memory."""
+
+    format_version: int = FORMAT_VERSION
+    recipe: RecipeRecord
+    packages: dict[str, str]
+    device: str
+    dtype: str
+    streamed: bool
+    rank: int
+    ranks: int
+    model: ModelRecord
+    data: DataRecord
+    before: ModelSize
+    after: ModelSize
+    steps: list[StepRecord]
+    stock_checkpoint: bool
+    calibration_layer_runs: int
+    calibration_layer_batches: int
+    calibration_passes: int | None = Field(None, description="calibration passes of all steps (format 0: absent)")
+    peak_memory: PeakMemory
+    evaluation: Evaluation | None = None
+    checkpoints: Checkpoints | None = None
+    resumed: Resumed | None = None
+    stream: StreamRecord | None = None
+    export: ExportRecord | None = None
+
+    @classmethod
+    def from_data(cls, data: Any, origin: str = "report") -> "Report":
+        """Validate a report's JSON data; format 0 is upgraded, a newer format refused (one line)."""
+        if not isinstance(data, dict):
+            raise ReportError(f"{origin}: not a JSON object")
+        version = data.get("format_version", 0)
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ReportError(f"{origin}: format_version {version!r} is newer than this recipe-engine reads "
+                              f"({FORMAT_VERSION}); upgrade recipe-engine")
+        if version == 0:
+            data = {**data, "format_version": FORMAT_VERSION}
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ReportError(f"{origin}: invalid report ({exc.error_count()} problems; first: {where}: "
+                              f"{first['msg']})") from None
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "Report":
+        path = Path(directory).expanduser() / REPORT_FILE
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ReportError(f"{path}: not JSON ({exc})") from None
+        return cls.from_data(data, str(path))
+
+    def write(self, directory: str | Path) -> None:
+        (Path(directory) / REPORT_FILE).write_text(self.to_json())
+
+    def to_json(self) -> str:
+        """The JSON text of ``report.json`` (a modifier's non-JSON value, e.g. a path, as its ``str``)."""
+        return self.model_dump_json(indent=2, fallback=str)
+
+
+def load_report(directory: str | Path) -> Report:
+    """The :class:`Report` of a recipe output directory (its ``report.json``)."""
+    return Report.read(directory)

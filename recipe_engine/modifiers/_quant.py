@@ -1,0 +1,127 @@
+"""Helpers every quantizing step (``GPTQ``, ``Quantize``) uses (private: not a modifier module): which
+linears a step targets, the ``group_size`` check against a symbolic shape, round-to-nearest on the engine's
+grid (``recipe_engine.numerics.quantization.Grid``) and the relative layer-output error used in reports.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, Field, PositiveInt, field_validator
+
+from recipe_engine.api import ADAPTERS, UNFUSED_ROLES, Grid, ModelShape, RecipeError, roles_problem
+
+#: Target roles (``recipe_engine.architectures.adapters``); a fused linear (Phi-3 ``qkv_proj``) is targeted by
+#: all its members.
+LINEARS = UNFUSED_ROLES
+
+
+@dataclass
+class QuantizedWeight:
+    """Result of quantizing one weight: dequantized values (fp64) and per-group ``[rows, groups]``
+    scale and zero point in the original column order."""
+
+    dequantized: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+
+@torch.no_grad()
+def rtn(weight: torch.Tensor, grid: Grid) -> QuantizedWeight:
+    """Round-to-nearest: every group quantized with its own min-max parameters (fp64)."""
+    w = weight.detach().to(torch.float64)
+    columns = w.shape[1]
+    step = grid.width(columns)
+    params = [grid.params(w[:, c:c + step]) for c in range(0, columns, step)]
+    scale = torch.stack([p[0] for p in params], dim=1)
+    zero = torch.stack([p[1] for p in params], dim=1)
+    fake = grid.fake(w, grid.expand(scale, columns), grid.expand(zero, columns))
+    return QuantizedWeight(fake, scale, zero)
+
+
+def output_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tensor) -> float:
+    """Relative layer-output error ``tr(ΔW G ΔWᵀ) / tr(W G Wᵀ)`` for the input gram ``G = Σ x xᵀ``."""
+    w = weight.to(torch.float64)
+    delta = w - quantized.to(torch.float64)
+    return float(((delta @ gram) * delta).sum() / ((w @ gram) * w).sum())
+
+
+def input_width(shape: ModelShape, layer: int, target: str) -> int:
+    """Input width of a target role's linear of ``layer`` in the symbolic shape."""
+    if target == "down_proj":
+        return shape.layers[layer].intermediate_size
+    if target == "o_proj":
+        return shape.layers[layer].num_heads * shape.head_dim
+    return shape.hidden_size
+
+
+def linear_path(model_type: str, role: str) -> str:
+    """Path inside a decoder layer of the linear holding ``role`` (a fused one for its members)."""
+    if model_type not in ADAPTERS:
+        raise RecipeError(f"unsupported architecture '{model_type}'; supported: {', '.join(sorted(ADAPTERS))}")
+    adapter = ADAPTERS[model_type]
+    return adapter.path(next((f for f, members in adapter.fused.items() if role in members), role))
+
+
+def known_targets(targets: list[str]) -> list[str]:
+    """Validator: every target is a role of :data:`LINEARS`; the older ``self_attn.q_proj`` / ``mlp.up_proj``
+    spelling names the same role."""
+    roles = [t.split(".", 1)[1] if t.startswith(("self_attn.", "mlp.")) else t for t in targets]
+    unknown = sorted(set(roles) - set(LINEARS))
+    if unknown:
+        raise ValueError(f"unknown targets {unknown}; choose from {list(LINEARS)}")
+    return roles
+
+
+def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None, bits: int,
+                 export: str) -> tuple[str, str] | None:
+    """``(message, field)`` for the first configuration error against ``shape``: a target whose input
+    width ``group_size`` does not divide (named by layer), or an export that cannot hold ``bits``."""
+    if export == "compressed-tensors" and bits not in (4, 8):
+        return f"compressed-tensors export needs bits 4 or 8 (got {bits})", "bits"
+    problem = roles_problem(shape.model_type, targets)
+    if problem:
+        return problem, "targets"
+    if group_size is None:
+        return None
+    for layer in range(shape.num_layers):
+        for target in targets:
+            width = input_width(shape, layer, target)
+            if width % group_size:
+                divisors = [d for d in (256, 128, 64, 32, 16) if width % d == 0][:2]
+                hint = f"; divisors of {width}: {', '.join(map(str, divisors))}" if divisors else ""
+                return (f"group_size {group_size} does not divide the input width {width} of "
+                        f"model.layers.{layer}.{linear_path(shape.model_type, target)}{hint}", "group_size")
+    return None
+
+
+class GridParameters(BaseModel):
+    """The grid, targets and export every quantizing step takes (a base class of ``GPTQ`` and ``Quantize``),
+    with their validation against the symbolic shape."""
+
+    bits: int = Field(4, ge=2, le=8, description="integer bits per weight")
+    group_size: PositiveInt | None = Field(128, description="input columns sharing one scale (null: per row)")
+    sym: bool = Field(True, description="symmetric grid (zero point at the middle); false: min-max")
+    targets: list[str] = Field(list(LINEARS), min_length=1, description=(
+        "linear roles inside each decoder layer (q_proj … down_proj); a fused linear (Phi-3 qkv_proj, "
+        "gate_up_proj) is targeted by naming all its members"))
+    export: Literal["dequantized", "compressed-tensors"] = Field(
+        "dequantized", description="checkpoint format: dequantized model-dtype weights or packed int (vLLM)")
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        return known_targets(value)
+
+    @property
+    def quantizes(self) -> bool:  # packed weights must stay on their grid; dequantized ones may change
+        return self.export == "compressed-tensors"
+
+    def grid(self) -> Grid:
+        return Grid(self.bits, self.group_size, self.sym)
+
+    def check(self, shape: ModelShape) -> None:
+        problem = grid_problem(shape, self.targets, self.group_size, self.bits, self.export)
+        if problem:
+            raise self.fail(*problem)

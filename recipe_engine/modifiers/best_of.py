@@ -1,0 +1,266 @@
+"""BestOf: run whole alternative step lists and keep the one with the lowest held-out calibration loss."""
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+
+from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, check_steps, heldout_split,
+                               parse_step, register, step_to_dict, steps_passes)
+
+
+class HeldoutScore(BaseModel):
+    """How the alternatives are scored: the calibration NLL of the score windows, never used to fit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    split: Literal["heldout"] = Field("heldout", description="heldout: fit on the fit windows, score on the "
+                                                            "score windows (recipe_engine.recipe.split)")
+    fraction: float = Field(SCORE_FRACTION, gt=0, lt=1, description="share of the calibration windows held out "
+                                                                    "for scoring")
+    seed: int | None = Field(None, description="seed of the split (None: the calibration's seed)")
+
+
+def describe(steps: list[Modifier]) -> str:
+    """``[SLEB<n:6>, LinearPatch]``: an alternative in the compact step syntax (non-default parameters)."""
+    def one(step: Modifier) -> str:
+        params = step.model_dump(mode="json", exclude_defaults=True, by_alias=False)
+        inner = ",".join(f"{k}:{v}" for k, v in params.items())
+        return step.step_name() + (f"<{inner}>" if inner else "")
+    return "[" + ", ".join(one(step) for step in steps) + "]"
+
+
+def _layer_parameters(shape) -> int:
+    return sum(shape.layer_parameters(layer) for layer in shape.layers)
+
+
+@register
+class BestOf(Modifier):
+    """Run whole alternatives (lists of steps) and keep the one with the lowest held-out calibration NLL.
+
+    Each alternative runs on a copy of the model, fitted on the fit windows only; the one whose model has
+    the lowest NLL on the held-out score windows is kept, the others are discarded.
+
+    The calibration windows are split once (``recipe_engine.recipe.split.heldout_split``: a seeded ``fraction`` of
+    them, 25 % by default, is held out): every alternative runs as a recipe would over the *fit* windows
+    (its statistics, refits and searches never see a score window), then its model's token-weighted
+    next-token NLL on the *score* windows is its score (ties: the first listed). The winner's model, extras
+    and artifacts continue to the next step; ``report.json`` records the split, every alternative's score,
+    its own step records and wall time, and the choice.
+
+    Validation: every alternative's steps are checked against the shape this step receives, like any step;
+    all alternatives must leave the same layer count and decoder-layer parameters. An alternative whose
+    checks refuse the model (e.g. FlattenAdjacent on Gemma 3) is skipped with its reason recorded
+    (``refused: skip``) or fails the recipe (``refused: fail``); if every alternative is refused it fails.
+
+    Refit (``refit: true``, the default): once chosen, the winner runs again on a fresh copy over *all*
+    the calibration windows and that model is kept, as cross-validation refits the chosen model on all the
+    data: the score windows only decide, so the step gives exactly what the chosen alternative gives run
+    alone, with nothing lost to the held-out quarter. ``refit: false`` keeps the fit-window model (no
+    extra run).
+
+    Cost: the sum of the alternatives' own costs on the fit windows, plus one pass over the score windows per
+    alternative, plus (refit) the winner's own cost once more on all windows; work shared between alternatives
+    over the same windows is done once (the layer-0 capture, and ``session.shared`` values of steps reached in
+    the same state, e.g. ShortGPT's Block Influence). Memory: two extra copies of the model (the alternative
+    being run and the best so far).
+
+    Layering: BestOf is a modifier, not an engine construct; it uses the engine's declared API
+    (``Session.branch`` / ``run_steps`` / ``adopt``, ``check_steps``, ``heldout_split``), so any registered
+    modifier (built-in or plugin) works as an alternative and the engine names none. A streamed run is refused
+    (a branch needs a second in-memory copy of the model); ``--resume`` resumes after a finished BestOf, and an
+    interrupted one is run again from its first alternative (branches keep no checkpoints).
+    """
+
+    needs = ("every alternative's own statistics on the fit windows; the NLL of the score windows",)
+    needs_reference = True  # an alternative may compare against the original model (LinearPatch)
+    stock_output = False    # an alternative may add a non-stock extra; the report says which one won
+    refuses_streaming: ClassVar[str | None] = ("BestOf runs each alternative on an in-memory copy of the "
+                                               "model, which a streamed run does not have")
+
+    score: HeldoutScore = Field(default_factory=HeldoutScore, description="how alternatives are scored")
+    alternatives: list[list[Modifier]] = Field(min_length=2, description="lists of steps, each a whole "
+                                                                          "alternative")
+    refused: Literal["skip", "fail"] = Field("skip", description="an alternative the model refuses at "
+                                                                 "validation: skip it (reason recorded) or fail")
+    refit: bool = Field(True, description="run the chosen alternative again on all calibration windows (the "
+                                          "score windows only choose); false keeps its fit-window model")
+
+    example = ("BestOf<alternatives:[[ShortGPT<n:1>],[SLEB<n:1>]]>",)
+
+    @field_validator("alternatives", mode="before")
+    @classmethod
+    def _parse(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            raise RecipeError("expected a list of alternatives, each a list of steps", field="alternatives")
+        parsed = []
+        for a, steps in enumerate(value):
+            if isinstance(steps, (str, dict)):
+                steps = [steps]
+            if not isinstance(steps, list) or not steps:
+                raise RecipeError(f"alternative {a}: expected a non-empty list of steps", field=f"alternatives.{a}")
+            built = []
+            for i, raw in enumerate(steps):
+                if isinstance(raw, Modifier):
+                    built.append(raw)
+                    continue
+                try:
+                    built.append(parse_step(raw, i))
+                except RecipeError as exc:  # one line naming the alternative, its step and the field
+                    step = f"step {i}" + (f" ({exc.modifier})" if exc.modifier else "")
+                    raise RecipeError(f"alternative {a}, {step}: {exc.detail}",
+                                      field=".".join(str(p) for p in ("alternatives", a, i, exc.field) if p is not None)
+                                      ) from None
+            if any(isinstance(step, BestOf) for step in built):
+                raise RecipeError(f"alternative {a}: a BestOf inside a BestOf is not supported",
+                                  field=f"alternatives.{a}")
+            parsed.append(built)
+        return parsed
+
+    @field_serializer("alternatives")
+    def _dump(self, alternatives: list[list[Modifier]]) -> list[list[dict[str, Any]]]:
+        return [[step_to_dict(step) for step in steps] for steps in alternatives]
+
+    # -- validation ----------------------------------------------------------------------------
+    def _outcomes(self, shape) -> list[tuple[Any, str | None]]:
+        """Per alternative: (its final shape, None) or (None, why the model refuses it)."""
+        outcomes = []
+        for a, steps in enumerate(self.alternatives):
+            trial = copy.deepcopy(shape)
+            try:
+                check_steps(steps, trial)
+            except RecipeError as exc:
+                if self.refused == "fail":
+                    raise self.fail(f"alternative {a} {describe(steps)}: {exc}", field=f"alternatives.{a}") from None
+                outcomes.append((None, str(exc)))
+                continue
+            outcomes.append((trial, None))
+        if all(final is None for final, _ in outcomes):
+            raise self.fail("every alternative is refused: " + "; ".join(
+                f"alternative {a}: {why}" for a, (_, why) in enumerate(outcomes)), field="alternatives")
+        first = next(a for a, (final, _) in enumerate(outcomes) if final is not None)
+        reference = outcomes[first][0]
+        for a, (final, _) in enumerate(outcomes):
+            if final is not None and (final.num_layers, _layer_parameters(final)) != \
+                    (reference.num_layers, _layer_parameters(reference)):
+                raise self.fail(f"alternative {a} {describe(self.alternatives[a])} leaves {final.num_layers} layers "
+                                f"({_layer_parameters(final):,} layer parameters), alternative {first} "
+                                f"{reference.num_layers} ({_layer_parameters(reference):,}); alternatives must "
+                                f"give the same size", field=f"alternatives.{a}")
+        return outcomes
+
+    def check(self, shape) -> None:
+        outcomes = self._outcomes(shape)
+        final = next(final for final, _ in outcomes if final is not None)
+        shape.layers, shape.pinned, shape.quantized_by = final.layers, final.pinned, final.quantized_by
+        shape.notes.extend(f"{self.step_name()} skips alternative {a} {describe(self.alternatives[a])}: {why}"
+                           for a, (final, why) in enumerate(outcomes) if final is None)
+
+    def check_calibration(self, calibration) -> None:
+        try:
+            split = heldout_split(calibration.samples, self._seed(calibration.seed), self.score.fraction)
+        except ValueError as exc:
+            raise self.fail(f"{exc} (calibration.samples)", field="score") from None
+        fit = calibration.model_copy(update={"samples": len(split.fit)})
+        for a, steps in enumerate(self.alternatives):
+            for i, step in enumerate(steps):
+                try:
+                    step.check_calibration(fit)
+                except RecipeError as exc:
+                    raise self.fail(f"alternative {a}, step {i} ({step.step_name()}) on the {len(split.fit)} fit "
+                                    f"windows: {exc.detail}", field=f"alternatives.{a}.{i}.{exc.field or ''}".rstrip(".")
+                                    ) from None
+
+    def passes(self, shape) -> tuple[int, int]:
+        """Each alternative's own passes on the fit windows, plus one pass per alternative to score it. Fewest:
+        an alternative whose first step repeats an earlier alternative's (same parameters but its
+        ``shared_ignores``) reuses that step's work from the same starting model (``Session.shared``).
+        The refit adds the cheapest alternative's passes (fewest) or the dearest's (most)."""
+        low = high = 0
+        first_steps: set[tuple[str, str]] = set()
+        own_counts: list[tuple[int, int]] = []
+        for steps in self.alternatives:
+            trial = copy.deepcopy(shape)
+            try:
+                count = steps_passes(steps, trial)
+            except RecipeError:
+                continue  # refused: skipped at run time
+            own_counts.append(count)
+            first = steps[0]
+            key = (first.step_name(), repr(first.model_dump(mode="json", exclude=set(first.shared_ignores))))
+            own = first.passes(copy.deepcopy(shape)) if key in first_steps else 0
+            first_steps.add(key)
+            low, high = low + count[0] - (own if isinstance(own, int) else own[0]) + 1, high + count[1] + 1
+        if self.refit and own_counts:
+            low, high = low + min(c[0] for c in own_counts), high + max(c[1] for c in own_counts)
+        return low, high
+
+    def working_memory(self, shape, tokens: int) -> int:
+        """Two fp32 copies of the model (the running alternative and the best so far: decoder layers,
+        embeddings and an untied head) plus the largest working memory of any alternative's step."""
+        matrices = 1 if shape.tie_word_embeddings else 2
+        copies = 2 * 4 * (_layer_parameters(shape) + matrices * shape.vocab_size * shape.hidden_size)
+        largest = 0
+        for steps in self.alternatives:
+            trial = copy.deepcopy(shape)
+            try:
+                for step in steps:
+                    largest = max(largest, step.working_memory(trial, tokens))
+                    step.check(trial)
+            except RecipeError:
+                continue
+        return copies + largest
+
+    # -- run -------------------------------------------------------------------------------------
+    def _seed(self, calibration_seed: int) -> int:
+        return calibration_seed if self.score.seed is None else self.score.seed
+
+    def apply(self, session) -> dict[str, Any]:
+        split = heldout_split(session.calibration.shape[0], self._seed(session.config.seed), self.score.fraction)
+        fit, scored = session.windows(split.fit), session.windows(split.score)
+        outcomes = self._outcomes(session.current_shape())
+        fit_memo, score_memo = SharedWork(), SharedWork()  # one per set of windows
+        records: list[dict[str, Any]] = []
+        best, best_nll = None, math.inf
+        for a, steps in enumerate(self.alternatives):
+            record: dict[str, Any] = {"alternative": a, "steps": describe(steps)}
+            records.append(record)
+            if outcomes[a][1] is not None:
+                record["refused"] = outcomes[a][1]
+                continue
+            started, passes = time.perf_counter(), session.passes.value
+            session.progress.log(f"BestOf: alternative {a} {describe(steps)} on {len(split.fit)} fit windows")
+            branch = session.branch(fit, fit_memo)
+            record["records"] = branch.run_steps(steps)
+            scorer = branch.sibling(branch.model, None, scored)
+            scorer.memo = score_memo
+            nll = scorer.calibration_nll()
+            record.update(nll=nll, ppl=math.exp(nll), wall_s=time.perf_counter() - started,
+                          calibration_passes=session.passes.value - passes, layers=len(branch.layers))
+            if nll < best_nll:
+                best, best_nll = (a, branch), nll
+            branch = scorer = None  # a losing copy is freed before the next alternative copies the model
+            gc.collect()  # a session's hooks and closures can form reference cycles: free the copy now
+        chosen, branch = best
+        refit = None
+        if self.refit:
+            branch = best = None  # the fit-window model is freed before the refit copies the model
+            gc.collect()
+            started, passes = time.perf_counter(), session.passes.value
+            session.progress.log(f"BestOf: refit of alternative {chosen} {describe(self.alternatives[chosen])} on "
+                                 f"all {session.calibration.shape[0]} calibration windows")
+            branch = session.branch(session.calibration, SharedWork())
+            refit = {"windows": int(session.calibration.shape[0]), "records": branch.run_steps(self.alternatives[chosen]),
+                     "wall_s": time.perf_counter() - started, "calibration_passes": session.passes.value - passes}
+        session.adopt(branch)
+        shared = {"computed": dict(fit_memo.computed + score_memo.computed),
+                  "reused": dict(fit_memo.reused + score_memo.reused)}
+        return {"score": {"split": self.score.split, "fraction": self.score.fraction,
+                          "seed": self._seed(session.config.seed), **split.record()},
+                "alternatives": records, "chosen": chosen, "chosen_steps": describe(self.alternatives[chosen]),
+                "nll": best_nll, "ppl": math.exp(best_nll), "refit": refit, "shared_work": shared,
+                "layers": len(session.layers)}

@@ -1,0 +1,88 @@
+"""``recipe plan``'s estimate of peak host memory, from the config alone (no weights loaded).
+
+    peak ≈ runtime + activations + max over steps (weights held during the step + the step's working memory)
+
+* runtime: resident memory of a process that has done what ``apply`` does before loading weights (imports,
+  calibration text, tokenizer, token ids): measured in the planning process (``runtime_bytes``), or passed
+  in by ``apply`` itself.
+* activations: the calibration tokens' hidden states, four sets (a layer's inputs and outputs, the
+  original model's states in lockstep, a step's targets), plus one batch's MLP intermediate (×3).
+* weights held: in memory, the whole model; streamed, a layer-scope step holds its largest target layer and
+  one original layer (reference), a streaming model-scope step about four layers (a merge: its sources,
+  the copy and the result) or the embedding matrix its passes start with, whichever is larger, and a step that does not
+  stream (``Modifier.streams``) the whole model (twice with the original model).
+* working memory: each step's ``working_memory(shape, tokens)`` (statistics and solve buffers).
+"""
+from __future__ import annotations
+
+from ..architectures.shape import ModelShape
+from ..io.data import calibration_windows, load_calibration
+from ..io.models import resolve_model
+from ..recipe.schema import Recipe
+from ..recipe.validate import bound_steps
+from ..system.host_memory import current_rss
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def runtime_bytes(recipe: Recipe) -> int:
+    """Resident memory of this process after doing what ``apply`` does before it loads weights: import
+    the engine (done: this module sits above execution and evaluation, and the CLI imports every command at
+    start) and the model classes, read the calibration text, load the tokenizer and tokenize."""
+    # deferred: the model classes are imported here on purpose, as apply imports them before loading weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    calibration_windows(AutoTokenizer.from_pretrained(resolve_model(recipe.model).location),
+                        load_calibration(recipe.calibration), recipe.calibration)
+    return current_rss()
+
+
+def shape_bytes(shape: ModelShape, width: int) -> int:
+    """Bytes of a model of this symbolic shape at ``width`` bytes per parameter (tied embeddings once)."""
+    matrices = 1 if shape.tie_word_embeddings else 2
+    return (sum(shape.layer_parameters(layer) for layer in shape.layers) * width
+            + matrices * shape.vocab_size * shape.hidden_size * width + shape.hidden_size * width)
+
+
+def output_bytes(recipe: Recipe, config) -> int:
+    """Bytes of the checkpoint the recipe writes: the model after every step's shape change (fewer,
+    narrower layers), in the recipe's dtype; a packed quantized export is counted unpacked (an upper bound)."""
+    shape = ModelShape.from_config(config)
+    for step in bound_steps(recipe, config):
+        step.check(shape)
+    return shape_bytes(shape, DTYPE_BYTES[recipe.dtype])
+
+
+def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None) -> dict:
+    """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory."""
+    width = DTYPE_BYTES[recipe.dtype]
+    shape = ModelShape.from_config(config)
+    shape.streamed = streamed
+    cal = recipe.calibration
+    tokens = cal.samples * cal.seq_len
+    embedding = shape.vocab_size * shape.hidden_size * width
+    intermediate = shape.intermediate_size  # of the original layers: one batch's MLP activations
+
+    whole = shape_bytes(shape, width)
+    steps = []
+    for step in bound_steps(recipe, config):
+        largest = max(shape.layer_parameters(layer) for layer in shape.layers) * width
+        if not streamed:
+            held = shape_bytes(shape, width)
+        elif step.scope == "layer":
+            held = largest + (shape.layer_parameters(shape.layers[0]) * width if step.needs_reference else 0)
+        elif step.streams:  # its passes start with the embeddings loaded beside its buffers
+            held = max(4 * largest, embedding)
+        else:
+            held = shape_bytes(shape, width) + (whole if step.needs_reference else 0)
+        work = step.working_memory(shape, tokens)
+        steps.append({"step": step.step_name(), "weights_bytes": held, "working_bytes": work,
+                      "whole_model": not streamed or (step.scope == "model" and not step.streams)})
+        step.check(shape)
+    activations = 4 * tokens * shape.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
+    runtime = runtime_bytes(recipe) if runtime is None else runtime
+    peak_step = max(s["weights_bytes"] + s["working_bytes"] for s in steps)
+    if streamed:
+        peak_step = max(peak_step, embedding)
+    return {"streamed": streamed, "runtime_bytes": runtime, "activations_bytes": activations,
+            "model_bytes": whole, "steps": steps, "host_peak_bytes": runtime + activations + peak_step}

@@ -1,0 +1,219 @@
+"""The checks every command runs before it loads a model or reads a weight: one set of rules for all.
+
+``recipe apply`` and ``recipe validate`` check a recipe with :func:`check_recipe` (``validate`` with
+``here=False``: a CUDA recipe validates on a laptop); ``recipe sweep`` checks every variant with it before the
+first load; ``recipe eval`` checks its device, model and evaluation with :func:`check_device`,
+:func:`check_model` and :func:`check_evaluation`, ``recipe bench`` its device and models. Outputs:
+:func:`output.check_output_free` (``apply``'s directory), :func:`output.check_file_output` (``export``'s file),
+:func:`check_sweep_output` (``sweep``'s directory); each writer then holds the output's lock
+(``recipe_engine.io.output_lock``) until its output is in place.
+
+Every refusal is one :class:`~recipe_engine.errors.RecipeError` line (exit code 2) naming the recipe file and
+field where there is one; nothing is written before these checks pass.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..architectures.adapters import adapter_for
+from ..architectures.shape import ModelShape
+from ..errors import RecipeError, SourceError
+from ..evaluation.zeroshot import check_tasks
+from ..io.data import check_text, is_hub_source, load_text
+from ..io.gguf_export import check_recipe_exportable
+from ..io.models import load_config, parse_device, resolve_device
+from ..io.output import SWEEP_FILE, check_writable_parent, space_problem
+from ..recipe.schema import Recipe
+from ..recipe.validate import bound_steps, check_steps
+from .estimates import output_bytes
+
+#: Fields of a recipe that :func:`check_evaluation` names.
+RECIPE_FIELDS = {"tasks": "evaluate.tasks", "dataset": "evaluate.perplexity.dataset"}
+
+
+def check_device(name: str, here: bool = True):
+    """The ``torch.device`` for ``name``: supported (auto, cpu, cuda, cuda:i) and, with ``here``, present
+    on this machine (``models.resolve_device``); without ``here`` only its form is checked (None for auto)."""
+    if here:
+        return resolve_device(name)
+    return None if name == "auto" else parse_device(name)
+
+
+def check_model(spec: str, file: str | None = None):
+    """The model's config, read without its weights (a missing path, an unknown hub id offline: one line)."""
+    return located(lambda: load_config(spec), file, "model")
+
+
+def check_evaluation(config, file: str | None = None, fields: dict[str, str] | None = RECIPE_FIELDS,
+                     unchecked: list[str] | None = None) -> None:
+    """An ``evaluate:`` block (``schema.EvaluateConfig``; None: nothing) can run: every zero-shot task has a
+    config (did-you-mean for a near miss) and its rows can be read, and one of the perplexity text sources
+    is available and holds at least one window. ``fields`` name the recipe fields in the message (None for
+    command-line options, whose message names the value); ``unchecked`` collects what could not be checked
+    here (``data.check_text``'s notes)."""
+    if config is None:
+        return
+
+    fields = fields or {}
+    located(lambda: check_tasks(list(config.tasks), config.task_data), file, fields.get("tasks"))
+    if config.perplexity is not None:
+        located(lambda: check_perplexity_text(config.perplexity, unchecked), file, fields.get("dataset"))
+
+
+def check_perplexity_text(ppl, unchecked: list[str] | None = None) -> None:
+    """The first of ``ppl.dataset`` that is available (as ``evaluation.run.first_available_text`` picks it)
+    holds one window of ``ppl.seq_len`` tokens (at least as many bytes: a token covers at least one byte).
+    A hub source is available when the hub answers (``data.check_text``)."""
+    reasons = []
+    for name in ppl.dataset:
+        try:
+            if is_hub_source(name, ppl.split):
+                _note(check_text(name, ppl.split, "text", 0), unchecked)
+                return
+            text = load_text(name, ppl.split)
+        except SourceError as exc:
+            reasons.append(exc.detail)
+            continue
+        size = len(text.text.encode("utf-8"))
+        if size < ppl.seq_len:
+            raise SourceError(f"evaluation text {text.origin}: {size} bytes, shorter than one window of "
+                              f"{ppl.seq_len} tokens (a token covers at least one byte)")
+        return
+    raise SourceError("no evaluation text available: " + "; ".join(reasons))
+
+
+def check_calibration(cal, file: str | None = None, unchecked: list[str] | None = None) -> None:
+    """``recipe validate``'s calibration check (``apply`` reads the same text in full: ``data.load_calibration``);
+    ``unchecked`` collects what could not be checked here (a hub source in HF offline mode)."""
+    for name, share in zip(cal.sources, cal.shares()):
+        _note(located(lambda: check_text(name, cal.split, cal.text_field, share * cal.seq_len), file, None),
+              unchecked)
+
+
+def _note(note: str | None, unchecked: list[str] | None) -> None:
+    if note and unchecked is not None and note not in unchecked:
+        unchecked.append(note)
+
+
+def check_recipe(recipe, file: str | None = None, config=None, here: bool = True, calibration: bool = False,
+                 unchecked: list[str] | None = None):
+    """What ``apply`` and ``validate`` check on a recipe beyond its schema, before any weight is loaded: the
+    device (with ``here``: present on this machine), the model's config (``config`` when the model is
+    passed in memory), with ``calibration`` the calibration text (``apply`` reads it in full instead:
+    ``data.load_calibration``), the evaluation block, and every step on the symbolic shape
+    (:func:`check_against_config`). Returns ``(config, shape)``; ``unchecked`` collects what could not be
+    checked here (``data.check_text``'s notes: a hub source in HF offline mode)."""
+    located(lambda: check_device(recipe.device, here), file, "device")
+    if config is None:
+        config = check_model(recipe.model, file)
+    if calibration:
+        check_calibration(recipe.calibration, file, unchecked)
+    check_evaluation(recipe.evaluate, file, unchecked=unchecked)
+    return config, check_against_config(recipe, config, file)
+
+
+def validate_recipe(loaded):
+    """``recipe validate``: what ``apply`` checks before loading, except the output path (validate never
+    writes) and the devices of this machine (a CUDA recipe validates on a laptop). Returns ``(config, shape,
+    unchecked)``, ``unchecked`` naming what could not be checked here (a hub source in HF offline mode)."""
+    unchecked: list[str] = []
+    config, shape = check_recipe(loaded.recipe, loaded.path, here=False, calibration=True, unchecked=unchecked)
+    return config, shape, unchecked
+
+
+def check_sweep_output(output: str | Path) -> Path:
+    """``recipe sweep --output``: a directory (new, or an earlier sweep's, whose ``sweep.json`` must be one)
+    that can take ``sweep.json`` and ``pareto.png``. Returns the path."""
+    fail = lambda message: RecipeError(f"--output {output}: {message}")
+    target = Path(output).expanduser()
+    if not str(output).strip():
+        raise RecipeError("--output is empty; give a directory")
+    if target.exists() and not target.is_dir():
+        raise fail("exists and is not a directory (sweep writes sweep.json and pareto.png into a directory)")
+    if target.is_dir():
+        check_writable_parent(target / SWEEP_FILE, lambda message: RecipeError(f"--output: {message}"))
+        rows = target / SWEEP_FILE
+        if rows.exists():
+            try:
+                record = json.loads(rows.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError) as exc:
+                raise fail(f"{SWEEP_FILE} is not an earlier sweep's record: {getattr(exc, 'strerror', None) or exc}; "
+                           f"move it away or choose another --output") from None
+            if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
+                raise fail(f"{SWEEP_FILE} is not an earlier sweep's record (no rows); move it away or choose "
+                           f"another --output")
+    else:
+        check_writable_parent(target, lambda message: RecipeError(f"--output: {message}"))
+    return target
+
+
+def located(check, file: str | None, field: str | None = None):
+    """Run ``check``; its one-line error names the recipe file and field (when it names none itself)."""
+    try:
+        return check()
+    except RecipeError as exc:
+        raise exc.located(file=file, field=field) from None
+
+
+def check_free_space(recipe, config, file: str | None = None, resume_checkpoints: bool = False) -> None:
+    """Refuse to start when the output's file system lacks room for the checkpoint the recipe writes
+    (``estimates.output_bytes``: the compressed model's size, plus 5 %). A run that keeps resume checkpoints
+    (``recipe_engine.execution.resume``; a streamed run's staged units are among them) holds its changed units there
+    until the output is in place, at most the compressed model's size again: twice the room."""
+    copies = 2 if resume_checkpoints else 1
+    problem = space_problem(Path(recipe.output).expanduser(), copies * output_bytes(recipe, config))
+    if problem:
+        what = ("checkpoint and its resume checkpoints; --no-checkpoints needs half" if resume_checkpoints
+                else "checkpoint")
+        raise RecipeError(f"not enough disk space for output '{recipe.output}': {problem} "
+                          f"({recipe.dtype} {what})", file=file, field="output")
+
+
+#: Fewest decoder layers a recipe may leave: one layer is a bigram-like model, not a compressed LLM.
+MIN_LAYERS = 2
+
+
+def check_against_config(recipe: Recipe, config, file: str | None = None) -> ModelShape:
+    """Run every step's ``check`` on the symbolic shape (and ``check_calibration`` on the recipe's
+    calibration settings); the final model must be uniform, and no step may
+    change the layers after a step that pinned them (``ModelShape.pinned``).
+
+    The architecture is also instantiated on the meta device to prove transformers can build it.
+    """
+    try:
+        adapter_for(config)
+        if recipe.device != "auto":
+            parse_device(recipe.device)  # syntax only: validating a GPU recipe on a laptop is fine
+    except RecipeError as exc:
+        raise exc.located(file=file) from None
+    _build_on_meta(config, file)
+    shape = ModelShape.from_config(config)
+    check_steps(bound_steps(recipe, config, file), shape, recipe.calibration, file)
+    if shape.num_layers < MIN_LAYERS <= shape.original_layers:
+        raise RecipeError(f"the recipe leaves {shape.num_layers} of {shape.original_layers} decoder layers; a "
+                          f"model needs at least {MIN_LAYERS} to be a useful result (remove fewer layers)",
+                          file=file, field="modifiers")
+    odd = shape.oversized_layers()
+    if odd:
+        raise RecipeError(f"the recipe leaves layers {odd} wider than the config; a stock checkpoint needs "
+                          f"uniform layers (add pruning steps that cover them)", file=file, field="modifiers")
+    if recipe.export is not None:
+        try:
+            check_recipe_exportable(recipe, config)
+        except RecipeError as exc:
+            raise exc.located(file=file) from None
+    return shape
+
+
+def _build_on_meta(config, file: str | None) -> None:
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # the config itself is unusable
+        raise RecipeError(f"cannot build {config.model_type} from its config: {exc}", file=file) from None

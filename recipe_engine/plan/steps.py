@@ -1,0 +1,143 @@
+"""``recipe plan``: steps, the statistics each needs, and how many calibration passes will run."""
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+from ..architectures.shape import ModelShape
+from ..errors import RecipeError
+from ..execution.steps import group_steps
+from ..io.models import exceeds_memory, load_config
+from ..recipe.schema import Recipe
+from ..recipe.validate import bound_steps
+from .estimates import estimate
+
+
+Passes = tuple[int, int]
+
+
+def plan_rows(recipe: Recipe, config=None) -> tuple[list[tuple[str, str, str, str]], Passes | None]:
+    """Rows (step, scope, statistics, passes) and the total calibration passes as (fewest, most).
+
+    Consecutive layer-scope steps share one layer-sequential pass group (its count: the largest of its
+    steps'). Counts can depend on the layer count a step receives (SLEB), so they need the model's
+    ``config``; without one the passes column is ``?`` and the total None.
+    """
+    shape = ModelShape.from_config(config) if config is not None else None
+    counts: list[Passes | None] = []
+    steps = recipe.modifiers if config is None else bound_steps(recipe, config)
+    for index, step in enumerate(steps):
+        if shape is None:
+            counts.append(None)
+            continue
+        count = step.passes(shape)
+        counts.append((count, count) if isinstance(count, int) else tuple(count))
+        try:
+            step.check(shape)
+        except RecipeError as exc:
+            raise exc.located(step=index, modifier=step.step_name()) from None
+    rows, total = [], (0, 0)
+    for group in group_steps(steps):
+        members = [counts[index] for index, _ in group]
+        passes = None if None in members else (max(c[0] for c in members), max(c[1] for c in members))
+        total = None if passes is None or total is None else (total[0] + passes[0], total[1] + passes[1])
+        shown = format_passes(passes)
+        for position, (index, step) in enumerate(group):
+            text = f"{shown} (shared by steps {group[0][0]}-{group[-1][0]})" if len(group) > 1 else shown
+            rows.append((f"{index} {step.step_name()}", step.scope, ", ".join(step.needs) or "-",
+                         text if position == 0 else "↑ same pass"))
+    return rows, total
+
+
+def steps_passes(steps: list, shape: ModelShape) -> Passes:
+    """Calibration passes of ``steps`` run in order from ``shape`` (which is updated as each step's
+    ``check`` leaves it): consecutive layer-scope steps share one pass group (its count: the largest)."""
+    total = (0, 0)
+    for group in group_steps(list(steps)):
+        counts = []
+        for _, step in group:
+            count = step.passes(shape)
+            counts.append((count, count) if isinstance(count, int) else tuple(count))
+            step.check(shape)
+        total = (total[0] + max(c[0] for c in counts), total[1] + max(c[1] for c in counts))
+    return total
+
+
+def format_passes(passes: Passes | None) -> str:
+    """``7``, ``3–12`` (data-dependent: fewest–most) or ``?`` (no model config)."""
+    if passes is None:
+        return "?"
+    return str(passes[0]) if passes[0] == passes[1] else f"{passes[0]}–{passes[1]}"
+
+
+def plan_config(recipe: Recipe):
+    """The model's config, or ``(None, reason)`` when it cannot be read here (e.g. a hub id offline)."""
+    try:
+        return load_config(recipe.model), None
+    except RecipeError as exc:
+        return None, exc.detail
+
+
+def memory_plan(recipe: Recipe) -> dict:
+    """``estimates.estimate`` for the recipe's model, streamed as ``apply`` would decide; ``{"unavailable":
+    reason}`` when the model's config cannot be read here (e.g. a hub id offline)."""
+    try:
+        config = load_config(recipe.model)
+        streamed = recipe.stream == "on" or (recipe.stream == "auto" and exceeds_memory(recipe.model))
+        return estimate(recipe, config, streamed)
+    except RecipeError as exc:
+        return {"unavailable": exc.detail}
+
+
+def rank_memory(recipe: Recipe, memory: dict, ranks: int) -> dict:
+    """Per-rank host memory of a data-parallel run over ``ranks`` processes (``recipe_engine.execution.distributed``):
+    every rank holds all calibration activations (replicated) and, while a layer's outputs are gathered,
+    one more set plus its own share twice (send and padded buffers)."""
+    cal = recipe.calibration
+    shape = ModelShape.from_config(load_config(recipe.model))
+    one_set = cal.samples * cal.seq_len * shape.hidden_size * (4 if recipe.dtype == "float32" else 2)
+    gather = round(one_set * (1 + 2 / ranks))
+    peak = memory["host_peak_bytes"] + gather
+    batches = math.ceil(cal.samples / cal.batch_size)
+    return {"ranks": ranks, "batches_per_rank": math.ceil(batches / ranks) if batches >= ranks else batches,
+            "activations_bytes": memory["activations_bytes"], "gather_bytes": gather,
+            "host_peak_bytes_per_rank": peak, "host_peak_bytes_all_ranks": ranks * peak}
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
+    config, problem = plan_config(recipe)
+    rows, total = plan_rows(recipe, config)
+    cal = recipe.calibration
+    table = Table(title=f"plan: {recipe.name} ({cal.samples} × {cal.seq_len} tokens from {', '.join(cal.sources)})")
+    for column in ("step", "scope", "statistics", "calibration passes"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"total calibration passes: {format_passes(total)}"
+                  + (f" (unavailable: {problem})" if total is None else ""))
+    memory = memory_plan(recipe)
+    if "unavailable" in memory:
+        console.print(f"memory estimate: unavailable ({memory['unavailable']})")
+        return
+    mode = "streamed from disk" if memory["streamed"] else "whole model in memory"
+    console.print(f"memory estimate ({mode}): peak host {_gib(memory['host_peak_bytes'])} = runtime "
+                  f"{_gib(memory['runtime_bytes'])} + activations {_gib(memory['activations_bytes'])} + the "
+                  f"largest step (model {_gib(memory['model_bytes'])})")
+    if ranks > 1:
+        per = rank_memory(recipe, memory, ranks)
+        console.print(f"data-parallel over {ranks} ranks: per rank activations {_gib(per['activations_bytes'])} "
+                      f"(all calibration activations, replicated; each rank runs up to {per['batches_per_rank']} "
+                      f"batches through each layer) + gather {_gib(per['gather_bytes'])}; peak host per rank "
+                      f"{_gib(per['host_peak_bytes_per_rank'])}, {ranks} ranks on one host "
+                      f"{_gib(per['host_peak_bytes_all_ranks'])}")
+    for index, step in enumerate(memory["steps"]):
+        note = "  [needs the whole model resident]" if step["whole_model"] and memory["streamed"] else ""
+        console.print(f"  step {index} {step['step']}: weights {_gib(step['weights_bytes'])}, working "
+                      f"{_gib(step['working_bytes'])}{note}")

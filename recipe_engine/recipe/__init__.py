@@ -1,0 +1,1 @@
+"""Recipes: the schema, file loading, the modifier contract and registry, budgets and the symbolic checks."""

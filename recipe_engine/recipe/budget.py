@@ -1,0 +1,119 @@
+"""Layer budgets given as a count or as a percentage of the model's layers, so one recipe fits any model.
+
+A step field typed :data:`LayerBudget` accepts a count (``n: 6``) or a percentage of the decoder layers of
+the model the recipe starts from (``n: 20%``). The engine resolves percentages once, against the model's
+config, before any step is checked, planned or run (:func:`bind_steps`): a step only ever sees a count.
+
+Rounding: ``n = ⌊p · L / 100 + 1/2⌋`` (half up, exact rational arithmetic), ``L`` the original layer count:
+20 % of SmolLM2-135M's 30 layers is 6, of Qwen2.5-0.5B's 24 is 5 (4.8), of Gemma-3-270M's 18 is 4 (3.6).
+A percentage that rounds to 0 is an error. The recipe as written keeps ``20%`` (``recipe.yaml``, its
+hash); each step's record in ``report.json`` has the resolved count.
+"""
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+from typing import Annotated, Any, get_args
+
+from pydantic import AfterValidator, BaseModel, Field
+
+from ..errors import RecipeError
+from .modifier import Modifier
+
+
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+class BudgetMarker:
+    """Marks a field as a layer budget (found by :func:`bind_step` in the field's metadata)."""
+
+    def __repr__(self) -> str:
+        return "LayerBudget"
+
+
+def _valid(value: int | str) -> int | str:
+    if isinstance(value, bool):
+        raise ValueError("expected a layer count or a percentage such as 20%")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError("a layer count must be at least 1")
+        return value
+    match = _PERCENT.match(value)
+    if not match:
+        raise ValueError(f"expected a layer count or a percentage such as 20%, got {value!r}")
+    percent = Fraction(match.group(1))
+    if not 0 < percent < 100:
+        raise ValueError(f"a percentage of layers must lie strictly between 0% and 100%, got {value!r}")
+    return f"{match.group(1)}%"
+
+
+#: A number of layers: a count (``6``) or a percentage of the model's decoder layers (``"20%"``).
+LayerBudget = Annotated[int | str, AfterValidator(_valid), BudgetMarker()]
+
+
+def resolve_budget(value: int | str, num_layers: int) -> int:
+    """``value`` as a count of layers of a model with ``num_layers`` decoder layers (see the module)."""
+    if isinstance(value, int):
+        return value
+    percent = Fraction(_PERCENT.match(value).group(1))
+    return math.floor(percent * num_layers / 100 + Fraction(1, 2))
+
+
+def _is_budget(annotation: Any) -> bool:
+    """Whether a field's annotation is :data:`LayerBudget`, alone or inside a union (``LayerBudget | None``)."""
+    if any(isinstance(m, BudgetMarker) for m in getattr(annotation, "__metadata__", ())):
+        return True
+    return any(_is_budget(arg) for arg in get_args(annotation) if arg is not type(None))
+
+
+def _budget_fields(cls: type[BaseModel]) -> list[str]:
+    return [name for name, info in cls.model_fields.items()
+            if any(isinstance(m, BudgetMarker) for m in info.metadata) or _is_budget(info.annotation)]
+
+
+def bind_step(step: "Modifier", num_layers: int) -> "Modifier":
+    """``step`` with every percentage budget resolved against ``num_layers`` (the original layer count);
+    steps nested in a field (a list of steps, or a list of lists) are bound too. A step without any
+    percentage is returned as it is."""
+    def bind_value(value: Any) -> Any:
+        if isinstance(value, Modifier):
+            return bind_step(value, num_layers)
+        if isinstance(value, list):
+            bound = [bind_value(v) for v in value]
+            return value if all(a is b for a, b in zip(bound, value)) else bound
+        return value
+
+    update: dict[str, Any] = {}
+    for name in _budget_fields(type(step)):
+        value = getattr(step, name)
+        if isinstance(value, str):
+            count = resolve_budget(value, num_layers)
+            if count < 1:
+                raise step.fail(f"{value} of {num_layers} layers rounds to {count}; give a larger share or a count",
+                                field=name)
+            update[name] = count
+    for name in type(step).model_fields:
+        if name in update:
+            continue
+        value = getattr(step, name)
+        bound = bind_value(value)
+        if bound is not value:
+            update[name] = bound
+    return step.model_copy(update=update) if update else step
+
+
+def bind_steps(steps: list["Modifier"], num_layers: int) -> list["Modifier"]:
+    """:func:`bind_step` for every step; an error names the step's index."""
+    bound = []
+    for index, step in enumerate(steps):
+        try:
+            bound.append(bind_step(step, num_layers))
+        except RecipeError as exc:
+            raise exc.located(step=index, modifier=step.step_name()) from None
+    return bound
+
+
+def budget_field(default: int | str | None, description: str) -> Any:
+    """A pydantic ``Field`` for a :data:`LayerBudget` (the description says percentages are accepted)."""
+    return Field(default, description=f"{description}; a count or a percentage of the model's layers (20%)")

@@ -1,0 +1,136 @@
+"""The modifier contract: a pydantic parameter model plus the code that acts on the session.
+
+Two kinds (the engine reads ``scope``, never a modifier's name):
+
+* ``Modifier`` (``scope = "model"``): ``apply(session)`` sees the whole model. Steps that choose layers
+  to merge or drop use ``session.layer_pass`` / ``session.calibration_nll`` for their statistics.
+* ``LayerModifier`` (``scope = "layer"``): consecutive layer modifiers share one layer-sequential
+  calibration pass. For each target layer the session collects the union of the statistics they declare
+  (``statistics``), then calls ``compress_layer`` of each in recipe order. A ``compress_layer`` that
+  returns with the layer changed marks collected statistics stale; the next modifier gets fresh ones.
+
+Parameters are pydantic fields (``extra="forbid"``): the schema is the only place defaults live.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from ..architectures.shape import ModelShape
+from ..errors import RecipeError
+from .strict import StrictParameters
+
+if TYPE_CHECKING:
+    from .schema import CalibrationConfig
+    from ..execution.session import Session
+    from ..execution.stats import Statistic
+
+
+class Modifier(StrictParameters):
+    """Base class of every recipe step (a boolean is not a number, floats are finite: ``strict``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    scope: ClassVar[Literal["model", "layer"]] = "model"
+    #: Calibration passes this step makes (``recipe plan``; ``passes`` when it depends on parameters). A pass
+    #: is one walk of calibration windows through the decoder layers, counted by the session
+    #: (``Session.passes``); a run's report records the count beside the plan's.
+    calibration_passes: ClassVar[int] = 0
+    #: Human-readable statistics this step needs (shown by ``recipe plan``).
+    needs: ClassVar[tuple[str, ...]] = ()
+    #: True when the step calls ``session.reference_session()`` (an in-memory model is then copied first).
+    needs_reference: ClassVar[bool] = False
+    #: True when ``apply`` works on a streamed model (loads what it touches with ``session.loaded`` /
+    #: ``session.using``); otherwise the engine materializes the whole model around it (``recipe plan``
+    #: says so). Layer-scope steps act on the layer the pass has loaded.
+    streams: ClassVar[bool] = False
+    #: Why this step cannot run on a streamed model, or None when it can (with ``streams`` or materialized):
+    #: ``recipe apply`` refuses a streamed run of such a step before any weight is loaded.
+    refuses_streaming: ClassVar[str | None] = None
+    #: True for steps whose output packs weights on a quantization grid (a later weight change is a
+    #: validation error: it would fail when packing).
+    quantizes: ClassVar[bool] = False
+    #: False for steps that never change a weight's values (e.g. they only drop whole layers).
+    changes_weights: ClassVar[bool] = True
+    #: False when the output is no longer a stock checkpoint (``recipe_engine.load_model`` restores it).
+    stock_output: ClassVar[bool] = True
+    #: Parameters that ``session.shared`` values of this step do not depend on (reused across a sweep).
+    shared_ignores: ClassVar[tuple[str, ...]] = ()
+    #: Steps of a minimal valid recipe that exercises this modifier on a tiny model (contract tests);
+    #: empty means the modifier alone with its defaults.
+    example: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def step_name(cls) -> str:
+        return cls.__name__
+
+    @classmethod
+    def summary(cls) -> str:
+        """First line of the class docstring."""
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    @classmethod
+    def example_steps(cls) -> list[str]:
+        return list(cls.example) or [cls.step_name()]
+
+    def fail(self, message: str, field: str | None = None) -> RecipeError:
+        """Build a :class:`RecipeError` for this step (the engine adds file and step index)."""
+        return RecipeError(message, modifier=self.step_name(), field=field)
+
+    def passes(self, shape: ModelShape) -> int | tuple[int, int]:
+        """Calibration passes for ``recipe plan`` on the shape this step receives: a count, or (fewest, most)
+        when it depends on the data. Override when it depends on parameters or the shape."""
+        return self.calibration_passes
+
+    def check(self, shape: ModelShape) -> None:
+        """Validate against the symbolic model shape and update it to what this step produces.
+
+        Raise ``self.fail(...)`` on a mistake. Runs on config only, before any weight is loaded.
+        """
+
+    def working_memory(self, shape: ModelShape, tokens: int) -> int:
+        """Bytes this step holds beyond weights and the pass's activations at its peak (statistics, solve
+        buffers), on the shape it receives and ``tokens`` calibration tokens: ``recipe plan``'s estimate."""
+        return 0
+
+    def check_calibration(self, calibration: "CalibrationConfig") -> None:
+        """Validate against the recipe's calibration settings (e.g. ``propagate``); raise ``self.fail``."""
+
+    def apply(self, session: "Session") -> dict[str, Any]:
+        """Act on the whole model; return JSON-serialisable report entries."""
+        raise NotImplementedError(f"{self.step_name()} is a model-scope step and must implement apply()")
+
+    @classmethod
+    def restore_extra(cls, model, config: dict[str, Any], tensors: dict[str, Any]) -> None:
+        """Re-apply a non-stock addition saved with ``session.add_extra`` (see ``recipe_engine.io.extras``)."""
+        raise NotImplementedError(f"{cls.step_name()} saved no extras it can restore")
+
+
+class LayerModifier(Modifier):
+    """A step that compresses layers one at a time inside the shared layer-sequential pass."""
+
+    scope: ClassVar[Literal["model", "layer"]] = "layer"
+    calibration_passes: ClassVar[int] = 1
+    streams: ClassVar[bool] = True
+    #: Submodules (paths inside a decoder layer) that ``compress_layer`` changes; statistics downstream
+    #: of the earliest one are recollected for the next modifier (see ``recipe_engine.execution.stats``).
+    modifies: ClassVar[tuple[str, ...]] = ("self_attn", "mlp")
+
+    def target_layers(self, session: "Session") -> list[int]:
+        """Current indices of the layers this step acts on."""
+        raise NotImplementedError
+
+    def statistics(self, session: "Session", layer_index: int) -> list["Statistic"]:
+        """Statistics to collect on ``layer_index`` before ``compress_layer`` (may be empty)."""
+        return []
+
+    def compress_layer(self, session: "Session", layer_index: int,
+                       stats: dict[str, "Statistic"]) -> dict[str, Any]:
+        """Compress one layer in place (replacing its submodules is fine, the layer list is not);
+        ``stats`` maps ``Statistic.key`` to the collected statistic. Returns the layer's report entry."""
+        raise NotImplementedError
+
+    def finish(self, session: "Session") -> dict[str, Any]:
+        """Called once after every target layer was compressed; returns report entries."""
+        return {}

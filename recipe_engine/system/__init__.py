@@ -1,0 +1,1 @@
+"""Process hygiene: our temporary directories and signal handling, progress bars."""

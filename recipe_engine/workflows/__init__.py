@@ -1,0 +1,1 @@
+"""Whole runs: ``apply`` (one recipe) and ``sweep`` (a grid of recipes)."""

@@ -1,0 +1,286 @@
+"""``recipe apply``: validate, load, calibrate, run the steps, evaluate, write atomically."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..architectures.adapters import adapter_for, count_parameters
+from ..errors import QualityGateError, RecipeError
+from ..evaluation import evaluate_session, retained
+from ..execution.distributed import Parallel, launched
+from ..execution.resume import Checkpoints, discard_on_error, model_fingerprint
+from ..execution.session import Session
+from ..execution.steps import run_steps
+from ..execution.streaming import attach_stream
+from ..io.checkpoint_writer import write_checkpoint
+from ..io.data import calibration_windows, fingerprint, load_calibration
+from ..io.extras import save_extras
+from ..io.gguf_export import export_gguf
+from ..io.models import exceeds_memory, load_model
+from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
+from ..io.output_lock import output_lock
+from ..io.report import Report
+from ..plan.estimates import estimate
+from ..plan.preflight import check_device, check_free_space, check_recipe, located
+from ..recipe.files import LoadedRecipe, load_recipe
+from ..recipe.schema import Recipe, dump_recipe, recipe_from_dict
+from ..recipe.validate import bound_steps
+from ..system.host_memory import PeakWatch, current_rss
+from ..system.progress import Progress
+
+
+def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> LoadedRecipe:
+    if isinstance(recipe, (str, Path)):
+        return load_recipe(str(recipe), overrides)
+    if overrides:
+        raise RecipeError("overrides apply to recipe files; edit the Recipe object instead")
+    if isinstance(recipe, dict):
+        recipe = recipe_from_dict(recipe)
+    return LoadedRecipe(recipe, "<python>", dump_recipe(recipe))
+
+
+def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
+          force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
+          memo=None, checkpoints: bool = True) -> tuple[Any, Report]:
+    """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.io.report.Report``, as written to
+    ``report.json``). Writes the output directory unless ``write=False``.
+
+    ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
+    ``memo`` (``recipe_engine.execution.memo.SharedWork``): work shared with other runs of a sweep.
+    A streamed run (``stream``) returns the model as a meta-device skeleton: its weights are the output.
+    ``resume``: continue an interrupted run of the same output from its checkpoints
+    (``recipe_engine.execution.resume``).
+    ``checkpoints=False``: keep no resume checkpoints (a run that cannot be resumed, but needs disk room
+    for the output once instead of twice).
+    """
+    loaded = _resolve(recipe, list(overrides))
+    device = located(lambda: check_device(loaded.recipe.device), loaded.path, "device")
+    with launched(device) as parallel, _claim_output(loaded, write and parallel.rank == 0, force):
+        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints)
+
+
+@contextlib.contextmanager
+def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool) -> Iterator[None]:
+    """The output's pre-flight (``output.check_output_free``), then its lock (``output_lock``) for the run:
+    a second run aimed at the same output is refused before it touches this run's temporary files or
+    resume checkpoints."""
+    if not writing:
+        yield
+        return
+    check_output_free(loaded.recipe.output, force, loaded.path)
+    with output_lock(loaded.recipe.output, loaded.path):
+        yield
+
+
+def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
+           progress: bool, resume: bool = False, memo=None, keep_checkpoints: bool = True) -> tuple[Any, Report]:
+    """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
+    recipe, file = loaded.recipe, loaded.path
+    writing = write and parallel.rank == 0
+    cal = recipe.calibration
+    texts = located(lambda: load_calibration(cal), file)
+    config = check_recipe(recipe, file, model.config if model is not None else None)[0]
+    steps = bound_steps(recipe, config, file)  # percentages of layers resolved against this model
+    in_memory = model is not None
+    if resume and (in_memory or not write or not keep_checkpoints):
+        why = "a model passed in memory" if in_memory else "write=False" if not write else "--no-checkpoints"
+        raise RecipeError(f"--resume is not supported for {why} (no checkpoints are kept)", file=file)
+    if writing:  # a model from disk keeps resume checkpoints (``_checkpoints``) unless told not to
+        check_free_space(recipe, config, file, resume_checkpoints=not in_memory and keep_checkpoints)
+    device = parallel.device
+    streamed = located(lambda: decide_streaming(recipe, in_memory, write), file)
+    refusing = next(((i, step) for i, step in enumerate(steps) if streamed and step.refuses_streaming), None)
+    if refusing is not None:
+        raise RecipeError(f"cannot run streamed: {refusing[1].refuses_streaming} (set stream: off)", file=file,
+                          step=refusing[0], modifier=refusing[1].step_name(), field="stream")
+    report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
+                              "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
+                              "rank": parallel.rank, "ranks": parallel.world}
+    watch = PeakWatch()
+    owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
+    with discard_on_error(owned), _workspace(recipe.output, writing, force) as workdir, \
+            Progress(enabled=progress and parallel.rank == 0) as bar:
+        # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
+        before_weights = current_rss() if model is None else 0
+        if model is None:
+            bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
+            model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
+            report["model"] = {"spec": recipe.model, "kind": source.kind, "location": source.location}
+        else:
+            source = None
+            report["model"] = {"spec": recipe.model, "kind": "in-memory"}
+        windows, tokens_available = calibration_windows(tokenizer, texts, cal)
+        resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
+                                                  {id(t): t for t in model.state_dict().values()}.values())
+        plan = estimate(recipe, config, streamed, max(current_rss() - resident_weights, before_weights))
+        report["data"] = {"dataset": cal.dataset, "origin": "; ".join(text.origin for text, _ in texts),
+                          "tokens_available": tokens_available,
+                          "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
+                          "fingerprint": fingerprint(windows)}
+        report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}
+        session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar,
+                          reference_loader=_reference_loader(recipe, model, source, lambda: session),
+                          parallel=parallel)
+        session.memo = memo
+        if streamed:
+            attach_stream(session, source.location, workdir / STAGING)
+        checkpoints = _checkpoints(recipe, report, source, resume, write and keep_checkpoints, session, file)
+        owned.append(checkpoints)
+        if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
+            report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
+        report["steps"] = run_steps(session, steps, bar, watch, plan, checkpoints, report)
+        _check_uniform(session)
+        report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
+                           "layer_origin": [list(o) for o in session.layer_origin]}
+        # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
+        report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not session.extras
+        gate = None
+        if recipe.evaluate is not None:
+            after = evaluate_session(session, recipe.evaluate, bar)
+            report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
+            gate = _quality_gate(recipe, report["evaluation"]["retained"])
+            report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
+        if checkpoints is not None:
+            report["checkpoints"] = {"written": checkpoints.count, "seconds": checkpoints.seconds,
+                                     "bytes": checkpoints.bytes_written}
+        report["calibration_passes"] = sum({step["group"]: step["calibration_passes"] for step in report["steps"]}.values())
+        report["calibration_layer_runs"] = session.layer_runs
+        report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
+        if session.stream is not None:
+            report["stream"] = {"bytes_read": session.stream.bytes_read,
+                                "bytes_staged": session.stream.bytes_staged}
+        report["peak_memory"] = peak_memory(watch)
+        report["peak_memory"]["estimate_rss_mib"] = plan["host_peak_bytes"] / 2**20
+        final = _write(recipe, model, tokenizer, session, report, workdir) if writing else Report.model_validate(report)
+        parallel.barrier()  # renamed into place only when every rank finished
+    if checkpoints is not None:
+        checkpoints.discard()  # the output is in place
+    if gate:
+        raise QualityGateError(gate)
+    return model, final
+
+
+#: Directory inside the output's temporary directory holding changed units of a streamed model.
+STAGING = ".staging"
+
+
+@contextlib.contextmanager
+def _workspace(output: str, writing: bool, force: bool) -> Iterator[Path]:
+    """The output's temporary sibling directory (renamed into place on success, removed on any error or
+    signal), or a private temporary directory when nothing is written; staging data lives inside."""
+    if writing:
+        with atomic_directory(output, force) as tmp:
+            yield tmp
+    else:
+        with tempfile.TemporaryDirectory(prefix="recipe-") as tmp:
+            yield Path(tmp)
+
+
+def decide_streaming(recipe: Recipe, in_memory: bool, write: bool) -> bool:
+    """``stream: on/off`` as given; ``auto`` streams when the checkpoint's weight files exceed half the
+    available host memory. A streamed model's weights live only in the output, so streaming needs a
+    model from disk and ``write``."""
+    if recipe.stream == "off" or in_memory:
+        if recipe.stream == "on" and in_memory:
+            raise RecipeError("stream: on needs a model from disk, not one passed in memory", field="stream")
+        return False
+    if not write:
+        if recipe.stream == "on":
+            raise RecipeError("stream: on writes the result to the output directory; use write=True",
+                              field="stream")
+        return False
+    if recipe.stream == "on":
+        return True
+    return exceeds_memory(recipe.model)
+
+
+def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Session]):
+    """Original weights for ``session.reference_session()``: a read-only skeleton streamed from the
+    source checkpoint (one copy of the original: the files), or, for a model passed in memory, a CPU
+    copy taken now (before any step changes it)."""
+    if source is None:
+        if not any(step.needs_reference for step in recipe.modifiers):
+            return None
+        snapshot = copy.deepcopy(model).to("cpu")
+        return lambda: snapshot
+
+    def load() -> Session:
+        skeleton = load_model(recipe.model, recipe.dtype, skeleton=True)[0]
+        return attach_stream(current().sibling(skeleton, None), source.location, None)
+    return load
+
+
+def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool, session: Session,
+                 file: str):
+    """The run's resume checkpoints (``recipe_engine.execution.resume``), restored into ``session`` when resuming (a
+    streamed session stages its units there); None when this run keeps none (not written, model passed in
+    memory). Data-parallel: rank 0 writes them; with ``resume`` every rank restores them and the ranks check
+    that they adopted the same manifest (its sha256)."""
+    parallel = session.parallel
+    if not write or source is None or (parallel.rank > 0 and not resume):
+        return None
+    identity = {"recipe": report["recipe"]["resolved_sha256"], "model": model_fingerprint(source.location),
+                "calibration": report["data"]["fingerprint"], "packages": report["packages"]}
+    checkpoints = Checkpoints.open(recipe.output, identity, resume, file, writer=parallel.rank == 0)
+    if session.stream is not None and checkpoints.writer:
+        checkpoints.keep_staging(session.stream)
+    checkpoints.restore(session, report)
+    if parallel.active and resume:
+        checkpoints.agree(parallel)
+    session.checkpoint = checkpoints
+    return checkpoints
+
+
+def _check_uniform(session: Session) -> None:
+    odd = session.oversized_layers()
+    if odd:
+        raise RecipeError(f"layers {odd} are wider than the config after the last step; "
+                          f"not a stock checkpoint (add pruning steps)", field="modifiers")
+
+
+def _quality_gate(recipe: Recipe, retained: dict) -> str | None:
+    floor = recipe.evaluate.min_retained if recipe.evaluate else None
+    if floor is None:
+        return None
+    low = {k: v for k, v in retained.items() if v is not None and v < floor}
+    if not low:
+        return None
+    return (f"quality gate failed: retained {', '.join(f'{k}={v:.3f}' for k, v in low.items())} "
+            f"below min_retained={floor}; output kept at {recipe.output} and marked")
+
+
+def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
+    resolved = dump_recipe(loaded.recipe)
+    return {"name": loaded.recipe.name, "file": loaded.path, "sha256": loaded.sha256,
+            "resolved_sha256": hashlib.sha256(resolved.encode()).hexdigest(),
+            "git": git_info(loaded.path), "overrides": loaded.recipe.overrides}
+
+
+def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp: Path) -> Report:
+    """The output files, into the workspace that ``apply`` renames into place; staging data is removed.
+    Returns the report as written."""
+    if session.stream is not None or session.quantized:
+        write_checkpoint(session, tmp)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
+    shutil.rmtree(tmp / STAGING, ignore_errors=True)
+    for filename, data in session.artifacts.items():
+        (tmp / filename).parent.mkdir(exist_ok=True)
+        (tmp / filename).write_bytes(data)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    save_extras(tmp, session.extras)
+    (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
+    if recipe.export is not None:  # from the finished files, so it sees exactly what was written
+        report["export"] = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
+        report["export"]["file"] = recipe.export.file
+    final = Report.model_validate(report)
+    if final.evaluation is not None and final.evaluation.quality_gate == "failed":
+        (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
+    final.write(tmp)
+    return final
