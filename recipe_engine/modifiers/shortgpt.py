@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import Field
 
 from recipe_engine.api import LayerBudget, Modifier, RecipeError, budget_field, register
 
