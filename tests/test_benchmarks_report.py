@@ -88,21 +88,21 @@ def quality_section(page: str, model: str) -> str:
 
 def test_a_new_method_row_appears_in_quality_cost_and_plot(tmp_path):
     rows = copy_rows(tmp_path)
-    run = {"command": "python benchmarks/compare_methods.py --model qwen2.5-0.5b --only ReplaceMe",
+    run = {"command": "python benchmarks/compare_methods.py --model qwen2.5-0.5b --only NewMethod",
            "machine": "test machine", "date": "2026-11-25"}
-    row = {"protocol": "held-out", "method": "ReplaceMe", "layers": 19, "params_pct": 88.2,
+    row = {"protocol": "held-out", "method": "NewMethod", "layers": 19, "params_pct": 88.2,
            "ppl": {"wikitext2": 40.12, "c4": 70.5, "code": 7.1}, "compress_s": 321}
     rowstore.upsert_model_row(rows / "quality_qwen2_5_0_5b.json", row, run, section="Qwen2.5-0.5B", order=20,
                               model="qwen2.5-0.5b")
     page = report.render(report.load(rows))
     section = quality_section(page, "Qwen2.5-0.5B")
-    lines = [line for line in section.splitlines() if "| ReplaceMe |" in line]
+    lines = [line for line in section.splitlines() if "| NewMethod |" in line]
     assert len(lines) == 2                                  # quality and cost tables
     assert "**40.12**" in lines[0] and "70.50" in lines[0]  # the new best held-out WikiText-2 PPL is marked
     assert "| 321 |" in lines[1]
     assert f"`{run['command']}`; machine: test machine; date: 2026-11-25" in section
     assert (88.2, 40.12) in report.plot_points(json.loads((rows / "quality_qwen2_5_0_5b.json").read_text()))[
-        "held-out"]["ReplaceMe"]
+        "held-out"]["NewMethod"]
     assert page.replace(section, "") == report.render(report.load(report.ROWS)).replace(
         quality_section(report.render(report.load(report.ROWS)), "Qwen2.5-0.5B"), "")   # nothing else moved
 
