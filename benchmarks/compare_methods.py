@@ -70,13 +70,13 @@ LORA = {"max_samples": 256, "seq_len": 256, "epochs": 1, "batch_size": 16, "micr
 ALPACA = str((data_dir() or Path(__file__).resolve().parents[2] / "shared" / "data") / "alpaca" / "alpaca_small.json")
 
 
-def auto_steps(n: int, layers: int) -> list:
-    """The steps of ``recipes/depth20_auto.yaml`` with its budgets as counts for removing ``n`` of ``layers``
-    layers: ``20%`` → ``n``, ``10%`` (the first move of a two-move alternative) → ``n // 2``, ``80%`` (the
-    layers kept) → ``layers − n``; at the recipe's own n = 20 % these are what the percentages resolve to."""
+def recipe_steps(name: str, n: int, layers: int) -> list:
+    """The steps of ``recipes/<name>`` with its budgets as counts for removing ``n`` of ``layers`` layers:
+    ``20%`` → ``n``, ``10%`` (the first of two moves) → ``n // 2``, ``80%`` (the layers kept) → ``layers − n``;
+    at the recipes' own n = 20 % these are what the percentages resolve to."""
     import yaml
 
-    path = Path(__file__).resolve().parents[1] / "recipes" / "depth20_auto.yaml"
+    path = Path(__file__).resolve().parents[1] / "recipes" / name
     text = json.dumps(yaml.safe_load(path.read_text())["modifiers"])
     for percent, count in (("20%", n), ("10%", n // 2), ("80%", layers - n)):
         text = text.replace(percent, str(count))
@@ -129,15 +129,15 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
                                          "HeadPrune", "NystromMLP"], {}),
         # SLEB scored on 8 × 128 tokens of the calibration, LinearPatch fitted on all of it
         "SLEB+LinearPatch": ([{"SLEB": {"n": n, "search_samples": 8, "search_length": 128}}, "LinearPatch"], {}),
-        # combinations of two moves at half the budget each (the first takes n // 2 layers)
-        "ReplaceMe+FlattenGPT": ([{"ReplaceMe": {"n": n // 2}}, "FuseNorm", {"FlattenAdjacent": {"n": n - n // 2}},
-                                  "HeadPrune", "NystromMLP"], {}),
+        # combinations of two moves at half the budget each (the first takes n // 2 layers):
+        # recipes/replaceme_flatten20.yaml, then variations of it
+        "ReplaceMe+FlattenGPT": (recipe_steps("replaceme_flatten20.yaml", n, layers), {}),
         "FlattenGPT+ReplaceMe": (["FuseNorm", {"FlattenAdjacent": {"n": n // 2}}, "HeadPrune", "NystromMLP",
                                   {"ReplaceMe": {"n": n - n // 2}}], {}),
         "ReplaceMe×2": ([{"ReplaceMe": {"n": n // 2}}, {"ReplaceMe": {"n": n - n // 2}}], {}),
         "ReplaceMe+LinearPatch": ([{"ReplaceMe": {"n": n}}, "LinearPatch"], {}),
         # recipes/depth20_auto.yaml with its 20 % replaced by n: BestOf by held-out calibration NLL
-        "auto (depth20_auto)": (auto_steps(n, layers), {}),
+        "auto (depth20_auto)": (recipe_steps("depth20_auto.yaml", n, layers), {}),
         # NystromMLP variants on top of the defaults: its target, cross-validated λ_t, the fallback to dropping
         "FlattenGPT target merged": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "target": "merged"}}], {}),
         "FlattenGPT +cv": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "target_scales": CV_SCALES}}], {}),
