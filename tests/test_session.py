@@ -198,3 +198,27 @@ def test_released_statistic_is_freed_and_recollected_for_a_later_step():
     statistic.update(torch.ones(1, 2, 3), None)
     statistic.release()
     assert statistic.gram is None and statistic.count is None and statistic.released
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_a_dropped_branch_frees_its_model_without_the_cyclic_collector(model_type):
+    """A branch that captured its inputs and ran a layer pass holds no reference cycle back to itself: its
+    copy of the model is freed by reference counting alone when the branch is dropped (with the cyclic
+    collector off), so alternatives tried one after another never pile up copies of the model."""
+    import gc
+    import weakref
+
+    model = tiny_model(model_type)
+    tokens = random_tokens(4, 24)
+    session = make_session(model, tokens)
+    gc.collect()
+    gc.disable()
+    try:
+        branch = session.branch(session.calibration)
+        branch.layer_pass(lambda i, inp, out: None)
+        assert branch.calibration_nll() > 0
+        copied, held = weakref.ref(branch.model), weakref.ref(branch)
+        del branch
+        assert held() is None and copied() is None
+    finally:
+        gc.enable()

@@ -49,6 +49,46 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
+class _Capture:
+    """What the recording stand-ins of ``Session._capture_inputs`` collect: the first layer's hidden states and
+    keyword arguments per batch, and with several layer types the first layer of each type's own keyword
+    arguments. Module-level (not a class made per call) so that a capture forms no reference cycle with the
+    session: a copied model is freed as soon as its session is dropped, without the cyclic collector."""
+
+    def __init__(self, storage: torch.device, types: list[str], count: int):
+        self.storage, self.types, self.count = storage, types, count
+        self.by_type = len(set(types)) > 1
+        self.inputs: list[torch.Tensor] = []
+        self.kwargs_list: list[dict[str, Any]] = []
+
+    def keep(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {k: to_device(v, self.storage) for k, v in kwargs.items()
+                if k != "hidden_states" and k != "past_key_values"}
+
+    def record(self, index: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        if index == 0:
+            self.inputs.append(_first_tensor(args, kwargs).to(self.storage))
+            self.kwargs_list.append(self.keep(kwargs))
+            if self.by_type:
+                self.kwargs_list[-1][LAYER_TYPE_KWARGS] = {}
+        if self.by_type and self.types[index] not in self.kwargs_list[-1][LAYER_TYPE_KWARGS]:
+            self.kwargs_list[-1][LAYER_TYPE_KWARGS][self.types[index]] = self.keep(kwargs)
+        if index == self.count - 1 or not self.by_type:
+            raise _Captured
+        return _first_tensor(args, kwargs)
+
+
+class _Recorder(nn.Module):
+    """A decoder layer's stand-in during ``Session._capture_inputs``: hands its inputs to the capture."""
+
+    def __init__(self, index: int, capture: _Capture):
+        super().__init__()
+        self.index, self.capture = index, capture
+
+    def forward(self, *args, **kwargs):
+        return self.capture.record(self.index, args, kwargs)
+
+
 def hidden_state(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
@@ -335,37 +375,11 @@ class Session:
         the first records the hidden states and keyword arguments, and when layers differ in type
         (``config.layer_types``: Gemma 3's sliding / global attention masks and rotary embeddings) the first
         layer of each type records its own under ``LAYER_TYPE_KWARGS`` (``ArchitectureAdapter.layer_kwargs``)."""
-        inputs: list[torch.Tensor] = []
-        kwargs_list: list[dict[str, Any]] = []
-        types = list(getattr(self.model.config, "layer_types", None) or [])
-        by_type = len(set(types)) > 1
         count = len(self.layers)
-
-        def keep(kwargs: dict[str, Any]) -> dict[str, Any]:
-            return {k: to_device(v, self.storage) for k, v in kwargs.items()
-                    if k != "hidden_states" and k != "past_key_values"}
-
-        class Recorder(nn.Module):
-            def __init__(self, index: int):
-                super().__init__()
-                self.index = index
-
-            def forward(self, *args, **kwargs):
-                if self.index == 0:
-                    inputs.append(_first_tensor(args, kwargs).to(self_storage))
-                    kwargs_list.append(keep(kwargs))
-                    if by_type:
-                        kwargs_list[-1][LAYER_TYPE_KWARGS] = {}
-                if by_type and types[self.index] not in kwargs_list[-1][LAYER_TYPE_KWARGS]:
-                    kwargs_list[-1][LAYER_TYPE_KWARGS][types[self.index]] = keep(kwargs)
-                if self.index == count - 1 or not by_type:
-                    raise _Captured
-                return _first_tensor(args, kwargs)
-
-        self_storage = self.storage
+        capture = _Capture(self.storage, list(getattr(self.model.config, "layer_types", None) or []), count)
         layers = self.layers
         base = self.model.model
-        self.adapter.set_layer_list(self.model, nn.ModuleList([Recorder(i) for i in range(count)]))
+        self.adapter.set_layer_list(self.model, nn.ModuleList([_Recorder(i, capture) for i in range(count)]))
         try:
             with self.using(self.adapter.embeddings(self.model)), self.on_device(self.adapter.rotary(self.model)):
                 for batch in self.batches():
@@ -375,7 +389,7 @@ class Session:
                         pass
         finally:
             self.adapter.set_layer_list(self.model, layers)
-        return inputs, kwargs_list
+        return capture.inputs, capture.kwargs_list
 
     @torch.no_grad()
     def run_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]],
