@@ -129,6 +129,13 @@ LABELS = {"dense_30": "dense, 30 layers", "flattengpt_24": "FlattenGPT, 24 layer
           "gemma3_270m_sleb_14": f"Gemma-3-270M {GEMMA_SLEB}, 14 layers"}
 
 
+def gguf_name(name: str) -> str:
+    """``general.name`` of the exported file. llama.cpp sets Phi-3's token attributes when the model *name*
+    contains "phi3" and then requires Phi-3's own ``<s>``, ``</s>`` and ``<unk>`` tokens; a tiny random
+    Phi-3-shaped model carries SmolLM2's vocabulary, so its file is named without the architecture."""
+    return name.replace("phi3", "p3-shaped")
+
+
 def table_row(name: str, kind: str, row: dict) -> dict:
     """A measured row in the committed table's format (benchmarks/results/gguf_llamacpp.json)."""
     top1, positions = row["top1_agreement"], row["positions"]
@@ -238,7 +245,7 @@ def main() -> None:
         ids = torch.tensor(tokenizer(text)["input_ids"][: args.tokens])
         for kind in args.types:
             gguf_file = out / f"{name}-{kind}.gguf"
-            export_gguf(directory, gguf_file, kind, force=True, name=name)
+            export_gguf(directory, gguf_file, kind, force=True, name=gguf_name(name))
             row = compare(directory, gguf_file, ids, args.threads)
             row["tokenizer_agrees"] = tokenizer_agrees(directory, gguf_file, text[:4000])
             results["models"][f"{name} {kind}"] = row
