@@ -14,9 +14,10 @@ from ..errors import QualityGateError, RecipeError
 from ..evaluation import evaluate_session, retained
 from ..execution.distributed import Parallel, launched
 from ..execution.resume import Checkpoints, discard_on_error, model_fingerprint
+from ..execution.outputs import RunOutputs
 from ..execution.session import Session
 from ..execution.steps import run_steps
-from ..execution.streaming import attach_stream
+from ..execution.streaming import open_stream
 from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..io.extras import save_extras
@@ -123,12 +124,12 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
                           "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
                           "fingerprint": fingerprint(windows)}
         report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}
-        session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar,
+        adapter = adapter_for(model.config)
+        stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
+        outputs = RunOutputs()
+        session = Session(model, tokenizer, adapter, windows, cal, device, bar,
                           reference_loader=_reference_loader(recipe, model, source, lambda: session),
-                          parallel=parallel)
-        session.memo = memo
-        if streamed:
-            attach_stream(session, source.location, workdir / STAGING)
+                          stream=stream, parallel=parallel, memo=memo, outputs=outputs)
         checkpoints = _checkpoints(recipe, report, source, resume, write and keep_checkpoints, session, file)
         owned.append(checkpoints)
         if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
@@ -138,7 +139,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
                            "layer_origin": [list(o) for o in session.layer_origin]}
         # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
-        report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not session.extras
+        report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
         gate = None
         if recipe.evaluate is not None:
             after = evaluate_session(session, recipe.evaluate, bar)
@@ -151,12 +152,12 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
         report["calibration_passes"] = sum({step["group"]: step["calibration_passes"] for step in report["steps"]}.values())
         report["calibration_layer_runs"] = session.layer_runs
         report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
-        if session.stream is not None:
-            report["stream"] = {"bytes_read": session.stream.bytes_read,
-                                "bytes_staged": session.stream.bytes_staged}
+        if stream is not None:
+            report["stream"] = {"bytes_read": stream.bytes_read, "bytes_staged": stream.bytes_staged}
         report["peak_memory"] = peak_memory(watch)
         report["peak_memory"]["estimate_rss_mib"] = plan["host_peak_bytes"] / 2**20
-        final = _write(recipe, model, tokenizer, session, report, workdir) if writing else Report.model_validate(report)
+        final = (_write(recipe, model, tokenizer, session, outputs, report, workdir) if writing
+                 else Report.model_validate(report))
         parallel.barrier()  # renamed into place only when every rank finished
     if checkpoints is not None:
         checkpoints.discard()  # the output is in place
@@ -200,7 +201,7 @@ def decide_streaming(recipe: Recipe, in_memory: bool, write: bool) -> bool:
 
 
 def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Session]):
-    """Original weights for ``session.reference_session()``: a read-only skeleton streamed from the
+    """Original weights for ``session.reference``: a read-only skeleton streamed from the
     source checkpoint (one copy of the original: the files), or, for a model passed in memory, a CPU
     copy taken now (before any step changes it)."""
     if source is None:
@@ -211,7 +212,7 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
 
     def load() -> Session:
         skeleton = load_model(recipe.model, recipe.dtype, skeleton=True)[0]
-        return attach_stream(current().sibling(skeleton, None), source.location, None)
+        return current().sibling(skeleton, open_stream(skeleton, current().adapter, source.location, None))
     return load
 
 
@@ -232,7 +233,6 @@ def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool
     checkpoints.restore(session, report)
     if parallel.active and resume:
         checkpoints.agree(parallel)
-    session.checkpoint = checkpoints
     return checkpoints
 
 
@@ -261,20 +261,21 @@ def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
             "git": git_info(loaded.path), "overrides": loaded.recipe.overrides}
 
 
-def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp: Path) -> Report:
+def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutputs, report: dict,
+           tmp: Path) -> Report:
     """The output files, into the workspace that ``apply`` renames into place; staging data is removed.
     Returns the report as written."""
-    if session.stream is not None or session.quantized:
+    if session.streamed or outputs.quantized:
         write_checkpoint(session, tmp)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
     shutil.rmtree(tmp / STAGING, ignore_errors=True)
-    for filename, data in session.artifacts.items():
+    for filename, data in outputs.artifacts.items():
         (tmp / filename).parent.mkdir(exist_ok=True)
         (tmp / filename).write_bytes(data)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    save_extras(tmp, session.extras)
+    save_extras(tmp, outputs.extras)
     (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
     if recipe.export is not None:  # from the finished files, so it sees exactly what was written
         report["export"] = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
