@@ -70,7 +70,7 @@ class BestOf(Modifier):
     being run and the best so far).
 
     Layering: BestOf is a modifier, not an engine construct; it uses the engine's declared API
-    (``Session.branch`` / ``run_steps`` / ``adopt``, ``check_steps``, ``heldout_split``), so any registered
+    (``ModifierSession.branch`` / ``adopt``, ``check_steps``, ``heldout_split``), so any registered
     modifier (built-in or plugin) works as an alternative and the engine names none. A streamed run is refused
     (a branch needs a second in-memory copy of the model); ``--resume`` resumes after a finished BestOf, and an
     interrupted one is run again from its first alternative (branches keep no checkpoints).
@@ -178,7 +178,7 @@ class BestOf(Modifier):
     def passes(self, shape) -> tuple[int, int]:
         """Each alternative's own passes on the fit windows, plus one pass per alternative to score it. Fewest:
         an alternative whose first step repeats an earlier alternative's (same parameters but its
-        ``shared_ignores``) reuses that step's work from the same starting model (``Session.shared``).
+        ``shared_ignores``) reuses that step's work from the same starting model (``ModifierSession.shared``).
         The refit adds the cheapest alternative's passes (fewest) or the dearest's (most)."""
         low = high = 0
         first_steps: set[tuple[str, str]] = set()
