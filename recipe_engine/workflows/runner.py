@@ -25,7 +25,9 @@ from ..io.gguf_export import export_gguf
 from ..io.models import load_model
 from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
 from ..io.output_lock import output_lock
-from ..io.report import Report
+from ..io.report import Checkpoints as CheckpointsRecord
+from ..io.report import (DataRecord, ExportRecord, ModelRecord, ModelSize, PeakMemory, RecipeRecord, Report,
+                         StreamRecord)
 from ..plan.compiled import Plan
 from ..plan.estimates import plan_memory
 from ..plan.preflight import check_device, located, preflight_apply
@@ -87,6 +89,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     texts = located(lambda: load_calibration(recipe.calibration), file)
     plan = preflight_apply(recipe, file, model.config if model is not None else None, write=write,
                            writing=writing, keep_checkpoints=keep_checkpoints, resume=resume)
+    # the report's sections, typed as the run makes them; ``Report`` when the run is done
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
                               "device": str(parallel.device), "dtype": recipe.dtype, "streamed": plan.streamed,
                               "rank": parallel.rank, "ranks": parallel.world}
@@ -117,19 +120,18 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     if model is None:
         bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
         model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
-        report["model"] = {"spec": recipe.model, "kind": source.kind, "location": source.location}
+        report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location)
     else:
         source = None
-        report["model"] = {"spec": recipe.model, "kind": "in-memory"}
+        report["model"] = ModelRecord(spec=recipe.model, kind="in-memory")
     windows, tokens_available = calibration_windows(tokenizer, texts, cal)
     resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
                                               {id(t): t for t in model.state_dict().values()}.values())
     memory = plan_memory(plan, streamed, max(current_rss() - resident_weights, before_weights))
-    report["data"] = {"dataset": cal.dataset, "origin": "; ".join(text.origin for text, _ in texts),
-                      "tokens_available": tokens_available,
-                      "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
-                      "fingerprint": fingerprint(windows)}
-    report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}
+    report["data"] = DataRecord(dataset=cal.dataset, origin="; ".join(text.origin for text, _ in texts),
+                                tokens_available=tokens_available, samples=cal.samples, seq_len=cal.seq_len,
+                                seed=cal.seed, fingerprint=fingerprint(windows))
+    report["before"] = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers)
     adapter = adapter_for(model.config)
     stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
     outputs = RunOutputs()
@@ -142,8 +144,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
         report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
     report["steps"] = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
     _check_uniform(session)
-    report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
-                       "layer_origin": [list(o) for o in session.layer_origin]}
+    report["after"] = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers,
+                                layer_origin=[list(o) for o in session.layer_origin])
     # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
     report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
     gate = None
@@ -153,15 +155,14 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
         gate = _quality_gate(recipe, report["evaluation"]["retained"])
         report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
     if checkpoints is not None:
-        report["checkpoints"] = {"written": checkpoints.count, "seconds": checkpoints.seconds,
-                                 "bytes": checkpoints.bytes_written}
+        report["checkpoints"] = CheckpointsRecord(written=checkpoints.count, seconds=checkpoints.seconds,
+                                                  bytes=checkpoints.bytes_written)
     report["calibration_passes"] = sum({step["group"]: step["calibration_passes"] for step in report["steps"]}.values())
     report["calibration_layer_runs"] = session.layer_runs
     report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
     if stream is not None:
-        report["stream"] = {"bytes_read": stream.bytes_read, "bytes_staged": stream.bytes_staged}
-    report["peak_memory"] = peak_memory(watch)
-    report["peak_memory"]["estimate_rss_mib"] = memory["host_peak_bytes"] / 2**20
+        report["stream"] = StreamRecord(bytes_read=stream.bytes_read, bytes_staged=stream.bytes_staged)
+    report["peak_memory"] = PeakMemory(**peak_memory(watch), estimate_rss_mib=memory["host_peak_bytes"] / 2**20)
     return model, tokenizer, session, outputs, checkpoints, gate
 
 
@@ -206,8 +207,8 @@ def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool
     parallel = session.parallel
     if not write or source is None or (parallel.rank > 0 and not resume):
         return None
-    identity = {"recipe": report["recipe"]["resolved_sha256"], "model": model_fingerprint(source.location),
-                "calibration": report["data"]["fingerprint"], "packages": report["packages"]}
+    identity = {"recipe": report["recipe"].resolved_sha256, "model": model_fingerprint(source.location),
+                "calibration": report["data"].fingerprint, "packages": report["packages"]}
     checkpoints = Checkpoints.open(recipe.output, identity, resume, file, writer=parallel.rank == 0)
     if session.stream is not None and checkpoints.writer:
         checkpoints.keep_staging(session.stream)
@@ -235,11 +236,11 @@ def _quality_gate(recipe: Recipe, retained: dict) -> str | None:
             f"below min_retained={floor}; output kept at {recipe.output} and marked")
 
 
-def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
+def _recipe_record(loaded: LoadedRecipe) -> RecipeRecord:
     resolved = dump_recipe(loaded.recipe)
-    return {"name": loaded.recipe.name, "file": loaded.path, "sha256": loaded.sha256,
-            "resolved_sha256": hashlib.sha256(resolved.encode()).hexdigest(),
-            "git": git_info(loaded.path), "overrides": loaded.recipe.overrides}
+    return RecipeRecord(name=loaded.recipe.name, file=loaded.path, sha256=loaded.sha256,
+                        resolved_sha256=hashlib.sha256(resolved.encode()).hexdigest(),
+                        git=git_info(loaded.path), overrides=loaded.recipe.overrides)
 
 
 def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutputs, report: dict,
@@ -259,8 +260,8 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
     save_extras(tmp, outputs.extras)
     (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
     if recipe.export is not None:  # from the finished files, so it sees exactly what was written
-        report["export"] = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
-        report["export"]["file"] = recipe.export.file
+        exported = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
+        report["export"] = ExportRecord(**{**exported, "file": recipe.export.file})
     final = Report.model_validate(report)
     if final.evaluation is not None and final.evaluation.quality_gate == "failed":
         (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
