@@ -28,8 +28,8 @@ import torch
 import transformers
 
 from recipe_engine.execution import resume
-from recipe_engine.workflows import runner
 from recipe_engine.plan import preflight
+from recipe_engine.workflows import runner
 from recipe_engine.cli import main as cli_main
 from recipe_engine.recipe.modifier import LayerModifier, Modifier
 from recipe_engine.recipe.registry import REGISTRY
