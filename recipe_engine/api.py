@@ -1,13 +1,19 @@
 """The declared modifier API: everything a modifier (built-in or plugin) may import from the engine.
 
 A modifier file imports engine names from here only (``tests/test_modifier_api.py`` fails otherwise, and on
-any private name); the session it receives is used through its public methods and attributes. The rest of
-``recipe_engine`` may change without notice to modifiers.
+any private name), and uses the session it receives through :class:`ModifierSession` only (the same test
+walks every modifier's ``session.…`` uses). The rest of ``recipe_engine`` may change without notice to
+modifiers.
 
-* The contract: :class:`Modifier`, :class:`LayerModifier`, :func:`register`, :class:`RecipeError`,
-  :class:`Session` (its methods: ``layer_pass``, ``calibration_nll``, ``run_layer``, ``capture_inputs``,
-  ``count_pass``, ``set_layers``, ``remove_layers``, ``reference_session``, ``reference_outputs``, ...),
-  the symbolic shape :class:`ModelShape` / :class:`LayerShape`, :func:`adapter_for`, the architectures'
+* The contract: :class:`Modifier`, :class:`LayerModifier`, :func:`register`, :class:`RecipeError`, and
+  :class:`ModifierSession`, the session as a modifier sees it. Its twelve methods: layer surgery
+  (``set_layers``; :func:`remove_layers` is built on it), calibration forwards (``capture_inputs``,
+  ``run_layer``, ``layer_pass``, ``calibration_nll``), the original model's outputs (``original_outputs``),
+  residency (``placed``, ``release``), shared work (``shared``, ``map``) and alternatives side by side
+  (``branch``, ``adopt``); its read-only facts (``model``, ``adapter``, ``layers``, ``layer_origin``,
+  ``shape``, ``reference``, ``current_layer``, ...) include two small collaborators, ``passes``
+  (:class:`PassCounter`) and ``outputs`` (:class:`RunOutputs`: extras, artifacts, quantization records).
+  The symbolic shape :class:`ModelShape` / :class:`LayerShape`, :func:`adapter_for`, the architectures'
   role maps (:data:`ADAPTERS`, :data:`UNFUSED_ROLES`, :func:`roles_problem`, :func:`replace_linear`).
 * Statistics: :class:`Statistic`, :class:`InputCovariance` (fp64 input Grams), :func:`position` (dataflow
   order of a submodule), :class:`StagedLayer` (a layer run piecewise).
@@ -16,18 +22,20 @@ any private name); the session it receives is used through its public methods an
 * Transforms: :func:`rotation` (Hadamard / orthogonal), :class:`Grid` (the quantization grid),
   :func:`fold_norm_into` (norm folding), :func:`top_k_kl` (top-k distillation loss).
 * Data: :func:`load_text`, :func:`tokenize`; the fit / score split of the calibration windows
-  (:func:`heldout_split`, :class:`WindowSplit`; ``Session.windows``).
+  (:func:`heldout_split`, :class:`WindowSplit`).
 * Budgets: :data:`LayerBudget` / :func:`budget_field` (a count or a percentage of the model's layers,
   resolved by the engine before a step sees it).
 * Steps inside a step (a combinator): :func:`parse_step`, :func:`step_to_dict`, :func:`check_steps` (the
-  recipe's validation rules on a shape), :func:`steps_passes`, ``Session.branch`` / ``run_steps`` /
-  ``adopt`` / ``current_shape``, :class:`SharedWork` (work shared between branches over the same windows).
+  recipe's validation rules on a shape), :func:`steps_passes`, ``ModifierSession.branch`` / ``adopt`` /
+  ``shape``, :class:`SharedWork` (work shared between branches over the same windows).
 """
 from .architectures.adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, replace_linear, roles_problem
 from .architectures.shape import LayerShape, ModelShape
 from .errors import RecipeError
 from .execution.memo import SharedWork
-from .execution.session import Session
+from .execution.modifier_session import CurrentLayer, ModifierSession, PassCounter
+from .execution.outputs import RunOutputs
+from .execution.session import remove_layers
 from .execution.staged import StagedLayer
 from .execution.stats import InputCovariance, Statistic, position
 from .io.data import load_text, tokenize
@@ -47,7 +55,8 @@ from .recipe.validate import check_steps
 
 __all__ = ["LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
            "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
-           "Session", "StagedLayer", "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
+           "ModifierSession", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
+           "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
            "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
            "refit_error", "register",
            "ridge_compensation", "ridge_leverage_scores", "ridge_refit", "rotation", "set_linear_weight",

@@ -28,6 +28,7 @@ import torch
 import transformers
 
 from recipe_engine.execution import resume
+from recipe_engine.plan import preflight
 from recipe_engine.workflows import runner
 from recipe_engine.cli import main as cli_main
 from recipe_engine.recipe.modifier import LayerModifier, Modifier
@@ -94,13 +95,13 @@ def install() -> None:
                 {"streamed": session.stream is not None, "materialized": materialized}))
 
     resume.Checkpoints.restore = restore_and_record
-    exceeds = runner.exceeds_memory
+    exceeds = preflight.exceeds_memory
 
     def exceeds_memory(spec):  # what ``stream: auto`` decides, fixed by a case's RECIPE_TEST_AUTO_STREAMS
         fixed = os.environ.get("RECIPE_TEST_AUTO_STREAMS")
         return exceeds(spec) if fixed is None else fixed == "yes"
 
-    runner.exceeds_memory = exceeds_memory
+    preflight.exceeds_memory = exceeds_memory  # ``decide_streaming`` asks it
 
 
 def record_checkpoint(case: dict, base: Path) -> None:

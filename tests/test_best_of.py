@@ -184,9 +184,11 @@ def test_best_of_frees_each_losing_copy_before_the_next_alternative_copies_the_m
     copies, alive_at_copy = [], []
     real_branch = Session.branch
 
-    def branch(self, calibration, memo=None):
+    def branch(self, calibration, steps=(), *, copy=True, memo=None):
+        if not copy:
+            return real_branch(self, calibration, copy=False, memo=memo)
         alive_at_copy.append(sum(ref() is not None for ref in copies))
-        made = real_branch(self, calibration, memo)
+        made = real_branch(self, calibration, steps, memo=memo)
         copies.append(weakref.ref(made.model))
         return made
 

@@ -95,7 +95,8 @@ def test_flatten_reproduces_the_parallel_model(model_type):
     assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2]
     assert session.layer_origin == [tuple(b) for b in blocks]
     assert session.oversized_layers() == [i for i, b in enumerate(blocks) if len(b) > 1]
-    assert "similarity.png" in session.artifacts and session.artifacts["similarity.png"][:4] == b"\x89PNG"
+    artifacts = session.outputs.artifacts
+    assert "similarity.png" in artifacts and artifacts["similarity.png"][:4] == b"\x89PNG"
 
 
 def test_similarity_matches_hidden_states():
@@ -201,7 +202,7 @@ def test_nll_selection_equals_brute_force_greedy(model_type):
         assert record["nll"] == pytest.approx(min(losses), rel=1e-5)
     assert session.layer_origin == [tuple(b) for b in blocks]
     assert session.passes.value == step.passes(ModelShape.from_config(original.config))
-    assert "similarity" not in report and "similarity.png" not in session.artifacts
+    assert "similarity" not in report and "similarity.png" not in session.outputs.artifacts
     # the model left behind is the parallel model of the chosen blocks
     with torch.no_grad():
         got = float(model(tokens[:3, :16], labels=tokens[:3, :16]).loss)

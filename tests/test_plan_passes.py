@@ -73,3 +73,60 @@ def test_sleb_plan_counts_every_round():
 
     shape = ModelShape.from_config(tiny_model(num_hidden_layers=30).config)
     assert SLEB(n=6).passes(shape) == 28 + 27 + 26 + 25 + 24 + 23
+
+
+def _symbolic_recipe(tmp_path, modifiers):
+    from recipe_engine.recipe.schema import recipe_from_dict
+
+    return recipe_from_dict({"version": 1, "name": "compiled", "model": "tiny", "output": str(tmp_path / "out"),
+                             "dtype": "float32", "modifiers": modifiers})
+
+
+def test_a_compiled_plan_holds_what_a_replay_of_the_steps_finds(tmp_path):
+    """The plan's shapes, passes and output size equal a step-by-step replay on a fresh symbolic shape
+    (``steps_passes`` and each step's own ``check``), its pass groups ``group_steps``'."""
+    import copy
+
+    from recipe_engine.architectures.shape import ModelShape
+    from recipe_engine.plan.compiled import compile_plan
+    from recipe_engine.plan.estimates import DTYPE_BYTES, plan_output_bytes, shape_bytes
+    from recipe_engine.plan.steps import steps_passes
+    from tests.helpers import tiny_config
+
+    config = tiny_config(num_hidden_layers=8)
+    recipe = _symbolic_recipe(tmp_path, ["FuseNorm", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP",
+                                         "SLEB<n:1>", "ShortGPT<n:25%>"])
+    plan = compile_plan(recipe, config)
+    shape = ModelShape.from_config(config)
+    assert plan.steps[-1].n == 2  # 25% of 8 layers, bound to this model
+    for index, step in enumerate(plan.steps):
+        assert plan.shapes[index].layers == shape.layers, index
+        count = step.passes(copy.deepcopy(shape))
+        assert plan.passes[index] == ((count, count) if isinstance(count, int) else tuple(count))
+        step.check(shape)
+    assert plan.final.layers == shape.layers and plan.final.num_layers == 8 - 2 - 1 - 2
+    assert plan.groups == tuple(tuple(i for i, _ in group) for group in group_steps(list(plan.steps)))
+    assert plan.total_passes() == steps_passes(list(plan.steps), ModelShape.from_config(config))
+    assert plan_output_bytes(plan) == shape_bytes(shape, DTYPE_BYTES["float32"])
+
+
+def test_apply_checks_each_step_once(tmp_path, monkeypatch):
+    """``apply`` compiles the recipe once: pre-flight, disk room, memory estimate and the run read the plan
+    instead of replaying the steps' checks (each step's ``check`` runs exactly once)."""
+    from recipe_engine.modifiers.fuse_norm import FuseNorm
+    from recipe_engine.modifiers.shortgpt import ShortGPT
+
+    calls = []
+    for cls in (FuseNorm, ShortGPT):
+        real = cls.check
+        monkeypatch.setattr(cls, "check", lambda self, shape, real=real: (calls.append(self.step_name()),
+                                                                          real(self, shape))[1])
+    (tmp_path / "cal.txt").write_text(TEXT)
+    recipe = _symbolic_recipe(tmp_path, ["FuseNorm", "ShortGPT<n:1>"]).model_copy(update={
+        "calibration": load_recipe(str(RECIPES[0])).recipe.calibration.model_copy(update={
+            "dataset": str(tmp_path / "cal.txt"), "split": "train", "samples": 2, "seq_len": 16, "batch_size": 2}),
+        "evaluate": None, "export": None, "stream": "off", "device": "cpu"})
+    model = tiny_model(num_hidden_layers=4)
+    _, report = recipe_engine.apply(recipe, model=model, tokenizer=CharTokenizer(), progress=False)
+    assert calls == ["FuseNorm", "ShortGPT"]
+    assert report.after.layers == 3 and (tmp_path / "out" / "model.safetensors").is_file()

@@ -288,6 +288,7 @@ def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
     from recipe_engine.io import output
     from recipe_engine.plan.preflight import check_free_space
     from recipe_engine.errors import RecipeError
+    from recipe_engine.plan.compiled import compile_plan
     from recipe_engine.plan.estimates import output_bytes
     from recipe_engine.recipe.schema import recipe_from_dict
 
@@ -298,7 +299,8 @@ def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
     size = output_bytes(recipe, config)
     real = output.shutil.disk_usage
     monkeypatch.setattr(output.shutil, "disk_usage", lambda p: real(p)._replace(free=int(1.05 * 1.5 * size) + 2**20))
-    check_free_space(recipe, config)
+    plan = compile_plan(recipe, config)
+    check_free_space(plan)
     with pytest.raises(RecipeError, match="not enough disk space .* checkpoint and its resume checkpoints; "
                                           "--no-checkpoints needs half"):
-        check_free_space(recipe, config, resume_checkpoints=True)
+        check_free_space(plan, resume_checkpoints=True)

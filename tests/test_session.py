@@ -97,10 +97,10 @@ class TargetProbe(LayerModifier):
         return []
 
     def compress_layer(self, session, layer_index, stats):
-        inputs, kwargs_list = session.current_inputs()
+        inputs, kwargs_list = session.current_layer.inputs, session.current_layer.kwargs_list
         self.seen[layer_index] = (torch.cat(inputs), torch.cat(session.original_outputs(layer_index, inputs,
                                                                                         kwargs_list)),
-                                  torch.cat(session.reference_outputs(layer_index)))
+                                  torch.cat(session.original_outputs(layer_index)))
         with torch.no_grad():
             session.layers[layer_index].mlp.down_proj.weight.zero_()
         return {}
@@ -135,7 +135,7 @@ def test_compress_layer_sees_inputs_serial_and_original_targets():
     # HF's last hidden state has the final norm applied
     torch.testing.assert_close(original.model.norm(probe.seen[2][2]), hidden[4], rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="only available inside compress_layer"):
-        session.current_inputs()
+        session.current_layer
 
 
 def test_input_covariance_fp32_products_agree_with_fp64_and_are_keyed_apart():

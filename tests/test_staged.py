@@ -1,4 +1,4 @@
-"""StagedLayer (piecewise layer runs with finished blocks replayed) and ``session.provide_outputs``."""
+"""StagedLayer (piecewise layer runs with finished blocks replayed) and ``current_layer.provide_outputs``."""
 import pytest
 import torch
 
@@ -107,8 +107,11 @@ class HalvesDown(LayerModifier):
         with torch.no_grad():
             session.layers[layer_index].mlp.down_proj.weight.mul_(0.5)
         if self.zeros:
-            session.provide_outputs([torch.zeros_like(x) for x in session.current_inputs()[0]])
+            session.current_layer.provide_outputs([torch.zeros_like(x) for x in session.current_layer.inputs])
         return {}
+
+
+RECORDED_INPUTS: list[torch.Tensor] = []
 
 
 class RecordsInputs(LayerModifier):
@@ -118,14 +121,15 @@ class RecordsInputs(LayerModifier):
         return [1]
 
     def compress_layer(self, session, layer_index, stats):
-        session.artifacts["inputs"] = torch.cat(session.current_inputs()[0])
+        RECORDED_INPUTS.append(torch.cat(session.current_layer.inputs))
         return {}
 
 
 def layer1_inputs(steps):
     session = make_session(tiny_model(), random_tokens(4, 24))
+    RECORDED_INPUTS.clear()
     session.run_layer_modifiers([*steps, RecordsInputs()])
-    return session.artifacts["inputs"]
+    return RECORDED_INPUTS[-1]
 
 
 def test_provided_outputs_are_the_next_layers_inputs_unless_a_later_step_changes_the_layer():
@@ -141,4 +145,4 @@ def test_provided_outputs_are_the_next_layers_inputs_unless_a_later_step_changes
 def test_provide_outputs_outside_compress_layer_is_an_error():
     session = make_session(tiny_model(), random_tokens(4, 24))
     with pytest.raises(RuntimeError, match="only available inside compress_layer"):
-        session.provide_outputs([])
+        session.current_layer.provide_outputs([])

@@ -142,13 +142,13 @@ def test_release_stages_only_changed_units(tmp_path, monkeypatch):
     from recipe_engine.io.models import load_model
     from recipe_engine.recipe.schema import CalibrationConfig
     from recipe_engine.execution.session import Session
-    from recipe_engine.execution.streaming import attach_stream
+    from recipe_engine.execution.streaming import open_stream
 
     model, tokenizer, source = load_model(str(model_dir), skeleton=True)
     assert not any(is_materialized(layer) for layer in model.model.layers)
-    session = attach_stream(Session(model, tokenizer, adapter_for(model.config), random_tokens(vocab=BYTE_VOCAB),
-                                    CalibrationConfig(batch_size=2), torch.device("cpu")),
-                            source.location, tmp_path / "staging")
+    adapter = adapter_for(model.config)
+    session = Session(model, tokenizer, adapter, random_tokens(vocab=BYTE_VOCAB), CalibrationConfig(batch_size=2),
+                      torch.device("cpu"), stream=open_stream(model, adapter, source.location, tmp_path / "staging"))
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     import recipe_engine.execution.streaming as streaming
 

@@ -19,7 +19,7 @@ from ..execution.distributed import DistributedError
 from ..io.gguf_export import TYPES, export_gguf
 from ..io.output import SWEEP_FILE
 from ..plan.preflight import check_device, located, validate_recipe
-from ..plan.steps import memory_plan, plan_config, plan_rows, print_plan, rank_memory
+from ..plan.steps import compile_for_plan, memory_plan, plan_rows, print_plan, rank_memory
 from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
 from ..recipe.registry import REGISTRY, RegistryError
 from ..recipe.schema import dump_recipe
@@ -90,7 +90,8 @@ def cmd_validate(args) -> int:
     for spec in args.recipes:  # every file is reported, bad or good
         try:
             loaded = load_recipe(spec, _overrides(args))
-            config, shape, unchecked = validate_recipe(loaded)
+            plan, unchecked = validate_recipe(loaded)
+            config, shape = plan.config, plan.final
         except (RecipeError, RegistryError) as exc:
             print(f"error: {one_line(str(exc))}", file=sys.stderr)
             failed += 1
@@ -109,9 +110,10 @@ def cmd_plan(args) -> int:
     recipe = loaded.recipe
     located(lambda: check_device(recipe.device, here=False), loaded.path, "device")  # its form, as validate
     if args.json:
-        rows, total = plan_rows(recipe, plan_config(recipe)[0])
-        memory = memory_plan(recipe)
-        ranks = rank_memory(recipe, memory, args.ranks) if args.ranks > 1 and "unavailable" not in memory else None
+        plan, problem = compile_for_plan(recipe)
+        rows, total = plan_rows(recipe, plan=plan)
+        memory = memory_plan(recipe, plan, problem)
+        ranks = rank_memory(plan, memory, args.ranks) if args.ranks > 1 and "unavailable" not in memory else None
         print(json.dumps({"steps": rows, "calibration_passes": total, "memory": memory, "data_parallel": ranks}))
         return 0
     print_plan(recipe, out, args.ranks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..architectures.adapters import adapter_for
 from ..errors import SourceError
 from ..execution.session import Session
-from ..execution.streaming import attach_stream, forward_streamed
+from ..execution.streaming import forward_streamed, open_stream
 from ..io.data import load_text
 from ..io.models import exceeds_memory, load_model
 from ..recipe.schema import CalibrationConfig, EvaluateConfig
@@ -46,9 +46,9 @@ def evaluation_session(spec: str, dtype: str, device, stream: str = "auto", prog
     streamed = stream == "on" or (stream == "auto" and exceeds_memory(spec))
     model, tokenizer, source = load_model(spec, dtype, skeleton=streamed)
     adapter = adapter_for(model.config) if streamed else None  # in memory: any architecture evaluates
-    session = Session(model, tokenizer, adapter, None, CalibrationConfig(batch_size=1), device, progress)
-    if streamed:
-        attach_stream(session, source.location, None)
+    stream = open_stream(model, adapter, source.location, None) if streamed else None
+    session = Session(model, tokenizer, adapter, None, CalibrationConfig(batch_size=1), device, progress,
+                      stream=stream)
     return session, source
 
 

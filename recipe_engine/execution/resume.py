@@ -11,7 +11,7 @@ A run keeps ``PARENT/.NAME.resume/`` beside its output ``PARENT/NAME``:
 * ``inputs-<sha256>.safetensors``: inside a pass, the next layer's inputs (the activation checkpoint), and
   ``reference-<sha256>.safetensors``: the original model's states the pass follows (NystromMLP's
   ``target: original``), where it had them;
-* ``quantized-<sha256>.safetensors``: scales and zero points of quantized linears (``session.quantized``,
+* ``quantized-<sha256>.safetensors``: scales and zero points of quantized linears (``session.outputs.quantized``,
   for the packed export), each record written once, by the first checkpoint after it exists.
 
 **Units of an in-memory run**: ``unit-<sha256>.safetensors`` per decoder layer and one for the rest,
@@ -114,7 +114,7 @@ def _tensors(module: nn.Module, skip: set[int] = frozenset()) -> dict[str, torch
 
 
 class Checkpoints:
-    """The resume directory of one run (see the module docstring); ``session.checkpoint`` inside passes."""
+    """The resume directory of one run (see the module docstring); ``run_layer_modifiers`` checkpoints inside passes."""
 
     def __init__(self, directory: Path, identity: dict[str, Any], writer: bool = True):
         #: False on the other ranks of a data-parallel run: they read the checkpoint rank 0 writes
@@ -238,16 +238,16 @@ class Checkpoints:
         extras = load_file(str(self.directory / state["extras"])) if state["extras"] else {}
         for i, entry in enumerate(state["extra_entries"]):
             own = {k[len(f"{i}."):]: v for k, v in extras.items() if k.startswith(f"{i}.")}
-            session.extras.append({"modifier": entry["modifier"], "config": entry["config"], "tensors": own})
+            session.outputs.add_extra(entry["modifier"], entry["config"], own)
             REGISTRY.get(entry["modifier"]).restore_extra(session.model, entry["config"], own)
         for name, stored in state["artifacts"].items():
-            session.artifacts[name] = (self.directory / stored).read_bytes()
+            session.outputs.add_artifact(name, (self.directory / stored).read_bytes())
         if state["quantized"]:
             files = {name: load_file(str(self.directory / name)) for name in {e["file"] for e in state["quantized"]}}
             for entry in state["quantized"]:
                 tensors, key = files[entry["file"]], entry["key"]
                 record = QuantizedLinear(Grid(*entry["grid"]), tensors[f"{key}.scale"], tensors[f"{key}.zero"])
-                session.quantized[session.model.get_submodule(entry["module"])] = record
+                session.outputs.restore_quantized(session.model.get_submodule(entry["module"]), record)
                 self._quantized_files[id(record)] = (entry["file"], key, record)
         self._pass = self._load_pass()
         report.update(state["report"])
@@ -387,7 +387,7 @@ class Checkpoints:
         records stored by an earlier checkpoint keep their file, new ones go to one new file (so a pass that
         quantizes layer by layer writes each record once)."""
         names = {id(m): name for name, m in session.model.named_modules()}
-        pending = [(module, record) for module, record in session.quantized.items()
+        pending = [(module, record) for module, record in session.outputs.quantized.items()
                    if id(record) not in self._quantized_files]
         if pending:
             tensors = {}
@@ -397,7 +397,7 @@ class Checkpoints:
             for k, (_, record) in enumerate(pending):
                 self._quantized_files[id(record)] = (name, str(k), record)
         entries = []
-        for module, record in session.quantized.items():
+        for module, record in session.outputs.quantized.items():
             file, key, _ = self._quantized_files[id(record)]
             grid = record.grid
             entries.append({"module": names[id(module)], "grid": [grid.bits, grid.group_size, grid.sym],
@@ -408,11 +408,11 @@ class Checkpoints:
         start = time.perf_counter()
         layers, rest = self._model_state(session)
         extras_name = None
-        if session.extras:
-            extras_name = self._cached({f"{i}.{k}": t for i, e in enumerate(session.extras)
+        if session.outputs.extras:
+            extras_name = self._cached({f"{i}.{k}": t for i, e in enumerate(session.outputs.extras)
                                         for k, t in e["tensors"].items()}, "extras")
         artifacts = {name: self._store_bytes(data, "artifact")  # names may hold one "/" (a subdirectory)
-                     for name, data in session.artifacts.items()}
+                     for name, data in session.outputs.artifacts.items()}
         quantized = self._quantized_state(session)
         homes = [e["home"] for e in layers] + rest if session.stream is not None else []
         named = [e["file"] for e in layers if "file" in e] + [h["file"] for h in homes if h["file"]] \
@@ -425,7 +425,7 @@ class Checkpoints:
                     "reached": reached, "streamed": session.stream is not None,
                     "layers": layers, "rest": rest, "config": session.model.config.to_dict(),
                     "extras": extras_name, "extra_entries": [{"modifier": e["modifier"], "config": e["config"]}
-                                                             for e in session.extras],
+                                                             for e in session.outputs.extras],
                     "artifacts": artifacts, "quantized": quantized,
                     "records": json.loads(json.dumps(records, default=str)),
                     "report": {k: report[k] for k in ("evaluation",) if k in report},

@@ -9,10 +9,10 @@ before it; with ``original`` from the layers as they were when the pass started.
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import tempfile
 import time
+from copy import deepcopy
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -21,14 +21,16 @@ from torch import nn
 
 from ..architectures.adapters import LAYER_TYPE_KWARGS, ArchitectureAdapter
 from ..architectures.shape import WIDTH_INDEX, LayerShape, ModelShape, WidthPart
-from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.modifier import LayerModifier, Modifier
 from ..recipe.schema import CalibrationConfig
 from ..system.progress import Progress
 from .distributed import Parallel, module_digest
+from .memo import SharedWork
+from .modifier_session import CurrentLayer, PassCounter
+from .outputs import RunOutputs
 from .stats import Statistic, change_position
 from .steps import run_steps
-from .streaming import WeightStream
+from .streaming import WeightStream, stream_units
 
 
 class _Captured(Exception):
@@ -93,24 +95,33 @@ def hidden_state(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-class PassCounter:
-    """Calibration passes of a run, shared by a session and its siblings (the reference model, subsets):
-    one pass is one walk of calibration windows through the decoder layers (``capture_inputs``, or
-    ``count_pass`` for a walk that starts from inputs kept from an earlier one)."""
-
-    def __init__(self) -> None:
-        self.value = 0
+def remove_layers(session, remove: list[int]) -> list[tuple[int, ...]]:
+    """Drop the current layers in ``remove`` from a session (``ModifierSession.set_layers``); returns the
+    original indices of what was dropped."""
+    keep = [i for i in range(len(session.layers)) if i not in set(remove)]
+    dropped = [session.layer_origin[i] for i in sorted(remove)]
+    session.set_layers([session.layers[i] for i in keep], [session.layer_origin[i] for i in keep], keep)
+    return dropped
 
 
 class Session:
-    """Explicit state of one recipe run; passed to every modifier (no globals)."""
+    """Explicit state of one recipe run; passed to every modifier (no globals). Modifiers see it through
+    :class:`~recipe_engine.execution.modifier_session.ModifierSession`; the rest is the engine's.
+
+    The engine-side collaborators are the runner's, handed over here: ``stream`` (residency of a streamed
+    model, ``recipe_engine.execution.streaming``), ``parallel`` (data-parallel ranks), ``memo`` (work shared
+    by a sweep's variants), ``outputs`` (the extras collector) and ``passes`` (the pass counter); resume
+    checkpoints are passed to the pass that writes them (``run_layer_modifiers``).
+    """
 
     def __init__(self, model: nn.Module, tokenizer, adapter: ArchitectureAdapter,
                  calibration: torch.Tensor, config: CalibrationConfig, device: torch.device,
                  progress: Progress | None = None,
                  reference_loader: Callable[[], "nn.Module | Session"] | None = None,
                  stream: WeightStream | None = None, parallel: Parallel | None = None,
-                 passes: PassCounter | None = None):
+                 passes: PassCounter | None = None, *, memo: SharedWork | None = None,
+                 outputs: RunOutputs | None = None, origin: list[tuple[int, ...]] | None = None,
+                 original_layers: int | None = None, completed: list[str] = ()):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
         #: Calibration passes made so far by this session and its siblings (``recipe plan`` predicts them).
         self.passes = passes or PassCounter()
@@ -122,30 +133,64 @@ class Session:
         self.progress = progress or Progress(enabled=False)
         cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layer_origin: list[tuple[int, ...]] = [(i,) for i in range(cfg.num_hidden_layers)]
+        self.layer_origin: list[tuple[int, ...]] = (list(origin) if origin is not None
+                                                    else [(i,) for i in range(cfg.num_hidden_layers)])
         #: Decoder layers of the model the run started from (``layer_origin`` indexes into them).
-        self.original_layers = cfg.num_hidden_layers
-        self.extras: list[dict[str, Any]] = []
-        self.artifacts: dict[str, bytes] = {}
-        #: Linears a quantizing step recorded; the engine's writer packs them (``mark_quantized``).
-        self.quantized: dict[nn.Module, QuantizedLinear] = {}
+        self.original_layers = original_layers if original_layers is not None else cfg.num_hidden_layers
+        #: Extras, artifacts and quantization records the steps produce (``recipe_engine.execution.outputs``).
+        self.outputs = outputs if outputs is not None else RunOutputs()
+        #: Layer runs over the calibration batches (``run_layer``, staged layers) by this session.
         self.layer_runs = 0
-        #: Checkpoints of finished layers for ``--resume`` (``recipe_engine.execution.resume.Checkpoints``), or None.
-        self.checkpoint = None
         #: Calibration batches this process ran through (part of) a layer (a data-parallel rank: its share).
         self.layer_batches = 0
         self._reference_loader = reference_loader
         self._reference: Session | None = None
-        #: Inputs of the layer being compressed by ``run_layer_modifiers`` (see ``current_inputs``).
-        self._current: tuple[list[torch.Tensor], list[dict[str, Any]]] | None = None
-        #: Outputs of that layer handed over by the step compressing it (see ``provide_outputs``).
+        #: The layer being compressed by ``run_layer_modifiers`` (see ``current_layer``).
+        self._current: CurrentLayer | None = None
+        #: Outputs of that layer handed over by the step compressing it (``CurrentLayer.provide_outputs``).
         self._provided: list[torch.Tensor] | None = None
         #: Original model's hidden states in lockstep with a pass: (next original layer, states, kwargs).
         self._reference_stream: tuple[int, list[torch.Tensor], list[dict[str, Any]]] | None = None
-        #: Work shared across a sweep's variants (``recipe_engine.execution.memo``), None in a plain run; the canonical
-        #: parameters of the steps completed so far (set by ``run_steps``) key it.
-        self.memo = None
-        self.completed_steps: list[str] = []
+        #: Work shared across a sweep's variants (``recipe_engine.execution.memo``), None in a plain run; the
+        #: canonical parameters of the steps completed so far (``mark_completed``) key it.
+        self.memo = memo
+        self.completed_steps: list[str] = list(completed)
+        #: Report records of the steps this session ran (``run_steps``; a branch's, see ``branch``).
+        self.records: list[dict[str, Any]] = []
+
+    # -- facts ---------------------------------------------------------------------------------
+    @property
+    def streamed(self) -> bool:
+        """The model is a meta-device skeleton whose weights stream from disk."""
+        return self.stream is not None
+
+    @property
+    def shape(self) -> ModelShape:
+        """The symbolic shape of the model as it is now (widths read from the weights, ``layer_origin``),
+        for checking steps against the model mid-run."""
+        return self.current_shape()
+
+    @property
+    def reference(self) -> "Session":
+        """The original model's session (``reference_session``)."""
+        return self.reference_session()
+
+    @property
+    def current_layer(self) -> CurrentLayer:
+        """The layer ``run_layer_modifiers`` is compressing: its inputs and the outputs hand-over (valid
+        inside ``compress_layer`` only)."""
+        if self._current is None:
+            raise RuntimeError("current_layer is only available inside compress_layer")
+        return self._current
+
+    def mark_completed(self, steps: list[str]) -> None:
+        """Record the canonical parameters of steps just completed (they key the sweep memo)."""
+        self.completed_steps += steps
+
+    def count_layer_work(self, runs: int = 0, batches: int = 0) -> None:
+        """Count layer runs and calibration batches run through a layer (``StagedLayer`` runs its own)."""
+        self.layer_runs += runs
+        self.layer_batches += batches
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -159,13 +204,6 @@ class Session:
         self.adapter.set_layers(self.model, layers, inherit)
         self.layer_origin = list(origin)
 
-    def remove_layers(self, remove: list[int]) -> list[tuple[int, ...]]:
-        """Drop the current layers in ``remove``; returns the original indices of what was dropped."""
-        keep = [i for i in range(len(self.layers)) if i not in set(remove)]
-        dropped = [self.layer_origin[i] for i in sorted(remove)]
-        self.set_layers([self.layers[i] for i in keep], [self.layer_origin[i] for i in keep], keep)
-        return dropped
-
     def oversized_layers(self, part: WidthPart | None = None) -> list[int]:
         """Layers wider than the config, read from the weights: in query heads (``part="attention"``),
         in intermediate size (``"mlp"``), or in either (``None``, which also compares KV heads)."""
@@ -175,28 +213,6 @@ class Session:
         return [i for i, layer in enumerate(self.layers)
                 if [self.adapter.layer_widths(layer, self.head_dim)[k] for k in picked]
                 != [standard[k] for k in picked]]
-
-    def add_extra(self, modifier: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.io.extras``)."""
-        self.extras.append({"modifier": modifier, "config": config, "tensors": tensors})
-
-    def add_artifact(self, filename: str, data: bytes) -> None:
-        """A file (e.g. a PNG heatmap) to write into the output directory beside the checkpoint, or into
-        one subdirectory of it (``"lora_adapter/adapter_model.safetensors"``)."""
-        parts = filename.split("/")
-        if len(parts) > 2 or any(not part or part.startswith(".") for part in parts):
-            raise ValueError(f"artifact name must be a file name or dir/file name, got {filename!r}")
-        self.artifacts[filename] = data
-
-    def mark_quantized(self, linear: nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        """Record that ``linear``'s weight lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and
-        ``zero`` (codes ``0 … 2^b − 1``): the checkpoint stores it packed (compressed-tensors). One grid per
-        checkpoint (validation refuses a second quantizing step)."""
-        other = next((record.grid for record in self.quantized.values() if record.grid != grid), None)
-        if other is not None:
-            raise RuntimeError(f"one quantization grid per checkpoint: {grid} after {other}")
-        self.quantized[linear] = QuantizedLinear(grid, scale.detach().to("cpu", torch.float32),
-                                                 zero.detach().to("cpu", torch.int16))
 
     def reference_session(self) -> "Session":
         """A session over the original, unmodified model with the same calibration tokens, for steps that
@@ -209,18 +225,15 @@ class Session:
             self._reference = reference if isinstance(reference, Session) else self.sibling(reference, None)
         return self._reference
 
-    def sibling(self, model: nn.Module, stream: WeightStream | None, calibration: torch.Tensor | None = None
-                ) -> "Session":
-        """A session sharing this one's tokenizer, adapter, calibration settings and device."""
+    def sibling(self, model: nn.Module, stream: WeightStream | None, calibration: torch.Tensor | None = None,
+                **state) -> "Session":
+        """A session sharing this one's tokenizer, adapter, calibration settings and device (``state``: the
+        keyword arguments of ``Session``: memo, origin, ...)."""
         return Session(model, self.tokenizer, self.adapter,
                        self.calibration if calibration is None else calibration, self.config, self.device,
-                       self.progress, stream=stream, parallel=self.parallel, passes=self.passes)
+                       self.progress, stream=stream, parallel=self.parallel, passes=self.passes, **state)
 
     # -- branches: alternatives run side by side (a step choosing between them) -------------
-    def windows(self, indices) -> torch.Tensor:
-        """The calibration windows at ``indices`` (e.g. a :class:`~recipe_engine.recipe.split.WindowSplit`'s)."""
-        return self.calibration[list(indices)]
-
     def current_shape(self) -> ModelShape:
         """The symbolic shape of the model as it is now (widths read from the weights, ``layer_origin``),
         for checking steps against the model mid-run."""
@@ -231,27 +244,39 @@ class Session:
         shape.streamed = self.stream is not None
         return shape
 
-    def branch(self, calibration: torch.Tensor, memo=None) -> "Session":
-        """A session over a CPU copy of the model as it is now, calibrated on ``calibration``: steps run
-        on it (``run_steps``) leave this session untouched until :meth:`adopt`. It shares the pass counter,
-        device and progress; its reference model (``reference_session``) is this session's, over the same
-        ``calibration`` windows; ``memo`` (a ``SharedWork``) shares work between branches over the same
-        windows. In-memory models only (a streamed model has no second copy to branch into)."""
+    def branch(self, calibration: torch.Tensor, steps: list[Modifier] = (), *, copy: bool = True,
+               memo: SharedWork | None = None) -> "Session":
+        """A session calibrated on ``calibration`` sharing the pass counter, device and progress; ``memo``
+        (a ``SharedWork``) shares work between sessions over the same windows.
+
+        ``copy=True``: over a CPU copy of the model as it is now, which runs ``steps`` as a recipe would
+        (consecutive layer steps share a pass; their report records in ``records``; no resume checkpoints):
+        this session is untouched until :meth:`adopt`. Its reference model is this session's, over the same
+        ``calibration`` windows. In-memory models only (a streamed model has no second copy to branch into).
+        ``copy=False``: over this very model (streamed or not), e.g. to score it on other windows."""
+        if not copy:
+            if steps:
+                raise ValueError("branch(copy=False) runs no steps (they would change this session's model)")
+            return self.sibling(self.model, self.stream, calibration, memo=memo, origin=self.layer_origin,
+                                original_layers=self.original_layers)
         if self.stream is not None:
             raise RuntimeError("a streamed session cannot branch (its weights live in one staged copy)")
-        branch = self.sibling(copy.deepcopy(self.model).to("cpu"), None, calibration)
-        branch.layer_origin, branch.original_layers = list(self.layer_origin), self.original_layers
-        branch.completed_steps = list(self.completed_steps)
-        branch.memo = memo
+        reference_loader = None
         if self._reference_loader is not None or self._reference is not None:
-            branch._reference_loader = lambda: (lambda ref: ref.sibling(ref.model, ref.stream, calibration))(
+            reference_loader = lambda: (lambda ref: ref.sibling(ref.model, ref.stream, calibration))(
                 self.reference_session())
+        branch = self.sibling(deepcopy(self.model).to("cpu"), None, calibration, memo=memo,
+                              origin=self.layer_origin, original_layers=self.original_layers,
+                              completed=self.completed_steps, reference_loader=reference_loader)
+        if steps:
+            branch.run_steps(list(steps))
         return branch
 
     def run_steps(self, steps: list[Modifier]) -> list[dict[str, Any]]:
         """Run recipe steps on this session as a recipe would (consecutive layer steps share a pass);
-        returns their report records (no resume checkpoints)."""
-        return run_steps(self, list(steps), self.progress)
+        returns their report records (also kept in ``records``; no resume checkpoints)."""
+        self.records = run_steps(self, list(steps), self.progress)
+        return self.records
 
     def adopt(self, branch: "Session") -> None:
         """Make this session's model the branch's: its modules (with any hooks on them), config, layer
@@ -260,18 +285,17 @@ class Session:
             setattr(self.model, name, child)
         self.model.config = branch.model.config
         self.layer_origin = list(branch.layer_origin)
-        self.extras = list(branch.extras)
-        self.artifacts.update(branch.artifacts)
-        self.quantized.update(branch.quantized)
-        self.layer_runs += branch.layer_runs
-        self.layer_batches += branch.layer_batches
+        self.outputs.adopt(branch.outputs)
+        self.count_layer_work(branch.layer_runs, branch.layer_batches)
 
     # -- execution primitives ----------------------------------------------------------------
     @property
     def storage(self) -> torch.device:
         return torch.device("cpu") if self.config.offload else self.device
 
+    @property
     def batches(self) -> list[torch.Tensor]:
+        """The calibration windows in batches of ``config.batch_size``."""
         return list(self.calibration.split(self.config.batch_size))
 
     def map(self, function: Callable[[Any], Any], items: list) -> list:
@@ -282,7 +306,7 @@ class Session:
     def _modules(self, items) -> list[nn.Module]:
         return [self.layers[i] if isinstance(i, int) else i for i in items]
 
-    def _units(self, items) -> list[nn.Module]:
+    def units_of(self, items) -> list[nn.Module]:
         """Streamed units behind ``items``: a tied ``lm_head`` is the embeddings' unit; each unit once."""
         embeddings, head = self.adapter.embeddings(self.model), self.adapter.lm_head(self.model)
         units = [embeddings if m is head and head.weight is embeddings.weight else m
@@ -294,20 +318,40 @@ class Session:
         exit a streamed model stages what changed and releases it. A no-op for an in-memory model."""
         if self.stream is None:
             return contextlib.nullcontext()
-        return self.stream.loaded(self._units(items), torch.device("cpu"))
+        return self.stream.loaded(self.units_of(items), torch.device("cpu"))
 
     def using(self, *items: int | nn.Module) -> contextlib.AbstractContextManager:
         """Layers (current indices) or modules with real weights on the session device for the block:
         materialized there from disk when streamed, else moved there and back (``on_device``)."""
         if self.stream is None:
             return self.on_device(*self._modules(items))
-        return self.stream.loaded(self._units(items), self.device)
+        return self.stream.loaded(self.units_of(items), self.device)
+
+    def placed(self, *items: int | nn.Module, on_device: bool = True) -> contextlib.AbstractContextManager:
+        """The protocol's residency block. ``on_device``: layers named by current index are the model's own
+        (``using``: read from disk onto the device when streamed, else moved there and back); modules given
+        as objects are moved to the device and back (``on_device``: a module a step built, another model, a
+        layer the block already holds). ``on_device=False``: layers or model parts (embeddings, final norm,
+        ``lm_head``) materialized in host memory for the block (``loaded``; a no-op in memory)."""
+        if not on_device:
+            return self.loaded(*items)
+        indices = [item for item in items if isinstance(item, int)]
+        modules = [item for item in items if not isinstance(item, int)]
+        if not modules:
+            return self.using(*indices)
+        if not indices:
+            return self.on_device(*modules)
+        block = contextlib.ExitStack()
+        block.enter_context(self.using(*indices))
+        block.enter_context(self.on_device(*modules))
+        return block
 
     def release(self, module: nn.Module) -> None:
         """Stage a module built by a step (e.g. a merged layer) and free its weights (streamed models)."""
         if self.stream is not None:
             self.stream.release(module)
 
+    @property
     def scratch_directory(self) -> Path | None:
         """Where a step of a streamed run may spill large working data to disk (the staging directory,
         inside the output's temporary directory, so it goes with it; a temporary directory for a read-only
@@ -320,14 +364,8 @@ class Session:
         return self.stream.staging
 
     def stream_units(self) -> list[nn.Module]:
-        """What a streamed model loads and releases whole: decoder layers, embeddings, final norm and an
-        untied ``lm_head`` (a tied one is the embedding matrix)."""
-        model = self.model
-        units = [*self.layers, self.adapter.embeddings(model), self.adapter.final_norm(model)]
-        head = self.adapter.lm_head(model)
-        if head.weight is not self.adapter.embeddings(model).weight:
-            units.append(head)
-        return units
+        """What a streamed model loads and releases whole (``streaming.stream_units``)."""
+        return stream_units(self.model, self.adapter)
 
     def resident(self) -> contextlib.AbstractContextManager:
         """The whole model materialized on CPU for the block (for steps that need every weight at once,
@@ -358,16 +396,13 @@ class Session:
     def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
         """Hidden states and keyword arguments entering decoder layer 0, one entry per batch (reused from
         the sweep memo when the embedding matrix is unchanged; callers never modify them in place).
-        Starts a calibration pass (``count_pass``)."""
-        self.count_pass()
+        Starts a calibration pass (``passes.count()``)."""
+        self.passes.count()
         embedding = self.adapter.embeddings(self.model).weight
         if self.memo is None or self.stream is not None or embedding.is_meta:
             return self._capture_inputs()
         return self.memo.capture(embedding, self._capture_inputs)
 
-    def count_pass(self) -> None:
-        """Count one calibration pass; ``capture_inputs`` does, a walk from kept inputs calls it itself."""
-        self.passes.value += 1
 
     @torch.no_grad()
     def _capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
@@ -382,7 +417,7 @@ class Session:
         self.adapter.set_layer_list(self.model, nn.ModuleList([_Recorder(i, capture) for i in range(count)]))
         try:
             with self.using(self.adapter.embeddings(self.model)), self.on_device(self.adapter.rotary(self.model)):
-                for batch in self.batches():
+                for batch in self.batches:
                     try:
                         base(input_ids=batch.to(self.device), use_cache=False)
                     except _Captured:
@@ -417,14 +452,14 @@ class Session:
                 for stat in hooks:
                     stat.batch = k
                 out = hidden_state(layer(x.to(self.device), **to_device(self.adapter.layer_kwargs(layer, kwargs), self.device)))
-                self.layer_batches += 1
+                self.count_layer_work(batches=1)
                 if on_batch is not None:
                     on_batch(len(outputs), out)
                 outputs.append(out.to(self.storage))
         finally:
             for handle in handles:
                 handle.remove()
-        self.layer_runs += 1
+        self.count_layer_work(runs=1)
         if share is not None:
             self.parallel.reduce_statistics(hooks)
             outputs = self.parallel.gather(outputs, len(inputs))
@@ -444,10 +479,15 @@ class Session:
             inputs = outputs
 
     @torch.no_grad()
-    def calibration_nll(self, skip: tuple[int, ...] = ()) -> float:
+    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None) -> float:
         """Token-weighted mean next-token NLL of the calibration windows (layers in ``skip`` bypassed;
-        at least one layer must run)."""
-        finals: list[torch.Tensor] = []
+        at least one layer must run). With ``finals``, the last decoder layer's outputs (one tensor per
+        batch, e.g. of a model assembled by the step), no pass is made: see ``final_nll``."""
+        if finals is not None:
+            if skip:
+                raise ValueError("calibration_nll: skip and finals exclude each other")
+            return self.final_nll(finals)
+        finals = []
 
         def keep_last(index: int, _inputs, outputs) -> None:
             finals[:] = outputs
@@ -463,7 +503,7 @@ class Session:
         norm, head = self.adapter.final_norm(self.model), self.adapter.lm_head(self.model)
         share = self.parallel.share(len(finals))
         with self.using(norm, head):
-            for k, (hidden, batch) in enumerate(zip(finals, self.batches())):
+            for k, (hidden, batch) in enumerate(zip(finals, self.batches)):
                 if share is not None and k not in share:
                     continue
                 logits = head(norm(hidden.to(self.device))).float()
@@ -477,28 +517,22 @@ class Session:
         return total / count
 
     # -- targets from the original model ---------------------------------------------------
-    def current_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-        """Hidden states and keyword arguments entering the layer that ``run_layer_modifiers`` is
-        compressing (valid inside ``compress_layer``)."""
-        if self._current is None:
-            raise RuntimeError("current_inputs() is only available inside compress_layer")
-        return self._current
-
-    def provide_outputs(self, outputs: list[torch.Tensor]) -> None:
-        """Inside ``compress_layer``: the layer's outputs on ``current_inputs()`` as this step leaves the
-        layer (one tensor per batch, on ``storage``), computed anyway by the step; the pass then takes them
-        as the next layer's inputs instead of running the layer again, unless a later step changes it."""
+    def _provide_outputs(self, outputs: list[torch.Tensor]) -> None:
+        """``CurrentLayer.provide_outputs``: the layer's outputs on its inputs as the step leaves it."""
         if self._current is None:
             raise RuntimeError("provide_outputs() is only available inside compress_layer")
-        if len(outputs) != len(self._current[0]):
-            raise ValueError(f"provide_outputs: {len(outputs)} batches given, {len(self._current[0])} expected")
+        if len(outputs) != len(self._current.inputs):
+            raise ValueError(f"provide_outputs: {len(outputs)} batches given, {len(self._current.inputs)} expected")
         self._provided = outputs
 
     @torch.no_grad()
-    def original_outputs(self, index: int, inputs: list[torch.Tensor],
-                         kwargs_list: list[dict[str, Any]]) -> list[torch.Tensor]:
+    def original_outputs(self, index: int, inputs: list[torch.Tensor] | None = None,
+                         kwargs_list: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
         """The original layers that layer ``index`` stands for (``layer_origin``), run one after another
-        on ``inputs``: the serial computation a merged layer approximates."""
+        on ``inputs``: the serial computation a merged layer approximates. Without ``inputs``: the original
+        model's own hidden states after them (``reference_outputs``)."""
+        if inputs is None:
+            return self.reference_outputs(index)
         return self._run_original(self.layer_origin[index], inputs, kwargs_list)
 
     @torch.no_grad()
@@ -528,7 +562,7 @@ class Session:
 
     # -- layer-sequential compression --------------------------------------------------------
     @torch.no_grad()
-    def run_layer_modifiers(self, group: list[LayerModifier]) -> dict[str, dict[str, Any]]:
+    def run_layer_modifiers(self, group: list[LayerModifier], checkpoints=None) -> dict[str, dict[str, Any]]:
         """One layer-sequential pass applying every modifier of ``group`` to its target layers.
 
         For each layer: collect the statistics the next modifier needs (reusing those still valid),
@@ -536,13 +570,15 @@ class Session:
         as the next layer's inputs (from the compressed layer, or the original one with
         ``propagate: original``). Returns per-modifier reports keyed by ``"{step index}"``; each has
         ``own_s``, the wall time of that modifier's own work (its statistics forwards, compression and
-        ``finish``), the rest of the pass (loading, shared forwards) being shared.
+        ``finish``), the rest of the pass (loading, shared forwards) being shared. ``checkpoints``
+        (``recipe_engine.execution.resume.Checkpoints``, or None): a resumed pass starts after its last
+        finished layer, and every finished layer is checkpointed.
         """
         targets = [set(m.target_layers(self)) for m in group]
         reports: list[dict[str, Any]] = [{"layers": {}} for _ in group]
         own = [0.0] * len(group)
         inputs, kwargs_list = self.capture_inputs()
-        start, resumed = 0, self.checkpoint.pass_state() if self.checkpoint is not None else None
+        start, resumed = 0, checkpoints.pass_state() if checkpoints is not None else None
         self._reference_stream = None
         if resumed is not None:  # an interrupted pass: after its last finished layer (``--resume``)
             start, inputs, reports, targets, reference = resumed
@@ -555,8 +591,8 @@ class Session:
             with self.using(index):
                 if not active:
                     inputs = self.run_layer(layer, inputs, kwargs_list)
-                    if self.checkpoint is not None:
-                        self.checkpoint.layer_done(self, index, inputs, reports, targets, self._reference_stream)
+                    if checkpoints is not None:
+                        checkpoints.layer_done(self, index, inputs, reports, targets, self._reference_stream)
                     continue
                 keep_original = self.config.propagate == "original"
                 original_outputs = provided = None
@@ -569,7 +605,8 @@ class Session:
                         outputs = self.run_layer(layer, inputs, kwargs_list, hooks=missing)
                         original_outputs = original_outputs if original_outputs is not None else outputs
                         cache.update({s.key: s for s in missing})
-                    self._current, self._provided = (inputs, kwargs_list), None
+                    self._current = CurrentLayer(inputs, kwargs_list, self._provide_outputs)
+                    self._provided = None
                     try:
                         entry = modifier.compress_layer(self, index, {s.key: cache[s.key] for s in needed})
                         provided = self._provided
@@ -588,8 +625,8 @@ class Session:
                     inputs = provided
                 else:
                     inputs = self.run_layer(self.layers[index], inputs, kwargs_list)
-            if self.checkpoint is not None:
-                self.checkpoint.layer_done(self, index, inputs, reports, targets, self._reference_stream)
+            if checkpoints is not None:
+                checkpoints.layer_done(self, index, inputs, reports, targets, self._reference_stream)
         self._reference_stream = None
         for k, modifier in enumerate(group):
             started = time.perf_counter()

@@ -113,7 +113,7 @@ class StagedLayer:
     def outputs(self) -> list[torch.Tensor]:
         """The layer's outputs for every batch (finished blocks replayed); counts as one layer run."""
         outputs = self._run()
-        self.session.layer_runs += 1
+        self.session.count_layer_work(runs=1)
         if self._share is not None:
             outputs = self.session.parallel.gather(outputs, len(self.inputs))
         return outputs
@@ -133,7 +133,7 @@ class StagedLayer:
                 self._batch = batch
                 if self._statistic is not None:
                     self._statistic.batch = k
-                self.session.layer_batches += 1
+                self.session.count_layer_work(batches=1)
                 try:
                     out = self.layer(x.to(device), **to_device(self.session.adapter.layer_kwargs(self.layer, kwargs), device))
                 except _Stop:

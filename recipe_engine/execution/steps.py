@@ -47,14 +47,14 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
         bar.log(f"step {group[0][0]}: {names}")
         if group[0][1].scope == "layer":
             layer_steps: list[LayerModifier] = [step for _, step in group]  # type: ignore[misc]
-            outputs = session.run_layer_modifiers(layer_steps)
+            outputs = session.run_layer_modifiers(layer_steps, checkpoints)
             results = [outputs[str(k)] for k in range(len(group))]
         else:
             step = group[0][1]
             with _whole_model(session, step):
                 results = [step.apply(session)]
         elapsed = time.perf_counter() - start
-        session.completed_steps += [json.dumps(step_to_dict(step), sort_keys=True) for _, step in group]
+        session.mark_completed([json.dumps(step_to_dict(step), sort_keys=True) for _, step in group])
         if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
             session.parallel.agree(f"step {group[0][0]} ({names})",
                                    module_digest(session.model, [list(o) for o in session.layer_origin]))
@@ -83,6 +83,6 @@ def _whole_model(session: Session, step: Modifier) -> Iterator[None]:
     if session.stream is None or step.streams:
         yield
         return
-    reference = session.reference_session().resident() if step.needs_reference else contextlib.nullcontext()
+    reference = session.reference.resident() if step.needs_reference else contextlib.nullcontext()
     with session.resident(), reference:
         yield

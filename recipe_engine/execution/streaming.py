@@ -198,10 +198,20 @@ class WeightStream:
         trim_heap()
 
 
-def attach_stream(session, location: str, staging: Path | None):
-    """Make ``session`` stream its (meta-device) model from the checkpoint at ``location``; changed units
-    go to ``staging`` (``None``: read-only, for the original model). Returns the session."""
-    model, adapter = session.model, session.adapter
+def stream_units(model: nn.Module, adapter) -> list[nn.Module]:
+    """What a streamed model loads and releases whole: decoder layers, embeddings, final norm and an
+    untied ``lm_head`` (a tied one is the embedding matrix)."""
+    units = [*adapter.layers(model), adapter.embeddings(model), adapter.final_norm(model)]
+    head = adapter.lm_head(model)
+    if head.weight is not adapter.embeddings(model).weight:
+        units.append(head)
+    return units
+
+
+def open_stream(model: nn.Module, adapter, location: str, staging: Path | None) -> WeightStream:
+    """The weight stream of a (meta-device) model from the checkpoint at ``location``, for a session to
+    run on (``Session(stream=...)``); changed units go to ``staging`` (``None``: read-only, for the
+    original model)."""
     release_freed_memory_eagerly()
 
     def retie() -> None:  # a tied lm_head is the embedding matrix, whatever state that is in
@@ -209,8 +219,7 @@ def attach_stream(session, location: str, staging: Path | None):
             adapter.lm_head(model).weight = adapter.embeddings(model).weight
 
     retie()
-    session.stream = WeightStream(model, session.stream_units(), CheckpointReader(location), staging, retie)
-    return session
+    return WeightStream(model, stream_units(model, adapter), CheckpointReader(location), staging, retie)
 
 
 @contextlib.contextmanager
@@ -245,7 +254,7 @@ def forward_streamed(session, device: torch.device) -> Iterator[None]:
     units = session.stream_units()
     modules = units + ([head] if head not in units else [])
     for module in modules:
-        add_hook_to_module(module, UnitOnDevice(session._units([module])))
+        add_hook_to_module(module, UnitOnDevice(session.units_of([module])))
     try:
         yield
     finally:

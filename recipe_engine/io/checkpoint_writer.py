@@ -7,7 +7,7 @@ The layout is ``save_pretrained``'s: ``model.safetensors`` when everything fits 
 (``lm_head.weight`` of a tied head is the embedding matrix), each file with ``{"format": "pt"}``
 metadata. Shards are packed from whole units in model order; each file is written unit by unit
 (``write_safetensors_incrementally``), so host memory holds one unit's tensors, read from the source
-checkpoint, the staging directory or memory. A linear recorded by ``Session.mark_quantized`` is written as
+checkpoint, the staging directory or memory. A linear recorded by ``RunOutputs.mark_quantized`` is written as
 its packed tensors (``<name>.weight_packed``, ``weight_scale``, ...) in place of ``<name>.weight``, and
 ``config.json`` carries the ``quantization_config``.
 """
@@ -93,10 +93,10 @@ def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor],
 def _quantized_weights(session) -> dict[str, QuantizedLinear]:
     """``{"<linear name>.weight": record}`` for every linear a step recorded as quantized."""
     names = {module: name for name, module in session.model.named_modules()}
-    missing = [module for module in session.quantized if module not in names]
+    missing = [module for module in session.outputs.quantized if module not in names]
     if missing:
         raise RuntimeError(f"{len(missing)} quantized linears are no longer in the model")
-    return {f"{names[module]}.weight": record for module, record in session.quantized.items()}
+    return {f"{names[module]}.weight": record for module, record in session.outputs.quantized.items()}
 
 
 def _unit_values(session, unit: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,15 +1,15 @@
 """Helpers shared by the depth-pruning modifiers (ShortGPT, LaCo, SLEB, LinearPatch, ReplaceMe); not a modifier.
-Removing layers is the session's (``Session.remove_layers``)."""
+Removing layers is the session's (``remove_layers`` in ``recipe_engine.api``)."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
 
-from recipe_engine.api import ModelShape
+from recipe_engine.api import ModelShape, ModifierSession
 
 
-def token_mask(session, batch: torch.Tensor) -> torch.Tensor:
+def token_mask(session: ModifierSession, batch: torch.Tensor) -> torch.Tensor:
     """True for tokens that count in statistics: all of them, except the tokenizer's pad token if it has one."""
     pad = getattr(session.tokenizer, "pad_token_id", None)
     return batch != pad if pad is not None else torch.ones_like(batch, dtype=torch.bool)
@@ -41,7 +41,7 @@ def drop_symbolic(shape: ModelShape, count: int) -> None:
 
 
 @torch.no_grad()
-def span_scores(session, n: int, keep: Callable[[int, list[torch.Tensor]], Any],
+def span_scores(session: ModifierSession, n: int, keep: Callable[[int, list[torch.Tensor]], Any],
                 score: Callable[[Any, Any], float], description: str) -> dict[int, float]:
     """``score(keep(ℓ, X_ℓ), keep(ℓ + n, X_{ℓ+n}))`` for every start ``ℓ = 0 … L − n`` of the current layers, in
     one calibration pass: ``X_i`` is layer i's input (one tensor per calibration batch), ``X_L`` the last layer's

@@ -70,7 +70,7 @@ class BestOf(Modifier):
     being run and the best so far).
 
     Layering: BestOf is a modifier, not an engine construct; it uses the engine's declared API
-    (``Session.branch`` / ``run_steps`` / ``adopt``, ``check_steps``, ``heldout_split``), so any registered
+    (``ModifierSession.branch`` / ``adopt``, ``check_steps``, ``heldout_split``), so any registered
     modifier (built-in or plugin) works as an alternative and the engine names none. A streamed run is refused
     (a branch needs a second in-memory copy of the model); ``--resume`` resumes after a finished BestOf, and an
     interrupted one is run again from its first alternative (branches keep no checkpoints).
@@ -178,7 +178,7 @@ class BestOf(Modifier):
     def passes(self, shape) -> tuple[int, int]:
         """Each alternative's own passes on the fit windows, plus one pass per alternative to score it. Fewest:
         an alternative whose first step repeats an earlier alternative's (same parameters but its
-        ``shared_ignores``) reuses that step's work from the same starting model (``Session.shared``).
+        ``shared_ignores``) reuses that step's work from the same starting model (``ModifierSession.shared``).
         The refit adds the cheapest alternative's passes (fewest) or the dearest's (most)."""
         low = high = 0
         first_steps: set[tuple[str, str]] = set()
@@ -221,8 +221,8 @@ class BestOf(Modifier):
 
     def apply(self, session) -> dict[str, Any]:
         split = heldout_split(session.calibration.shape[0], self._seed(session.config.seed), self.score.fraction)
-        fit, scored = session.windows(split.fit), session.windows(split.score)
-        outcomes = self._outcomes(session.current_shape())
+        fit, scored = session.calibration[list(split.fit)], session.calibration[list(split.score)]
+        outcomes = self._outcomes(session.shape)
         fit_memo, score_memo = SharedWork(), SharedWork()  # one per set of windows
         records: list[dict[str, Any]] = []
         best, best_nll = None, math.inf
@@ -234,10 +234,9 @@ class BestOf(Modifier):
                 continue
             started, passes = time.perf_counter(), session.passes.value
             session.progress.log(f"BestOf: alternative {a} {describe(steps)} on {len(split.fit)} fit windows")
-            branch = session.branch(fit, fit_memo)
-            record["records"] = branch.run_steps(steps)
-            scorer = branch.sibling(branch.model, None, scored)
-            scorer.memo = score_memo
+            branch = session.branch(fit, steps, memo=fit_memo)
+            record["records"] = branch.records
+            scorer = branch.branch(scored, copy=False, memo=score_memo)
             nll = scorer.calibration_nll()
             record.update(nll=nll, ppl=math.exp(nll), wall_s=time.perf_counter() - started,
                           calibration_passes=session.passes.value - passes, layers=len(branch.layers))
@@ -253,8 +252,8 @@ class BestOf(Modifier):
             started, passes = time.perf_counter(), session.passes.value
             session.progress.log(f"BestOf: refit of alternative {chosen} {describe(self.alternatives[chosen])} on "
                                  f"all {session.calibration.shape[0]} calibration windows")
-            branch = session.branch(session.calibration, SharedWork())
-            refit = {"windows": int(session.calibration.shape[0]), "records": branch.run_steps(self.alternatives[chosen]),
+            branch = session.branch(session.calibration, self.alternatives[chosen], memo=SharedWork())
+            refit = {"windows": int(session.calibration.shape[0]), "records": branch.records,
                      "wall_s": time.perf_counter() - started, "calibration_passes": session.passes.value - passes}
         session.adopt(branch)
         shared = {"computed": dict(fit_memo.computed + score_memo.computed),

@@ -11,8 +11,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine.api import (ADAPTERS, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier, budget_field,
-                               heldout_split, register, replace_linear)
+from recipe_engine.api import (ADAPTERS, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier, ModifierSession,
+                               budget_field, heldout_split, register, replace_linear)
 
 from ._depth import check_search_window
 from .head_prune import HeadPrune
@@ -47,7 +47,8 @@ def scoring_prune() -> tuple:
 
 
 @torch.no_grad()
-def prune_to_config(probe, layer: torch.nn.Module, states: list[torch.Tensor], kwargs_list) -> torch.nn.Module:
+def prune_to_config(probe: ModifierSession, layer: torch.nn.Module, states: list[torch.Tensor],
+                    kwargs_list) -> torch.nn.Module:
     """A wide (merged) layer pruned back to the config's widths in place, close to what the flagship recipe
     does: ``HeadPrune`` at its defaults, then ``NystromMLP<criterion: energy, target: merged>`` (channels by
     output energy, Theorem 3.1 refit; not ridge leverage, whose fp64 inverse of the merged Gram was 71 % of
@@ -57,7 +58,7 @@ def prune_to_config(probe, layer: torch.nn.Module, states: list[torch.Tensor], k
     layers = probe.adapter.layers(probe.model)
     probe.adapter.set_layer_list(probe.model, torch.nn.ModuleList([layer]))
     try:
-        with probe.on_device(layer):
+        with probe.placed(layer):
             for step in scoring_prune():
                 hooks = step.statistics(probe, 0)
                 probe.run_layer(layer, states, kwargs_list, hooks=hooks)
@@ -68,8 +69,9 @@ def prune_to_config(probe, layer: torch.nn.Module, states: list[torch.Tensor], k
 
 
 @torch.no_grad()
-def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None = None,
-                         pruned: bool = True, drops: bool = False, fit=None) -> tuple[list[list[int]], list[dict[str, Any]]]:
+def select_blocks_by_nll(probe: ModifierSession, merges: int, rounds: list[dict[str, Any]] | None = None,
+                         pruned: bool = True, drops: bool = False, fit: ModifierSession | None = None
+                         ) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """Greedy adjacent merging decided by the model's loss rather than by a similarity proxy.
 
     Blocks start as single layers of ``probe``'s model (a session over the calibration windows to score).
@@ -94,7 +96,7 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
     """
     layers = list(probe.layers)
     # in memory, a block built on an unchanged prefix is reused in later rounds (same inputs: same layer)
-    built: dict[tuple, torch.nn.Module] | None = {} if probe.stream is None else None
+    built: dict[tuple, torch.nn.Module] | None = {} if not probe.streamed else None
 
     fitter = probe if fit is None else fit
 
@@ -103,7 +105,7 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
         key = (tuple(map(tuple, prefix)), tuple(block))
         if built is not None and key in built:
             return built[key]
-        with probe.loaded(*block):
+        with probe.placed(*block, on_device=False):
             merged = merge_layers([layers[i] for i in block], probe.adapter)
         module = prune_to_config(fitter, merged, states, kwargs_list) if pruned else merged
         if built is not None:
@@ -112,9 +114,9 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
 
     def run(block: list[int], module: torch.nn.Module | None, states, kwargs_list) -> list[torch.Tensor]:
         if module is None:
-            with probe.using(block[0]):
+            with probe.placed(block[0]):
                 return probe.run_layer(layers[block[0]], states, kwargs_list)
-        with probe.on_device(module):
+        with probe.placed(module):
             return probe.run_layer(module, states, kwargs_list)
 
     blocks = [[i] for i in range(len(layers))]
@@ -146,14 +148,14 @@ def select_blocks_by_nll(probe, merges: int, rounds: list[dict[str, Any]] | None
             states = run(candidate, merged, block_inputs[j], kwargs_list)
             for block, module in zip(blocks[j + 2:], modules[j + 2:]):
                 states = run(block, module, states, kwargs_list)
-            scores[j, "merge"] = probe.final_nll(states)
+            scores[j, "merge"] = probe.calibration_nll(finals=states)
         for j in range(1, len(blocks) - 1) if drops else ():
             if len(blocks[j]) > 1:
                 continue
             states = block_inputs[j]
             for block, module in zip(blocks[j + 1:], modules[j + 1:]):
                 states = run(block, module, states, kwargs_list)
-            scores[j, "drop"] = probe.final_nll(states)
+            scores[j, "drop"] = probe.calibration_nll(finals=states)
         (best, move) = min(scores, key=lambda key: (scores[key], key[0], key[1] == "drop"))
         name = lambda j, kind: "+".join(map(str, blocks[j] + blocks[j + 1])) if kind == "merge" else f"-{blocks[j][0]}"
         record = {"merged": blocks[best] + blocks[best + 1]} if move == "merge" else {"dropped": blocks[best]}
@@ -435,7 +437,7 @@ class FlattenAdjacent(Modifier):
         return shape.num_layers * sampled * shape.hidden_size * 4
 
     @torch.no_grad()
-    def input_similarity(self, session) -> torch.Tensor:
+    def input_similarity(self, session: ModifierSession) -> torch.Tensor:
         """``S[i][j] = mean_t cos(x_i,t, x_j,t)`` over a seeded token subsample: each layer's fp32 unit
         vectors go into a ``layers × tokens × hidden`` store filled batch by batch (no copy of the layer's
         activations), and ``S = Σ_c U_c U_cᵀ / tokens`` over chunks of token positions, accumulated in fp64.
@@ -446,7 +448,7 @@ class FlattenAdjacent(Modifier):
         generator = torch.Generator().manual_seed(self.seed)
         picked = torch.randperm(tokens, generator=generator)[: self.similarity_tokens].sort().values
         store = UnitVectorStore(len(session.layers), len(picked), session.model.config.hidden_size,
-                                session.scratch_directory())
+                                session.scratch_directory)
 
         def keep_units(index: int, inputs: list[torch.Tensor], _outputs) -> None:
             offset, rows = 0, []
@@ -461,14 +463,14 @@ class FlattenAdjacent(Modifier):
             session.layer_pass(keep_units, "FlattenAdjacent similarity")
             return store.cosine_gram() / len(picked)
 
-    def apply(self, session) -> dict[str, Any]:
+    def apply(self, session: ModifierSession) -> dict[str, Any]:
         merges = self.merges_for(len(session.layers))
         rounds = None
         if self.selection == "nll":
             samples, length = self.search_window(*session.calibration.shape)
             scored, fitted = self.search_windows(session.calibration.shape[0], session.config.seed, samples)
-            probe = session.sibling(session.model, session.stream, session.windows(scored)[:, :length])
-            fit = (session.sibling(session.model, session.stream, session.windows(fitted)[:, :length])
+            probe = session.branch(session.calibration[list(scored)][:, :length], copy=False)
+            fit = (session.branch(session.calibration[list(fitted)][:, :length], copy=False)
                    if self.fits_on_other_windows else None)
             rounds = session.shared(self, "FlattenAdjacent NLL rounds", list)
             blocks, rounds = select_blocks_by_nll(probe, merges, rounds, pruned=self.candidates == "pruned",
@@ -484,14 +486,14 @@ class FlattenAdjacent(Modifier):
             if len(block) == 1:
                 new_layers.append(old_layers[block[0]])
                 continue
-            with session.loaded(*block):
+            with session.placed(*block, on_device=False):
                 new_layers.append(merge_layers([old_layers[i] for i in block], session.adapter))
                 spreads[len(new_layers) - 1] = head_norm_spread([old_layers[i] for i in block], session.adapter)
             session.release(new_layers[-1])  # streamed: staged now, not held until every block is merged
         session.set_layers(new_layers, [tuple(o for i in b for o in old_origin[i]) for b in blocks],
                            [b[0] for b in blocks])
         if similarity is not None:
-            session.add_artifact("similarity.png", similarity_heatmap(similarity, blocks))
+            session.outputs.add_artifact("similarity.png", similarity_heatmap(similarity, blocks))
         groups = [{"layer": index, "merged": block, "origin": list(session.layer_origin[index]),
                    **({"similarity": float(similarity[block[0], block[-1]])} if similarity is not None else {}),
                    **({"head_norm_spread": spreads[index]} if session.adapter.head_norms else {})}

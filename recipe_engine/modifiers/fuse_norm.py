@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from recipe_engine.api import Modifier, fold_norm_into, register
+from recipe_engine.api import Modifier, ModifierSession, fold_norm_into, register
 
 
 @register
@@ -27,17 +27,18 @@ class FuseNorm(Modifier):
 
     streams = True
 
-    def apply(self, session) -> dict[str, Any]:
+    def apply(self, session: ModifierSession) -> dict[str, Any]:
         adapter, model = session.adapter, session.model
         for index in session.progress.track(range(len(session.layers)), "FuseNorm layers"):
-            with session.loaded(index):
+            with session.placed(index, on_device=False):
                 layer = session.layers[index]
                 for norm, readers in adapter.norm_reads:
                     fold_norm_into(adapter.norm(layer, norm), [adapter.linear(layer, r) for r in readers], adapter)
         head, embeddings = adapter.lm_head(model), adapter.embeddings(model)
         tied = head.weight is embeddings.weight
         folded_final = False
-        with session.loaded(*{id(m): m for m in (embeddings, head, adapter.final_norm(model))}.values()):
+        parts = {id(m): m for m in (embeddings, head, adapter.final_norm(model))}.values()
+        with session.placed(*parts, on_device=False):
             if self.final_norm and tied and self.untie:
                 head.weight = torch.nn.Parameter(head.weight.detach().clone())
                 model.config.tie_word_embeddings = False

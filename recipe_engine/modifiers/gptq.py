@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, PositiveInt
 
-from recipe_engine.api import (InputCovariance, LayerModifier, StagedLayer, lower_triangular_inverse, position,
-                               register)
+from recipe_engine.api import (InputCovariance, LayerModifier, ModifierSession, StagedLayer, lower_triangular_inverse,
+                               position, register)
 
 from ._quant import Grid, GridParameters, QuantizedWeight, output_error
 
@@ -135,10 +135,10 @@ class GPTQ(GridParameters, LayerModifier):
         kept = tokens * (shape.hidden_size + widest) * 4 if self.sequential else 0
         return 3 * widest * widest * 8 + kept
 
-    def target_layers(self, session) -> list[int]:
+    def target_layers(self, session: ModifierSession) -> list[int]:
         return list(range(len(session.layers)))
 
-    def _sources(self, session) -> dict[str, list[str]]:
+    def _sources(self, session: ModifierSession) -> dict[str, list[str]]:
         """Hessian source path → the target roles quantized with it, in dataflow order: linears reading the
         same tensor share one gram (q/k/v; gate/up; a fused qkv or gate_up linear is its own source)."""
         adapter, sources = session.adapter, {}
@@ -147,7 +147,7 @@ class GPTQ(GridParameters, LayerModifier):
             sources.setdefault(adapter.path(group[0]), []).append(role)
         return dict(sorted(sources.items(), key=lambda item: position(item[0])))
 
-    def statistics(self, session, layer_index: int) -> list[InputCovariance]:
+    def statistics(self, session: ModifierSession, layer_index: int) -> list[InputCovariance]:
         # sequential: every gram is taken inside compress_layer, after the groups before it are quantized
         return [] if self.sequential else [self._gram(source) for source in self._sources(session)]
 
@@ -156,12 +156,13 @@ class GPTQ(GridParameters, LayerModifier):
         """fp32 products, fp64 sums: GPTQ only needs H to ~1e-6 (its reference code keeps H in fp32)."""
         return InputCovariance(source, products=torch.float32)
 
-    def compress_layer(self, session, layer_index: int, stats) -> dict[str, Any]:
+    def compress_layer(self, session: ModifierSession, layer_index: int, stats) -> dict[str, Any]:
         """Linears sharing a Hessian are quantized as one row-stacked matrix: GPTQ treats rows
         independently given ``H`` (same factor, same order, per-row groups), so this equals quantizing
         each alone, with one Cholesky and one column loop per input instead of per linear."""
         layer, grid, errors = session.layers[layer_index], self.grid(), {}
-        staged = StagedLayer(session, layer, *session.current_inputs()) if self.sequential else None
+        current = session.current_layer
+        staged = StagedLayer(session, layer, current.inputs, current.kwargs_list) if self.sequential else None
         for source, targets in self._sources(session).items():
             linears = [session.adapter.linear(layer, t) for t in targets]
             if staged is None:
@@ -179,11 +180,11 @@ class GPTQ(GridParameters, LayerModifier):
                 with torch.no_grad():
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
                 if self.export == "compressed-tensors":
-                    session.mark_quantized(linear, grid, scale, zero)
+                    session.outputs.mark_quantized(linear, grid, scale, zero)
         if staged is not None:
-            session.provide_outputs(staged.outputs())
+            current.provide_outputs(staged.outputs())
         return {"output_error": errors}
 
-    def finish(self, session) -> dict[str, Any]:
+    def finish(self, session: ModifierSession) -> dict[str, Any]:
         return {"quantized_linears": len(session.adapter.module_roles(self.targets)) * len(session.layers),
                 "export": self.export}

@@ -9,8 +9,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine.api import (InputCovariance, LayerModifier, ModelShape, mean_eigenvalue, reconstruction_error,
-                               register, ridge_compensation, set_linear_weight)
+from recipe_engine.api import (InputCovariance, LayerModifier, ModelShape, ModifierSession, mean_eigenvalue,
+                               reconstruction_error, register, ridge_compensation, set_linear_weight)
 
 
 def group_channels(groups: list[int], queries_per_group: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +159,8 @@ class HeadPrune(LayerModifier):
             shape.layers[index] = type(layer)(shape.num_heads, shape.num_kv_heads, layer.intermediate_size,
                                               layer.origin)
 
-    def target_layers(self, session) -> list[int]:
-        return list(self.layers) if self.layers is not None else session.oversized_layers("attention")
+    def target_layers(self, session: ModifierSession) -> list[int]:
+        return list(self.layers) if self.layers is not None else session.shape.oversized_layers("attention")
 
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
         """The fp64 ``o_proj`` input Gram of the widest target and two solve buffers of its size."""
@@ -168,12 +168,12 @@ class HeadPrune(LayerModifier):
         width = max((shape.layers[i].num_heads for i in targets), default=0) * shape.head_dim
         return 3 * width * width * 8
 
-    def statistics(self, session, layer_index: int) -> list[InputCovariance]:
+    def statistics(self, session: ModifierSession, layer_index: int) -> list[InputCovariance]:
         return [InputCovariance(session.adapter.path("o_proj"))]
 
     @torch.no_grad()
-    def compress_layer(self, session, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
-        cfg, head_dim = session.model.config, session.head_dim
+    def compress_layer(self, session: ModifierSession, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
+        cfg, head_dim = session.model.config, session.shape.head_dim
         adapter, layer = session.adapter, session.layers[layer_index]
         o_proj = adapter.linear(layer, "o_proj")
         stat = stats[self.statistics(session, layer_index)[0].key]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from pydantic import ConfigDict, Field
 
-from recipe_engine.api import LayerBudget, Modifier, RecipeError, Session, budget_field, register
+from recipe_engine.api import LayerBudget, Modifier, ModifierSession, RecipeError, budget_field, register
 
 from ._depth import require_uniform, token_mask
 
@@ -48,10 +48,9 @@ class Similarity:
     always ``M``'s (Algorithm 1 merges from the top down).
     """
 
-    def __init__(self, session, samples: int):
-        self.sub = Session(session.model, session.tokenizer, session.adapter, session.calibration[:samples],
-                           session.config, session.device, session.progress, passes=session.passes)
-        self.masks = [token_mask(session, batch) for batch in self.sub.batches()]
+    def __init__(self, session: ModifierSession, samples: int):
+        self.sub = session.branch(session.calibration[:samples], copy=False)
+        self.masks = [token_mask(session, batch) for batch in self.sub.batches]
         hidden, self.kwargs = self.sub.capture_inputs()
         self.inputs = []
         for layer in self.sub.progress.track(list(self.sub.layers), "LaCo reference"):
@@ -60,18 +59,18 @@ class Similarity:
         self.reference = self._represent(hidden)
 
     def _run(self, layer, hidden):
-        with self.sub.on_device(layer):
+        with self.sub.placed(layer):
             return self.sub.run_layer(layer, hidden, self.kwargs)
 
     def _represent(self, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
         norm = self.sub.adapter.final_norm(self.sub.model)
-        with self.sub.on_device(norm):
+        with self.sub.placed(norm):
             return [(norm(h.to(self.sub.device)).double() * m[..., None].to(self.sub.device)).flatten(1).cpu()
                     for h, m in zip(hidden, self.masks)]
 
     @torch.no_grad()
     def __call__(self, layers: list[torch.nn.Module], start: int) -> float:
-        self.sub.count_pass()  # from the kept inputs of layer ``start`` to the final norm
+        self.sub.passes.count()  # from the kept inputs of layer ``start`` to the final norm
         hidden = self.inputs[start]
         for layer in layers[start:]:
             hidden = self._run(layer, hidden)
@@ -140,7 +139,7 @@ class LaCo(Modifier):
                             f"{shape.num_layers} layers merge away", field="target_layers")
         shape.layers = layers
 
-    def apply(self, session) -> dict[str, Any]:
+    def apply(self, session: ModifierSession) -> dict[str, Any]:
         if self.samples > session.calibration.shape[0]:
             raise self.fail(f"samples={self.samples} exceeds the {session.calibration.shape[0]} calibration "
                             f"windows", field="samples")
@@ -155,7 +154,7 @@ class LaCo(Modifier):
         return {"threshold": threshold, "merges": merges, "layers": len(layers),
                 "similarity_evaluations": len(run.keywords["memo"]), "search": tried}
 
-    def _collapse(self, session, threshold: float, similarity: Similarity, memo: dict):
+    def _collapse(self, session: ModifierSession, threshold: float, similarity: Similarity, memo: dict):
         """One run of Algorithm 1; ``memo`` caches similarities by (merges so far, l) across runs."""
         layers, origin = list(session.layers), list(session.layer_origin)
         inherit, merges = list(range(len(layers))), []

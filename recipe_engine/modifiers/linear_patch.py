@@ -11,7 +11,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine.api import LayerBudget, Modifier, RecipeError, adapter_for, budget_field, register, rotation, top_k_kl
+from recipe_engine.api import (LayerBudget, Modifier, ModifierSession, RecipeError, adapter_for, budget_field, register,
+                               remove_layers, rotation, top_k_kl)
 
 from ._depth import drop_symbolic, require_uniform, span_scores, token_mask
 
@@ -60,11 +61,11 @@ def install(model, adapter, position: int, matrix: torch.Tensor) -> Patch:
 
 
 @torch.no_grad()
-def rotated_magnitudes(reference, wanted: set[int], h: torch.Tensor) -> dict[int, torch.Tensor]:
+def rotated_magnitudes(reference: ModifierSession, wanted: set[int], h: torch.Tensor) -> dict[int, torch.Tensor]:
     """``mean_t |X^{(s)}_t H|`` per channel for each original index ``s`` in ``wanted`` (fp32 products,
     fp64 sums over non-pad tokens); ``X^{(s)}`` is layer s's input, ``X^{(N)}`` the last layer's output."""
     last = len(reference.layers) - 1
-    masks = [token_mask(reference, batch) for batch in reference.batches()]
+    masks = [token_mask(reference, batch) for batch in reference.batches]
     sums: dict[int, torch.Tensor] = {}
     h32 = h.float().to(reference.device)
 
@@ -86,10 +87,10 @@ def rotated_magnitudes(reference, wanted: set[int], h: torch.Tensor) -> dict[int
 
 
 @torch.no_grad()
-def contiguous_scores(session, n: int) -> dict[int, float]:
+def contiguous_scores(session: ModifierSession, n: int) -> dict[int, float]:
     """``E_i cos(X_i^{(ℓ)}, X_i^{(ℓ+n)})`` for every ℓ (Eq. 2, LLM-Streamline): each sample's L×C inputs
     flattened (Frobenius cosine, fp64, pad rows zeroed), averaged over calibration samples."""
-    masks = [token_mask(session, batch) for batch in session.batches()]
+    masks = [token_mask(session, batch) for batch in session.batches]
 
     def keep(_index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
         return [(x.double() * m[..., None].to(x.device)).flatten(1) for x, m in zip(hidden, masks)]
@@ -101,10 +102,10 @@ def contiguous_scores(session, n: int) -> dict[int, float]:
     return span_scores(session, n, keep, score, "LinearPatch contiguous selection")
 
 
-def distil(session, patches: list[Patch], tune: "Tune") -> list[float]:
+def distil(session: ModifierSession, patches: list[Patch], tune: "Tune") -> list[float]:
     """``min_P KL(z(o_t^K) ‖ z(o_s^K))`` (Eq. 9): teacher = original model, top-K of its logits, student
     logits gathered at the same indices; AdamW on the patches only, one step per calibration batch."""
-    teacher, student = session.reference_session().model, session.model
+    teacher, student = session.reference.model, session.model
     params = [torch.nn.Parameter(p.matrix.to(session.device)) for p in patches]
     for patch, param in zip(patches, params):
         patch.matrix = param
@@ -113,10 +114,10 @@ def distil(session, patches: list[Patch], tune: "Tune") -> list[float]:
     optimizer = torch.optim.AdamW(params, lr=tune.lr, weight_decay=tune.weight_decay)
     losses = []
     try:
-        with session.on_device(teacher, student):
+        with session.placed(teacher, student):
             for _ in range(tune.epochs):
-                session.count_pass()  # teacher and student over every calibration batch
-                for batch in session.progress.track(session.batches(), "LinearPatch distillation"):
+                session.passes.count()  # teacher and student over every calibration batch
+                for batch in session.progress.track(session.batches, "LinearPatch distillation"):
                     ids, mask = batch.to(session.device), token_mask(session, batch).to(session.device)
                     with torch.no_grad():
                         target = teacher(input_ids=ids, use_cache=False).logits
@@ -189,14 +190,14 @@ class LinearPatch(Modifier):
             drop_symbolic(shape, self.n)
         shape.pinned = self.step_name()
 
-    def apply(self, session) -> dict[str, Any]:
+    def apply(self, session: ModifierSession) -> dict[str, Any]:
         report: dict[str, Any] = {}
         if self.select is not None:
             scores = contiguous_scores(session, self.n)
             start = max(scores, key=lambda i: (scores[i], -i))
             report.update(similarity=scores, removed=[list(o) for o in
-                                                      session.remove_layers(list(range(start, start + self.n)))])
-        reference = session.reference_session()
+                                                      remove_layers(session, list(range(start, start + self.n)))])
+        reference = session.reference
         found = interfaces(session.layer_origin, len(reference.layers), self.merged_as)
         if not found:
             raise self.fail("no layers were removed or merged before LinearPatch (nothing to patch)")
@@ -210,7 +211,7 @@ class LinearPatch(Modifier):
             patches.append(install(session.model, session.adapter, position, ((h * d) @ h.T).float()))
         if self.tune is not None:
             report["distillation_loss"] = distil(session, patches, self.tune)
-        session.add_extra(self.step_name(), {"type": EXTRA_TYPE, "version": EXTRA_VERSION, "layers":
+        session.outputs.add_extra(self.step_name(), {"type": EXTRA_TYPE, "version": EXTRA_VERSION, "layers":
                                              len(session.layers), "positions": [p for p, _, _ in found]},
                           {f"P.{i}": patch.matrix for i, patch in enumerate(patches)})
         report.update(rotation=construction, layers=len(session.layers),

@@ -12,7 +12,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from recipe_engine.api import UNFUSED_ROLES, Modifier, load_text, register, roles_problem, tokenize, top_k_kl
+from recipe_engine.api import (UNFUSED_ROLES, Modifier, ModifierSession, load_text, register, roles_problem, tokenize,
+                               top_k_kl)
 
 PROJECTIONS = UNFUSED_ROLES  # roles; a fused Phi-3 qkv/gate_up linear gets one adapter when all its members are targets
 ADAPTER_DIR = "lora_adapter"
@@ -183,7 +184,7 @@ class LoRARecovery(Modifier):
         if problem:
             raise self.fail(problem, field="targets")
 
-    def apply(self, session) -> dict[str, Any]:
+    def apply(self, session: ModifierSession) -> dict[str, Any]:
         # deferred: accelerate and peft are needed only when this step trains
         from accelerate import PartialState
         from peft import LoraConfig, get_peft_model
@@ -213,13 +214,13 @@ class LoRARecovery(Modifier):
             param.requires_grad_(trainable[name])
         model.to(home).eval()
         for name, data in (adapter or {}).items():  # a subdirectory: stock loaders must not mistake the
-            session.add_artifact(f"{ADAPTER_DIR}/{name}", data)  # output for an adapter
-        session.add_artifact("lora_recovery_loss.png", loss_plot(history, f"LoRARecovery ({kind})"))
+            session.outputs.add_artifact(f"{ADAPTER_DIR}/{name}", data)  # output for an adapter
+        session.outputs.add_artifact("lora_recovery_loss.png", loss_plot(history, f"LoRARecovery ({kind})"))
         return {"format": kind, "examples": len(examples), "steps": steps, "processes": processes,
                 "loss_history": history, "loss_first": history[0], "loss_last": history[-1],
                 "distill": self.distill, "wall_s": time.perf_counter() - start}
 
-    def _train(self, session, peft_model, examples, processes: int) -> tuple[list[float], int]:
+    def _train(self, session: ModifierSession, peft_model, examples, processes: int) -> tuple[list[float], int]:
         # deferred: as Trainer above
         from transformers import TrainingArguments
 
@@ -233,7 +234,7 @@ class LoRARecovery(Modifier):
                 use_cpu=session.device.type == "cpu")
             teacher = None
             if self.distill:
-                teacher = session.reference_session().model.to(args.device).eval().requires_grad_(False)
+                teacher = session.reference.model.to(args.device).eval().requires_grad_(False)
             trainer = make_trainer(peft_model, args, examples, teacher, self.top_k)
             trainer.train()
             if teacher is not None:

@@ -8,9 +8,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine.api import (InputCovariance, LayerModifier, ModelShape, Statistic, heldout_ridge_scale,
-                               mean_eigenvalue, refit_error, register, ridge_compensation, ridge_leverage_scores,
-                               ridge_refit, set_linear_weight, submatrix)
+from recipe_engine.api import (InputCovariance, LayerModifier, ModelShape, ModifierSession, Statistic,
+                               heldout_ridge_scale, mean_eigenvalue, refit_error, register, ridge_compensation,
+                               ridge_leverage_scores, ridge_refit, set_linear_weight, submatrix)
 
 
 class _LastInput(Statistic):
@@ -47,14 +47,15 @@ class _TargetMoments(Statistic):
             self.gram[fold].add_((flat.float().T @ flat.float()).to(torch.float64))
 
 
-def target_moments(session, layer, targets: list[torch.Tensor], folds: int, grams: bool) -> list[dict[str, Any]]:
-    """Moments of the ``down_proj`` refit towards ``targets`` for the layer on ``session.current_inputs()``.
+def target_moments(session: ModifierSession, layer, targets: list[torch.Tensor], folds: int,
+                   grams: bool) -> list[dict[str, Any]]:
+    """Moments of the ``down_proj`` refit towards ``targets`` for the layer on ``session.current_layer``'s inputs.
 
     With ``σ`` the ``down_proj`` input and ``e = y* − layer(x)`` the output errors, fold ``f`` (calibration
     batches ``k ≡ f mod folds``) gets ``C = Σ σᵀe`` and ``E = Σ‖e‖²`` (fp64), and ``G = Σ σᵀσ`` when
     ``grams`` (fp32 products summed in fp64).
     """
-    inputs, kwargs_list = session.current_inputs()
+    inputs, kwargs_list = session.current_layer.inputs, session.current_layer.kwargs_list
     down = session.adapter.linear(layer, "down_proj")
     sigma = _LastInput(session.adapter.path("down_proj"))
     moments = _TargetMoments(sigma, targets, folds, down.in_features, down.out_features, grams, session.device)
@@ -153,8 +154,8 @@ class NystromMLP(LayerModifier):
     def needs_reference(self) -> bool:  # the serial/original targets run the original layers
         return self.target != "merged"
 
-    def target_layers(self, session) -> list[int]:
-        return list(self.layers) if self.layers is not None else session.oversized_layers("mlp")
+    def target_layers(self, session: ModifierSession) -> list[int]:
+        return list(self.layers) if self.layers is not None else session.shape.oversized_layers("mlp")
 
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
         """fp64, at Theorem 3.1's refit (the largest moment): the widest target's ``down_proj`` input Gram
@@ -167,11 +168,11 @@ class NystromMLP(LayerModifier):
         return 8 * max(width * width + kept * kept + 2 * width * 512 + kept * hidden,
                        2 * kept * kept + 2 * kept * hidden)
 
-    def statistics(self, session, layer_index: int) -> list[InputCovariance]:
+    def statistics(self, session: ModifierSession, layer_index: int) -> list[InputCovariance]:
         return [InputCovariance(session.adapter.path("down_proj"))]
 
     @torch.no_grad()
-    def compress_layer(self, session, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
+    def compress_layer(self, session: ModifierSession, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
         adapter, layer = session.adapter, session.layers[layer_index]
         down_proj = adapter.linear(layer, "down_proj")
         statistic = stats[self.statistics(session, layer_index)[0].key]
@@ -185,7 +186,7 @@ class NystromMLP(LayerModifier):
         refit_scale = self.compensation_scale if self.compensation_scale is not None else self.lambda_scale
         down = (ridge_compensation(down_proj.weight, gram, keep, refit_scale * scale) if self.compensate
                 else down_proj.weight[:, keep])
-        adapter.keep_rows(layer, {"gate_proj": keep, "up_proj": keep}, session.head_dim)
+        adapter.keep_rows(layer, {"gate_proj": keep, "up_proj": keep}, session.shape.head_dim)
         set_linear_weight(down_proj, down, down_proj.bias)
         entry = {"channels_before": gram.shape[0], "channels_kept": len(keep),
                  f"{self.criterion}_kept": float(score[keep].sum()), f"{self.criterion}_total": float(score.sum())}
@@ -196,7 +197,7 @@ class NystromMLP(LayerModifier):
             entry.update(self._refit_towards_target(session, layer_index, kept_gram))
         return entry
 
-    def _refit_towards_target(self, session, index: int, gram: torch.Tensor) -> dict[str, Any]:
+    def _refit_towards_target(self, session: ModifierSession, index: int, gram: torch.Tensor) -> dict[str, Any]:
         """Second ridge refit of the kept ``down_proj`` so the whole layer's output approaches the target
         ``y*``: the original layers run serially on this layer's inputs (``serial``) or the original model's
         hidden state at this depth (``original``). With the pruned layer's errors ``e = y* − layer(x)`` and
@@ -207,8 +208,8 @@ class NystromMLP(LayerModifier):
         others dropped) with the same refit; the candidate with the least error — held-out error at its
         chosen λ with ``target_scales``, else the error left on the calibration tokens — replaces the layer.
         """
-        inputs, kwargs_list = session.current_inputs()
-        targets = (session.reference_outputs(index) if self.target == "original"
+        inputs, kwargs_list = session.current_layer.inputs, session.current_layer.kwargs_list
+        targets = (session.original_outputs(index) if self.target == "original"
                    else session.original_outputs(index, inputs, kwargs_list))
         layer = session.layers[index]
         folds = 2 if self.target_scales is not None else 1
@@ -218,11 +219,11 @@ class NystromMLP(LayerModifier):
         origin = session.layer_origin[index]
         candidates = [("merged", layer)]
         if self.fallback and len(origin) > 1:
-            reference = session.reference_session()
+            reference = session.reference
             candidates += [(j, copy.deepcopy(reference.layers[j])) for j in origin]
         results = []
         for name, candidate in candidates:
-            with session.on_device(candidate):
+            with session.placed(candidate):
                 moments = target_moments(session, candidate, targets, folds,
                                          grams=self.target_scales is not None or name != "merged")
             down = session.adapter.linear(candidate, "down_proj")

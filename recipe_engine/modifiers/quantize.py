@@ -5,7 +5,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from recipe_engine.api import Modifier, register
+from recipe_engine.api import Modifier, ModifierSession, register
 
 from ._quant import GridParameters, rtn
 
@@ -22,15 +22,15 @@ class Quantize(GridParameters, Modifier):
 
 
     @torch.no_grad()
-    def apply(self, session) -> dict[str, Any]:
+    def apply(self, session: ModifierSession) -> dict[str, Any]:
         grid, count = self.grid(), 0
         for index in session.progress.track(range(len(session.layers)), "Quantize layers"):
-            with session.loaded(index):  # one layer materialized at a time on a streamed model
+            with session.placed(index, on_device=False):  # one layer materialized at a time on a streamed model
                 for target in session.adapter.module_roles(self.targets):
                     linear = session.adapter.linear(session.layers[index], target)
                     result = rtn(linear.weight, grid)
                     linear.weight.copy_(result.dequantized.to(linear.weight.dtype))
                     count += 1
                     if self.export == "compressed-tensors":
-                        session.mark_quantized(linear, grid, result.scale, result.zero)
+                        session.outputs.mark_quantized(linear, grid, result.scale, result.zero)
         return {"quantized_linears": count, "export": self.export}

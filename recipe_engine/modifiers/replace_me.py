@@ -12,13 +12,13 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine.api import (ADAPTERS, LayerBudget, Modifier, RecipeError, Statistic, budget_field,
-                               mean_eigenvalue, refit_error, register, ridge_refit, set_linear_weight)
+from recipe_engine.api import (ADAPTERS, LayerBudget, Modifier, ModifierSession, RecipeError, Statistic, budget_field,
+                               mean_eigenvalue, refit_error, register, remove_layers, ridge_refit, set_linear_weight)
 
 from ._depth import drop_symbolic, require_uniform, span_scores, token_mask
 
 
-def statistics_mask(session, batch: torch.Tensor, skip_first: int) -> torch.Tensor:
+def statistics_mask(session: ModifierSession, batch: torch.Tensor, skip_first: int) -> torch.Tensor:
     """Non-pad tokens (``token_mask``) except the first ``skip_first`` positions of every window."""
     mask = token_mask(session, batch).clone()
     mask[:, :skip_first] = False
@@ -33,13 +33,14 @@ def last_token_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def block_distances(session, n: int, tokens: Literal["last", "all"], skip_first: int = 0) -> dict[int, float]:
+def block_distances(session: ModifierSession, n: int, tokens: Literal["last", "all"],
+                    skip_first: int = 0) -> dict[int, float]:
     """``d(ℓ) = E_t arccos(cos(X_{ℓ,t}, X_{ℓ+n,t})) / π`` for every start ``ℓ = 1 … L − n`` (the block
     ``ℓ … ℓ+n−1``): ``X_ℓ`` is layer ℓ's input, ``X_L`` the last layer's output before the final norm.
     ``tokens``: ``all`` non-pad tokens after the first ``skip_first`` of each window, or ``last``, the last
     non-pad token of each calibration window (the authors' code, whose documents end there). Cosines and means
     in fp64; a NaN distance (a zero hidden state) is an error."""
-    masks = [statistics_mask(session, batch, skip_first) for batch in session.batches()]
+    masks = [statistics_mask(session, batch, skip_first) for batch in session.batches]
     picks = [last_token_rows(mask) for mask in masks] if tokens == "last" else None
 
     def keep(index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -112,11 +113,11 @@ class Seam:
 
 
 @torch.no_grad()
-def seam_moments(session, start: int, n: int, keep_rows: bool, skip_first: int = 0) -> Seam:
+def seam_moments(session: ModifierSession, start: int, n: int, keep_rows: bool, skip_first: int = 0) -> Seam:
     """One calibration pass through layers ``0 … start+n−1`` (the layers after the block are not run):
     ``M`` and ``H`` of layer ``start − 1`` are kept (non-pad rows after the first ``skip_first`` positions of
     each window) until the block's output ``L`` arrives, batch by batch."""
-    masks = [statistics_mask(session, batch, skip_first) for batch in session.batches()]
+    masks = [statistics_mask(session, batch, skip_first) for batch in session.batches]
     seam, kept = Seam(keep_rows), []
     mlp = BlockOutput(session.adapter.path("mlp"))
 
@@ -132,7 +133,7 @@ def seam_moments(session, start: int, n: int, keep_rows: bool, skip_first: int =
     inputs, kwargs_list = session.capture_inputs()
     for index in session.progress.track(range(start + n), "ReplaceMe activations"):
         on_batch = keep if index == start - 1 else fold if index == start + n - 1 else None
-        with session.using(index):
+        with session.placed(index):
             inputs = session.run_layer(session.layers[index], inputs, kwargs_list,
                                        hooks=[mlp] if on_batch is keep else (), on_batch=on_batch)
     seam.gram, seam.cross = seam.gram.cpu(), seam.cross.cpu()
@@ -243,7 +244,7 @@ class ReplaceMe(Modifier):
             fit += 2 * tokens * h * 4 + 4 * h * h * 4
         return max(distances, fit)
 
-    def apply(self, session) -> dict[str, Any]:
+    def apply(self, session: ModifierSession) -> dict[str, Any]:
         distances = session.shared(self, "ReplaceMe block distances",
                                    lambda: block_distances(session, self.n, self.distance_tokens, self.skip_first))
         start = min(distances, key=lambda s: (distances[s], s))
@@ -264,13 +265,13 @@ class ReplaceMe(Modifier):
         residual = refit_error(seam.error, seam.gram, seam.cross, transform.T - identity)
         fit.update(drop_error=seam.error / seam.tokens, fit_error=residual / seam.tokens,
                    relative=residual / seam.error if seam.error else 0.0)
-        with session.loaded(start - 1):
+        with session.placed(start - 1, on_device=False):
             down = session.layers[start - 1].get_submodule(session.adapter.path("down_proj"))
             weight = transform.T @ down.weight.double()
             bias = transform.T @ down.bias.double() if down.bias is not None else None
             set_linear_weight(down, weight, bias)
         folded_into = list(session.layer_origin[start - 1])
-        removed = session.remove_layers(list(range(start, start + self.n)))
+        removed = remove_layers(session, list(range(start, start + self.n)))
         return {"start": start, "removed": [list(o) for o in removed], "folded_into": folded_into,
                 "distance": distances[start], "distances": distances, "distance_tokens": self.distance_tokens,
                 "skip_first": self.skip_first,

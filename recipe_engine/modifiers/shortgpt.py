@@ -5,20 +5,20 @@ from typing import Any
 
 import torch
 
-from recipe_engine.api import LayerBudget, Modifier, RecipeError, budget_field, register
+from recipe_engine.api import LayerBudget, Modifier, ModifierSession, RecipeError, budget_field, register, remove_layers
 
 from ._depth import drop_symbolic, require_uniform, token_mask
 
 
 @torch.no_grad()
-def block_influence(session) -> list[float]:
+def block_influence(session: ModifierSession) -> list[float]:
     """``BI_i = 1 − E_{X,t} cos(X_{i,t}, X_{i+1,t})`` (ShortGPT Eq. 1) for every current layer.
 
     ``X_i`` is layer i's input and ``X_{i+1}`` its output; the cosine is taken per token along the hidden
     axis in fp32 and averaged (fp64 sums) over every non-pad calibration token. No NaN is masked: a NaN
     score is an error.
     """
-    masks = [token_mask(session, batch) for batch in session.batches()]
+    masks = [token_mask(session, batch) for batch in session.batches]
     scores: dict[int, float] = {}
 
     def visit(index: int, inputs, outputs) -> None:
@@ -58,9 +58,9 @@ class ShortGPT(Modifier):
         require_uniform(self, shape)
         drop_symbolic(shape, self.n)
 
-    def apply(self, session) -> dict[str, Any]:
+    def apply(self, session: ModifierSession) -> dict[str, Any]:
         scores = session.shared(self, "ShortGPT block influence", lambda: block_influence(session))
         order = sorted(range(len(scores)), key=lambda i: (scores[i], i))
-        removed = session.remove_layers(order[: self.n])
+        removed = remove_layers(session, order[: self.n])
         return {"block_influence": scores, "removed": [list(o) for o in removed],
                 "layers": len(session.layers)}

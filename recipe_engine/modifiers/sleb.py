@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
-from recipe_engine.api import LayerBudget, Modifier, budget_field, register
+from recipe_engine.api import LayerBudget, Modifier, ModifierSession, budget_field, register, remove_layers
 
 from ._depth import check_search_window, drop_symbolic, require_uniform
 
@@ -50,15 +50,14 @@ class SLEB(Modifier):
 
     shared_ignores = ("n",)  # greedy: the first n rounds of any larger n are this n's rounds
 
-    def apply(self, session) -> dict[str, Any]:
+    def apply(self, session: ModifierSession) -> dict[str, Any]:
         """Rounds are only skips until the end, so a sweep extends one shared list of rounds instead of
         recomputing the prefix for every ``n``."""
         rounds: list[tuple[int, dict[str, Any]]] = session.shared(self, "SLEB rounds", list)
         last = len(session.layers) - 1
         samples, length = session.calibration.shape
-        probe = session if self.search_samples is None and self.search_length is None else session.sibling(
-            session.model, session.stream,
-            session.calibration[: self.search_samples or samples, : self.search_length or length])
+        probe = session if self.search_samples is None and self.search_length is None else session.branch(
+            session.calibration[: self.search_samples or samples, : self.search_length or length], copy=False)
         while len(rounds) < self.n:
             removed = [index for index, _ in rounds]
             scores = {j: probe.calibration_nll(skip=tuple(removed) + (j,))
@@ -67,5 +66,5 @@ class SLEB(Modifier):
             rounds.append((best, {"removed": list(session.layer_origin[best]), "nll": scores[best],
                                   "ppl": math.exp(scores[best]),
                                   "candidates": {_name(session.layer_origin[j]): v for j, v in scores.items()}}))
-        session.remove_layers([index for index, _ in rounds[: self.n]])
+        remove_layers(session, [index for index, _ in rounds[: self.n]])
         return {"rounds": [record for _, record in rounds[: self.n]], "layers": len(session.layers)}

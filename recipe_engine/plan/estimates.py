@@ -15,12 +15,14 @@
 """
 from __future__ import annotations
 
+import copy
+
 from ..architectures.shape import ModelShape
 from ..io.data import calibration_windows, load_calibration
 from ..io.models import resolve_model
 from ..recipe.schema import Recipe
-from ..recipe.validate import bound_steps
 from ..system.host_memory import current_rss
+from .compiled import Plan, compile_plan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -44,28 +46,33 @@ def shape_bytes(shape: ModelShape, width: int) -> int:
             + matrices * shape.vocab_size * shape.hidden_size * width + shape.hidden_size * width)
 
 
+def plan_output_bytes(plan: Plan) -> int:
+    """Bytes of the checkpoint the recipe writes: the model the plan leaves (fewer, narrower layers), in the
+    recipe's dtype; a packed quantized export is counted unpacked (an upper bound)."""
+    return shape_bytes(plan.final, DTYPE_BYTES[plan.recipe.dtype])
+
+
 def output_bytes(recipe: Recipe, config) -> int:
-    """Bytes of the checkpoint the recipe writes: the model after every step's shape change (fewer,
-    narrower layers), in the recipe's dtype; a packed quantized export is counted unpacked (an upper bound)."""
-    shape = ModelShape.from_config(config)
-    for step in bound_steps(recipe, config):
-        step.check(shape)
-    return shape_bytes(shape, DTYPE_BYTES[recipe.dtype])
+    """:func:`plan_output_bytes` of the recipe compiled against ``config``."""
+    return plan_output_bytes(compile_plan(recipe, config))
 
 
-def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None) -> dict:
-    """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory."""
+def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None) -> dict:
+    """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory, on the
+    shape the plan says it receives."""
+    recipe = plan.recipe
     width = DTYPE_BYTES[recipe.dtype]
-    shape = ModelShape.from_config(config)
-    shape.streamed = streamed
+    first = plan.shapes[0]
     cal = recipe.calibration
     tokens = cal.samples * cal.seq_len
-    embedding = shape.vocab_size * shape.hidden_size * width
-    intermediate = shape.intermediate_size  # of the original layers: one batch's MLP activations
+    embedding = first.vocab_size * first.hidden_size * width
+    intermediate = first.intermediate_size  # of the original layers: one batch's MLP activations
 
-    whole = shape_bytes(shape, width)
+    whole = shape_bytes(first, width)
     steps = []
-    for step in bound_steps(recipe, config):
+    for step, received in zip(plan.steps, plan.shapes):
+        shape = copy.deepcopy(received)
+        shape.streamed = streamed
         largest = max(shape.layer_parameters(layer) for layer in shape.layers) * width
         if not streamed:
             held = shape_bytes(shape, width)
@@ -78,11 +85,15 @@ def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None)
         work = step.working_memory(shape, tokens)
         steps.append({"step": step.step_name(), "weights_bytes": held, "working_bytes": work,
                       "whole_model": not streamed or (step.scope == "model" and not step.streams)})
-        step.check(shape)
-    activations = 4 * tokens * shape.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
+    activations = 4 * tokens * first.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
     runtime = runtime_bytes(recipe) if runtime is None else runtime
     peak_step = max(s["weights_bytes"] + s["working_bytes"] for s in steps)
     if streamed:
         peak_step = max(peak_step, embedding)
     return {"streamed": streamed, "runtime_bytes": runtime, "activations_bytes": activations,
             "model_bytes": whole, "steps": steps, "host_peak_bytes": runtime + activations + peak_step}
+
+
+def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None) -> dict:
+    """:func:`plan_memory` of the recipe compiled against ``config``."""
+    return plan_memory(compile_plan(recipe, config), streamed, runtime)

@@ -8,12 +8,17 @@ first load; ``recipe eval`` checks its device, model and evaluation with :func:`
 :func:`check_sweep_output` (``sweep``'s directory); each writer then holds the output's lock
 (``recipe_engine.io.output_lock``) until its output is in place.
 
+A recipe's steps are checked by compiling it once (``compiled.compile_plan``, in :func:`check_plan`): the
+:class:`~recipe_engine.plan.compiled.Plan` it returns is what ``validate`` reports, what ``apply`` runs
+(:func:`preflight_apply` adds the disk-room check and the streaming decision) and what ``sweep`` checks.
+
 Every refusal is one :class:`~recipe_engine.errors.RecipeError` line (exit code 2) naming the recipe file and
 field where there is one; nothing is written before these checks pass.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,11 +29,11 @@ from ..errors import RecipeError, SourceError
 from ..evaluation.zeroshot import check_tasks
 from ..io.data import check_text, is_hub_source, load_text
 from ..io.gguf_export import check_recipe_exportable
-from ..io.models import load_config, parse_device, resolve_device
+from ..io.models import exceeds_memory, load_config, parse_device, resolve_device
 from ..io.output import SWEEP_FILE, check_writable_parent, space_problem
 from ..recipe.schema import Recipe
-from ..recipe.validate import bound_steps, check_steps
-from .estimates import output_bytes
+from .compiled import Plan, compile_plan
+from .estimates import plan_output_bytes
 
 #: Fields of a recipe that :func:`check_evaluation` names.
 RECIPE_FIELDS = {"tasks": "evaluate.tasks", "dataset": "evaluate.perplexity.dataset"}
@@ -99,29 +104,67 @@ def _note(note: str | None, unchecked: list[str] | None) -> None:
 
 
 def check_recipe(recipe, file: str | None = None, config=None, here: bool = True, calibration: bool = False,
-                 unchecked: list[str] | None = None):
+                 unchecked: list[str] | None = None) -> Plan:
     """What ``apply`` and ``validate`` check on a recipe beyond its schema, before any weight is loaded: the
     device (with ``here``: present on this machine), the model's config (``config`` when the model is
     passed in memory), with ``calibration`` the calibration text (``apply`` reads it in full instead:
     ``data.load_calibration``), the evaluation block, and every step on the symbolic shape
-    (:func:`check_against_config`). Returns ``(config, shape)``; ``unchecked`` collects what could not be
-    checked here (``data.check_text``'s notes: a hub source in HF offline mode)."""
+    (:func:`check_plan`). Returns the compiled :class:`~recipe_engine.plan.compiled.Plan`; ``unchecked``
+    collects what could not be checked here (``data.check_text``'s notes: a hub source in HF offline mode)."""
     located(lambda: check_device(recipe.device, here), file, "device")
     if config is None:
         config = check_model(recipe.model, file)
     if calibration:
         check_calibration(recipe.calibration, file, unchecked)
     check_evaluation(recipe.evaluate, file, unchecked=unchecked)
-    return config, check_against_config(recipe, config, file)
+    return check_plan(recipe, config, file)
 
 
-def validate_recipe(loaded):
+def validate_recipe(loaded) -> tuple[Plan, list[str]]:
     """``recipe validate``: what ``apply`` checks before loading, except the output path (validate never
-    writes) and the devices of this machine (a CUDA recipe validates on a laptop). Returns ``(config, shape,
+    writes) and the devices of this machine (a CUDA recipe validates on a laptop). Returns ``(plan,
     unchecked)``, ``unchecked`` naming what could not be checked here (a hub source in HF offline mode)."""
     unchecked: list[str] = []
-    config, shape = check_recipe(loaded.recipe, loaded.path, here=False, calibration=True, unchecked=unchecked)
-    return config, shape, unchecked
+    plan = check_recipe(loaded.recipe, loaded.path, here=False, calibration=True, unchecked=unchecked)
+    return plan, unchecked
+
+
+def decide_streaming(recipe: Recipe, in_memory: bool, write: bool) -> bool:
+    """``stream: on/off`` as given; ``auto`` streams when the checkpoint's weight files exceed half the
+    available host memory. A streamed model's weights live only in the output, so streaming needs a
+    model from disk and ``write``."""
+    if recipe.stream == "off" or in_memory:
+        if recipe.stream == "on" and in_memory:
+            raise RecipeError("stream: on needs a model from disk, not one passed in memory", field="stream")
+        return False
+    if not write:
+        if recipe.stream == "on":
+            raise RecipeError("stream: on writes the result to the output directory; use write=True",
+                              field="stream")
+        return False
+    if recipe.stream == "on":
+        return True
+    return exceeds_memory(recipe.model)
+
+
+def preflight_apply(recipe: Recipe, file: str | None, config=None, *, write: bool, writing: bool,
+                    keep_checkpoints: bool, resume: bool) -> Plan:
+    """``recipe apply``'s pre-flight after the calibration text is read: :func:`check_recipe` (``config``
+    for a model passed in memory), ``--resume``'s preconditions, with ``writing`` the disk room
+    (:func:`check_free_space`), and the streaming decision, recorded in the returned plan."""
+    plan = check_recipe(recipe, file, config)
+    in_memory = config is not None
+    if resume and (in_memory or not write or not keep_checkpoints):
+        why = "a model passed in memory" if in_memory else "write=False" if not write else "--no-checkpoints"
+        raise RecipeError(f"--resume is not supported for {why} (no checkpoints are kept)", file=file)
+    if writing:  # a model from disk keeps resume checkpoints unless told not to
+        check_free_space(plan, file, resume_checkpoints=not in_memory and keep_checkpoints)
+    streamed = located(lambda: decide_streaming(recipe, in_memory, write), file)
+    refusing = next(((i, step) for i, step in enumerate(plan.steps) if streamed and step.refuses_streaming), None)
+    if refusing is not None:
+        raise RecipeError(f"cannot run streamed: {refusing[1].refuses_streaming} (set stream: off)", file=file,
+                          step=refusing[0], modifier=refusing[1].step_name(), field="stream")
+    return replace(plan, streamed=streamed)
 
 
 def check_sweep_output(output: str | Path) -> Path:
@@ -158,13 +201,14 @@ def located(check, file: str | None, field: str | None = None):
         raise exc.located(file=file, field=field) from None
 
 
-def check_free_space(recipe, config, file: str | None = None, resume_checkpoints: bool = False) -> None:
+def check_free_space(plan: Plan, file: str | None = None, resume_checkpoints: bool = False) -> None:
     """Refuse to start when the output's file system lacks room for the checkpoint the recipe writes
-    (``estimates.output_bytes``: the compressed model's size, plus 5 %). A run that keeps resume checkpoints
+    (``estimates.plan_output_bytes``: the compressed model's size, plus 5 %). A run that keeps resume checkpoints
     (``recipe_engine.execution.resume``; a streamed run's staged units are among them) holds its changed units there
     until the output is in place, at most the compressed model's size again: twice the room."""
+    recipe = plan.recipe
     copies = 2 if resume_checkpoints else 1
-    problem = space_problem(Path(recipe.output).expanduser(), copies * output_bytes(recipe, config))
+    problem = space_problem(Path(recipe.output).expanduser(), copies * plan_output_bytes(plan))
     if problem:
         what = ("checkpoint and its resume checkpoints; --no-checkpoints needs half" if resume_checkpoints
                 else "checkpoint")
@@ -177,12 +221,16 @@ MIN_LAYERS = 2
 
 
 def check_against_config(recipe: Recipe, config, file: str | None = None) -> ModelShape:
-    """Run every step's ``check`` on the symbolic shape (and ``check_calibration`` on the recipe's
-    calibration settings); the final model must be uniform, and no step may
-    change the layers after a step that pinned them (``ModelShape.pinned``).
+    """:func:`check_plan`'s final shape."""
+    return check_plan(recipe, config, file).final
 
-    The architecture is also instantiated on the meta device to prove transformers can build it.
-    """
+
+def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
+    """Compile the recipe against ``config`` (``compiled.compile_plan``: every step's ``check`` on the
+    symbolic shape, ``check_calibration`` on the recipe's calibration settings, no step changing the layers
+    after a step that pinned them); the final model must keep enough layers and be uniform, and an export
+    must be possible. The architecture is also instantiated on the meta device to prove transformers can
+    build it. Returns the plan."""
     try:
         adapter_for(config)
         if recipe.device != "auto":
@@ -190,8 +238,8 @@ def check_against_config(recipe: Recipe, config, file: str | None = None) -> Mod
     except RecipeError as exc:
         raise exc.located(file=file) from None
     _build_on_meta(config, file)
-    shape = ModelShape.from_config(config)
-    check_steps(bound_steps(recipe, config, file), shape, recipe.calibration, file)
+    plan = compile_plan(recipe, config, file)
+    shape = plan.final
     if shape.num_layers < MIN_LAYERS <= shape.original_layers:
         raise RecipeError(f"the recipe leaves {shape.num_layers} of {shape.original_layers} decoder layers; a "
                           f"model needs at least {MIN_LAYERS} to be a useful result (remove fewer layers)",
@@ -205,7 +253,7 @@ def check_against_config(recipe: Recipe, config, file: str | None = None) -> Mod
             check_recipe_exportable(recipe, config)
         except RecipeError as exc:
             raise exc.located(file=file) from None
-    return shape
+    return plan
 
 
 def _build_on_meta(config, file: str | None) -> None:

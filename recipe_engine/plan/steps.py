@@ -11,49 +11,37 @@ from ..errors import RecipeError
 from ..execution.steps import group_steps
 from ..io.models import exceeds_memory, load_config
 from ..recipe.schema import Recipe
-from ..recipe.validate import bound_steps
-from .estimates import estimate
+from .compiled import Passes, Plan, compile_plan
+from .estimates import plan_memory
 
 
-Passes = tuple[int, int]
-
-
-def plan_rows(recipe: Recipe, config=None) -> tuple[list[tuple[str, str, str, str]], Passes | None]:
-    """Rows (step, scope, statistics, passes) and the total calibration passes as (fewest, most).
+def plan_rows(recipe: Recipe, config=None, plan: Plan | None = None
+              ) -> tuple[list[tuple[str, str, str, str]], Passes | None]:
+    """Rows (step, scope, statistics, passes) and the total calibration passes as (fewest, most), read from
+    the compiled ``plan`` (compiled here from ``config`` when not given).
 
     Consecutive layer-scope steps share one layer-sequential pass group (its count: the largest of its
     steps'). Counts can depend on the layer count a step receives (SLEB), so they need the model's
-    ``config``; without one the passes column is ``?`` and the total None.
+    config; without one the passes column is ``?`` and the total None.
     """
-    shape = ModelShape.from_config(config) if config is not None else None
-    counts: list[Passes | None] = []
-    steps = recipe.modifiers if config is None else bound_steps(recipe, config)
-    for index, step in enumerate(steps):
-        if shape is None:
-            counts.append(None)
-            continue
-        count = step.passes(shape)
-        counts.append((count, count) if isinstance(count, int) else tuple(count))
-        try:
-            step.check(shape)
-        except RecipeError as exc:
-            raise exc.located(step=index, modifier=step.step_name()) from None
-    rows, total = [], (0, 0)
-    for group in group_steps(steps):
-        members = [counts[index] for index, _ in group]
-        passes = None if None in members else (max(c[0] for c in members), max(c[1] for c in members))
-        total = None if passes is None or total is None else (total[0] + passes[0], total[1] + passes[1])
+    if plan is None and config is not None:
+        plan = compile_plan(recipe, config)
+    steps = list(plan.steps) if plan is not None else list(recipe.modifiers)
+    groups = plan.group_passes() if plan is not None else [None] * len(group_steps(steps))
+    rows = []
+    for group, passes in zip(group_steps(steps), groups):
         shown = format_passes(passes)
         for position, (index, step) in enumerate(group):
             text = f"{shown} (shared by steps {group[0][0]}-{group[-1][0]})" if len(group) > 1 else shown
             rows.append((f"{index} {step.step_name()}", step.scope, ", ".join(step.needs) or "-",
                          text if position == 0 else "↑ same pass"))
-    return rows, total
+    return rows, plan.total_passes() if plan is not None else None
 
 
 def steps_passes(steps: list, shape: ModelShape) -> Passes:
     """Calibration passes of ``steps`` run in order from ``shape`` (which is updated as each step's
-    ``check`` leaves it): consecutive layer-scope steps share one pass group (its count: the largest)."""
+    ``check`` leaves it): consecutive layer-scope steps share one pass group (its count: the largest). For a
+    step that runs steps of its own (a combinator) on shapes it tries; a recipe's are in its ``Plan``."""
     total = (0, 0)
     for group in group_steps(list(steps)):
         counts = []
@@ -80,23 +68,34 @@ def plan_config(recipe: Recipe):
         return None, exc.detail
 
 
-def memory_plan(recipe: Recipe) -> dict:
-    """``estimates.estimate`` for the recipe's model, streamed as ``apply`` would decide; ``{"unavailable":
-    reason}`` when the model's config cannot be read here (e.g. a hub id offline)."""
+def compile_for_plan(recipe: Recipe) -> tuple[Plan | None, str | None]:
+    """``recipe plan``'s plan: the recipe compiled against its model's config, or ``(None, reason)`` when the
+    config cannot be read here (e.g. a hub id offline)."""
+    config, problem = plan_config(recipe)
+    return (compile_plan(recipe, config) if config is not None else None), problem
+
+
+def memory_plan(recipe: Recipe, plan: Plan | None = None, problem: str | None = None) -> dict:
+    """``estimates.plan_memory`` of the plan, streamed as ``apply`` would decide; ``{"unavailable": reason}``
+    when there is no plan (the model's config cannot be read here) or the estimate cannot be made."""
+    if plan is None:
+        plan, problem = compile_for_plan(recipe)
+        if plan is None:
+            return {"unavailable": problem}
     try:
-        config = load_config(recipe.model)
         streamed = recipe.stream == "on" or (recipe.stream == "auto" and exceeds_memory(recipe.model))
-        return estimate(recipe, config, streamed)
+        return plan_memory(plan, streamed)
     except RecipeError as exc:
         return {"unavailable": exc.detail}
 
 
-def rank_memory(recipe: Recipe, memory: dict, ranks: int) -> dict:
+def rank_memory(plan: Plan, memory: dict, ranks: int) -> dict:
     """Per-rank host memory of a data-parallel run over ``ranks`` processes (``recipe_engine.execution.distributed``):
     every rank holds all calibration activations (replicated) and, while a layer's outputs are gathered,
     one more set plus its own share twice (send and padded buffers)."""
+    recipe = plan.recipe
     cal = recipe.calibration
-    shape = ModelShape.from_config(load_config(recipe.model))
+    shape = plan.shapes[0]
     one_set = cal.samples * cal.seq_len * shape.hidden_size * (4 if recipe.dtype == "float32" else 2)
     gather = round(one_set * (1 + 2 / ranks))
     peak = memory["host_peak_bytes"] + gather
@@ -111,8 +110,8 @@ def _gib(value: int) -> str:
 
 
 def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
-    config, problem = plan_config(recipe)
-    rows, total = plan_rows(recipe, config)
+    plan, problem = compile_for_plan(recipe)
+    rows, total = plan_rows(recipe, plan=plan)
     cal = recipe.calibration
     table = Table(title=f"plan: {recipe.name} ({cal.samples} × {cal.seq_len} tokens from {', '.join(cal.sources)})")
     for column in ("step", "scope", "statistics", "calibration passes"):
@@ -122,7 +121,7 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
     console.print(table)
     console.print(f"total calibration passes: {format_passes(total)}"
                   + (f" (unavailable: {problem})" if total is None else ""))
-    memory = memory_plan(recipe)
+    memory = memory_plan(recipe, plan, problem)
     if "unavailable" in memory:
         console.print(f"memory estimate: unavailable ({memory['unavailable']})")
         return
@@ -131,7 +130,7 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
                   f"{_gib(memory['runtime_bytes'])} + activations {_gib(memory['activations_bytes'])} + the "
                   f"largest step (model {_gib(memory['model_bytes'])})")
     if ranks > 1:
-        per = rank_memory(recipe, memory, ranks)
+        per = rank_memory(plan, memory, ranks)
         console.print(f"data-parallel over {ranks} ranks: per rank activations {_gib(per['activations_bytes'])} "
                       f"(all calibration activations, replicated; each rank runs up to {per['batches_per_rank']} "
                       f"batches through each layer) + gather {_gib(per['gather_bytes'])}; peak host per rank "

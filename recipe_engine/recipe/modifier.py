@@ -23,7 +23,7 @@ from .strict import StrictParameters
 
 if TYPE_CHECKING:
     from .schema import CalibrationConfig
-    from ..execution.session import Session
+    from ..execution.modifier_session import ModifierSession
     from ..execution.stats import Statistic
 
 
@@ -35,14 +35,14 @@ class Modifier(StrictParameters):
     scope: ClassVar[Literal["model", "layer"]] = "model"
     #: Calibration passes this step makes (``recipe plan``; ``passes`` when it depends on parameters). A pass
     #: is one walk of calibration windows through the decoder layers, counted by the session
-    #: (``Session.passes``); a run's report records the count beside the plan's.
+    #: (``ModifierSession.passes``); a run's report records the count beside the plan's.
     calibration_passes: ClassVar[int] = 0
     #: Human-readable statistics this step needs (shown by ``recipe plan``).
     needs: ClassVar[tuple[str, ...]] = ()
-    #: True when the step calls ``session.reference_session()`` (an in-memory model is then copied first).
+    #: True when the step reads ``session.reference`` (an in-memory model is then copied first).
     needs_reference: ClassVar[bool] = False
-    #: True when ``apply`` works on a streamed model (loads what it touches with ``session.loaded`` /
-    #: ``session.using``); otherwise the engine materializes the whole model around it (``recipe plan``
+    #: True when ``apply`` works on a streamed model (loads what it touches with ``session.placed``);
+    #: otherwise the engine materializes the whole model around it (``recipe plan``
     #: says so). Layer-scope steps act on the layer the pass has loaded.
     streams: ClassVar[bool] = False
     #: Why this step cannot run on a streamed model, or None when it can (with ``streams`` or materialized):
@@ -97,13 +97,13 @@ class Modifier(StrictParameters):
     def check_calibration(self, calibration: "CalibrationConfig") -> None:
         """Validate against the recipe's calibration settings (e.g. ``propagate``); raise ``self.fail``."""
 
-    def apply(self, session: "Session") -> dict[str, Any]:
+    def apply(self, session: "ModifierSession") -> dict[str, Any]:
         """Act on the whole model; return JSON-serialisable report entries."""
         raise NotImplementedError(f"{self.step_name()} is a model-scope step and must implement apply()")
 
     @classmethod
     def restore_extra(cls, model, config: dict[str, Any], tensors: dict[str, Any]) -> None:
-        """Re-apply a non-stock addition saved with ``session.add_extra`` (see ``recipe_engine.io.extras``)."""
+        """Re-apply a non-stock addition saved with ``session.outputs.add_extra`` (see ``recipe_engine.io.extras``)."""
         raise NotImplementedError(f"{cls.step_name()} saved no extras it can restore")
 
 
@@ -117,20 +117,20 @@ class LayerModifier(Modifier):
     #: of the earliest one are recollected for the next modifier (see ``recipe_engine.execution.stats``).
     modifies: ClassVar[tuple[str, ...]] = ("self_attn", "mlp")
 
-    def target_layers(self, session: "Session") -> list[int]:
+    def target_layers(self, session: "ModifierSession") -> list[int]:
         """Current indices of the layers this step acts on."""
         raise NotImplementedError
 
-    def statistics(self, session: "Session", layer_index: int) -> list["Statistic"]:
+    def statistics(self, session: "ModifierSession", layer_index: int) -> list["Statistic"]:
         """Statistics to collect on ``layer_index`` before ``compress_layer`` (may be empty)."""
         return []
 
-    def compress_layer(self, session: "Session", layer_index: int,
+    def compress_layer(self, session: "ModifierSession", layer_index: int,
                        stats: dict[str, "Statistic"]) -> dict[str, Any]:
         """Compress one layer in place (replacing its submodules is fine, the layer list is not);
         ``stats`` maps ``Statistic.key`` to the collected statistic. Returns the layer's report entry."""
         raise NotImplementedError
 
-    def finish(self, session: "Session") -> dict[str, Any]:
+    def finish(self, session: "ModifierSession") -> dict[str, Any]:
         """Called once after every target layer was compressed; returns report entries."""
         return {}

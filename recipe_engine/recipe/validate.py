@@ -1,17 +1,23 @@
 """Validate a recipe against a model's config without loading weights (meta device)."""
 from __future__ import annotations
 
+import copy
+
 from ..architectures.shape import ModelShape
 from ..errors import RecipeError
 from .budget import bind_steps
 from .schema import Recipe
 
 
-def check_steps(steps: list, shape: ModelShape, calibration=None, file: str | None = None) -> ModelShape:
+def check_steps(steps: list, shape: ModelShape, calibration=None, file: str | None = None,
+                received: list[ModelShape] | None = None) -> ModelShape:
     """Each step's ``check`` on ``shape`` in order (updating it), and ``check_calibration`` when
     ``calibration`` is given; no step may change weights a previous step quantized, nor the layers after
-    a step that pinned them. An error names the step's index in ``steps`` (and ``file``)."""
+    a step that pinned them. An error names the step's index in ``steps`` (and ``file``). ``received``
+    (a list) collects a copy of the shape each step receives, then the final shape (``plan.compiled``)."""
     for index, step in enumerate(steps):
+        if received is not None:
+            received.append(copy.deepcopy(shape))
         pinned, origins = shape.pinned, [layer.origin for layer in shape.layers]
         try:
             if shape.quantized_by and step.changes_weights:
@@ -27,6 +33,8 @@ def check_steps(steps: list, shape: ModelShape, calibration=None, file: str | No
                                 f"put {pinned} after every step that removes or merges layers")
         except RecipeError as exc:
             raise exc.located(file=file, step=index, modifier=step.step_name()) from None
+    if received is not None:
+        received.append(copy.deepcopy(shape))
     return shape
 
 

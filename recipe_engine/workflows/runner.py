@@ -14,22 +14,25 @@ from ..errors import QualityGateError, RecipeError
 from ..evaluation import evaluate_session, retained
 from ..execution.distributed import Parallel, launched
 from ..execution.resume import Checkpoints, discard_on_error, model_fingerprint
+from ..execution.outputs import RunOutputs
 from ..execution.session import Session
 from ..execution.steps import run_steps
-from ..execution.streaming import attach_stream
+from ..execution.streaming import open_stream
 from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..io.extras import save_extras
 from ..io.gguf_export import export_gguf
-from ..io.models import exceeds_memory, load_model
+from ..io.models import load_model
 from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
 from ..io.output_lock import output_lock
-from ..io.report import Report
-from ..plan.estimates import estimate
-from ..plan.preflight import check_device, check_free_space, check_recipe, located
+from ..io.report import Checkpoints as CheckpointsRecord
+from ..io.report import (DataRecord, ExportRecord, ModelRecord, ModelSize, PeakMemory, RecipeRecord, Report,
+                         StreamRecord)
+from ..plan.compiled import Plan
+from ..plan.estimates import plan_memory
+from ..plan.preflight import check_device, located, preflight_apply
 from ..recipe.files import LoadedRecipe, load_recipe
 from ..recipe.schema import Recipe, dump_recipe, recipe_from_dict
-from ..recipe.validate import bound_steps
 from ..system.host_memory import PeakWatch, current_rss
 from ..system.progress import Progress
 
@@ -79,90 +82,88 @@ def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool) -> Iterator[
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
            progress: bool, resume: bool = False, memo=None, keep_checkpoints: bool = True) -> tuple[Any, Report]:
-    """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes."""
+    """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes. Pre-flight
+    (the recipe compiled into a plan, everything checked before a weight loads), execute, write."""
     recipe, file = loaded.recipe, loaded.path
     writing = write and parallel.rank == 0
-    cal = recipe.calibration
-    texts = located(lambda: load_calibration(cal), file)
-    config = check_recipe(recipe, file, model.config if model is not None else None)[0]
-    steps = bound_steps(recipe, config, file)  # percentages of layers resolved against this model
-    in_memory = model is not None
-    if resume and (in_memory or not write or not keep_checkpoints):
-        why = "a model passed in memory" if in_memory else "write=False" if not write else "--no-checkpoints"
-        raise RecipeError(f"--resume is not supported for {why} (no checkpoints are kept)", file=file)
-    if writing:  # a model from disk keeps resume checkpoints (``_checkpoints``) unless told not to
-        check_free_space(recipe, config, file, resume_checkpoints=not in_memory and keep_checkpoints)
-    device = parallel.device
-    streamed = located(lambda: decide_streaming(recipe, in_memory, write), file)
-    refusing = next(((i, step) for i, step in enumerate(steps) if streamed and step.refuses_streaming), None)
-    if refusing is not None:
-        raise RecipeError(f"cannot run streamed: {refusing[1].refuses_streaming} (set stream: off)", file=file,
-                          step=refusing[0], modifier=refusing[1].step_name(), field="stream")
+    texts = located(lambda: load_calibration(recipe.calibration), file)
+    plan = preflight_apply(recipe, file, model.config if model is not None else None, write=write,
+                           writing=writing, keep_checkpoints=keep_checkpoints, resume=resume)
+    # the report's sections, typed as the run makes them; ``Report`` when the run is done
     report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
-                              "device": str(device), "dtype": recipe.dtype, "streamed": streamed,
+                              "device": str(parallel.device), "dtype": recipe.dtype, "streamed": plan.streamed,
                               "rank": parallel.rank, "ranks": parallel.world}
-    watch = PeakWatch()
     owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
     with discard_on_error(owned), _workspace(recipe.output, writing, force) as workdir, \
             Progress(enabled=progress and parallel.rank == 0) as bar:
-        # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
-        before_weights = current_rss() if model is None else 0
-        if model is None:
-            bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
-            model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
-            report["model"] = {"spec": recipe.model, "kind": source.kind, "location": source.location}
-        else:
-            source = None
-            report["model"] = {"spec": recipe.model, "kind": "in-memory"}
-        windows, tokens_available = calibration_windows(tokenizer, texts, cal)
-        resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
-                                                  {id(t): t for t in model.state_dict().values()}.values())
-        plan = estimate(recipe, config, streamed, max(current_rss() - resident_weights, before_weights))
-        report["data"] = {"dataset": cal.dataset, "origin": "; ".join(text.origin for text, _ in texts),
-                          "tokens_available": tokens_available,
-                          "samples": cal.samples, "seq_len": cal.seq_len, "seed": cal.seed,
-                          "fingerprint": fingerprint(windows)}
-        report["before"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers}
-        session = Session(model, tokenizer, adapter_for(model.config), windows, cal, device, bar,
-                          reference_loader=_reference_loader(recipe, model, source, lambda: session),
-                          parallel=parallel)
-        session.memo = memo
-        if streamed:
-            attach_stream(session, source.location, workdir / STAGING)
-        checkpoints = _checkpoints(recipe, report, source, resume, write and keep_checkpoints, session, file)
-        owned.append(checkpoints)
-        if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
-            report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
-        report["steps"] = run_steps(session, steps, bar, watch, plan, checkpoints, report)
-        _check_uniform(session)
-        report["after"] = {"parameters": count_parameters(model), "layers": model.config.num_hidden_layers,
-                           "layer_origin": [list(o) for o in session.layer_origin]}
-        # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
-        report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not session.extras
-        gate = None
-        if recipe.evaluate is not None:
-            after = evaluate_session(session, recipe.evaluate, bar)
-            report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
-            gate = _quality_gate(recipe, report["evaluation"]["retained"])
-            report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
-        if checkpoints is not None:
-            report["checkpoints"] = {"written": checkpoints.count, "seconds": checkpoints.seconds,
-                                     "bytes": checkpoints.bytes_written}
-        report["calibration_passes"] = sum({step["group"]: step["calibration_passes"] for step in report["steps"]}.values())
-        report["calibration_layer_runs"] = session.layer_runs
-        report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
-        if session.stream is not None:
-            report["stream"] = {"bytes_read": session.stream.bytes_read,
-                                "bytes_staged": session.stream.bytes_staged}
-        report["peak_memory"] = peak_memory(watch)
-        report["peak_memory"]["estimate_rss_mib"] = plan["host_peak_bytes"] / 2**20
-        final = _write(recipe, model, tokenizer, session, report, workdir) if writing else Report.model_validate(report)
+        model, tokenizer, session, outputs, checkpoints, gate = _execute(
+            plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
+            keep_checkpoints=write and keep_checkpoints, memo=memo, file=file)
+        final = (_write(recipe, model, tokenizer, session, outputs, report, workdir) if writing
+                 else Report.model_validate(report))
         parallel.barrier()  # renamed into place only when every rank finished
     if checkpoints is not None:
         checkpoints.discard()  # the output is in place
     if gate:
         raise QualityGateError(gate)
     return model, final
+
+
+def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: dict[str, Any], bar: Progress,
+             workdir: Path, owned: list, *, resume: bool, keep_checkpoints: bool, memo, file: str | None):
+    """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``.
+    Returns ``(model, tokenizer, session, outputs, checkpoints, quality gate failure or None)``."""
+    recipe, cal, streamed = plan.recipe, plan.recipe.calibration, plan.streamed
+    watch = PeakWatch()
+    # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
+    before_weights = current_rss() if model is None else 0
+    if model is None:
+        bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
+        model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
+        report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location)
+    else:
+        source = None
+        report["model"] = ModelRecord(spec=recipe.model, kind="in-memory")
+    windows, tokens_available = calibration_windows(tokenizer, texts, cal)
+    resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
+                                              {id(t): t for t in model.state_dict().values()}.values())
+    memory = plan_memory(plan, streamed, max(current_rss() - resident_weights, before_weights))
+    report["data"] = DataRecord(dataset=cal.dataset, origin="; ".join(text.origin for text, _ in texts),
+                                tokens_available=tokens_available, samples=cal.samples, seq_len=cal.seq_len,
+                                seed=cal.seed, fingerprint=fingerprint(windows))
+    report["before"] = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers)
+    adapter = adapter_for(model.config)
+    stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
+    outputs = RunOutputs()
+    session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar,
+                      reference_loader=_reference_loader(recipe, model, source, lambda: session),
+                      stream=stream, parallel=parallel, memo=memo, outputs=outputs)
+    checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
+    owned.append(checkpoints)
+    if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
+        report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
+    report["steps"] = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
+    _check_uniform(session)
+    report["after"] = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers,
+                                layer_origin=[list(o) for o in session.layer_origin])
+    # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
+    report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
+    gate = None
+    if recipe.evaluate is not None:
+        after = evaluate_session(session, recipe.evaluate, bar)
+        report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
+        gate = _quality_gate(recipe, report["evaluation"]["retained"])
+        report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
+    if checkpoints is not None:
+        report["checkpoints"] = CheckpointsRecord(written=checkpoints.count, seconds=checkpoints.seconds,
+                                                  bytes=checkpoints.bytes_written)
+    report["calibration_passes"] = sum({step["group"]: step["calibration_passes"] for step in report["steps"]}.values())
+    report["calibration_layer_runs"] = session.layer_runs
+    report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
+    if stream is not None:
+        report["stream"] = StreamRecord(bytes_read=stream.bytes_read, bytes_staged=stream.bytes_staged)
+    report["peak_memory"] = PeakMemory(**peak_memory(watch), estimate_rss_mib=memory["host_peak_bytes"] / 2**20)
+    return model, tokenizer, session, outputs, checkpoints, gate
 
 
 #: Directory inside the output's temporary directory holding changed units of a streamed model.
@@ -181,26 +182,8 @@ def _workspace(output: str, writing: bool, force: bool) -> Iterator[Path]:
             yield Path(tmp)
 
 
-def decide_streaming(recipe: Recipe, in_memory: bool, write: bool) -> bool:
-    """``stream: on/off`` as given; ``auto`` streams when the checkpoint's weight files exceed half the
-    available host memory. A streamed model's weights live only in the output, so streaming needs a
-    model from disk and ``write``."""
-    if recipe.stream == "off" or in_memory:
-        if recipe.stream == "on" and in_memory:
-            raise RecipeError("stream: on needs a model from disk, not one passed in memory", field="stream")
-        return False
-    if not write:
-        if recipe.stream == "on":
-            raise RecipeError("stream: on writes the result to the output directory; use write=True",
-                              field="stream")
-        return False
-    if recipe.stream == "on":
-        return True
-    return exceeds_memory(recipe.model)
-
-
 def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Session]):
-    """Original weights for ``session.reference_session()``: a read-only skeleton streamed from the
+    """Original weights for ``session.reference``: a read-only skeleton streamed from the
     source checkpoint (one copy of the original: the files), or, for a model passed in memory, a CPU
     copy taken now (before any step changes it)."""
     if source is None:
@@ -211,7 +194,7 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
 
     def load() -> Session:
         skeleton = load_model(recipe.model, recipe.dtype, skeleton=True)[0]
-        return attach_stream(current().sibling(skeleton, None), source.location, None)
+        return current().sibling(skeleton, open_stream(skeleton, current().adapter, source.location, None))
     return load
 
 
@@ -224,15 +207,14 @@ def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool
     parallel = session.parallel
     if not write or source is None or (parallel.rank > 0 and not resume):
         return None
-    identity = {"recipe": report["recipe"]["resolved_sha256"], "model": model_fingerprint(source.location),
-                "calibration": report["data"]["fingerprint"], "packages": report["packages"]}
+    identity = {"recipe": report["recipe"].resolved_sha256, "model": model_fingerprint(source.location),
+                "calibration": report["data"].fingerprint, "packages": report["packages"]}
     checkpoints = Checkpoints.open(recipe.output, identity, resume, file, writer=parallel.rank == 0)
     if session.stream is not None and checkpoints.writer:
         checkpoints.keep_staging(session.stream)
     checkpoints.restore(session, report)
     if parallel.active and resume:
         checkpoints.agree(parallel)
-    session.checkpoint = checkpoints
     return checkpoints
 
 
@@ -254,31 +236,32 @@ def _quality_gate(recipe: Recipe, retained: dict) -> str | None:
             f"below min_retained={floor}; output kept at {recipe.output} and marked")
 
 
-def _recipe_record(loaded: LoadedRecipe) -> dict[str, Any]:
+def _recipe_record(loaded: LoadedRecipe) -> RecipeRecord:
     resolved = dump_recipe(loaded.recipe)
-    return {"name": loaded.recipe.name, "file": loaded.path, "sha256": loaded.sha256,
-            "resolved_sha256": hashlib.sha256(resolved.encode()).hexdigest(),
-            "git": git_info(loaded.path), "overrides": loaded.recipe.overrides}
+    return RecipeRecord(name=loaded.recipe.name, file=loaded.path, sha256=loaded.sha256,
+                        resolved_sha256=hashlib.sha256(resolved.encode()).hexdigest(),
+                        git=git_info(loaded.path), overrides=loaded.recipe.overrides)
 
 
-def _write(recipe: Recipe, model, tokenizer, session: Session, report: dict, tmp: Path) -> Report:
+def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutputs, report: dict,
+           tmp: Path) -> Report:
     """The output files, into the workspace that ``apply`` renames into place; staging data is removed.
     Returns the report as written."""
-    if session.stream is not None or session.quantized:
+    if session.streamed or outputs.quantized:
         write_checkpoint(session, tmp)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
     shutil.rmtree(tmp / STAGING, ignore_errors=True)
-    for filename, data in session.artifacts.items():
+    for filename, data in outputs.artifacts.items():
         (tmp / filename).parent.mkdir(exist_ok=True)
         (tmp / filename).write_bytes(data)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    save_extras(tmp, session.extras)
+    save_extras(tmp, outputs.extras)
     (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
     if recipe.export is not None:  # from the finished files, so it sees exactly what was written
-        report["export"] = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
-        report["export"]["file"] = recipe.export.file
+        exported = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
+        report["export"] = ExportRecord(**{**exported, "file": recipe.export.file})
     final = Report.model_validate(report)
     if final.evaluation is not None and final.evaluation.quality_gate == "failed":
         (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")

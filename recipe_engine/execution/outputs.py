@@ -1,0 +1,57 @@
+"""What a run produces besides the model's weights: non-stock extras, files for the output directory, and the
+quantization records of packed linears. The runner owns one :class:`RunOutputs` per run and hands it to the
+session; steps add to it (``session.outputs``), the writer and the resume checkpoints read it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..numerics.quantization import Grid, QuantizedLinear
+
+
+class RunOutputs:
+    """The extras collector of one run (or of one branch of it, until the branch is adopted)."""
+
+    def __init__(self) -> None:
+        #: Non-stock additions saved beside the checkpoint (``recipe_engine.io.extras``), in step order.
+        self.extras: list[dict[str, Any]] = []
+        #: Files for the output directory, by name (``dir/file`` at most one level down).
+        self.artifacts: dict[str, bytes] = {}
+        #: Linears whose weight lies on a quantization grid; the writer packs them.
+        self.quantized: dict[nn.Module, QuantizedLinear] = {}
+
+    def add_extra(self, modifier: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.io.extras``)."""
+        self.extras.append({"modifier": modifier, "config": config, "tensors": tensors})
+
+    def add_artifact(self, filename: str, data: bytes) -> None:
+        """A file (e.g. a PNG heatmap) to write into the output directory beside the checkpoint, or into
+        one subdirectory of it (``"lora_adapter/adapter_model.safetensors"``)."""
+        parts = filename.split("/")
+        if len(parts) > 2 or any(not part or part.startswith(".") for part in parts):
+            raise ValueError(f"artifact name must be a file name or dir/file name, got {filename!r}")
+        self.artifacts[filename] = data
+
+    def mark_quantized(self, linear: nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Record that ``linear``'s weight lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and
+        ``zero`` (codes ``0 … 2^b − 1``): the checkpoint stores it packed (compressed-tensors). One grid per
+        checkpoint (validation refuses a second quantizing step)."""
+        self.restore_quantized(linear, QuantizedLinear(grid, scale.detach().to("cpu", torch.float32),
+                                                       zero.detach().to("cpu", torch.int16)))
+
+    def restore_quantized(self, linear: nn.Module, record: QuantizedLinear) -> None:
+        """Record ``linear``'s quantization as given (a resumed run's record, kept as the same object)."""
+        other = next((kept.grid for kept in self.quantized.values() if kept.grid != record.grid), None)
+        if other is not None:
+            raise RuntimeError(f"one quantization grid per checkpoint: {record.grid} after {other}")
+        self.quantized[linear] = record
+
+    def adopt(self, branch: "RunOutputs") -> None:
+        """Take a branch's outputs (``ModifierSession.adopt``): its extras replace these, its files and
+        quantization records are added."""
+        self.extras = list(branch.extras)
+        self.artifacts.update(branch.artifacts)
+        self.quantized.update(branch.quantized)
