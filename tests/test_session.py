@@ -222,3 +222,25 @@ def test_a_dropped_branch_frees_its_model_without_the_cyclic_collector(model_typ
         assert held() is None and copied() is None
     finally:
         gc.enable()
+
+
+def test_a_branch_keeps_what_the_run_produced_before_it():
+    """Extras, files and quantization records made before a branch survive its adoption, the records keyed
+    to the adopted model's own linears (a branch starts from a copy of the run's outputs)."""
+    from recipe_engine.numerics.quantization import Grid
+
+    model = tiny_model()
+    session = make_session(model, random_tokens(4, 24))
+    linear = session.layers[0].mlp.down_proj
+    rows, columns = linear.weight.shape
+    session.outputs.add_extra("Earlier", {"k": 1}, {"t": torch.ones(2)})
+    session.outputs.add_artifact("earlier.txt", b"x")
+    session.outputs.mark_quantized(linear, Grid(bits=4, group_size=columns, sym=False),
+                                   torch.ones(rows, 1), torch.zeros(rows, 1))
+    branch = session.branch(session.calibration)
+    branch.outputs.add_extra("Later", {}, {})
+    session.adopt(branch)
+    assert [extra["modifier"] for extra in session.outputs.extras] == ["Earlier", "Later"]
+    assert session.outputs.artifacts == {"earlier.txt": b"x"}
+    (kept,) = session.outputs.quantized
+    assert kept is session.layers[0].mlp.down_proj and kept is not linear

@@ -49,9 +49,17 @@ class RunOutputs:
             raise RuntimeError(f"one quantization grid per checkpoint: {record.grid} after {other}")
         self.quantized[linear] = record
 
+    def copy_for(self, copies: dict[int, Any]) -> "RunOutputs":
+        """The outputs of a branch over a copy of the model (``copies``: ``copy.deepcopy``'s memo of that
+        copy): the extras and files so far, and the quantization records re-keyed to the copied linears, so
+        that the branch starts from everything the run has produced until now."""
+        branch = RunOutputs()
+        branch.extras, branch.artifacts = list(self.extras), dict(self.artifacts)
+        branch.quantized = {copies[id(linear)]: record for linear, record in self.quantized.items()
+                            if id(linear) in copies}
+        return branch
+
     def adopt(self, branch: "RunOutputs") -> None:
-        """Take a branch's outputs (``ModifierSession.adopt``): its extras replace these, its files and
-        quantization records are added."""
-        self.extras = list(branch.extras)
-        self.artifacts.update(branch.artifacts)
-        self.quantized.update(branch.quantized)
+        """Take a branch's outputs (``ModifierSession.adopt``); the branch started from a copy of these
+        (:meth:`copy_for`), so its extras, files and quantization records replace them."""
+        self.extras, self.artifacts, self.quantized = list(branch.extras), dict(branch.artifacts), dict(branch.quantized)

@@ -265,9 +265,12 @@ class Session:
         if self._reference_loader is not None or self._reference is not None:
             reference_loader = lambda: (lambda ref: ref.sibling(ref.model, ref.stream, calibration))(
                 self.reference_session())
-        branch = self.sibling(deepcopy(self.model).to("cpu"), None, calibration, memo=memo,
+        copies: dict[int, Any] = {}  # deepcopy's memo: each original object → its copy
+        model = deepcopy(self.model, copies).to("cpu")
+        branch = self.sibling(model, None, calibration, memo=memo,
                               origin=self.layer_origin, original_layers=self.original_layers,
-                              completed=self.completed_steps, reference_loader=reference_loader)
+                              completed=self.completed_steps, reference_loader=reference_loader,
+                              outputs=self.outputs.copy_for(copies))
         if steps:
             branch.run_steps(list(steps))
         return branch
