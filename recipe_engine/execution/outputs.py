@@ -53,11 +53,11 @@ class RunOutputs:
         """The outputs of a branch over a copy of the model (``copies``: ``copy.deepcopy``'s memo of that
         copy): the extras and files so far, and the quantization records re-keyed to the copied linears, so
         that the branch starts from everything the run has produced until now."""
-        branch = RunOutputs()
-        branch.extras, branch.artifacts = list(self.extras), dict(self.artifacts)
-        branch.quantized = {copies[id(linear)]: record for linear, record in self.quantized.items()
+        copied = RunOutputs()
+        copied.extras, copied.artifacts = list(self.extras), dict(self.artifacts)
+        copied.quantized = {copies[id(linear)]: record for linear, record in self.quantized.items()
                             if id(linear) in copies}
-        return branch
+        return copied
 
     def adopt(self, branch: "RunOutputs") -> None:
         """Take a branch's outputs (``ModifierSession.adopt``); the branch started from a copy of these
