@@ -16,8 +16,6 @@ It prints a table and writes benchmarks/results/raw/score_text_<model>.json.
 """
 from __future__ import annotations
 
-import argparse
-import copy
 import datetime
 import json
 import math
@@ -28,10 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import recipe_engine  # noqa: E402
-from compare_methods import CALIBRATIONS, MODELS, RAW, RESULTS, ROW_FILES, methods  # noqa: E402
+from compare_methods import CALIBRATIONS, RAW, RESULTS, ROW_FILES  # noqa: E402
+from diagnosis_common import heldout_model, load_dense, parser  # noqa: E402
 from recipe_engine.io.data import load_text, tokenize  # noqa: E402
-from recipe_engine.io.models import load_model  # noqa: E402
 
 ROW_NAMES = {"ReplaceMe": "ReplaceMe", "ReplaceMe+FlattenGPT": "ReplaceMe, then FlattenGPT",
              "FlattenGPT": "FlattenGPT (ours)", "ShortGPT+LinearPatch": "ShortGPT + LinearPatch",
@@ -72,18 +69,10 @@ def committed_geo_means(model: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=list(MODELS), default="smollm2-135m")
-    parser.add_argument("--methods", nargs="*", default=["ReplaceMe", "ReplaceMe+FlattenGPT", "FlattenGPT",
-                                                         "ShortGPT+LinearPatch"])
-    parser.add_argument("--extra", type=int, default=64, help="score windows beyond the calibration ones")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    dense, tokenizer, _ = load_model(args.model, "float32")
-    dense.eval()
-    n = MODELS[args.model]
+    parse = parser(__doc__.split("\n")[0], ["ReplaceMe", "ReplaceMe+FlattenGPT", "FlattenGPT", "ShortGPT+LinearPatch"])
+    parse.add_argument("--extra", type=int, default=64, help="score windows beyond the calibration ones")
+    args = parse.parse_args()
+    dense, tokenizer, n = load_dense(args)
     dataset, split = CALIBRATIONS["wikipedia"]
     ids = tokenize(tokenizer, load_text(dataset, split).text)
     windows = extra_windows(ids, 32, args.extra, 512, 0)
@@ -92,13 +81,7 @@ def main() -> None:
     geo = committed_geo_means(args.model)
     rows = [{"method": "dense", "nll": sum(dense_nll) / tokens, "kl": 0.0, "per_window_nll": dense_nll}]
     for name in args.methods:
-        steps, overrides = methods(n, dense.config.num_hidden_layers)[name]
-        recipe = {"version": 1, "name": "score-text", "model": args.model, "output": "out/unused",
-                  "calibration": {"dataset": dataset, "split": split, "samples": 32, "seq_len": 512, "seed": 0,
-                                  **overrides}, "modifiers": steps}
-        model, _ = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer, write=False,
-                                       progress=False)
-        model.eval()
+        model = heldout_model(args.model, dense, tokenizer, name, n)
         nll, kl = per_window(model, dense, windows)
         rows.append({"method": name, "nll": sum(nll) / tokens, "kl": sum(kl) / tokens, "per_window_nll": nll,
                      "heldout_geo_mean": geo.get(ROW_NAMES.get(name, name))})

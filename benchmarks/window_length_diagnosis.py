@@ -12,49 +12,30 @@ It prints a table and writes benchmarks/results/raw/window_length_<model>.json.
 """
 from __future__ import annotations
 
-import argparse
-import copy
 import datetime
 import json
 import math
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import recipe_engine  # noqa: E402
-from compare_methods import CALIBRATIONS, EVALS, MODELS, RAW, methods  # noqa: E402
-from recipe_engine.io.data import load_text  # noqa: E402
+from compare_methods import EVALS, RAW  # noqa: E402
+from diagnosis_common import heldout_model, load_dense, parser  # noqa: E402
 from recipe_engine.evaluation.perplexity import perplexity  # noqa: E402
-from recipe_engine.io.models import load_model  # noqa: E402
+from recipe_engine.io.data import load_text  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=list(MODELS), default="smollm2-135m")
-    parser.add_argument("--methods", nargs="*", default=["ReplaceMe", "FlattenGPT", "ReplaceMe+FlattenGPT"])
-    parser.add_argument("--tokens", type=int, default=16 * 1024, help="tokens measured per source")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    dense, tokenizer, _ = load_model(args.model, "float32")
-    dense.eval()
-    n = MODELS[args.model]
+    parse = parser(__doc__.split("\n")[0], ["ReplaceMe", "FlattenGPT", "ReplaceMe+FlattenGPT"])
+    parse.add_argument("--tokens", type=int, default=16 * 1024, help="tokens measured per source")
+    args = parse.parse_args()
+    dense, tokenizer, n = load_dense(args)
     texts = {e: load_text(name, split).text for e, (name, split) in EVALS.items()}
-    dataset, split = CALIBRATIONS["wikipedia"]
     rows = []
     for name in ["dense", *args.methods]:
-        steps, overrides = methods(n, dense.config.num_hidden_layers)[name]
-        model = dense
-        if steps:
-            recipe = {"version": 1, "name": "window-length", "model": args.model, "output": "out/unused",
-                      "calibration": {"dataset": dataset, "split": split, "samples": 32, "seq_len": 512, "seed": 0,
-                                      **overrides}, "modifiers": steps}
-            model, _ = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer, write=False,
-                                           progress=False)
+        model = heldout_model(args.model, dense, tokenizer, name, n)
         row = {"method": name, "ppl": {}}
         for source, text in texts.items():
             for length in (512, 1024):
