@@ -58,6 +58,7 @@ PROTOCOLS = {"wikitext2": "in-domain", "wikipedia": "held-out", "wikipedia+c4": 
 #: method key here → its name in BENCHMARKS.md (other keys are shown as they are)
 LABELS = {"FlattenGPT": "FlattenGPT (ours)", "ShortGPT+LinearPatch": "ShortGPT + LinearPatch",
           "SLEB+LinearPatch": "SLEB + LinearPatch", "auto (depth20_auto)": "auto (`depth20_auto`)",
+          "ReplaceMe hook": "ReplaceMe, map as a hook (`fold: hook`)",
           "FlattenGPT+LinearPatch": "FlattenGPT + LinearPatch", "LaCo": "LaCo (C = 4)", "LaCo C=2": "LaCo (C = 2)",
           "GPTQ W4": "GPTQ W4 g64", "SLEB 2×128": "SLEB, 2 × 128 calibration",
           "FlattenGPT+LoRA alpaca": "FlattenGPT + LoRA (Alpaca)", "FlattenGPT+LoRA distill": "FlattenGPT + LoRA (distill)",
@@ -94,10 +95,16 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "SLEB": ([{"SLEB": {"n": n}}], {"samples": 8, "seq_len": 128}),
         # ~n × layers NLL passes: on Gemma-3-270M (262 k vocabulary, shared 2-core CPU) 8 × 128 took too long
         "SLEB 2×128": ([{"SLEB": {"n": n}}], {"samples": 2, "seq_len": 128}),
+        # SLEB's rounds scored on 128-token prefixes of the first 24 of the 32 × 512 calibration windows (3 × the
+        # tokens of the 8 × 128 default)
+        "SLEB 24×128 probe": ([{"SLEB": {"n": n, "search_samples": 24, "search_length": 128}}], {}),
         "ShortGPT+LinearPatch": ([{"ShortGPT": {"n": n}}, "LinearPatch"], {}),
         # the contiguous block closest in angular distance, replaced by a linear map folded into down_proj
         "ReplaceMe": ([{"ReplaceMe": {"n": n}}], {}),
         "ReplaceMe cosine": ([{"ReplaceMe": {"n": n, "objective": "cosine"}}], {}),
+        # the map applied by a hook to what the layer adds to the residual stream (Gemma 3: its normalized MLP
+        # output), saved as an extra: the form of ReplaceMe that architectures with an MLP output norm allow
+        "ReplaceMe hook": ([{"ReplaceMe": {"n": n, "fold": "hook"}}], {}),
         # the authors' selection: the block distance over the last token of each calibration window only
         "ReplaceMe last-token distance": ([{"ReplaceMe": {"n": n, "distance_tokens": "last"}}], {}),
         "GPTQ W4": ([{"GPTQ": {"bits": 4, "group_size": 64}}], {}),   # no layer removed; g64 divides 576 and 640
@@ -136,6 +143,14 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
                                   {"ReplaceMe": {"n": n - n // 2}}], {}),
         "ReplaceMe×2": ([{"ReplaceMe": {"n": n // 2}}, {"ReplaceMe": {"n": n - n // 2}}], {}),
         "ReplaceMe+LinearPatch": ([{"ReplaceMe": {"n": n}}, "LinearPatch"], {}),
+        # the split between the two moves searched: ReplaceMe on all n, or on k < n then FlattenGPT merges the
+        # other n − k, each alternative fitted on the fit windows and scored on the held-out score windows
+        "BestOf ReplaceMe splits": ([{"BestOf": {"alternatives": [[{"ReplaceMe": {"n": n}}]] + [
+            [{"ReplaceMe": {"n": k}}, "FuseNorm", {"FlattenAdjacent": {"target_layers": layers - n}}, "HeadPrune",
+             "NystromMLP"] for k in range(1, n)]}}], {}),
+        **{f"ReplaceMe<n:{k}>+FlattenGPT": ([{"ReplaceMe": {"n": k}}, "FuseNorm",
+                                             {"FlattenAdjacent": {"target_layers": layers - n}}, "HeadPrune",
+                                             "NystromMLP"], {}) for k in range(1, n)},
         # recipes/depth20_auto.yaml with its 20 % replaced by n: BestOf by held-out calibration NLL
         "auto (depth20_auto)": (recipe_steps("depth20_auto.yaml", n, layers), {}),
         # NystromMLP variants on top of the defaults: its target, cross-validated λ_t, the fallback to dropping

@@ -52,6 +52,23 @@ def test_linear_patch_extras_round_trip(tmp_path, steps):
     assert not torch.allclose(stock(tokens).logits, patched(tokens).logits, atol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "llama"])
+def test_replace_me_hook_extras_round_trip(tmp_path, model_type):
+    """``ReplaceMe<fold: hook>``: the map is saved as an extra that ``load_model`` restores (same logits), and
+    a stock load without it differs."""
+    tokens = random_tokens(vocab=BYTE_VOCAB)
+    model = tiny_model(model_type, num_hidden_layers=6, vocab_size=BYTE_VOCAB)
+    mapped, report = recipe_engine.apply(recipe(tmp_path, ["ReplaceMe<n:2,fold:hook>"]), model=model,
+                                         tokenizer=byte_tokenizer(), progress=False)
+    assert report.stock_checkpoint is False and report.after.layers == 4
+    meta = json.loads((tmp_path / "out" / "recipe_extras.json").read_text())
+    assert meta[0]["modifier"] == "ReplaceMe" and meta[0]["config"]["type"] == "replace_me_map"
+    restored, _ = recipe_engine.load_model(str(tmp_path / "out"))
+    torch.testing.assert_close(restored(tokens).logits, mapped(tokens).logits, rtol=1e-5, atol=1e-5)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()    # loads, without the map
+    assert not torch.allclose(stock(tokens).logits, mapped(tokens).logits, atol=1e-4)
+
+
 ERRORS = [
     (["ShortGPT<n:6>"], r"ShortGPT.*n=6 must be smaller than the 6 layers"),
     (["SLEB<n:5>"], r"n=5 is too many: the first and last of the 6 layers are never removed, so at most 4"),
@@ -60,6 +77,8 @@ ERRORS = [
     (["LinearPatch<n:2>"], r"n applies only with select: contiguous"),
     (["ShortGPT<n:1>", "LinearPatch", "ShortGPT<n:1>"], r"changes the decoder layers after LinearPatch"),
     (["ShortGPT<n:1>", "LinearPatch", "LinearPatch"], r"already patched by LinearPatch"),
+    (["ReplaceMe<n:1,fold:hook>", "ShortGPT<n:1>"], r"changes the decoder layers after ReplaceMe"),
+    (["ShortGPT<n:1>", "LinearPatch", "ReplaceMe<n:1,fold:hook>"], r"already patched by LinearPatch"),
     (["LaCo<target_layers:5,T:0.5>"], r"give T or target_layers, not both"),
     (["LaCo<C:4,target_layers:1>"], r"target_layers=1 is out of reach"),
     (["LaCo<H:7>"], r"H=7 exceeds the 6 layers"),

@@ -133,6 +133,61 @@ def test_map_is_lstsq_and_the_fold_is_the_explicit_replaced_model(model_type, sk
     assert model.config.num_hidden_layers == 4 and len(model.model.layers) == 4
 
 
+def branch_rows(model, tokens, start: int, n: int, branch: str, skip_first: int = 1):
+    """``M`` (the output of submodule ``branch`` of layer start − 1: what it adds to the residual stream), ``Y``
+    (that layer's output minus ``M``) and ``L`` (the output of layer start + n − 1), from hooks on the HF model."""
+    got = {}
+    layers = model.model.layers
+    handles = [layers[start - 1].get_submodule(branch).register_forward_hook(recorder(got, "M", lambda _a, out: out)),
+               layers[start - 1].register_forward_hook(recorder(got, "H", lambda _a, out: hidden(out))),
+               layers[start + n - 1].register_forward_hook(recorder(got, "L", lambda _a, out: hidden(out)))]
+    with torch.no_grad():
+        model(tokens)
+    for handle in handles:
+        handle.remove()
+    m, h, l = (got[key][:, skip_first:].reshape(-1, got[key].shape[-1]).double() for key in ("M", "H", "L"))
+    return m, h - m, l
+
+
+def identity_block(model, layers: list[int]):
+    """A deep copy of ``model`` whose ``layers`` add nothing to the residual stream (zero o_proj and down_proj:
+    a removed layer, with every other layer keeping its index and attention type)."""
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for k in layers:
+            reference.model.layers[k].self_attn.o_proj.weight.zero_()
+            reference.model.layers[k].mlp.down_proj.weight.zero_()
+    return reference
+
+
+@pytest.mark.parametrize("model_type, branch", [("gemma3_text", "post_feedforward_layernorm"), ("llama", "mlp")])
+def test_hook_fold_is_the_explicit_replaced_model(model_type, branch):
+    """``fold: hook``: T is lstsq of what the layer before the block adds to the residual stream (on Gemma 3
+    the normalized MLP output) against the block's output, and the model equals "block removed, T applied to
+    that output"; on Llama it gives the same model as the down_proj fold."""
+    model, tokens = tiny_model(model_type, num_hidden_layers=6, hidden_size=32, head_dim=8), random_tokens(8, 32)
+    dense = copy.deepcopy(model)
+    report = ReplaceMe(n=2, fold="hook").apply(make_session(model, tokens))
+    start = report["start"]
+    assert report["fold"] == "hook" and report["map_on"] == branch
+    m, y, l = branch_rows(dense, tokens, start, 2, branch)
+    transform = torch.linalg.lstsq(m, l - y).solution
+    assert report["fit"]["fit_error"] == pytest.approx(float((m @ transform + y - l).pow(2).sum()) / m.shape[0],
+                                                       rel=1e-6)
+    assert report["fit"]["relative"] < 1
+    reference = identity_block(dense, list(range(start, start + 2)))
+    reference.model.layers[start - 1].get_submodule(branch).register_forward_hook(
+        lambda _module, _args, out: (out.double() @ transform).to(out.dtype))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=1e-4, atol=1e-4)
+    assert len(model.model.layers) == 4
+    if model_type == "llama":
+        folded = copy.deepcopy(dense)
+        ReplaceMe(n=2).apply(make_session(folded, tokens))
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens).logits, folded(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_ridge_shrinks_towards_the_plain_drop():
     """``T = (MᵀM + λI)⁻¹(Mᵀ(L − Y) + λI)``: the ridge problem ``‖M T − (L − Y)‖² + λ‖T − I‖²`` solved by
     lstsq on the stacked, augmented system."""
@@ -211,13 +266,24 @@ def test_check_bounds_and_shape():
 
 
 def test_gemma3_is_refused_before_weights_load():
-    with pytest.raises(RecipeError, match="post_feedforward_layernorm.*cannot be folded into down_proj"):
+    with pytest.raises(RecipeError, match="post_feedforward_layernorm.*cannot be folded into down_proj.*fold: hook"):
         ReplaceMe(n=1).check(shape_of("gemma3_text"))
+
+
+@pytest.mark.parametrize("model_type, resolved", [("gemma3_text", "hook"), ("llama", "down_proj"),
+                                                  ("qwen2", "down_proj")])
+def test_fold_auto_resolves_by_architecture_and_a_hook_pins_the_layers(model_type, resolved):
+    step = ReplaceMe(n=1, fold="auto")
+    assert step.folds_into(model_type) == resolved
+    shape = shape_of(model_type)
+    step.check(shape)
+    assert shape.pinned == ("ReplaceMe" if resolved == "hook" else None)
+    assert not step.stock_output and step.refuses_streaming and ReplaceMe(n=1).stock_output
 
 
 @pytest.mark.parametrize("model_type, step, message", [
     ("llama", "ReplaceMe<n:6>", "step 0 (ReplaceMe): field 'n': n=6 is too many"),
-    ("gemma3_text", "ReplaceMe<n:1>", "step 0 (ReplaceMe): gemma3_text normalizes the MLP output"),
+    ("gemma3_text", "ReplaceMe<n:1>", "step 0 (ReplaceMe): field 'fold': gemma3_text normalizes the MLP output"),
 ])
 def test_validation_errors_are_one_line_before_loading(tmp_path, capsys, model_type, step, message):
     """The model directory holds a config and no weights: the refusal comes from validation, before any

@@ -1,8 +1,11 @@
 """ReplaceMe: remove a contiguous block of layers and fold a linear map in its place into ``down_proj``.
 
 Shopkhoev et al. 2025, "ReplaceMe: Network Simplification via Depth Pruning and Linear Transformations", §3
-(layer selection; estimating the linear transform by least squares or by a cosine objective). The output is a
-stock checkpoint: the map is multiplied into the ``down_proj`` of the layer before the block.
+(layer selection; estimating the linear transform by least squares or by a cosine objective). With ``fold:
+down_proj`` the output is a stock checkpoint: the map is multiplied into the ``down_proj`` of the layer before
+the block. With ``fold: hook`` (architectures that normalize the MLP output, Gemma 3) the map is applied by a
+forward hook to what the layer adds to the residual stream and saved beside the checkpoint as an extra, which
+``recipe_engine.load_model`` restores (not stock).
 """
 from __future__ import annotations
 
@@ -12,10 +15,13 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine.api import (ADAPTERS, LayerBudget, Modifier, ModifierSession, RecipeError, Statistic, budget_field,
-                               mean_eigenvalue, refit_error, register, remove_layers, ridge_refit, set_linear_weight)
+from recipe_engine.api import (ADAPTERS, LayerBudget, Modifier, ModifierSession, RecipeError, Statistic, adapter_for,
+                               budget_field, mean_eigenvalue, refit_error, register, remove_layers, ridge_refit,
+                               set_linear_weight)
 
 from ._depth import drop_symbolic, require_uniform, span_scores, token_mask
+
+EXTRA_TYPE, EXTRA_VERSION = "replace_me_map", 1
 
 
 def statistics_mask(session: ModifierSession, batch: torch.Tensor, skip_first: int) -> torch.Tensor:
@@ -113,13 +119,15 @@ class Seam:
 
 
 @torch.no_grad()
-def seam_moments(session: ModifierSession, start: int, n: int, keep_rows: bool, skip_first: int = 0) -> Seam:
+def seam_moments(session: ModifierSession, start: int, n: int, keep_rows: bool, skip_first: int = 0,
+                 branch: str = "mlp") -> Seam:
     """One calibration pass through layers ``0 … start+n−1`` (the layers after the block are not run):
-    ``M`` and ``H`` of layer ``start − 1`` are kept (non-pad rows after the first ``skip_first`` positions of
-    each window) until the block's output ``L`` arrives, batch by batch."""
+    ``M`` (the output of the layer's submodule ``branch``: the MLP, or the norm on its output) and ``H`` of
+    layer ``start − 1`` are kept (non-pad rows after the first ``skip_first`` positions of each window) until
+    the block's output ``L`` arrives, batch by batch."""
     masks = [statistics_mask(session, batch, skip_first) for batch in session.batches]
     seam, kept = Seam(keep_rows), []
-    mlp = BlockOutput(session.adapter.path("mlp"))
+    mlp = BlockOutput(branch)
 
     def keep(k: int, output: torch.Tensor) -> None:
         mask = masks[k].to(output.device)
@@ -177,6 +185,31 @@ def cosine_fit(seam: Seam, adam: Adam, device: torch.device) -> tuple[torch.Tens
     return transform.detach().cpu().double(), before, after
 
 
+class MapOutput:
+    """Forward hook ``y ← y T`` on a module's output (row vectors): the map of ``fold: hook``."""
+
+    def __init__(self, matrix: torch.Tensor):
+        self.matrix = matrix
+
+    def __call__(self, _module, _args, output):
+        return output @ self.matrix.to(output.device, output.dtype)
+
+
+def residual_branch(adapter, fold: str) -> str:
+    """Path inside a decoder layer of the module whose output ``M`` is added to the residual stream: the MLP,
+    or with ``fold: hook`` the norm on its output where the architecture has one (Gemma 3)."""
+    if fold == "hook" and "mlp_output_norm" in adapter.norms:
+        return adapter.path("mlp_output_norm")
+    return adapter.path("mlp")
+
+
+def install_map(model, adapter, position: int, module: str, matrix: torch.Tensor) -> MapOutput:
+    """Register ``y ← y T`` on submodule ``module`` of decoder layer ``position``."""
+    hook = MapOutput(matrix)
+    adapter.layers(model)[position].get_submodule(module).register_forward_hook(hook)
+    return hook
+
+
 @register
 class ReplaceMe(Modifier):
     """Remove the ``n`` contiguous layers whose input and output are closest; fold a linear map ``T`` in their place.
@@ -187,17 +220,22 @@ class ReplaceMe(Modifier):
     ``objective: lstsq`` solves ``T = (MᵀM + λI)⁻¹ (Mᵀ(L − Y) + λI)`` in fp64 from Gram matrices
     accumulated over calibration batches (``λ = ridge × mean eigenvalue of MᵀM``, shrinking ``T`` towards the
     plain drop ``T = I``; 0: the paper's plain least squares); ``objective: cosine`` minimises
-    ``1 − mean cos(M T, L − Y)`` with Adam (``adam``). ``down_proj``'s weight ``W`` becomes ``Tᵀ W``.
+    ``1 − mean cos(M T, L − Y)`` with Adam (``adam``). ``fold: down_proj``: ``down_proj``'s weight ``W``
+    becomes ``Tᵀ W`` (stock). ``fold: hook``: ``M`` is what the layer adds to the residual stream (on Gemma 3
+    the normalized MLP output) and ``T`` is applied to it by a forward hook, saved as a recipe extra (not
+    stock; the layers are pinned as after LinearPatch). ``fold: auto``: down_proj where the architecture
+    allows it, else the hook (the report's ``fold`` says which).
     Deviations, measured on SmolLM2 (docs/methods/replaceme.md): the distance averages over every calibration token
     (``distance_tokens: all``; the authors' code: the last token of each sample), and statistics leave out the
     first ``skip_first`` positions of each window (the attention sink's massive hidden state dominates a
     least-squares fit: 96 % of ``‖L − H‖²`` sits at position 0).
-    Refused on architectures that normalize the MLP output before the residual add (Gemma 3).
+    ``fold: down_proj`` is refused on architectures that normalize the MLP output before the residual add
+    (Gemma 3), where no stock weight can carry ``T``.
     """
 
     streams = True
     calibration_passes = 2
-    shared_ignores = ("objective", "ridge", "adam")  # the distances depend on n, distance_tokens, skip_first
+    shared_ignores = ("objective", "ridge", "adam", "fold")  # the distances depend on n, distance_tokens, skip_first
     needs = ("angular distance between every block's input and output hidden states",
              "MLP output and residual stream before the block, and the block's output (fp64 Grams)")
 
@@ -210,13 +248,36 @@ class ReplaceMe(Modifier):
     skip_first: int = Field(1, ge=0, description="leading positions of every calibration window left out of the "
                                                  "statistics (the attention-sink token's massive activations)")
     adam: Adam | None = Field(None, description="optimiser of objective: cosine (None: the authors' settings)")
+    fold: Literal["down_proj", "hook", "auto"] = Field(
+        "down_proj", description="where T goes: into down_proj (stock), a hook on the layer's MLP output saved as "
+                                 "an extra (not stock), or auto: down_proj where the architecture allows it")
+
+    @property
+    def stock_output(self) -> bool:  # read by the export checks before the architecture is known
+        return self.fold == "down_proj"
+
+    @property
+    def refuses_streaming(self) -> str | None:
+        return None if self.fold == "down_proj" else ("ReplaceMe<fold: hook or auto> keeps its map as a hook on "
+                                                      "an in-memory layer; use fold: down_proj")
+
+    def folds_into(self, model_type: str) -> str:
+        """``down_proj`` or ``hook``: ``fold`` resolved for the architecture."""
+        adapter = ADAPTERS.get(model_type)
+        normalized = adapter is not None and "mlp_output_norm" in adapter.norms
+        return "hook" if self.fold == "hook" or (self.fold == "auto" and normalized) else "down_proj"
 
     def check(self, shape) -> None:
         adapter = ADAPTERS.get(shape.model_type)
-        if adapter is not None and "mlp_output_norm" in adapter.norms:
+        if self.folds_into(shape.model_type) == "down_proj" and adapter is not None \
+                and "mlp_output_norm" in adapter.norms:
             raise self.fail(f"{shape.model_type} normalizes the MLP output ({adapter.norms['mlp_output_norm']}) "
                             f"before the residual add, so the map cannot be folded into down_proj; use "
-                            f"SLEB, ShortGPT or LinearPatch<select: contiguous> on this architecture")
+                            f"fold: hook (the map kept beside the checkpoint, not stock), or SLEB, ShortGPT or "
+                            f"LinearPatch<select: contiguous> on this architecture", field="fold")
+        if self.folds_into(shape.model_type) == "hook" and shape.pinned:
+            raise self.fail(f"the layers are already patched by {shape.pinned}; put ReplaceMe<fold: hook> before it",
+                            field="fold")
         if self.n > shape.num_layers - 1:
             raise self.fail(f"n={self.n} is too many: the first of the {shape.num_layers} layers is kept (the map "
                             f"is folded into the layer before the block), so at most {shape.num_layers - 1}",
@@ -227,6 +288,8 @@ class ReplaceMe(Modifier):
             raise self.fail("ridge applies only with objective: lstsq", field="ridge")
         require_uniform(self, shape)
         drop_symbolic(shape, self.n)
+        if self.folds_into(shape.model_type) == "hook":
+            shape.pinned = self.step_name()  # the hook sits on a layer by index: later depth changes would move it
 
     def check_calibration(self, calibration) -> None:
         if self.skip_first >= calibration.seq_len:
@@ -248,7 +311,9 @@ class ReplaceMe(Modifier):
         distances = session.shared(self, "ReplaceMe block distances",
                                    lambda: block_distances(session, self.n, self.distance_tokens, self.skip_first))
         start = min(distances, key=lambda s: (distances[s], s))
-        seam = seam_moments(session, start, self.n, self.objective == "cosine", self.skip_first)
+        fold = self.folds_into(session.model.config.model_type)
+        branch = residual_branch(session.adapter, fold)
+        seam = seam_moments(session, start, self.n, self.objective == "cosine", self.skip_first, branch)
         identity = torch.eye(seam.gram.shape[0], dtype=torch.float64)
         fit: dict[str, Any] = {"tokens": seam.tokens}
         if self.objective == "lstsq":
@@ -265,14 +330,32 @@ class ReplaceMe(Modifier):
         residual = refit_error(seam.error, seam.gram, seam.cross, transform.T - identity)
         fit.update(drop_error=seam.error / seam.tokens, fit_error=residual / seam.tokens,
                    relative=residual / seam.error if seam.error else 0.0)
-        with session.placed(start - 1, on_device=False):
-            down = session.layers[start - 1].get_submodule(session.adapter.path("down_proj"))
-            weight = transform.T @ down.weight.double()
-            bias = transform.T @ down.bias.double() if down.bias is not None else None
-            set_linear_weight(down, weight, bias)
+        if fold == "down_proj":
+            with session.placed(start - 1, on_device=False):
+                down = session.layers[start - 1].get_submodule(session.adapter.path("down_proj"))
+                weight = transform.T @ down.weight.double()
+                bias = transform.T @ down.bias.double() if down.bias is not None else None
+                set_linear_weight(down, weight, bias)
+        else:
+            install_map(session.model, session.adapter, start - 1, branch, transform.float())
         folded_into = list(session.layer_origin[start - 1])
         removed = remove_layers(session, list(range(start, start + self.n)))
-        return {"start": start, "removed": [list(o) for o in removed], "folded_into": folded_into,
+        if fold == "hook":
+            session.outputs.add_extra(self.step_name(), {"type": EXTRA_TYPE, "version": EXTRA_VERSION,
+                                                         "layers": len(session.layers), "position": start - 1,
+                                                         "module": branch}, {"T": transform.float()})
+        return {"start": start, "removed": [list(o) for o in removed], "folded_into": folded_into, "fold": fold,
+                "map_on": branch,
                 "distance": distances[start], "distances": distances, "distance_tokens": self.distance_tokens,
                 "skip_first": self.skip_first,
                 "objective": self.objective, "fit": fit, "layers": len(session.layers)}
+
+    @classmethod
+    def restore_extra(cls, model, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        if (config.get("type"), config.get("version")) != (EXTRA_TYPE, EXTRA_VERSION):
+            raise RecipeError(f"ReplaceMe extra of unknown type/version {config.get('type')}/{config.get('version')}")
+        adapter = adapter_for(model.config)
+        if len(adapter.layers(model)) != config["layers"]:
+            raise RecipeError(f"ReplaceMe's map was saved for {config['layers']} layers, the model has "
+                              f"{len(adapter.layers(model))}")
+        install_map(model, adapter, config["position"], config["module"], tensors["T"])
