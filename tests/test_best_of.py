@@ -318,7 +318,8 @@ def test_percent_budget_validates_and_runs_like_the_count(tmp_path, name):
 def test_depth20_auto_validates_on_every_shipped_model_config():
     """The auto recipe moves to each shipped model by --model alone: 20 % of 30 / 24 / 18 layers. Qwen2.5-0.5B
     and Gemma-3-270M: their published configs (reading them from the builtin GGUFs takes ~30 s each); on
-    Gemma 3 the FlattenGPT and ReplaceMe alternatives are refused and skipped, the others validate."""
+    Gemma 3 the FlattenGPT alternatives are refused and skipped, the others validate (ReplaceMe<fold: auto>
+    as a hook)."""
     from pathlib import Path
 
     from transformers import Gemma3TextConfig, Qwen2Config
