@@ -37,36 +37,29 @@ def test_stock_methods_reload_with_from_pretrained(tmp_path, name):
     assert not (tmp_path / "out" / "recipe_extras.json").exists()
 
 
-@pytest.mark.parametrize("steps", [["ShortGPT<n:2>", "LinearPatch"], ["LinearPatch<select:contiguous,n:2>"],
-                                   ["LaCo<C:3,T:-1,samples:2>", "LinearPatch"]])
-def test_linear_patch_extras_round_trip(tmp_path, steps):
-    tokens = random_tokens(vocab=BYTE_VOCAB)
-    patched, report = recipe_engine.apply(recipe(tmp_path, steps), model=tiny(),
-                                          tokenizer=byte_tokenizer(), progress=False)
-    assert report.stock_checkpoint is False
-    meta = json.loads((tmp_path / "out" / "recipe_extras.json").read_text())
-    assert meta[0]["modifier"] == "LinearPatch" and meta[0]["config"]["type"] == "linear_patch"
-    restored, _ = recipe_engine.load_model(str(tmp_path / "out"))
-    torch.testing.assert_close(restored(tokens).logits, patched(tokens).logits, rtol=1e-5, atol=1e-5)
-    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()    # loads, without the patch
-    assert not torch.allclose(stock(tokens).logits, patched(tokens).logits, atol=1e-4)
+EXTRAS = [("llama", ["ShortGPT<n:2>", "LinearPatch"], "LinearPatch", "linear_patch"),
+          ("llama", ["LinearPatch<select:contiguous,n:2>"], "LinearPatch", "linear_patch"),
+          ("llama", ["LaCo<C:3,T:-1,samples:2>", "LinearPatch"], "LinearPatch", "linear_patch"),
+          # ReplaceMe's map as a hook: on Gemma 3 on the normalized MLP output, elsewhere on the MLP's
+          ("gemma3_text", ["ReplaceMe<n:2,fold:hook>"], "ReplaceMe", "replace_me_map"),
+          ("llama", ["ReplaceMe<n:2,fold:hook>"], "ReplaceMe", "replace_me_map")]
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "llama"])
-def test_replace_me_hook_extras_round_trip(tmp_path, model_type):
-    """``ReplaceMe<fold: hook>``: the map is saved as an extra that ``load_model`` restores (same logits), and
-    a stock load without it differs."""
+@pytest.mark.parametrize("model_type, steps, modifier, kind", EXTRAS)
+def test_extras_round_trip(tmp_path, model_type, steps, modifier, kind):
+    """A non-stock addition is saved as an extra that ``load_model`` restores (same logits); a stock load
+    without it differs."""
     tokens = random_tokens(vocab=BYTE_VOCAB)
     model = tiny_model(model_type, num_hidden_layers=6, vocab_size=BYTE_VOCAB)
-    mapped, report = recipe_engine.apply(recipe(tmp_path, ["ReplaceMe<n:2,fold:hook>"]), model=model,
-                                         tokenizer=byte_tokenizer(), progress=False)
-    assert report.stock_checkpoint is False and report.after.layers == 4
+    patched, report = recipe_engine.apply(recipe(tmp_path, steps), model=model,
+                                          tokenizer=byte_tokenizer(), progress=False)
+    assert report.stock_checkpoint is False and report.after.layers < 6
     meta = json.loads((tmp_path / "out" / "recipe_extras.json").read_text())
-    assert meta[0]["modifier"] == "ReplaceMe" and meta[0]["config"]["type"] == "replace_me_map"
+    assert meta[0]["modifier"] == modifier and meta[0]["config"]["type"] == kind
     restored, _ = recipe_engine.load_model(str(tmp_path / "out"))
-    torch.testing.assert_close(restored(tokens).logits, mapped(tokens).logits, rtol=1e-5, atol=1e-5)
-    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()    # loads, without the map
-    assert not torch.allclose(stock(tokens).logits, mapped(tokens).logits, atol=1e-4)
+    torch.testing.assert_close(restored(tokens).logits, patched(tokens).logits, rtol=1e-5, atol=1e-5)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()    # loads, without the extra
+    assert not torch.allclose(stock(tokens).logits, patched(tokens).logits, atol=1e-4)
 
 
 ERRORS = [

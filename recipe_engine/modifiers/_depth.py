@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from recipe_engine.api import ModelShape, ModifierSession
+from recipe_engine.api import ModelShape, ModifierSession, RecipeError, adapter_for
 
 
 def token_mask(session: ModifierSession, batch: torch.Tensor) -> torch.Tensor:
@@ -62,3 +62,15 @@ def span_scores(session: ModifierSession, n: int, keep: Callable[[int, list[torc
 
     session.layer_pass(visit, description)
     return scores
+
+
+def extra_adapter(model, config: dict[str, Any], owner: str, kind: tuple[str, int]):
+    """The adapter of ``model`` once a saved extra's ``(type, version)`` is ``kind`` and the layer count it was
+    saved for is the model's (LinearPatch's patches and ReplaceMe's hooked map sit on layers by index)."""
+    if (config.get("type"), config.get("version")) != kind:
+        raise RecipeError(f"{owner} extra of unknown type/version {config.get('type')}/{config.get('version')}")
+    adapter = adapter_for(model.config)
+    if len(adapter.layers(model)) != config["layers"]:
+        raise RecipeError(f"{owner}'s extra was saved for {config['layers']} layers, the model has "
+                          f"{len(adapter.layers(model))}")
+    return adapter

@@ -11,10 +11,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine.api import (LayerBudget, Modifier, ModifierSession, RecipeError, adapter_for, budget_field, register,
-                               remove_layers, rotation, top_k_kl)
+from recipe_engine.api import (LayerBudget, Modifier, ModifierSession, budget_field, register, remove_layers, rotation,
+                               top_k_kl)
 
-from ._depth import drop_symbolic, require_uniform, span_scores, token_mask
+from ._depth import drop_symbolic, extra_adapter, require_uniform, span_scores, token_mask
 
 EXTRA_TYPE, EXTRA_VERSION = "linear_patch", 1
 
@@ -220,11 +220,6 @@ class LinearPatch(Modifier):
 
     @classmethod
     def restore_extra(cls, model, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        if (config.get("type"), config.get("version")) != (EXTRA_TYPE, EXTRA_VERSION):
-            raise RecipeError(f"LinearPatch extra of unknown type/version {config.get('type')}/{config.get('version')}")
-        adapter = adapter_for(model.config)
-        if len(adapter.layers(model)) != config["layers"]:
-            raise RecipeError(f"LinearPatch was saved for {config['layers']} layers, the model has "
-                              f"{len(adapter.layers(model))}")
+        adapter = extra_adapter(model, config, cls.step_name(), (EXTRA_TYPE, EXTRA_VERSION))
         for i, position in enumerate(config["positions"]):
             install(model, adapter, position, tensors[f"P.{i}"])

@@ -15,11 +15,11 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine.api import (ADAPTERS, LayerBudget, Modifier, ModifierSession, RecipeError, Statistic, adapter_for,
+from recipe_engine.api import (ADAPTERS, LayerBudget, Modifier, ModifierSession, RecipeError, Statistic,
                                budget_field, mean_eigenvalue, refit_error, register, remove_layers, ridge_refit,
                                set_linear_weight)
 
-from ._depth import drop_symbolic, require_uniform, span_scores, token_mask
+from ._depth import drop_symbolic, extra_adapter, require_uniform, span_scores, token_mask
 
 EXTRA_TYPE, EXTRA_VERSION = "replace_me_map", 1
 
@@ -352,10 +352,5 @@ class ReplaceMe(Modifier):
 
     @classmethod
     def restore_extra(cls, model, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        if (config.get("type"), config.get("version")) != (EXTRA_TYPE, EXTRA_VERSION):
-            raise RecipeError(f"ReplaceMe extra of unknown type/version {config.get('type')}/{config.get('version')}")
-        adapter = adapter_for(model.config)
-        if len(adapter.layers(model)) != config["layers"]:
-            raise RecipeError(f"ReplaceMe's map was saved for {config['layers']} layers, the model has "
-                              f"{len(adapter.layers(model))}")
+        adapter = extra_adapter(model, config, cls.step_name(), (EXTRA_TYPE, EXTRA_VERSION))
         install_map(model, adapter, config["position"], config["module"], tensors["T"])
