@@ -59,6 +59,7 @@ PROTOCOLS = {"wikitext2": "in-domain", "wikipedia": "held-out", "wikipedia+c4": 
 LABELS = {"FlattenGPT": "FlattenGPT (ours)", "ShortGPT+LinearPatch": "ShortGPT + LinearPatch",
           "SLEB+LinearPatch": "SLEB + LinearPatch", "auto (depth20_auto)": "auto (`depth20_auto`)",
           "ReplaceMe hook": "ReplaceMe, map as a hook (`fold: hook`)",
+          "BestOf ReplaceMe splits": "ReplaceMe then FlattenGPT, the split chosen by held-out NLL",
           "FlattenGPT+LinearPatch": "FlattenGPT + LinearPatch", "LaCo": "LaCo (C = 4)", "LaCo C=2": "LaCo (C = 2)",
           "GPTQ W4": "GPTQ W4 g64", "SLEB 2×128": "SLEB, 2 × 128 calibration",
           "FlattenGPT+LoRA alpaca": "FlattenGPT + LoRA (Alpaca)", "FlattenGPT+LoRA distill": "FlattenGPT + LoRA (distill)",
@@ -73,13 +74,14 @@ ALPACA = str((data_dir() or Path(__file__).resolve().parents[2] / "shared" / "da
 
 def recipe_steps(name: str, n: int, layers: int) -> list:
     """The steps of ``recipes/<name>`` with its budgets as counts for removing ``n`` of ``layers`` layers:
-    ``20%`` → ``n``, ``10%`` (the first of two moves) → ``n // 2``, ``80%`` (the layers kept) → ``layers − n``;
-    at the recipes' own n = 20 % these are what the percentages resolve to."""
+    ``20%`` → ``n``, ``10%`` (the first of two moves, about half the budget) → ``n // 2``, ``13%`` (about two
+    thirds) → ``round(2n / 3)``, ``80%`` (the layers kept) → ``layers − n``; at the recipes' own n = 20 % of
+    SmolLM2-135M and Qwen2.5-0.5B these are what the percentages resolve to."""
     import yaml
 
     path = Path(__file__).resolve().parents[1] / "recipes" / name
     text = json.dumps(yaml.safe_load(path.read_text())["modifiers"])
-    for percent, count in (("20%", n), ("10%", n // 2), ("80%", layers - n)):
+    for percent, count in (("20%", n), ("10%", n // 2), ("13%", round(2 * n / 3)), ("80%", layers - n)):
         text = text.replace(percent, str(count))
     return json.loads(text)
 
@@ -148,6 +150,10 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "BestOf ReplaceMe splits": ([{"BestOf": {"alternatives": [[{"ReplaceMe": {"n": n}}]] + [
             [{"ReplaceMe": {"n": k}}, "FuseNorm", {"FlattenAdjacent": {"target_layers": layers - n}}, "HeadPrune",
              "NystromMLP"] for k in range(1, n)]}}], {}),
+        # ReplaceMe alone against the auto recipe's two-thirds split, by the same held-out score
+        "BestOf ReplaceMe or two-thirds split": ([{"BestOf": {"alternatives": [[{"ReplaceMe": {"n": n}}], [
+            {"ReplaceMe": {"n": round(2 * n / 3)}}, "FuseNorm", {"FlattenAdjacent": {"target_layers": layers - n}},
+            "HeadPrune", "NystromMLP"]]}}], {}),
         **{f"ReplaceMe<n:{k}>+FlattenGPT": ([{"ReplaceMe": {"n": k}}, "FuseNorm",
                                              {"FlattenAdjacent": {"target_layers": layers - n}}, "HeadPrune",
                                              "NystromMLP"], {}) for k in range(1, n)},
