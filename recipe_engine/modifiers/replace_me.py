@@ -185,6 +185,17 @@ def cosine_fit(seam: Seam, adam: Adam, device: torch.device) -> tuple[torch.Tens
     return transform.detach().cpu().double(), before, after
 
 
+class ByFold:
+    """A modifier flag that depends on ``fold``: on an instance, ``down_proj`` gives the first value and a hook
+    (``hook``, ``auto``) the second; on the class (what the registry declares), the default ``fold``'s."""
+
+    def __init__(self, folded: Any, hooked: Any):
+        self.folded, self.hooked = folded, hooked
+
+    def __get__(self, step, owner=None) -> Any:
+        return self.folded if step is None or step.fold == "down_proj" else self.hooked
+
+
 class MapOutput:
     """Forward hook ``y ← y T`` on a module's output (row vectors): the map of ``fold: hook``."""
 
@@ -252,14 +263,9 @@ class ReplaceMe(Modifier):
         "down_proj", description="where T goes: into down_proj (stock), a hook on the layer's MLP output saved as "
                                  "an extra (not stock), or auto: down_proj where the architecture allows it")
 
-    @property
-    def stock_output(self) -> bool:  # read by the export checks before the architecture is known
-        return self.fold == "down_proj"
-
-    @property
-    def refuses_streaming(self) -> str | None:
-        return None if self.fold == "down_proj" else ("ReplaceMe<fold: hook or auto> keeps its map as a hook on "
-                                                      "an in-memory layer; use fold: down_proj")
+    stock_output = ByFold(True, False)
+    refuses_streaming = ByFold(None, "ReplaceMe<fold: hook or auto> keeps its map as a hook on an in-memory "
+                                     "layer; use fold: down_proj")
 
     def folds_into(self, model_type: str) -> str:
         """``down_proj`` or ``hook``: ``fold`` resolved for the architecture."""
