@@ -206,6 +206,12 @@ class MapOutput:
         return output @ self.matrix.to(output.device, output.dtype)
 
 
+def _mlp_output_norm(model_type: str) -> str | None:
+    """The architecture's norm on the MLP output before the residual add (Gemma 3), or None."""
+    adapter = ADAPTERS.get(model_type)
+    return adapter.norms.get("mlp_output_norm") if adapter is not None else None
+
+
 def residual_branch(adapter, fold: str) -> str:
     """Path inside a decoder layer of the module whose output ``M`` is added to the residual stream: the MLP,
     or with ``fold: hook`` the norm on its output where the architecture has one (Gemma 3)."""
@@ -269,19 +275,17 @@ class ReplaceMe(Modifier):
 
     def folds_into(self, model_type: str) -> str:
         """``down_proj`` or ``hook``: ``fold`` resolved for the architecture."""
-        adapter = ADAPTERS.get(model_type)
-        normalized = adapter is not None and "mlp_output_norm" in adapter.norms
+        normalized = _mlp_output_norm(model_type) is not None
         return "hook" if self.fold == "hook" or (self.fold == "auto" and normalized) else "down_proj"
 
     def check(self, shape) -> None:
-        adapter = ADAPTERS.get(shape.model_type)
-        if self.folds_into(shape.model_type) == "down_proj" and adapter is not None \
-                and "mlp_output_norm" in adapter.norms:
-            raise self.fail(f"{shape.model_type} normalizes the MLP output ({adapter.norms['mlp_output_norm']}) "
+        fold, output_norm = self.folds_into(shape.model_type), _mlp_output_norm(shape.model_type)
+        if fold == "down_proj" and output_norm is not None:
+            raise self.fail(f"{shape.model_type} normalizes the MLP output ({output_norm}) "
                             f"before the residual add, so the map cannot be folded into down_proj; use "
                             f"fold: hook (the map kept beside the checkpoint, not stock), or SLEB, ShortGPT or "
                             f"LinearPatch<select: contiguous> on this architecture", field="fold")
-        if self.folds_into(shape.model_type) == "hook" and shape.pinned:
+        if fold == "hook" and shape.pinned:
             raise self.fail(f"the layers are already patched by {shape.pinned}; put ReplaceMe<fold: hook> before it",
                             field="fold")
         if self.n > shape.num_layers - 1:
@@ -294,7 +298,7 @@ class ReplaceMe(Modifier):
             raise self.fail("ridge applies only with objective: lstsq", field="ridge")
         require_uniform(self, shape)
         drop_symbolic(shape, self.n)
-        if self.folds_into(shape.model_type) == "hook":
+        if fold == "hook":
             shape.pinned = self.step_name()  # the hook sits on a layer by index: later depth changes would move it
 
     def check_calibration(self, calibration) -> None:
