@@ -32,13 +32,18 @@ def load_dense(args: argparse.Namespace):
 def heldout_model(model: str, dense, tokenizer, method: str, n: int):
     """``method``'s model of a copy of ``dense`` (the dense model itself for ``dense``), calibrated as the
     held-out protocol calibrates."""
+    return heldout_run(model, dense, tokenizer, method, n)[0]
+
+
+def heldout_run(model: str, dense, tokenizer, method: str, n: int):
+    """``(model, report)`` of ``heldout_model`` (the report None for ``dense``)."""
     steps, overrides = methods(n, dense.config.num_hidden_layers)[method]
     if not steps:
-        return dense
+        return dense, None
     dataset, split = CALIBRATIONS["wikipedia"]
     recipe = {"version": 1, "name": "diagnosis", "model": model, "output": "out/unused",
               "calibration": {"dataset": dataset, "split": split, "samples": 32, "seq_len": 512, "seed": 0,
                               **overrides}, "modifiers": steps}
-    compressed, _ = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer, write=False,
-                                        progress=False)
-    return compressed.eval()
+    compressed, report = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer, write=False,
+                                             progress=False)
+    return compressed.eval(), report
