@@ -79,7 +79,7 @@ def same_model(data: dict, n: int) -> str | None:
         auto = here.get(AUTO)
         if not measured(auto):
             continue
-        for single, names in SINGLES.items():
+        for names in SINGLES.values():
             for name in names:
                 if measured(here.get(name)) and here[name]["ppl"] == auto["ppl"]:
                     return name
@@ -129,7 +129,7 @@ def cells(result: dict) -> dict:
     per = " / ".join(f"{r:.2f} ({w})" for r, w in result["per_source"].values())
     zero = "–" if result["zero_shot"] is None else f"{result['zero_shot'][0]:.3f} vs {result['zero_shot'][1]:.3f}"
     auto = f"{result['auto']:.2f}" + (f" (= {result['alias']})" if result["alias"] else "")
-    return {"key": f"{result['model']} n={result['n']}", "model": result["model"], "n": str(result["n"]),
+    return {"model": result["model"], "n": str(result["n"]),
             "auto": auto, "best": f"{result['best']} {result['best_geomean']:.2f}", "ratio": f"{result['ratio']:.3f}",
             "per_source": per, "zero_shot": zero, "never_worse": "yes" if result["never_worse"] else "**no**",
             "better": "yes" if result["better"] else "no",
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     run = run_record()
     data["runs"] = {"goals": run}
     data["tables"] = [{"title": TITLE, "intro": INTRO, "columns": COLUMNS,
-                       "rows": [{**{k: v for k, v in row.items() if k != "key"}, "run": "goals"} for row in rows]}]
+                       "rows": [{**row, "run": "goals"} for row in rows]}]
     save(args.out, data)
     (RESULTS / "raw").mkdir(exist_ok=True)
     (RESULTS / "raw" / "auto_goals.json").write_text(json.dumps(results, indent=1))
