@@ -40,6 +40,9 @@ from recipe_engine.errors import RecipeError
 from recipe_engine.evaluation.perplexity import perplexity
 from recipe_engine.io.models import load_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rowstore  # noqa: E402  (the benchmarks' own helper, beside this script)
+
 MODELS = {"smollm2-135m": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}   # default n: ~20 % of the depth (4 of 18)
 CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikitext2", "validation"),
                 "c4": ("c4-sample", "train"), "wikipedia+c4": (["wikipedia-sample", "c4-sample"], "train")}
@@ -249,8 +252,6 @@ def committed_row(row: dict, model: str, sweep: bool) -> dict:
 
 
 def write_committed(path: Path, model: str, row: dict, sweep: bool, run: dict) -> None:
-    import rowstore
-
     _, section, order = ROW_FILES[model]
     rowstore.upsert_model_row(path, committed_row(row, model, sweep), run, section=section, order=order, model=model)
 
@@ -310,9 +311,6 @@ def main() -> None:
     results = RAW / f"compare_methods_{args.model}.json"
     committed = args.rows or RESULTS / ROW_FILES[args.model][0]
     if not args.no_rows:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import rowstore
-
         run = rowstore.run_record(args.conditions)
         rowstore.load_file(committed, *ROW_FILES[args.model][1:])   # an unreadable file fails before the work
     rows = json.loads(results.read_text())["rows"] if results.exists() else []
@@ -330,15 +328,16 @@ def main() -> None:
     calibrated = [calibrated] if isinstance(calibrated, str) else calibrated
     texts = {e: load_text(EVALS[e][0], "test" if EVALS[e][0] in calibrated else EVALS[e][1]).text
              for e in args.evals}
-    by_key = {key(row): row for row in rows}
+    by_key, measured = {key(row): row for row in rows}, {}
     for name in names:
         row = run_method(name, args, dense, tokenizer, texts)
         row["date"] = datetime.date.today().isoformat()
-        if results.exists():  # re-read: another invocation may have added rows since this one started
-            by_key = {**{key(r): r for r in json.loads(results.read_text())["rows"]}, **by_key}
-        by_key[key(row)] = row
-        results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text(json.dumps({"model": args.model, "rows": list(by_key.values())}, indent=2, default=str))
+        measured[key(row)] = row
+        with rowstore.exclusive(results):
+            if results.exists():  # re-read: another invocation may have added rows since this one started
+                by_key = {key(r): r for r in json.loads(results.read_text())["rows"]}
+            by_key.update(measured)
+            rowstore.save_json(results, {"model": args.model, "rows": list(by_key.values())})
         if not args.no_rows:
             write_committed(committed, args.model, row, args.n != MODELS[args.model], run)
         if "refused" in row:

@@ -6,7 +6,9 @@ name and renamed into place, so an interrupted benchmark never leaves a half-wri
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import os
 import platform
@@ -47,6 +49,19 @@ def run_record(conditions: str | None = None, argv: list[str] | None = None) -> 
     return {**run, "conditions": conditions} if conditions else run
 
 
+@contextlib.contextmanager
+def exclusive(path: Path):
+    """Hold an exclusive lock on ``path``'s folder: two benchmarks running side by side each read, change and
+    write a shared result file in turn, so neither drops the other's rows."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)  # closing the descriptor releases the lock
+
+
 def load_file(path: Path, section: str, order: float, **fields) -> dict:
     """The result file at ``path``, or a new one with the given section, order and fields."""
     if path.exists():
@@ -78,9 +93,14 @@ def drop_unused_runs(data: dict) -> None:
 
 def save(path: Path, data: dict) -> None:
     drop_unused_runs(data)
+    save_json(path, data, indent=1)
+
+
+def save_json(path: Path, data: dict, indent: int = 2) -> None:
+    """Write ``data`` to a temporary name beside ``path`` and rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    tmp.write_text(json.dumps(data, indent=indent, ensure_ascii=False, default=str) + "\n")
     os.replace(tmp, path)
 
 
@@ -96,12 +116,13 @@ def replace_or_append(rows: list[dict], row: dict, same) -> list[dict]:
 def upsert_model_row(path: Path, row: dict, run: dict, *, section: str, order: float, model: str) -> dict:
     """Put ``row`` into the model file's ``sweep`` (when it has ``n``) or ``rows``, replacing the row of the
     same protocol, method (and n); the row's run becomes ``run``. Returns the file's data as written."""
-    data = load_file(path, section, order, model=model, protocols={}, rows=[])
     kind = "sweep" if "n" in row else "rows"
     same = ("protocol", "method", "n") if kind == "sweep" else ("protocol", "method")
-    row = {**row, "run": add_run(data, run)}
-    data[kind] = replace_or_append(data.get(kind, []), row, lambda r: all(r.get(k) == row.get(k) for k in same))
-    save(path, data)
+    with exclusive(path):
+        data = load_file(path, section, order, model=model, protocols={}, rows=[])
+        row = {**row, "run": add_run(data, run)}
+        data[kind] = replace_or_append(data.get(kind, []), row, lambda r: all(r.get(k) == row.get(k) for k in same))
+        save(path, data)
     return data
 
 
@@ -109,13 +130,14 @@ def upsert_table_row(path: Path, title: str, row: dict, run: dict, key: str, *, 
                      columns: list[dict]) -> dict:
     """Put ``row`` into the free-form table ``title`` (created with ``columns`` if missing), replacing the row
     with the same ``row[key]``. Returns the file's data as written."""
-    data = load_file(path, section, order, tables=[])
-    tables = data.setdefault("tables", [])
-    table = next((t for t in tables if t["title"] == title), None)
-    if table is None:
-        table = {"title": title, "columns": columns, "rows": []}
-        tables.append(table)
-    row = {**row, "run": add_run(data, run)}
-    table["rows"] = replace_or_append(table["rows"], row, lambda r: r.get(key) == row[key])
-    save(path, data)
+    with exclusive(path):
+        data = load_file(path, section, order, tables=[])
+        tables = data.setdefault("tables", [])
+        table = next((t for t in tables if t["title"] == title), None)
+        if table is None:
+            table = {"title": title, "columns": columns, "rows": []}
+            tables.append(table)
+        row = {**row, "run": add_run(data, run)}
+        table["rows"] = replace_or_append(table["rows"], row, lambda r: r.get(key) == row[key])
+        save(path, data)
     return data

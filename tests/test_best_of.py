@@ -89,8 +89,8 @@ def test_heldout_search_equals_brute_force_on_the_score_windows(monkeypatch):
     real_prune, real_nll = flatten_adjacent.prune_to_config, Session.final_nll
     monkeypatch.setattr(flatten_adjacent, "prune_to_config", lambda probe, *args: (
         fitted_on.append(probe.calibration.clone()), real_prune(probe, *args))[1])
-    monkeypatch.setattr(Session, "final_nll", lambda self, finals: (
-        scored_on.append(self.calibration.clone()), real_nll(self, finals))[1])
+    monkeypatch.setattr(Session, "final_nll", lambda self, finals, *args: (
+        scored_on.append(self.calibration.clone()), real_nll(self, finals, *args))[1])
     session = make_session(model, tokens)
     report = step.apply(session)
     monkeypatch.undo()
@@ -154,6 +154,19 @@ def test_best_of_equals_the_alternatives_run_alone(monkeypatch, refit):
     assert [r["nll"] for r in report["alternatives"]] == pytest.approx([nll for _, nll in runs], rel=1e-5)
     winner = min(range(len(runs)), key=lambda a: (runs[a][1], a))
     assert report["chosen"] == winner
+    # per-window NLLs: HF's loss window by window; margins: the paired mean and standard error by hand
+    with torch.no_grad():
+        windows = [[float(m(w[None], labels=w[None]).loss) for w in score_tokens] for m, _ in runs]
+    for record, expected_windows in zip(report["alternatives"], windows):
+        assert record["window_nlls"] == pytest.approx(expected_windows, rel=1e-5)
+    margins = {a: [x - y for x, y in zip(windows[a], windows[winner])] for a in range(len(runs)) if a != winner}
+    for a, d in margins.items():
+        mean = sum(d) / len(d)
+        error = (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5 / len(d) ** 0.5
+        assert report["alternatives"][a]["margin"] == pytest.approx({"nats": mean, "standard_error": error},
+                                                                    rel=1e-4, abs=1e-6)
+    runner_up = min(margins, key=lambda a: sum(margins[a]))
+    assert report["runner_up"]["alternative"] == runner_up and "margin" not in report["alternatives"][winner]
     assert [r["layers"] for r in report["alternatives"]] == [4] * 4 and len(session.layers) == 4
     assert all(r["records"][0]["modifier"] == parse_step(ALTERNATIVES[a][0], 0).step_name()
                for a, r in enumerate(report["alternatives"]))

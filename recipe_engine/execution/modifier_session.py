@@ -134,9 +134,10 @@ class ModifierSession(Protocol):
                    description: str = "calibration pass", skip: tuple[int, ...] = ()) -> None:
         """``visit(index, inputs, outputs)`` for every layer of one whole-model pass (``skip``: bypassed)."""
 
-    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None) -> float:
+    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
+                        per_window: bool = False) -> float | list[float]:
         """Token-weighted mean next-token NLL of the calibration windows (layers in ``skip`` bypassed), or
-        of given last-layer outputs ``finals``."""
+        of given last-layer outputs ``finals``; ``per_window``: each window's mean NLL, in window order."""
 
     # -- the original model --------------------------------------------------------------------
     def original_outputs(self, index: int, inputs: list[torch.Tensor] | None = None,

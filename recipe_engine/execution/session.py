@@ -482,42 +482,48 @@ class Session:
             inputs = outputs
 
     @torch.no_grad()
-    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None) -> float:
+    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
+                        per_window: bool = False) -> float | list[float]:
         """Token-weighted mean next-token NLL of the calibration windows (layers in ``skip`` bypassed;
         at least one layer must run). With ``finals``, the last decoder layer's outputs (one tensor per
-        batch, e.g. of a model assembled by the step), no pass is made: see ``final_nll``."""
+        batch, e.g. of a model assembled by the step), no pass is made: see ``final_nll``. ``per_window``:
+        each window's mean NLL instead, in window order (windows are equally long: their mean is the former)."""
         if finals is not None:
             if skip:
                 raise ValueError("calibration_nll: skip and finals exclude each other")
-            return self.final_nll(finals)
+            return self.final_nll(finals, per_window)
         finals = []
 
         def keep_last(index: int, _inputs, outputs) -> None:
             finals[:] = outputs
 
         self.layer_pass(keep_last, "calibration NLL", skip=skip)
-        return self.final_nll(finals)
+        return self.final_nll(finals, per_window)
 
     @torch.no_grad()
-    def final_nll(self, finals: list[torch.Tensor]) -> float:
+    def final_nll(self, finals: list[torch.Tensor], per_window: bool = False) -> float | list[float]:
         """Token-weighted mean next-token NLL of the calibration windows given the last decoder layer's
-        outputs ``finals`` (one tensor per batch): final norm, ``lm_head``, cross-entropy in fp32."""
-        total, count = 0.0, 0
+        outputs ``finals`` (one tensor per batch): final norm, ``lm_head``, cross-entropy in fp32, summed per
+        window in fp64. ``per_window``: each window's mean NLL, in window order."""
+        sums = torch.zeros(self.calibration.shape[0], dtype=torch.float64)
         norm, head = self.adapter.final_norm(self.model), self.adapter.lm_head(self.model)
         share = self.parallel.share(len(finals))
+        first = 0
         with self.using(norm, head):
             for k, (hidden, batch) in enumerate(zip(finals, self.batches)):
+                rows, first = range(first, first + batch.shape[0]), first + batch.shape[0]
                 if share is not None and k not in share:
                     continue
                 logits = head(norm(hidden.to(self.device))).float()
                 targets = batch[:, 1:].to(self.device)
-                loss = torch.nn.functional.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-                total += float(loss)
-                count += targets.numel()
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none")
+                sums[rows.start:rows.stop] = loss.sum(dim=1).double().cpu()
         if share is not None:
-            total, count = self.parallel.sum([total, count])
-        return total / count
+            sums = torch.tensor(self.parallel.sum(sums.tolist()), dtype=torch.float64)
+        tokens = self.calibration.shape[1] - 1
+        if per_window:
+            return (sums / tokens).tolist()
+        return float(sums.sum()) / (tokens * len(sums))
 
     # -- targets from the original model ---------------------------------------------------
     def _provide_outputs(self, outputs: list[torch.Tensor]) -> None:

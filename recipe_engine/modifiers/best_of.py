@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import statistics
 import time
 from typing import Any, ClassVar, Literal
 
@@ -38,6 +39,23 @@ def _layer_parameters(shape) -> int:
     return sum(shape.layer_parameters(layer) for layer in shape.layers)
 
 
+def paired_margins(records: list[dict[str, Any]], chosen: int) -> dict[str, Any] | None:
+    """Each scored alternative's ``margin`` over the chosen one, from their per-window NLLs: the mean
+    difference ``d̄ = mean_w (nll_a,w − nll_chosen,w)`` in nats and its paired standard error
+    ``sd_w(d) / √windows`` (the windows are the same for every alternative, so window difficulty cancels).
+    Returns the runner-up's margin (the smallest), or None when nothing else was scored."""
+    best = records[chosen]["window_nlls"]
+    margins = []
+    for record in records:
+        if "window_nlls" not in record or record["alternative"] == chosen:
+            continue
+        d = [a - b for a, b in zip(record["window_nlls"], best)]
+        error = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else None
+        record["margin"] = {"nats": math.fsum(d) / len(d), "standard_error": error}
+        margins.append({"alternative": record["alternative"], "steps": record["steps"], **record["margin"]})
+    return min(margins, key=lambda m: m["nats"], default=None)
+
+
 @register
 class BestOf(Modifier):
     """Run whole alternatives (lists of steps) and keep the one with the lowest held-out calibration NLL.
@@ -49,8 +67,9 @@ class BestOf(Modifier):
     them, 25 % by default, is held out): every alternative runs as a recipe would over the *fit* windows
     (its statistics, refits and searches never see a score window), then its model's token-weighted
     next-token NLL on the *score* windows is its score (ties: the first listed). The winner's model, extras
-    and artifacts continue to the next step; ``report.json`` records the split, every alternative's score,
-    its own step records and wall time, and the choice.
+    and artifacts continue to the next step; ``report.json`` records the split, every alternative's score
+    and per-window NLLs, its margin over the winner with the paired standard error (``paired_margins``; the
+    runner-up's is ``runner_up``: how sure the choice is), its own step records and wall time, and the choice.
 
     Validation: every alternative's steps are checked against the shape this step receives, like any step;
     all alternatives must leave the same layer count and decoder-layer parameters. An alternative whose
@@ -237,14 +256,20 @@ class BestOf(Modifier):
             branch = session.branch(fit, steps, memo=fit_memo)
             record["records"] = branch.records
             scorer = branch.branch(scored, copy=False, memo=score_memo)
-            nll = scorer.calibration_nll()
-            record.update(nll=nll, ppl=math.exp(nll), wall_s=time.perf_counter() - started,
+            windows = scorer.calibration_nll(per_window=True)
+            nll = math.fsum(windows) / len(windows)
+            record.update(nll=nll, ppl=math.exp(nll), window_nlls=windows, wall_s=time.perf_counter() - started,
                           calibration_passes=session.passes.value - passes, layers=len(branch.layers))
             if nll < best_nll:
                 best, best_nll = (a, branch), nll
             branch = scorer = None  # a losing copy is freed before the next alternative copies the model
             gc.collect()  # a session's hooks and closures can form reference cycles: free the copy now
         chosen, branch = best
+        runner_up = paired_margins(records, chosen)
+        if runner_up is not None:
+            session.progress.log(f"BestOf: chose alternative {chosen} by {runner_up['nats']:.4f} nats (paired "
+                                 f"standard error {runner_up['standard_error']:.4f} over {len(split.score)} score "
+                                 f"windows) over alternative {runner_up['alternative']}")
         refit = None
         if self.refit:
             branch = best = None  # the fit-window model is freed before the refit copies the model
@@ -261,5 +286,5 @@ class BestOf(Modifier):
         return {"score": {"split": self.score.split, "fraction": self.score.fraction,
                           "seed": self._seed(session.config.seed), **split.record()},
                 "alternatives": records, "chosen": chosen, "chosen_steps": describe(self.alternatives[chosen]),
-                "nll": best_nll, "ppl": math.exp(best_nll), "refit": refit, "shared_work": shared,
+                "nll": best_nll, "ppl": math.exp(best_nll), "runner_up": runner_up, "refit": refit, "shared_work": shared,
                 "layers": len(session.layers)}
