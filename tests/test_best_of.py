@@ -6,8 +6,10 @@ import json
 
 import pytest
 import torch
+from rich.console import Console
 
 import recipe_engine
+from recipe_engine.cli.summary import print_summary
 from recipe_engine.recipe.budget import bind_step, resolve_budget
 from recipe_engine.errors import RecipeError
 from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, merge_layers
@@ -250,6 +252,14 @@ def test_best_of_in_a_recipe_skips_a_refused_alternative_and_reports_every_score
                                                                          "search_length": None}}]
     assert saved["after"]["layers"] == 5 and saved["steps"][1]["modifier"] == "GPTQ"
     assert saved["stock_checkpoint"] is True  # the winner added no extra
+    loser = 3 - result["chosen"]
+    margin = result["alternatives"][loser]["margin"]
+    assert result["runner_up"]["alternative"] == loser and margin["nats"] >= 0
+    console = Console(record=True, width=300)
+    print_summary(report, console)
+    assert (f"chose alternative {result['chosen']} {result['chosen_steps']}, score-window NLL {result['nll']:.4f}, "
+            f"by {margin['nats']:.4f} nats (paired standard error {margin['standard_error']:.4f}) over "
+            f"alternative {loser}") in console.export_text()
     refuse = recipe(tmp_path, [{"BestOf": {"refused": "fail", "alternatives": steps[0]["BestOf"]["alternatives"]}}])
     with pytest.raises(RecipeError, match=r"step 0 \(BestOf\): field 'alternatives.0': alternative 0 "
                                           r"\[FlattenAdjacent<n:1>, HeadPrune, NystromMLP\]"):

@@ -43,6 +43,8 @@ def print_summary(report: Report, console: Console) -> None:
     for step, following in zip(steps, steps[1:] + [None]):
         peak = f" (peak {step.peak_rss_mib / 1024:.2f} GiB)" if step.peak_rss_mib else ""
         table.add_row(f"step {step.index} {step.modifier}{peak}", "", f"{step.wall_s:.1f}s", "")
+        if step.result.get("headline"):  # a step's own one-line account of what it chose
+            table.add_row(escape(f"  {step.result['headline']}"), "", "", "")
         if step.pass_shared_s and not _same_pass(step, following):
             passes = "" if step.calibration_passes is None else f", {step.calibration_passes} calibration passes"
             table.add_row(f"  shared pass (loading, forwards{passes})", "", f"{step.pass_shared_s:.1f}s", "")

@@ -80,7 +80,9 @@ class StepRecord(_Section):
     layers_after: int
     peak_rss_mib: float | None = None
     estimate_rss_mib: float | None = None
-    result: dict[str, Any] = Field(description="the modifier's own report entries")
+    result: dict[str, Any] = Field(description="the modifier's own report entries; an optional 'headline' "
+                                               "(one line: what the step chose) is printed under the step "
+                                               "in apply's summary")
 
 
 class Evaluation(_Section):

@@ -266,10 +266,13 @@ class BestOf(Modifier):
             gc.collect()  # a session's hooks and closures can form reference cycles: free the copy now
         chosen, branch = best
         runner_up = paired_margins(records, chosen)
+        headline = f"chose alternative {chosen} {describe(self.alternatives[chosen])}, score-window NLL {best_nll:.4f}"
         if runner_up is not None:
-            session.progress.log(f"BestOf: chose alternative {chosen} by {runner_up['nats']:.4f} nats (paired "
-                                 f"standard error {runner_up['standard_error']:.4f} over {len(split.score)} score "
-                                 f"windows) over alternative {runner_up['alternative']}")
+            error = runner_up["standard_error"]
+            headline += (f", by {runner_up['nats']:.4f} nats"
+                         + ("" if error is None else f" (paired standard error {error:.4f})")
+                         + f" over alternative {runner_up['alternative']} {runner_up['steps']}")
+        session.progress.log(f"BestOf: {headline}")
         refit = None
         if self.refit:
             branch = best = None  # the fit-window model is freed before the refit copies the model
@@ -286,5 +289,6 @@ class BestOf(Modifier):
         return {"score": {"split": self.score.split, "fraction": self.score.fraction,
                           "seed": self._seed(session.config.seed), **split.record()},
                 "alternatives": records, "chosen": chosen, "chosen_steps": describe(self.alternatives[chosen]),
-                "nll": best_nll, "ppl": math.exp(best_nll), "runner_up": runner_up, "refit": refit, "shared_work": shared,
+                "nll": best_nll, "ppl": math.exp(best_nll), "runner_up": runner_up, "headline": headline,
+                "refit": refit, "shared_work": shared,
                 "layers": len(session.layers)}
