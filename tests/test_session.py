@@ -35,8 +35,22 @@ def test_layer_pass_reproduces_hidden_states(model_type):
 def test_calibration_nll_matches_model_loss():
     model = tiny_model()
     tokens = random_tokens(4, 24)
-    loss = model(tokens, labels=tokens).loss
+    with torch.no_grad():
+        loss = model(tokens, labels=tokens).loss
     assert make_session(model, tokens).calibration_nll() == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_per_window_nll_matches_model_loss_window_by_window():
+    """Five windows in batches of two (the last batch short): each window's NLL is HF's loss on it alone,
+    in window order, and their mean is the token-weighted NLL."""
+    model = tiny_model()
+    tokens = random_tokens(5, 24, seed=4)
+    with torch.no_grad():
+        expected = [float(model(w[None], labels=w[None]).loss) for w in tokens]
+    session = make_session(model, tokens)  # batch_size 2
+    windows = session.calibration_nll(per_window=True)
+    assert windows == pytest.approx(expected, rel=1e-5)
+    assert session.calibration_nll() == pytest.approx(sum(expected) / 5, rel=1e-6)
 
 
 class RecordingModifier(LayerModifier):
