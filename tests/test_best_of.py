@@ -186,6 +186,42 @@ def test_best_of_equals_the_alternatives_run_alone(monkeypatch, refit):
     assert all(torch.equal(v, expected_state[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("within", [1.0, 1000.0])
+def test_prefer_earlier_within_picks_the_first_alternative_within_k_standard_errors(within):
+    """``prefer_earlier_within: k`` chooses what a by-hand rule over the alternatives run alone chooses: the
+    first listed whose mean per-window margin over the lowest score is at most k paired standard errors;
+    without a refit the model kept is that alternative's own on the fit windows, built again."""
+    model = tiny_model(num_hidden_layers=6, seed=1)
+    original = copy.deepcopy(model)
+    tokens = random_tokens(8, 32, seed=2)
+    step = parse_step({"BestOf": {"alternatives": ALTERNATIVES, "refit": False,
+                                  "score": {"prefer_earlier_within": within}}}, 0)
+    report = step.apply(make_session(model, tokens))
+    split = heldout_split(8, 0)
+    fit_tokens, score_tokens = tokens[list(split.fit)], tokens[list(split.score)]
+    runs = [standalone(original, steps, fit_tokens, score_tokens) for steps in ALTERNATIVES]
+    with torch.no_grad():
+        windows = [[float(m(w[None], labels=w[None]).loss) for w in score_tokens] for m, _ in runs]
+    lowest = min(range(len(runs)), key=lambda a: (runs[a][1], a))
+
+    def within_k(a):
+        d = [x - y for x, y in zip(windows[a], windows[lowest])]
+        mean = sum(d) / len(d)
+        error = (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5 / len(d) ** 0.5
+        return mean <= within * error
+
+    expected = next(a for a in range(len(runs)) if a == lowest or within_k(a))
+    assert (report["lowest"], report["chosen"]) == (lowest, expected)
+    if within == 1000.0:
+        assert expected != lowest  # the rule is exercised: an earlier alternative replaces the lowest
+    assert report["nll"] == pytest.approx(runs[expected][1], rel=1e-5)
+    probe = random_tokens(2, 32, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(model(probe).logits, runs[expected][0](probe).logits, rtol=1e-5, atol=1e-5)
+    if expected != lowest:
+        assert "above the lowest" in report["headline"] and f"alternative {lowest}" in report["headline"]
+
+
 def test_best_of_frees_each_losing_copy_before_the_next_alternative_copies_the_model(monkeypatch):
     """Peak memory is two copies of the model beyond the session's own (the running alternative and the best
     so far): when an alternative's copy is made, every earlier copy but the best so far is gone, even with

@@ -24,6 +24,10 @@ class HeldoutScore(BaseModel):
     fraction: float = Field(SCORE_FRACTION, gt=0, lt=1, description="share of the calibration windows held out "
                                                                     "for scoring")
     seed: int | None = Field(None, description="seed of the split (None: the calibration's seed)")
+    prefer_earlier_within: float = Field(
+        0.0, ge=0, description="choose the first listed alternative whose score is within this many paired "
+                               "standard errors of the lowest (1: the one-standard-error rule, alternatives "
+                               "listed from the least fitted); 0: the lowest score")
 
 
 def describe(steps: list[Modifier]) -> str:
@@ -39,15 +43,15 @@ def _layer_parameters(shape) -> int:
     return sum(shape.layer_parameters(layer) for layer in shape.layers)
 
 
-def paired_margins(records: list[dict[str, Any]], chosen: int) -> dict[str, Any] | None:
-    """Each scored alternative's ``margin`` over the chosen one, from their per-window NLLs: the mean
-    difference ``d̄ = mean_w (nll_a,w − nll_chosen,w)`` in nats and its paired standard error
+def paired_margins(records: list[dict[str, Any]], lowest: int) -> dict[str, Any] | None:
+    """Each scored alternative's ``margin`` over the lowest-scoring one, from their per-window NLLs: the mean
+    difference ``d̄ = mean_w (nll_a,w − nll_lowest,w)`` in nats and its paired standard error
     ``sd_w(d) / √windows`` (the windows are the same for every alternative, so window difficulty cancels).
     Returns the runner-up's margin (the smallest), or None when nothing else was scored."""
-    best = records[chosen]["window_nlls"]
+    best = records[lowest]["window_nlls"]
     margins = []
     for record in records:
-        if "window_nlls" not in record or record["alternative"] == chosen:
+        if "window_nlls" not in record or record["alternative"] == lowest:
             continue
         d = [a - b for a, b in zip(record["window_nlls"], best)]
         error = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else None
@@ -66,10 +70,14 @@ class BestOf(Modifier):
     The calibration windows are split once (``recipe_engine.recipe.split.heldout_split``: a seeded ``fraction`` of
     them, 25 % by default, is held out): every alternative runs as a recipe would over the *fit* windows
     (its statistics, refits and searches never see a score window), then its model's token-weighted
-    next-token NLL on the *score* windows is its score (ties: the first listed). The winner's model, extras
-    and artifacts continue to the next step; ``report.json`` records the split, every alternative's score
-    and per-window NLLs, its margin over the winner with the paired standard error (``paired_margins``; the
-    runner-up's is ``runner_up``: how sure the choice is), its own step records and wall time, and the choice.
+    next-token NLL on the *score* windows is its score. The lowest score wins (ties: the first listed); with
+    ``score.prefer_earlier_within: k`` the first listed alternative within ``k`` paired standard errors of
+    the lowest wins instead (the one-standard-error rule of model selection, Breiman et al. 1984 and Hastie
+    et al., ESL §7.10, for ``k = 1``, with the list order as the order of simplicity). The winner's model,
+    extras and artifacts continue to the next step; ``report.json`` records the split, every alternative's
+    score and per-window NLLs, its margin over the lowest with the paired standard error
+    (``paired_margins``; the runner-up's is ``runner_up``: how sure the choice is), its own step records and
+    wall time, the lowest and the choice.
 
     Validation: every alternative's steps are checked against the shape this step receives, like any step;
     all alternatives must leave the same layer count and decoder-layer parameters. An alternative whose
@@ -214,8 +222,10 @@ class BestOf(Modifier):
             own = first.passes(copy.deepcopy(shape)) if key in first_steps else 0
             first_steps.add(key)
             low, high = low + count[0] - (own if isinstance(own, int) else own[0]) + 1, high + count[1] + 1
-        if self.refit and own_counts:
-            low, high = low + min(c[0] for c in own_counts), high + max(c[1] for c in own_counts)
+        if own_counts and (self.refit or self.score.prefer_earlier_within):
+            # the refit, or (no refit) the chosen one built again when it is not the lowest score
+            low = low + (min(c[0] for c in own_counts) if self.refit else 0)
+            high = high + max(c[1] for c in own_counts)
         return low, high
 
     def working_memory(self, shape, tokens: int) -> int:
@@ -237,6 +247,33 @@ class BestOf(Modifier):
     # -- run -------------------------------------------------------------------------------------
     def _seed(self, calibration_seed: int) -> int:
         return calibration_seed if self.score.seed is None else self.score.seed
+
+    def _choose(self, records: list[dict[str, Any]], lowest: int) -> int:
+        """The lowest score, or with ``prefer_earlier_within: k`` the first listed alternative whose margin
+        over it is at most ``k`` paired standard errors (the one-standard-error rule for ``k = 1``)."""
+        k = self.score.prefer_earlier_within
+        for record in records[:lowest]:
+            margin = record.get("margin")
+            if k and margin and margin["standard_error"] is not None \
+                    and margin["nats"] <= k * margin["standard_error"]:
+                return record["alternative"]
+        return lowest
+
+    def _headline(self, records: list[dict[str, Any]], lowest: int, chosen: int,
+                  runner_up: dict[str, Any] | None) -> str:
+        """One line: what was chosen, its score and its margin (the summary prints it under the step)."""
+        def margin(m: dict[str, Any]) -> str:
+            error = m["standard_error"]
+            return f"{m['nats']:.4f} nats" + ("" if error is None else f" (paired standard error {error:.4f})")
+
+        line = f"chose alternative {chosen} {records[chosen]['steps']}, score-window NLL {records[chosen]['nll']:.4f}"
+        if chosen != lowest:
+            return (line + f", {margin(records[chosen]['margin'])} above the lowest, alternative {lowest} "
+                    f"{records[lowest]['steps']}: within {self.score.prefer_earlier_within:g} standard errors "
+                    "and listed earlier")
+        if runner_up is not None:
+            line += f", by {margin(runner_up)} over alternative {runner_up['alternative']} {runner_up['steps']}"
+        return line
 
     def apply(self, session) -> dict[str, Any]:
         split = heldout_split(session.calibration.shape[0], self._seed(session.config.seed), self.score.fraction)
@@ -264,15 +301,15 @@ class BestOf(Modifier):
                 best, best_nll = (a, branch), nll
             branch = scorer = None  # a losing copy is freed before the next alternative copies the model
             gc.collect()  # a session's hooks and closures can form reference cycles: free the copy now
-        chosen, branch = best
-        runner_up = paired_margins(records, chosen)
-        headline = f"chose alternative {chosen} {describe(self.alternatives[chosen])}, score-window NLL {best_nll:.4f}"
-        if runner_up is not None:
-            error = runner_up["standard_error"]
-            headline += (f", by {runner_up['nats']:.4f} nats"
-                         + ("" if error is None else f" (paired standard error {error:.4f})")
-                         + f" over alternative {runner_up['alternative']} {runner_up['steps']}")
+        lowest, branch = best
+        runner_up = paired_margins(records, lowest)
+        chosen = self._choose(records, lowest)
+        headline = self._headline(records, lowest, chosen, runner_up)
         session.progress.log(f"BestOf: {headline}")
+        if chosen != lowest and not self.refit:  # the chosen one's fit-window model was freed: build it again
+            branch = best = None
+            gc.collect()
+            branch = session.branch(fit, self.alternatives[chosen], memo=fit_memo)
         refit = None
         if self.refit:
             branch = best = None  # the fit-window model is freed before the refit copies the model
@@ -288,7 +325,8 @@ class BestOf(Modifier):
                   "reused": dict(fit_memo.reused + score_memo.reused)}
         return {"score": {"split": self.score.split, "fraction": self.score.fraction,
                           "seed": self._seed(session.config.seed), **split.record()},
-                "alternatives": records, "chosen": chosen, "chosen_steps": describe(self.alternatives[chosen]),
-                "nll": best_nll, "ppl": math.exp(best_nll), "runner_up": runner_up, "headline": headline,
+                "alternatives": records, "lowest": lowest, "chosen": chosen,
+                "chosen_steps": describe(self.alternatives[chosen]), "nll": records[chosen]["nll"],
+                "ppl": records[chosen]["ppl"], "runner_up": runner_up, "headline": headline,
                 "refit": refit, "shared_work": shared,
                 "layers": len(session.layers)}
