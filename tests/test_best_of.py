@@ -302,6 +302,24 @@ def test_best_of_in_a_recipe_skips_a_refused_alternative_and_reports_every_score
         check_against_config(recipe_from_dict(refuse), model.config)
 
 
+def test_an_alternative_equal_to_an_earlier_one_at_this_budget_runs_once(tmp_path):
+    """``ShortGPT<n:20%>`` of 5 layers is ``ShortGPT<n:1>``: BestOf records it as the same as the first, does
+    not run or score it, plans no passes for it, and validation says so."""
+    model = tiny_model(num_hidden_layers=5, vocab_size=BYTE_VOCAB)
+    steps = [{"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"], ["ShortGPT<n:20%>"]]}}]
+    spec = recipe(tmp_path, steps)
+    shape = check_against_config(recipe_from_dict(spec), model.config)
+    assert shape.notes == ["BestOf runs alternative 2 [ShortGPT] once: the same steps as alternative 0"]
+    _, report = recipe_engine.apply(spec, model=model, tokenizer=byte_tokenizer(), progress=False)
+    result = report.steps[0].result
+    assert result["alternatives"][2] == {"alternative": 2, "steps": "[ShortGPT]", "same_as": 0}
+    (tmp_path / "twice").mkdir()
+    twice = recipe(tmp_path / "twice", [{"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"]]}}])
+    _, without = recipe_engine.apply(twice, model=tiny_model(num_hidden_layers=5, vocab_size=BYTE_VOCAB),
+                                     tokenizer=byte_tokenizer(), progress=False)
+    assert report.calibration_passes == without.calibration_passes
+
+
 @pytest.mark.parametrize("alternatives,message", [
     ([["ShortGPT<n:2>"], ["SLEB<n:3>"]], r"alternative 1 \[SLEB<n:3>\] leaves 3 layers .* alternative 0 4"),
     ([["ShortGPT<n:2>"], ["SLEB<m:3>"]],

@@ -83,6 +83,7 @@ class BestOf(Modifier):
     all alternatives must leave the same layer count and decoder-layer parameters. An alternative whose
     checks refuse the model (e.g. FlattenAdjacent on Gemma 3) is skipped with its reason recorded
     (``refused: skip``) or fails the recipe (``refused: fail``); if every alternative is refused it fails.
+    An alternative whose steps equal an earlier one's once budgets are counts is not run again (``same_as``).
 
     Refit (``refit: true``, the default): once chosen, the winner runs again on a fresh copy over *all*
     the calibration windows and that model is kept, as cross-validation refits the chosen model on all the
@@ -180,12 +181,28 @@ class BestOf(Modifier):
                                 f"give the same size", field=f"alternatives.{a}")
         return outcomes
 
+    def _repeats(self) -> dict[int, int]:
+        """Alternatives whose steps equal an earlier one's once budgets are counts (``ReplaceMe<n:10%>`` and
+        ``<n:13%>`` are both 1 layer of 12): index → the earlier one's. A repeat is not run again."""
+        seen: dict[str, int] = {}
+        repeats = {}
+        for a, steps in enumerate(self.alternatives):
+            key = repr([step_to_dict(step) for step in steps])
+            if key in seen:
+                repeats[a] = seen[key]
+            else:
+                seen[key] = a
+        return repeats
+
     def check(self, shape) -> None:
         outcomes = self._outcomes(shape)
         final = next(final for final, _ in outcomes if final is not None)
         shape.layers, shape.pinned, shape.quantized_by = final.layers, final.pinned, final.quantized_by
         shape.notes.extend(f"{self.step_name()} skips alternative {a} {describe(self.alternatives[a])}: {why}"
                            for a, (final, why) in enumerate(outcomes) if final is None)
+        shape.notes.extend(f"{self.step_name()} runs alternative {a} {describe(self.alternatives[a])} once: the same "
+                           f"steps as alternative {earlier}" for a, earlier in self._repeats().items()
+                           if outcomes[a][0] is not None)
 
     def check_calibration(self, calibration) -> None:
         try:
@@ -210,7 +227,10 @@ class BestOf(Modifier):
         low = high = 0
         first_steps: set[tuple[str, str]] = set()
         own_counts: list[tuple[int, int]] = []
-        for steps in self.alternatives:
+        repeats = self._repeats()
+        for a, steps in enumerate(self.alternatives):
+            if a in repeats:
+                continue
             trial = copy.deepcopy(shape)
             try:
                 count = steps_passes(steps, trial)
@@ -282,11 +302,15 @@ class BestOf(Modifier):
         fit_memo, score_memo = SharedWork(), SharedWork()  # one per set of windows
         records: list[dict[str, Any]] = []
         best, best_nll = None, math.inf
+        repeats = self._repeats()
         for a, steps in enumerate(self.alternatives):
             record: dict[str, Any] = {"alternative": a, "steps": describe(steps)}
             records.append(record)
             if outcomes[a][1] is not None:
                 record["refused"] = outcomes[a][1]
+                continue
+            if a in repeats:
+                record["same_as"] = repeats[a]  # its model and score would be the earlier one's
                 continue
             started, passes = time.perf_counter(), session.passes.value
             session.progress.log(f"BestOf: alternative {a} {describe(steps)} on {len(split.fit)} fit windows")
