@@ -43,8 +43,6 @@ def print_summary(report: Report, console: Console) -> None:
     for step, following in zip(steps, steps[1:] + [None]):
         peak = f" (peak {step.peak_rss_mib / 1024:.2f} GiB)" if step.peak_rss_mib else ""
         table.add_row(f"step {step.index} {step.modifier}{peak}", "", f"{step.wall_s:.1f}s", "")
-        if step.result.get("headline"):  # a step's own one-line account of what it chose
-            table.add_row(escape(f"  {step.result['headline']}"), "", "", "")
         if step.pass_shared_s and not _same_pass(step, following):
             passes = "" if step.calibration_passes is None else f", {step.calibration_passes} calibration passes"
             table.add_row(f"  shared pass (loading, forwards{passes})", "", f"{step.pass_shared_s:.1f}s", "")
@@ -53,6 +51,9 @@ def print_summary(report: Report, console: Console) -> None:
         planned = f" (plan {memory.estimate_rss_mib / 1024:.2f})" if memory.estimate_rss_mib else ""
         table.add_row("peak host memory", "", f"{memory.rss_mib / 1024:.2f} GiB{planned}", "")
     console.print(table)
+    for step in steps:  # a step's own one-line account of what it chose, under the table (too long for a cell)
+        if step.result.get("headline"):
+            console.print(escape(f"step {step.index} {step.modifier}: {step.result['headline']}"), soft_wrap=True)
 
 
 def _same_pass(step: StepRecord, following: StepRecord | None) -> bool:

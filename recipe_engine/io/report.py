@@ -81,8 +81,8 @@ class StepRecord(_Section):
     peak_rss_mib: float | None = None
     estimate_rss_mib: float | None = None
     result: dict[str, Any] = Field(description="the modifier's own report entries; an optional 'headline' "
-                                               "(one line: what the step chose) is printed under the step "
-                                               "in apply's summary")
+                                               "(one line: what the step chose) is printed under "
+                                               "apply's summary table")
 
 
 class Evaluation(_Section):

@@ -289,8 +289,8 @@ class BestOf(Modifier):
         line = f"chose alternative {chosen} {records[chosen]['steps']}, score-window NLL {records[chosen]['nll']:.4f}"
         if chosen != lowest:
             return (line + f", {margin(records[chosen]['margin'])} above the lowest, alternative {lowest} "
-                    f"{records[lowest]['steps']}: within {self.score.prefer_earlier_within:g} standard errors "
-                    "and listed earlier")
+                    f"{records[lowest]['steps']}: within {self.score.prefer_earlier_within:g} standard "
+                    f"error{'' if self.score.prefer_earlier_within == 1 else 's'} and listed earlier")
         if runner_up is not None:
             line += f", by {margin(runner_up)} over alternative {runner_up['alternative']} {runner_up['steps']}"
         return line
