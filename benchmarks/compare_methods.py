@@ -328,16 +328,15 @@ def main() -> None:
     calibrated = [calibrated] if isinstance(calibrated, str) else calibrated
     texts = {e: load_text(EVALS[e][0], "test" if EVALS[e][0] in calibrated else EVALS[e][1]).text
              for e in args.evals}
-    by_key, measured = {key(row): row for row in rows}, {}
+    measured = {}   # this invocation's rows: they replace stored rows of the same key, nothing else does
     for name in names:
         row = run_method(name, args, dense, tokenizer, texts)
         row["date"] = datetime.date.today().isoformat()
         measured[key(row)] = row
-        with rowstore.exclusive(results):
-            if results.exists():  # re-read: another invocation may have added rows since this one started
-                by_key = {key(r): r for r in json.loads(results.read_text())["rows"]}
-            by_key.update(measured)
-            rowstore.save_json(results, {"model": args.model, "rows": list(by_key.values())})
+        with rowstore.exclusive(results):  # re-read: another invocation may have added rows since this one started
+            stored = json.loads(results.read_text())["rows"] if results.exists() else []
+            by_key = {**{key(r): r for r in stored}, **measured}
+            rowstore.save_json(results, {"model": args.model, "rows": list(by_key.values())}, default=str)
         if not args.no_rows:
             write_committed(committed, args.model, row, args.n != MODELS[args.model], run)
         if "refused" in row:

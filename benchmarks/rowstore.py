@@ -96,11 +96,12 @@ def save(path: Path, data: dict) -> None:
     save_json(path, data, indent=1)
 
 
-def save_json(path: Path, data: dict, indent: int = 2) -> None:
-    """Write ``data`` to a temporary name beside ``path`` and rename it into place."""
+def save_json(path: Path, data: dict, indent: int = 2, default=None) -> None:
+    """Write ``data`` to a temporary name beside ``path`` and rename it into place (``default``: as
+    ``json.dumps``'s, for values JSON has no type for; None refuses them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=indent, ensure_ascii=False, default=str) + "\n")
+    tmp.write_text(json.dumps(data, indent=indent, ensure_ascii=False, default=default) + "\n")
     os.replace(tmp, path)
 
 

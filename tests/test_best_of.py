@@ -124,6 +124,19 @@ def standalone(original, steps, fit_tokens, score_tokens):
         return model, float(model(score_tokens, labels=score_tokens).loss)
 
 
+def window_losses(model, tokens) -> list[float]:
+    """HF's loss on each window alone."""
+    with torch.no_grad():
+        return [float(model(w[None], labels=w[None]).loss) for w in tokens]
+
+
+def paired_mean_and_error(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of the per-window differences a − b and its standard error (sample standard deviation / √n)."""
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    return mean, (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5 / len(d) ** 0.5
+
+
 @pytest.mark.parametrize("refit", [False, True])
 def test_best_of_equals_the_alternatives_run_alone(monkeypatch, refit):
     """BestOf's scores equal each alternative run alone on the fit windows and scored on the score windows,
@@ -157,17 +170,14 @@ def test_best_of_equals_the_alternatives_run_alone(monkeypatch, refit):
     winner = min(range(len(runs)), key=lambda a: (runs[a][1], a))
     assert report["chosen"] == winner
     # per-window NLLs: HF's loss window by window; margins: the paired mean and standard error by hand
-    with torch.no_grad():
-        windows = [[float(m(w[None], labels=w[None]).loss) for w in score_tokens] for m, _ in runs]
+    windows = [window_losses(m, score_tokens) for m, _ in runs]
     for record, expected_windows in zip(report["alternatives"], windows):
         assert record["window_nlls"] == pytest.approx(expected_windows, rel=1e-5)
-    margins = {a: [x - y for x, y in zip(windows[a], windows[winner])] for a in range(len(runs)) if a != winner}
-    for a, d in margins.items():
-        mean = sum(d) / len(d)
-        error = (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5 / len(d) ** 0.5
+    margins = {a: paired_mean_and_error(windows[a], windows[winner]) for a in range(len(runs)) if a != winner}
+    for a, (mean, error) in margins.items():
         assert report["alternatives"][a]["margin"] == pytest.approx({"nats": mean, "standard_error": error},
                                                                     rel=1e-4, abs=1e-6)
-    runner_up = min(margins, key=lambda a: sum(margins[a]))
+    runner_up = min(margins, key=lambda a: margins[a][0])
     assert report["runner_up"]["alternative"] == runner_up and "margin" not in report["alternatives"][winner]
     assert [r["layers"] for r in report["alternatives"]] == [4] * 4 and len(session.layers) == 4
     assert all(r["records"][0]["modifier"] == parse_step(ALTERNATIVES[a][0], 0).step_name()
@@ -200,14 +210,11 @@ def test_prefer_earlier_within_picks_the_first_alternative_within_k_standard_err
     split = heldout_split(8, 0)
     fit_tokens, score_tokens = tokens[list(split.fit)], tokens[list(split.score)]
     runs = [standalone(original, steps, fit_tokens, score_tokens) for steps in ALTERNATIVES]
-    with torch.no_grad():
-        windows = [[float(m(w[None], labels=w[None]).loss) for w in score_tokens] for m, _ in runs]
+    windows = [window_losses(m, score_tokens) for m, _ in runs]
     lowest = min(range(len(runs)), key=lambda a: (runs[a][1], a))
 
     def within_k(a):
-        d = [x - y for x, y in zip(windows[a], windows[lowest])]
-        mean = sum(d) / len(d)
-        error = (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5 / len(d) ** 0.5
+        mean, error = paired_mean_and_error(windows[a], windows[lowest])
         return mean <= within * error
 
     expected = next(a for a in range(len(runs)) if a == lowest or within_k(a))

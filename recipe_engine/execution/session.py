@@ -508,16 +508,16 @@ class Session:
         sums = torch.zeros(self.calibration.shape[0], dtype=torch.float64)
         norm, head = self.adapter.final_norm(self.model), self.adapter.lm_head(self.model)
         share = self.parallel.share(len(finals))
-        first = 0
+        end = 0
         with self.using(norm, head):
             for k, (hidden, batch) in enumerate(zip(finals, self.batches)):
-                rows, first = range(first, first + batch.shape[0]), first + batch.shape[0]
+                start, end = end, end + batch.shape[0]  # this batch's windows
                 if share is not None and k not in share:
                     continue
                 logits = head(norm(hidden.to(self.device))).float()
                 targets = batch[:, 1:].to(self.device)
                 loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none")
-                sums[rows.start:rows.stop] = loss.sum(dim=1).double().cpu()
+                sums[start:end] = loss.sum(dim=1).double().cpu()
         if share is not None:
             sums = torch.tensor(self.parallel.sum(sums.tolist()), dtype=torch.float64)
         tokens = self.calibration.shape[1] - 1

@@ -281,7 +281,7 @@ class BestOf(Modifier):
 
     def _headline(self, records: list[dict[str, Any]], lowest: int, chosen: int,
                   runner_up: dict[str, Any] | None) -> str:
-        """One line: what was chosen, its score and its margin (the summary prints it under the step)."""
+        """One line: what was chosen, its score and its margin (apply's summary prints it under its table)."""
         def margin(m: dict[str, Any]) -> str:
             error = m["standard_error"]
             return f"{m['nats']:.4f} nats" + ("" if error is None else f" (paired standard error {error:.4f})")
