@@ -41,10 +41,11 @@ DEPTH = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, n
 
 
 def write_synthetic(directory: Path, layers: int, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    device: str = "cpu", **shape) -> Path:
+                    device: str = "cpu", tokenizer: str = "smollm2-135m", **shape) -> Path:
     """A Llama checkpoint with ``layers`` decoder layers of ``shape``, one safetensors shard per layer
     (plus one for embeddings, one for norm + lm_head) and an index; skipped when already complete.
-    ``device`` draws the random weights there (a GPU draws an 8B model's in seconds; other numbers)."""
+    ``device`` draws the random weights there (a GPU draws an 8B model's in seconds; other numbers).
+    ``tokenizer``: a model alias or a directory holding tokenizer files (SmolLM2's by default)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig
 
@@ -58,7 +59,8 @@ def write_synthetic(directory: Path, layers: int, dtype: torch.dtype = torch.flo
     config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=8192, rms_norm_eps=1e-5,
                          dtype=str(dtype).split(".")[1], **shape)
     config.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(resolve_model("smollm2-135m").location).save_pretrained(tmp)
+    source = tokenizer if Path(tokenizer).is_dir() else resolve_model(tokenizer).location
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     d = h // config.num_attention_heads
     kv = config.num_key_value_heads * d
