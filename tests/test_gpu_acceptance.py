@@ -31,7 +31,9 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"] and result["tiny"]
     assert {leg: r["status"] for leg, r in result["legs"].items()} == dict.fromkeys(
-        ("smollm2", "stream8b", "bench", "dp"), "ok"), result["legs"]
+        ("graphs", "smollm2", "stream8b", "bench", "dp"), "ok"), result["legs"]
+    graphs = result["legs"]["graphs"]["figures"]
+    assert graphs["act_order"]["identical"] and graphs["dynamic_groups"]["identical"]
     machine = result["machine"]
     assert machine["device"] == "cpu" and machine["torch"] == torch.__version__ and machine["date"]
     assert "--tiny" in machine["command"]
@@ -47,6 +49,13 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
     assert stream["layers"] == "8 -> 6" and stream["peak_gpu_mib"] is None  # no GPU: no GPU peak
     assert set(stream["steps_own_s"]) == {"0 FlattenAdjacent", "1 HeadPrune", "2 NystromMLP", "3 GPTQ"}
     assert stream["peak_host_gib"] > 0 and stream["gpu_estimate_mib"] > 0
+    # the run's timings log: kept in OUT, every layer of every pass, seconds by phase per step
+    timings = stream["timings"]
+    assert Path(timings["log"]).parent == tmp_path and set(timings["seconds_by_step"]) >= {
+        "0 FlattenAdjacent", "1-3 HeadPrune, NystromMLP, GPTQ"}
+    assert timings["layers_done"] == {"0 FlattenAdjacent: FlattenAdjacent similarity": 8,
+                                      "1-3 HeadPrune, NystromMLP, GPTQ: layer-sequential pass": 6}
+    assert result["machine"]["disk_write_mb_s"][str(tmp_path)] > 0
     # time goals are judged on a GPU only
     assert all(r["met"] is None for r in result["rows"] if r["leg"] in ("stream8b", "bench"))
     assert result["legs"]["bench"]["figures"]["depth_ratio"] == 8 / 6
@@ -74,16 +83,17 @@ def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
         return leg
 
     monkeypatch.setattr(gpu_acceptance, "leg_smollm2", broken)
-    for name in ("stream8b", "bench", "dp"):
+    for name in ("graphs", "stream8b", "bench", "dp"):
         monkeypatch.setattr(gpu_acceptance, f"leg_{name}", fine(name))
-    assert gpu_acceptance.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
-    assert ran == ["smollm2", "dp", "stream8b", "bench"]
+    monkeypatch.setattr(gpu_acceptance, "disk_write_speed", lambda _directory: 1.0)
+    assert gpu_acceptance.main(["--device", "cpu", "--out", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
+    assert ran == ["graphs", "smollm2", "dp", "stream8b", "bench"]
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"]
     assert result["legs"]["smollm2"]["status"] == "error"
     assert result["legs"]["smollm2"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
-    assert [r["met"] for r in result["rows"]] == [False, True, True, True]
-    assert result["rows"][0]["error"] == result["legs"]["smollm2"]["error"]
+    assert [r["met"] for r in result["rows"]] == [True, False, True, True, True]
+    assert result["rows"][1]["error"] == result["legs"]["smollm2"]["error"]
 
 
 def test_missing_package_is_one_line_before_any_work(tmp_path):

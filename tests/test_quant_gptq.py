@@ -121,3 +121,18 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_damped_inver
     inverse = lower_triangular_inverse(lower, block)
     assert torch.allclose(inverse, torch.linalg.inv(lower), rtol=1e-9, atol=1e-12 * inverse.abs().max())
     assert torch.equal(inverse, torch.tril(inverse))
+
+
+@pytest.mark.parametrize("group,sym,act_order", [(16, True, True), (16, False, False), (None, True, False)])
+def test_gptq_block_program_through_static_buffers_equals_the_eager_sweep(group, sym, act_order):
+    """``graphs=True`` runs every block through ``_BlockGraph``'s static buffers (a CUDA graph replay on a
+    GPU; here the same program over the same buffers): bit for bit the eager sweep, a short last block
+    (96 columns, blocks of 64) and dynamic groups included."""
+    weight, gram = correlated_problem(cols=96)
+    grid = Grid(4, group, sym)
+    eager = gptq_quantize(weight, gram, grid, act_order, damp=0.01, block_size=64, graphs=False)
+    buffered = gptq_quantize(weight, gram, grid, act_order, damp=0.01, block_size=64, graphs=True)
+    assert torch.equal(eager.dequantized, buffered.dequantized)
+    assert torch.equal(eager.scale, buffered.scale) and torch.equal(eager.zero, buffered.zero)
+    expected = reference_gptq(weight, gram, 4, group, sym, act_order, damp=0.01)
+    torch.testing.assert_close(buffered.dequantized, expected, rtol=0, atol=1e-9)

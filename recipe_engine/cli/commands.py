@@ -74,7 +74,7 @@ def _quiet_libraries(quiet: bool):
 def cmd_apply(args) -> int:
     with _quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
-                          resume=args.resume, checkpoints=not args.no_checkpoints)
+                          resume=args.resume, checkpoints=not args.no_checkpoints, timings=args.timings)
     if report.rank == 0:  # data-parallel: one summary
         print_summary(report, out)
     return 0
@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-checkpoints", action="store_true",
                    help="keep no resume checkpoints: the run cannot be resumed, and needs disk room for the "
                         "output once instead of twice")
+    p.add_argument("--timings", metavar="PATH",
+                   help="write the timings log (one JSON line per layer and step: seconds by phase) here "
+                        "instead of OUTPUT.timings.jsonl beside the output")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("show", help="print the canonical resolved recipe")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import tempfile
 import time
 from copy import deepcopy
@@ -31,6 +32,7 @@ from .outputs import RunOutputs
 from .stats import Statistic, change_position
 from .steps import run_steps
 from .streaming import WeightStream, stream_units
+from .timings import Timings
 
 
 class _Captured(Exception):
@@ -157,6 +159,8 @@ class Session:
         self.completed_steps: list[str] = list(completed)
         #: Report records of the steps this session ran (``run_steps``; a branch's, see ``branch``).
         self.records: list[dict[str, Any]] = []
+        #: The run's phase clock and timings log (``recipe_engine.execution.timings``), shared by siblings.
+        self.timings = Timings()
 
     # -- facts ---------------------------------------------------------------------------------
     @property
@@ -229,9 +233,11 @@ class Session:
                 **state) -> "Session":
         """A session sharing this one's tokenizer, adapter, calibration settings and device (``state``: the
         keyword arguments of ``Session``: memo, origin, ...)."""
-        return Session(model, self.tokenizer, self.adapter,
-                       self.calibration if calibration is None else calibration, self.config, self.device,
-                       self.progress, stream=stream, parallel=self.parallel, passes=self.passes, **state)
+        session = Session(model, self.tokenizer, self.adapter,
+                          self.calibration if calibration is None else calibration, self.config, self.device,
+                          self.progress, stream=stream, parallel=self.parallel, passes=self.passes, **state)
+        session.timings = self.timings
+        return session
 
     # -- branches: alternatives run side by side (a step choosing between them) -------------
     def current_shape(self) -> ModelShape:
@@ -321,14 +327,29 @@ class Session:
         exit a streamed model stages what changed and releases it. A no-op for an in-memory model."""
         if self.stream is None:
             return contextlib.nullcontext()
-        return self.stream.loaded(self.units_of(items), torch.device("cpu"))
+        return self._timed(self.stream.loaded(self.units_of(items), torch.device("cpu")))
 
     def using(self, *items: int | nn.Module) -> contextlib.AbstractContextManager:
         """Layers (current indices) or modules with real weights on the session device for the block:
         materialized there from disk when streamed, else moved there and back (``on_device``)."""
         if self.stream is None:
             return self.on_device(*self._modules(items))
-        return self.stream.loaded(self.units_of(items), self.device)
+        return self._timed(self.stream.loaded(self.units_of(items), self.device))
+
+    @contextlib.contextmanager
+    def _timed(self, block: contextlib.AbstractContextManager) -> Iterator[None]:
+        """``block`` with its entry timed as ``load`` and its exit as ``write`` (``timings``)."""
+        stack = contextlib.ExitStack()
+        with self.timings.phase("load"):
+            stack.enter_context(block)
+        try:
+            yield
+        except BaseException:
+            if not stack.__exit__(*sys.exc_info()):
+                raise
+            return
+        with self.timings.phase("write"):
+            stack.close()
 
     def placed(self, *items: int | nn.Module, on_device: bool = True) -> contextlib.AbstractContextManager:
         """The protocol's residency block. ``on_device``: layers named by current index are the model's own
@@ -384,13 +405,15 @@ class Session:
             return
         homes = [next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
                  for module in modules]
-        for module in modules:
-            module.to(self.device)
+        with self.timings.phase("load"):
+            for module in modules:
+                module.to(self.device)
         try:
             yield
         finally:
-            for module, home in zip(modules, homes):
-                module.to(home)
+            with self.timings.phase("write"):
+                for module, home in zip(modules, homes):
+                    module.to(home)
 
     def shared(self, step, label: str, compute: Callable[[], Any]) -> Any:
         """``compute()``, or its value from an earlier sweep variant in the same state (``memo``)."""
@@ -419,7 +442,8 @@ class Session:
         base = self.model.model
         self.adapter.set_layer_list(self.model, nn.ModuleList([_Recorder(i, capture) for i in range(count)]))
         try:
-            with self.using(self.adapter.embeddings(self.model)), self.on_device(self.adapter.rotary(self.model)):
+            with self.using(self.adapter.embeddings(self.model)), self.on_device(self.adapter.rotary(self.model)), \
+                    self.timings.phase("forward"):
                 for batch in self.batches:
                     try:
                         base(input_ids=batch.to(self.device), use_cache=False)
@@ -449,16 +473,20 @@ class Session:
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
         outputs = []
         try:
-            for k, (x, kwargs) in enumerate(zip(inputs, kwargs_list)):
-                if share is not None and k not in share:
-                    continue
-                for stat in hooks:
-                    stat.batch = k
-                out = hidden_state(layer(x.to(self.device), **to_device(self.adapter.layer_kwargs(layer, kwargs), self.device)))
-                self.count_layer_work(batches=1)
-                if on_batch is not None:
-                    on_batch(len(outputs), out)
-                outputs.append(out.to(self.storage))
+            with self.timings.phase("forward"):
+                for k, (x, kwargs) in enumerate(zip(inputs, kwargs_list)):
+                    if share is not None and k not in share:
+                        continue
+                    for stat in hooks:
+                        stat.batch = k
+                    self.timings.moved(x, self.device)
+                    out = hidden_state(layer(x.to(self.device),
+                                             **to_device(self.adapter.layer_kwargs(layer, kwargs), self.device)))
+                    self.count_layer_work(batches=1)
+                    if on_batch is not None:
+                        on_batch(len(outputs), out)
+                    self.timings.moved(out, self.storage)
+                    outputs.append(out.to(self.storage))
         finally:
             for handle in handles:
                 handle.remove()
@@ -480,6 +508,7 @@ class Session:
                 outputs = self.run_layer(self.layers[index], inputs, kwargs_list)
             visit(index, inputs, outputs)
             inputs = outputs
+            self.timings.record(**{"pass": description, "layer": index, "layers": len(self.layers)})
 
     @torch.no_grad()
     def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
@@ -602,12 +631,14 @@ class Session:
                     inputs = self.run_layer(layer, inputs, kwargs_list)
                     if checkpoints is not None:
                         checkpoints.layer_done(self, index, inputs, reports, targets, self._reference_stream)
+                    self.timings.record(**{"pass": "layer-sequential pass", "layer": index, "layers": last + 1})
                     continue
                 keep_original = self.config.propagate == "original"
                 original_outputs = provided = None
                 cache: dict[str, Statistic] = {}
                 for k in active:
                     modifier, started = group[k], time.perf_counter()
+                    self.timings.split("shared")
                     needed = modifier.statistics(self, index)
                     missing = [s for s in needed if s.key not in cache]
                     if missing or (keep_original and original_outputs is None):
@@ -617,7 +648,8 @@ class Session:
                     self._current = CurrentLayer(inputs, kwargs_list, self._provide_outputs)
                     self._provided = None
                     try:
-                        entry = modifier.compress_layer(self, index, {s.key: cache[s.key] for s in needed})
+                        with self.timings.phase("compress"):
+                            entry = modifier.compress_layer(self, index, {s.key: cache[s.key] for s in needed})
                         provided = self._provided
                     finally:
                         self._current = self._provided = None
@@ -625,6 +657,7 @@ class Session:
                     changed = min((change_position(m) for m in modifier.modifies), default=99)
                     cache = {key: s for key, s in cache.items() if s.position <= changed and not s.released}
                     own[k] += time.perf_counter() - started
+                    self.timings.split(modifier.step_name())
                 if self.parallel.active:  # the guard: every rank compressed this layer alike
                     entries = [r["layers"].get(str(index)) for r in reports]
                     self.parallel.agree(f"layer {index}", module_digest(self.layers[index], entries))
@@ -636,6 +669,7 @@ class Session:
                     inputs = self.run_layer(self.layers[index], inputs, kwargs_list)
             if checkpoints is not None:
                 checkpoints.layer_done(self, index, inputs, reports, targets, self._reference_stream)
+            self.timings.record(**{"pass": "layer-sequential pass", "layer": index, "layers": last + 1})
         self._reference_stream = None
         for k, modifier in enumerate(group):
             started = time.perf_counter()

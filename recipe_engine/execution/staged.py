@@ -83,6 +83,7 @@ class StagedLayer:
         def capture(_module, args):
             statistic.update(args[0], None)
             if finishing:
+                self.session.timings.moved(args[0], self.session.storage)
                 recorded.append(args[0].to(self.session.storage))
             if not (finishing and self._batch == 0):
                 raise _Stop
@@ -127,18 +128,23 @@ class StagedLayer:
             module.forward = lambda *_a, _linear=linear, _recorded=recorded, _wrap=wrap, **_k: \
                 _wrap(_linear(_recorded[self._batch].to(device)))
             replayed.append(module)
+        timings, storage = self.session.timings, self.session.storage
         try:
-            for batch, k in enumerate(self._own):
-                x, kwargs = self.inputs[k], self.kwargs_list[k]
-                self._batch = batch
-                if self._statistic is not None:
-                    self._statistic.batch = k
-                self.session.count_layer_work(batches=1)
-                try:
-                    out = self.layer(x.to(device), **to_device(self.session.adapter.layer_kwargs(self.layer, kwargs), device))
-                except _Stop:
-                    continue
-                outputs.append(hidden_state(out).to(self.session.storage))
+            with timings.phase("forward"):
+                for batch, k in enumerate(self._own):
+                    x, kwargs = self.inputs[k], self.kwargs_list[k]
+                    self._batch = batch
+                    if self._statistic is not None:
+                        self._statistic.batch = k
+                    self.session.count_layer_work(batches=1)
+                    timings.moved(x, device)
+                    try:
+                        out = self.layer(x.to(device),
+                                         **to_device(self.session.adapter.layer_kwargs(self.layer, kwargs), device))
+                    except _Stop:
+                        continue
+                    timings.moved(hidden_state(out), storage)
+                    outputs.append(hidden_state(out).to(storage))
         finally:
             for module in replayed:
                 del module.forward

@@ -45,15 +45,20 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
         start, passes_before = time.perf_counter(), session.passes.value
         names = ", ".join(step.step_name() for _, step in group)
         bar.log(f"step {group[0][0]}: {names}")
+        numbers = f"{group[0][0]}" + (f"-{group[-1][0]}" if len(group) > 1 else "")
+        outer = session.timings.step  # a step run inside another (a BestOf alternative) is named under it
+        session.timings.step = f"{outer} / {numbers} {names}" if outer else f"{numbers} {names}"
         if group[0][1].scope == "layer":
             layer_steps: list[LayerModifier] = [step for _, step in group]  # type: ignore[misc]
             outputs = session.run_layer_modifiers(layer_steps, checkpoints)
             results = [outputs[str(k)] for k in range(len(group))]
         else:
             step = group[0][1]
-            with _whole_model(session, step):
+            with _whole_model(session, step), session.timings.phase("compress"):
                 results = [step.apply(session)]
         elapsed = time.perf_counter() - start
+        session.timings.record(event="step", wall_s=round(elapsed, 3))
+        session.timings.step = outer
         session.mark_completed([json.dumps(step_to_dict(step), sort_keys=True) for _, step in group])
         if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
             session.parallel.agree(f"step {group[0][0]} ({names})",

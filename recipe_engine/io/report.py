@@ -142,6 +142,8 @@ class Report(_Section):
     calibration_layer_runs: int
     calibration_layer_batches: int
     calibration_passes: int | None = Field(None, description="calibration passes of all steps (format 0: absent)")
+    activations_on: str | None = Field(None, description="where calibration activations lived between layers "
+                                                         "(calibration.offload resolved): cpu or the device")
     peak_memory: PeakMemory
     evaluation: Evaluation | None = None
     checkpoints: Checkpoints | None = None

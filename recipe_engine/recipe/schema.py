@@ -40,7 +40,10 @@ class CalibrationConfig(StrictModel):
     text_field: str = Field("text", description="column/field holding text in jsonl and datasets")
     propagate: Literal["compressed", "original"] = Field(
         "compressed", description="next layer's inputs come from the compressed or the original layer")
-    offload: bool = Field(True, description="keep activations on CPU between layers")
+    offload: bool | Literal["auto"] = Field(
+        "auto", description="keep activations on CPU between layers (true), on the device (false), or (auto) "
+                            "on the device when recipe plan's activation and working-memory estimate fits in "
+                            "80 % of its free memory, else on CPU")
 
     @field_validator("dataset")
     @classmethod

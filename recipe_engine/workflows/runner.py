@@ -15,8 +15,10 @@ from ..evaluation import evaluate_session, retained
 from ..execution.distributed import Parallel, launched
 from ..execution.resume import Checkpoints, discard_on_error, model_fingerprint
 from ..execution.outputs import RunOutputs
+from ..execution.placement import largest_layer_bytes, offload_activations
 from ..execution.session import Session
 from ..execution.steps import run_steps
+from ..execution.timings import Timings
 from ..execution.streaming import open_stream
 from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
@@ -49,7 +51,7 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
           force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
-          memo=None, checkpoints: bool = True) -> tuple[Any, Report]:
+          memo=None, checkpoints: bool = True, timings: str | Path | None = None) -> tuple[Any, Report]:
     """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.io.report.Report``, as written to
     ``report.json``). Writes the output directory unless ``write=False``.
 
@@ -60,11 +62,21 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     (``recipe_engine.execution.resume``).
     ``checkpoints=False``: keep no resume checkpoints (a run that cannot be resumed, but needs disk room
     for the output once instead of twice).
+    ``timings``: where the run's timings log goes (``recipe_engine.execution.timings``; default, when the
+    output is written: ``<output>.timings.jsonl`` beside it; a copy ends up in the output).
     """
     loaded = _resolve(recipe, list(overrides))
     device = located(lambda: check_device(loaded.recipe.device), loaded.path, "device")
     with launched(device) as parallel, _claim_output(loaded, write and parallel.rank == 0, force):
-        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints)
+        log = timings_path(loaded.recipe.output, timings, write and parallel.rank == 0)
+        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints, log)
+
+
+def timings_path(output: str, given: str | Path | None, writing: bool) -> Path | None:
+    """The timings log of a run: ``given``, else ``<output>.timings.jsonl`` when this process writes."""
+    if given is not None:
+        return Path(given)
+    return Path(f"{str(output).rstrip('/')}.timings.jsonl") if writing else None
 
 
 @contextlib.contextmanager
@@ -81,7 +93,8 @@ def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool) -> Iterator[
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
-           progress: bool, resume: bool = False, memo=None, keep_checkpoints: bool = True) -> tuple[Any, Report]:
+           progress: bool, resume: bool = False, memo=None, keep_checkpoints: bool = True,
+           timings: Path | None = None) -> tuple[Any, Report]:
     """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes. Pre-flight
     (the recipe compiled into a plan, everything checked before a weight loads), execute, write."""
     recipe, file = loaded.recipe, loaded.path
@@ -98,9 +111,14 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
             Progress(enabled=progress and parallel.rank == 0) as bar:
         model, tokenizer, session, outputs, checkpoints, gate = _execute(
             plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
-            keep_checkpoints=write and keep_checkpoints, memo=memo, file=file)
-        final = (_write(recipe, model, tokenizer, session, outputs, report, workdir) if writing
-                 else Report.model_validate(report))
+            keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings)
+        with session.timings.phase("write"):
+            final = (_write(recipe, model, tokenizer, session, outputs, report, workdir) if writing
+                     else Report.model_validate(report))
+        session.timings.record(event="output written" if writing else "done")
+        session.timings.close()
+        if writing and timings is not None and timings.is_file():
+            shutil.copyfile(timings, workdir / TIMINGS)
         parallel.barrier()  # renamed into place only when every rank finished
     if checkpoints is not None:
         checkpoints.discard()  # the output is in place
@@ -110,7 +128,8 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
 
 
 def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: dict[str, Any], bar: Progress,
-             workdir: Path, owned: list, *, resume: bool, keep_checkpoints: bool, memo, file: str | None):
+             workdir: Path, owned: list, *, resume: bool, keep_checkpoints: bool, memo, file: str | None,
+             timings: Path | None = None):
     """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``.
     Returns ``(model, tokenizer, session, outputs, checkpoints, quality gate failure or None)``."""
     recipe, cal, streamed = plan.recipe, plan.recipe.calibration, plan.streamed
@@ -133,15 +152,25 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
                                 seed=cal.seed, fingerprint=fingerprint(windows))
     report["before"] = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers)
     adapter = adapter_for(model.config)
+    offload = offload_activations(cal.offload, parallel.device, memory, largest_layer_bytes(adapter.layers(model)))
+    if cal.offload == "auto" and parallel.device.type != "cpu":
+        bar.log(f"calibration activations kept on {'the host' if offload else parallel.device} (offload: auto)")
+    cal = cal.model_copy(update={"offload": offload})
+    report["activations_on"] = "cpu" if offload else str(parallel.device)
     stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
     outputs = RunOutputs()
     session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar,
                       reference_loader=_reference_loader(recipe, model, source, lambda: session),
                       stream=stream, parallel=parallel, memo=memo, outputs=outputs)
+    if timings is not None and parallel.rank == 0:
+        if not resume:
+            timings.unlink(missing_ok=True)  # a fresh run's log starts empty; a resumed one goes on
+        session.timings = Timings(timings, parallel.device)
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
     if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
         report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
+        session.timings.record(event="evaluation before")
     report["steps"] = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
     _check_uniform(session)
     report["after"] = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers,
@@ -151,6 +180,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     gate = None
     if recipe.evaluate is not None:
         after = evaluate_session(session, recipe.evaluate, bar)
+        session.timings.record(event="evaluation after")
         report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
         gate = _quality_gate(recipe, report["evaluation"]["retained"])
         report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
@@ -162,12 +192,17 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
     if stream is not None:
         report["stream"] = StreamRecord(bytes_read=stream.bytes_read, bytes_staged=stream.bytes_staged)
-    report["peak_memory"] = PeakMemory(**peak_memory(watch), estimate_rss_mib=memory["host_peak_bytes"] / 2**20)
+    peaks = peak_memory(watch)
+    if session.timings.peak_device_bytes():  # the timings log resets torch's counter per record
+        peaks["cuda_mib"] = max(peaks.get("cuda_mib") or 0, session.timings.peak_device_bytes() / 2**20)
+    report["peak_memory"] = PeakMemory(**peaks, estimate_rss_mib=memory["host_peak_bytes"] / 2**20)
     return model, tokenizer, session, outputs, checkpoints, gate
 
 
 #: Directory inside the output's temporary directory holding changed units of a streamed model.
 STAGING = ".staging"
+#: The timings log's copy in a finished output.
+TIMINGS = "timings.jsonl"
 
 
 @contextlib.contextmanager
