@@ -74,7 +74,8 @@ def _quiet_libraries(quiet: bool):
 def cmd_apply(args) -> int:
     with _quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
-                          resume=args.resume, checkpoints=not args.no_checkpoints, timings=args.timings)
+                          resume=args.resume, checkpoints=not args.no_checkpoints, timings=args.timings,
+                          profile=args.profile)
     if report.rank == 0:  # data-parallel: one summary
         print_summary(report, out)
     return 0
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timings", metavar="PATH",
                    help="write the timings log (one JSON line per layer and step: seconds by phase) here "
                         "instead of OUTPUT.timings.jsonl beside the output")
+    p.add_argument("--profile", metavar="DIR",
+                   help="write a torch.profiler trace of a few layers (DIR/trace.json) and the top operations "
+                        "by host and device time (DIR/top_operations.txt)")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("show", help="print the canonical resolved recipe")

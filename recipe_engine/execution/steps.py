@@ -7,6 +7,8 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, Iterator
 
+import torch
+
 from ..recipe.modifier import LayerModifier, Modifier
 from ..recipe.schema import step_to_dict
 from ..system.host_memory import PeakWatch
@@ -48,14 +50,16 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
         numbers = f"{group[0][0]}" + (f"-{group[-1][0]}" if len(group) > 1 else "")
         outer = session.timings.step  # a step run inside another (a BestOf alternative) is named under it
         session.timings.step = f"{outer} / {numbers} {names}" if outer else f"{numbers} {names}"
-        if group[0][1].scope == "layer":
-            layer_steps: list[LayerModifier] = [step for _, step in group]  # type: ignore[misc]
-            outputs = session.run_layer_modifiers(layer_steps, checkpoints)
-            results = [outputs[str(k)] for k in range(len(group))]
-        else:
-            step = group[0][1]
-            with _whole_model(session, step), session.timings.phase("compress"):
-                results = [step.apply(session)]
+        # a named range in a torch.profiler trace (benchmarks/pipeline_overhead.py splits host time by step)
+        with torch.profiler.record_function(f"recipe step {session.timings.step}"):
+            if group[0][1].scope == "layer":
+                layer_steps: list[LayerModifier] = [step for _, step in group]  # type: ignore[misc]
+                outputs = session.run_layer_modifiers(layer_steps, checkpoints)
+                results = [outputs[str(k)] for k in range(len(group))]
+            else:
+                step = group[0][1]
+                with _whole_model(session, step), session.timings.phase("compress"):
+                    results = [step.apply(session)]
         elapsed = time.perf_counter() - start
         session.timings.record(event="step", wall_s=round(elapsed, 3))
         session.timings.step = outer

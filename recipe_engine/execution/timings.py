@@ -51,6 +51,8 @@ class Timings:
         #: The largest per-record device peak so far (each record resets torch's peak counter to time its
         #: own interval, so the run's peak is kept here; ``peak_device_bytes``).
         self._device_peak = 0
+        #: A ``torch.profiler.profile`` stepped once per record (``profiled``), or None.
+        self.profiler = None
 
     def peak_device_bytes(self) -> int:
         """The run's peak allocated device memory, across the records' resets of torch's counter."""
@@ -129,6 +131,8 @@ class Timings:
             self._file = self.path.open("a", encoding="utf-8")
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
+        if self.profiler is not None:
+            self.profiler.step()
         self._seconds.clear()
         self._parts.clear()
         self.bytes_to_device = self.bytes_to_host = 0
@@ -137,6 +141,40 @@ class Timings:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+#: Records (layers) the profiler skips, warms up on and traces (``profiled``): a few layers of the first pass.
+PROFILE_SCHEDULE = dict(wait=1, warmup=1, active=3, repeat=1)
+
+
+@contextlib.contextmanager
+def profiled(timings: Timings, directory: Path | None) -> Iterator[None]:
+    """``recipe apply --profile DIR``: a ``torch.profiler`` trace of a few layers (``PROFILE_SCHEDULE``, one
+    profiler step per timings record) written to ``DIR/trace.json`` (Chrome / Perfetto format), and the top
+    operations by host and by device time in ``DIR/top_operations.txt``. A no-op without a directory."""
+    if directory is None or not timings.enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    directory.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timings.device.type == "cuda" else [])
+
+    def write(profiler) -> None:
+        profiler.export_chrome_trace(str(directory / "trace.json"))
+        averages = profiler.key_averages()
+        tables = [f"top operations of {PROFILE_SCHEDULE['active']} profiled layers (by self host time)",
+                  averages.table(sort_by="self_cpu_time_total", row_limit=25)]
+        if timings.device.type == "cuda":
+            tables += ["by self device time", averages.table(sort_by="self_cuda_time_total", row_limit=25)]
+        (directory / "top_operations.txt").write_text("\n".join(tables) + "\n")
+
+    with profile(activities=activities, schedule=schedule(**PROFILE_SCHEDULE), on_trace_ready=write) as profiler:
+        timings.profiler = profiler
+        try:
+            yield
+        finally:
+            timings.profiler = None
 
 
 def read_timings(path: Path) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from ..execution.outputs import RunOutputs
 from ..execution.placement import largest_layer_bytes, offload_activations
 from ..execution.session import Session
 from ..execution.steps import run_steps
-from ..execution.timings import Timings
+from ..execution.timings import Timings, profiled
 from ..execution.streaming import open_stream
 from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
@@ -51,7 +51,8 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
           force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
-          memo=None, checkpoints: bool = True, timings: str | Path | None = None) -> tuple[Any, Report]:
+          memo=None, checkpoints: bool = True, timings: str | Path | None = None,
+          profile: str | Path | None = None) -> tuple[Any, Report]:
     """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.io.report.Report``, as written to
     ``report.json``). Writes the output directory unless ``write=False``.
 
@@ -64,12 +65,17 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     for the output once instead of twice).
     ``timings``: where the run's timings log goes (``recipe_engine.execution.timings``; default, when the
     output is written: ``<output>.timings.jsonl`` beside it; a copy ends up in the output).
+    ``profile``: a directory for a ``torch.profiler`` trace of a few layers and a table of the top operations
+    (``recipe_engine.execution.timings.profiled``; needs the timings log).
     """
     loaded = _resolve(recipe, list(overrides))
     device = located(lambda: check_device(loaded.recipe.device), loaded.path, "device")
     with launched(device) as parallel, _claim_output(loaded, write and parallel.rank == 0, force):
         log = timings_path(loaded.recipe.output, timings, write and parallel.rank == 0)
-        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints, log)
+        if profile is not None and log is None:
+            raise RecipeError("--profile needs the timings log: give --timings PATH when nothing is written")
+        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints, log,
+                      Path(profile) if profile is not None and parallel.rank == 0 else None)
 
 
 def timings_path(output: str, given: str | Path | None, writing: bool) -> Path | None:
@@ -94,7 +100,7 @@ def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool) -> Iterator[
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
            progress: bool, resume: bool = False, memo=None, keep_checkpoints: bool = True,
-           timings: Path | None = None) -> tuple[Any, Report]:
+           timings: Path | None = None, profile: Path | None = None) -> tuple[Any, Report]:
     """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes. Pre-flight
     (the recipe compiled into a plan, everything checked before a weight loads), execute, write."""
     recipe, file = loaded.recipe, loaded.path
@@ -111,7 +117,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
             Progress(enabled=progress and parallel.rank == 0) as bar:
         model, tokenizer, session, outputs, checkpoints, gate = _execute(
             plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
-            keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings)
+            keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings, profile=profile)
         with session.timings.phase("write"):
             final = (_write(recipe, model, tokenizer, session, outputs, report, workdir) if writing
                      else Report.model_validate(report))
@@ -129,7 +135,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
 
 def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: dict[str, Any], bar: Progress,
              workdir: Path, owned: list, *, resume: bool, keep_checkpoints: bool, memo, file: str | None,
-             timings: Path | None = None):
+             timings: Path | None = None, profile: Path | None = None):
     """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``.
     Returns ``(model, tokenizer, session, outputs, checkpoints, quality gate failure or None)``."""
     recipe, cal, streamed = plan.recipe, plan.recipe.calibration, plan.streamed
@@ -171,7 +177,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
         report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
         session.timings.record(event="evaluation before")
-    report["steps"] = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
+    with profiled(session.timings, profile):
+        report["steps"] = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
     _check_uniform(session)
     report["after"] = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers,
                                 layer_origin=[list(o) for o in session.layer_origin])
