@@ -155,6 +155,7 @@ def profiled(timings: Timings, directory: Path | None) -> Iterator[None]:
     if directory is None or not timings.enabled:
         yield
         return
+    # deferred: the profiler module is needed only under --profile
     from torch.profiler import ProfilerActivity, profile, schedule
 
     directory.mkdir(parents=True, exist_ok=True)
