@@ -116,3 +116,17 @@ def test_a_sigkilled_run_leaves_the_layers_it_finished(tmp_path):
     assert [(r["step"], r.get("layer"), r.get("event")) for r in records] == [
         ("0 FuseNorm", None, "step"), ("1 StallInPass", 0, None)]
     assert json.loads((work / "out.timings.jsonl").read_text().splitlines()[-1])["pass"] == "layer-sequential pass"
+
+
+def test_profile_traces_a_few_layers_and_tables_the_top_operations(tmp_path):
+    save_tiny_model(tmp_path / "model", num_hidden_layers=6)
+    spec = recipe(tmp_path, tmp_path / "model", ["GPTQ<group_size:16>"], stream="off")
+    recipe_engine.apply(spec, progress=False, profile=tmp_path / "profile")
+    trace = json.loads((tmp_path / "profile" / "trace.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"}  # skip 1, warm up 1, trace 3 layers
+    table = (tmp_path / "profile" / "top_operations.txt").read_text()
+    assert "aten::mm" in table and "Self CPU" in table
+    with pytest.raises(recipe_engine.RecipeError, match="--profile needs the timings log"):
+        recipe_engine.apply(spec, progress=False, write=False, profile=tmp_path / "again")
+    assert not (tmp_path / "again").exists()
