@@ -167,7 +167,7 @@ def test_input_covariance_fp32_products_agree_with_fp64_and_are_keyed_apart():
 
 def test_layer_keyword_arguments_move_to_the_device_with_nesting():
     """Captured layer kwargs (a dict holding the (cos, sin) tuple) reach the session device whole."""
-    from recipe_engine.execution.session import to_device
+    from recipe_engine.execution.tensors import to_device
 
     kwargs = {"position_embeddings": (torch.ones(2), torch.zeros(2)), "attention_mask": torch.ones(1), "flag": 3}
     moved = to_device(kwargs, torch.device("meta"))

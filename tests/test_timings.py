@@ -30,9 +30,8 @@ def recipe(tmp_path: Path, model: Path, steps, stream: str = "on") -> dict:
 def test_a_streamed_run_records_every_layer_of_every_pass_and_its_phases_add_up(tmp_path):
     save_tiny_model(tmp_path / "model", num_hidden_layers=4, intermediate_size=96)
     _, report = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", STEPS), progress=False)
-    log = tmp_path / "out.timings.jsonl"
-    records = read_timings(log)
-    assert (tmp_path / "out" / "timings.jsonl").read_text() == log.read_text()  # the output keeps a copy
+    records = read_timings(tmp_path / "out" / "timings.jsonl")  # the finished output holds the log
+    assert not (tmp_path / "out.timings.jsonl").exists()  # and nothing stays beside it
 
     similarity = [r["layer"] for r in records if r.get("pass") == "FlattenAdjacent similarity"]
     assert similarity == [0, 1, 2, 3] and all(r["step"] == "0 FlattenAdjacent" for r in records[:4])
@@ -60,7 +59,7 @@ def test_a_streamed_run_records_every_layer_of_every_pass_and_its_phases_add_up(
         assert own == pytest.approx(event["wall_s"], rel=0.05, abs=0.02)
 
 
-def test_timings_path_option_and_no_log_without_an_output(tmp_path):
+def test_timings_path_option_and_no_log_without_an_output(tmp_path, monkeypatch):
     save_tiny_model(tmp_path / "model", num_hidden_layers=2)
     target = tmp_path / "logs" / "run.jsonl"
     recipe_engine.apply(recipe(tmp_path, tmp_path / "model", ["GPTQ<group_size:16>"], stream="off"),
@@ -70,6 +69,19 @@ def test_timings_path_option_and_no_log_without_an_output(tmp_path):
     again = recipe(tmp_path, tmp_path / "model", ["GPTQ<group_size:16>"], stream="off")
     recipe_engine.apply({**again, "output": str(tmp_path / "second")}, progress=False, write=False)
     assert not (tmp_path / "second.timings.jsonl").exists() and not (tmp_path / "second").exists()
+    # a run that fails after it started its log leaves nothing beside the output; a named log stays
+    from recipe_engine.execution.session import Session
+
+    def fail(*_args, **_kwargs):
+        raise RuntimeError("a step failed")
+    monkeypatch.setattr(Session, "run_layer_modifiers", fail)
+    failing = {**again, "output": str(tmp_path / "third"), "modifiers": ["FuseNorm", "GPTQ<group_size:16>"]}
+    with pytest.raises(RuntimeError, match="a step failed"):
+        recipe_engine.apply(failing, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("third")) == []
+    with pytest.raises(RuntimeError, match="a step failed"):
+        recipe_engine.apply(failing, progress=False, timings=tmp_path / "named.jsonl")
+    assert (tmp_path / "named.jsonl").is_file()
 
 
 def test_phases_nest_and_a_cut_last_line_is_skipped(tmp_path):

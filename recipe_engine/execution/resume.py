@@ -76,6 +76,7 @@ from ..io.checkpoint_writer import SAFETENSORS_DTYPES
 from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack
+from .pass_state import PassState, ReferenceStates
 from .streaming import StagedFile
 
 MANIFEST = "manifest.json"
@@ -122,7 +123,7 @@ class Checkpoints:
         #: sha256 of the manifest resumed from (the ranks of a data-parallel run compare it)
         self.manifest_sha: str | None = None
         #: the interrupted pass's state, loaded by ``restore`` (see ``pass_state``)
-        self._pass: tuple | None = None
+        self._pass: PassState | None = None
         self.manifest: dict[str, Any] | None = None  # the last written or the one resumed from
         #: tensors' signature (prefix, names, ids, versions) → (file, the tensors: held so no id is reused)
         self._written: dict[tuple, tuple[str, list[torch.Tensor]]] = {}
@@ -261,15 +262,15 @@ class Checkpoints:
             _fill(unit, _meta_tensors(path))
         stream.adopt(unit, path, home["names"])
 
-    def pass_state(self):
-        """``(next layer, its inputs, reports, targets, reference)`` of the interrupted pass now starting, or
-        None; ``reference``: ``(next original layer, the original model's states there)`` or None."""
+    def pass_state(self) -> PassState | None:
+        """The interrupted pass now starting (its next layer, inputs, reports, targets and the original
+        model's states), or None."""
         if self._pass is None or self.manifest["reached"]["group"] != self._group:
             return None
         state, self._pass = self._pass, None
         return state
 
-    def _load_pass(self) -> tuple | None:
+    def _load_pass(self) -> PassState | None:
         """The interrupted pass's state (``pass_state``), read when restoring: before the run writes its next
         checkpoint (which removes these files), on every rank."""
         saved = self.manifest["pass"]
@@ -279,9 +280,9 @@ class Checkpoints:
         reference = None
         if saved["reference"] is not None:
             states = load_file(str(self.directory / saved["reference"]["states"]))
-            reference = (saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
-        return (saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
-                [set(t) for t in saved["targets"]], reference)
+            reference = ReferenceStates(saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
+        return PassState(saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
+                         [set(t) for t in saved["targets"]], reference)
 
     def agree(self, parallel) -> None:
         """Data-parallel: every rank must have adopted the same checkpoint (the manifest's sha256, or none)."""
@@ -302,19 +303,19 @@ class Checkpoints:
             return
         self._save(session, {"group": group_index + 1, "layer": None}, records, report, None)
 
-    def layer_done(self, session, index: int, inputs: list[torch.Tensor], reports: list, targets: list,
-                   reference: tuple | None) -> None:
+    def layer_done(self, session, index: int, state: PassState) -> None:
         """Checkpoint after pass layer ``index``: the model, the next layer's inputs and, when the pass
-        follows the original model (``reference``: next original layer, its states, kwargs), its states."""
+        follows the original model (``state.reference``), the original model's states."""
         if not self.writer:
             return
         start = time.perf_counter()
-        pass_state = {"layer": index, "inputs": self._store({str(k): t for k, t in enumerate(inputs)}, "inputs"),
-                      "targets": [sorted(t) for t in targets],
-                      "reports": json.loads(json.dumps(reports, default=str)), "reference": None}
-        if reference is not None:
-            states = self._store({str(k): t for k, t in enumerate(reference[1])}, "reference")
-            pass_state["reference"] = {"next": reference[0], "states": states}
+        pass_state = {"layer": index,
+                      "inputs": self._store({str(k): t for k, t in enumerate(state.inputs)}, "inputs"),
+                      "targets": [sorted(t) for t in state.targets],
+                      "reports": json.loads(json.dumps(state.reports, default=str)), "reference": None}
+        if state.reference is not None:
+            states = self._store({str(k): t for k, t in enumerate(state.reference.states)}, "reference")
+            pass_state["reference"] = {"next": state.reference.next, "states": states}
         self.seconds += time.perf_counter() - start
         self._save(session, {"group": self._group, "layer": index}, self._records, self._report, pass_state)
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .session import hidden_state, to_device
+from .tensors import hidden_state, to_device
 from .stats import Statistic, position
 
 

@@ -64,7 +64,9 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     ``checkpoints=False``: keep no resume checkpoints (a run that cannot be resumed, but needs disk room
     for the output once instead of twice).
     ``timings``: where the run's timings log goes (``recipe_engine.execution.timings``; default, when the
-    output is written: ``<output>.timings.jsonl`` beside it; a copy ends up in the output).
+    output is written: ``<output>.timings.jsonl`` beside it while the run goes on, in the output as
+    ``timings.jsonl`` once it is written; a run that fails or is interrupted by a handled signal removes it
+    with its other files, one killed outright leaves it). A log whose place was given is always kept.
     ``profile``: a directory for a ``torch.profiler`` trace of a few layers and a table of the top operations
     (``recipe_engine.execution.timings.profiled``; needs the timings log).
     """
@@ -74,8 +76,15 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         log = timings_path(loaded.recipe.output, timings, write and parallel.rank == 0)
         if profile is not None and log is None:
             raise RecipeError("--profile needs the timings log: give --timings PATH when nothing is written")
-        return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints, log,
-                      Path(profile) if profile is not None and parallel.rank == 0 else None)
+        try:
+            return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints,
+                          log, Path(profile) if profile is not None and parallel.rank == 0 else None)
+        finally:
+            # nothing stays beside the output: a finished run's log is in it, a failed or interrupted run's
+            # goes with its other files; a SIGKILL (or the OOM killer) leaves it. A log whose place the
+            # user named stays there.
+            if timings is None and log is not None:
+                log.unlink(missing_ok=True)
 
 
 def timings_path(output: str, given: str | Path | None, writing: bool) -> Path | None:

@@ -1,0 +1,366 @@
+"""The layer-sequential pass: calibration activations and the layers that run over them.
+
+Inputs of the first decoder layer are captured with recording stand-ins in place of the decoder layers (no
+fx tracing); then decoder layers run one at a time over all calibration batches. This module owns the
+activations and their device moves: the per-batch move onto the device, the outputs kept on the session's
+``storage`` (the device, or the host with ``calibration.offload``), the data-parallel share and gather, the
+original model's states in lockstep, and the pass state a resume checkpoint saves. Weight residency is
+``recipe_engine.execution.residency``'s; the steps are ``recipe_engine.execution.steps``'.
+
+With ``propagate: compressed`` a layer's inputs come from the already-compressed layers before it; with
+``original`` from the layers as they were when the pass started.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from ..architectures.adapters import LAYER_TYPE_KWARGS
+from ..recipe.modifier import LayerModifier
+from .distributed import module_digest
+from .modifier_session import CurrentLayer
+from .pass_state import PassState, ReferenceStates
+from .stats import Statistic, change_position
+from .tensors import first_tensor, hidden_state, to_device
+
+if TYPE_CHECKING:
+    from .session import Session
+
+PASS = "layer-sequential pass"
+
+
+class _Captured(Exception):
+    pass
+
+
+class _Capture:
+    """What the recording stand-ins of ``LayerPipeline._capture`` collect: the first layer's hidden states and
+    keyword arguments per batch, and with several layer types the first layer of each type's own keyword
+    arguments. Module-level (not a class made per call) so that a capture forms no reference cycle with the
+    session: a copied model is freed as soon as its session is dropped, without the cyclic collector."""
+
+    def __init__(self, storage: torch.device, types: list[str], count: int):
+        self.storage, self.types, self.count = storage, types, count
+        self.by_type = len(set(types)) > 1
+        self.inputs: list[torch.Tensor] = []
+        self.kwargs_list: list[dict[str, Any]] = []
+
+    def keep(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {k: to_device(v, self.storage) for k, v in kwargs.items()
+                if k != "hidden_states" and k != "past_key_values"}
+
+    def record(self, index: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        if index == 0:
+            self.inputs.append(first_tensor(args, kwargs).to(self.storage))
+            self.kwargs_list.append(self.keep(kwargs))
+            if self.by_type:
+                self.kwargs_list[-1][LAYER_TYPE_KWARGS] = {}
+        if self.by_type and self.types[index] not in self.kwargs_list[-1][LAYER_TYPE_KWARGS]:
+            self.kwargs_list[-1][LAYER_TYPE_KWARGS][self.types[index]] = self.keep(kwargs)
+        if index == self.count - 1 or not self.by_type:
+            raise _Captured
+        return first_tensor(args, kwargs)
+
+
+class _Recorder(nn.Module):
+    """A decoder layer's stand-in during ``LayerPipeline._capture``: hands its inputs to the capture."""
+
+    def __init__(self, index: int, capture: _Capture):
+        super().__init__()
+        self.index, self.capture = index, capture
+
+    def forward(self, *args, **kwargs):
+        return self.capture.record(self.index, args, kwargs)
+
+
+class LayerPipeline:
+    """The layer-sequential execution of one session (its model, calibration, device and residency)."""
+
+    def __init__(self, session: "Session"):
+        self.session = session
+        #: The layer ``run_layer_modifiers`` is compressing (``current_layer``) and what its step handed over.
+        self.current: CurrentLayer | None = None
+        self._provided: list[torch.Tensor] | None = None
+        #: The original model's hidden states in lockstep with the pass (``reference_outputs``).
+        self.reference: ReferenceStates | None = None
+
+    # -- capture and layer runs -------------------------------------------------------------------
+    def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """Hidden states and keyword arguments entering decoder layer 0, one entry per batch (reused from
+        the sweep memo when the embedding matrix is unchanged; callers never modify them in place).
+        Starts a calibration pass (``passes.count()``)."""
+        s = self.session
+        s.passes.count()
+        embedding = s.adapter.embeddings(s.model).weight
+        if s.memo is None or s.stream is not None or embedding.is_meta:
+            return self._capture()
+        return s.memo.capture(embedding, self._capture)
+
+    @torch.no_grad()
+    def _capture(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """The base model runs with its decoder layers swapped for recording stand-ins (no layer runs):
+        the first records the hidden states and keyword arguments, and when layers differ in type
+        (``config.layer_types``: Gemma 3's sliding / global attention masks and rotary embeddings) the first
+        layer of each type records its own under ``LAYER_TYPE_KWARGS`` (``ArchitectureAdapter.layer_kwargs``)."""
+        s = self.session
+        count = len(s.layers)
+        capture = _Capture(s.storage, list(getattr(s.model.config, "layer_types", None) or []), count)
+        layers = s.layers
+        s.adapter.set_layer_list(s.model, nn.ModuleList([_Recorder(i, capture) for i in range(count)]))
+        try:
+            with s.using(s.adapter.embeddings(s.model)), s.on_device(s.adapter.rotary(s.model)), \
+                    s.timings.phase("forward"):
+                for batch in s.batches:
+                    try:
+                        s.model.model(input_ids=batch.to(s.device), use_cache=False)
+                    except _Captured:
+                        pass
+        finally:
+            s.adapter.set_layer_list(s.model, layers)
+        return capture.inputs, capture.kwargs_list
+
+    @torch.no_grad()
+    def run_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]],
+                  hooks: list[Statistic] = (),
+                  on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
+        """Run one (already placed) layer over all batches, feeding ``hooks``; returns its outputs.
+        ``on_batch(k, output)`` is called after batch ``k`` (its hooks have fired), output on the device.
+
+        Data-parallel (``session.parallel``): without ``on_batch`` each rank runs its share of the batches,
+        the hooks' sums are all-reduced in fp64 and the outputs all-gathered (every rank returns all)."""
+        s = self.session
+        share = s.parallel.share(len(inputs)) if on_batch is None else None
+        handles = []
+        for stat in hooks:
+            module = layer.get_submodule(stat.module) if stat.module else layer
+
+            def hook(_m, args, kwargs, output, stat=stat):
+                stat.update(first_tensor(args, kwargs), hidden_state(output))
+
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        outputs = []
+        try:
+            with s.timings.phase("forward"):
+                for k, (x, kwargs) in enumerate(zip(inputs, kwargs_list)):
+                    if share is not None and k not in share:
+                        continue
+                    for stat in hooks:
+                        stat.batch = k
+                    s.timings.moved(x, s.device)
+                    out = hidden_state(layer(x.to(s.device), **to_device(s.adapter.layer_kwargs(layer, kwargs), s.device)))
+                    s.count_layer_work(batches=1)
+                    if on_batch is not None:
+                        on_batch(len(outputs), out)
+                    s.timings.moved(out, s.storage)
+                    outputs.append(out.to(s.storage))
+        finally:
+            for handle in handles:
+                handle.remove()
+        s.count_layer_work(runs=1)
+        if share is not None:
+            s.parallel.reduce_statistics(hooks)
+            outputs = s.parallel.gather(outputs, len(inputs))
+        return outputs
+
+    def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
+                   description: str = "calibration pass", skip: tuple[int, ...] = ()) -> None:
+        """Whole-model pass: ``visit(index, inputs, outputs)`` for every layer (skipped layers pass
+        their inputs through unchanged and are not visited)."""
+        s = self.session
+        inputs, kwargs_list = self.capture_inputs()
+        for index in s.progress.track(range(len(s.layers)), description):
+            if index in skip:
+                continue
+            with s.using(index):
+                outputs = self.run_layer(s.layers[index], inputs, kwargs_list)
+            visit(index, inputs, outputs)
+            inputs = outputs
+            s.timings.record(**{"pass": description, "layer": index, "layers": len(s.layers)})
+
+    # -- calibration loss --------------------------------------------------------------------------
+    @torch.no_grad()
+    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
+                        per_window: bool = False) -> float | list[float]:
+        """Token-weighted mean next-token NLL of the calibration windows (layers in ``skip`` bypassed;
+        at least one layer must run). With ``finals``, the last decoder layer's outputs (one tensor per
+        batch, e.g. of a model assembled by the step), no pass is made: see ``final_nll``. ``per_window``:
+        each window's mean NLL instead, in window order (windows are equally long: their mean is the former)."""
+        if finals is not None:
+            if skip:
+                raise ValueError("calibration_nll: skip and finals exclude each other")
+            return self.final_nll(finals, per_window)
+        finals = []
+
+        def keep_last(index: int, _inputs, outputs) -> None:
+            finals[:] = outputs
+
+        self.layer_pass(keep_last, "calibration NLL", skip=skip)
+        return self.final_nll(finals, per_window)
+
+    @torch.no_grad()
+    def final_nll(self, finals: list[torch.Tensor], per_window: bool = False) -> float | list[float]:
+        """Token-weighted mean next-token NLL of the calibration windows given the last decoder layer's
+        outputs ``finals`` (one tensor per batch): final norm, ``lm_head``, cross-entropy in fp32, summed per
+        window in fp64. ``per_window``: each window's mean NLL, in window order."""
+        s = self.session
+        sums = torch.zeros(s.calibration.shape[0], dtype=torch.float64)
+        norm, head = s.adapter.final_norm(s.model), s.adapter.lm_head(s.model)
+        share = s.parallel.share(len(finals))
+        end = 0
+        with s.using(norm, head):
+            for k, (hidden, batch) in enumerate(zip(finals, s.batches)):
+                start, end = end, end + batch.shape[0]  # this batch's windows
+                if share is not None and k not in share:
+                    continue
+                logits = head(norm(hidden.to(s.device))).float()
+                targets = batch[:, 1:].to(s.device)
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none")
+                sums[start:end] = loss.sum(dim=1).double().cpu()
+        if share is not None:
+            sums = torch.tensor(s.parallel.sum(sums.tolist()), dtype=torch.float64)
+        tokens = s.calibration.shape[1] - 1
+        if per_window:
+            return (sums / tokens).tolist()
+        return float(sums.sum()) / (tokens * len(sums))
+
+    # -- targets from the original model ---------------------------------------------------------
+    def provide_outputs(self, outputs: list[torch.Tensor]) -> None:
+        """``CurrentLayer.provide_outputs``: the layer's outputs on its inputs as the step leaves it."""
+        if self.current is None:
+            raise RuntimeError("provide_outputs() is only available inside compress_layer")
+        if len(outputs) != len(self.current.inputs):
+            raise ValueError(f"provide_outputs: {len(outputs)} batches given, {len(self.current.inputs)} expected")
+        self._provided = outputs
+
+    @torch.no_grad()
+    def original_outputs(self, index: int, inputs: list[torch.Tensor] | None = None,
+                         kwargs_list: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
+        """The original layers that layer ``index`` stands for (``layer_origin``), run one after another
+        on ``inputs``: the serial computation a merged layer approximates. Without ``inputs``: the original
+        model's own hidden states after them (``reference_outputs``)."""
+        if inputs is None:
+            return self.reference_outputs(index)
+        return self._run_original(self.session.layer_origin[index], inputs, kwargs_list)
+
+    @torch.no_grad()
+    def reference_outputs(self, index: int) -> list[torch.Tensor]:
+        """Hidden states of the original model after the last original layer that layer ``index`` covers,
+        computed from the original model's own inputs. The original layers advance in lockstep with the
+        pass (one extra set of activations in memory); calls must come in increasing layer order."""
+        last = max(self.session.layer_origin[index])
+        if self.reference is not None and self.reference.next > last + 1:
+            raise RuntimeError(f"reference_outputs({index}) after layer {self.reference.next - 1}: calls "
+                               f"must come in increasing layer order (the original model is not run twice)")
+        if self.reference is None:
+            states, kwargs_list = self.session.reference_session().capture_inputs()
+            self.reference = ReferenceStates(0, states, kwargs_list)
+        self.reference.states = self._run_original(range(self.reference.next, last + 1), self.reference.states,
+                                                   self.reference.kwargs_list)
+        self.reference.next = last + 1
+        return self.reference.states
+
+    def _run_original(self, indices, states: list[torch.Tensor], kwargs_list: list[dict[str, Any]]):
+        """Original layers ``indices`` (of the reference model), one after another, over all batches."""
+        reference = self.session.reference_session()
+        for original in indices:
+            with reference.using(original):
+                states = reference.run_layer(reference.layers[original], states, kwargs_list)
+        return states
+
+    # -- layer-sequential compression ------------------------------------------------------------
+    @torch.no_grad()
+    def run_layer_modifiers(self, group: list[LayerModifier], checkpoints=None) -> dict[str, dict[str, Any]]:
+        """One layer-sequential pass applying every modifier of ``group`` to its target layers.
+
+        For each layer: collect the statistics the next modifier needs (reusing those still valid),
+        compress, invalidate statistics downstream of what changed, then compute the layer's outputs
+        as the next layer's inputs (from the compressed layer, or the original one with
+        ``propagate: original``). Returns per-modifier reports keyed by ``"{step index}"``; each has
+        ``own_s``, the wall time of that modifier's own work (its statistics forwards, compression and
+        ``finish``), the rest of the pass (loading, shared forwards) being shared. ``checkpoints``
+        (``recipe_engine.execution.resume.Checkpoints``, or None): a resumed pass starts after its last
+        finished layer, and every finished layer is checkpointed.
+        """
+        s = self.session
+        own = [0.0] * len(group)
+        state = self._start(group, checkpoints)
+        kwargs_list = self._kwargs_list
+        last = max((max(t) for t in state.targets if t), default=-1)
+        for index in s.progress.track(range(state.next_layer, last + 1), PASS):
+            active = [k for k, t in enumerate(state.targets) if index in t]
+            with s.using(index):
+                if not active:
+                    state.inputs = self.run_layer(s.layers[index], state.inputs, kwargs_list)
+                    self._layer_done(state, index, last, checkpoints)
+                    continue
+                state.inputs = self._compress_layer(group, active, index, state, kwargs_list, own)
+            self._layer_done(state, index, last, checkpoints)
+        self.reference = None
+        for k, modifier in enumerate(group):
+            started = time.perf_counter()
+            state.reports[k].update(modifier.finish(s))
+            state.reports[k]["own_s"] = own[k] + time.perf_counter() - started
+        return {str(k): r for k, r in enumerate(state.reports)}
+
+    def _start(self, group: list[LayerModifier], checkpoints) -> PassState:
+        """The pass's state before its first layer: fresh, or where an interrupted run's checkpoint left it
+        (``--resume``: the original model's states too, with its layers' keyword arguments captured again)."""
+        s = self.session
+        inputs, self._kwargs_list = self.capture_inputs()
+        resumed = checkpoints.pass_state() if checkpoints is not None else None
+        self.reference = None
+        if resumed is None:
+            return PassState(0, inputs, [{"layers": {}} for _ in group], [set(m.target_layers(s)) for m in group])
+        if resumed.reference is not None:
+            resumed.reference.kwargs_list = s.reference_session().capture_inputs()[1]
+            self.reference = resumed.reference
+        return resumed
+
+    def _layer_done(self, state: PassState, index: int, last: int, checkpoints) -> None:
+        state.next_layer, state.reference = index + 1, self.reference
+        if checkpoints is not None:
+            checkpoints.layer_done(self.session, index, state)
+        self.session.timings.record(**{"pass": PASS, "layer": index, "layers": last + 1})
+
+    def _compress_layer(self, group: list[LayerModifier], active: list[int], index: int, state: PassState,
+                        kwargs_list: list[dict[str, Any]], own: list[float]) -> list[torch.Tensor]:
+        """Every active modifier on layer ``index`` (placed), in recipe order; returns the layer's outputs,
+        the next layer's inputs. Statistics are collected by the forwards the modifiers need and reused
+        until a modifier changes what they read (``change_position``)."""
+        s = self.session
+        layer, inputs = s.layers[index], state.inputs
+        keep_original = s.config.propagate == "original"
+        original_outputs = provided = None
+        cache: dict[str, Statistic] = {}
+        for k in active:
+            modifier, started = group[k], time.perf_counter()
+            s.timings.split("shared")
+            needed = modifier.statistics(s, index)
+            missing = [stat for stat in needed if stat.key not in cache]
+            if missing or (keep_original and original_outputs is None):
+                outputs = self.run_layer(layer, inputs, kwargs_list, hooks=missing)
+                original_outputs = original_outputs if original_outputs is not None else outputs
+                cache.update({stat.key: stat for stat in missing})
+            self.current, self._provided = CurrentLayer(inputs, kwargs_list, self.provide_outputs), None
+            try:
+                with s.timings.phase("compress"):
+                    entry = modifier.compress_layer(s, index, {stat.key: cache[stat.key] for stat in needed})
+                provided = self._provided
+            finally:
+                self.current = self._provided = None
+            state.reports[k]["layers"][str(index)] = entry
+            changed = min((change_position(m) for m in modifier.modifies), default=99)
+            cache = {key: stat for key, stat in cache.items() if stat.position <= changed and not stat.released}
+            own[k] += time.perf_counter() - started
+            s.timings.split(modifier.step_name())
+        if s.parallel.active:  # the guard: every rank compressed this layer alike
+            entries = [r["layers"].get(str(index)) for r in state.reports]
+            s.parallel.agree(f"layer {index}", module_digest(s.layers[index], entries))
+        if keep_original:
+            return original_outputs
+        if provided is not None:
+            return provided
+        return self.run_layer(s.layers[index], inputs, kwargs_list)

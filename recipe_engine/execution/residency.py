@@ -1,0 +1,138 @@
+"""Weight residency: which weights are materialized, and where, while a session runs.
+
+An in-memory model's modules are moved to the session device for a block and back (``on_device``); a
+streamed model's units are materialized from disk for a block and released after, staging what changed
+(``recipe_engine.execution.streaming``). Entering a block counts as ``load`` and leaving it as ``write`` in
+the run's timings log.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch import nn
+
+from .streaming import stream_units
+
+if TYPE_CHECKING:
+    from .session import Session
+
+
+class Residency:
+    """The weight residency of one session (its model, stream, device and timings, read at each call)."""
+
+    def __init__(self, session: "Session"):
+        self.session = session
+
+    def _modules(self, items) -> list[nn.Module]:
+        layers = self.session.layers
+        return [layers[i] if isinstance(i, int) else i for i in items]
+
+    def units_of(self, items) -> list[nn.Module]:
+        """Streamed units behind ``items``: a tied ``lm_head`` is the embeddings' unit; each unit once."""
+        s = self.session
+        embeddings, head = s.adapter.embeddings(s.model), s.adapter.lm_head(s.model)
+        units = [embeddings if m is head and head.weight is embeddings.weight else m
+                 for m in self._modules(items)]
+        return list({id(m): m for m in units}.values())
+
+    def loaded(self, *items: int | nn.Module) -> contextlib.AbstractContextManager:
+        """Weights of these layers (current indices) or modules materialized on CPU for the block; on
+        exit a streamed model stages what changed and releases it. A no-op for an in-memory model."""
+        if self.session.stream is None:
+            return contextlib.nullcontext()
+        return self._timed(self.session.stream.loaded(self.units_of(items), torch.device("cpu")))
+
+    def using(self, *items: int | nn.Module) -> contextlib.AbstractContextManager:
+        """Layers (current indices) or modules with real weights on the session device for the block:
+        materialized there from disk when streamed, else moved there and back (``on_device``)."""
+        if self.session.stream is None:
+            return self.on_device(*self._modules(items))
+        return self._timed(self.session.stream.loaded(self.units_of(items), self.session.device))
+
+    @contextlib.contextmanager
+    def _timed(self, block: contextlib.AbstractContextManager) -> Iterator[None]:
+        """``block`` with its entry timed as ``load`` and its exit as ``write`` (``timings``)."""
+        timings = self.session.timings
+        stack = contextlib.ExitStack()
+        with timings.phase("load"):
+            stack.enter_context(block)
+        try:
+            yield
+        except BaseException:
+            if not stack.__exit__(*sys.exc_info()):
+                raise
+            return
+        with timings.phase("write"):
+            stack.close()
+
+    def placed(self, *items: int | nn.Module, on_device: bool = True) -> contextlib.AbstractContextManager:
+        """The protocol's residency block. ``on_device``: layers named by current index are the model's own
+        (``using``: read from disk onto the device when streamed, else moved there and back); modules given
+        as objects are moved to the device and back (``on_device``: a module a step built, another model, a
+        layer the block already holds). ``on_device=False``: layers or model parts (embeddings, final norm,
+        ``lm_head``) materialized in host memory for the block (``loaded``; a no-op in memory)."""
+        if not on_device:
+            return self.loaded(*items)
+        indices = [item for item in items if isinstance(item, int)]
+        modules = [item for item in items if not isinstance(item, int)]
+        if not modules:
+            return self.using(*indices)
+        if not indices:
+            return self.on_device(*modules)
+        block = contextlib.ExitStack()
+        block.enter_context(self.using(*indices))
+        block.enter_context(self.on_device(*modules))
+        return block
+
+    def release(self, module: nn.Module) -> None:
+        """Stage a module built by a step (e.g. a merged layer) and free its weights (streamed models)."""
+        if self.session.stream is not None:
+            self.session.stream.release(module)
+
+    @property
+    def scratch_directory(self) -> Path | None:
+        """Where a step of a streamed run may spill large working data to disk (the staging directory,
+        inside the output's temporary directory, so it goes with it; a temporary directory for a read-only
+        stream); ``None`` for an in-memory model (keep it in memory)."""
+        stream = self.session.stream
+        if stream is None:
+            return None
+        if stream.staging is None:
+            return Path(tempfile.gettempdir())
+        stream.staging.mkdir(parents=True, exist_ok=True)
+        return stream.staging
+
+    def stream_units(self) -> list[nn.Module]:
+        """What a streamed model loads and releases whole (``streaming.stream_units``)."""
+        return stream_units(self.session.model, self.session.adapter)
+
+    def resident(self) -> contextlib.AbstractContextManager:
+        """The whole model materialized on CPU for the block (for steps that need every weight at once,
+        e.g. training); a no-op for an in-memory model."""
+        return self.loaded(*self.stream_units())
+
+    @contextlib.contextmanager
+    def on_device(self, *modules: nn.Module) -> Iterator[None]:
+        """Move modules to the session device for the duration of the block, then back where each was (a
+        module already on the device, e.g. the layer a pass is using, stays there)."""
+        device, timings = self.session.device, self.session.timings
+        if device.type == "cpu":
+            yield
+            return
+        homes = [next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
+                 for module in modules]
+        with timings.phase("load"):
+            for module in modules:
+                module.to(device)
+        try:
+            yield
+        finally:
+            with timings.phase("write"):
+                for module, home in zip(modules, homes):
+                    module.to(home)
