@@ -77,7 +77,8 @@ class _Recorder(nn.Module):
 
 
 class LayerPipeline:
-    """The layer-sequential execution of one session (its model, calibration, device and residency)."""
+    """The layer-sequential execution of one session (its model, calibration, device and residency). Calls
+    between its parts go through the session's methods of the same names, as a step's do."""
 
     def __init__(self, session: "Session"):
         self.session = session
@@ -170,12 +171,12 @@ class LayerPipeline:
         """Whole-model pass: ``visit(index, inputs, outputs)`` for every layer (skipped layers pass
         their inputs through unchanged and are not visited)."""
         s = self.session
-        inputs, kwargs_list = self.capture_inputs()
+        inputs, kwargs_list = s.capture_inputs()
         for index in s.progress.track(range(len(s.layers)), description):
             if index in skip:
                 continue
             with s.using(index):
-                outputs = self.run_layer(s.layers[index], inputs, kwargs_list)
+                outputs = s.run_layer(s.layers[index], inputs, kwargs_list)
             visit(index, inputs, outputs)
             inputs = outputs
             s.timings.record(**{"pass": description, "layer": index, "layers": len(s.layers)})
@@ -191,14 +192,14 @@ class LayerPipeline:
         if finals is not None:
             if skip:
                 raise ValueError("calibration_nll: skip and finals exclude each other")
-            return self.final_nll(finals, per_window)
+            return self.session.final_nll(finals, per_window)
         finals = []
 
         def keep_last(index: int, _inputs, outputs) -> None:
             finals[:] = outputs
 
-        self.layer_pass(keep_last, "calibration NLL", skip=skip)
-        return self.final_nll(finals, per_window)
+        self.session.layer_pass(keep_last, "calibration NLL", skip=skip)
+        return self.session.final_nll(finals, per_window)
 
     @torch.no_grad()
     def final_nll(self, finals: list[torch.Tensor], per_window: bool = False) -> float | list[float]:
@@ -242,7 +243,7 @@ class LayerPipeline:
         on ``inputs``: the serial computation a merged layer approximates. Without ``inputs``: the original
         model's own hidden states after them (``reference_outputs``)."""
         if inputs is None:
-            return self.reference_outputs(index)
+            return self.session.reference_outputs(index)
         return self._run_original(self.session.layer_origin[index], inputs, kwargs_list)
 
     @torch.no_grad()
@@ -293,7 +294,7 @@ class LayerPipeline:
             active = [k for k, t in enumerate(state.targets) if index in t]
             with s.using(index):
                 if not active:
-                    state.inputs = self.run_layer(s.layers[index], state.inputs, kwargs_list)
+                    state.inputs = s.run_layer(s.layers[index], state.inputs, kwargs_list)
                     self._layer_done(state, index, last, checkpoints)
                     continue
                 state.inputs = self._compress_layer(group, active, index, state, kwargs_list, own)
@@ -309,7 +310,7 @@ class LayerPipeline:
         """The pass's state before its first layer: fresh, or where an interrupted run's checkpoint left it
         (``--resume``: the original model's states too, with its layers' keyword arguments captured again)."""
         s = self.session
-        inputs, self._kwargs_list = self.capture_inputs()
+        inputs, self._kwargs_list = s.capture_inputs()
         resumed = checkpoints.pass_state() if checkpoints is not None else None
         self.reference = None
         if resumed is None:
@@ -341,7 +342,7 @@ class LayerPipeline:
             needed = modifier.statistics(s, index)
             missing = [stat for stat in needed if stat.key not in cache]
             if missing or (keep_original and original_outputs is None):
-                outputs = self.run_layer(layer, inputs, kwargs_list, hooks=missing)
+                outputs = s.run_layer(layer, inputs, kwargs_list, hooks=missing)
                 original_outputs = original_outputs if original_outputs is not None else outputs
                 cache.update({stat.key: stat for stat in missing})
             self.current, self._provided = CurrentLayer(inputs, kwargs_list, self.provide_outputs), None
@@ -363,4 +364,4 @@ class LayerPipeline:
             return original_outputs
         if provided is not None:
             return provided
-        return self.run_layer(s.layers[index], inputs, kwargs_list)
+        return s.run_layer(s.layers[index], inputs, kwargs_list)
