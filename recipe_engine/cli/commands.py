@@ -1,4 +1,4 @@
-"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, export, sweep, eval, bench."""
+"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, export, card, sweep, eval, bench."""
 from __future__ import annotations
 
 import argparse
@@ -16,8 +16,10 @@ from rich.table import Table
 
 from ..errors import QualityGateError, RecipeError, one_line
 from ..execution.distributed import DistributedError
+from ..io.card import read_evaluation, write_card
 from ..io.gguf_export import TYPES, export_gguf
 from ..io.output import SWEEP_FILE
+from ..io.report import load_report
 from ..plan.preflight import check_device, located, validate_recipe
 from ..plan.steps import compile_for_plan, memory_plan, plan_rows, print_plan, rank_memory
 from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
@@ -147,6 +149,14 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_card(args) -> int:
+    report = load_report(args.directory)
+    evaluations = [read_evaluation(path, report) for path in args.eval or []]
+    path = write_card(args.directory, report, evaluations)
+    out.print(f"wrote {escape(str(path))}")
+    return 0
+
+
 def cmd_sweep(args) -> int:
     sweep = Sweep([args.recipe, *(args.recipes or [])], args.vary or [], args.output, args.eval_limit,
                   args.tasks, progress=not args.quiet, overrides=list(args.set or []))
@@ -226,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", choices=TYPES, default="f16", help="2-D weights' type; norms and biases stay f32")
     p.add_argument("--force", action="store_true", help="replace an existing file")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("card", help="rewrite an output directory's model card (README.md) from its report.json")
+    p.add_argument("directory", help="a recipe output directory")
+    p.add_argument("--eval", action="append", metavar="JSON",
+                   help="a `recipe eval DIR --json` record of this output to show as well (repeatable)")
+    p.set_defaults(func=cmd_card)
 
     p = sub.add_parser("sweep", help="run recipes over a grid of parameter values; table, JSON, Pareto plot")
     p.add_argument("recipe")

@@ -18,6 +18,7 @@ from ..execution.outputs import RunOutputs
 from ..execution.session import Session
 from ..execution.steps import run_steps
 from ..execution.streaming import open_stream
+from ..io.card import source_license, write_card
 from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..io.extras import save_extras
@@ -120,7 +121,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     if model is None:
         bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
         model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
-        report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location)
+        report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
+                                      license=source_license(source))
     else:
         source = None
         report["model"] = ModelRecord(spec=recipe.model, kind="in-memory")
@@ -266,4 +268,5 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
     if final.evaluation is not None and final.evaluation.quality_gate == "failed":
         (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
     final.write(tmp)
+    write_card(tmp, final)  # README.md: the model card, from the report and the files beside it
     return final
