@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -26,9 +25,10 @@ from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
 from ..recipe.registry import REGISTRY, RegistryError
 from ..recipe.schema import dump_recipe
 from ..system.cleanup import Interrupted, handle_signals
+from ..system.progress import Progress
 from ..workflows.runner import apply
 from ..workflows.sweep import Sweep, plot, table
-from .evaluate import add_commands, positive_int
+from .evaluate import add_commands, positive_int, quiet_libraries
 from .summary import print_summary
 
 out = Console()
@@ -50,31 +50,8 @@ def _overrides(args) -> list[str]:
     return sets
 
 
-@contextlib.contextmanager
-def _quiet_libraries(quiet: bool):
-    """No transformers/hub progress bars ("Loading weights", "Writing model shards") under --quiet;
-    their previous state is restored afterwards (``main`` may be called in-process)."""
-    if not quiet:
-        yield
-        return
-    # deferred: transformers and the hub client add seconds to every command's start; only --quiet needs them
-    import huggingface_hub.utils as hub
-    from transformers.utils import logging as hf_logging
-
-    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
-    hf_logging.disable_progress_bar()
-    hub.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-        if not hub_was_off:
-            hub.enable_progress_bars()
-
-
 def cmd_apply(args) -> int:
-    with _quiet_libraries(args.quiet):
+    with quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
                           resume=args.resume, checkpoints=not args.no_checkpoints)
     if report.rank == 0:  # data-parallel: one summary
@@ -143,7 +120,8 @@ def cmd_list(args) -> int:
 
 
 def cmd_export(args) -> int:
-    summary = export_gguf(args.directory, args.output, args.type, force=args.force)
+    with quiet_libraries(False), Progress() as bar:
+        summary = export_gguf(args.directory, args.output, args.type, force=args.force, progress=bar)
     out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
               f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
     return 0
@@ -161,7 +139,7 @@ def cmd_sweep(args) -> int:
     sweep = Sweep([args.recipe, *(args.recipes or [])], args.vary or [], args.output, args.eval_limit,
                   args.tasks, progress=not args.quiet, overrides=list(args.set or []))
     try:
-        with _quiet_libraries(args.quiet):
+        with quiet_libraries(args.quiet):
             rows = sweep.run()
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT

@@ -44,7 +44,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
         watch.start()
         start, passes_before = time.perf_counter(), session.passes.value
         names = ", ".join(step.step_name() for _, step in group)
-        bar.log(f"step {group[0][0]}: {names}")
+        bar.phase(f"step {group[0][0]}: {names}")
         if group[0][1].scope == "layer":
             layer_steps: list[LayerModifier] = [step for _, step in group]  # type: ignore[misc]
             outputs = session.run_layer_modifiers(layer_steps, checkpoints)

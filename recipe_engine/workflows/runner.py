@@ -119,7 +119,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
     before_weights = current_rss() if model is None else 0
     if model is None:
-        bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
+        bar.phase(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
         model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
         report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
                                       license=source_license(source))
@@ -143,6 +143,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
     if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
+        bar.phase("evaluating the model before compression")
         report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
     report["steps"] = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
     _check_uniform(session)
@@ -152,6 +153,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
     gate = None
     if recipe.evaluate is not None:
+        bar.phase("evaluating the compressed model")
         after = evaluate_session(session, recipe.evaluate, bar)
         report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
         gate = _quality_gate(recipe, report["evaluation"]["retained"])
