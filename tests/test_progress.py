@@ -53,12 +53,29 @@ def test_piped_apply_writes_plain_progress_lines_and_no_control_characters(appli
     assert "step 0: ShortGPT" in log.splitlines()  # each step named on its own line
 
 
-def test_plain_lines_come_at_most_once_per_interval(applied):
+def test_piped_eval_writes_plain_lines(applied):
     base, _ = applied
-    log = piped(["eval", str(base / "out"), "--dataset", str(base / "cal.txt"), "--seq-len", "16", "--limit", "6",
-                 "--device", "cpu"], interval="3600")
+    arguments = ["eval", str(base / "out"), "--dataset", str(base / "cal.txt"), "--seq-len", "16", "--limit", "6",
+                 "--device", "cpu"]
+    log = piped(arguments)
     assert "\x1b" not in log and "\r" not in log
-    assert len([line for line in log.splitlines() if " left" in line]) == 1  # the first item only, then silence
+    assert "perplexity windows 6/6, elapsed " in log
+    assert " left" not in piped(arguments, interval="3600")  # a command shorter than the interval: no line
+
+
+def test_plain_lines_come_at_most_once_per_interval(monkeypatch):
+    from recipe_engine.system import progress
+
+    clock = iter(range(0, 1000, 4))  # every item takes 4 s
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    with Progress(console=Console(file=log, force_terminal=False), interval=10) as bar:
+        bar.phase("step 0: X")
+        assert list(bar.track(range(10), "layers")) == list(range(10))
+    # made at 0 s, the loop starts at 4 s; item k ends at 4 + 4k s: lines at 12, 24 and 36 s (items 2, 5, 8)
+    assert log.getvalue().splitlines() == ["step 0: X", "[step 0: X] layers 2/10, elapsed 8s, ~32s left",
+                                           "[step 0: X] layers 5/10, elapsed 20s, ~20s left",
+                                           "[step 0: X] layers 8/10, elapsed 32s, ~8s left"]
 
 
 def test_piped_export_writes_plain_lines(tmp_path):

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RecipeError
+from ..recipe.files import load_recipe
+from ..recipe.registry import RegistryError
 from .data import hub_unreachable
 from .extras import EXTRAS_JSON
 from .models import resolve_model
@@ -64,6 +66,14 @@ def source_license(source) -> str | None:
 
 def _params(params: dict[str, Any]) -> str:
     return ", ".join(f"{key}={json.dumps(value, default=str)}" for key, value in params.items()) or "-"
+
+
+def _description(directory: Path) -> str:
+    """The recipe's ``description`` from the output's resolved ``recipe.yaml`` ("" when it has none)."""
+    try:
+        return load_recipe(str(directory / "recipe.yaml")).recipe.description
+    except (RecipeError, RegistryError):  # a recipe this engine no longer reads: the card does without its description
+        return ""
 
 
 def _steps(report: Report) -> list[str]:
@@ -223,7 +233,8 @@ def model_card(report: Report, directory: str | Path, evaluations: list[dict] = 
                          model_name=report.recipe.name if results else None, eval_results=results or None,
                          **({"base_model_relation": "quantized"} if quantized else {}))
     size = report.after.parameters / report.before.parameters
-    body = [f"# {report.recipe.name}", "",
+    description = _description(directory)
+    body = [f"# {report.recipe.name}", "", *([description, ""] if description else []),
             f"`{base_model(report.model)}` compressed by `recipe apply` (recipe-engine, the recipe "
             f"`{report.recipe.name}`): {report.before.layers} → {report.after.layers} decoder layers, "
             f"{size:.1%} of the parameters.", "",

@@ -40,8 +40,8 @@ class Progress:
     """One live display the session and modifiers share (or none when disabled).
 
     A terminal on stderr gets rich bars; anything else gets plain lines (``plain``): after an item of a loop,
-    when ``interval`` seconds passed since the last line, ``[phase] description k/N, elapsed 42s, ~1m10s
-    left`` (``phase``: the step or stage set by :meth:`phase`)."""
+    when ``interval`` seconds passed since the last line (or since the display was made),
+    ``[phase] description k/N, elapsed 42s, ~1m10s left`` (``phase``: the step or stage set by :meth:`phase`)."""
 
     def __init__(self, enabled: bool = True, console: Console | None = None, interval: float | None = None,
                  stream: IO[str] | None = None):
@@ -52,7 +52,7 @@ class Progress:
         self.interval = interval_s() if interval is None else interval
         self._rich: RichProgress | None = None
         self._phase: str | None = None
-        self._last = float("-inf")
+        self._last = time.perf_counter()  # the first line after one interval: a short command prints none
 
     def __enter__(self) -> "Progress":
         if self.enabled and not self.plain:
