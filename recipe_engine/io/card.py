@@ -65,23 +65,32 @@ def source_license(source) -> str | None:
 
 
 def _params(params: dict[str, Any]) -> str:
-    return ", ".join(f"{key}={json.dumps(value, default=str)}" for key, value in params.items()) or "-"
+    """``key=value, ...`` for a table cell (a ``|`` escaped, a backtick dropped)."""
+    text = ", ".join(f"{key}={json.dumps(value, default=str)}" for key, value in params.items()) or "-"
+    return text.replace("`", "").replace("|", "\\|")
 
 
 def _description(directory: Path) -> str:
     """The recipe's ``description`` from the output's resolved ``recipe.yaml`` ("" when it has none)."""
     try:
         return load_recipe(str(directory / "recipe.yaml")).recipe.description
-    except (RecipeError, RegistryError):  # a recipe this engine no longer reads: the card does without its description
+    except (RecipeError, RegistryError):  # one this engine no longer reads: the card does without it
         return ""
 
 
-def _steps(report: Report) -> list[str]:
+def _steps(report: Report, directory: Path) -> list[str]:
+    """The steps' table, then each step's headline and the log file it wrote."""
     lines = ["| # | step | parameters | layers after | seconds |", "|---|---|---|---|---|"]
     for step in report.steps:
         lines.append(f"| {step.index} | `{step.modifier}` | `{_params(step.params)}` | {step.layers_after} | "
                      f"{step.wall_s:.1f} |")
-    notes = [f"- step {s.index} {s.modifier}: {s.result['headline']}" for s in report.steps if s.result.get("headline")]
+    notes = []
+    for step in report.steps:
+        if step.result.get("headline"):
+            notes.append(f"- step {step.index} {step.modifier}: {step.result['headline']}")
+        if step.result.get("log") and (directory / step.result["log"]).is_file():
+            notes.append(f"- step {step.index} {step.modifier} logged each layer in [`{step.result['log']}`]"
+                         f"({step.result['log']})")
     return lines + ([""] + notes if notes else [])
 
 
@@ -93,12 +102,8 @@ def _sizes(report: Report) -> list[str]:
             f"{after.parameters / before.parameters:.3f} |"]
 
 
-def _formats(report: Report, directory: Path) -> list[str]:
-    lines = [f"- step {s.index} {s.modifier}: {s.result['format']}" for s in report.steps if s.result.get("format")]
-    logs = sorted({s.result["log"] for s in report.steps if s.result.get("log") and (directory / s.result["log"]).is_file()})
-    lines += [f"- per-linear log: [`{log}`]({log}) (one row per quantized linear: errors, damping, Hessian "
-              f"tokens, seconds)" for log in logs]
-    return lines
+def _formats(report: Report) -> list[str]:
+    return [f"- step {s.index} {s.modifier}: {s.result['format']}" for s in report.steps if s.result.get("format")]
 
 
 def _ppl_row(name: str, before: dict | None, after: dict | None, kept: float | None) -> str:
@@ -238,8 +243,8 @@ def model_card(report: Report, directory: str | Path, evaluations: list[dict] = 
             f"`{base_model(report.model)}` compressed by `recipe apply` (recipe-engine, the recipe "
             f"`{report.recipe.name}`): {report.before.layers} → {report.after.layers} decoder layers, "
             f"{size:.1%} of the parameters.", "",
-            "## What was done", "", "Steps, in order:", "", *_steps(report), "", *_sizes(report)]
-    formats = _formats(report, directory)
+            "## What was done", "", "Steps, in order:", "", *_steps(report, directory), "", *_sizes(report)]
+    formats = _formats(report)
     if formats:
         body += ["", "## Quantization format", "", *formats]
     if report.evaluation is not None or evaluations:
