@@ -46,9 +46,10 @@ class Progress:
     def __init__(self, enabled: bool = True, console: Console | None = None, interval: float | None = None,
                  stream: IO[str] | None = None):
         self.enabled = enabled
-        self.stream = stream or (console.file if console is not None else sys.stderr)
         self.console = console or Console(stderr=True)
-        self.plain = not (self.console.is_terminal if console is not None else self.stream.isatty())
+        self.stream = stream or (console.file if console is not None else sys.stderr)
+        # rich's own test: a TTY (or FORCE_COLOR / TTY_COMPATIBLE set), or a notebook, which renders its bars
+        self.plain = not (self.console.is_terminal or self.console.is_jupyter)
         self.interval = interval_s() if interval is None else interval
         self._rich: RichProgress | None = None
         self._phase: str | None = None
