@@ -97,3 +97,21 @@ def test_card_command_rewrites_the_card_and_adds_a_later_evaluation(outputs, tmp
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert main(["card", str(out), "--eval", str(tmp_path / "other.json")]) == 2  # another model's record
     assert card(out).text == rewritten.text
+
+
+def test_card_shows_zero_shot_accuracy_and_what_it_retained(outputs):
+    from recipe_engine.io.card import model_card
+    from recipe_engine.io.report import load_report
+
+    report = load_report(outputs / "quant")
+    zero = lambda value: {"tasks": {"arc_easy": {"metric": "acc_norm", "value": value}}, "average": value}
+    evaluation = report.evaluation.model_copy(update={
+        "before": {**report.evaluation.before, "zero_shot": zero(0.5)},
+        "after": {**report.evaluation.after, "zero_shot": zero(0.4)},
+        "retained": {**report.evaluation.retained, "zero_shot": 0.4 / 0.5}})
+    card = model_card(report.model_copy(update={"evaluation": evaluation}), outputs / "quant")
+    lines = card.text.splitlines()
+    assert "| arc_easy acc_norm | 0.5000 | 0.4000 | |" in lines
+    assert "| zero-shot average | 0.5000 | 0.4000 | 80.0% |" in lines
+    assert [(r.dataset_name, r.metric_type, r.metric_value) for r in card.data.eval_results][1:] == \
+        [("arc_easy", "acc_norm", 0.4)]
