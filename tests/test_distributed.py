@@ -7,6 +7,7 @@ A rank that raises stops both with one line, exit != 0, nothing written.
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -109,6 +110,11 @@ def test_two_ranks_equal_one_process(launch, name):
     assert_same_choices(dp_report.after.model_dump(), single_report.after.model_dump())
     for a, b in zip(dp_report.steps, single_report.steps):
         assert_same_choices(a.result, b.result, f"step {b.index}")
+    if (single_dir / "quantization_log.csv").is_file():  # the rows of the ranks' reduced grams, seconds aside
+        numbers = lambda row: {k: float(v) if "error" in k or k == "damping" else v for k, v in row.items()
+                               if k != "seconds"}
+        rows = lambda d: [numbers(row) for row in csv.DictReader((d / "quantization_log.csv").open())]
+        assert_same_choices(rows(dp_dir), rows(single_dir), "quantization_log.csv")
     # the layer runs were split, not repeated: the reduction is exercised
     assert dp_report.calibration_layer_runs == single_report.calibration_layer_runs
     assert dp_report.calibration_layer_batches < single_report.calibration_layer_batches

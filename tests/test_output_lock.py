@@ -152,15 +152,19 @@ def test_sigterm_during_evaluation_is_one_line(signalled):
     assert listing(work) == ["cal.txt", "r.yaml"]
 
 
-def test_progress_generator_closed_after_the_display(capsys):
+@pytest.mark.parametrize("terminal", [True, False])  # rich bars, plain lines
+def test_progress_generator_closed_after_the_display(capsys, terminal):
     import gc
+    import io
+
+    from rich.console import Console
 
     from recipe_engine.system.progress import Progress
 
     unraisable = []
     hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
     try:
-        with Progress() as bar:
+        with Progress(console=Console(file=io.StringIO(), force_terminal=terminal)) as bar:
             rows = bar.track(range(3), "rows")
             next(rows)
         del rows

@@ -233,3 +233,43 @@ def test_linear_path_of_an_unknown_architecture_is_one_line_not_llamas():
     with pytest.raises(RecipeError, match="unsupported architecture 'falcon'"):
         linear_path("falcon", "q_proj")
     assert linear_path("phi3", "q_proj") == "self_attn.qkv_proj"  # a fused linear, from phi3's own adapter
+
+
+def read_log(directory):
+    import csv
+
+    with open(directory / "quantization_log.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_gptq_log_has_one_row_per_linear_matching_the_report(tmp_path):
+    model = tiny_model()
+    out, report = recipe_engine.apply(recipe(tmp_path, ["GPTQ<group_size:32>"]), model=model,
+                                      tokenizer=CharTokenizer(), progress=False)
+    rows = read_log(tmp_path / "out")
+    step = report.steps[0].result
+    assert step["log"] == "quantization_log.csv"
+    expected = [(str(layer), name) for layer in range(4) for name in LINEARS]
+    assert [(r["layer"], r["module"]) for r in rows] == expected
+    for row in rows:
+        assert float(row["error"]) == step["layers"][row["layer"]]["output_error"][row["module"]]
+        linear = out.get_submodule(f"model.layers.{row['layer']}.{row['module']}")
+        assert (int(row["rows"]), int(row["columns"])) == tuple(linear.weight.shape)
+        assert int(row["hessian_tokens"]) == 4 * 32  # samples × seq_len of the recipe
+        assert int(row["group_size"]) == 32 and float(row["damp"]) == 0.01 and float(row["seconds"]) >= 0
+    # error feedback: GPTQ's layer-output error is below round-to-nearest's on the same grams, in total
+    assert sum(float(r["error"]) for r in rows) < sum(float(r["error_rtn"]) for r in rows)
+
+
+def test_quantize_log_records_the_weight_error(tmp_path):
+    model = tiny_model()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out, report = recipe_engine.apply(recipe(tmp_path, ["Quantize<group_size:16>"]), model=model,
+                                      tokenizer=CharTokenizer(), progress=False)
+    rows = read_log(tmp_path / "out")
+    assert len(rows) == report.steps[0].result["quantized_linears"] == 4 * len(LINEARS)
+    for row in rows:
+        name = f"model.layers.{row['layer']}.{row['module']}.weight"
+        w, q = original[name].double(), out.get_parameter(name).detach().double()
+        assert float(row["weight_error"]) == pytest.approx(float(((w - q) ** 2).sum() / (w ** 2).sum()), rel=1e-6)
+        assert row["error"] == "" and row["hessian_tokens"] == "0"

@@ -109,6 +109,9 @@ def test_killed_then_resumed_equals_an_uninterrupted_run(runs, mode, point, reac
     reference = json.loads((runs / "out" / f"{mode}_reference" / "report.json").read_text())
     assert [s["modifier"] for s in report["steps"]] == [s["modifier"] for s in reference["steps"]]
     assert report["after"] == reference["after"]
+    log = lambda directory: [line.rsplit(",", 1)[0]  # seconds aside
+                             for line in (directory / "quantization_log.csv").read_text().splitlines()]
+    assert log(out) == log(runs / "out" / f"{mode}_reference")  # every layer's row once
     if point == "pass":  # the finished layers were not run again
         assert report["calibration_layer_runs"] < reference["calibration_layer_runs"]
     leftovers = [p.name for p in (runs / "out").iterdir() if p.name.startswith(f".{mode}_{point}.")]

@@ -1,8 +1,7 @@
-"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, export, sweep, eval, bench."""
+"""``recipe`` command line: apply, show, validate, plan, diff, list-modifiers, export, card, sweep, eval, bench."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -16,17 +15,20 @@ from rich.table import Table
 
 from ..errors import QualityGateError, RecipeError, one_line
 from ..execution.distributed import DistributedError
+from ..io.card import read_evaluation, write_card
 from ..io.gguf_export import TYPES, export_gguf
 from ..io.output import SWEEP_FILE
+from ..io.report import load_report
 from ..plan.preflight import check_device, located, validate_recipe
 from ..plan.steps import compile_for_plan, memory_plan, plan_rows, print_plan, rank_memory
 from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
 from ..recipe.registry import REGISTRY, RegistryError
 from ..recipe.schema import dump_recipe
 from ..system.cleanup import Interrupted, handle_signals
+from ..system.progress import Progress
 from ..workflows.runner import apply
 from ..workflows.sweep import Sweep, plot, table
-from .evaluate import add_commands, positive_int
+from .evaluate import add_commands, positive_int, quiet_libraries
 from .summary import print_summary
 
 out = Console()
@@ -48,31 +50,8 @@ def _overrides(args) -> list[str]:
     return sets
 
 
-@contextlib.contextmanager
-def _quiet_libraries(quiet: bool):
-    """No transformers/hub progress bars ("Loading weights", "Writing model shards") under --quiet;
-    their previous state is restored afterwards (``main`` may be called in-process)."""
-    if not quiet:
-        yield
-        return
-    # deferred: transformers and the hub client add seconds to every command's start; only --quiet needs them
-    import huggingface_hub.utils as hub
-    from transformers.utils import logging as hf_logging
-
-    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
-    hf_logging.disable_progress_bar()
-    hub.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-        if not hub_was_off:
-            hub.enable_progress_bars()
-
-
 def cmd_apply(args) -> int:
-    with _quiet_libraries(args.quiet):
+    with quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
                           resume=args.resume, checkpoints=not args.no_checkpoints, timings=args.timings,
                           profile=args.profile)
@@ -142,9 +121,18 @@ def cmd_list(args) -> int:
 
 
 def cmd_export(args) -> int:
-    summary = export_gguf(args.directory, args.output, args.type, force=args.force)
+    with quiet_libraries(False), Progress() as bar:
+        summary = export_gguf(args.directory, args.output, args.type, force=args.force, progress=bar)
     out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
               f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_card(args) -> int:
+    report = load_report(args.directory)
+    evaluations = [read_evaluation(path, report) for path in args.eval or []]
+    path = write_card(args.directory, report, evaluations)
+    out.print(f"wrote {escape(str(path))}")
     return 0
 
 
@@ -152,7 +140,7 @@ def cmd_sweep(args) -> int:
     sweep = Sweep([args.recipe, *(args.recipes or [])], args.vary or [], args.output, args.eval_limit,
                   args.tasks, progress=not args.quiet, overrides=list(args.set or []))
     try:
-        with _quiet_libraries(args.quiet):
+        with quiet_libraries(args.quiet):
             rows = sweep.run()
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
@@ -233,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", choices=TYPES, default="f16", help="2-D weights' type; norms and biases stay f32")
     p.add_argument("--force", action="store_true", help="replace an existing file")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("card", help="rewrite an output directory's model card (README.md) from its report.json")
+    p.add_argument("directory", help="a recipe output directory")
+    p.add_argument("--eval", action="append", metavar="JSON",
+                   help="a `recipe eval DIR --json` record of this output to show as well (repeatable)")
+    p.set_defaults(func=cmd_card)
 
     p = sub.add_parser("sweep", help="run recipes over a grid of parameter values; table, JSON, Pareto plot")
     p.add_argument("recipe")

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -23,6 +25,35 @@ from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
 from ..system.progress import Progress
 
 out = Console()
+
+
+@contextlib.contextmanager
+def quiet_libraries(quiet: bool):
+    """No transformers / hub / datasets progress bars ("Loading weights", "Writing model shards") under
+    --quiet, nor when stderr is not a terminal (their bars redraw with carriage returns, garbage in a log);
+    their previous state is restored afterwards (``main`` may be called in-process)."""
+    if not quiet and sys.stderr.isatty():
+        yield
+        return
+    # deferred: transformers, the hub client and datasets add seconds to every command's start
+    import datasets
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as hf_logging
+
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
+    datasets_on = datasets.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    hub.disable_progress_bars()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if not hub_was_off:
+            hub.enable_progress_bars()
+        if datasets_on:
+            datasets.enable_progress_bars()
 
 
 def recipe_sha(model_spec: str) -> str | None:
@@ -132,7 +163,7 @@ def cmd_eval(args) -> int:
     check_model(args.model)
     check_evaluation(config, fields=None)
     start = time.perf_counter()
-    with Progress() as bar:
+    with quiet_libraries(False), Progress() as bar:
         session, source = evaluation_session(args.model, args.dtype, device, args.stream, bar)
         results = evaluate_session(session, config, bar)
     results = {"model": model_record(args.model, source.location), **results,

@@ -21,11 +21,11 @@ Nineteen read-only facts (properties): the run's ``model``, ``tokenizer``, ``ada
 (calibration settings), ``calibration`` (token windows) and their ``batches``, ``device`` and ``storage``
 (where activations live), ``progress``; the model's ``layers``, ``layer_origin``, symbolic ``shape``,
 whether it is ``streamed`` and its ``scratch_directory``; ``reference`` (the original model's session);
-``records`` (of steps a branch ran). Three facts carry callables of their own, five in all:
+``records`` (of steps a branch ran). Three facts carry callables of their own, six in all:
 ``current_layer`` (inside ``compress_layer``: :class:`CurrentLayer`'s ``inputs``, ``kwargs_list`` and
 ``provide_outputs``), ``passes`` (:class:`PassCounter`: ``value``, ``count()``) and ``outputs`` (the run's
 extras collector, :class:`~recipe_engine.execution.outputs.RunOutputs`: ``add_extra``, ``add_artifact``,
-``mark_quantized``).
+``add_rows``, ``mark_quantized``).
 """
 from __future__ import annotations
 

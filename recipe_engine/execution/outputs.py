@@ -4,6 +4,8 @@ session; steps add to it (``session.outputs``), the writer and the resume checkp
 """
 from __future__ import annotations
 
+import csv
+import io
 from typing import Any
 
 import torch
@@ -34,6 +36,26 @@ class RunOutputs:
         if len(parts) > 2 or any(not part or part.startswith(".") for part in parts):
             raise ValueError(f"artifact name must be a file name or dir/file name, got {filename!r}")
         self.artifacts[filename] = data
+
+    def add_rows(self, filename: str, rows: list[dict[str, Any]]) -> None:
+        """Append ``rows`` to a CSV file of the output directory (a per-layer log): the columns are the first
+        row's keys, and every later row must have the same. The file is kept as an artifact, so resume
+        checkpoints and branches carry it like any other."""
+        if not filename.endswith(".csv"):
+            raise ValueError(f"a row log is a .csv file, got {filename!r}")
+        old = self.artifacts.get(filename)
+        table = list(csv.reader(io.StringIO(old.decode()))) if old else []
+        columns = table[0] if table else list(rows[0]) if rows else []
+        for row in rows:
+            if list(row) != columns:
+                raise ValueError(f"{filename}: row columns {list(row)} differ from {columns}")
+            table.append(["" if row[c] is None else row[c] for c in columns])
+        if not table:
+            return
+        text = io.StringIO()
+        writer = csv.writer(text, lineterminator="\n")
+        writer.writerows(table if old else [columns, *table])
+        self.add_artifact(filename, text.getvalue().encode())
 
     def mark_quantized(self, linear: nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Record that ``linear``'s weight lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and

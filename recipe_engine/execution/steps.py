@@ -46,7 +46,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
         watch.start()
         start, passes_before = time.perf_counter(), session.passes.value
         names = ", ".join(step.step_name() for _, step in group)
-        bar.log(f"step {group[0][0]}: {names}")
+        bar.phase(f"step {group[0][0]}: {names}")
         numbers = f"{group[0][0]}" + (f"-{group[-1][0]}" if len(group) > 1 else "")
         outer = session.timings.step  # a step run inside another (a BestOf alternative) is named under it
         session.timings.step = f"{outer} / {numbers} {names}" if outer else f"{numbers} {names}"

@@ -386,10 +386,11 @@ def _metadata(writer, config, kind: str, name: str) -> None:
 
 
 def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", force: bool = False,
-                name: str | None = None) -> dict:
+                name: str | None = None, progress=None) -> dict:
     """Write ``output`` (a ``.gguf`` file) from the HF output directory ``directory``; returns a summary
     ``{"file", "type", "architecture", "tensors", "bytes"}``; ``name`` is ``general.name`` (default: the
-    directory's name; note transformers reads a name containing "mistral" as a Mistral model).
+    directory's name; note transformers reads a name containing "mistral" as a Mistral model); ``progress``: a
+    ``system.progress.Progress`` that tracks the tensors written.
 
     Before a byte is written (``recipe_engine.io.output.check_file_output``): the output is not a directory (not even
     with ``force``), not an existing file without ``force``, its directory is writable and has room for the
@@ -403,10 +404,10 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
         raise _fail(f"'{directory}' is not a model directory (no config.json)")
     output = check_file_output(output, force)
     with output_lock(output):  # checked again under the lock: another export may have written it meanwhile
-        return _export(directory, check_file_output(output, force), kind, name)
+        return _export(directory, check_file_output(output, force), kind, name, progress)
 
 
-def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
+def _export(directory: Path, output: Path, kind: str, name: str | None, progress=None) -> dict:
     from transformers import AutoConfig  # deferred: transformers' model classes take seconds to import
 
     config = AutoConfig.from_pretrained(directory)
@@ -433,7 +434,8 @@ def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for _, hf_name, file, _, qtype, role in plan:
+        tensors = plan if progress is None else progress.track(plan, "GGUF tensors written")
+        for _, hf_name, file, _, qtype, role in tensors:
             with safe_open(file, "pt") as f:
                 tensor = f.get_tensor(hf_name)
             writer.write_tensor_data(_encoding(gguf_tensor(tensor, role, adapter, config), qtype))

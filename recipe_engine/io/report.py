@@ -45,6 +45,7 @@ class ModelRecord(_Section):
     spec: str = Field(description="the recipe's model field")
     kind: str = Field(description="how it was found (builtin, local, hub, in-memory)")
     location: str | None = Field(None, description="the directory read (absent for in-memory)")
+    license: str | None = Field(None, description="the source's license (its model card, or GGUF metadata)")
 
 
 class DataRecord(_Section):

@@ -1,6 +1,7 @@
 """Helpers every quantizing step (``GPTQ``, ``Quantize``) uses (private: not a modifier module): which
 linears a step targets, the ``group_size`` check against a symbolic shape, round-to-nearest on the engine's
-grid (``recipe_engine.numerics.quantization.Grid``) and the relative layer-output error used in reports.
+grid (``recipe_engine.numerics.quantization.Grid``), the relative layer-output error used in reports and the
+rows of the per-linear log (:data:`LOG_FILE`).
 """
 from __future__ import annotations
 
@@ -45,6 +46,28 @@ def output_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tens
     w = weight.to(torch.float64)
     delta = w - quantized.to(torch.float64)
     return float(((delta @ gram) * delta).sum() / ((w @ gram) * w).sum())
+
+
+def weight_error(weight: torch.Tensor, quantized: torch.Tensor) -> float:
+    """Relative weight error ``‖ΔW‖²_F / ‖W‖²_F`` (the output error for uncorrelated unit inputs, ``G = I``)."""
+    w = weight.to(torch.float64)
+    return float((w - quantized.to(torch.float64)).square().sum() / w.square().sum())
+
+
+#: The per-linear quantization log in the output directory (``session.outputs.add_rows``).
+LOG_FILE = "quantization_log.csv"
+
+
+def log_row(layer: int, module: str, linear: torch.nn.Module, grid: Grid, quantized: torch.Tensor, *,
+            damp: float | None = None, damping: float | None = None, error_rtn: float | None = None,
+            error: float | None = None, tokens: int = 0, seconds: float) -> dict:
+    """One row of :data:`LOG_FILE` (call before the weight is overwritten): ``error_rtn`` and ``error`` are
+    the relative layer-output errors (:func:`output_error`) of round-to-nearest and of the step's result on
+    the calibration inputs (None without them); ``damping`` the absolute ``λ`` added to ``diag H``."""
+    return {"layer": layer, "module": module, "rows": linear.out_features, "columns": linear.in_features,
+            "bits": grid.bits, "group_size": grid.width(linear.in_features), "sym": grid.sym, "damp": damp,
+            "damping": damping, "error_rtn": error_rtn, "error": error,
+            "weight_error": weight_error(linear.weight, quantized), "hessian_tokens": tokens, "seconds": seconds}
 
 
 def input_width(shape: ModelShape, layer: int, target: str) -> int:
@@ -120,6 +143,13 @@ class GridParameters(BaseModel):
 
     def grid(self) -> Grid:
         return Grid(self.bits, self.group_size, self.sym)
+
+    def format_line(self) -> str:
+        """The number format the weights are left in, one line (a step result's ``format``)."""
+        groups = f"groups of {self.group_size} columns" if self.group_size else "one group per row"
+        stored = ("packed int32 + scales (compressed-tensors pack-quantized)" if self.quantizes
+                  else "stored dequantized in the model dtype")
+        return f"int{self.bits} {'symmetric' if self.sym else 'asymmetric'}, {groups}, {stored}"
 
     def check(self, shape: ModelShape) -> None:
         problem = grid_problem(shape, self.targets, self.group_size, self.bits, self.export)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -10,7 +11,7 @@ from pydantic import Field, PositiveInt
 from recipe_engine.api import (InputCovariance, LayerModifier, ModifierSession, StagedLayer, lower_triangular_inverse,
                                position, register)
 
-from ._quant import Grid, GridParameters, QuantizedWeight, output_error
+from ._quant import LOG_FILE, Grid, GridParameters, QuantizedWeight, log_row, output_error, rtn
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -243,31 +244,41 @@ class GPTQ(GridParameters, LayerModifier):
         """Linears sharing a Hessian are quantized as one row-stacked matrix: GPTQ treats rows
         independently given ``H`` (same factor, same order, per-row groups), so this equals quantizing
         each alone, with one Cholesky and one column loop per input instead of per linear."""
-        layer, grid, errors = session.layers[layer_index], self.grid(), {}
+        layer, grid, errors, rows = session.layers[layer_index], self.grid(), {}, []
         current = session.current_layer
         staged = StagedLayer(session, layer, current.inputs, current.kwargs_list) if self.sequential else None
         for source, targets in self._sources(session).items():
+            started = time.perf_counter()
             linears = [session.adapter.linear(layer, t) for t in targets]
             if staged is None:
-                gram = stats[self._gram(source).key].gram
+                statistic = stats[self._gram(source).key]
             else:  # the groups before this one are quantized already
-                fresh = self._gram(source)
-                staged.inputs_of(source, fresh)
-                gram = fresh.gram
+                statistic = self._gram(source)
+                staged.inputs_of(source, statistic)
+            gram = statistic.gram
             stacked = torch.cat([linear.weight.detach() for linear in linears])
             result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)
-            rows = [linear.out_features for linear in linears]
-            pieces = (t.split(rows) for t in (result.dequantized, result.scale, result.zero))
-            for target, linear, quantized, scale, zero in zip(targets, linears, *pieces):
-                errors[session.adapter.path(target)] = output_error(linear.weight, quantized, gram)
+            seconds = time.perf_counter() - started
+            split = [linear.out_features for linear in linears]
+            rounded = rtn(stacked, grid).dequantized
+            pieces = (t.split(split) for t in (result.dequantized, result.scale, result.zero, rounded))
+            diagonal = torch.diagonal(gram)  # as gptq_quantize: an input never seen counts 1
+            damping = self.damp * float(torch.where(diagonal == 0, 1.0, diagonal).mean())
+            for target, linear, quantized, scale, zero, rounded in zip(targets, linears, *pieces):
+                path = session.adapter.path(target)
+                errors[path] = output_error(linear.weight, quantized, gram)
+                rows.append(log_row(layer_index, path, linear, grid, quantized, damp=self.damp, damping=damping,
+                                    error_rtn=output_error(linear.weight, rounded, gram), error=errors[path],
+                                    tokens=statistic.count, seconds=seconds))
                 with torch.no_grad():
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
                 if self.export == "compressed-tensors":
                     session.outputs.mark_quantized(linear, grid, scale, zero)
+        session.outputs.add_rows(LOG_FILE, rows)
         if staged is not None:
             current.provide_outputs(staged.outputs())
         return {"output_error": errors}
 
     def finish(self, session: ModifierSession) -> dict[str, Any]:
         return {"quantized_linears": len(session.adapter.module_roles(self.targets)) * len(session.layers),
-                "export": self.export}
+                "export": self.export, "log": LOG_FILE, "format": self.format_line()}

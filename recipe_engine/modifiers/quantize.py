@@ -1,20 +1,22 @@
 """Quantize: calibration-free round-to-nearest weight quantization (the baseline GPTQ is compared to)."""
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar
 
 import torch
 
 from recipe_engine.api import Modifier, ModifierSession, register
 
-from ._quant import GridParameters, rtn
+from ._quant import LOG_FILE, GridParameters, log_row, rtn
 
 
 @register
 class Quantize(GridParameters, Modifier):
     """Round every targeted decoder-layer weight to the nearest point of its group's min-max grid (RTN).
 
-    Same grid, targets and export as ``GPTQ`` (``lm_head`` and embeddings untouched); needs no data.
+    Same grid, targets and export as ``GPTQ`` (``lm_head`` and embeddings untouched); needs no data, so its
+    rows of ``quantization_log.csv`` have no layer-output errors (only ``weight_error``).
     """
 
     example: ClassVar[tuple[str, ...]] = ("Quantize<group_size:32>",)  # tiny contract model: widths 64 and 96
@@ -26,11 +28,16 @@ class Quantize(GridParameters, Modifier):
         grid, count = self.grid(), 0
         for index in session.progress.track(range(len(session.layers)), "Quantize layers"):
             with session.placed(index, on_device=False):  # one layer materialized at a time on a streamed model
+                rows = []
                 for target in session.adapter.module_roles(self.targets):
+                    started = time.perf_counter()
                     linear = session.adapter.linear(session.layers[index], target)
                     result = rtn(linear.weight, grid)
+                    rows.append(log_row(index, session.adapter.path(target), linear, grid, result.dequantized,
+                                        seconds=time.perf_counter() - started))
                     linear.weight.copy_(result.dequantized.to(linear.weight.dtype))
                     count += 1
                     if self.export == "compressed-tensors":
                         session.outputs.mark_quantized(linear, grid, result.scale, result.zero)
-        return {"quantized_linears": count, "export": self.export}
+                session.outputs.add_rows(LOG_FILE, rows)
+        return {"quantized_linears": count, "export": self.export, "log": LOG_FILE, "format": self.format_line()}

@@ -1,7 +1,11 @@
-"""rich progress bars for every loop over layers or batches (on stderr)."""
+"""Progress of every loop over layers or batches, on stderr: rich bars in a terminal; elsewhere (a log file, a
+pipe, a batch job) plain lines, at most one per interval, with no control characters."""
 from __future__ import annotations
 
-from typing import Iterable, Iterator, TypeVar
+import os
+import sys
+import time
+from typing import IO, Iterable, Iterator, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -9,17 +13,50 @@ from rich.progress import Progress as RichProgress
 
 T = TypeVar("T")
 
+#: Seconds between two plain progress lines (``$RECIPE_PROGRESS_INTERVAL`` overrides it).
+INTERVAL_S = 10.0
+
+
+def interval_s() -> float:
+    """The plain lines' interval: ``$RECIPE_PROGRESS_INTERVAL`` seconds when set (≥ 0), else :data:`INTERVAL_S`."""
+    value = os.environ.get("RECIPE_PROGRESS_INTERVAL", "").strip()
+    try:
+        return max(0.0, float(value)) if value else INTERVAL_S
+    except ValueError:
+        return INTERVAL_S
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``5m07s``, ``2h03m``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
 
 class Progress:
-    """Thin wrapper so the session and modifiers share one live display (or none when disabled)."""
+    """One live display the session and modifiers share (or none when disabled).
 
-    def __init__(self, enabled: bool = True, console: Console | None = None):
+    A terminal on stderr gets rich bars; anything else gets plain lines (``plain``): after an item of a loop,
+    when ``interval`` seconds passed since the last line (or since the display was made),
+    ``[phase] description k/N, elapsed 42s, ~1m10s left`` (``phase``: the step or stage set by :meth:`phase`)."""
+
+    def __init__(self, enabled: bool = True, console: Console | None = None, interval: float | None = None,
+                 stream: IO[str] | None = None):
         self.enabled = enabled
         self.console = console or Console(stderr=True)
+        self.stream = stream or (console.file if console is not None else sys.stderr)
+        # rich's own test: a TTY (or FORCE_COLOR / TTY_COMPATIBLE set), or a notebook, which renders its bars
+        self.plain = not (self.console.is_terminal or self.console.is_jupyter)
+        self.interval = interval_s() if interval is None else interval
         self._rich: RichProgress | None = None
+        self._phase: str | None = None
+        self._last = time.perf_counter()  # the first line after one interval: a short command prints none
 
     def __enter__(self) -> "Progress":
-        if self.enabled:
+        if self.enabled and not self.plain:
             self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TimeElapsedColumn(), console=self.console, transient=True)
             self._rich.__enter__()
@@ -31,9 +68,12 @@ class Progress:
             self._rich = None
 
     def track(self, items: Iterable[T], description: str) -> Iterator[T]:
-        """``items`` with a bar. The display is held locally: a generator closed after the display ended (a
-        signal unwinds the ``with Progress`` block before the garbage collector closes the generator)
-        removes its task from the display it was added to, not from ``None``."""
+        """``items`` with a bar (or plain lines). The display is held locally: a generator closed after the
+        display ended (a signal unwinds the ``with Progress`` block before the garbage collector closes the
+        generator) removes its task from the display it was added to, not from ``None``."""
+        if self.enabled and self.plain:
+            yield from self._lines(list(items), description)
+            return
         rich = self._rich
         if rich is None:
             yield from items
@@ -47,6 +87,32 @@ class Progress:
         finally:
             rich.remove_task(task)
 
+    def _lines(self, items: list[T], description: str) -> Iterator[T]:
+        start = time.perf_counter()
+        for done, item in enumerate(items, 1):
+            yield item
+            now = time.perf_counter()
+            if now - self._last >= self.interval:
+                self._last, elapsed = now, now - start
+                left = elapsed / done * (len(items) - done)
+                phase = f"[{self._phase}] " if self._phase else ""
+                self._write(f"{phase}{description} {done}/{len(items)}, elapsed {duration(elapsed)}, "
+                            f"~{duration(left)} left")
+
+    def phase(self, label: str) -> None:
+        """Log ``label`` (a step, an evaluation) and name the plain lines after it by it."""
+        self._phase = label
+        self.log(label)
+
     def log(self, message: str) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self.plain:
+            self._write(message)
+        else:
             self.console.print(message, markup=False, highlight=False)
+
+    def _write(self, line: str) -> None:
+        """One plain line: control characters (escapes, carriage returns) in a message become spaces."""
+        clean = "".join(c if c.isprintable() or c == "\t" else " " for c in line)
+        print(clean, file=self.stream, flush=True)

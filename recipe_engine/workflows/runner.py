@@ -20,6 +20,7 @@ from ..execution.session import Session
 from ..execution.steps import run_steps
 from ..execution.timings import Timings, profiled
 from ..execution.streaming import open_stream
+from ..io.card import source_license, write_card
 from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..io.extras import save_extras
@@ -152,9 +153,10 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
     before_weights = current_rss() if model is None else 0
     if model is None:
-        bar.log(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
+        bar.phase(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
         model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
-        report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location)
+        report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
+                                      license=source_license(source))
     else:
         source = None
         report["model"] = ModelRecord(spec=recipe.model, kind="in-memory")
@@ -184,6 +186,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
     if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
+        bar.phase("evaluating the model before compression")
         report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
         session.timings.record(event="evaluation before")
     with profiled(session.timings, profile):
@@ -195,6 +198,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
     gate = None
     if recipe.evaluate is not None:
+        bar.phase("evaluating the compressed model")
         after = evaluate_session(session, recipe.evaluate, bar)
         session.timings.record(event="evaluation after")
         report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
@@ -317,4 +321,5 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
     if final.evaluation is not None and final.evaluation.quality_gate == "failed":
         (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
     final.write(tmp)
+    write_card(tmp, final)  # README.md: the model card, from the report and the files beside it
     return final

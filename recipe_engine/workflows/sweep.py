@@ -32,6 +32,7 @@ from ..io.output_lock import output_lock
 from ..plan.preflight import check_calibration, check_evaluation, check_model, check_recipe, check_sweep_output
 from ..recipe.files import load_recipe, yaml_scalar
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, dump_recipe, safe_load, yaml_problem
+from ..system.progress import Progress
 from .runner import apply
 
 
@@ -159,7 +160,7 @@ class Sweep:
             if (dense_key, evaluated) not in done:
                 model, tokenizer = self._dense(recipe)
                 start = time.perf_counter()
-                result = evaluate_model(model, tokenizer, evaluation, device)
+                result = self._evaluate(model, tokenizer, evaluation, device, f"evaluating dense {recipe.model}")
                 self._add({"recipe": "dense", "file": None, "recipe_sha256": dense_key,
                            "evaluation_sha256": evaluated, "model": recipe.model, "params": {},
                            **summarize(model, result), "compress_s": 0.0,
@@ -174,7 +175,7 @@ class Sweep:
                                    memo=self.memo_for(recipe))
             compress = time.perf_counter() - start
             start = time.perf_counter()
-            result = evaluate_model(pruned, tokenizer, evaluation, device)
+            result = self._evaluate(pruned, tokenizer, evaluation, device, f"evaluating {recipe.name} {params}")
             self._add({"recipe": recipe.name, "file": spec, "recipe_sha256": sha, "evaluation_sha256": evaluated,
                        "model": recipe.model,
                        "params": params, **summarize(pruned, result), "compress_s": compress,
@@ -182,6 +183,12 @@ class Sweep:
                        "peak_rss_mib": report.peak_memory.rss_mib}, done)
             del pruned
         return self.rows
+
+    def _evaluate(self, model, tokenizer, evaluation, device, label: str) -> dict:
+        """``evaluate_model`` with its own progress display (``apply`` holds one while it compresses)."""
+        with Progress(enabled=self.progress) as bar:
+            bar.phase(label)
+            return evaluate_model(model, tokenizer, evaluation, device, bar)
 
     def _add(self, row: dict[str, Any], done: set[tuple]) -> None:
         self.rows.append(row)

@@ -1,0 +1,289 @@
+"""The model card (``README.md``) of an output directory, made from its report with ``huggingface_hub``'s own
+``ModelCard`` / ``ModelCardData`` (the YAML metadata the hub reads, then a Markdown body).
+
+The metadata: ``base_model`` (the hub id, else the source's own name), ``base_model_relation: quantized``
+when a step reports a number ``format`` (the hub's relations are adapter, merge, quantized and finetune;
+removing or merging layers is none of them, so a structural recipe states none), ``library_name:
+transformers``, the tag ``recipe`` naming this tool, ``pipeline_tag: text-generation``, the source's
+license and ``model-index`` results of every perplexity and zero-shot score the run measured. The body: the
+steps in order, sizes before and after, the number format, the evaluation, the calibration data, how to
+load it and the command that reproduces it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+from ..errors import RecipeError
+from ..recipe.files import load_recipe
+from ..recipe.registry import RegistryError
+from .data import hub_unreachable
+from .extras import EXTRAS_JSON
+from .models import resolve_model
+from .report import ModelRecord, Report, load_report
+
+CARD_FILE = "README.md"
+#: The tag that names this tool on the hub.
+TOOL_TAG = "recipe"
+
+
+def base_model(model: ModelRecord) -> str:
+    """The hub id of the source, or (a local directory, a ``.gguf`` file, a builtin alias) its own name."""
+    if model.kind in ("hub", "in-memory", "builtin"):
+        return model.spec
+    path = Path(model.spec).expanduser()
+    return path.stem if model.kind == "gguf" else path.resolve().name
+
+
+def source_license(source) -> str | None:
+    """The license of a source model (``io.models.ModelSource``): its card's ``license`` (a local
+    directory; a hub model's card from the local HF cache, else downloaded when the hub answers), or a GGUF
+    file's ``general.license``. None when it has none or it cannot be read."""
+    # deferred: the hub client and gguf reader are only needed when an output is written
+    import gguf
+    import huggingface_hub
+
+    try:
+        if source.kind in ("builtin", "gguf"):
+            field = gguf.GGUFReader(resolve_model(source.spec, convert=False).location).get_field("general.license")
+            return None if field is None else str(field.contents())
+        if source.kind == "local":
+            card = Path(source.location) / CARD_FILE
+        else:
+            card = huggingface_hub.try_to_load_from_cache(source.spec, CARD_FILE)
+            if not isinstance(card, str):
+                card = None if hub_unreachable() else huggingface_hub.hf_hub_download(source.spec, CARD_FILE)
+        if card is None or not Path(card).is_file():
+            return None
+        value = huggingface_hub.ModelCard.load(card).data.license
+        return value if isinstance(value, str) else None
+    except Exception:  # noqa: BLE001 - a missing or malformed card of someone else's model: no license to carry
+        return None
+
+
+def _params(params: dict[str, Any]) -> str:
+    """``key=value, ...`` for a table cell (a ``|`` escaped, a backtick dropped)."""
+    text = ", ".join(f"{key}={json.dumps(value, default=str)}" for key, value in params.items()) or "-"
+    return text.replace("`", "").replace("|", "\\|")
+
+
+def _description(directory: Path) -> str:
+    """The recipe's ``description`` from the output's resolved ``recipe.yaml`` ("" when it has none)."""
+    try:
+        return load_recipe(str(directory / "recipe.yaml")).recipe.description
+    except (RecipeError, RegistryError):  # one this engine no longer reads: the card does without it
+        return ""
+
+
+def _steps(report: Report, directory: Path) -> list[str]:
+    """The steps' table, then each step's headline and the log file it wrote."""
+    lines = ["| # | step | parameters | layers after | seconds |", "|---|---|---|---|---|"]
+    for step in report.steps:
+        lines.append(f"| {step.index} | `{step.modifier}` | `{_params(step.params)}` | {step.layers_after} | "
+                     f"{step.wall_s:.1f} |")
+    notes = []
+    for step in report.steps:
+        if step.result.get("headline"):
+            notes.append(f"- step {step.index} {step.modifier}: {step.result['headline']}")
+        if step.result.get("log") and (directory / step.result["log"]).is_file():
+            notes.append(f"- step {step.index} {step.modifier} logged each layer in [`{step.result['log']}`]"
+                         f"({step.result['log']})")
+    return lines + ([""] + notes if notes else [])
+
+
+def _sizes(report: Report) -> list[str]:
+    before, after = report.before, report.after
+    return ["| | before | after | ratio |", "|---|---|---|---|",
+            f"| decoder layers | {before.layers} | {after.layers} | {after.layers / before.layers:.3f} |",
+            f"| parameters | {before.parameters:,} | {after.parameters:,} | "
+            f"{after.parameters / before.parameters:.3f} |"]
+
+
+def _formats(report: Report) -> list[str]:
+    return [f"- step {s.index} {s.modifier}: {s.result['format']}" for s in report.steps if s.result.get("format")]
+
+
+def _ppl_row(name: str, before: dict | None, after: dict | None, kept: float | None) -> str:
+    value = lambda r: f"{r['ppl']:.2f}" if r else "-"
+    return f"| {name} | {value(before)} | {value(after)} | {f'{kept:.1%}' if kept is not None else '-'} |"
+
+
+def _evaluation(report: Report) -> list[str]:
+    evaluation = report.evaluation
+    if evaluation is None:
+        return []
+    before, after, kept = evaluation.before, evaluation.after or {}, evaluation.retained or {}
+    lines = ["| metric | before | after | retained |", "|---|---|---|---|"]
+    if before.get("perplexity"):
+        ppl = before["perplexity"]
+        name = f"perplexity, {ppl['dataset']} ({ppl['windows']} × {ppl['seq_len']} tokens)"
+        lines.append(_ppl_row(name, ppl, after.get("perplexity"), kept.get("perplexity")))
+    if before.get("zero_shot"):
+        zero_after = after.get("zero_shot", {})
+        for task, result in before["zero_shot"]["tasks"].items():
+            value = zero_after.get("tasks", {}).get(task, {}).get("value")
+            lines.append(f"| {task} {result['metric']} | {result['value']:.4f} | "
+                         f"{'-' if value is None else f'{value:.4f}'} | |")
+        average = zero_after.get("average")
+        retained = kept.get("zero_shot")
+        lines.append(f"| zero-shot average | {before['zero_shot']['average']:.4f} | "
+                     f"{'-' if average is None else f'{average:.4f}'} | "
+                     f"{'-' if retained is None else f'{retained:.1%}'} |")
+    retained = "retained: dense perplexity / compressed perplexity; accuracy after / before"
+    gate = f"; quality gate {evaluation.quality_gate}" if evaluation.quality_gate else ""
+    return lines + ["", f"Measured by this run ({retained}{gate}; `report.json`, `evaluation`)."]
+
+
+def _later(evaluations: list[dict]) -> list[str]:
+    """Rows of ``recipe eval --json`` records of this output (``recipe card --eval``)."""
+    lines = ["| evaluated | perplexity | zero-shot average |", "|---|---|---|"]
+    for record in evaluations:
+        ppl, zero = record.get("perplexity"), record.get("zero_shot")
+        text = f"{ppl['ppl']:.2f} ({ppl['dataset']}, {ppl['windows']} × {ppl['seq_len']} tokens)" if ppl else "-"
+        average = f"{zero['average']:.4f}" if zero else "-"
+        lines.append(f"| {record.get('date', '-')} | {text} | {average} |")
+    return lines
+
+
+def _calibration(report: Report) -> list[str]:
+    data = report.data
+    dataset = ", ".join(data.dataset) if isinstance(data.dataset, list) else data.dataset
+    return [f"- source: {dataset} (read from `{data.origin}`)",
+            f"- {data.samples} windows × {data.seq_len} tokens, sampled with seed {data.seed} "
+            f"({data.tokens_available:,} tokens available)",
+            f"- fingerprint (sha256 of the windows' int64 token ids): `{data.fingerprint}`"]
+
+
+def _packed(directory: Path) -> str | None:
+    """The checkpoint's ``quantization_config.quant_method`` (packed weights), else None."""
+    config = directory / "config.json"
+    return (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method") \
+        if config.is_file() else None
+
+
+def _loading(report: Report, directory: Path) -> list[str]:
+    packed = _packed(directory)
+    stock = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory")',
+             'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")', "```"]
+    lines = ["A standard checkpoint of the source's architecture class: stock `from_pretrained` loads it.", ""]
+    if packed:
+        lines = [f"Weights are packed ({packed}): stock `from_pretrained` loads them with `pip install "
+                 f"compressed-tensors`; vLLM serves the directory as is.", ""]
+    lines += stock
+    extras = directory / EXTRAS_JSON
+    if extras.is_file():
+        names = sorted({entry["modifier"] for entry in json.loads(extras.read_text())})
+        lines += ["", f"This output also carries non-stock additions ({', '.join(names)}; `{EXTRAS_JSON}`) that "
+                      f"stock `from_pretrained` ignores: load it with the recipe engine to get the model as measured:",
+                  "", "```python", "import recipe_engine", "",
+                  'model, tokenizer = recipe_engine.load_model("path/to/this/directory")', "```"]
+    if report.export is not None:
+        lines += ["", f"`{report.export.file}`: the same model as one GGUF file ({report.export.type}) for "
+                      f"llama.cpp, Ollama or LM Studio."]
+    return lines
+
+
+def reproduce_command(report: Report) -> str:
+    """The ``recipe apply`` command line that made this output (the recipe file and its overrides)."""
+    recipe = report.recipe
+    file = recipe.file if recipe.file != "<python>" else "recipe.yaml"
+    return " ".join(["recipe apply", shlex.quote(file), *(f"--set {shlex.quote(o)}" for o in recipe.overrides)])
+
+
+def _reproduce(report: Report) -> list[str]:
+    recipe, git = report.recipe, report.recipe.git
+    where = f" at commit `{git['commit']}`{' (with uncommitted changes)' if git.get('dirty') else ''}" if git else ""
+    versions = ", ".join(f"{name} {version}" for name, version in sorted(report.packages.items()))
+    return ["```bash", reproduce_command(report), "```", "",
+            f"Recipe file `{recipe.file}`{where}, sha256 `{recipe.sha256}`. The resolved recipe (every default and "
+            f"override filled in) is `recipe.yaml` here: `recipe apply recipe.yaml` runs the same recipe. "
+            f"Computed on {report.device} in {report.dtype} with {versions}."]
+
+
+def _eval_results(report: Report, evaluations: list[dict]):
+    """``model-index`` entries: every perplexity and zero-shot score measured on this output."""
+    # deferred: the hub client loads only where a card is written
+    from huggingface_hub import EvalResult
+
+    measured = [report.evaluation.after] if report.evaluation is not None and report.evaluation.after else []
+    results = []
+    for record in measured + list(evaluations):
+        ppl = record.get("perplexity")
+        if ppl:
+            results.append(EvalResult(task_type="text-generation", dataset_type=ppl["dataset"],
+                                      dataset_name=ppl["dataset"], metric_type="perplexity",
+                                      metric_value=round(ppl["ppl"], 4)))
+        for task, result in (record.get("zero_shot") or {}).get("tasks", {}).items():
+            results.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
+                                      metric_type=result["metric"], metric_value=round(result["value"], 4)))
+    return results
+
+
+def model_card(report: Report, directory: str | Path, evaluations: list[dict] = ()):
+    """The ``huggingface_hub.ModelCard`` of an output directory written from ``report`` (its files are read
+    for the loading notes); ``evaluations``: ``recipe eval --json`` records of it, shown too."""
+    # deferred: the hub client loads only where a card is written
+    from huggingface_hub import ModelCard, ModelCardData
+
+    directory = Path(directory)
+    quantized = any(step.result.get("format") for step in report.steps)
+    tags = [TOOL_TAG, "compressed"] + (["compressed-tensors"] if _packed(directory) else [])
+    results = _eval_results(report, list(evaluations))
+    data = ModelCardData(base_model=base_model(report.model), library_name="transformers", tags=tags,
+                         pipeline_tag="text-generation", license=report.model.license,
+                         model_name=report.recipe.name if results else None, eval_results=results or None,
+                         **({"base_model_relation": "quantized"} if quantized else {}))
+    size = report.after.parameters / report.before.parameters
+    description = _description(directory)
+    body = [f"# {report.recipe.name}", "", *([description, ""] if description else []),
+            f"`{base_model(report.model)}` compressed by `recipe apply` (recipe-engine, the recipe "
+            f"`{report.recipe.name}`): {report.before.layers} → {report.after.layers} decoder layers, "
+            f"{size:.1%} of the parameters.", "",
+            "## What was done", "", "Steps, in order:", "", *_steps(report, directory), "", *_sizes(report)]
+    formats = _formats(report)
+    if formats:
+        body += ["", "## Quantization format", "", *formats]
+    if report.evaluation is not None or evaluations:
+        body += ["", "## Evaluation", ""]
+        body += _evaluation(report) + ([""] if report.evaluation is not None and evaluations else [])
+        body += (["Evaluated later (`recipe eval --json`):", "", *_later(list(evaluations))] if evaluations else [])
+    body += ["", "## Calibration data", "", *_calibration(report), "", "## How to load", "",
+             *_loading(report, directory), "", "## Reproduce", "", *_reproduce(report), ""]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
+
+
+def write_card(directory: str | Path, report: Report | None = None, evaluations: list[dict] = ()) -> Path:
+    """Write ``README.md`` into ``directory`` atomically (a temporary file renamed into place); ``report``:
+    its ``report.json`` when not given. Returns the card's path."""
+    directory = Path(directory)
+    report = report if report is not None else load_report(directory)
+    card = model_card(report, directory, evaluations)
+    target = directory / CARD_FILE
+    temporary = target.with_name(f".{CARD_FILE}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(str(card), encoding="utf-8")
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return target
+
+
+def read_evaluation(path: str, report: Report) -> dict:
+    """A ``recipe eval --json`` record of the output ``report`` describes (refused when it evaluated
+    another model: its recipe's sha256 differs)."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise RecipeError(f"--eval {path}: cannot read a `recipe eval` JSON record: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("model"), dict):
+        raise RecipeError(f"--eval {path}: expected the JSON object `recipe eval --json` writes")
+    evaluated = record["model"].get("recipe_sha256")
+    if evaluated != report.recipe.sha256:
+        raise RecipeError(f"--eval {path}: evaluated {record['model'].get('spec')}, not this output (its recipe "
+                          f"sha256 is {evaluated}, this output's {report.recipe.sha256})")
+    return record
