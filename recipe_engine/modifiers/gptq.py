@@ -258,6 +258,8 @@ class GPTQ(GridParameters, LayerModifier):
             gram = statistic.gram
             stacked = torch.cat([linear.weight.detach() for linear in linears])
             result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)
+            if stacked.is_cuda:  # the log's seconds are the GPU's work, not its launch
+                torch.cuda.synchronize(stacked.device)
             seconds = time.perf_counter() - started
             split = [linear.out_features for linear in linears]
             rounded = rtn(stacked, grid).dequantized
