@@ -13,6 +13,7 @@ With ``propagate: compressed`` a layer's inputs come from the already-compressed
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -81,12 +82,18 @@ class LayerPipeline:
     between its parts go through the session's methods of the same names, as a step's do."""
 
     def __init__(self, session: "Session"):
-        self.session = session
+        # a weak reference: no cycle with the session, so a dropped session (a BestOf branch's copy of the
+        # model) is freed at once, without the cyclic collector
+        self._session = weakref.ref(session)
         #: The layer ``run_layer_modifiers`` is compressing (``current_layer``) and what its step handed over.
         self.current: CurrentLayer | None = None
         self._provided: list[torch.Tensor] | None = None
         #: The original model's hidden states in lockstep with the pass (``reference_outputs``).
         self.reference: ReferenceStates | None = None
+
+    @property
+    def session(self) -> "Session":
+        return self._session()
 
     # -- capture and layer runs -------------------------------------------------------------------
     def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:

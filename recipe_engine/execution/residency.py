@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -27,7 +28,13 @@ class Residency:
     """The weight residency of one session (its model, stream, device and timings, read at each call)."""
 
     def __init__(self, session: "Session"):
-        self.session = session
+        # a weak reference: no cycle with the session, so a dropped session (a BestOf branch's copy of the
+        # model) is freed at once, without the cyclic collector
+        self._session = weakref.ref(session)
+
+    @property
+    def session(self) -> "Session":
+        return self._session()
 
     def _modules(self, items) -> list[nn.Module]:
         layers = self.session.layers

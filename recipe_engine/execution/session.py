@@ -59,7 +59,7 @@ class Session:
                  stream: WeightStream | None = None, parallel: Parallel | None = None,
                  passes: PassCounter | None = None, *, memo: SharedWork | None = None,
                  outputs: RunOutputs | None = None, origin: list[tuple[int, ...]] | None = None,
-                 original_layers: int | None = None, completed: list[str] = ()):
+                 original_layers: int | None = None, completed: list[str] = (), timings: Timings | None = None):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
         #: Calibration passes made so far by this session and its siblings (``recipe plan`` predicts them).
         self.passes = passes or PassCounter()
@@ -90,7 +90,7 @@ class Session:
         #: Report records of the steps this session ran (``run_steps``; a branch's, see ``branch``).
         self.records: list[dict[str, Any]] = []
         #: The run's phase clock and timings log (``recipe_engine.execution.timings``), shared by siblings.
-        self.timings = Timings()
+        self.timings = timings if timings is not None else Timings()
         #: Owner of weight residency (``placed``, ``using``, ``loaded``, ``release``, ...).
         self.residency = Residency(self)
         #: Owner of the calibration activations and the layer-sequential pass.
@@ -167,11 +167,9 @@ class Session:
                 **state) -> "Session":
         """A session sharing this one's tokenizer, adapter, calibration settings and device (``state``: the
         keyword arguments of ``Session``: memo, origin, ...)."""
-        session = Session(model, self.tokenizer, self.adapter,
-                          self.calibration if calibration is None else calibration, self.config, self.device,
-                          self.progress, stream=stream, parallel=self.parallel, passes=self.passes, **state)
-        session.timings = self.timings
-        return session
+        return Session(model, self.tokenizer, self.adapter, self.calibration if calibration is None else calibration,
+                       self.config, self.device, self.progress, stream=stream, parallel=self.parallel,
+                       passes=self.passes, timings=self.timings, **state)
 
     # -- branches: alternatives run side by side (a step choosing between them) -------------
     def current_shape(self) -> ModelShape:

@@ -48,8 +48,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
         names = ", ".join(step.step_name() for _, step in group)
         bar.phase(f"step {group[0][0]}: {names}")
         numbers = f"{group[0][0]}" + (f"-{group[-1][0]}" if len(group) > 1 else "")
-        outer = session.timings.step  # a step run inside another (a BestOf alternative) is named under it
-        session.timings.step = f"{outer} / {numbers} {names}" if outer else f"{numbers} {names}"
+        outer = session.timings.begin_step(f"{numbers} {names}")
         # a named range in a torch.profiler trace (benchmarks/pipeline_overhead.py splits host time by step)
         with torch.profiler.record_function(f"recipe step {session.timings.step}"):
             if group[0][1].scope == "layer":
@@ -62,7 +61,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
                     results = [step.apply(session)]
         elapsed = time.perf_counter() - start
         session.timings.record(event="step", wall_s=round(elapsed, 3))
-        session.timings.step = outer
+        session.timings.end_step(outer)
         session.mark_completed([json.dumps(step_to_dict(step), sort_keys=True) for _, step in group])
         if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
             session.parallel.agree(f"step {group[0][0]} ({names})",

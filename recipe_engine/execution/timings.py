@@ -44,7 +44,7 @@ class Timings:
         self._stack: list[str] = []
         self._seconds: dict[str, float] = defaultdict(float)
         self._parts: dict[str, dict[str, float]] = {}
-        #: The running step's label (``run_steps`` sets it; records name it).
+        #: The running step's label (``begin_step``; records name it).
         self.step = ""
         self._started = self._mark = time.perf_counter()
         self.bytes_to_device = self.bytes_to_host = 0
@@ -93,6 +93,16 @@ class Timings:
                 self.bytes_to_device += size
 
     # -- records ---------------------------------------------------------------------------
+    def begin_step(self, label: str) -> str:
+        """Name the records from now on after step ``label`` (a step inside another, such as a BestOf
+        alternative, is named under it); returns the outer label for ``end_step``."""
+        outer = self.step
+        self.step = f"{outer} / {label}" if outer else label
+        return outer
+
+    def end_step(self, outer: str) -> None:
+        self.step = outer
+
     def split(self, label: str) -> None:
         """Put the phases since the last split or record under ``label`` in the next record's ``by_step``."""
         if not self.enabled:

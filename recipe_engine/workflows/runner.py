@@ -36,6 +36,7 @@ from ..plan.estimates import plan_memory
 from ..plan.preflight import check_device, located, preflight_apply
 from ..recipe.files import LoadedRecipe, load_recipe
 from ..recipe.schema import Recipe, dump_recipe, recipe_from_dict
+from ..system.cleanup import track, untrack
 from ..system.host_memory import PeakWatch, current_rss
 from ..system.progress import Progress
 
@@ -77,15 +78,19 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         log = timings_path(loaded.recipe.output, timings, write and parallel.rank == 0)
         if profile is not None and log is None:
             raise RecipeError("--profile needs the timings log: give --timings PATH when nothing is written")
+        # nothing stays beside the output: a finished run's log is in it, a failed or interrupted run's goes
+        # with its other files (also when a signal forces the process out); a SIGKILL (or the OOM killer)
+        # leaves it. A log whose place the user named stays there.
+        beside = log if timings is None else None
+        if beside is not None:
+            track(beside)
         try:
             return _apply(loaded, parallel, model, tokenizer, force, write, progress, resume, memo, checkpoints,
                           log, Path(profile) if profile is not None and parallel.rank == 0 else None)
         finally:
-            # nothing stays beside the output: a finished run's log is in it, a failed or interrupted run's
-            # goes with its other files; a SIGKILL (or the OOM killer) leaves it. A log whose place the
-            # user named stays there.
-            if timings is None and log is not None:
-                log.unlink(missing_ok=True)
+            if beside is not None:
+                beside.unlink(missing_ok=True)
+                untrack(beside)
 
 
 def timings_path(output: str, given: str | Path | None, writing: bool) -> Path | None:
@@ -176,13 +181,14 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     report["activations_on"] = "cpu" if offload else str(parallel.device)
     stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
     outputs = RunOutputs()
-    session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar,
-                      reference_loader=_reference_loader(recipe, model, source, lambda: session),
-                      stream=stream, parallel=parallel, memo=memo, outputs=outputs)
+    clock = None
     if timings is not None and parallel.rank == 0:
         if not resume:
             timings.unlink(missing_ok=True)  # a fresh run's log starts empty; a resumed one goes on
-        session.timings = Timings(timings, parallel.device)
+        clock = Timings(timings, parallel.device)
+    session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar,
+                      reference_loader=_reference_loader(recipe, model, source, lambda: session),
+                      stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock)
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
     if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
