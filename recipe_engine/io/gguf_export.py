@@ -36,6 +36,7 @@ from ..errors import RecipeError
 from ..system.cleanup import track, untrack
 from .checkpoint_reader import INDEX_FILE, SINGLE_FILE
 from .extras import EXTRAS_JSON
+from .models import gguf_origin, hub_file, recorded_gguf, resolve_model
 from .output import check_file_output, check_free_bytes
 from .output_lock import output_lock
 
@@ -45,8 +46,18 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def _fail(message: str) -> RecipeError:
-    return RecipeError(f"GGUF export: {message}", field="output")
+def _fail(message: str, field: str | None = None) -> RecipeError:
+    return RecipeError(f"GGUF export: {message}", field=field)
+
+
+def _describe(component: dict | None) -> str:
+    """A tokenizer.json component by its types, e.g. ``Sequence[Prepend, Replace]`` (``none`` when absent)."""
+    if not component:
+        return "none"
+    inner = component.get("normalizers") or component.get("pretokenizers") or component.get("decoders")
+    if component.get("type") == "Sequence":
+        return f"Sequence[{', '.join(_describe(step) for step in inner or [])}]"
+    return str(component.get("type"))
 
 
 def pre_tokenizer_name(tokenizer_json: dict) -> str:
@@ -59,7 +70,8 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
             and steps[0].get("pattern", {}).get("Regex") == QWEN2_SPLIT
             and steps[1].get("type") == "ByteLevel" and not steps[1].get("use_regex", True)):
         return "qwen2"
-    raise _fail(f"pre-tokenizer {json.dumps(pre)[:120]} is not one llama.cpp names here (known: gpt-2, qwen2)")
+    raise _fail(f"pre-tokenizer {_describe(pre)} is not one llama.cpp names here (known: gpt-2's ByteLevel, "
+                f"qwen2's Split + ByteLevel)")
 
 
 def permute_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -90,6 +102,19 @@ def check_recipe_exportable(recipe, config) -> None:
             raise _fail(f"step {index} ({step.step_name()}) writes packed quantized weights that GGUF cannot "
                         f"hold; use its dequantized export and export.type q8_0 if size matters")
     check_config(config)
+
+
+def check_source_vocabulary(spec: str, vocab_size: int) -> None:
+    """Before anything loads: the vocabulary a recipe's ``export:`` writes can be built from the model source
+    ``spec`` (its GGUF's metadata, or its ``tokenizer.json``, which the run saves with the output)."""
+    source = resolve_model(spec, convert=False)
+    origin = gguf_origin(source)
+    if origin:
+        gguf_vocabulary(Path(origin), vocab_size)
+    elif source.kind == "local":
+        _vocabulary(Path(source.location), vocab_size)
+    elif source.kind == "hub":
+        _vocabulary(Path(hub_file(spec, "tokenizer.json")).parent, vocab_size)
 
 
 def check_exportable(directory: Path, config) -> None:
@@ -231,7 +256,9 @@ def _order(gguf_name: str) -> tuple[int, str]:
 class Vocabulary:
     """What ``tokenizer.ggml.*`` holds: llama.cpp's vocabulary ``model`` (``gpt2``: byte-level BPE with merges;
     ``llama``: SentencePiece-style BPE with byte fallback, merge order as scores), its ``pre``-tokenizer, tokens
-    by id, their types, and for ``llama`` the scores and whether a space is prepended to the text."""
+    by id, their types, and for ``llama`` the scores and whether a space is prepended to the text. ``copied``:
+    the source GGUF's other ``tokenizer.*`` keys ``(key, value, type, item type)``, written as they are instead
+    of the special tokens and chat template read from the directory."""
 
     model: str
     pre: str
@@ -239,6 +266,7 @@ class Vocabulary:
     types: list[int]
     scores: list[float] | None = None
     add_space_prefix: bool | None = None
+    copied: tuple | None = None
 
     def write(self, writer, directory: Path) -> None:
         writer.add_tokenizer_model(self.model)
@@ -249,8 +277,58 @@ class Vocabulary:
             writer.add_token_scores(self.scores)
         if self.add_space_prefix is not None:
             writer.add_add_space_prefix(self.add_space_prefix)
+        if self.copied is not None:
+            for key, value, kind, item in self.copied:
+                writer.add_key_value(key, value, kind, item)
+            return
         special = gguf.SpecialVocab(directory, load_merges=self.model == "gpt2", n_vocab=len(self.tokens))
         special.add_to_gguf(writer, quiet=True)
+
+
+#: ``tokenizer.ggml.*`` keys :class:`Vocabulary` writes itself (padded to the model's vocabulary).
+OWN_KEYS = {f"tokenizer.ggml.{key}" for key in ("model", "pre", "tokens", "token_type", "scores", "add_space_prefix")}
+
+
+def gguf_vocabulary(path: Path, vocab_size: int) -> Vocabulary:
+    """The vocabulary of the GGUF file ``path`` as its own metadata states it (what llama.cpp read from it,
+    whatever tokenizer transformers builds from it), padded to ``vocab_size`` with ``[PAD{i}]`` UNUSED tokens;
+    its other ``tokenizer.*`` keys (merges, special ids, chat template) are copied."""
+    if not path.is_file():
+        raise _fail(f"the checkpoint was converted from {path}, which is gone; its vocabulary is read from "
+                    f"there (reinstall or restore it)")
+    try:
+        fields = {name: field for name, field in gguf.GGUFReader(str(path)).fields.items()
+                  if name.startswith("tokenizer.")}
+        value = lambda key, default=None: fields[key].contents() if key in fields else default
+        model, tokens = value("tokenizer.ggml.model"), value("tokenizer.ggml.tokens")
+        types, scores = value("tokenizer.ggml.token_type"), value("tokenizer.ggml.scores")
+        copied = tuple((key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+                       for key, field in fields.items() if key not in OWN_KEYS)
+        pre, prefix = value("tokenizer.ggml.pre", "default"), value("tokenizer.ggml.add_space_prefix")
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise _fail(f"cannot read the vocabulary of {path}: {type(exc).__name__}: {exc}") from None
+    if not model or not tokens or types is None or len(types) != len(tokens):
+        raise _fail(f"{path} holds no complete llama.cpp vocabulary (tokenizer.ggml.model, tokens, token_type)")
+    if len(tokens) > vocab_size:
+        raise _fail(f"{path} has {len(tokens)} tokens but the model's vocabulary is {vocab_size}")
+    pad = range(len(tokens), vocab_size)
+    return Vocabulary(str(model), str(pre), [*tokens, *(f"[PAD{i}]" for i in pad)],
+                      [*map(int, types), *(int(gguf.TokenType.UNUSED) for _ in pad)],
+                      None if scores is None else [*map(float, scores), *(-10000.0 for _ in pad)],
+                      None if prefix is None else bool(prefix), copied)
+
+
+def source_gguf(directory: Path) -> Path | None:
+    """The GGUF file the checkpoint in ``directory`` was converted from, as its ``report.json`` records it."""
+    recorded = recorded_gguf(directory)
+    return Path(recorded) if recorded else None
+
+
+def vocabulary(directory: Path, vocab_size: int, origin: Path | None = None) -> Vocabulary:
+    """llama.cpp's vocabulary for the checkpoint in ``directory``: the source GGUF's own (``origin``, else
+    the one its ``report.json`` records) when it came from one, else its ``tokenizer.json``'s."""
+    origin = origin or source_gguf(directory)
+    return gguf_vocabulary(origin, vocab_size) if origin else _vocabulary(directory, vocab_size)
 
 
 def _vocabulary(directory: Path, vocab_size: int) -> Vocabulary:
@@ -316,8 +394,8 @@ def space_prefix(data: dict) -> bool:
         scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
         if scheme in ("always", "first", "never"):
             return scheme != "never"
-    raise _fail(f"normalizer {json.dumps(normalizer)[:80]} with pre-tokenizer {json.dumps(pre)[:80]} is not the "
-                f"'▁' escaping llama.cpp's SentencePiece-style vocabulary applies")
+    raise _fail(f"normalizer {_describe(normalizer)} with pre-tokenizer {_describe(pre)} is not the '▁' escaping "
+                f"llama.cpp's SentencePiece-style vocabulary applies")
 
 
 def _sentencepiece_vocabulary(data: dict, vocab_size: int) -> Vocabulary:
@@ -386,10 +464,11 @@ def _metadata(writer, config, kind: str, name: str) -> None:
 
 
 def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", force: bool = False,
-                name: str | None = None) -> dict:
+                name: str | None = None, vocabulary_from: Path | None = None) -> dict:
     """Write ``output`` (a ``.gguf`` file) from the HF output directory ``directory``; returns a summary
     ``{"file", "type", "architecture", "tensors", "bytes"}``; ``name`` is ``general.name`` (default: the
-    directory's name; note transformers reads a name containing "mistral" as a Mistral model).
+    directory's name; note transformers reads a name containing "mistral" as a Mistral model);
+    ``vocabulary_from``: the source GGUF whose vocabulary to write (default: the one ``report.json`` records).
 
     Before a byte is written (``recipe_engine.io.output.check_file_output``): the output is not a directory (not even
     with ``force``), not an existing file without ``force``, its directory is writable and has room for the
@@ -403,10 +482,10 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
         raise _fail(f"'{directory}' is not a model directory (no config.json)")
     output = check_file_output(output, force)
     with output_lock(output):  # checked again under the lock: another export may have written it meanwhile
-        return _export(directory, check_file_output(output, force), kind, name)
+        return _export(directory, check_file_output(output, force), kind, name, vocabulary_from)
 
 
-def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
+def _export(directory: Path, output: Path, kind: str, name: str | None, origin: Path | None) -> dict:
     from transformers import AutoConfig  # deferred: transformers' model classes take seconds to import
 
     config = AutoConfig.from_pretrained(directory)
@@ -414,15 +493,15 @@ def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
     adapter = gguf_adapter(config)
     arch_name = adapter.gguf.arch
     plan = _tensor_plan(directory, config, kind, adapter)
-    vocabulary = _vocabulary(directory, config.vocab_size)
-    check_free_bytes(output, planned_bytes(plan, vocabulary.tokens), f"the {kind} GGUF file")
+    vocab = vocabulary(directory, config.vocab_size, origin)
+    check_free_bytes(output, planned_bytes(plan, vocab.tokens), f"the {kind} GGUF file")
     _remove_stale_temporaries(output)
     temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     track(temporary)
     try:
         writer = gguf.GGUFWriter(str(temporary), arch_name)
         _metadata(writer, config, kind, name or directory.resolve().name)
-        vocabulary.write(writer, directory)
+        vocab.write(writer, directory)
         for gguf_name, _, _, shape, qtype, _ in plan:
             if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 dtype = np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16
@@ -441,7 +520,7 @@ def _export(directory: Path, output: Path, kind: str, name: str | None) -> dict:
         os.replace(temporary, output)
     except OSError as exc:  # a disk that filled up after the check, a file system that went read-only
         temporary.unlink(missing_ok=True)
-        raise _fail(f"writing '{output}' failed: {exc.strerror or exc}; nothing written") from None
+        raise _fail(f"writing '{output}' failed: {exc.strerror or exc}; nothing written", "output") from None
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise

@@ -190,6 +190,36 @@ def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     return ModelSource(spec, "hub", spec)
 
 
+def gguf_origin(source: ModelSource) -> str | None:
+    """The GGUF file a source's weights were converted from: a builtin alias's or a ``.gguf`` source's file, or
+    for a local directory the one its ``report.json`` records (an output of such a source); else None."""
+    if source.kind == "builtin":
+        return str(builtin_gguf(source.spec))
+    if source.kind == "gguf":
+        return str(Path(source.spec).expanduser().resolve())
+    if source.kind == "local":
+        return recorded_gguf(Path(source.location))
+    return None
+
+
+def recorded_gguf(directory: Path) -> str | None:
+    """The source GGUF that ``directory/report.json`` records (``model.gguf``; for an output written before
+    that field, its builtin alias's file), or None when the directory has no report or came from no GGUF."""
+    path = directory / "report.json"
+    if not path.is_file():
+        return None
+    try:
+        model = json.loads(path.read_text(encoding="utf-8"))["model"]
+        spec, kind, recorded = model["spec"], model["kind"], model.get("gguf")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise SourceError(f"{path}: not a readable report (no model record: {type(exc).__name__})") from None
+    if recorded:
+        return str(recorded)
+    if kind == "builtin" and spec in builtin_names():
+        return str(builtin_gguf(spec))
+    return None
+
+
 def check_safetensors(directory: Path) -> None:
     """Each ``*.safetensors`` file of a local source model holds its whole header and every tensor's data
     (the 8-byte header length, the JSON header, and the largest ``data_offsets`` end fit in the file): a
@@ -372,6 +402,18 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     model.eval()
     restore_extras(model, source.location)
     return model, tokenizer, source
+
+
+def hub_file(spec: str, filename: str) -> str:
+    """One small file of a hub model (from the HF cache, else downloaded once), for pre-flight checks."""
+    # deferred: the hub client (~0.2 s) is needed only for hub sources
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(spec, filename)
+    except Exception as exc:  # offline, unknown id, gated, no such file: one line
+        raise SourceError(f"cannot read {filename} of hub model '{spec}': {(str(exc).splitlines() or [''])[0]}") \
+            from None
 
 
 def _hub_snapshot(spec: str) -> str:

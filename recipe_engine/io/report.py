@@ -45,6 +45,7 @@ class ModelRecord(_Section):
     spec: str = Field(description="the recipe's model field")
     kind: str = Field(description="how it was found (builtin, local, hub, in-memory)")
     location: str | None = Field(None, description="the directory read (absent for in-memory)")
+    gguf: str | None = Field(None, description="the GGUF file the weights were converted from, if any")
 
 
 class DataRecord(_Section):

@@ -28,7 +28,7 @@ from ..architectures.shape import ModelShape
 from ..errors import RecipeError, SourceError
 from ..evaluation.zeroshot import check_tasks
 from ..io.data import check_text, is_hub_source, load_text
-from ..io.gguf_export import check_recipe_exportable
+from ..io.gguf_export import check_recipe_exportable, check_source_vocabulary
 from ..io.models import exceeds_memory, load_config, parse_device, resolve_device
 from ..io.output import SWEEP_FILE, check_writable_parent, space_problem
 from ..recipe.schema import Recipe
@@ -114,6 +114,8 @@ def check_recipe(recipe, file: str | None = None, config=None, here: bool = True
     located(lambda: check_device(recipe.device, here), file, "device")
     if config is None:
         config = check_model(recipe.model, file)
+        if recipe.export is not None:  # the tokenizer the run saves is the source's
+            located(lambda: check_source_vocabulary(recipe.model, config.vocab_size), file, "export")
     if calibration:
         check_calibration(recipe.calibration, file, unchecked)
     check_evaluation(recipe.evaluate, file, unchecked=unchecked)
@@ -252,7 +254,7 @@ def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
         try:
             check_recipe_exportable(recipe, config)
         except RecipeError as exc:
-            raise exc.located(file=file) from None
+            raise exc.located(file=file, field="export") from None
     return plan
 
 
