@@ -36,7 +36,7 @@ from ..errors import RecipeError
 from ..system.cleanup import track, untrack
 from .checkpoint_reader import INDEX_FILE, SINGLE_FILE
 from .extras import EXTRAS_JSON
-from .models import gguf_origin, hub_file, recorded_gguf, resolve_model
+from .models import check_checkpoint, gguf_origin, hub_file, recorded_gguf, resolve_model
 from .output import check_file_output, check_free_bytes
 from .output_lock import output_lock
 
@@ -490,6 +490,7 @@ def _export(directory: Path, output: Path, kind: str, name: str | None, origin: 
 
     config = AutoConfig.from_pretrained(directory)
     check_exportable(directory, config)
+    check_checkpoint(directory, config)  # a GGUF must hold every block its metadata counts
     adapter = gguf_adapter(config)
     arch_name = adapter.gguf.arch
     plan = _tensor_plan(directory, config, kind, adapter)

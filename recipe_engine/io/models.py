@@ -12,6 +12,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -232,6 +233,12 @@ def check_safetensors(directory: Path) -> None:
 
 def safetensors_problem(file: Path) -> str | None:
     """Why ``file`` is not a complete safetensors file (reads its header only), or None."""
+    header = safetensors_header(file)
+    return header if isinstance(header, str) else None
+
+
+def safetensors_header(file: Path) -> dict | str:
+    """The header of a complete safetensors file (tensor name → entry), or why ``file`` is not one."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as handle:
@@ -257,7 +264,68 @@ def safetensors_problem(file: Path) -> str | None:
     needed = 8 + length + max(ends, default=0)
     if needed > size:
         return f"{size:,} bytes, but its tensors need {needed:,} (truncated: copy or download it again)"
-    return None
+    return {key: entry for key, entry in header.items() if key != "__metadata__"}
+
+
+#: The tensors that replace ``<linear>.weight`` in a compressed-tensors packed checkpoint.
+PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+
+
+def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape of the checkpoint in ``directory`` (its shard index or ``model.safetensors``), from
+    the safetensors headers alone; a shard the index names that is missing or broken is one line."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SourceError(f"{index}: not a shard index (no weight_map: {type(exc).__name__})") from None
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise SourceError(f"model directory {directory} has no model.safetensors or model.safetensors.index.json "
+                          f"(safetensors weights are required)")
+    shapes = {}
+    for name in files:
+        file = directory / name
+        if not file.is_file():
+            raise SourceError(f"{index}: names the shard {name}, which is missing from {directory}")
+        header = safetensors_header(file)
+        if isinstance(header, str):
+            raise SourceError(f"source model file {file}: {header}")
+        shapes.update({key: tuple(entry.get("shape", ())) for key, entry in header.items()})
+    return shapes
+
+
+def check_checkpoint(directory: Path, config, spec: str | None = None) -> None:
+    """Every tensor ``config``'s architecture needs is in the checkpoint with the config's shape, and no other
+    tensor is (headers only, no weight read; a tied ``lm_head`` may be absent; a packed linear's
+    ``weight_packed``/``weight_scale``/... stand for its ``weight``). Otherwise one line naming the first few."""
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
+    from transformers import AutoModelForCausalLM
+
+    present = checkpoint_shapes(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    packed = {f"{name[:-len('weight')]}{suffix}" for name in expected if name.endswith(".weight")
+              for suffix in PACKED_SUFFIXES} if getattr(config, "quantization_config", None) else set()
+    optional = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = [name for name in expected if name not in present and name not in optional
+               and f"{name}_packed" not in present]
+    unexpected = [name for name in present if name not in expected and name not in packed
+                  and not any(re.search(pattern, name) for pattern in ignored)]
+    wrong = [f"{name} {list(present[name])} (config: {list(shape)})" for name, shape in expected.items()
+             if name in present and present[name] != shape]
+    problems = [f"{label} {len(names)} tensor(s): {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
+                if names]
+    if problems:
+        layers = getattr(config, "num_hidden_layers", None)
+        raise SourceError(f"model '{spec or directory}': the weights in {directory} do not match its config.json "
+                          f"({config.model_type}, {layers} layers): {'; '.join(problems)}")
 
 
 def _hub_cached(repo: str) -> bool:
@@ -368,12 +436,28 @@ def load_config(spec: str):
     if source.kind in ("builtin", "gguf"):
         return gguf_config(Path(source.location))
     try:
-        return AutoConfig.from_pretrained(source.location)
+        config = AutoConfig.from_pretrained(source.location)
     except OSError as exc:
         raise SourceError(f"cannot load config of model '{spec}': {str(exc).splitlines()[0]}") from None
     except ValueError as exc:  # e.g. a config.json that is not JSON, or an unknown model_type
         raise SourceError(f"cannot load config of model '{spec}': {(str(exc).splitlines() or [''])[0]}") \
             from None
+    if source.kind == "local" and has_weights(Path(source.location)):  # a config alone validates a recipe
+        check_checkpoint(Path(source.location), config, spec)
+    return config
+
+
+def has_weights(directory: Path) -> bool:
+    """The directory holds a safetensors checkpoint (a shard index or ``model.safetensors``)."""
+    return (directory / "model.safetensors.index.json").is_file() or (directory / "model.safetensors").is_file()
+
+
+def require_weights(spec: str) -> None:
+    """A local model directory that holds only a config (enough to validate a recipe) cannot be run: one line."""
+    source = resolve_model(spec, convert=False)
+    if source.kind == "local" and not has_weights(Path(source.location)):
+        raise SourceError(f"model directory {spec} has no model.safetensors or model.safetensors.index.json "
+                          f"(safetensors weights are required)")
 
 
 def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
@@ -395,10 +479,21 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
                 raise SourceError(f"model '{spec}' carries non-stock extras ({EXTRAS_JSON}); they are "
                                   f"restored on a model in memory only: set stream: off")
 
-            return skeleton_model(source.location, DTYPES[dtype]), tokenizer, source
-        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype])
+            skeleton = skeleton_model(source.location, DTYPES[dtype])
+            check_checkpoint(Path(source.location), skeleton.config, spec)  # the stream reads these files
+            return skeleton, tokenizer, source
+        model, info = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype],
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
     except OSError as exc:
         raise SourceError(f"cannot load model '{spec}': {str(exc).splitlines()[0]}") from None
+    problems = [f"{label} {len(names)} tensor(s): {', '.join(map(str, names[:3]))}"
+                for label, names in (("missing", sorted(info.get("missing_keys") or [])),
+                                     ("unexpected", sorted(info.get("unexpected_keys") or [])),
+                                     ("mis-shaped", [n for n, *_ in info.get("mismatched_keys") or []]))
+                if names]
+    if problems:  # transformers would have initialized the missing ones at random
+        raise SourceError(f"model '{spec}': the weights in {source.location} do not match its config.json: "
+                          f"{'; '.join(problems)}")
     model.eval()
     restore_extras(model, source.location)
     return model, tokenizer, source

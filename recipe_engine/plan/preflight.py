@@ -29,7 +29,7 @@ from ..errors import RecipeError, SourceError
 from ..evaluation.zeroshot import check_tasks
 from ..io.data import check_text, is_hub_source, load_text
 from ..io.gguf_export import check_recipe_exportable, check_source_vocabulary
-from ..io.models import exceeds_memory, load_config, parse_device, resolve_device
+from ..io.models import exceeds_memory, load_config, parse_device, require_weights, resolve_device
 from ..io.output import SWEEP_FILE, check_writable_parent, space_problem
 from ..recipe.schema import Recipe
 from .compiled import Plan, compile_plan
@@ -47,9 +47,14 @@ def check_device(name: str, here: bool = True):
     return None if name == "auto" else parse_device(name)
 
 
-def check_model(spec: str, file: str | None = None):
-    """The model's config, read without its weights (a missing path, an unknown hub id offline: one line)."""
-    return located(lambda: load_config(spec), file, "model")
+def check_model(spec: str, file: str | None = None, weights: bool = True):
+    """The model's config, read without its weights (a missing path, an unknown hub id offline: one line),
+    and its checkpoint's tensors agreeing with it (``models.check_checkpoint``); with ``weights`` a local
+    directory must hold weights (without: a config alone validates a recipe)."""
+    config = located(lambda: load_config(spec), file, "model")
+    if weights:
+        located(lambda: require_weights(spec), file, "model")
+    return config
 
 
 def check_evaluation(config, file: str | None = None, fields: dict[str, str] | None = RECIPE_FIELDS,
@@ -113,7 +118,7 @@ def check_recipe(recipe, file: str | None = None, config=None, here: bool = True
     collects what could not be checked here (``data.check_text``'s notes: a hub source in HF offline mode)."""
     located(lambda: check_device(recipe.device, here), file, "device")
     if config is None:
-        config = check_model(recipe.model, file)
+        config = check_model(recipe.model, file, weights=False)
         if recipe.export is not None:  # the tokenizer the run saves is the source's
             located(lambda: check_source_vocabulary(recipe.model, config.vocab_size), file, "export")
     if calibration:
@@ -156,6 +161,8 @@ def preflight_apply(recipe: Recipe, file: str | None, config=None, *, write: boo
     (:func:`check_free_space`), and the streaming decision, recorded in the returned plan."""
     plan = check_recipe(recipe, file, config)
     in_memory = config is not None
+    if not in_memory:
+        located(lambda: require_weights(recipe.model), file, "model")
     if resume and (in_memory or not write or not keep_checkpoints):
         why = "a model passed in memory" if in_memory else "write=False" if not write else "--no-checkpoints"
         raise RecipeError(f"--resume is not supported for {why} (no checkpoints are kept)", file=file)
