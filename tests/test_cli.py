@@ -77,7 +77,7 @@ def test_diff_revision_is_never_an_option(tmp_path, capsys, monkeypatch, rev):
 
 def test_validate_against_local_model_config(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
-    tiny_config("qwen2").save_pretrained(model_dir)
+    tiny_config("qwen2", max_position_embeddings=2048).save_pretrained(model_dir)
     path = write(tmp_path / "r.yaml", {**BASE, "model": "smollm2-135m"})
     assert main(["validate", path, "--model", str(model_dir)]) == 0
     assert "ok (qwen2, 4 → 4 layers)" in capsys.readouterr().out

@@ -480,9 +480,9 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
         raise _fail(f"--type {kind!r} is not one of {', '.join(TYPES)}")
     if not (directory / "config.json").is_file():
         raise _fail(f"'{directory}' is not a model directory (no config.json)")
-    output = check_file_output(output, force)
+    output = check_file_output(output, force, inputs=[directory])
     with output_lock(output):  # checked again under the lock: another export may have written it meanwhile
-        return _export(directory, check_file_output(output, force), kind, name, vocabulary_from)
+        return _export(directory, check_file_output(output, force, inputs=[directory]), kind, name, vocabulary_from)
 
 
 def _export(directory: Path, output: Path, kind: str, name: str | None, origin: Path | None) -> dict:

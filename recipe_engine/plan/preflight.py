@@ -30,7 +30,7 @@ from ..evaluation.zeroshot import check_tasks
 from ..io.data import check_text, is_hub_source, load_text
 from ..io.gguf_export import check_recipe_exportable, check_source_vocabulary
 from ..io.models import exceeds_memory, load_config, parse_device, require_weights, resolve_device
-from ..io.output import SWEEP_FILE, check_writable_parent, space_problem
+from ..io.output import SWEEP_FILE, check_writable_parent, name_problem, space_problem
 from ..recipe.schema import Recipe
 from .compiled import Plan, compile_plan
 from .estimates import plan_output_bytes
@@ -133,6 +133,9 @@ def validate_recipe(loaded) -> tuple[Plan, list[str]]:
     unchecked)``, ``unchecked`` naming what could not be checked here (a hub source in HF offline mode)."""
     unchecked: list[str] = []
     plan = check_recipe(loaded.recipe, loaded.path, here=False, calibration=True, unchecked=unchecked)
+    problem = name_problem(Path(loaded.recipe.output).expanduser())
+    if problem:
+        raise RecipeError(f"output '{loaded.recipe.output}': {problem}", file=loaded.path, field="output")
     return plan, unchecked
 
 
@@ -183,6 +186,8 @@ def check_sweep_output(output: str | Path) -> Path:
     target = Path(output).expanduser()
     if not str(output).strip():
         raise RecipeError("--output is empty; give a directory")
+    if name_problem(target):
+        raise fail(name_problem(target))
     if target.exists() and not target.is_dir():
         raise fail("exists and is not a directory (sweep writes sweep.json and pareto.png into a directory)")
     if target.is_dir():
@@ -247,6 +252,7 @@ def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
     except RecipeError as exc:
         raise exc.located(file=file) from None
     _build_on_meta(config, file)
+    check_context(recipe, config, file)
     plan = compile_plan(recipe, config, file)
     shape = plan.final
     if shape.num_layers < MIN_LAYERS <= shape.original_layers:
@@ -263,6 +269,21 @@ def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
         except RecipeError as exc:
             raise exc.located(file=file, field="export") from None
     return plan
+
+
+def check_seq_len(seq_len: int, config, field: str | None, file: str | None = None, option: str = "") -> None:
+    """A window of ``seq_len`` tokens fits the model's context (``max_position_embeddings``), or one line."""
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and seq_len > context:
+        raise RecipeError(f"{option}seq_len {seq_len} exceeds the model's context of {context} tokens "
+                          f"(max_position_embeddings); use at most {context}", file=file, field=field)
+
+
+def check_context(recipe: Recipe, config, file: str | None = None) -> None:
+    """The calibration and perplexity windows fit the model's context."""
+    check_seq_len(recipe.calibration.seq_len, config, "calibration.seq_len", file)
+    if recipe.evaluate is not None and recipe.evaluate.perplexity is not None:
+        check_seq_len(recipe.evaluate.perplexity.seq_len, config, "evaluate.perplexity.seq_len", file)
 
 
 def _build_on_meta(config, file: str | None) -> None:

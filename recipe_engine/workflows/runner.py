@@ -75,9 +75,16 @@ def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool) -> Iterator[
     if not writing:
         yield
         return
-    check_output_free(loaded.recipe.output, force, loaded.path)
+    check_output_free(loaded.recipe.output, force, loaded.path, inputs=_inputs(loaded))
     with output_lock(loaded.recipe.output, loaded.path):
         yield
+
+
+def _inputs(loaded: LoadedRecipe) -> list[str]:
+    """What the run reads while its output is being written, which the output may not replace: the model (a
+    directory or a ``.gguf`` file; texts and the recipe are read in full before anything is written)."""
+    model = loaded.recipe.model
+    return [model] if model and Path(model).expanduser().exists() else []
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
