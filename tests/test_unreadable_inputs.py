@@ -109,3 +109,48 @@ def test_longest_output_name_that_fits(write_recipe, tmp_path, capsys):
     name = "o" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 14)
     os.mkdir(tmp_path / f".{name}.tmp-12345678")  # the file system holds the longest sibling
     assert main(["validate", write_recipe(output=str(tmp_path / name))]) == 0
+
+
+LACO = {"LaCo": {"samples": 5, "C": 2}}
+
+
+@pytest.mark.parametrize("command", ["validate", "apply"])
+@pytest.mark.parametrize("steps,fragment", [
+    ([LACO], "step 0 (LaCo): field 'samples': samples=5 exceeds the 4 calibration windows"),
+    ([{"BestOf": {"alternatives": [["ShortGPT<n:1>"], [{"LaCo": {"samples": 4, "C": 2}}]]}}],
+     "alternative 1, step 0 (LaCo) on the 3 fit windows: samples=4 exceeds the 3 calibration windows"),
+    (["ShortGPT<n:1>", {"LoRARecovery": {"dataset": "./no-such-alpaca.txt", "max_steps": 1}}],
+     "step 1 (LoRARecovery): field 'dataset': data not found: ./no-such-alpaca.txt"),
+])
+def test_step_inputs_are_checked_before_loading(write_recipe, capsys, command, steps, fragment):
+    """A step's own reading of the calibration windows or of a data file, checked with the recipe."""
+    refused(capsys, [command, write_recipe(modifiers=steps)], fragment)
+
+
+def test_shard_index_naming_a_missing_shard(tmp_path, capsys, monkeypatch):
+    from tests.helpers import save_tiny_model
+
+    forbid_loading(monkeypatch, "the model was loaded before the missing shard was found")
+    save_tiny_model(tmp_path / "m", max_shard_size="40KB")
+    shards = sorted((tmp_path / "m").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    capsys.readouterr()
+    refused(capsys, ["eval", str(tmp_path / "m"), "--no-ppl", "--tasks", "arc_easy"],
+            f"names the shard {shards[-1].name}, which is missing from {tmp_path / 'm'}")
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["eval", "{model}", "--no-ppl"], "--no-ppl with no --tasks leaves nothing to evaluate"),
+    (["eval", "{model}", "--no-ppl", "--tasks"], "--no-ppl with no --tasks leaves nothing to evaluate"),
+    (["sweep", "{recipe}", "--vary", "n=1,2", "--vary", "n=3", "--output", "sw"],
+     "--vary n: 'modifiers.0.n' is varied twice"),
+    (["sweep", "{recipe}", "--vary", "n=1", "--vary", "modifiers.0.n=1", "--output", "sw"], "is varied twice"),
+    (["apply", "{recipe}", "--model", ""], "field 'model': empty model name ''"),
+    (["validate", "{recipe}", "--model", " "], "field 'model': empty model name ' '"),
+    (["eval", ""], "empty model name ''"),
+])
+def test_command_line_mistakes_are_one_line(write_recipe, model_dir, capsys, argv, fragment):
+    recipe = write_recipe()
+    argv = [a.replace("{model}", str(model_dir)).replace("{recipe}", recipe) for a in argv]
+    refused(capsys, argv, fragment)

@@ -161,6 +161,9 @@ def builtin_names() -> list[str]:
 def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     """Classify a model spec without loading weights. GGUF files are converted here, once (cached);
     with ``convert=False`` the location of a GGUF source is the ``.gguf`` file itself."""
+    if not spec.strip():
+        raise SourceError(f"empty model name {spec!r}; give a directory, a .gguf file, a builtin alias "
+                          f"({', '.join(builtin_names())}) or a hub id")
     if spec in builtin_names():
         gguf = builtin_gguf(spec)
         return ModelSource(spec, "builtin", str(converted_gguf(gguf) if convert else gguf))
