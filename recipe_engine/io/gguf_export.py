@@ -15,7 +15,8 @@ q/k rows are reordered from HF's rotate-half layout to GGML's adjacent-pair rope
 (``permute_rope``); norms stored as ``w`` with gain ``offset + w`` (Gemma's ``1 + w``) are written as the gain;
 a tied ``lm_head`` is not written (llama.cpp and transformers reuse ``token_embd``). Refused in one line:
 anything GGUF or the architecture's llama.cpp graph cannot express — recipe extras (LinearPatch),
-compressed-tensors packed weights, non-uniform layers, rope scaling, sliding windows where the graph attends
+compressed-tensors packed weights, tensors that disagree with the config (missing, extra, of another shape:
+non-uniform layers), rope scaling, sliding windows where the graph attends
 fully, unknown tokenizers and pre-tokenizers.
 """
 from __future__ import annotations
@@ -183,14 +184,6 @@ def check_config(config) -> None:
         raise _fail(problem)
 
 
-def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    from transformers import AutoModelForCausalLM  # deferred: transformers' model classes take seconds to import
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
 def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
     """The tensor as the bytes of GGML type ``qtype`` (F32, F16, or BF16/Q8_0 via ``gguf.quants``)."""
     data = tensor.to(torch.float32).contiguous().numpy()
@@ -202,10 +195,10 @@ def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
 
 
 def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str, str, str, tuple[int, ...], object, str]]:
-    """``(gguf name, hf name, file, shape, GGML type, role)`` per tensor, in file order; refuses unknown names,
-    shapes that differ from the config (non-uniform layers) and rows Q8_0 cannot block."""
+    """``(gguf name, hf name, file, shape, GGML type, role)`` per tensor, in file order (the tensors agree with
+    the config: ``models.check_checkpoint``); refuses tensors llama.cpp has no name for and rows Q8_0 cannot
+    block."""
     files = _weights(directory)
-    expected = _expected_shapes(config)
     names = adapter.gguf_tensors(config.num_hidden_layers)
     plan, shapes = [], {}
     for file in dict.fromkeys(files.values()):
@@ -213,11 +206,6 @@ def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str,
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     for hf_name in files:
         shape = shapes[hf_name]
-        if hf_name not in expected:
-            raise _fail(f"tensor {hf_name} is not part of a stock {config.model_type} model")
-        if shape != expected[hf_name]:
-            raise _fail(f"{hf_name} has shape {list(shape)} but the config implies {list(expected[hf_name])}: "
-                        f"non-uniform layers (this export writes one head count and FFN width per model)")
         if hf_name not in names:
             raise _fail(f"no llama.cpp name for tensor {hf_name}")
         gguf_name, role = names[hf_name]

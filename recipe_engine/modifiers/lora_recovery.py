@@ -185,7 +185,7 @@ class LoRARecovery(Modifier):
                              f"{self.micro_batch_size}")
         return self
 
-    def check_calibration(self, calibration) -> None:
+    def check_sources(self) -> None:
         """``dataset`` can be read (before the model loads): an Alpaca file, or a text source's pre-flight."""
         if self.dataset is None or alpaca_records_file(self.dataset):
             return

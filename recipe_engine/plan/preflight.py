@@ -124,7 +124,17 @@ def check_recipe(recipe, file: str | None = None, config=None, here: bool = True
     if calibration:
         check_calibration(recipe.calibration, file, unchecked)
     check_evaluation(recipe.evaluate, file, unchecked=unchecked)
+    check_step_sources(recipe, file)
     return check_plan(recipe, config, file)
+
+
+def check_step_sources(recipe: Recipe, file: str | None = None) -> None:
+    """Every step's own data sources can be read (``Modifier.check_sources``), named by file and step."""
+    for index, step in enumerate(recipe.modifiers):
+        try:
+            step.check_sources()
+        except RecipeError as exc:
+            raise exc.located(file=file, step=index, modifier=step.step_name()) from None
 
 
 def validate_recipe(loaded) -> tuple[Plan, list[str]]:
