@@ -121,8 +121,9 @@ LACO = {"LaCo": {"samples": 5, "C": 2}}
      "alternative 1, step 0 (LaCo) on the 3 fit windows: samples=4 exceeds the 3 calibration windows"),
     (["ShortGPT<n:1>", {"LoRARecovery": {"dataset": "./no-such-alpaca.txt", "max_steps": 1}}],
      "step 1 (LoRARecovery): field 'dataset': data not found: ./no-such-alpaca.txt"),
-    ([{"BestOf": {"alternatives": [["ShortGPT<n:1>", {"LoRARecovery": {"dataset": "./none.jsonl"}}]]}}],
-     "field 'alternatives.0.1.dataset': alternative 0, step 1 (LoRARecovery): data not found: ./none.jsonl"),
+    ([{"BestOf": {"alternatives": [["ShortGPT<n:1>"],
+                                   ["ShortGPT<n:1>", {"LoRARecovery": {"dataset": "./none.jsonl"}}]]}}],
+     "field 'alternatives.1.1.dataset': alternative 1, step 1 (LoRARecovery): data not found: ./none.jsonl"),
 ])
 def test_step_inputs_are_checked_before_loading(write_recipe, capsys, command, steps, fragment):
     """A step's own reading of the calibration windows or of a data file, checked with the recipe."""
