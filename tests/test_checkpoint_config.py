@@ -119,3 +119,18 @@ def test_a_matching_checkpoint_passes(tmp_path):
 
     save_tiny_model(tmp_path, tie_word_embeddings=True)
     check_checkpoint(tmp_path, AutoConfig.from_pretrained(tmp_path))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loading_refuses_what_transformers_would_initialize(broken, case, capfd):
+    """The last line of defence (a hub model's files arrive only when it loads): ``load_model`` turns
+    transformers' loading report into one error instead of random weights, and its table is not printed."""
+    from recipe_engine.errors import SourceError
+    from recipe_engine.io.models import load_model
+
+    capfd.readouterr()
+    with pytest.raises(SourceError, match="do not match its config.json") as caught:
+        load_model(str(broken[case]))
+    assert "\n" not in str(caught.value)
+    assert CASES[case][2].split(": ", 1)[0].split(" ")[0] in str(caught.value)
+    assert "LOAD REPORT" not in capfd.readouterr().err

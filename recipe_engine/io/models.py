@@ -485,8 +485,9 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
             skeleton = skeleton_model(source.location, DTYPES[dtype])
             check_checkpoint(Path(source.location), skeleton.config, spec)  # the stream reads these files
             return skeleton, tokenizer, source
-        model, info = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype],
-                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+        with _quiet_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype],
+                                                               output_loading_info=True, ignore_mismatched_sizes=True)
     except OSError as exc:
         raise SourceError(f"cannot load model '{spec}': {str(exc).splitlines()[0]}") from None
     problems = [f"{label} {len(names)} tensor(s): {', '.join(map(str, names[:3]))}"
@@ -512,6 +513,20 @@ def hub_file(spec: str, filename: str) -> str:
     except Exception as exc:  # offline, unknown id, gated, no such file: one line
         raise SourceError(f"cannot read {filename} of hub model '{spec}': {(str(exc).splitlines() or [''])[0]}") \
             from None
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """transformers' loading report (a table of missing keys on stderr) silenced: the caller raises one line."""
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _hub_snapshot(spec: str) -> str:
