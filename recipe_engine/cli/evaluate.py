@@ -124,6 +124,9 @@ def eval_table(results: dict, baseline: dict | None) -> Table:
 
 def cmd_eval(args) -> int:
     given = lambda **values: {k: v for k, v in values.items() if v is not None}  # unset: the schema's default
+    if not args.no_ppl and args.seq_len is not None and args.seq_len < 2:
+        raise RecipeError(f"--seq-len {args.seq_len}: a perplexity window needs at least 2 tokens (it predicts "
+                          f"all but the first)")
     ppl = None if args.no_ppl else PerplexityConfig(**given(dataset=args.dataset, seq_len=args.seq_len,
                                                             limit=args.limit))
     config = EvaluateConfig(perplexity=ppl, **given(tasks=args.tasks, limit=args.task_limit, task_data=args.task_data))

@@ -72,7 +72,7 @@ class PerplexityConfig(StrictModel):
 
     dataset: list[str] = Field(["wikitext2"], description="first available text source is used")
     split: str = "test"
-    seq_len: PositiveInt = 2048
+    seq_len: int = Field(2048, ge=2, description="tokens per window (a window of n tokens predicts n − 1)")
     limit: PositiveInt | None = Field(None, description="evaluate only the first N windows")
 
     @field_validator("dataset", mode="before")
