@@ -155,6 +155,8 @@ def test_shard_index_naming_a_missing_shard(tmp_path, capsys, monkeypatch):
     (["eval", "{model}", "--seq-len", "1"], "--seq-len 1: a perplexity window needs at least 2 tokens"),
     (["validate", "{recipe}", "--set", "evaluate={perplexity: {seq_len: 1}}"],
      "field 'evaluate.perplexity.seq_len': Input should be greater than or equal to 2"),
+    (["apply", "{recipe}", "--set", "calibration.seq_len=1"],
+     "field 'calibration.seq_len': Input should be greater than or equal to 2"),
 ])
 def test_command_line_mistakes_are_one_line(write_recipe, model_dir, capsys, argv, fragment):
     recipe = write_recipe()
