@@ -61,6 +61,7 @@ BAD = {
              "--json": ["{work}", "{work}/cal.txt/x", "{model}/config.json", "{model}"],
              "--task-data": ["web"]},
     "bench": {"--device": ["mps", "cuda", "tpu"], "--batch": ["0"], "--json": ["{work}", "{model}/model.safetensors"],
+              "--prefill-tokens": ["256"],
               "--repeats": ["-1"]},
 }
 COMMANDS = sorted(GOOD)
@@ -94,7 +95,7 @@ def base_argv(command: str, work: Path, tiny: Path, exportable: Path) -> list[st
             "apply": ["apply", str(recipe), "--quiet"],
             "sweep": ["sweep", str(recipe), "--vary", "n=1", "--output", str(work / "sw")],
             "export": ["export", str(exportable), "--format", "gguf", "--output", str(work / "m.gguf")],
-            "eval": ["eval", str(tiny)], "bench": ["bench", str(tiny)]}[command]
+            "eval": ["eval", str(tiny)], "bench": ["bench", str(tiny), "--prefill-tokens", "64", "--gen-tokens", "4"]}[command]
 
 
 @st.composite

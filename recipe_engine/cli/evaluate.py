@@ -184,7 +184,8 @@ def cmd_bench(args) -> int:
     check_json_path(args.json, args.dirs)
     device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
     for spec in args.dirs:
-        check_model(spec)
+        check_seq_len(args.prefill_tokens + args.gen_tokens, check_model(spec), None,
+                      option=f"{spec}: --prefill-tokens + --gen-tokens: ")
     loaded = [load_model(spec, args.dtype) for spec in args.dirs]
     runs = bench([m for m, _, _ in loaded], args.batch, args.gen_tokens, args.prefill_tokens, args.warmup,
                  args.repeats, device)
