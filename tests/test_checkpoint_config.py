@@ -9,7 +9,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from recipe_engine.cli import main
-from recipe_engine.io.models import check_checkpoint
+from recipe_engine.io.checkpoint_reader import check_checkpoint
 from tests.helpers import forbid_loading, save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40

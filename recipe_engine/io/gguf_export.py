@@ -35,9 +35,9 @@ from safetensors import safe_open
 from ..architectures.adapters import ADAPTERS, ArchitectureAdapter, adapter_for
 from ..errors import RecipeError
 from ..system.cleanup import track, untrack
-from .checkpoint_reader import INDEX_FILE, SINGLE_FILE
+from .checkpoint_reader import INDEX_FILE, SINGLE_FILE, check_checkpoint
 from .extras import EXTRAS_JSON
-from .models import check_checkpoint, gguf_origin, hub_file, recorded_gguf, resolve_model
+from .models import gguf_origin, hub_file, recorded_gguf, resolve_model
 from .output import check_file_output, check_free_bytes
 from .output_lock import output_lock
 
@@ -195,8 +195,8 @@ def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
 
 
 def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str, str, str, tuple[int, ...], object, str]]:
-    """``(gguf name, hf name, file, shape, GGML type, role)`` per tensor, in file order (the tensors agree with
-    the config: ``models.check_checkpoint``); refuses tensors llama.cpp has no name for and rows Q8_0 cannot
+    """``(gguf name, hf name, file, shape, GGML type, role)`` per tensor, in file order (the tensors agree
+    with the config: ``check_checkpoint``); refuses tensors llama.cpp has no name for and rows Q8_0 cannot
     block."""
     files = _weights(directory)
     names = adapter.gguf_tensors(config.num_hidden_layers)

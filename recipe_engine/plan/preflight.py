@@ -49,7 +49,7 @@ def check_device(name: str, here: bool = True):
 
 def check_model(spec: str, file: str | None = None, weights: bool = True):
     """The model's config, read without its weights (a missing path, an unknown hub id offline: one line),
-    and its checkpoint's tensors agreeing with it (``models.check_checkpoint``); with ``weights`` a local
+    and its checkpoint's tensors agreeing with it (``checkpoint_reader.check_checkpoint``); with ``weights`` a local
     directory must hold weights (without: a config alone validates a recipe)."""
     config = located(lambda: load_config(spec), file, "model")
     if weights:
