@@ -28,7 +28,8 @@ from ..architectures.shape import ModelShape
 from ..errors import RecipeError, SourceError
 from ..evaluation.zeroshot import check_tasks
 from ..io.data import check_text, is_hub_source, load_text
-from ..io.gguf_export import check_recipe_exportable, check_source_vocabulary
+from ..io.gguf_export import check_recipe_exportable
+from ..io.gguf_vocabulary import check_source_vocabulary
 from ..io.models import exceeds_memory, load_config, parse_device, require_weights, resolve_device
 from ..io.output import SWEEP_FILE, check_writable_parent, name_problem, space_problem
 from ..recipe.schema import Recipe
