@@ -196,6 +196,7 @@ def test_smollm2_output_exports_the_source_gguf_vocabulary(tmp_path):
     assert main(["apply", str(recipe), "--quiet"]) == 0
     assert main(["export", str(tmp_path / "out"), "--format", "gguf", "--output", str(tmp_path / "m.gguf"),
                  "--type", "f32"]) == 0
+    assert recipe_engine.load_report(tmp_path / "out").model.gguf == str(builtin_gguf("smollm2-135m"))
     source = gguf.GGUFReader(str(builtin_gguf("smollm2-135m"))).fields
     for exported in (tmp_path / "out" / "model.gguf", tmp_path / "m.gguf"):
         fields = gguf.GGUFReader(str(exported)).fields
