@@ -21,7 +21,7 @@ modifiers.
   held-out ridge scale, :func:`set_linear_weight`, :func:`submatrix`.
 * Transforms: :func:`rotation` (Hadamard / orthogonal), :class:`Grid` (the quantization grid),
   :func:`fold_norm_into` (norm folding), :func:`top_k_kl` (top-k distillation loss).
-* Data: :func:`load_text`, :func:`tokenize`; the fit / score split of the calibration windows
+* Data: :func:`load_text`, :func:`check_text` (a source's pre-flight), :func:`tokenize`; the fit / score split of the calibration windows
   (:func:`heldout_split`, :class:`WindowSplit`).
 * Budgets: :data:`LayerBudget` / :func:`budget_field` (a count or a percentage of the model's layers,
   resolved by the engine before a step sees it).
@@ -38,7 +38,7 @@ from .execution.outputs import RunOutputs
 from .execution.session import remove_layers
 from .execution.staged import StagedLayer
 from .execution.stats import InputCovariance, Statistic, position
-from .io.data import load_text, tokenize
+from .io.data import check_text, load_text, tokenize
 from .numerics.hadamard import rotation
 from .numerics.linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, reconstruction_error,
                               refit_error, ridge_compensation, ridge_leverage_scores, ridge_refit, set_linear_weight,
@@ -57,7 +57,7 @@ __all__ = ["LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_s
            "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
            "ModifierSession", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
-           "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
+           "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
            "refit_error", "register",
            "ridge_compensation", "ridge_leverage_scores", "ridge_refit", "rotation", "set_linear_weight",
            "submatrix", "tokenize", "top_k_kl"]

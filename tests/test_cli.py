@@ -1,6 +1,7 @@
 """CLI commands: show, diff (with path@gitrev), validate --model, plan, list-modifiers."""
 import subprocess
 
+import pytest
 import yaml
 
 from recipe_engine.cli import main
@@ -51,9 +52,32 @@ def test_diff_against_git_revision(tmp_path, capsys):
     assert "cannot read revision 'HEAD~5'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("rev", ["--output=pwned", "-p", "--help", "-", "", "HEAD --output=pwned",
+                                 "--end-of-options"])
+def test_diff_revision_is_never_an_option(tmp_path, capsys, monkeypatch, rev):
+    """A revision is verified as a commit before git reads it; one that looks like an option is refused in
+    one line and git writes nothing (``git show --output=FILE`` would write FILE)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True)
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    write(repo / "-r.yaml", BASE)
+    git("add", "--", "-r.yaml")
+    git("commit", "-qm", "one")
+    monkeypatch.chdir(repo)
+    before = sorted(p.name for p in repo.iterdir())
+    assert main(["diff", "--", f"-r.yaml@{rev}", "-r.yaml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot read revision '{rev}'" in err[0], err
+    assert sorted(p.name for p in repo.iterdir()) == before
+    assert main(["diff", "--", "-r.yaml@HEAD", "-r.yaml"]) == 0  # a path starting with '-' is read as a path
+
+
 def test_validate_against_local_model_config(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
-    tiny_config("qwen2").save_pretrained(model_dir)
+    tiny_config("qwen2", max_position_embeddings=2048).save_pretrained(model_dir)
     path = write(tmp_path / "r.yaml", {**BASE, "model": "smollm2-135m"})
     assert main(["validate", path, "--model", str(model_dir)]) == 0
     assert "ok (qwen2, 4 → 4 layers)" in capsys.readouterr().out

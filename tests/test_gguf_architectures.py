@@ -214,7 +214,7 @@ def test_per_architecture_refusals(arch, change, message):
     Gemma 3's sliding windows are written, not refused."""
     with pytest.raises(RecipeError, match=message) as caught:
         check_config(tiny_config(arch, **change))
-    assert "\n" not in str(caught.value) and str(caught.value).startswith("field 'output': GGUF export: ")
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("GGUF export: ")
 
 
 def test_gemma3_sliding_windows_and_soft_cap_pass_the_checks():

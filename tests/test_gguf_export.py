@@ -11,7 +11,7 @@ import recipe_engine
 from recipe_engine.cli import main
 from recipe_engine.errors import RecipeError
 from recipe_engine.io.gguf_export import export_gguf
-from tests.helpers import tiny_model
+from tests.helpers import requires_smollm2, tiny_model
 
 VOCAB = 259  # 256 byte symbols, "he" (one merge: llama.cpp needs merges), "<|eos|>" (special), "<tool>"
 
@@ -101,7 +101,7 @@ def test_refusals_are_one_line(tmp_path):
     for change, message in (({"quantization_config": {"quant_method": "compressed-tensors"}}, "packed weights"),
                             ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
                              "rope scaling"),
-                            ({"intermediate_size": 80}, "non-uniform layers")):
+                            ({"intermediate_size": 80}, "do not match its config.json .*: mis-shaped 12 tensor")):
         (directory / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(RecipeError, match=message) as caught:
             export_gguf(directory, tmp_path / "a.gguf")
@@ -177,3 +177,71 @@ def test_llama_cpp_computes_the_same_logits(tmp_path):
         # llama.cpp keeps its KV cache in f16 by default: agreement to ~3e-4 relative, same argmax
         assert float((ours - theirs).norm() / ours.norm()) < 1e-3, arch
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1)), arch
+
+
+@requires_smollm2
+def test_smollm2_output_exports_the_source_gguf_vocabulary(tmp_path):
+    """A recipe on the builtin SmolLM2 with ``export: gguf`` (checked in the pre-flight, written at the end)
+    and ``recipe export`` of its output both write the source GGUF's own vocabulary (its ``smollm``
+    pre-tokenizer, tokens, merges, special ids), and transformers reads back the output's logits and token ids."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from recipe_engine.io.models import builtin_gguf
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"version: 1\nname: smol-gguf\nmodel: smollm2-135m\ndevice: cpu\noutput: {tmp_path / 'out'}\n"
+                      f"calibration: {{dataset: wikipedia-sample, samples: 2, seq_len: 32, batch_size: 2}}\n"
+                      f"modifiers: ['ShortGPT<n:27>']\nexport: {{format: gguf, type: f32}}\n")
+    assert main(["apply", str(recipe), "--quiet"]) == 0
+    assert main(["export", str(tmp_path / "out"), "--format", "gguf", "--output", str(tmp_path / "m.gguf"),
+                 "--type", "f32"]) == 0
+    assert recipe_engine.load_report(tmp_path / "out").model.gguf == str(builtin_gguf("smollm2-135m"))
+    source = gguf.GGUFReader(str(builtin_gguf("smollm2-135m"))).fields
+    for exported in (tmp_path / "out" / "model.gguf", tmp_path / "m.gguf"):
+        fields = gguf.GGUFReader(str(exported)).fields
+        for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                    "tokenizer.ggml.token_type", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
+            assert fields[key].contents() == source[key].contents(), key
+        assert fields["llama.block_count"].contents() == 3
+    pruned = recipe_engine.load_model(str(tmp_path / "out"))[0]
+    ids = torch.randint(0, 49152, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = pruned(ids).logits, read_back(tmp_path / "m.gguf")(ids).logits
+    assert float((ours - theirs).norm() / ours.norm()) < 1e-5
+    sample = "Über 12 foxes  jumped,\nthe <|im_end|> end."
+    assert (AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")(sample).input_ids
+            == AutoTokenizer.from_pretrained(str(tmp_path / "out"))(sample).input_ids)
+
+
+def test_tokenizer_refusals_name_the_form_not_the_output(tmp_path, capsys):
+    """A byte-fallback BPE with an empty normalizer Sequence is refused in one line that names the forms
+    (no JSON cut mid-way), blames no output field, and a recipe exporting it is refused before loading."""
+    _, directory = saved(tmp_path)
+    data = json.loads((directory / "tokenizer.json").read_text())
+    data["model"]["byte_fallback"] = True
+    data["normalizer"] = {"type": "Sequence", "normalizers": []}
+    (directory / "tokenizer.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["export", str(directory), "--format", "gguf", "--output", str(tmp_path / "a.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "normalizer Sequence[] with pre-tokenizer ByteLevel" in err, err
+    assert "field 'output'" not in err and "{" not in err
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"version: 1\nname: x\nmodel: {directory}\ndevice: cpu\noutput: {tmp_path / 'out'}\n"
+                      f"calibration: {{dataset: wikipedia-sample, samples: 2, seq_len: 32}}\n"
+                      f"modifiers: ['ShortGPT<n:1>']\nexport: {{format: gguf}}\n")
+    assert main(["validate", str(recipe)]) == 2
+    assert "field 'export': GGUF export: normalizer Sequence[]" in capsys.readouterr().err
+    assert not (tmp_path / "a.gguf").exists()
+
+
+def test_another_tools_report_is_not_read_as_ours(tmp_path):
+    """Only a recipe output's report.json names a source GGUF; a directory with some other report.json
+    exports its tokenizer.json's vocabulary."""
+    import gguf
+
+    _, directory = saved(tmp_path)
+    (directory / "report.json").write_text(json.dumps({"model": {"spec": "smollm2-135m", "kind": "builtin"}}))
+    export_gguf(directory, tmp_path / "m.gguf", "f32")
+    assert len(gguf.GGUFReader(str(tmp_path / "m.gguf")).fields["tokenizer.ggml.tokens"].contents()) == VOCAB

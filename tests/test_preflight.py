@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from recipe_engine.io import gguf_export
+from recipe_engine.io import gguf_export, gguf_vocabulary
 from recipe_engine.io import output
 from recipe_engine.cli import main
 from recipe_engine.evaluation import zeroshot
@@ -233,7 +233,7 @@ def test_export_size_estimate_matches_the_written_file(gguf_ready, tmp_path):
     for kind in ("f32", "q8_0"):
         written = gguf_export.export_gguf(gguf_ready, tmp_path / f"{kind}.gguf", kind)["bytes"]
         plan = gguf_export._tensor_plan(gguf_ready, config, kind, adapter)
-        tokens = gguf_export._vocabulary(gguf_ready, config.vocab_size).tokens
+        tokens = gguf_vocabulary._vocabulary(gguf_ready, config.vocab_size).tokens
         assert abs(gguf_export.planned_bytes(plan, tokens) - written) < 0.05 * written, kind
 
 

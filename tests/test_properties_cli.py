@@ -56,6 +56,7 @@ def workdir():
 
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**9, 10**9), st.floats(allow_nan=True),
+                    st.sampled_from([10**23, 2**63, -2**63 - 1, 2**64]),  # integers torch cannot take
                     st.text(max_size=12), st.lists(st.integers(), max_size=3),
                     st.dictionaries(st.text(string.ascii_letters, max_size=5), st.integers(), max_size=2))
 KEYS = st.text(string.ascii_letters + "_", min_size=1, max_size=12)

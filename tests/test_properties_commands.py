@@ -21,7 +21,8 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
-#: Per command: flag → good values and bad values ({work} is the working directory, {model} the tiny model).
+#: Per command: flag → good values and bad values ({work} is the working directory, {model} the tiny model,
+#: {exportable} the model export reads).
 GOOD = {
     "plan": {"--ranks": ["1", "3"], "--json": [None], "--set": ["calibration.samples=8"], "--device": ["cuda:1"]},
     "validate": {"--device": ["cpu", "auto", "cuda:1"], "--set": ["calibration.samples=8"],
@@ -40,19 +41,28 @@ BAD = {
              "--device": ["mps", "cpu:x"]},
     "validate": {"--device": ["mps", "xpu", "cuda:x", "", "meta"],
                  "--set": ["evaluate.tasks=[arc_esay]", "evaluate.perplexity.dataset=./none.txt",
-                           "calibration.dataset=./none.txt", "modifiers.0.n=9", "model=./none"]},
+                           "calibration.dataset=./none.txt", "modifiers.0.n=9", "model=./none",
+                           "calibration.seq_len=257", "evaluate.perplexity.seq_len=300",
+                           "calibration.seed=100000000000000000000000", "calibration.samples=9223372036854775808"],
+                 "--output": ["{work}/" + "o" * 245, "{work}/" + "o" * 300], "--model": ["", "{work}/cal.txt"]},
     "apply": {"--device": ["mps", "cuda", "cuda:0", "xpu", ""],
               "--set": ["evaluate.tasks=[piqa, arc_esay]", "evaluate={perplexity: {dataset: ./none.txt}}",
                         "modifiers.0.n=9"],
-              "--output": ["{work}/cal.txt", "/proc/x", "{work}/cal.txt/o", ""]},
+              "--output": ["{work}/cal.txt", "/proc/x", "{work}/cal.txt/o", "", "{model}", "{work}/" + "o" * 245],
+              "--model": ["", " "]},
     "sweep": {"--tasks": ["arc_esay", "hellaswga"], "--eval-limit": ["0", "-1"], "--output": ["{work}/cal.txt", "/proc/x"],
-              "--set": ["device=mps", "device=cuda", "modifiers.0.n=9"], "--vary": ["n=1,9", "q=1", "n"]},
-    "export": {"--type": ["q4", ""], "--output": ["{work}", "/proc/x.gguf", "{work}/cal.txt/x.gguf", ""],
+              "--set": ["device=mps", "device=cuda", "calibration.samples=0", "calibration.seq_len=257"],
+              "--vary": ["n=1,9", "q=1", "n", "modifiers.0.n=1,2"]},
+    "export": {"--type": ["q4", ""], "--output": ["{work}", "/proc/x.gguf", "{work}/cal.txt/x.gguf", "",
+                                                  "{exportable}/model.safetensors", "{work}/" + "o" * 250 + ".gguf"],
                "--format": ["onnx"]},
     "eval": {"--device": ["mps", "cuda", "cuda:1"], "--tasks": ["arc_esay", "piqa_"], "--limit": ["0"],
-             "--dataset": ["./none.txt"], "--seq-len": ["0"], "--json": ["{work}", "{work}/cal.txt/x"],
+             "--dataset": ["./none.txt"], "--seq-len": ["0", "257"],
+             "--json": ["{work}", "{work}/cal.txt/x", "{model}/config.json", "{model}"],
              "--task-data": ["web"]},
-    "bench": {"--device": ["mps", "cuda", "tpu"], "--batch": ["0"], "--json": ["{work}"], "--repeats": ["-1"]},
+    "bench": {"--device": ["mps", "cuda", "tpu"], "--batch": ["0"], "--json": ["{work}", "{model}/model.safetensors"],
+              "--prefill-tokens": ["256"],
+              "--repeats": ["-1"]},
 }
 COMMANDS = sorted(GOOD)
 
@@ -85,7 +95,7 @@ def base_argv(command: str, work: Path, tiny: Path, exportable: Path) -> list[st
             "apply": ["apply", str(recipe), "--quiet"],
             "sweep": ["sweep", str(recipe), "--vary", "n=1", "--output", str(work / "sw")],
             "export": ["export", str(exportable), "--format", "gguf", "--output", str(work / "m.gguf")],
-            "eval": ["eval", str(tiny)], "bench": ["bench", str(tiny)]}[command]
+            "eval": ["eval", str(tiny)], "bench": ["bench", str(tiny), "--prefill-tokens", "64", "--gen-tokens", "4"]}[command]
 
 
 @st.composite
@@ -109,7 +119,8 @@ def test_one_bad_argument_is_refused_by_the_preflight(model_dirs, guarded, case)
         (work / "cal.txt").write_text(TEXT)
         argv = base_argv(command, work, *model_dirs)
         for flag, value in chosen:
-            argv += [flag] if value is None else [flag, value.replace("{work}", str(work))]
+            argv += [flag] if value is None else [flag, value.replace("{work}", str(work)).replace(
+                "{model}", str(model_dirs[0])).replace("{exportable}", str(model_dirs[1]))]
         before = sorted(str(p.relative_to(work)) for p in work.rglob("*"))
         err = io.StringIO()
         with contextlib.chdir(work), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

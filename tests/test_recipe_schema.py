@@ -50,7 +50,7 @@ steps = st.lists(st.one_of(
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=names, steps=steps, samples=st.integers(1, 4096), seq_len=st.integers(1, 8192),
+@given(name=names, steps=steps, samples=st.integers(1, 4096), seq_len=st.integers(2, 8192),
        seed=st.integers(-2**31, 2**31), dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
        description=st.text(max_size=40), propagate=st.sampled_from(["compressed", "original"]),
        overrides=st.lists(st.text(max_size=20), max_size=3))

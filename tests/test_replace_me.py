@@ -307,7 +307,7 @@ def test_recipe_file_validates(tmp_path, capsys):
     """``recipe validate`` of the shipped recipe against a tiny Qwen2 config of SmolLM2's depth (and against
     SmolLM2 itself when installed)."""
     model_dir = tmp_path / "tiny"
-    tiny_config("qwen2", num_hidden_layers=30).save_pretrained(model_dir)
+    tiny_config("qwen2", num_hidden_layers=30, max_position_embeddings=8192).save_pretrained(model_dir)
     assert main(["validate", RECIPE, "--model", str(model_dir)]) == 0
     assert "ok (qwen2, 30 → 24 layers)" in capsys.readouterr().out
     if have_smollm2():

@@ -18,9 +18,9 @@ from ..errors import RecipeError
 from ..evaluation.bench import bench, protocol_note, ratios
 from ..evaluation.run import evaluate_session, evaluation_session, retained
 from ..io.models import checkpoint_bytes, load_model
-from ..io.output import check_writable_parent
+from ..io.output import check_file_output
 from ..io.report import REPORT_FILE, load_report
-from ..plan.preflight import check_device, check_evaluation, check_model
+from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
 from ..system.progress import Progress
 
@@ -99,12 +99,13 @@ def write_json(path: str | None, record: dict) -> None:
         out.print(f"wrote {path}", markup=False, highlight=False)
 
 
-def check_json_path(path: str | None) -> None:
-    """Pre-flight of ``--json``, before any model is loaded: the file can be created there."""
+def check_json_path(path: str | None, models=()) -> None:
+    """Pre-flight of ``--json``, before any model is loaded: the file can be created there, and what it would
+    replace is a regular file that is not one of the ``models`` read, nor inside one's directory."""
     if path:
         if Path(path).is_dir():
             raise RecipeError(f"--json {path}: is a directory; give a file name")
-        check_writable_parent(Path(path), lambda message: RecipeError(f"--json: {message}"))
+        check_file_output(path, True, "--json", inputs=[m for m in models if Path(m).expanduser().exists()])
 
 
 def read_baseline(path: str | None) -> dict | None:
@@ -154,14 +155,21 @@ def eval_table(results: dict, baseline: dict | None) -> Table:
 
 def cmd_eval(args) -> int:
     given = lambda **values: {k: v for k, v in values.items() if v is not None}  # unset: the schema's default
+    if not args.no_ppl and args.seq_len is not None and args.seq_len < 2:
+        raise RecipeError(f"--seq-len {args.seq_len}: a perplexity window needs at least 2 tokens (it predicts "
+                          f"all but the first)")
     ppl = None if args.no_ppl else PerplexityConfig(**given(dataset=args.dataset, seq_len=args.seq_len,
                                                             limit=args.limit))
     config = EvaluateConfig(perplexity=ppl, **given(tasks=args.tasks, limit=args.task_limit, task_data=args.task_data))
+    if ppl is None and not config.tasks:
+        raise RecipeError("--no-ppl with no --tasks leaves nothing to evaluate; give --tasks or drop --no-ppl")
     baseline = read_baseline(args.baseline)
-    check_json_path(args.json)
+    check_json_path(args.json, [args.model])
     device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
-    check_model(args.model)
+    model_config = check_model(args.model)
     check_evaluation(config, fields=None)
+    if ppl is not None:
+        check_seq_len(ppl.seq_len, model_config, None, option="--seq-len: ")
     start = time.perf_counter()
     with quiet_libraries(False), Progress() as bar:
         session, source = evaluation_session(args.model, args.dtype, device, args.stream, bar)
@@ -204,10 +212,11 @@ def bench_table(names: list[str], runs: list[dict], ratio: dict | None) -> Table
 def cmd_bench(args) -> int:
     if len(args.dirs) > 2:
         raise RecipeError(f"recipe bench takes DIR_A [DIR_B], got {len(args.dirs)} directories")
-    check_json_path(args.json)
+    check_json_path(args.json, args.dirs)
     device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
     for spec in args.dirs:
-        check_model(spec)
+        check_seq_len(args.prefill_tokens + args.gen_tokens, check_model(spec), None,
+                      option=f"{spec}: --prefill-tokens + --gen-tokens: ")
     loaded = [load_model(spec, args.dtype) for spec in args.dirs]
     runs = bench([m for m, _, _ in loaded], args.batch, args.gen_tokens, args.prefill_tokens, args.warmup,
                  args.repeats, device)

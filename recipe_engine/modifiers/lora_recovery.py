@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from recipe_engine.api import (UNFUSED_ROLES, Modifier, ModifierSession, load_text, register, roles_problem, tokenize,
-                               top_k_kl)
+from recipe_engine.api import (UNFUSED_ROLES, Modifier, ModifierSession, RecipeError, check_text, load_text, register,
+                               roles_problem, tokenize, top_k_kl)
 
 PROJECTIONS = UNFUSED_ROLES  # roles; a fused Phi-3 qkv/gate_up linear gets one adapter when all its members are targets
 ADAPTER_DIR = "lora_adapter"
@@ -29,10 +29,16 @@ def alpaca_prompt(record: dict[str, str]) -> str:
     return PROMPT.format(paired=paired, instruction=record["instruction"], context=block)
 
 
+def alpaca_records_file(dataset: str) -> bool:
+    """``dataset`` is a local .json/.jsonl file (read as Alpaca records when it holds them)."""
+    path = Path(dataset).expanduser()
+    return path.is_file() and path.suffix in (".json", ".jsonl")
+
+
 def alpaca_records(dataset: str) -> list[dict[str, str]] | None:
     """Records of a local .json/.jsonl file in Alpaca format (instruction/input/output), else None."""
     path = Path(dataset).expanduser()
-    if not (path.is_file() and path.suffix in (".json", ".jsonl")):
+    if not alpaca_records_file(dataset):
         return None
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
@@ -178,6 +184,15 @@ class LoRARecovery(Modifier):
             raise ValueError(f"batch_size {self.batch_size} is not a multiple of micro_batch_size "
                              f"{self.micro_batch_size}")
         return self
+
+    def check_sources(self) -> None:
+        """``dataset`` can be read (before the model loads): an Alpaca file, or a text source's pre-flight."""
+        if self.dataset is None or alpaca_records_file(self.dataset):
+            return
+        try:
+            check_text(self.dataset, self.split, self.text_field, 0)
+        except RecipeError as exc:
+            raise self.fail(exc.detail, field="dataset") from None
 
     def check(self, shape) -> None:
         problem = roles_problem(shape.model_type, self.targets)

@@ -29,8 +29,9 @@ from ..errors import RecipeError, SourceError
 from ..evaluation.zeroshot import check_tasks
 from ..io.data import check_text, is_hub_source, load_text
 from ..io.gguf_export import check_recipe_exportable
-from ..io.models import exceeds_memory, load_config, parse_device, resolve_device
-from ..io.output import SWEEP_FILE, check_writable_parent, space_problem
+from ..io.gguf_vocabulary import check_source_vocabulary
+from ..io.models import exceeds_memory, load_config, parse_device, require_weights, resolve_device
+from ..io.output import SWEEP_FILE, check_writable_parent, name_problem, space_problem
 from ..recipe.schema import Recipe
 from .compiled import Plan, compile_plan
 from .estimates import plan_output_bytes
@@ -47,9 +48,14 @@ def check_device(name: str, here: bool = True):
     return None if name == "auto" else parse_device(name)
 
 
-def check_model(spec: str, file: str | None = None):
-    """The model's config, read without its weights (a missing path, an unknown hub id offline: one line)."""
-    return located(lambda: load_config(spec), file, "model")
+def check_model(spec: str, file: str | None = None, weights: bool = True):
+    """The model's config, read without its weights (a missing path, an unknown hub id offline: one line),
+    and its checkpoint's tensors agreeing with it (``checkpoint_reader.check_checkpoint``); with ``weights`` a local
+    directory must hold weights (without: a config alone validates a recipe)."""
+    config = located(lambda: load_config(spec), file, "model")
+    if weights:
+        located(lambda: require_weights(spec), file, "model")
+    return config
 
 
 def check_evaluation(config, file: str | None = None, fields: dict[str, str] | None = RECIPE_FIELDS,
@@ -113,11 +119,23 @@ def check_recipe(recipe, file: str | None = None, config=None, here: bool = True
     collects what could not be checked here (``data.check_text``'s notes: a hub source in HF offline mode)."""
     located(lambda: check_device(recipe.device, here), file, "device")
     if config is None:
-        config = check_model(recipe.model, file)
+        config = check_model(recipe.model, file, weights=False)
+        if recipe.export is not None:  # the tokenizer the run saves is the source's
+            located(lambda: check_source_vocabulary(recipe.model, config.vocab_size), file, "export")
     if calibration:
         check_calibration(recipe.calibration, file, unchecked)
     check_evaluation(recipe.evaluate, file, unchecked=unchecked)
+    check_step_sources(recipe, file)
     return check_plan(recipe, config, file)
+
+
+def check_step_sources(recipe: Recipe, file: str | None = None) -> None:
+    """Every step's own data sources can be read (``Modifier.check_sources``), named by file and step."""
+    for index, step in enumerate(recipe.modifiers):
+        try:
+            step.check_sources()
+        except RecipeError as exc:
+            raise exc.located(file=file, step=index, modifier=step.step_name()) from None
 
 
 def validate_recipe(loaded) -> tuple[Plan, list[str]]:
@@ -126,6 +144,9 @@ def validate_recipe(loaded) -> tuple[Plan, list[str]]:
     unchecked)``, ``unchecked`` naming what could not be checked here (a hub source in HF offline mode)."""
     unchecked: list[str] = []
     plan = check_recipe(loaded.recipe, loaded.path, here=False, calibration=True, unchecked=unchecked)
+    problem = name_problem(Path(loaded.recipe.output).expanduser())
+    if problem:
+        raise RecipeError(f"output '{loaded.recipe.output}': {problem}", file=loaded.path, field="output")
     return plan, unchecked
 
 
@@ -154,6 +175,8 @@ def preflight_apply(recipe: Recipe, file: str | None, config=None, *, write: boo
     (:func:`check_free_space`), and the streaming decision, recorded in the returned plan."""
     plan = check_recipe(recipe, file, config)
     in_memory = config is not None
+    if not in_memory:
+        located(lambda: require_weights(recipe.model), file, "model")
     if resume and (in_memory or not write or not keep_checkpoints):
         why = "a model passed in memory" if in_memory else "write=False" if not write else "--no-checkpoints"
         raise RecipeError(f"--resume is not supported for {why} (no checkpoints are kept)", file=file)
@@ -174,6 +197,8 @@ def check_sweep_output(output: str | Path) -> Path:
     target = Path(output).expanduser()
     if not str(output).strip():
         raise RecipeError("--output is empty; give a directory")
+    if name_problem(target):
+        raise fail(name_problem(target))
     if target.exists() and not target.is_dir():
         raise fail("exists and is not a directory (sweep writes sweep.json and pareto.png into a directory)")
     if target.is_dir():
@@ -238,6 +263,7 @@ def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
     except RecipeError as exc:
         raise exc.located(file=file) from None
     _build_on_meta(config, file)
+    check_context(recipe, config, file)
     plan = compile_plan(recipe, config, file)
     shape = plan.final
     if shape.num_layers < MIN_LAYERS <= shape.original_layers:
@@ -252,8 +278,23 @@ def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
         try:
             check_recipe_exportable(recipe, config)
         except RecipeError as exc:
-            raise exc.located(file=file) from None
+            raise exc.located(file=file, field="export") from None
     return plan
+
+
+def check_seq_len(seq_len: int, config, field: str | None, file: str | None = None, option: str = "") -> None:
+    """A window of ``seq_len`` tokens fits the model's context (``max_position_embeddings``), or one line."""
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and seq_len > context:
+        raise RecipeError(f"{option}seq_len {seq_len} exceeds the model's context of {context} tokens "
+                          f"(max_position_embeddings); use at most {context}", file=file, field=field)
+
+
+def check_context(recipe: Recipe, config, file: str | None = None) -> None:
+    """The calibration and perplexity windows fit the model's context."""
+    check_seq_len(recipe.calibration.seq_len, config, "calibration.seq_len", file)
+    if recipe.evaluate is not None and recipe.evaluate.perplexity is not None:
+        check_seq_len(recipe.evaluate.perplexity.seq_len, config, "evaluate.perplexity.seq_len", file)
 
 
 def _build_on_meta(config, file: str | None) -> None:

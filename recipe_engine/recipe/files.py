@@ -54,11 +54,19 @@ def read_recipe_text(spec: str) -> tuple[str, str]:
             raise RecipeError(f"cannot read recipe file: {exc.strerror}", file=path) from None
         return path, decode_text(data, path)
     file = Path(path).resolve()
+    if not rev or rev.startswith("-"):  # never an option of git's, whatever follows
+        raise RecipeError(f"cannot read revision '{rev}': not a commit (a revision cannot be empty or start "
+                          f"with '-')", file=path)
     try:
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=file.parent, check=True,
                              capture_output=True, text=True).stdout.strip()
         rel = file.relative_to(Path(top).resolve()).as_posix()
-        data = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=top, check=True,
+        # the revision is verified as a commit and replaced by its hash, so git reads no user text as an option
+        commit = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"],
+                                cwd=top, capture_output=True, text=True).stdout.strip()
+        if not commit:
+            raise RecipeError(f"cannot read revision '{rev}': not a commit of {top}", file=path)
+        data = subprocess.run(["git", "show", f"{commit}:./{rel}"], cwd=top, check=True,
                               capture_output=True).stdout
     except (subprocess.CalledProcessError, ValueError, OSError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)

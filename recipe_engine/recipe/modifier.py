@@ -97,6 +97,10 @@ class Modifier(StrictParameters):
     def check_calibration(self, calibration: "CalibrationConfig") -> None:
         """Validate against the recipe's calibration settings (e.g. ``propagate``); raise ``self.fail``."""
 
+    def check_sources(self) -> None:
+        """Before anything loads (``validate``, ``apply``, ``sweep``; not the shape-only ``plan``): the step's own
+        data sources, beside the calibration text, can be read; raise ``self.fail``."""
+
     def apply(self, session: "ModifierSession") -> dict[str, Any]:
         """Act on the whole model; return JSON-serialisable report entries."""
         raise NotImplementedError(f"{self.step_name()} is a model-scope step and must implement apply()")

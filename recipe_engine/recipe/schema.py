@@ -34,7 +34,8 @@ class CalibrationConfig(StrictModel):
         "the samples are shared evenly among the sources (the first ones take the remainder)")
     split: str = Field("train", description="dataset split (train/validation/test)")
     samples: PositiveInt = Field(128, description="number of calibration sequences")
-    seq_len: PositiveInt = Field(2048, description="tokens per sequence")
+    seq_len: int = Field(2048, ge=2, description="tokens per sequence (at least 2: a calibration loss predicts "
+                                                 "all but the first)")
     seed: int = Field(0, description="seed of the window sampling")
     batch_size: PositiveInt = Field(4, description="sequences per forward batch")
     text_field: str = Field("text", description="column/field holding text in jsonl and datasets")
@@ -75,7 +76,7 @@ class PerplexityConfig(StrictModel):
 
     dataset: list[str] = Field(["wikitext2"], description="first available text source is used")
     split: str = "test"
-    seq_len: PositiveInt = 2048
+    seq_len: int = Field(2048, ge=2, description="tokens per window (a window of n tokens predicts n − 1)")
     limit: PositiveInt | None = Field(None, description="evaluate only the first N windows")
 
     @field_validator("dataset", mode="before")

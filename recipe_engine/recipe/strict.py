@@ -2,7 +2,8 @@
 
 pydantic's lax mode reads ``true`` as ``1`` for an int field and accepts ``inf``/``nan`` for a float
 field; in a recipe both are mistakes (``ShortGPT<n:true>`` ran with n = 1). :class:`StrictParameters`
-refuses, for every field, a boolean where a number is read and a float that is not finite, at any depth
+refuses, for every field, a boolean where a number is read, a float that is not finite and an integer outside
+int64 (``seed: 1e23`` would fail in torch after the model loaded), at any depth
 (lists, mappings, nested parameter models such as ``LinearPatch``'s ``tune``). Strings are still read
 as numbers where pydantic reads them (``--set modifiers.0.n=4`` gives YAML's int anyway).
 """
@@ -18,6 +19,8 @@ from pydantic_core import PydanticCustomError
 
 #: pydantic error type of :class:`StrictParameters`' refusals (the message names what was given).
 NUMBER_ERROR = "exact_number"
+#: The integers torch takes as a seed or a count (``torch.Generator.manual_seed``, tensor sizes): int64.
+INT64 = (-2**63, 2**63 - 1)
 
 
 def number_problem(raw: Any, value: Any) -> str | None:
@@ -27,6 +30,8 @@ def number_problem(raw: Any, value: Any) -> str | None:
         return f"expected a number, got the boolean {str(raw).lower()}"
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number (got {value})"
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+        return f"{value:.3g} is outside the 64-bit integer range torch reads (seeds, counts: up to {INT64[1]:.3g})"
     pairs: list[tuple[str, Any, Any]] = []
     if isinstance(value, BaseModel) and isinstance(raw, dict):
         pairs = [(name, raw[name], getattr(value, name)) for name in type(value).model_fields if name in raw]

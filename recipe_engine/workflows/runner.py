@@ -25,7 +25,7 @@ from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..io.extras import save_extras
 from ..io.gguf_export import export_gguf
-from ..io.models import load_model
+from ..io.models import gguf_origin, load_model
 from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
 from ..io.output_lock import output_lock
 from ..io.report import Checkpoints as CheckpointsRecord
@@ -108,9 +108,16 @@ def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool) -> Iterator[
     if not writing:
         yield
         return
-    check_output_free(loaded.recipe.output, force, loaded.path)
+    check_output_free(loaded.recipe.output, force, loaded.path, inputs=_inputs(loaded))
     with output_lock(loaded.recipe.output, loaded.path):
         yield
+
+
+def _inputs(loaded: LoadedRecipe) -> list[str]:
+    """What the run reads while its output is being written, which the output may not replace: the model (a
+    directory or a ``.gguf`` file; texts and the recipe are read in full before anything is written)."""
+    model = loaded.recipe.model
+    return [model] if model and Path(model).expanduser().exists() else []
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
@@ -161,7 +168,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
         bar.phase(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
         model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
         report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
-                                      license=source_license(source))
+                                      license=source_license(source), gguf=gguf_origin(source))
     else:
         source = None
         report["model"] = ModelRecord(spec=recipe.model, kind="in-memory")
@@ -321,7 +328,9 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
     save_extras(tmp, outputs.extras)
     (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
     if recipe.export is not None:  # from the finished files, so it sees exactly what was written
-        exported = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name)
+        origin = report["model"].gguf
+        exported = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name,
+                               vocabulary_from=Path(origin) if origin else None)
         report["export"] = ExportRecord(**{**exported, "file": recipe.export.file})
     final = Report.model_validate(report)
     if final.evaluation is not None and final.evaluation.quality_gate == "failed":

@@ -63,6 +63,10 @@ def variants(spec: str, vary: list[tuple[str, list[Any]]], overrides: list[str] 
     (``--set``) apply to every variant first."""
     base = load_recipe(spec, list(overrides))
     paths = [resolve_path(base.recipe, path, base.path) for path, _ in vary]
+    repeated = next((given for (given, _), path in zip(vary, paths) if paths.count(path) > 1), None)
+    if repeated is not None:  # the later values would silently replace the earlier ones in every variant
+        raise RecipeError(f"--vary {repeated}: '{paths[[g for g, _ in vary].index(repeated)]}' is varied twice; "
+                          f"give all its values in one --vary", file=base.path)
     out = []
     for values in itertools.product(*(v for _, v in vary)):
         params = dict(zip(paths, values))
