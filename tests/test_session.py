@@ -258,3 +258,28 @@ def test_a_branch_keeps_what_the_run_produced_before_it():
     assert session.outputs.artifacts == {"earlier.txt": b"x"}
     (kept,) = session.outputs.quantized
     assert kept is session.layers[0].mlp.down_proj and kept is not linear
+
+
+def test_a_statistics_only_run_stops_after_the_last_block_it_reads():
+    """A step's statistics run whose outputs are not needed stops each forward after the last block a
+    statistic reads (``last_block``): the o_proj Gram equals a full run's, bit for bit, and the MLP never runs."""
+    from recipe_engine.execution.pipeline import last_block
+    from recipe_engine.execution.stats import InputCovariance
+
+    model = tiny_model(num_hidden_layers=2)
+    session = make_session(model, random_tokens(4, 16))
+    inputs, kwargs = session.capture_inputs()
+    layer = session.layers[0]
+    full, early = InputCovariance("self_attn.o_proj"), InputCovariance("self_attn.o_proj")
+    session.run_layer(layer, inputs, kwargs, hooks=[full])
+    mlp_ran = []
+    handle = layer.mlp.register_forward_hook(lambda *_: mlp_ran.append(True))
+    try:
+        returned = session.pipeline.run_layer(layer, inputs, kwargs, hooks=[early], stop_after=last_block([early]))
+    finally:
+        handle.remove()
+    assert torch.equal(full.gram, early.gram) and full.count == early.count
+    assert returned == [] and not mlp_ran
+    assert last_block([early]) == "self_attn"
+    assert last_block([early, InputCovariance("mlp.down_proj")]) == "mlp"
+    assert last_block([early, InputCovariance("")]) is None and last_block([]) is None

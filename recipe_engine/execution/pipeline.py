@@ -37,6 +37,23 @@ class _Captured(Exception):
     pass
 
 
+class _Collected(Exception):
+    """Raised after the last block a statistics-only run reads (``LayerPipeline.run_layer``'s ``stop_after``)."""
+
+
+def _stop(_module, _args, _output):
+    raise _Collected
+
+
+def last_block(hooks: list[Statistic]) -> str | None:
+    """The block (``self_attn``, ``mlp``, ...) after whose forward every statistic in ``hooks`` has been fed,
+    or None when one reads the whole layer (its module ``""``) or a module outside a block."""
+    deepest = max(hooks, key=lambda stat: stat.position, default=None)
+    if deepest is None or "." not in deepest.module or any(stat.position >= 4 for stat in hooks):
+        return None
+    return deepest.module.split(".")[0]
+
+
 class _Capture:
     """What the recording stand-ins of ``LayerPipeline._capture`` collect: the first layer's hidden states and
     keyword arguments per batch, and with several layer types the first layer of each type's own keyword
@@ -133,9 +150,12 @@ class LayerPipeline:
     @torch.no_grad()
     def run_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]],
                   hooks: list[Statistic] = (),
-                  on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
+                  on_batch: Callable[[int, torch.Tensor], None] | None = None, *,
+                  stop_after: str | None = None) -> list[torch.Tensor]:
         """Run one (already placed) layer over all batches, feeding ``hooks``; returns its outputs.
         ``on_batch(k, output)`` is called after batch ``k`` (its hooks have fired), output on the device.
+        ``stop_after``: a block (``last_block(hooks)``) after whose forward each batch stops, for a run whose
+        outputs are not needed (the statistics are those of a full run; nothing is returned).
 
         Data-parallel (``session.parallel``): without ``on_batch`` each rank runs its share of the batches,
         the hooks' sums are all-reduced in fp64 and the outputs all-gathered (every rank returns all)."""
@@ -149,6 +169,8 @@ class LayerPipeline:
                 stat.update(first_tensor(args, kwargs), hidden_state(output))
 
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        if stop_after is not None:  # registered after the statistics' hooks, which fire first
+            handles.append(layer.get_submodule(stop_after).register_forward_hook(_stop))
         outputs = []
         try:
             with s.timings.phase("forward"):
@@ -158,8 +180,12 @@ class LayerPipeline:
                     for stat in hooks:
                         stat.batch = k
                     s.timings.moved(x, s.device)
-                    out = hidden_state(layer(x.to(s.device), **to_device(s.adapter.layer_kwargs(layer, kwargs), s.device)))
                     s.count_layer_work(batches=1)
+                    try:
+                        out = hidden_state(layer(x.to(s.device),
+                                                 **to_device(s.adapter.layer_kwargs(layer, kwargs), s.device)))
+                    except _Collected:
+                        continue
                     if on_batch is not None:
                         on_batch(len(outputs), out)
                     s.timings.moved(out, s.storage)
@@ -170,7 +196,8 @@ class LayerPipeline:
         s.count_layer_work(runs=1)
         if share is not None:
             s.parallel.reduce_statistics(hooks)
-            outputs = s.parallel.gather(outputs, len(inputs))
+            if stop_after is None:
+                outputs = s.parallel.gather(outputs, len(inputs))
         return outputs
 
     def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
@@ -348,10 +375,11 @@ class LayerPipeline:
             s.timings.split("shared")
             needed = modifier.statistics(s, index)
             missing = [stat for stat in needed if stat.key not in cache]
-            if missing or (keep_original and original_outputs is None):
-                outputs = s.run_layer(layer, inputs, kwargs_list, hooks=missing)
-                original_outputs = original_outputs if original_outputs is not None else outputs
-                cache.update({stat.key: stat for stat in missing})
+            if keep_original and original_outputs is None:  # the unchanged layer's outputs go on
+                original_outputs = s.run_layer(layer, inputs, kwargs_list, hooks=missing)
+            elif missing:  # statistics only: each forward stops after the last block they read
+                self.run_layer(layer, inputs, kwargs_list, hooks=missing, stop_after=last_block(missing))
+            cache.update({stat.key: stat for stat in missing})
             self.current, self._provided = CurrentLayer(inputs, kwargs_list, self.provide_outputs), None
             try:
                 with s.timings.phase("compress"):
