@@ -1,58 +1,16 @@
 """Resume an interrupted ``recipe apply`` (``--resume``) from checkpoints of its finished work.
 
-A run keeps ``PARENT/.NAME.resume/`` beside its output ``PARENT/NAME``:
-
-* ``manifest.json``, replaced atomically after each checkpoint (written last, so a kill at any moment leaves
-  the previous complete checkpoint): the run's identity (resolved-recipe sha256, model source fingerprint,
-  calibration fingerprint, package versions), what is finished (``reached``: the next step group and, inside
-  a layer-sequential pass, the last finished layer), the session state (layer origins, config, extras,
-  artifacts, step records, quantization records) and the sha256 of every file it names;
-* the model's units (each decoder layer; the rest: embeddings, final norm, ``lm_head``), see below;
-* ``inputs-<sha256>.safetensors``: inside a pass, the next layer's inputs (the activation checkpoint), and
-  ``reference-<sha256>.safetensors``: the original model's states the pass follows (NystromMLP's
-  ``target: original``), where it had them;
-* ``quantized-<sha256>.safetensors``: scales and zero points of quantized linears (``session.outputs.quantized``,
-  for the packed export), each record written once, by the first checkpoint after it exists.
-
-**Units of an in-memory run**: ``unit-<sha256>.safetensors`` per decoder layer and one for the rest,
-content-addressed, and written only when the unit's tensors changed (identity and version counter).
-
-**Units of a streamed run** (``recipe_engine.execution.streaming``): the checkpoint directory *is* the staging
-directory, so the staged unit files (``unit-<token>-NNNNN.safetensors``, written anyway when a step changes
-a unit) are the checkpointed units: nothing is copied, and a checkpoint costs the manifest, the activations
-and the sha256 of each newly staged file. The manifest records each unit's *home* (a staged file here, or
-the source checkpoint with the unit's tensor names there, for a unit no step changed); a unit still
-materialized and changed at a checkpoint is staged first (``WeightStream.settle``). The stream leaves a
-superseded staged file on disk (``keep_staged``) and the checkpoint deletes it once a new manifest no longer
-names it, so a kill between two checkpoints still finds every file of the previous one. The writer keeps the
-staged units too until the output is in place (a kill while writing resumes from them): during the write the
-changed units are on disk twice (staging and output), as an in-memory run's checkpoints and its output are.
-Restoring a streamed run touches no weight: each unit is a copy of the skeleton's (meta) layer it stands
-for, shaped from the staged file's header (a pruned Linear is rebuilt at its stored shape), with its home set
-(``WeightStream.adopt``); memory stays one unit at a time. A run that ``stream: auto`` decided differently
-from the interrupted one is refused with one line (set ``stream`` explicitly).
-
-Checkpoints follow every step group (a model-scope step, a whole shared pass) and every layer of a pass.
-Resume loads the model from its source as usual, restores the checkpointed units (in memory: a copy of the
-original layer each stands for, with every tensor loaded; a Linear whose stored shape differs is rebuilt at
-that shape), the extras (``restore_extra``), records and artifacts, skips the finished groups, and continues
-a pass after its last finished layer from the stored activations: exact bits, where recomputing them from the
-finished layers would cost a forward per layer (and, for the original model's states, a forward of every
-original layer before them).
-
-**Data-parallel runs** (``recipe_engine.execution.distributed``): every rank holds the same state, so rank 0 alone
-writes the checkpoints (the other ranks' ``Checkpoints`` are readers: ``writer`` False). With ``--resume``
-every rank reads and restores the same directory (the ranks need one shared file system, as for the output):
-rank 0 verifies the files' sha256, each rank the identity, and the ranks then compare the sha256 of the
-manifest they adopted (``agree``): a rank that sees another checkpoint, or none, stops the run with one line.
-What a restore reads later (a streamed unit's staged file) stays on disk until rank 0 writes its next
-checkpoint, which follows a collective every rank passed only after loading it; the interrupted pass's
-activations are read while restoring, before that. A streamed rank > 0 stages its own changes in its own
-temporary directory, as in any data-parallel run.
-
-An exception or a handled signal removes the checkpoints with the run's other files; SIGKILL, the OOM killer or a lost machine leave
-them for ``--resume``. Without ``--resume`` an earlier run's checkpoints are reported and removed, never
-silently reused.
+A run keeps ``PARENT/.NAME.resume/`` beside its output ``PARENT/NAME``: ``manifest.json`` (replaced
+atomically after each checkpoint, written last: the run's identity, what is finished, the session state and
+the sha256 of every file it names), the model's units (an in-memory run's content-addressed
+``unit-<sha256>.safetensors``; a streamed run's staged unit files, which *are* the checkpointed units), the
+pass's next inputs and the original model's states (``inputs-``/``reference-<sha256>.safetensors``: the
+pass state, ``recipe_engine.execution.pass_state``) and quantization records. Checkpoints follow every step
+group and every layer of a pass; resume restores the units, extras, records and artifacts, skips the
+finished groups and continues a pass after its last finished layer from the stored activations (exact
+bits). Data-parallel runs: rank 0 writes, every rank restores and the ranks agree on the manifest. An
+exception or a handled signal removes the checkpoints; a hard kill leaves them. docs/scaling.md ("Resume
+after a crash") describes the format and each guarantee in full.
 """
 from __future__ import annotations
 
@@ -72,12 +30,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import RecipeError
-from ..io.checkpoint_writer import SAFETENSORS_DTYPES
 from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack
 from .pass_state import PassState, ReferenceStates
 from .streaming import StagedFile
+from .unit_files import file_sha256, fill_module, meta_tensors, parameters_of
 
 MANIFEST = "manifest.json"
 KIND, VERSION = "recipe-resume", 2
@@ -86,32 +44,6 @@ KIND, VERSION = "recipe-resume", 2
 def resume_directory(output: str) -> Path:
     target = Path(output).expanduser()
     return target.parent / f".{target.name}.resume"
-
-
-def model_fingerprint(location: str) -> str:
-    """sha256 of the source directory's config and of each weight file's name, size and mtime (cheap; a
-    rewritten or replaced checkpoint changes it)."""
-    sha = hashlib.sha256()
-    directory = Path(location)
-    for path in sorted(directory.glob("*")):
-        if path.name == "config.json":
-            sha.update(path.read_bytes())
-        elif path.suffix in (".safetensors", ".bin", ".gguf") or path.name.endswith(".index.json"):
-            stat = path.stat()
-            sha.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return sha.hexdigest()
-
-
-def _sha(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
-def _tensors(module: nn.Module, skip: set[int] = frozenset()) -> dict[str, torch.Tensor]:
-    return {name: p for name, p in module.named_parameters() if id(p) not in skip}
 
 
 class Checkpoints:
@@ -188,7 +120,7 @@ class Checkpoints:
             raise fail(f"package versions changed ({', '.join(changed)})")
         for name, digest in found["files"].items() if files else ():
             path = self.directory / name
-            if not path.is_file() or _sha(path) != digest:
+            if not path.is_file() or file_sha256(path) != digest:
                 raise fail(f"checkpoint file {name} is missing or damaged")
 
     # -- resuming -------------------------------------------------------------------------------
@@ -220,7 +152,7 @@ class Checkpoints:
             if stream is not None:
                 self._adopt(stream, layer, entry["home"])
             else:
-                _fill(layer, load_file(str(self.directory / entry["file"])))
+                fill_module(layer, load_file(str(self.directory / entry["file"])))
             layers.append(layer)
             origins.append(origin)
         session.set_layers(layers, origins, [min(o) for o in origins])
@@ -232,7 +164,7 @@ class Checkpoints:
             for unit, home in zip(rest, state["rest"]):
                 self._adopt(stream, unit, home)
         else:
-            _fill(session.model, load_file(str(self.directory / state["rest"])))
+            fill_module(session.model, load_file(str(self.directory / state["rest"])))
         for key, value in state["config"].items():
             if getattr(session.model.config, key, None) != value:
                 setattr(session.model.config, key, value)
@@ -259,7 +191,7 @@ class Checkpoints:
         file's header (read without loading a tensor: a pruned Linear is rebuilt at its stored shape)."""
         path = None if home["file"] is None else self.directory / home["file"]
         if path is not None:
-            _fill(unit, _meta_tensors(path))
+            fill_module(unit, meta_tensors(path))
         stream.adopt(unit, path, home["names"])
 
     def pass_state(self) -> PassState | None:
@@ -327,7 +259,7 @@ class Checkpoints:
         straight to disk: no in-memory copy of the file; returns its name."""
         part = self.directory / f".{prefix}.part"
         save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(part))
-        digest = _sha(part)
+        digest = file_sha256(part)
         name = f"{prefix}-{digest}.safetensors"
         if (self.directory / name).is_file():
             part.unlink()
@@ -366,7 +298,7 @@ class Checkpoints:
         if path.parent != self.directory:
             raise RuntimeError(f"staged unit {path} is outside the checkpoint directory {self.directory}")
         if path.name not in self._digests:
-            self._digests[path.name] = _sha(path)
+            self._digests[path.name] = file_sha256(path)
         return {"file": path.name, "names": home.names}
 
     def _model_state(self, session) -> tuple[list[dict[str, Any]], Any]:
@@ -379,9 +311,9 @@ class Checkpoints:
                       for layer, origin in zip(units, session.layer_origin)]
             return layers, [self._home(stream, unit) for unit in units[len(layers):]]
         layer_ids = {id(p) for layer in session.layers for p in layer.parameters()}
-        layers = [{"origin": list(origin), "file": self._cached(_tensors(layer), "unit")}
+        layers = [{"origin": list(origin), "file": self._cached(parameters_of(layer), "unit")}
                   for layer, origin in zip(session.layers, session.layer_origin)]
-        return layers, self._cached(_tensors(session.model, layer_ids), "unit")
+        return layers, self._cached(parameters_of(session.model, layer_ids), "unit")
 
     def _quantized_state(self, session) -> list[dict[str, Any]]:
         """One entry per quantized linear (module name, grid, file and key of its scales and zero points);
@@ -462,32 +394,3 @@ def discard_on_error(owned: list) -> Iterator[None]:
             if checkpoints is not None:
                 checkpoints.discard()
         raise
-
-
-def _meta_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file as meta tensors (names, shapes, dtypes from its header alone)."""
-    dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
-    with open(path, "rb") as handle:
-        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-    return {name: torch.empty(spec["shape"], dtype=dtypes[spec["dtype"]], device="meta")
-            for name, spec in header.items() if name != "__metadata__"}
-
-
-@torch.no_grad()
-def _fill(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Load ``tensors`` into ``module``'s parameters; a Linear's weight/bias of another shape is replaced
-    (what pruning steps do), any other shape change is an error. Meta tensors (a streamed skeleton's unit)
-    only set shapes."""
-    for name, value in tensors.items():
-        owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
-        current = getattr(owner, attr)
-        if current.shape == value.shape and current.dtype == value.dtype:
-            current.data.copy_(value)
-            continue
-        if not isinstance(owner, nn.Linear):
-            raise RecipeError(f"cannot resume: checkpointed {name} has shape {tuple(value.shape)}, the model "
-                              f"{tuple(current.shape)}, and is not a Linear's")
-        setattr(owner, attr, nn.Parameter(value.clone(), requires_grad=current.requires_grad))
-        if attr == "weight":
-            owner.out_features, owner.in_features = value.shape

@@ -13,7 +13,8 @@ from ..architectures.adapters import adapter_for, count_parameters
 from ..errors import QualityGateError, RecipeError
 from ..evaluation import evaluate_session, retained
 from ..execution.distributed import Parallel, launched
-from ..execution.resume import Checkpoints, discard_on_error, model_fingerprint
+from ..execution.resume import Checkpoints, discard_on_error
+from ..execution.unit_files import model_fingerprint
 from ..execution.outputs import RunOutputs
 from ..execution.placement import largest_layer_bytes, offload_activations
 from ..execution.session import Session
