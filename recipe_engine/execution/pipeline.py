@@ -7,9 +7,8 @@ activations and their device moves: the per-batch move onto the device, the outp
 original model's states in lockstep, and the pass state a resume checkpoint saves. Weight residency is
 ``recipe_engine.execution.residency``'s; the steps are ``recipe_engine.execution.steps``'.
 
-With ``propagate: compressed`` a layer's inputs come from the already-compressed layers before it; with
-``original`` from the layers as they were when the pass started.
-"""
+With ``propagate: compressed`` a layer's inputs come from the compressed layers before it, with ``original``
+from the layers as they were."""
 from __future__ import annotations
 
 import time
@@ -41,7 +40,7 @@ class _Collected(Exception):
     """Raised after the last block a statistics-only run reads (``LayerPipeline.run_layer``'s ``stop_after``)."""
 
 
-def _stop(_module, _args, _output):
+def _stop(*_args):
     raise _Collected
 
 
@@ -56,9 +55,8 @@ def last_block(hooks: list[Statistic]) -> str | None:
 
 class _Capture:
     """What the recording stand-ins of ``LayerPipeline._capture`` collect: the first layer's hidden states and
-    keyword arguments per batch, and with several layer types the first layer of each type's own keyword
-    arguments. Module-level (not a class made per call) so that a capture forms no reference cycle with the
-    session: a copied model is freed as soon as its session is dropped, without the cyclic collector."""
+    keyword arguments per batch (with several layer types, each type's first layer's own keyword arguments).
+    Module-level, so a capture forms no reference cycle with the session (a dropped copy is freed at once)."""
 
     def __init__(self, storage: torch.device, types: list[str], count: int):
         self.storage, self.types, self.count = storage, types, count
