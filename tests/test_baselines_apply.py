@@ -96,8 +96,8 @@ def test_recipes_validate_against_their_configs():
     root = Path(__file__).resolve().parents[1] / "recipes"
     for name in ("shortgpt_smollm2", "laco_smollm2", "sleb_smollm2"):
         loaded = load_recipe(str(root / f"{name}.yaml"), [])
-        shape = check_against_config(loaded.recipe, tiny_config(num_hidden_layers=30))
+        shape = check_against_config(loaded.recipe, tiny_config(num_hidden_layers=30, max_position_embeddings=8192))
         assert shape.num_layers == 24
     llama3 = load_recipe(str(root / "shortgpt_linearpatch_llama3.yaml"), [])
-    shape = check_against_config(llama3.recipe, tiny_config(num_hidden_layers=32))
+    shape = check_against_config(llama3.recipe, tiny_config(num_hidden_layers=32, max_position_embeddings=8192))
     assert shape.num_layers == 27 and shape.pinned == "LinearPatch"

@@ -60,7 +60,7 @@ def test_rtn_quantize_values_lie_on_grid(tmp_path, bits, group, sym):
 
 def test_group_size_error_names_the_layer():
     smollm2_shape = tiny_config(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                                num_key_value_heads=3, head_dim=64)
+                                num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
     data = dict(version=1, name="v", model="smollm2-135m", output="out/x", modifiers=["GPTQ<group_size:128>"])
     with pytest.raises(RecipeError, match=r"input width 576 of model\.layers\.0\.self_attn\.q_proj"):
         check_against_config(recipe_from_dict(data), smollm2_shape)
@@ -68,7 +68,7 @@ def test_group_size_error_names_the_layer():
     check_against_config(recipe_from_dict(data), smollm2_shape)
     data["modifiers"] = ["Quantize<group_size:64>"]
     with pytest.raises(RecipeError, match=r"input width 96 of model\.layers\.0\.mlp\.down_proj"):
-        check_against_config(recipe_from_dict(data), tiny_config())
+        check_against_config(recipe_from_dict(data), tiny_config(max_position_embeddings=2048))
 
 
 def test_gptq_step_uses_layer_hessians_and_beats_rtn():
