@@ -67,7 +67,7 @@ def child_recipe(work: str) -> dict:
     steps_s = sum(step.wall_s for step in report.steps) + sum(
         {step.group: step.pass_shared_s for step in report.steps}.values())
     return {"steps_s": steps_s, "steps": {f"{s.index} {s.modifier}": round(s.wall_s, 2) for s in report.steps},
-            "phases": summarize(read_timings(Path(work) / "out.timings.jsonl"))}
+            "phases": summarize(read_timings(Path(work) / "out" / "timings.jsonl"))}
 
 
 def child_stream8b(work: str) -> dict:
