@@ -244,3 +244,25 @@ def refuse_loading(monkeypatch, refuse) -> None:
         if name.startswith("recipe_engine") and getattr(module, "load_model", None) is real:
             monkeypatch.setattr(module, "load_model", refuse)
 
+
+
+def refused_in_one_line(capsys, main, argv, *fragments) -> str:
+    """Run the CLI's ``main(argv)``: exit code 2 and one ``error:`` line holding every fragment; returns it."""
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in err[0], err
+    return err[0]
+
+
+def git_repository(directory):
+    """An empty git repository at ``directory`` with a committer set; returns ``git(*args)`` run there."""
+    import subprocess
+
+    directory.mkdir()
+    git = lambda *a: subprocess.run(["git", *a], cwd=directory, check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    return git

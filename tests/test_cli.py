@@ -1,11 +1,10 @@
 """CLI commands: show, diff (with path@gitrev), validate --model, plan, list-modifiers."""
-import subprocess
 
 import pytest
 import yaml
 
 from recipe_engine.cli import main
-from tests.helpers import tiny_config
+from tests.helpers import git_repository, tiny_config
 
 BASE = {"version": 1, "name": "t", "model": "smollm2-135m", "output": "out/t", "modifiers": ["FuseNorm"]}
 
@@ -37,11 +36,7 @@ def test_diff_reports_semantic_changes(tmp_path, capsys):
 
 def test_diff_against_git_revision(tmp_path, capsys):
     repo = tmp_path / "repo"
-    repo.mkdir()
-    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True)
-    git("init", "-q")
-    git("config", "user.email", "t@example.com")
-    git("config", "user.name", "t")
+    git = git_repository(repo)
     path = write(repo / "r.yaml", BASE)
     git("add", "r.yaml")
     git("commit", "-qm", "one")
@@ -58,11 +53,7 @@ def test_diff_revision_is_never_an_option(tmp_path, capsys, monkeypatch, rev):
     """A revision is verified as a commit before git reads it; one that looks like an option is refused in
     one line and git writes nothing (``git show --output=FILE`` would write FILE)."""
     repo = tmp_path / "repo"
-    repo.mkdir()
-    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True)
-    git("init", "-q")
-    git("config", "user.email", "t@example.com")
-    git("config", "user.name", "t")
+    git = git_repository(repo)
     write(repo / "-r.yaml", BASE)
     git("add", "--", "-r.yaml")
     git("commit", "-qm", "one")

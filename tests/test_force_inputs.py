@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from recipe_engine.cli import main
-from tests.helpers import forbid_loading, save_tiny_model
+from tests.helpers import forbid_loading, refused_in_one_line, save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 
@@ -59,12 +59,7 @@ def special(tmp_path, kind):
 
 
 def refused(capsys, argv, *fragments):
-    code = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in err[0], err
-    return err[0]
+    return refused_in_one_line(capsys, main, argv, *fragments)
 
 
 @pytest.mark.parametrize("argv,target,fragment", [

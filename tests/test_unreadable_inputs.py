@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from recipe_engine.cli import main
-from tests.helpers import forbid_loading
+from tests.helpers import forbid_loading, refused_in_one_line
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 
@@ -37,12 +37,7 @@ def write_recipe(tmp_path, model_dir, monkeypatch):
 
 
 def refused(capsys, argv, *fragments):
-    code = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in err[0], err
-    return err[0]
+    return refused_in_one_line(capsys, main, argv, *fragments)
 
 
 def context(model_dir) -> int:
