@@ -319,8 +319,7 @@ class LayerPipeline:
         """
         s = self.session
         own = [0.0] * len(group)
-        state = self._start(group, checkpoints)
-        kwargs_list = self._kwargs_list
+        state, kwargs_list = self._start(group, checkpoints)
         last = max((max(t) for t in state.targets if t), default=-1)
         for index in s.progress.track(range(state.next_layer, last + 1), PASS):
             active = [k for k, t in enumerate(state.targets) if index in t]
@@ -338,19 +337,20 @@ class LayerPipeline:
             state.reports[k]["own_s"] = own[k] + time.perf_counter() - started
         return {str(k): r for k, r in enumerate(state.reports)}
 
-    def _start(self, group: list[LayerModifier], checkpoints) -> PassState:
-        """The pass's state before its first layer: fresh, or where an interrupted run's checkpoint left it
-        (``--resume``: the original model's states too, with its layers' keyword arguments captured again)."""
+    def _start(self, group: list[LayerModifier], checkpoints) -> tuple[PassState, list[dict[str, Any]]]:
+        """The pass's state before its first layer (fresh, or where a checkpoint left it: ``--resume``, with the
+        original model's states and their layers' keyword arguments) and the keyword arguments of its layers."""
         s = self.session
-        inputs, self._kwargs_list = s.capture_inputs()
+        inputs, kwargs_list = s.capture_inputs()
         resumed = checkpoints.pass_state() if checkpoints is not None else None
         self.reference = None
         if resumed is None:
-            return PassState(0, inputs, [{"layers": {}} for _ in group], [set(m.target_layers(s)) for m in group])
+            fresh = PassState(0, inputs, [{"layers": {}} for _ in group], [set(m.target_layers(s)) for m in group])
+            return fresh, kwargs_list
         if resumed.reference is not None:
             resumed.reference.kwargs_list = s.reference_session().capture_inputs()[1]
             self.reference = resumed.reference
-        return resumed
+        return resumed, kwargs_list
 
     def _layer_done(self, state: PassState, index: int, last: int, checkpoints) -> None:
         state.next_layer, state.reference = index + 1, self.reference

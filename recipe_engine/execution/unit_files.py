@@ -4,13 +4,13 @@ loaded back into a module (a pruned Linear rebuilt at its stored shape)."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import RecipeError
+from ..io.checkpoint_reader import safetensors_header
 from ..io.checkpoint_writer import SAFETENSORS_DTYPES
 
 
@@ -42,11 +42,12 @@ def parameters_of(module: nn.Module, skip: set[int] = frozenset()) -> dict[str, 
 
 def meta_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file as meta tensors (names, shapes, dtypes from its header alone)."""
+    header = safetensors_header(path)
+    if isinstance(header, str):
+        raise RecipeError(f"cannot resume: {path.name}: {header}")
     dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
-    with open(path, "rb") as handle:
-        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
     return {name: torch.empty(spec["shape"], dtype=dtypes[spec["dtype"]], device="meta")
-            for name, spec in header.items() if name != "__metadata__"}
+            for name, spec in header.items()}
 
 
 @torch.no_grad()
