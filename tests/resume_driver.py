@@ -45,6 +45,7 @@ class PauseStep(Modifier):
     """Pauses when RECIPE_TEST_PAUSE is ``step``; otherwise changes nothing."""
 
     changes_weights = False
+    preserves_outputs = True  # the FlattenAdjacent pass after it keeps the reference's states for NystromMLP
 
     def apply(self, session):
         if os.environ.get("RECIPE_TEST_PAUSE") == "step":

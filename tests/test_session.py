@@ -283,3 +283,34 @@ def test_a_statistics_only_run_stops_after_the_last_block_it_reads():
     assert last_block([early]) == "self_attn"
     assert last_block([early, InputCovariance("mlp.down_proj")]) == "mlp"
     assert last_block([early, InputCovariance("")]) is None and last_block([]) is None
+
+
+def test_reference_states_kept_by_an_as_received_pass_equal_the_walk(tmp_path, monkeypatch):
+    """After only output-preserving steps, FlattenAdjacent's similarity pass runs the reference model and keeps
+    its states; NystromMLP's ``target: original`` walk then starts from them instead of layer 0. The result is
+    byte-identical to a run that keeps nothing (what a resumed run does) and runs fewer layers."""
+    import recipe_engine
+    import recipe_engine.execution.reference_walk as reference_walk
+    from tests.helpers import save_tiny_model
+
+    save_tiny_model(tmp_path / "model", num_hidden_layers=6)
+    (tmp_path / "cal.txt").write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    recipe = {"version": 1, "name": "kept", "model": str(tmp_path / "model"), "dtype": "float32",
+              "calibration": {"dataset": str(tmp_path / "cal.txt"), "samples": 6, "seq_len": 32, "batch_size": 2},
+              "modifiers": ["FuseNorm", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]}
+    taken, walked_layers = [], []
+    original_take, original_walk = reference_walk.KeptStates.take, reference_walk.ReferenceWalk.run_original
+    monkeypatch.setattr(reference_walk.KeptStates, "take",
+                        lambda self, depth, after: taken.append(original_take(self, depth, after)) or taken[-1])
+    monkeypatch.setattr(reference_walk.ReferenceWalk, "run_original", lambda self, indices, *args: (
+        walked_layers.append(len(indices)), original_walk(self, indices, *args))[1])
+    recipe_engine.apply({**recipe, "output": str(tmp_path / "kept")}, progress=False, checkpoints=False)
+    assert any(start is not None and start.next > 1 for start in taken)
+    kept_walk, walked_layers[:] = sum(walked_layers), []
+    monkeypatch.setattr(reference_walk, "available_memory", lambda: 0)  # nothing fits: every target walks from layer 0
+    taken.clear()
+    recipe_engine.apply({**recipe, "output": str(tmp_path / "walked")}, progress=False, checkpoints=False)
+    assert all(start is None for start in taken)
+    assert (tmp_path / "kept" / "model.safetensors").read_bytes() == \
+        (tmp_path / "walked" / "model.safetensors").read_bytes()
+    assert kept_walk < sum(walked_layers)

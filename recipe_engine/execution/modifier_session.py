@@ -131,8 +131,13 @@ class ModifierSession(Protocol):
         """Run one (placed) layer over all batches, feeding ``hooks``; returns its outputs."""
 
     def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
-                   description: str = "calibration pass", skip: tuple[int, ...] = ()) -> None:
-        """``visit(index, inputs, outputs)`` for every layer of one whole-model pass (``skip``: bypassed)."""
+                   description: str = "calibration pass", skip: tuple[int, ...] = (), *,
+                   as_received: bool = False) -> None:
+        """``visit(index, inputs, outputs)`` for every layer of one whole-model pass (``skip``: bypassed).
+        ``as_received``: the step has not changed the model yet (a statistics pass before its changes); when
+        only output-preserving steps ran before it and a later step reads the original model's hidden
+        states, the pass runs the reference's layers (the same function) and keeps their states, so that
+        later step's ``original_outputs(index)`` need not run the original model again."""
 
     def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
                         per_window: bool = False) -> float | list[float]:

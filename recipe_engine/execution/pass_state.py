@@ -30,3 +30,4 @@ class PassState:
     reports: list[dict[str, Any]]
     targets: list[set[int]]
     reference: ReferenceStates | None = None
+

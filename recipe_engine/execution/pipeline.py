@@ -3,9 +3,10 @@
 Inputs of the first decoder layer are captured with recording stand-ins in place of the decoder layers (no
 fx tracing); then decoder layers run one at a time over all calibration batches. This module owns the
 activations and their device moves: the per-batch move onto the device, the outputs kept on the session's
-``storage`` (the device, or the host with ``calibration.offload``), the data-parallel share and gather, the
-original model's states in lockstep, and the pass state a resume checkpoint saves. Weight residency is
-``recipe_engine.execution.residency``'s; the steps are ``recipe_engine.execution.steps``'.
+``storage`` (the device, or the host with ``calibration.offload``), the data-parallel share and gather, and
+the pass state a resume checkpoint saves. The original model's states beside the pass are
+``recipe_engine.execution.reference_walk``'s, weight residency is ``recipe_engine.execution.residency``'s, the
+steps are ``recipe_engine.execution.steps``'.
 
 With ``propagate: compressed`` a layer's inputs come from the compressed layers before it, with ``original``
 from the layers as they were."""
@@ -22,7 +23,8 @@ from ..architectures.adapters import LAYER_TYPE_KWARGS
 from ..recipe.modifier import LayerModifier
 from .distributed import module_digest
 from .modifier_session import CurrentLayer
-from .pass_state import PassState, ReferenceStates
+from .pass_state import PassState
+from .reference_walk import ReferenceWalk
 from .stats import Statistic, change_position
 from .tensors import first_tensor, hidden_state, to_device
 
@@ -103,8 +105,9 @@ class LayerPipeline:
         #: The layer ``run_layer_modifiers`` is compressing (``current_layer``) and what its step handed over.
         self.current: CurrentLayer | None = None
         self._provided: list[torch.Tensor] | None = None
-        #: The original model's hidden states in lockstep with the pass (``reference_outputs``).
-        self.reference: ReferenceStates | None = None
+        #: The original model's hidden states beside the pass (``original_outputs``, ``reference_outputs``),
+        #: and, on a reference session, the states its ``as_received`` passes kept.
+        self.walk = ReferenceWalk(session)
 
     @property
     def session(self) -> "Session":
@@ -199,17 +202,31 @@ class LayerPipeline:
         return outputs
 
     def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
-                   description: str = "calibration pass", skip: tuple[int, ...] = ()) -> None:
+                   description: str = "calibration pass", skip: tuple[int, ...] = (), *,
+                   as_received: bool = False, keep: bool = False) -> None:
         """Whole-model pass: ``visit(index, inputs, outputs)`` for every layer (skipped layers pass
-        their inputs through unchanged and are not visited)."""
+        their inputs through unchanged and are not visited).
+
+        ``as_received`` (the step has not changed the model): when ``session.keep_reference_states`` and the
+        activations live on the host, the reference session makes the pass instead with ``keep``: the
+        same function up to rounding (only output-preserving steps ran), and the very computation a later
+        ``reference_outputs`` would repeat, so its kept states are bit for bit what that walk gives (a
+        resumed run, which has none kept, walks to the same result). ``keep``: the outputs after each
+        layer are kept (``ReferenceWalk.start_keeping``)."""
         s = self.session
+        if as_received and not skip and s.keep_reference_states and s.storage.type == "cpu":
+            s.reference_session().pipeline.layer_pass(visit, description, keep=True)
+            return
         inputs, kwargs_list = s.capture_inputs()
+        kept = self.walk.start_keeping(kwargs_list) if keep else None
         for index in s.progress.track(range(len(s.layers)), description):
             if index in skip:
                 continue
             with s.using(index):
                 outputs = s.run_layer(s.layers[index], inputs, kwargs_list)
             visit(index, inputs, outputs)
+            if kept is not None:
+                kept.add(index + 1, outputs)
             inputs = outputs
             s.timings.record(**{"pass": description, "layer": index, "layers": len(s.layers)})
 
@@ -259,7 +276,7 @@ class LayerPipeline:
             return (sums / tokens).tolist()
         return float(sums.sum()) / (tokens * len(sums))
 
-    # -- targets from the original model ---------------------------------------------------------
+    # -- outputs handed over by a step ------------------------------------------------------------
     def provide_outputs(self, outputs: list[torch.Tensor]) -> None:
         """``CurrentLayer.provide_outputs``: the layer's outputs on its inputs as the step leaves it."""
         if self.current is None:
@@ -267,41 +284,6 @@ class LayerPipeline:
         if len(outputs) != len(self.current.inputs):
             raise ValueError(f"provide_outputs: {len(outputs)} batches given, {len(self.current.inputs)} expected")
         self._provided = outputs
-
-    @torch.no_grad()
-    def original_outputs(self, index: int, inputs: list[torch.Tensor] | None = None,
-                         kwargs_list: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
-        """The original layers that layer ``index`` stands for (``layer_origin``), run one after another
-        on ``inputs``: the serial computation a merged layer approximates. Without ``inputs``: the original
-        model's own hidden states after them (``reference_outputs``)."""
-        if inputs is None:
-            return self.session.reference_outputs(index)
-        return self._run_original(self.session.layer_origin[index], inputs, kwargs_list)
-
-    @torch.no_grad()
-    def reference_outputs(self, index: int) -> list[torch.Tensor]:
-        """Hidden states of the original model after the last original layer that layer ``index`` covers,
-        computed from the original model's own inputs. The original layers advance in lockstep with the
-        pass (one extra set of activations in memory); calls must come in increasing layer order."""
-        last = max(self.session.layer_origin[index])
-        if self.reference is not None and self.reference.next > last + 1:
-            raise RuntimeError(f"reference_outputs({index}) after layer {self.reference.next - 1}: calls "
-                               f"must come in increasing layer order (the original model is not run twice)")
-        if self.reference is None:
-            states, kwargs_list = self.session.reference_session().capture_inputs()
-            self.reference = ReferenceStates(0, states, kwargs_list)
-        self.reference.states = self._run_original(range(self.reference.next, last + 1), self.reference.states,
-                                                   self.reference.kwargs_list)
-        self.reference.next = last + 1
-        return self.reference.states
-
-    def _run_original(self, indices, states: list[torch.Tensor], kwargs_list: list[dict[str, Any]]):
-        """Original layers ``indices`` (of the reference model), one after another, over all batches."""
-        reference = self.session.reference_session()
-        for original in indices:
-            with reference.using(original):
-                states = reference.run_layer(reference.layers[original], states, kwargs_list)
-        return states
 
     # -- layer-sequential compression ------------------------------------------------------------
     @torch.no_grad()
@@ -330,7 +312,7 @@ class LayerPipeline:
                     continue
                 state.inputs = self._compress_layer(group, active, index, state, kwargs_list, own)
             self._layer_done(state, index, last, checkpoints)
-        self.reference = None
+        self.walk.states = None
         for k, modifier in enumerate(group):
             started = time.perf_counter()
             state.reports[k].update(modifier.finish(s))
@@ -343,17 +325,17 @@ class LayerPipeline:
         s = self.session
         inputs, kwargs_list = s.capture_inputs()
         resumed = checkpoints.pass_state() if checkpoints is not None else None
-        self.reference = None
+        self.walk.states = None
         if resumed is None:
             fresh = PassState(0, inputs, [{"layers": {}} for _ in group], [set(m.target_layers(s)) for m in group])
             return fresh, kwargs_list
         if resumed.reference is not None:
             resumed.reference.kwargs_list = s.reference_session().capture_inputs()[1]
-            self.reference = resumed.reference
+            self.walk.states = resumed.reference
         return resumed, kwargs_list
 
     def _layer_done(self, state: PassState, index: int, last: int, checkpoints) -> None:
-        state.next_layer, state.reference = index + 1, self.reference
+        state.next_layer, state.reference = index + 1, self.walk.states
         if checkpoints is not None:
             checkpoints.layer_done(self.session, index, state)
         self.session.timings.record(**{"pass": PASS, "layer": index, "layers": last + 1})

@@ -59,7 +59,8 @@ class Session:
                  stream: WeightStream | None = None, parallel: Parallel | None = None,
                  passes: PassCounter | None = None, *, memo: SharedWork | None = None,
                  outputs: RunOutputs | None = None, origin: list[tuple[int, ...]] | None = None,
-                 original_layers: int | None = None, completed: list[str] = (), timings: Timings | None = None):
+                 original_layers: int | None = None, completed: list[str] = (), timings: Timings | None = None,
+                 matches_reference: bool = False):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
         #: Calibration passes made so far by this session and its siblings (``recipe plan`` predicts them).
         self.passes = passes or PassCounter()
@@ -87,6 +88,12 @@ class Session:
         #: canonical parameters of the steps completed so far (``mark_completed``) key it.
         self.memo = memo
         self.completed_steps: list[str] = list(completed)
+        #: The model still computes its reference's function: only output-preserving steps have completed
+        #: (``Modifier.preserves_outputs``; kept by ``run_steps``). False unless the creator knows it.
+        self.matches_reference = matches_reference
+        #: Set by ``run_steps`` while a step runs on a model that matches its reference and a later step reads
+        #: the reference's hidden states: the step's ``as_received`` passes run the reference and keep them.
+        self.keep_reference_states = False
         #: Report records of the steps this session ran (``run_steps``; a branch's, see ``branch``).
         self.records: list[dict[str, Any]] = []
         #: The run's phase clock and timings log (``recipe_engine.execution.timings``), shared by siblings.
@@ -152,6 +159,11 @@ class Session:
                 if [self.adapter.layer_widths(layer, self.head_dim)[k] for k in picked]
                 != [standard[k] for k in picked]]
 
+    @property
+    def loaded_reference(self) -> "Session | None":
+        """The reference session if it was loaded (``reference_session``), else None (nothing loads)."""
+        return self._reference
+
     def reference_session(self) -> "Session":
         """A session over the original, unmodified model with the same calibration tokens, for steps that
         compare against the original: a read-only skeleton streamed layer by layer from the source
@@ -208,6 +220,7 @@ class Session:
         branch = self.sibling(model, None, calibration, memo=memo,
                               origin=self.layer_origin, original_layers=self.original_layers,
                               completed=self.completed_steps, reference_loader=reference_loader,
+                              matches_reference=self.matches_reference,
                               outputs=self.outputs.copy_for(copies))
         if steps:
             branch.run_steps(list(steps))
@@ -288,8 +301,9 @@ class Session:
         return self.pipeline.run_layer(layer, inputs, kwargs_list, hooks, on_batch)
 
     def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
-                   description: str = "calibration pass", skip: tuple[int, ...] = ()) -> None:
-        self.pipeline.layer_pass(visit, description, skip)
+                   description: str = "calibration pass", skip: tuple[int, ...] = (), *,
+                   as_received: bool = False) -> None:
+        self.pipeline.layer_pass(visit, description, skip, as_received=as_received)
 
     def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
                         per_window: bool = False) -> float | list[float]:
@@ -300,10 +314,10 @@ class Session:
 
     def original_outputs(self, index: int, inputs: list[torch.Tensor] | None = None,
                          kwargs_list: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
-        return self.pipeline.original_outputs(index, inputs, kwargs_list)
+        return self.pipeline.walk.original_outputs(index, inputs, kwargs_list)
 
     def reference_outputs(self, index: int) -> list[torch.Tensor]:
-        return self.pipeline.reference_outputs(index)
+        return self.pipeline.walk.reference_outputs(index)
 
     def run_layer_modifiers(self, group: list[LayerModifier], checkpoints=None) -> dict[str, dict[str, Any]]:
         return self.pipeline.run_layer_modifiers(group, checkpoints)

@@ -69,7 +69,7 @@ class Statistic:
 
 
 #: rows of the Gram computed per product in :meth:`InputCovariance.update`
-ROW_PANEL = 1024
+ROW_PANEL = 512
 
 
 class InputCovariance(Statistic):
@@ -78,6 +78,8 @@ class InputCovariance(Statistic):
     ``count`` is the number of tokens; ``covariance = G / count`` (uncentred second moment).
     ``products``: dtype of each batch's ``XᵀX`` (sums over batches are fp64 either way); fp32 halves the
     cost for steps that tolerate ~1e-6 relative error per entry (GPTQ's reference code keeps H in fp32).
+    Only the blocks on and above the diagonal are summed (about half the products of a full ``XᵀX``); the
+    lower triangle is mirrored from them when ``gram`` is read (and overwritten again by the next read).
     """
 
     sums = ("gram", "count")
@@ -85,27 +87,45 @@ class InputCovariance(Statistic):
     def __init__(self, module: str, products: torch.dtype = torch.float64):
         super().__init__(module)
         self.products = products
-        self.gram: torch.Tensor | None = None
+        self._gram: torch.Tensor | None = None
+        self._mirrored = True
         self.count = 0
 
     @property
     def key(self) -> str:
         return super().key if self.products == torch.float64 else f"{super().key}@{self.products}"
 
+    @property
+    def gram(self) -> torch.Tensor | None:
+        """The symmetric sum (its lower triangle filled from the upper one on the first read after a batch)."""
+        if not self._mirrored:
+            width = self._gram.shape[0]
+            for start in range(0, width, ROW_PANEL):
+                stop = min(start + ROW_PANEL, width)
+                self._gram[stop:, start:stop] = self._gram[start:stop, stop:].T
+            self._mirrored = True
+        return self._gram
+
+    @gram.setter
+    def gram(self, value: torch.Tensor | None) -> None:
+        self._gram, self._mirrored = value, True
+
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
-        """``G += XᵀX`` in row panels of ``ROW_PANEL``, each accumulated by ``addmm_`` into the fp64 sum's own
-        rows: no product buffer and never a second ``n × n`` matrix (a merged 8B MLP: 6.6 GB saved)."""
+        """``G += XᵀX`` on and above the diagonal, in row panels of ``ROW_PANEL`` (panel ``[a, b)`` adds
+        ``X[:, a:b]ᵀ X[:, a:]``), each accumulated by ``addmm_`` into the fp64 sum's own rows: no product
+        buffer and never a second ``n × n`` matrix (a merged 8B MLP: 6.6 GB saved)."""
         x = inputs.reshape(-1, inputs.shape[-1]).to(self.products)
         width = x.shape[1]
-        if self.gram is None:
-            self.gram = torch.zeros(width, width, dtype=torch.float64, device=x.device)
+        if self._gram is None:
+            self._gram = torch.zeros(width, width, dtype=torch.float64, device=x.device)
         for start in range(0, width, ROW_PANEL):
             stop = min(start + ROW_PANEL, width)
-            rows = self.gram[start:stop]
+            rows = self._gram[start:stop, start:]
             if x.dtype == torch.float64:
-                rows.addmm_(x[:, start:stop].T, x)
+                rows.addmm_(x[:, start:stop].T, x[:, start:])
             else:
-                rows.add_(x[:, start:stop].T @ x)
+                rows.add_(x[:, start:stop].T @ x[:, start:])
+        self._mirrored = False
         self.count += x.shape[0]
 
     @property

@@ -38,9 +38,12 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
     pass) is checkpointed when done."""
     records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
     watch = watch or PeakWatch()
-    for number, group in enumerate(group_steps(steps)):
+    groups = group_steps(steps)
+    for number, group in enumerate(groups):
+        preserving = all(step.preserves_outputs for _, step in group)
         if checkpoints is not None:
             if number < checkpoints.next_group:
+                session.matches_reference &= preserving
                 continue
             checkpoints.begin_group(number, [step for _, step in group], records, report)
         watch.start()
@@ -49,6 +52,8 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
         bar.phase(f"step {group[0][0]}: {names}")
         numbers = f"{group[0][0]}" + (f"-{group[-1][0]}" if len(group) > 1 else "")
         outer = session.timings.begin_step(f"{numbers} {names}")
+        later = [step for later_group in groups[number + 1:] for _, step in later_group]
+        session.keep_reference_states = session.matches_reference and any(step.needs_reference for step in later)
         # a named range in a torch.profiler trace (benchmarks/pipeline_overhead.py splits host time by step)
         with torch.profiler.record_function(f"recipe step {session.timings.step}"):
             if group[0][1].scope == "layer":
@@ -60,6 +65,10 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
                 with _whole_model(session, step), session.timings.phase("compress"):
                     results = [step.apply(session)]
         elapsed = time.perf_counter() - start
+        session.keep_reference_states = False
+        session.matches_reference &= preserving
+        if session.loaded_reference is not None and not any(step.needs_reference for step in later):
+            session.loaded_reference.pipeline.walk.kept = None  # no later step reads them
         session.timings.record(event="step", wall_s=round(elapsed, 3))
         session.timings.end_step(outer)
         session.mark_completed([json.dumps(step_to_dict(step), sort_keys=True) for _, step in group])

@@ -460,7 +460,7 @@ class FlattenAdjacent(Modifier):
             store.write(index, torch.cat(rows))
 
         with store:
-            session.layer_pass(keep_units, "FlattenAdjacent similarity")
+            session.layer_pass(keep_units, "FlattenAdjacent similarity", as_received=True)
             return store.cosine_gram() / len(picked)
 
     def apply(self, session: ModifierSession) -> dict[str, Any]:

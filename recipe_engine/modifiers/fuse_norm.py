@@ -26,6 +26,7 @@ class FuseNorm(Modifier):
     untie: bool = Field(False, description="untie lm_head from the embeddings so the final norm can be folded")
 
     streams = True
+    preserves_outputs = True
 
     def apply(self, session: ModifierSession) -> dict[str, Any]:
         adapter, model = session.adapter, session.model

@@ -119,9 +119,10 @@ class NystromMLP(LayerModifier):
     needs = ("down_proj input Gram (fp64)", "target serial/original: the original layers' outputs "
              "(original weights on CPU)")
 
-    def passes(self, shape) -> int:
-        """The shared pass, plus the original model walked in lockstep with ``target: original``."""
-        return 1 + (self.target == "original")
+    def passes(self, shape) -> int | tuple[int, int]:
+        """The shared pass, plus the original model walked in lockstep with ``target: original`` (none when an
+        earlier pass kept the original model's states: ``ModifierSession.layer_pass``'s ``as_received``)."""
+        return (1, 2) if self.target == "original" else 1
 
     def check_calibration(self, calibration) -> None:
         """``target: original`` fits each layer to the original hidden state, absorbing the drift of the

@@ -53,6 +53,11 @@ class Modifier(StrictParameters):
     quantizes: ClassVar[bool] = False
     #: False for steps that never change a weight's values (e.g. they only drop whole layers).
     changes_weights: ClassVar[bool] = True
+    #: True for steps whose output computes the same function as their input up to floating-point rounding
+    #: (e.g. folding norm gains into linears): a model changed only by such steps still stands for its
+    #: reference, so a later pass can run the reference's layers instead and keep their states
+    #: (``ModifierSession.layer_pass``'s ``as_received``).
+    preserves_outputs: ClassVar[bool] = False
     #: False when the output is no longer a stock checkpoint (``recipe_engine.load_model`` restores it).
     stock_output: ClassVar[bool] = True
     #: Parameters that ``session.shared`` values of this step do not depend on (reused across a sweep).

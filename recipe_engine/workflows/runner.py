@@ -196,7 +196,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
         clock = Timings(timings, parallel.device)
     session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar,
                       reference_loader=_reference_loader(recipe, model, source, lambda: session),
-                      stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock)
+                      stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock,
+                      matches_reference=True)
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
     if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
@@ -263,7 +264,9 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
 
     def load() -> Session:
         skeleton = load_model(recipe.model, recipe.dtype, skeleton=True)[0]
-        return current().sibling(skeleton, open_stream(skeleton, current().adapter, source.location, None))
+        # a streamed run's own stream already bounds the heap; an in-memory run keeps its speed
+        return current().sibling(skeleton, open_stream(skeleton, current().adapter, source.location, None,
+                                                       bound_heap=False))
     return load
 
 
