@@ -434,3 +434,29 @@ def test_depth20_auto_validates_on_every_shipped_model_config():
         skipped = ["ReplaceMe", "ReplaceMe", "FlattenAdjacent"] if model == "gemma3-270m" else []
         assert [next(name for name in ("FlattenAdjacent", "ReplaceMe") if f"({name})" in note)
                 for note in shape.notes] == skipped
+        # exported to GGUF: the LinearPatch alternatives (an extra beside the checkpoint) are skipped too, and on
+        # Gemma 3 ReplaceMe<fold: auto> (a hook there; folded into down_proj elsewhere)
+        exported = check_against_config(load_recipe(str(path), [f"model={model}", "export={format: gguf}"]).recipe,
+                                        config)
+        stock = [note.split(": ")[1].split(" would")[0] for note in exported.notes if "would leave a checkpoint that is not stock" in note]
+        assert stock == ["LinearPatch", "LinearPatch"] + (["ReplaceMe"] if model == "gemma3-270m" else [])
+        assert len(exported.notes) == len(skipped) + len(stock)
+
+
+def test_a_recipe_that_exports_chooses_only_among_stock_alternatives(tmp_path):
+    """With ``export:`` the result must be a stock checkpoint: on Gemma 3, ReplaceMe<fold: auto> keeps its map
+    as a hook (not stock), so BestOf skips it with the reason, at validation and in the run, and chooses
+    among the rest; without ``export:`` the same alternative runs."""
+    model = tiny_model("gemma3_text", num_hidden_layers=6, vocab_size=BYTE_VOCAB)
+    steps = [{"BestOf": {"alternatives": [["ReplaceMe<n:1,fold:auto>"], ["ShortGPT<n:1>"]]}}]
+    exported = recipe(tmp_path, steps, export={"format": "gguf"})
+    shape = check_against_config(recipe_from_dict(exported), model.config)
+    assert len(shape.notes) == 1 and "ReplaceMe would leave a checkpoint that is not stock" in shape.notes[0]
+    _, report = recipe_engine.apply(exported, model=copy.deepcopy(model), tokenizer=byte_tokenizer(),
+                                    write=False, progress=False)
+    result = report.steps[0].result
+    assert "not stock, and the recipe exports it" in result["alternatives"][0]["refused"]
+    assert result["chosen"] == 1
+    _, free = recipe_engine.apply(recipe(tmp_path, steps), model=copy.deepcopy(model), tokenizer=byte_tokenizer(),
+                                  write=False, progress=False)
+    assert "refused" not in free.steps[0].result["alternatives"][0]

@@ -48,6 +48,9 @@ class ModelShape:
     quantized_by: str | None = None
     #: Whether the run streams its weights (memory estimates: streamed steps may spill to scratch files).
     streamed: bool = False
+    #: The result must be a stock checkpoint (the recipe exports it, e.g. to GGUF): a step that chooses between
+    #: alternatives (``BestOf``) skips those whose output is not (``Modifier.output_is_stock``).
+    stock_only: bool = False
     #: What a step's ``check`` decided that the user should see at ``recipe validate`` without it being an
     #: error (e.g. an alternative the model refuses, to be skipped); one line each.
     notes: list[str] = field(default_factory=list)

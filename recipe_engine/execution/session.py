@@ -94,6 +94,8 @@ class Session:
         #: Set by ``run_steps`` while a step runs on a model that matches its reference and a later step reads
         #: the reference's hidden states: the step's ``as_received`` passes run the reference and keep them.
         self.keep_reference_states = False
+        #: The run's result must be a stock checkpoint (the recipe exports it): ``ModelShape.stock_only``.
+        self.stock_only = False
         #: Report records of the steps this session ran (``run_steps``; a branch's, see ``branch``).
         self.records: list[dict[str, Any]] = []
         #: The run's phase clock and timings log (``recipe_engine.execution.timings``), shared by siblings.
@@ -192,6 +194,7 @@ class Session:
         shape.layers = [LayerShape(*self.adapter.layer_widths(layer, self.head_dim)[:3], tuple(origin))
                         for layer, origin in zip(self.layers, self.layer_origin)]
         shape.streamed = self.stream is not None
+        shape.stock_only = self.stock_only
         return shape
 
     def branch(self, calibration: torch.Tensor, steps: list[Modifier] = (), *, copy: bool = True,

@@ -60,11 +60,12 @@ def _weights(directory: Path) -> dict[str, str]:
     raise _fail(f"'{directory}' has no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def check_recipe_exportable(recipe, config) -> None:
-    """Before anything loads: ``recipe.export`` refused for steps whose output GGUF cannot hold (read from the
-    steps' flags: non-stock extras, packed quantized weights) and for an unsupported model config."""
-    for index, step in enumerate(recipe.modifiers):
-        if not step.stock_output:
+def check_recipe_exportable(steps, shapes, config) -> None:
+    """Before anything loads: ``recipe.export`` refused for steps whose output GGUF cannot hold (each step
+    asked on the shape it receives: non-stock extras, packed quantized weights) and for an unsupported
+    model config."""
+    for index, (step, shape) in enumerate(zip(steps, shapes)):
+        if not step.output_is_stock(shape):
             raise _fail(f"step {index} ({step.step_name()}) adds non-stock extras that GGUF cannot express")
         if step.quantizes:
             raise _fail(f"step {index} ({step.step_name()}) writes packed quantized weights that GGUF cannot "
@@ -77,7 +78,8 @@ def check_exportable(directory: Path, config) -> None:
     if (directory / EXTRAS_JSON).is_file():
         names = ", ".join(e["modifier"] for e in json.loads((directory / EXTRAS_JSON).read_text()))
         raise _fail(f"the checkpoint carries recipe extras ({names}) that GGUF cannot express; export a "
-                    f"recipe without them")
+                    f"recipe without them (with export: {{format: gguf}} a BestOf recipe chooses among the "
+                    f"alternatives GGUF can hold)")
     if getattr(config, "quantization_config", None):
         raise _fail("compressed-tensors packed weights have no GGUF form; export the dequantized output "
                     "(GPTQ export: dequantized) and pick --type q8_0 if size matters")

@@ -161,6 +161,10 @@ class BestOf(Modifier):
             trial = copy.deepcopy(shape)
             try:
                 check_steps(steps, trial)
+                extras = [step.step_name() for step in steps if not step.output_is_stock(shape)]
+                if shape.stock_only and extras:
+                    raise RecipeError(f"{', '.join(extras)} would leave a checkpoint that is not stock, and the "
+                                      f"recipe exports it")
             except RecipeError as exc:
                 if self.refused == "fail":
                     raise self.fail(f"alternative {a} {describe(steps)}: {exc}", field=f"alternatives.{a}") from None
@@ -193,6 +197,11 @@ class BestOf(Modifier):
             else:
                 seen[key] = a
         return repeats
+
+    def output_is_stock(self, shape) -> bool:
+        """Stock when every alternative the model accepts is (with ``shape.stock_only`` the others are refused)."""
+        return all(step.output_is_stock(shape) for (final, _), steps in zip(self._outcomes(shape), self.alternatives)
+                   if final is not None for step in steps)
 
     def check(self, shape) -> None:
         outcomes = self._outcomes(shape)

@@ -278,6 +278,9 @@ class ReplaceMe(Modifier):
         normalized = _mlp_output_norm(model_type) is not None
         return "hook" if self.fold == "hook" or (self.fold == "auto" and normalized) else "down_proj"
 
+    def output_is_stock(self, shape) -> bool:
+        return self.folds_into(shape.model_type) == "down_proj"
+
     def check(self, shape) -> None:
         fold, output_norm = self.folds_into(shape.model_type), _mlp_output_norm(shape.model_type)
         if fold == "down_proj" and output_norm is not None:

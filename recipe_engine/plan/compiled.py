@@ -65,7 +65,9 @@ def compile_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
     naming ``file`` and the step. Each step's passes are counted on a copy of the shape it receives."""
     steps = bound_steps(recipe, config, file)
     received: list[ModelShape] = []
-    check_steps(steps, ModelShape.from_config(config), recipe.calibration, file, received=received)
+    shape = ModelShape.from_config(config)
+    shape.stock_only = recipe.export is not None
+    check_steps(steps, shape, recipe.calibration, file, received=received)
     passes: list[Passes] = []
     for index, (step, shape) in enumerate(zip(steps, received)):
         try:

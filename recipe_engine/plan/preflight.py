@@ -276,7 +276,7 @@ def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
                           f"uniform layers (add pruning steps that cover them)", file=file, field="modifiers")
     if recipe.export is not None:
         try:
-            check_recipe_exportable(recipe, config)
+            check_recipe_exportable(plan.steps, plan.shapes, config)
         except RecipeError as exc:
             raise exc.located(file=file, field="export") from None
     return plan

@@ -79,6 +79,11 @@ class Modifier(StrictParameters):
     def example_steps(cls) -> list[str]:
         return list(cls.example) or [cls.step_name()]
 
+    def output_is_stock(self, shape) -> bool:
+        """Whether this step's output is a stock checkpoint on a model of ``shape`` (the step's
+        ``stock_output`` unless a parameter resolves against the architecture)."""
+        return self.stock_output
+
     def fail(self, message: str, field: str | None = None) -> RecipeError:
         """Build a :class:`RecipeError` for this step (the engine adds file and step index)."""
         return RecipeError(message, modifier=self.step_name(), field=field)
