@@ -14,7 +14,7 @@ modifiers.
   ``shape``, ``reference``, ``current_layer``, ...) include two small collaborators, ``passes``
   (:class:`PassCounter`) and ``outputs`` (:class:`RunOutputs`: extras, artifacts, quantization records).
   The symbolic shape :class:`ModelShape` / :class:`LayerShape`, :func:`adapter_for`, the architectures'
-  role maps (:data:`ADAPTERS`, :data:`UNFUSED_ROLES`, :func:`roles_problem`, :func:`replace_linear`).
+  role maps (:data:`ADAPTERS`, :data:`UNFUSED_ROLES`, :func:`roles_problem`, :func:`replace_linear`, :func:`install_linear`).
 * Statistics: :class:`Statistic`, :class:`InputCovariance` (fp64 input Grams), :func:`position` (dataflow
   order of a submodule), :class:`StagedLayer` (a layer run piecewise).
 * Solves (fp64): ridge leverage scores, ridge compensation and refits, reconstruction and refit errors,
@@ -29,7 +29,7 @@ modifiers.
   recipe's validation rules on a shape), :func:`steps_passes`, ``ModifierSession.branch`` / ``adopt`` /
   ``shape``, :class:`SharedWork` (work shared between branches over the same windows).
 """
-from .architectures.adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, replace_linear, roles_problem
+from .architectures.adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, install_linear, replace_linear, roles_problem
 from .architectures.shape import LayerShape, ModelShape
 from .errors import RecipeError
 from .execution.memo import SharedWork
@@ -54,7 +54,7 @@ from .recipe.split import SCORE_FRACTION, WindowSplit, heldout_split
 from .recipe.validate import check_steps
 
 __all__ = ["LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
-           "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
+           "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
            "ModifierSession", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
            "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",

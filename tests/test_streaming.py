@@ -161,6 +161,7 @@ def test_release_stages_only_changed_units(tmp_path, monkeypatch):
         with torch.no_grad():
             layer.mlp.up_proj.weight.mul_(2)  # layer 0 changes in place; layer 1 is only read
     assert not is_materialized(session.layers[0]) and not is_materialized(session.layers[1])
+    session.stream.drain()  # the changed layer's file is written behind the compute
     assert len(list((tmp_path / "staging").iterdir())) == 1 and trims == [False]
     with session.loaded(0):
         torch.testing.assert_close(session.layers[0].mlp.up_proj.weight,
@@ -168,6 +169,7 @@ def test_release_stages_only_changed_units(tmp_path, monkeypatch):
         with torch.no_grad():
             session.layers[0].mlp.up_proj.weight.mul_(-1)
             session.layers[0].mlp.up_proj.weight.mul_(-1)  # changed (version counter), restaged
+    session.stream.drain()
     assert len(list((tmp_path / "staging").iterdir())) == 1  # the obsolete staged state was deleted
     out = tmp_path / "written"
     out.mkdir()
@@ -193,8 +195,8 @@ import os, signal, sys
 from recipe_engine.cli import main
 from recipe_engine.execution.streaming import WeightStream
 stage, count = WeightStream.stage, [0]
-def stage_then_signal(self, unit):
-    stage(self, unit)
+def stage_then_signal(self, unit, behind=False):
+    stage(self, unit, behind)
     count[0] += 1
     if count[0] == int(sys.argv[3]) and sys.argv[2] == "exception":
         raise RuntimeError("injected failure")
@@ -427,3 +429,58 @@ def test_output_size_estimate_is_the_compressed_models_size(tmp_path):
     config = AutoConfig.from_pretrained(model_dir)
     assert output_bytes(recipe_from_dict(data), config) == written
     assert output_bytes(recipe_from_dict({**data, "modifiers": ["FuseNorm"]}), config) > written
+
+
+def test_a_staging_write_behind_the_compute_is_read_whole_or_its_error_raised(tmp_path, monkeypatch):
+    """A released unit's file is written by a thread while the compute goes on: loading the unit again waits
+    for it (the tensors read back are the changed ones); a write that fails raises its error where the unit
+    is next read, or where ``drain`` waits for it."""
+    import threading
+
+    from recipe_engine.architectures.adapters import adapter_for
+    from recipe_engine.execution.session import Session
+    from recipe_engine.execution.streaming import open_stream
+    from recipe_engine.io.models import load_model
+    from recipe_engine.recipe.schema import CalibrationConfig
+    import recipe_engine.execution.streaming as streaming
+
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    model, tokenizer, source = load_model(str(model_dir), skeleton=True)
+    adapter = adapter_for(model.config)
+    session = Session(model, tokenizer, adapter, random_tokens(vocab=BYTE_VOCAB), CalibrationConfig(batch_size=2),
+                      torch.device("cpu"), stream=open_stream(model, adapter, source.location, tmp_path / "staging"))
+    release, writers = threading.Event(), []
+    real_save = streaming.save_file
+
+    def slow_save(tensors, path):  # holds the write until the main thread has moved on
+        writers.append(threading.current_thread().name)
+        release.wait(10)
+        real_save(tensors, path)
+
+    monkeypatch.setattr(streaming, "save_file", slow_save)
+    with session.loaded(0):
+        expected = session.layers[0].mlp.up_proj.weight.detach().clone() * 3
+        with torch.no_grad():
+            session.layers[0].mlp.up_proj.weight.mul_(3)
+    assert not is_materialized(session.layers[0]) and not list((tmp_path / "staging").glob("*.safetensors"))
+    release.set()
+    with session.loaded(0):  # waits for the write, then reads the changed weights
+        assert torch.equal(session.layers[0].mlp.up_proj.weight, expected)
+    assert writers and writers[0].startswith("recipe-staging")
+
+    def full_disk(tensors, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(streaming, "save_file", full_disk)
+    with session.loaded(1):
+        with torch.no_grad():
+            session.layers[1].mlp.up_proj.weight.mul_(2)
+    with pytest.raises(OSError, match="No space left"):
+        session.stream.drain()
+    with session.loaded(2):
+        with torch.no_grad():
+            session.layers[2].mlp.up_proj.weight.mul_(2)
+    with pytest.raises(OSError, match="No space left"):
+        with session.loaded(2):
+            pass

@@ -337,12 +337,21 @@ class ArchitectureAdapter:
 @torch.no_grad()
 def replace_linear(layer: nn.Module, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     """Install a new ``nn.Linear`` holding ``weight`` (and ``bias``) at ``path`` inside ``layer``."""
-    # skip_init: no random initialisation of weights about to be overwritten (seconds for an 8B layer)
-    linear = torch.nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=bias is not None,
-                                      dtype=weight.dtype, device=weight.device)
+    linear = install_linear(layer, path, weight.shape[1], weight.shape[0], bias is not None, weight.dtype,
+                            weight.device)
     linear.weight.copy_(weight)
     if bias is not None:
         linear.bias.copy_(bias)
+    return linear
+
+
+@torch.no_grad()
+def install_linear(layer: nn.Module, path: str, in_features: int, out_features: int, bias: bool,
+                   dtype: torch.dtype, device: torch.device) -> nn.Linear:
+    """Install a new ``nn.Linear`` at ``path`` inside ``layer`` with uninitialized weights, for the caller to
+    fill in place (``skip_init``: no random initialisation of weights about to be overwritten, seconds for an
+    8B layer)."""
+    linear = torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
     parent, name = path.rsplit(".", 1)
     setattr(layer.get_submodule(parent), name, linear)
     return linear

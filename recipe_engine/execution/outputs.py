@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -20,8 +20,9 @@ class RunOutputs:
     def __init__(self) -> None:
         #: Non-stock additions saved beside the checkpoint (``recipe_engine.io.extras``), in step order.
         self.extras: list[dict[str, Any]] = []
-        #: Files for the output directory, by name (``dir/file`` at most one level down).
-        self.artifacts: dict[str, bytes] = {}
+        #: Files for the output directory, by name (``dir/file`` at most one level down): bytes, or a
+        #: function drawing them, called once the files are wanted (``artifacts``).
+        self._artifacts: dict[str, bytes | Callable[[], bytes]] = {}
         #: Linears whose weight lies on a quantization grid; the writer packs them.
         self.quantized: dict[nn.Module, QuantizedLinear] = {}
 
@@ -29,13 +30,26 @@ class RunOutputs:
         """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.io.extras``)."""
         self.extras.append({"modifier": modifier, "config": config, "tensors": tensors})
 
-    def add_artifact(self, filename: str, data: bytes) -> None:
+    @property
+    def artifacts(self) -> dict[str, bytes]:
+        """The files for the output directory, by name; a file given as a function is drawn now, once."""
+        return {name: self._drawn(name) for name in self._artifacts}
+
+    def _drawn(self, name: str) -> bytes | None:
+        data = self._artifacts.get(name)
+        if callable(data):
+            data = self._artifacts[name] = data()
+        return data
+
+    def add_artifact(self, filename: str, data: bytes | Callable[[], bytes]) -> None:
         """A file (e.g. a PNG heatmap) to write into the output directory beside the checkpoint, or into
-        one subdirectory of it (``"lora_adapter/adapter_model.safetensors"``)."""
+        one subdirectory of it (``"lora_adapter/adapter_model.safetensors"``). ``data`` may be a function
+        returning the bytes: it is called only when the files are written or checkpointed (a plot drawn
+        for a BestOf alternative that loses, or a run that writes nothing, is never drawn)."""
         parts = filename.split("/")
         if len(parts) > 2 or any(not part or part.startswith(".") for part in parts):
             raise ValueError(f"artifact name must be a file name or dir/file name, got {filename!r}")
-        self.artifacts[filename] = data
+        self._artifacts[filename] = data
 
     def add_rows(self, filename: str, rows: list[dict[str, Any]]) -> None:
         """Append ``rows`` to a CSV file of the output directory (a per-layer log): the columns are the first
@@ -43,7 +57,7 @@ class RunOutputs:
         checkpoints and branches carry it like any other."""
         if not filename.endswith(".csv"):
             raise ValueError(f"a row log is a .csv file, got {filename!r}")
-        old = self.artifacts.get(filename)
+        old = self._drawn(filename)
         table = list(csv.reader(io.StringIO(old.decode()))) if old else []
         columns = table[0] if table else list(rows[0]) if rows else []
         for row in rows:
@@ -76,7 +90,7 @@ class RunOutputs:
         copy): the extras and files so far, and the quantization records re-keyed to the copied linears, so
         that the branch starts from everything the run has produced until now."""
         copied = RunOutputs()
-        copied.extras, copied.artifacts = list(self.extras), dict(self.artifacts)
+        copied.extras, copied._artifacts = list(self.extras), dict(self._artifacts)
         copied.quantized = {copies[id(linear)]: record for linear, record in self.quantized.items()
                             if id(linear) in copies}
         return copied
@@ -84,4 +98,4 @@ class RunOutputs:
     def adopt(self, branch: "RunOutputs") -> None:
         """Take a branch's outputs (``ModifierSession.adopt``); the branch started from a copy of these
         (:meth:`copy_for`), so its extras, files and quantization records replace them."""
-        self.extras, self.artifacts, self.quantized = list(branch.extras), dict(branch.artifacts), dict(branch.quantized)
+        self.extras, self._artifacts, self.quantized = list(branch.extras), dict(branch._artifacts), dict(branch.quantized)

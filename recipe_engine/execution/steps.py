@@ -36,6 +36,19 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
     and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate. With
     ``checkpoints``, finished groups of an interrupted run are skipped and each group (and each layer of a
     pass) is checkpointed when done."""
+    try:
+        records = _run_groups(session, steps, bar, watch, plan, checkpoints, report)
+    except BaseException:
+        if session.stream is not None:
+            session.stream.drain(quietly=True)  # no staging write outlives the run's files
+        raise
+    if session.stream is not None:
+        session.stream.drain()  # a staging write behind the last step's compute, finished (or its error raised)
+    return records
+
+
+def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None,
+                plan: dict | None, checkpoints, report: dict | None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
     watch = watch or PeakWatch()
     groups = group_steps(steps)

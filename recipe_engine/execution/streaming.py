@@ -13,7 +13,8 @@ the final norm and ``lm_head`` — are materialized on CPU when a pass needs the
 Releasing a unit compares every tensor's identity and version counter with what was loaded: a unit that a
 step changed (in place, or by replacing a submodule) is written to staging first; an unchanged one simply
 returns to meta. A unit built by a step (e.g. a merged layer) has no home until it is released. Nothing is
-ever silently dropped: a unit is only freed after its current weights are on disk.
+ever silently dropped: a released unit's tensors are held until its file is written (by a thread, behind the
+compute: reading the unit waits for it, and ``run_steps`` drains the write before it returns).
 
 A run that keeps resume checkpoints (``recipe_engine.execution.resume``) makes its checkpoint directory the staging
 directory and sets ``keep_staged``: a superseded staging file is then left for the checkpoint store, which
@@ -25,6 +26,7 @@ import contextlib
 import itertools
 import secrets
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -48,10 +50,19 @@ class Home:
 
 
 class StagedFile:
-    """One staged unit: a safetensors file written by :meth:`WeightStream.stage`."""
+    """One staged unit: a safetensors file written by :meth:`WeightStream.stage`, maybe still being written
+    behind the compute (``pending``)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, pending: Future | None = None):
+        self._path, self._pending = path, pending
+
+    @property
+    def path(self) -> Path:
+        """The file, once written: a write still in flight is waited for (its error is raised here)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+        return self._path
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         with safe_open(str(self.path), "pt") as handle:
@@ -80,6 +91,9 @@ class WeightStream:
         self._loaded: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, int]]]" = weakref.WeakKeyDictionary()
         self._pins: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
         self._staged = itertools.count()
+        #: The one staging write behind the compute (``release``), and the thread that writes it.
+        self._in_flight: StagedFile | None = None
+        self._writer: ThreadPoolExecutor | None = None
         self.bytes_read = self.bytes_staged = 0
         names = {id(m): name for name, m in model.named_modules()}
         covered: set[int] = set()
@@ -118,7 +132,7 @@ class WeightStream:
             return
         loaded = self._loaded.pop(unit, None)
         if loaded is None or loaded != self._versions(unit) or unit not in self._homes:
-            self.stage(unit)
+            self.stage(unit, behind=True)
         # deferred: accelerate (~0.2 s) is needed only when weights stream
         from accelerate.utils import set_module_tensor_to_device
 
@@ -126,17 +140,37 @@ class WeightStream:
             set_module_tensor_to_device(unit, name, "meta")
         self._retie()
 
-    def stage(self, unit: nn.Module) -> None:
-        """Write ``unit``'s current tensors to a new staging file and make it the unit's home."""
+    def stage(self, unit: nn.Module, behind: bool = False) -> None:
+        """Write ``unit``'s current tensors to a new staging file and make it the unit's home. ``behind``
+        (a unit being released: nothing can change its tensors any more): the file is written by a
+        thread while the compute goes on, one write in flight at a time; reading the unit, or
+        :meth:`drain`, waits for it."""
         if self.staging is None:
             raise RuntimeError("this weight stream is read-only (no staging directory)")
         self.staging.mkdir(parents=True, exist_ok=True)
         path = self.staging / f"unit-{self._token}-{next(self._staged):05d}.safetensors"
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in _tensors(unit).items()}
-        save_file(tensors, str(path))
+        if behind:
+            self.drain()
+            self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="recipe-staging")
+            staged = self._in_flight = StagedFile(path, self._writer.submit(save_file, tensors, str(path)))
+        else:
+            save_file(tensors, str(path))
+            staged = StagedFile(path)
         self.bytes_staged += sum(t.numel() * t.element_size() for t in tensors.values())
         self.discard_staged(unit)  # its earlier staged state is obsolete: staging holds one file per unit
-        self._homes[unit] = Home(StagedFile(path), {name: name for name in tensors})
+        self._homes[unit] = Home(staged, {name: name for name in tensors})
+
+    def drain(self, quietly: bool = False) -> None:
+        """Wait for the staging write in flight, if any; its error is raised (``quietly``: only waited for,
+        when another error is already ending the run and its files are about to be removed)."""
+        staged, self._in_flight = self._in_flight, None
+        if staged is not None:
+            try:
+                staged.path
+            except Exception:
+                if not quietly:
+                    raise
 
     def discard_staged(self, unit: nn.Module) -> None:
         """Delete the staging file that is ``unit``'s home, if it has one (the writer calls this once a

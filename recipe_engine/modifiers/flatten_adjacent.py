@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 
 from recipe_engine.api import (ADAPTERS, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier, ModifierSession,
-                               budget_field, heldout_split, register, replace_linear)
+                               budget_field, heldout_split, install_linear, register)
 
 from ._depth import check_search_window
 from .head_prune import HeadPrune
@@ -191,7 +191,10 @@ def merge_layers(layers: list[torch.nn.Module], adapter) -> torch.nn.Module:
     the mean gain of its sources: exact when they agree, else an approximation (``head_norm_spread``; see
     docs/methods/flattengpt.md). The source layers are left unchanged.
     """
-    merged = copy.deepcopy(layers[0])
+    # the copy's linears are replaced below: their weights are not copied (placeholders in deepcopy's memo)
+    linears = [adapter.linear(layers[0], role) for role in adapter.linears]
+    merged = copy.deepcopy(layers[0], {id(t): torch.nn.Parameter(torch.empty(0, dtype=t.dtype), requires_grad=False)
+                                       for linear in linears for t in (linear.weight, linear.bias) if t is not None})
     head_dim = adapter.attention(layers[0]).head_dim
     reads = {role: norm for norm, roles in adapter.norm_reads for role in roles}
     for role, path in adapter.linears.items():
@@ -200,15 +203,21 @@ def merge_layers(layers: list[torch.nn.Module], adapter) -> torch.nn.Module:
         for layer in layers:
             gain = adapter.norm_gain(adapter.norm(layer, reads[role])) if role in reads else None
             for member, (weight, bias) in adapter.member_parts(layer, role, head_dim).items():
-                if gain is not None:
-                    weight = (weight.float() * gain[None, :]).to(weight.dtype)
-                members.setdefault(member, []).append((weight, bias))
-        weight = torch.cat([torch.cat([w for w, _ in parts], dim=axis) for parts in members.values()])
+                members.setdefault(member, []).append((weight, bias, gain))
+        parts = [part for member in members.values() for part in member]
+        if axis == 0:
+            rows, columns = sum(w.shape[0] for w, _, _ in parts), parts[0][0].shape[1]
+        else:
+            rows = sum(member[0][0].shape[0] for member in members.values())
+            columns = sum(w.shape[1] for w, _, _ in next(iter(members.values())))
         bias = None
         if layers[0].get_submodule(path).bias is not None:
-            bias = torch.cat([torch.cat([b for _, b in parts]) if axis == 0 else torch.stack([b for _, b in parts]).sum(0)
-                              for parts in members.values()])
-        replace_linear(merged, path, weight, bias)
+            bias = torch.cat([torch.cat([b for _, b, _ in member]) if axis == 0
+                              else torch.stack([b for _, b, _ in member]).sum(0) for member in members.values()])
+        linear = install_linear(merged, path, columns, rows, bias is not None, parts[0][0].dtype, parts[0][0].device)
+        _fill_concatenated(linear.weight, members, axis)
+        if bias is not None:
+            linear.bias.copy_(bias)
     for norm in {norm for norm, _ in adapter.norm_reads}:
         adapter.set_norm_gain(adapter.norm(merged, norm), 1.0)
     for norm in adapter.head_norms:
@@ -216,6 +225,29 @@ def merge_layers(layers: list[torch.nn.Module], adapter) -> torch.nn.Module:
                               torch.stack([adapter.norm_gain(adapter.norm(layer, norm)) for layer in layers]).mean(0))
     adapter.sync_widths(merged, head_dim)
     return merged
+
+
+@torch.no_grad()
+def _fill_concatenated(target: torch.Tensor, members: dict[str, list], axis: int) -> None:
+    """``target ← cat_members(cat_axis(w · gain))``: each member's weights side by side along ``axis``, members
+    stacked by rows, each source's norm gain (or None) multiplied in fp32 and rounded once to the weight dtype
+    as it is written (no fp32 copy, no concatenation buffer)."""
+    row = 0
+    for member in members.values():
+        column = 0
+        for weight, _, gain in member:
+            block = (target[row:row + weight.shape[0]] if axis == 0
+                     else target[row:row + weight.shape[0], column:column + weight.shape[1]])
+            if gain is None:
+                block.copy_(weight)
+            else:
+                torch.mul(weight, gain.float()[None, :], out=block)
+            if axis == 0:
+                row += weight.shape[0]
+            else:
+                column += weight.shape[1]
+        if axis == 1:
+            row += member[0][0].shape[0]
 
 
 @torch.no_grad()
@@ -493,7 +525,7 @@ class FlattenAdjacent(Modifier):
         session.set_layers(new_layers, [tuple(o for i in b for o in old_origin[i]) for b in blocks],
                            [b[0] for b in blocks])
         if similarity is not None:
-            session.outputs.add_artifact("similarity.png", similarity_heatmap(similarity, blocks))
+            session.outputs.add_artifact("similarity.png", lambda: similarity_heatmap(similarity, blocks))
         groups = [{"layer": index, "merged": block, "origin": list(session.layer_origin[index]),
                    **({"similarity": float(similarity[block[0], block[-1]])} if similarity is not None else {}),
                    **({"head_norm_spread": spreads[index]} if session.adapter.head_norms else {})}
