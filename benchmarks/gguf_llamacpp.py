@@ -5,7 +5,10 @@ Model groups (``--models``): ``smollm2`` — dense SmolLM2, a FlattenGPT output 
 Qwen3, Gemma 3 with an irregular sliding-window pattern, its own sliding rope base and a final logit soft-cap,
 Phi-3), random norm gains so the norm conventions matter; ``gemma`` — Gemma-3-270M dense and after
 ``SLEB<n:4, search_samples:2, search_length:64>`` (calibration: 8 windows × 128 tokens of WikiText-2
-validation). Each model is written as an HF directory (``recipe apply`` for the compressed ones), exported
+validation); ``depth20`` — the output of ``recipes/depth20_auto.yaml`` (no evaluation) on each shipped model:
+SmolLM2-135M and Qwen2.5-0.5B as the recipe stands, Gemma-3-270M with ``export: {format: gguf}`` (its plain
+output keeps ReplaceMe's map as a hook beside the checkpoint, which GGUF cannot hold: export refuses it in one
+line; with the export the recipe chooses among the alternatives GGUF can hold), each chosen method recorded. Each model is written as an HF directory (``recipe apply`` for the compressed ones), exported
 with ``recipe export --format gguf`` (f32 and f16; ``--types q8_0`` where llama.cpp's quantized kernels run),
 and read by two programs we did not write: llama.cpp through ``llama-cpp-python`` (its own loader and graph;
 the same token ids go in) and transformers (``gguf_file=``). Reported per model and type: top-1 agreement of
@@ -16,7 +19,8 @@ pattern, sliding rope base and soft-cap, so it is not an independent check there
 tokenizer splits the passage into the ids the HF tokenizer gives.
 
 Run (repository root, main venv with ``pip install '.[gguf]'``; ~10 CPU minutes for ``smollm2``, most in
-FlattenGPT; ``tiny`` seconds; ``gemma`` a few minutes):
+FlattenGPT; ``tiny`` seconds; ``gemma`` a few minutes; ``depth20`` the three recipes, 15–70 minutes each at one
+thread, or seconds when OUT/depth20_<model> holds their outputs already):
     nice -n 10 python benchmarks/gguf_llamacpp.py --out benchmarks/results/raw/gguf_llamacpp [--models tiny gemma]
 """
 from __future__ import annotations
@@ -31,7 +35,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"flattengpt_24": "recipes/flatten20_smollm2.yaml", "shortgpt_24": "recipes/shortgpt_smollm2.yaml"}
-GROUPS = ("smollm2", "tiny", "gemma")
+GROUPS = ("smollm2", "tiny", "gemma", "depth20")
+#: the shipped models the auto recipe runs on; Gemma 3 with an export, so its choice is a stock checkpoint
+DEPTH20 = {"smollm2-135m": [], "qwen2.5-0.5b": [], "gemma3-270m": ["export={format: gguf}"]}
 #: the SLEB step applied to Gemma-3-270M (a quick search: 2 windows × 64 tokens score each candidate)
 GEMMA_SLEB = "SLEB<n:4, search_samples:2, search_length:64>"
 #: tiny random models: 4 layers (Gemma 6), GQA 4/2 heads of 16, the SmolLM2 vocabulary (its tokenizer is saved);
@@ -118,8 +124,29 @@ def build_gemma(out: Path) -> dict[str, Path]:
     return dirs
 
 
+def build_depth20(out: Path) -> dict[str, Path]:
+    """``recipes/depth20_auto.yaml`` on each shipped model (kept when OUT/depth20_<model> is there)."""
+    from recipe_engine import apply
+
+    dirs = {}
+    for model, extra in DEPTH20.items():
+        dirs[f"depth20_{model}"] = directory = out / f"depth20_{model}"
+        if not (directory / "config.json").is_file():
+            apply(str(ROOT / "recipes" / "depth20_auto.yaml"),
+                  overrides=[f"model={model}", "evaluate=null", f"output={directory}", *extra], force=True,
+                  progress=False)
+    return dirs
+
+
+def depth20_choice(directory: Path) -> str:
+    """The alternative the auto recipe chose, from the output's report (``BestOf``'s ``chosen``)."""
+    result = json.loads((directory / "report.json").read_text())["steps"][0]["result"]
+    return result["alternatives"][result["chosen"]]["steps"]
+
+
 SECTION, ORDER = "GGUF export read by llama.cpp and transformers", 80
 SMOLLM2_TABLE, ARCHITECTURE_TABLE = "Same next-token distribution in llama.cpp", "Every architecture in llama.cpp"
+DEPTH20_TABLE = "The auto recipe's output on every shipped model, in llama.cpp"
 COLUMNS = [{"key": "model", "label": "model"}, {"key": "type", "label": "type"},
            {"key": "top1", "label": "top-1 agreement"}, {"key": "mean", "label": "mean KL"},
            {"key": "max", "label": "max KL"}, {"key": "llama", "label": "llama.cpp rel. logit error"},
@@ -147,6 +174,8 @@ def table_row(name: str, kind: str, row: dict) -> dict:
              "mib": f"{row['gguf_mib']:.1f}"}
     if not name.startswith(tuple(RECIPES) + ("dense_30",)):
         cells["tokens"] = "same" if row["tokenizer_agrees"] else "differ"
+    if name.startswith("depth20_"):
+        cells["model"] = f"{name.removeprefix('depth20_')}, {row['layers']} layers: {row['chosen']}"
     return cells
 
 
@@ -162,8 +191,9 @@ def write_rows(path: Path, results: dict, names: list[str], conditions: str) -> 
             continue
         smollm2 = name.startswith(tuple(RECIPES) + ("dense_30",))
         columns = COLUMNS if smollm2 else COLUMNS + [{"key": "tokens", "label": "llama.cpp tokenizer ids"}]
-        upsert_table_row(path, SMOLLM2_TABLE if smollm2 else ARCHITECTURE_TABLE, table_row(name, kind, row), run,
-                         "id", section=SECTION, order=ORDER, columns=columns)
+        table = SMOLLM2_TABLE if smollm2 else DEPTH20_TABLE if name.startswith("depth20_") else ARCHITECTURE_TABLE
+        upsert_table_row(path, table, table_row(name, kind, row), run, "id", section=SECTION, order=ORDER,
+                         columns=columns)
 
 
 def tokenizer_agrees(directory: Path, gguf_file: Path, text: str) -> bool:
@@ -236,6 +266,8 @@ def main() -> None:
         dirs.update(build_tiny(out, AutoTokenizer.from_pretrained(smollm2_dense(out))))
     if "gemma" in args.models:
         dirs.update(build_gemma(out))
+    if "depth20" in args.models:
+        dirs.update(build_depth20(out))
     results_file = out / "results.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else {"models": {}}
     results.update({"prompt": f"WikiText-2 test, first {args.tokens} tokens", "gemma_sleb": GEMMA_SLEB,
@@ -248,6 +280,9 @@ def main() -> None:
             export_gguf(directory, gguf_file, kind, force=True, name=gguf_name(name))
             row = compare(directory, gguf_file, ids, args.threads)
             row["tokenizer_agrees"] = tokenizer_agrees(directory, gguf_file, text[:4000])
+            if name.startswith("depth20_"):
+                row["chosen"] = depth20_choice(directory)
+                row["layers"] = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
             results["models"][f"{name} {kind}"] = row
             print(json.dumps({f"{name} {kind}": row}), flush=True)
             results_file.write_text(json.dumps(results, indent=2))

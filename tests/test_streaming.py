@@ -484,3 +484,21 @@ def test_a_staging_write_behind_the_compute_is_read_whole_or_its_error_raised(tm
     with pytest.raises(OSError, match="No space left"):
         with session.loaded(2):
             pass
+
+
+@pytest.mark.parametrize("stream", ["off", "on"])
+def test_only_a_streamed_model_bounds_the_heap(tmp_path, monkeypatch, stream):
+    """The heap bound (glibc's mmap threshold, which page-faults every activation buffer afresh) is set for a
+    model streamed for compression, not for the original model streamed beside an in-memory run for its
+    reference targets."""
+    import recipe_engine.execution.streaming as streaming
+
+    calls = []
+    monkeypatch.setattr(streaming, "release_freed_memory_eagerly", lambda: calls.append(True))
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    steps = ["FuseNorm", "FlattenAdjacent<n:1>", "HeadPrune", "NystromMLP"]  # target: original reads the reference
+    _, report = recipe_engine.apply(recipe(tmp_path, model_dir, steps, stream, "out"), progress=False,
+                                    checkpoints=False)
+    assert report.streamed is (stream == "on")
+    assert bool(calls) is (stream == "on")
