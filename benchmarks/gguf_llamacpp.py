@@ -124,12 +124,12 @@ def build_gemma(out: Path) -> dict[str, Path]:
     return dirs
 
 
-def build_depth20(out: Path) -> dict[str, Path]:
-    """``recipes/depth20_auto.yaml`` on each shipped model (kept when OUT/depth20_<model> is there)."""
+def build_depth20(out: Path, models: list[str]) -> dict[str, Path]:
+    """``recipes/depth20_auto.yaml`` on each of ``models`` (kept when OUT/depth20_<model> is there)."""
     from recipe_engine import apply
 
     dirs = {}
-    for model, extra in DEPTH20.items():
+    for model, extra in ((m, DEPTH20[m]) for m in models):
         dirs[f"depth20_{model}"] = directory = out / f"depth20_{model}"
         if not (directory / "config.json").is_file():
             apply(str(ROOT / "recipes" / "depth20_auto.yaml"),
@@ -243,6 +243,8 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["f32", "f16"],
                         help="add q8_0 where llama.cpp's quantized CPU kernels run (they crash on the 2-core VM)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--depth20", nargs="+", choices=list(DEPTH20), default=list(DEPTH20),
+                        help="the shipped models of the depth20 group")
     parser.add_argument("--rows", default=str(ROOT / "benchmarks" / "results" / "gguf_llamacpp.json"),
                         help="committed result file the measured rows are upserted into ('' to skip)")
     args = parser.parse_args()
@@ -267,7 +269,7 @@ def main() -> None:
     if "gemma" in args.models:
         dirs.update(build_gemma(out))
     if "depth20" in args.models:
-        dirs.update(build_depth20(out))
+        dirs.update(build_depth20(out, args.depth20))
     results_file = out / "results.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else {"models": {}}
     results.update({"prompt": f"WikiText-2 test, first {args.tokens} tokens", "gemma_sleb": GEMMA_SLEB,

@@ -126,7 +126,7 @@ def test_a_sigkilled_run_leaves_the_layers_it_finished(tmp_path):
     assert (base / "kill.rc").read_text() == str(-signal.SIGKILL)
     records = read_timings(work / "out.timings.jsonl")  # stalled in layer 1: layer 0 and FuseNorm are there
     assert [(r["step"], r.get("layer"), r.get("event")) for r in records] == [
-        ("0 FuseNorm", None, "step"), ("1 StallInPass", 0, None)]
+        ("0 FuseNorm", None, "step"), ("", None, "checkpoint"), ("1 StallInPass", 0, None)]
     assert json.loads((work / "out.timings.jsonl").read_text().splitlines()[-1])["pass"] == "layer-sequential pass"
 
 

@@ -60,7 +60,7 @@ class Session:
                  passes: PassCounter | None = None, *, memo: SharedWork | None = None,
                  outputs: RunOutputs | None = None, origin: list[tuple[int, ...]] | None = None,
                  original_layers: int | None = None, completed: list[str] = (), timings: Timings | None = None,
-                 matches_reference: bool = False):
+                 matches_reference: bool = False, stock_only: bool = False):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
         #: Calibration passes made so far by this session and its siblings (``recipe plan`` predicts them).
         self.passes = passes or PassCounter()
@@ -89,13 +89,13 @@ class Session:
         self.memo = memo
         self.completed_steps: list[str] = list(completed)
         #: The model still computes its reference's function: only output-preserving steps have completed
-        #: (``Modifier.preserves_outputs``; kept by ``run_steps``). False unless the creator knows it.
+        #: (``Modifier.preserves_outputs``; kept by ``end_group``). False unless the creator knows it.
         self.matches_reference = matches_reference
-        #: Set by ``run_steps`` while a step runs on a model that matches its reference and a later step reads
-        #: the reference's hidden states: the step's ``as_received`` passes run the reference and keep them.
+        #: Set while a step runs on a model that matches its reference and a later step reads the
+        #: reference's hidden states (``begin_group``): its ``as_received`` passes run the reference and keep them.
         self.keep_reference_states = False
         #: The run's result must be a stock checkpoint (the recipe exports it): ``ModelShape.stock_only``.
-        self.stock_only = False
+        self.stock_only = stock_only
         #: Report records of the steps this session ran (``run_steps``; a branch's, see ``branch``).
         self.records: list[dict[str, Any]] = []
         #: The run's phase clock and timings log (``recipe_engine.execution.timings``), shared by siblings.
@@ -161,10 +161,18 @@ class Session:
                 if [self.adapter.layer_widths(layer, self.head_dim)[k] for k in picked]
                 != [standard[k] for k in picked]]
 
-    @property
-    def loaded_reference(self) -> "Session | None":
-        """The reference session if it was loaded (``reference_session``), else None (nothing loads)."""
-        return self._reference
+    def begin_group(self, later: list[Modifier]) -> None:
+        """A step (or steps sharing a pass) starts: its ``as_received`` passes keep the reference's states when
+        the model still matches the reference and a ``later`` step reads the reference."""
+        self.keep_reference_states = self.matches_reference and any(step.needs_reference for step in later)
+
+    def end_group(self, steps: list[Modifier], later: list[Modifier]) -> None:
+        """``steps`` completed (or a resumed run skips them as completed): the model still matches its
+        reference only if they all preserve outputs; kept reference states go once no ``later`` step reads them."""
+        self.keep_reference_states = False
+        self.matches_reference &= all(step.preserves_outputs for step in steps)
+        if self._reference is not None and not any(step.needs_reference for step in later):
+            self._reference.pipeline.walk.kept = None
 
     def reference_session(self) -> "Session":
         """A session over the original, unmodified model with the same calibration tokens, for steps that

@@ -53,10 +53,11 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
     watch = watch or PeakWatch()
     groups = group_steps(steps)
     for number, group in enumerate(groups):
-        preserving = all(step.preserves_outputs for _, step in group)
+        steps_here = [step for _, step in group]
+        later = [step for later_group in groups[number + 1:] for _, step in later_group]
         if checkpoints is not None:
             if number < checkpoints.next_group:
-                session.matches_reference &= preserving
+                session.end_group(steps_here, later)
                 continue
             checkpoints.begin_group(number, [step for _, step in group], records, report)
         watch.start()
@@ -65,8 +66,7 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
         bar.phase(f"step {group[0][0]}: {names}")
         numbers = f"{group[0][0]}" + (f"-{group[-1][0]}" if len(group) > 1 else "")
         outer = session.timings.begin_step(f"{numbers} {names}")
-        later = [step for later_group in groups[number + 1:] for _, step in later_group]
-        session.keep_reference_states = session.matches_reference and any(step.needs_reference for step in later)
+        session.begin_group(later)
         # a named range in a torch.profiler trace (benchmarks/pipeline_overhead.py splits host time by step)
         with torch.profiler.record_function(f"recipe step {session.timings.step}"):
             if group[0][1].scope == "layer":
@@ -78,10 +78,7 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
                 with _whole_model(session, step), session.timings.phase("compress"):
                     results = [step.apply(session)]
         elapsed = time.perf_counter() - start
-        session.keep_reference_states = False
-        session.matches_reference &= preserving
-        if session.loaded_reference is not None and not any(step.needs_reference for step in later):
-            session.loaded_reference.pipeline.walk.kept = None  # no later step reads them
+        session.end_group(steps_here, later)
         session.timings.record(event="step", wall_s=round(elapsed, 3))
         session.timings.end_step(outer)
         session.mark_completed([json.dumps(step_to_dict(step), sort_keys=True) for _, step in group])
@@ -103,6 +100,7 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
                             "layers_after": len(session.layers), **memory, "result": result})
         if checkpoints is not None:
             checkpoints.group_done(session, number, records, report)
+            session.timings.record(event="checkpoint")  # its own line: not charged to the next step
     return records
 
 

@@ -197,8 +197,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar,
                       reference_loader=_reference_loader(recipe, model, source, lambda: session),
                       stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock,
-                      matches_reference=True)
-    session.stock_only = recipe.export is not None
+                      matches_reference=True, stock_only=recipe.export is not None)
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
     if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
