@@ -29,7 +29,7 @@ class KeptStates:
 
     def add(self, depth: int, states: list[torch.Tensor]) -> None:
         """Keep ``states`` (no copy) if they fit in what is left of the budget."""
-        size = sum(t.numel() * t.element_size() for t in states)
+        size = _size(states)
         if self.bytes + size <= self.budget:
             self.states[depth], self.bytes = states, self.bytes + size
 
@@ -39,8 +39,12 @@ class KeptStates:
         start = max((d for d in self.states if after < d <= depth), default=None)
         found = None if start is None else ReferenceStates(start, self.states[start], self.kwargs_list)
         for d in [d for d in self.states if d <= depth]:
-            self.bytes -= sum(t.numel() * t.element_size() for t in self.states.pop(d))
+            self.bytes -= _size(self.states.pop(d))
         return found
+
+
+def _size(states: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in states)
 
 
 class ReferenceWalk:

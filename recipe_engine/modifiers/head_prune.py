@@ -101,7 +101,8 @@ def greedy_group_elimination(weight: torch.Tensor, gram: torch.Tensor, members: 
     ``Z' = Z_{K'} − (S_K⁻¹)_{K'r} (S_K⁻¹)_rr⁻¹ Z_r`` and ``S_{K'}⁻¹ = (S_K⁻¹)_{K'K'} − (S_K⁻¹)_{K'r}
     (S_K⁻¹)_rr⁻¹ (S_K⁻¹)_{rK'}``, so one ``n × n`` inverse is made, not one solve per candidate.
     """
-    w, g = weight.to(torch.float64), gram.to(torch.float64)
+    shared = SubsetError(weight, gram, ridge)  # V = G Wᵀ, U = V + λWᵀ and tr(WGWᵀ), as every candidate needs
+    w, g = shared.w, shared.g
     kept = list(range(len(members)))
     if ridge is None:
         pair = torch.stack([torch.stack([(w[:, a] @ g[a][:, b] * w[:, b]).sum() for b in members])
@@ -112,9 +113,7 @@ def greedy_group_elimination(weight: torch.Tensor, gram: torch.Tensor, members: 
                 return float(pair[dropped][:, dropped].sum())
             kept.remove(min(kept, key=dropped_error))
         return kept
-    v = g @ w.T
-    u = v + ridge * w.T
-    total = float((w.T * v).sum())
+    v, u, total = shared.v, shared.u, shared.total
     system = g.clone()
     system.diagonal().add_(ridge)
     inverse = torch.cholesky_inverse(torch.linalg.cholesky(system))
