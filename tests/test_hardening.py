@@ -4,6 +4,7 @@ In-process calls of the CLI's ``main`` on a tiny random model saved to a tempora
 """
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -415,6 +416,15 @@ def test_quiet_apply_prints_nothing_at_all(work, capsys):
     from transformers.utils import logging as hf_logging
 
     assert hf_logging.is_progress_bar_enabled()  # restored for whoever runs next in this process
+
+
+def test_quiet_apply_runs_where_datasets_is_not_installed(work, capsys, monkeypatch):
+    """A run from local text never imports ``datasets``: a machine without it (a lent GPU's image) still
+    runs ``recipe apply --quiet``, and the hub's and transformers' progress bars are still silenced."""
+    _, recipe = work
+    monkeypatch.setitem(sys.modules, "datasets", None)  # ``import datasets`` now raises ModuleNotFoundError
+    assert main(["apply", recipe(), "--quiet", "--force"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("step", ["FlattenAdjacent<n:3>", "ShortGPT<n:3>"])

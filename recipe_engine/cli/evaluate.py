@@ -36,15 +36,19 @@ def quiet_libraries(quiet: bool):
         yield
         return
     # deferred: transformers, the hub client and datasets add seconds to every command's start
-    import datasets
     import huggingface_hub.utils as hub
     from transformers.utils import logging as hf_logging
 
+    try:  # a run from local text and models never needs datasets; a machine without it still runs
+        import datasets
+    except ModuleNotFoundError:
+        datasets = None
     was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
-    datasets_on = datasets.is_progress_bar_enabled()
+    datasets_on = datasets is not None and datasets.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     hub.disable_progress_bars()
-    datasets.disable_progress_bars()
+    if datasets is not None:
+        datasets.disable_progress_bars()
     try:
         yield
     finally:
