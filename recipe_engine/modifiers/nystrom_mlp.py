@@ -41,7 +41,7 @@ class _TargetMoments(Statistic):
         target = self.targets[self.batch].to(output.device, torch.float64)  # subtract in fp64, not the model dtype
         residual = (target - output.to(torch.float64)).reshape(-1, output.shape[-1])
         flat = self.sigma.value.reshape(-1, self.cross.shape[1])
-        self.cross[fold].add_(flat.to(torch.float64).T @ residual)
+        self.cross[fold].add_((flat.float().T @ residual.float()).to(torch.float64))
         self.error[fold] += residual.pow(2).sum()
         if self.gram is not None:
             self.gram[fold].add_((flat.float().T @ flat.float()).to(torch.float64))
@@ -52,8 +52,8 @@ def target_moments(session: ModifierSession, layer, targets: list[torch.Tensor],
     """Moments of the ``down_proj`` refit towards ``targets`` for the layer on ``session.current_layer``'s inputs.
 
     With ``σ`` the ``down_proj`` input and ``e = y* − layer(x)`` the output errors, fold ``f`` (calibration
-    batches ``k ≡ f mod folds``) gets ``C = Σ σᵀe`` and ``E = Σ‖e‖²`` (fp64), and ``G = Σ σᵀσ`` when
-    ``grams`` (fp32 products summed in fp64).
+    batches ``k ≡ f mod folds``) gets ``C = Σ σᵀe`` and, when ``grams``, ``G = Σ σᵀσ`` (each batch's
+    product in fp32, summed in fp64), and ``E = Σ‖e‖²`` (fp64; ``e`` is subtracted in fp64).
     """
     inputs, kwargs_list = session.current_layer.inputs, session.current_layer.kwargs_list
     down = session.adapter.linear(layer, "down_proj")
@@ -85,7 +85,7 @@ def refit_down_proj(down: torch.nn.Linear, gram: torch.Tensor, moments: list[dic
 class NystromMLP(LayerModifier):
     """Keep the ``intermediate_size`` channels with the highest ridge leverage and refit ``down_proj``.
 
-    ``G = Σ_t σ_tᵀ σ_t`` (fp64) is the Gram of the activation entering ``down_proj``
+    ``G = Σ_t σ_tᵀ σ_t`` (each batch's product in fp32, summed in fp64; as GPTQ's Hessian) is the Gram of the activation entering ``down_proj``
     (``σ = up(x) ⊙ act(gate(x))``), ``λ = lambda_scale × trace(G)/n`` (Appendix C.2: 10 × the mean
     eigenvalue), leverage ``s_i = [G (G + λI)⁻¹]_ii`` (``criterion: energy`` ranks by ``G_ii ‖W_:,i‖²``
     instead, :func:`channel_energy`). The top channels ``K`` (ascending order) are kept:
@@ -170,7 +170,7 @@ class NystromMLP(LayerModifier):
                        2 * kept * kept + 2 * kept * hidden)
 
     def statistics(self, session: ModifierSession, layer_index: int) -> list[InputCovariance]:
-        return [InputCovariance(session.adapter.path("down_proj"))]
+        return [InputCovariance(session.adapter.path("down_proj"), products=torch.float32)]
 
     @torch.no_grad()
     def compress_layer(self, session: ModifierSession, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
