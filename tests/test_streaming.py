@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -318,6 +319,46 @@ def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
     assert plans[True]["host_peak_bytes"] < plans[False]["host_peak_bytes"]
     lora = estimate(recipe_from_dict({**data, "modifiers": ["LoRARecovery"]}), config, True, runtime=0)
     assert lora["steps"][0]["whole_model"] and lora["steps"][0]["weights_bytes"] >= lora["model_bytes"]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_memory_estimate_with_the_activations_on_a_device(tmp_path, capsys, streamed):
+    """With the activations on an accelerator the host holds the runtime and the weights a step holds (a
+    streamed run: at least the embedding), and the device the activations (4 sets of the calibration
+    tokens' hidden states, one batch's MLP intermediate ×3 in fp32) plus the largest step's weights and
+    working memory; ``recipe plan`` prints both for a recipe on a GPU, and nothing of it for one on CPU."""
+    from recipe_engine.cli import main
+    from recipe_engine.plan.estimates import estimate
+    from recipe_engine.recipe.schema import recipe_from_dict
+    from tests.helpers import tiny_config
+
+    config = tiny_config("llama", num_hidden_layers=6)
+    data = {**recipe(tmp_path, tmp_path, ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"], "on", "m"),
+            "dtype": "bfloat16"}
+    host = estimate(recipe_from_dict(data), config, streamed, runtime=100)
+    device = estimate(recipe_from_dict(data), config, streamed, runtime=100, on_device=True)
+    activations = 4 * 4 * 32 * config.hidden_size * 2 + 3 * 2 * 32 * config.intermediate_size * 4
+    assert host["activations_bytes"] == device["activations_bytes"] == activations
+    held = max(s["weights_bytes"] for s in device["steps"])
+    embedding = config.vocab_size * config.hidden_size * 2
+    assert device["host_peak_bytes"] == 100 + (max(held, embedding) if streamed else held)
+    assert device["device_peak_bytes"] == activations + max(s["weights_bytes"] + s["working_bytes"]
+                                                            for s in device["steps"])
+    for on_host, on_accelerator in zip(host["steps"], device["steps"]):
+        assert on_host["host_bytes"] - on_accelerator["host_bytes"] == activations + on_host["working_bytes"]
+    assert "device_peak_bytes" not in host
+
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    for where, shown in (("cuda", True), ("cpu", False)):
+        path = tmp_path / f"{where}.yaml"
+        path.write_text(yaml.safe_dump({**recipe(tmp_path, model_dir, ["FlattenAdjacent<n:2>"], "off", where), "device": where}))
+        assert main(["plan", str(path), "--json"]) == 0
+        memory = json.loads(capsys.readouterr().out)["memory"]
+        assert ("accelerator" in memory) == shown
+        assert main(["plan", str(path)]) == 0
+        assert ("with the activations on an accelerator" in capsys.readouterr().out) == shown
+    assert memory["host_peak_bytes"] > 0
 
 
 @pytest.mark.parametrize("steps", [["GPTQ<group_size:32,export:compressed-tensors>"],

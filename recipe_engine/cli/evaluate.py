@@ -39,8 +39,8 @@ def quiet_libraries(quiet: bool):
     import huggingface_hub.utils as hub
     from transformers.utils import logging as hf_logging
 
-    try:  # a run from local text and models never needs datasets; a machine without it still runs
-        import datasets
+    try:  # a run from local text never needs datasets: a machine without it still runs
+        import datasets  # deferred: as above
     except ModuleNotFoundError:
         datasets = None
     was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()

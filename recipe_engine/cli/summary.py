@@ -50,6 +50,9 @@ def print_summary(report: Report, console: Console) -> None:
     if memory.rss_mib:
         planned = f" (plan {memory.estimate_rss_mib / 1024:.2f})" if memory.estimate_rss_mib else ""
         table.add_row("peak host memory", "", f"{memory.rss_mib / 1024:.2f} GiB{planned}", "")
+    if memory.cuda_mib:
+        planned = f" (plan {memory.estimate_device_mib / 1024:.2f})" if memory.estimate_device_mib else ""
+        table.add_row("peak device memory", "", f"{memory.cuda_mib / 1024:.2f} GiB{planned}", "")
     console.print(table)
     for step in steps:  # a step's own one-line account of what it chose, under the table (too long for a cell)
         if step.result.get("headline"):

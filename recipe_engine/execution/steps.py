@@ -90,9 +90,7 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
         for (index, step), result, own_s in zip(group, results, own):
             memory = {"peak_rss_mib": None if peak is None else peak / 2**20}
             if plan is not None:
-                planned = max(plan["steps"][i]["weights_bytes"] + plan["steps"][i]["working_bytes"]
-                              for i, _ in group)
-                memory["estimate_rss_mib"] = (plan["runtime_bytes"] + plan["activations_bytes"] + planned) / 2**20
+                memory["estimate_rss_mib"] = max(plan["steps"][i]["host_bytes"] for i, _ in group) / 2**20
             records.append({"index": index, "modifier": step.step_name(), "group": number,
                             "params": step.model_dump(mode="json"), "wall_s": own_s,
                             "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),

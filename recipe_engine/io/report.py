@@ -98,6 +98,7 @@ class PeakMemory(_Section):
     rss_mib: float
     cuda_mib: float | None = None
     estimate_rss_mib: float | None = None
+    estimate_device_mib: float | None = None  # the activations on an accelerator: ``recipe plan``'s device peak
 
 
 class Checkpoints(_Section):

@@ -57,9 +57,14 @@ def output_bytes(recipe: Recipe, config) -> int:
     return plan_output_bytes(compile_plan(recipe, config))
 
 
-def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None) -> dict:
+def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_device: bool = False) -> dict:
     """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory, on the
-    shape the plan says it receives."""
+    shape the plan says it receives.
+
+    ``on_device``: the run keeps the calibration activations on an accelerator (``calibration.offload``
+    resolved false), where the steps' statistics and solves live too. Then the host holds the runtime and
+    the weights a step holds (they are read there and moved layer by layer), and ``device_peak_bytes`` is
+    the activations plus the largest step's weights and working memory."""
     recipe = plan.recipe
     width = DTYPE_BYTES[recipe.dtype]
     first = plan.shapes[0]
@@ -87,13 +92,22 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None) -> dict:
                       "whole_model": not streamed or (step.scope == "model" and not step.streams)})
     activations = 4 * tokens * first.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
     runtime = runtime_bytes(recipe) if runtime is None else runtime
+    for step in steps:  # what the host holds during the step
+        step["host_bytes"] = runtime + step["weights_bytes"] + (
+            0 if on_device else activations + step["working_bytes"])
     peak_step = max(s["weights_bytes"] + s["working_bytes"] for s in steps)
+    memory = {"streamed": streamed, "on_device": on_device, "runtime_bytes": runtime,
+              "activations_bytes": activations, "model_bytes": whole, "steps": steps}
+    if on_device:
+        held = max(s["weights_bytes"] for s in steps)
+        memory.update(host_peak_bytes=runtime + (max(held, embedding) if streamed else held),
+                      device_peak_bytes=activations + peak_step)
+        return memory
     if streamed:
         peak_step = max(peak_step, embedding)
-    return {"streamed": streamed, "runtime_bytes": runtime, "activations_bytes": activations,
-            "model_bytes": whole, "steps": steps, "host_peak_bytes": runtime + activations + peak_step}
+    return {**memory, "host_peak_bytes": runtime + activations + peak_step}
 
 
-def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None) -> dict:
+def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None, on_device: bool = False) -> dict:
     """:func:`plan_memory` of the recipe compiled against ``config``."""
-    return plan_memory(compile_plan(recipe, config), streamed, runtime)
+    return plan_memory(compile_plan(recipe, config), streamed, runtime, on_device)

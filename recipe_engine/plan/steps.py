@@ -8,6 +8,7 @@ from rich.table import Table
 
 from ..architectures.shape import ModelShape
 from ..errors import RecipeError
+from ..execution.placement import DEVICE_SHARE
 from ..execution.steps import group_steps
 from ..io.models import exceeds_memory, load_config
 from ..recipe.schema import Recipe
@@ -84,9 +85,13 @@ def memory_plan(recipe: Recipe, plan: Plan | None = None, problem: str | None = 
             return {"unavailable": problem}
     try:
         streamed = recipe.stream == "on" or (recipe.stream == "auto" and exceeds_memory(recipe.model))
-        return plan_memory(plan, streamed)
+        memory = plan_memory(plan, streamed)
     except RecipeError as exc:
         return {"unavailable": exc.detail}
+    if recipe.device != "cpu" and recipe.calibration.offload is not True:  # an accelerator may hold them
+        on_device = plan_memory(plan, streamed, memory["runtime_bytes"], on_device=True)
+        memory["accelerator"] = {key: on_device[key] for key in ("device_peak_bytes", "host_peak_bytes")}
+    return memory
 
 
 def rank_memory(plan: Plan, memory: dict, ranks: int) -> dict:
@@ -129,6 +134,11 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
     console.print(f"memory estimate ({mode}): peak host {_gib(memory['host_peak_bytes'])} = runtime "
                   f"{_gib(memory['runtime_bytes'])} + activations {_gib(memory['activations_bytes'])} + the "
                   f"largest step (model {_gib(memory['model_bytes'])})")
+    if "accelerator" in memory:
+        device = memory["accelerator"]
+        console.print(f"with the activations on an accelerator (calibration.offload: auto, when they fit in "
+                      f"{DEVICE_SHARE:.0%} of its free memory; statistics and solves there too): peak device "
+                      f"{_gib(device['device_peak_bytes'])}, peak host {_gib(device['host_peak_bytes'])}")
     if ranks > 1:
         per = rank_memory(plan, memory, ranks)
         console.print(f"data-parallel over {ranks} ranks: per rank activations {_gib(per['activations_bytes'])} "

@@ -185,6 +185,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     offload = offload_activations(cal.offload, parallel.device, memory, largest_layer_bytes(adapter.layers(model)))
     if cal.offload == "auto" and parallel.device.type != "cpu":
         bar.log(f"calibration activations kept on {'the host' if offload else parallel.device} (offload: auto)")
+    if not offload and parallel.device.type != "cpu":  # the activations, statistics and solves on the device
+        memory = plan_memory(plan, streamed, memory["runtime_bytes"], on_device=True)
     cal = cal.model_copy(update={"offload": offload})
     report["activations_on"] = "cpu" if offload else str(parallel.device)
     stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
@@ -230,7 +232,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     peaks = peak_memory(watch)
     if session.timings.peak_device_bytes():  # the timings log resets torch's counter per record
         peaks["cuda_mib"] = max(peaks.get("cuda_mib") or 0, session.timings.peak_device_bytes() / 2**20)
-    report["peak_memory"] = PeakMemory(**peaks, estimate_rss_mib=memory["host_peak_bytes"] / 2**20)
+    report["peak_memory"] = PeakMemory(**peaks, estimate_rss_mib=memory["host_peak_bytes"] / 2**20,
+                                       estimate_device_mib=memory.get("device_peak_bytes", 0) / 2**20 or None)
     return model, tokenizer, session, outputs, checkpoints, gate
 
 
