@@ -66,6 +66,22 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
     assert kept and {p.suffix for p in kept} <= {".log", ".yaml", ".json"}
 
 
+def test_bench_in_a_later_call_uses_the_stream8b_output_of_an_earlier_one(tmp_path):
+    """One lease, two calls: the bench leg finds the checkpoints a stream8b leg left in the same --work."""
+    work = tmp_path / "work"
+    first = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path / "a"), "--work", str(work),
+                       "--legs", "stream8b")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    second = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path / "b"), "--work", str(work),
+                        "--legs", "bench")
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    bench = json.loads((tmp_path / "b" / "gpu_acceptance.json").read_text())["legs"]["bench"]
+    assert bench["status"] == "ok" and bench["figures"]["depth_ratio"] == 8 / 6
+    alone = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path / "c"), "--legs", "bench")
+    assert "needs the stream8b leg's output" in json.loads(
+        (tmp_path / "c" / "gpu_acceptance.json").read_text())["legs"]["bench"]["error"], alone.stdout[-2000:]
+
+
 def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_acceptance
