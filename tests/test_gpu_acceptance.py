@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import torch
@@ -73,10 +74,15 @@ def test_bench_in_a_later_call_uses_the_stream8b_output_of_an_earlier_one(tmp_pa
                        "--legs", "stream8b")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     second = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path / "b"), "--work", str(work),
-                        "--legs", "bench")
+                        "--legs", "bench", "--pack")
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     bench = json.loads((tmp_path / "b" / "gpu_acceptance.json").read_text())["legs"]["bench"]
     assert bench["status"] == "ok" and bench["figures"]["depth_ratio"] == 8 / 6
+    # --pack: OUT holds the result and one archive with every run's log and recipe
+    assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_file()) == ["gpu_acceptance.json", "runs.tar.gz"]
+    with tarfile.open(tmp_path / "b" / "runs.tar.gz") as archive:
+        names = archive.getnames()
+    assert "logs/bench/bench.log" in names and any(n.startswith("logs/stream8b/") and n.endswith(".log") for n in names)
     alone = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path / "c"), "--legs", "bench")
     assert "needs the stream8b leg's output" in json.loads(
         (tmp_path / "c" / "gpu_acceptance.json").read_text())["legs"]["bench"]["error"], alone.stdout[-2000:]
