@@ -114,7 +114,7 @@ BYTE_VOCAB = 264
 
 
 def write_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64, ffn: int = 96,
-                    heads: int = 4, kv_heads: int = 2):
+                    heads: int = 4, kv_heads: int = 2, license: str | None = None):
     """A tiny F32 GGUF file (byte-level BPE vocabulary, random weights) that transformers can read and
     convert in about a second: for the GGUF source paths without the real SmolLM2 file."""
     import gguf
@@ -124,6 +124,8 @@ def write_tiny_gguf(path, arch: str = "llama", layers: int = 2, hidden: int = 64
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["he", "<|eos|>"]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
+    if license is not None:
+        writer.add_license(license)
     writer.add_context_length(256)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)

@@ -115,3 +115,27 @@ def test_card_shows_zero_shot_accuracy_and_what_it_retained(outputs):
     assert "| zero-shot average | 0.5000 | 0.4000 | 80.0% |" in lines
     assert [(r.dataset_name, r.metric_type, r.metric_value) for r in card.data.eval_results][1:] == \
         [("arc_easy", "acc_norm", 0.4)]
+
+
+def test_a_gguf_sources_license_is_read_once_per_file(tmp_path, monkeypatch):
+    """A GGUF source's ``general.license`` is parsed from the file once (GGUFReader reads every metadata
+    array, seconds for a real vocabulary) and then read from beside the converted checkpoint."""
+    import gguf
+
+    from recipe_engine.io.card import source_license
+    from recipe_engine.io.models import ModelSource, converted_gguf
+    from tests.helpers import write_tiny_gguf
+
+    monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
+    files = {"apache-2.0": write_tiny_gguf(tmp_path / "tiny.gguf", license="apache-2.0"),
+             "mit": write_tiny_gguf(tmp_path / "other.gguf", license="mit", layers=3)}
+    sources = {}
+    for license, path in files.items():
+        converted_gguf(path)
+        sources[license] = ModelSource(spec=str(path), kind="gguf", location=str(path))
+    assert source_license(sources["apache-2.0"]) == "apache-2.0"
+    reads = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path: reads.append(path) or reader(path))
+    assert source_license(sources["apache-2.0"]) == "apache-2.0" and reads == []  # from beside the checkpoint
+    assert source_license(sources["mit"]) == "mit" and len(reads) == 1  # another file: its own

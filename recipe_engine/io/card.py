@@ -22,10 +22,12 @@ from ..recipe.files import load_recipe
 from ..recipe.registry import RegistryError
 from .data import hub_unreachable
 from .extras import EXTRAS_JSON
-from .models import resolve_model
+from .models import gguf_cache_dir, resolve_model
 from .report import ModelRecord, Report, load_report
 
 CARD_FILE = "README.md"
+#: A source GGUF's license, in its converted checkpoint's cache directory.
+LICENSE_FILE = "source_license.json"
 #: The tag that names this tool on the hub.
 TOOL_TAG = "recipe"
 
@@ -48,8 +50,7 @@ def source_license(source) -> str | None:
 
     try:
         if source.kind in ("builtin", "gguf"):
-            field = gguf.GGUFReader(resolve_model(source.spec, convert=False).location).get_field("general.license")
-            return None if field is None else str(field.contents())
+            return _gguf_license(Path(resolve_model(source.spec, convert=False).location), gguf)
         if source.kind == "local":
             card = Path(source.location) / CARD_FILE
         else:
@@ -62,6 +63,25 @@ def source_license(source) -> str | None:
         return value if isinstance(value, str) else None
     except Exception:  # noqa: BLE001 - a missing or malformed card of someone else's model: no license to carry
         return None
+
+
+def _gguf_license(path: Path, gguf) -> str | None:
+    """A GGUF file's ``general.license``, kept in ``LICENSE_FILE`` beside its converted checkpoint (the cache
+    is keyed by the file's content): ``GGUFReader`` parses every metadata array (the vocabulary) to find it,
+    about 3 s for SmolLM2's file on every run."""
+    kept = gguf_cache_dir(path) / LICENSE_FILE
+    if kept.is_file():
+        return json.loads(kept.read_text())["license"]
+    field = gguf.GGUFReader(path).get_field("general.license")
+    value = None if field is None else str(field.contents())
+    if kept.parent.is_dir():  # converted already (a builtin always is by now)
+        partial = kept.with_name(f".{LICENSE_FILE}.{os.getpid()}")
+        try:
+            partial.write_text(json.dumps({"license": value}))
+            os.replace(partial, kept)
+        except OSError:  # a read-only cache: read the file again next time
+            partial.unlink(missing_ok=True)
+    return value
 
 
 def _params(params: dict[str, Any]) -> str:
