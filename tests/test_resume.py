@@ -58,7 +58,7 @@ def runs(tmp_path_factory):
 
     def apply(name, output, *extra):
         return {"name": name, "argv": ["apply", str(base / "recipe.yaml"), "--output", str(base / "out" / output),
-                                       "--quiet", *extra]}
+                                       "--quiet", "--checkpoint-budget", "1", *extra]}  # every layer
 
     cases = []
     for mode, extra in MODES.items():
@@ -213,7 +213,8 @@ def dp_runs(tmp_path_factory):
     write_recipe(base)
 
     def job(name, output, *extra, pause=None):
-        argv = ["apply", str(base / "recipe.yaml"), "--output", str(base / "out" / output), "--quiet", *extra]
+        argv = ["apply", str(base / "recipe.yaml"), "--output", str(base / "out" / output), "--quiet",
+                "--checkpoint-budget", "1", *extra]
         return {"name": name, "argv": argv, **({"pause": pause} if pause else {})}
 
     codes = {"first": launch(base, "first", [job("reference", "reference"),
@@ -307,3 +308,47 @@ def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
     with pytest.raises(RecipeError, match="not enough disk space .* checkpoint and its resume checkpoints; "
                                           "--no-checkpoints needs half"):
         check_free_space(plan, resume_checkpoints=True)
+
+
+def test_the_checkpoint_budget_skips_layer_checkpoints_that_cost_more_than_their_share():
+    """A layer checkpoint is due once the work since the last one is (1 − b)/b times its cost: with b = 0.1
+    a 2 s checkpoint waits 18 s of work; b = 1 checkpoints every layer; the first one is always due."""
+    from recipe_engine.execution.resume import DEFAULT_CHECKPOINT_BUDGET, Checkpoints
+
+    checkpoints = Checkpoints(Path("/nonexistent/.x.resume"), {})
+    assert checkpoints.budget == DEFAULT_CHECKPOINT_BUDGET == 0.1 and checkpoints.due(0.0)
+    checkpoints._last_end, checkpoints._last_cost = 100.0, 2.0
+    assert not checkpoints.due(117.9) and checkpoints.due(118.0)
+    checkpoints.budget = 0.5
+    assert not checkpoints.due(101.9) and checkpoints.due(102.0)
+    checkpoints.budget = 1.0
+    assert checkpoints.due(100.0)
+
+
+def test_a_budgeted_run_skips_costly_layer_checkpoints_and_writes_the_same_model(tmp_path, monkeypatch, capsys):
+    """When each layer checkpoint costs far more than a layer (here made slow), the default budget skips
+    most of them (report.json counts them) and the output is byte-identical to a run checkpointing every
+    layer; ``--checkpoint-budget`` outside (0, 1] is one line from argparse."""
+    import recipe_engine
+    from recipe_engine.cli import main
+    from recipe_engine.execution import resume
+
+    save_tiny_model(tmp_path / "model", num_hidden_layers=6)
+    (tmp_path / "cal.txt").write_text(TEXT)
+    store = resume.Checkpoints._store
+
+    def slow_store(self, tensors, prefix):
+        time.sleep(0.3)
+        return store(self, tensors, prefix)
+    monkeypatch.setattr(resume.Checkpoints, "_store", slow_store)
+    reports = {}
+    for budget in (1.0, 0.1):
+        recipe = {"version": 1, "name": "b", "model": str(tmp_path / "model"), "output": str(tmp_path / f"out{budget}"),
+                  "dtype": "float32", "modifiers": ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"],
+                  "calibration": {"dataset": str(tmp_path / "cal.txt"), "samples": 4, "seq_len": 32, "batch_size": 2}}
+        _, reports[budget] = recipe_engine.apply(recipe, progress=False, checkpoints=budget)
+    every, budgeted = reports[1.0].checkpoints, reports[0.1].checkpoints
+    assert every.skipped == 0 and budgeted.skipped >= 2 and budgeted.written < every.written
+    assert sha256(tmp_path / "out1.0" / "model.safetensors") == sha256(tmp_path / "out0.1" / "model.safetensors")
+    assert main(["apply", str(tmp_path / "x.yaml"), "--checkpoint-budget", "0"]) == 2
+    assert "--checkpoint-budget: expected a number in (0, 1], got 0" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from ..errors import QualityGateError, RecipeError, one_line
 from ..execution.distributed import DistributedError
+from ..execution.resume import DEFAULT_CHECKPOINT_BUDGET
 from ..io.card import read_evaluation, write_card
 from ..io.gguf_export import TYPES, export_gguf
 from ..io.output import SWEEP_FILE
@@ -50,10 +51,22 @@ def _overrides(args) -> list[str]:
     return sets
 
 
+def budget_share(text: str) -> float:
+    """argparse type: a share of the run's time in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value:g}")
+    return value
+
+
 def cmd_apply(args) -> int:
     with quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
-                          resume=args.resume, checkpoints=not args.no_checkpoints, timings=args.timings,
+                          resume=args.resume, checkpoints=False if args.no_checkpoints else args.checkpoint_budget,
+                          timings=args.timings,
                           profile=args.profile)
     if report.rank == 0:  # data-parallel: one summary
         print_summary(report, out)
@@ -179,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-checkpoints", action="store_true",
                    help="keep no resume checkpoints: the run cannot be resumed, and needs disk room for the "
                         "output once instead of twice")
+    p.add_argument("--checkpoint-budget", type=budget_share, default=DEFAULT_CHECKPOINT_BUDGET, metavar="SHARE",
+                   help=f"the share of the run's time resume checkpoints may take (default "
+                        f"{DEFAULT_CHECKPOINT_BUDGET}): a pass skips a layer's checkpoint beyond it; 1 "
+                        f"checkpoints after every layer")
     p.add_argument("--timings", metavar="PATH",
                    help="write the timings log (one JSON line per layer and step: seconds by phase) here "
                         "instead of OUTPUT.timings.jsonl beside the output")

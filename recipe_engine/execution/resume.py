@@ -39,6 +39,11 @@ from .unit_files import file_sha256, fill_module, meta_tensors, parameters_of
 
 MANIFEST = "manifest.json"
 KIND, VERSION = "recipe-resume", 2
+#: The share of a run's time its resume checkpoints may take (``--checkpoint-budget``): a pass skips a
+#: layer's checkpoint while the work since the last checkpoint is shorter than ``(1 − b) / b`` times what
+#: that checkpoint cost. A layer's activations are what a pass checkpoint writes (an 8B model at 128 × 2048
+#: tokens: 2 GiB, twice with the original model's states), which on a slow disk costs more than the layer.
+DEFAULT_CHECKPOINT_BUDGET = 0.1
 
 
 def resume_directory(output: str) -> Path:
@@ -67,6 +72,10 @@ class Checkpoints:
         self._group = 0
         #: Cost of checkpointing in this process: seconds and bytes written (``report.json`` ``checkpoints``).
         self.seconds, self.bytes_written, self.count = 0.0, 0, 0
+        #: ``DEFAULT_CHECKPOINT_BUDGET``; 1 checkpoints after every layer of a pass
+        self.budget = DEFAULT_CHECKPOINT_BUDGET
+        #: layer checkpoints skipped for the budget; when the last checkpoint ended and what it cost (seconds)
+        self.skipped, self._last_end, self._last_cost = 0, None, 0.0
 
     # -- opening --------------------------------------------------------------------------------
     @classmethod
@@ -241,6 +250,9 @@ class Checkpoints:
         if not self.writer:
             return
         start = time.perf_counter()
+        if not self.due(start):
+            self.skipped += 1
+            return
         pass_state = {"layer": index,
                       "inputs": self._store({str(k): t for k, t in enumerate(state.inputs)}, "inputs"),
                       "targets": [sorted(t) for t in state.targets],
@@ -250,6 +262,14 @@ class Checkpoints:
             pass_state["reference"] = {"next": state.reference.next, "states": states}
         self.seconds += time.perf_counter() - start
         self._save(session, {"group": self._group, "layer": index}, self._records, self._report, pass_state)
+        self._last_cost = time.perf_counter() - start
+
+    def due(self, now: float) -> bool:
+        """Whether a layer checkpoint fits the budget at ``now``: the work since the last checkpoint ended is
+        at least ``(1 − budget) / budget`` times that checkpoint's cost (the first one always is)."""
+        if self._last_end is None or self.budget >= 1:
+            return True
+        return now - self._last_end >= (1 - self.budget) / self.budget * self._last_cost
 
     def begin_group(self, group_index: int, steps: list, records: list, report: dict[str, Any]) -> None:
         self._group, self._pass_steps, self._records, self._report = group_index, steps, records, report
@@ -373,7 +393,9 @@ class Checkpoints:
         self._written = {s: w for s, w in self._written.items() if w[0] in files}
         self._digests = {name: digest for name, digest in self._digests.items() if name in files}
         self._quantized_files = {k: v for k, v in self._quantized_files.items() if v[0] in files}
-        self.seconds += time.perf_counter() - start
+        self._last_end = time.perf_counter()
+        self._last_cost = self._last_end - start  # a layer checkpoint adds its activations' writes
+        self.seconds += self._last_cost
         self.count += 1
 
     def discard(self) -> None:

@@ -105,6 +105,7 @@ class Checkpoints(_Section):
     written: int
     seconds: float
     bytes: int
+    skipped: int = 0  # layer checkpoints a pass skipped to stay within --checkpoint-budget
 
 
 class StreamRecord(_Section):

@@ -54,7 +54,7 @@ def _resolve(recipe: Recipe | str | Path | dict, overrides: list[str]) -> Loaded
 
 def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, overrides: list[str] = (),
           force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
-          memo=None, checkpoints: bool = True, timings: str | Path | None = None,
+          memo=None, checkpoints: bool | float = True, timings: str | Path | None = None,
           profile: str | Path | None = None) -> tuple[Any, Report]:
     """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.io.report.Report``, as written to
     ``report.json``). Writes the output directory unless ``write=False``.
@@ -65,7 +65,8 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     ``resume``: continue an interrupted run of the same output from its checkpoints
     (``recipe_engine.execution.resume``).
     ``checkpoints=False``: keep no resume checkpoints (a run that cannot be resumed, but needs disk room
-    for the output once instead of twice).
+    for the output once instead of twice); a number in (0, 1]: the share of the run's time they may take
+    (``True``: ``resume.DEFAULT_CHECKPOINT_BUDGET``; a pass skips layer checkpoints beyond it; 1: every layer).
     ``timings``: where the run's timings log goes (``recipe_engine.execution.timings``; default, when the
     output is written: ``<output>.timings.jsonl`` beside it while the run goes on, in the output as
     ``timings.jsonl`` once it is written; a run that fails or is interrupted by a handled signal removes it
@@ -73,6 +74,8 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
     ``profile``: a directory for a ``torch.profiler`` trace of a few layers and a table of the top operations
     (``recipe_engine.execution.timings.profiled``; needs the timings log).
     """
+    if not isinstance(checkpoints, bool) and not 0 < checkpoints <= 1:
+        raise RecipeError(f"checkpoints: a share of the run's time in (0, 1], or True / False; got {checkpoints}")
     loaded = _resolve(recipe, list(overrides))
     device = located(lambda: check_device(loaded.recipe.device), loaded.path, "device")
     with launched(device) as parallel, _claim_output(loaded, write and parallel.rank == 0, force):
@@ -122,7 +125,7 @@ def _inputs(loaded: LoadedRecipe) -> list[str]:
 
 
 def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bool, write: bool,
-           progress: bool, resume: bool = False, memo=None, keep_checkpoints: bool = True,
+           progress: bool, resume: bool = False, memo=None, keep_checkpoints: bool | float = True,
            timings: Path | None = None, profile: Path | None = None) -> tuple[Any, Report]:
     """``apply`` on this rank of a data-parallel run (one process: rank 0 of 1); rank 0 writes. Pre-flight
     (the recipe compiled into a plan, everything checked before a weight loads), execute, write."""
@@ -157,7 +160,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
 
 
 def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: dict[str, Any], bar: Progress,
-             workdir: Path, owned: list, *, resume: bool, keep_checkpoints: bool, memo, file: str | None,
+             workdir: Path, owned: list, *, resume: bool, keep_checkpoints: bool | float, memo, file: str | None,
              timings: Path | None = None, profile: Path | None = None):
     """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``.
     Returns ``(model, tokenizer, session, outputs, checkpoints, quality gate failure or None)``."""
@@ -223,7 +226,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
         report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
     if checkpoints is not None:
         report["checkpoints"] = CheckpointsRecord(written=checkpoints.count, seconds=checkpoints.seconds,
-                                                  bytes=checkpoints.bytes_written)
+                                                  bytes=checkpoints.bytes_written, skipped=checkpoints.skipped)
     report["calibration_passes"] = sum({step["group"]: step["calibration_passes"] for step in report["steps"]}.values())
     report["calibration_layer_runs"] = session.layer_runs
     report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
@@ -273,7 +276,7 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
     return load
 
 
-def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool, session: Session,
+def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool | float, session: Session,
                  file: str):
     """The run's resume checkpoints (``recipe_engine.execution.resume``), restored into ``session`` when resuming (a
     streamed session stages its units there); None when this run keeps none (not written, model passed in
@@ -285,6 +288,8 @@ def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool
     identity = {"recipe": report["recipe"].resolved_sha256, "model": model_fingerprint(source.location),
                 "calibration": report["data"].fingerprint, "packages": report["packages"]}
     checkpoints = Checkpoints.open(recipe.output, identity, resume, file, writer=parallel.rank == 0)
+    if write is not True:
+        checkpoints.budget = float(write)
     if session.stream is not None and checkpoints.writer:
         checkpoints.keep_staging(session.stream)
     checkpoints.restore(session, report)
