@@ -331,16 +331,17 @@ def test_a_budgeted_run_skips_costly_layer_checkpoints_and_writes_the_same_model
     layer; ``--checkpoint-budget`` outside (0, 1] is one line from argparse."""
     import recipe_engine
     from recipe_engine.cli import main
-    from recipe_engine.execution import resume
 
     save_tiny_model(tmp_path / "model", num_hidden_layers=6)
     (tmp_path / "cal.txt").write_text(TEXT)
-    store = resume.Checkpoints._store
+    from recipe_engine.execution.checkpoint_files import CheckpointFiles
+
+    store = CheckpointFiles.store
 
     def slow_store(self, tensors, prefix):
         time.sleep(0.3)
         return store(self, tensors, prefix)
-    monkeypatch.setattr(resume.Checkpoints, "_store", slow_store)
+    monkeypatch.setattr(CheckpointFiles, "store", slow_store)
     reports = {}
     for budget in (1.0, 0.1):
         recipe = {"version": 1, "name": "b", "model": str(tmp_path / "model"), "output": str(tmp_path / f"out{budget}"),

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import RecipeError
 from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack
+from .checkpoint_files import CheckpointFiles
 from .pass_state import PassState, ReferenceStates
 from .streaming import StagedFile
 from .unit_files import file_sha256, fill_module, meta_tensors, parameters_of
@@ -62,16 +63,13 @@ class Checkpoints:
         #: the interrupted pass's state, loaded by ``restore`` (see ``pass_state``)
         self._pass: PassState | None = None
         self.manifest: dict[str, Any] | None = None  # the last written or the one resumed from
-        #: tensors' signature (prefix, names, ids, versions) → (file, the tensors: held so no id is reused)
-        self._written: dict[tuple, tuple[str, list[torch.Tensor]]] = {}
-        #: sha256 of each file the next manifest may name
-        self._digests: dict[str, str] = {}
+        self.files = CheckpointFiles(directory)  # the content-addressed files and their sha256
         #: id of a quantization record → (file, key, the record: held so no id is reused)
         self._quantized_files: dict[int, tuple[str, str, Any]] = {}
         self.file: str | None = None
         self._group = 0
-        #: Cost of checkpointing in this process: seconds and bytes written (``report.json`` ``checkpoints``).
-        self.seconds, self.bytes_written, self.count = 0.0, 0, 0
+        #: Cost of checkpointing in this process: seconds (bytes: ``bytes_written``; ``report.json`` ``checkpoints``).
+        self.seconds, self.count = 0.0, 0
         #: ``DEFAULT_CHECKPOINT_BUDGET``; 1 checkpoints after every layer of a pass
         self.budget = DEFAULT_CHECKPOINT_BUDGET
         #: layer checkpoints skipped for the budget; when the last checkpoint ended and what it cost (seconds)
@@ -107,7 +105,7 @@ class Checkpoints:
             shutil.rmtree(directory, ignore_errors=True)
         elif resume:
             checkpoints._verify(found, file)
-            checkpoints.manifest, checkpoints._digests = found, dict(found["files"])
+            checkpoints.manifest, checkpoints.files.digests = found, dict(found["files"])
             checkpoints.manifest_sha = hashlib.sha256(text.encode()).hexdigest()
         directory.mkdir(parents=True, exist_ok=True)
         track(directory)
@@ -254,11 +252,11 @@ class Checkpoints:
             self.skipped += 1
             return
         pass_state = {"layer": index,
-                      "inputs": self._store({str(k): t for k, t in enumerate(state.inputs)}, "inputs"),
+                      "inputs": self.files.store({str(k): t for k, t in enumerate(state.inputs)}, "inputs"),
                       "targets": [sorted(t) for t in state.targets],
                       "reports": json.loads(json.dumps(state.reports, default=str)), "reference": None}
         if state.reference is not None:
-            states = self._store({str(k): t for k, t in enumerate(state.reference.states)}, "reference")
+            states = self.files.store({str(k): t for k, t in enumerate(state.reference.states)}, "reference")
             pass_state["reference"] = {"next": state.reference.next, "states": states}
         self.seconds += time.perf_counter() - start
         self._save(session, {"group": self._group, "layer": index}, self._records, self._report, pass_state)
@@ -274,39 +272,6 @@ class Checkpoints:
     def begin_group(self, group_index: int, steps: list, records: list, report: dict[str, Any]) -> None:
         self._group, self._pass_steps, self._records, self._report = group_index, steps, records, report
 
-    def _store(self, tensors: dict[str, torch.Tensor], prefix: str) -> str:
-        """Write ``tensors`` as ``prefix-<sha256>.safetensors`` (content-addressed: an existing file is kept),
-        straight to disk: no in-memory copy of the file; returns its name."""
-        part = self.directory / f".{prefix}.part"
-        save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(part))
-        digest = file_sha256(part)
-        name = f"{prefix}-{digest}.safetensors"
-        if (self.directory / name).is_file():
-            part.unlink()
-        else:
-            self.bytes_written += part.stat().st_size
-            os.replace(part, self.directory / name)
-        self._digests[name] = digest
-        return name
-
-    def _store_bytes(self, data: bytes, prefix: str) -> str:
-        digest = hashlib.sha256(data).hexdigest()
-        name = f"{prefix}-{digest}"
-        if not (self.directory / name).is_file():
-            part = self.directory / f".{name}.part"
-            part.write_bytes(data)
-            os.replace(part, self.directory / name)
-            self.bytes_written += len(data)
-        self._digests[name] = digest
-        return name
-
-    def _cached(self, tensors: dict[str, torch.Tensor], prefix: str) -> str:
-        """``_store``, skipped when these very tensors (identity and version counter) were stored already."""
-        signature = (prefix, *((name, id(t), t._version) for name, t in sorted(tensors.items())))
-        if signature not in self._written:
-            self._written[signature] = (self._store(tensors, prefix), list(tensors.values()))
-        return self._written[signature][0]
-
     def _home(self, stream, unit: nn.Module) -> dict[str, Any]:
         """A streamed unit's home as the manifest records it: a staged file in this directory (``file``) or
         the source checkpoint (``file`` None), and its tensor names there."""
@@ -317,8 +282,8 @@ class Checkpoints:
         path = home.reader.path
         if path.parent != self.directory:
             raise RuntimeError(f"staged unit {path} is outside the checkpoint directory {self.directory}")
-        if path.name not in self._digests:
-            self._digests[path.name] = file_sha256(path)
+        if path.name not in self.files.digests:
+            self.files.digests[path.name] = file_sha256(path)
         return {"file": path.name, "names": home.names}
 
     def _model_state(self, session) -> tuple[list[dict[str, Any]], Any]:
@@ -331,9 +296,9 @@ class Checkpoints:
                       for layer, origin in zip(units, session.layer_origin)]
             return layers, [self._home(stream, unit) for unit in units[len(layers):]]
         layer_ids = {id(p) for layer in session.layers for p in layer.parameters()}
-        layers = [{"origin": list(origin), "file": self._cached(parameters_of(layer), "unit")}
+        layers = [{"origin": list(origin), "file": self.files.cached(parameters_of(layer), "unit")}
                   for layer, origin in zip(session.layers, session.layer_origin)]
-        return layers, self._cached(parameters_of(session.model, layer_ids), "unit")
+        return layers, self.files.cached(parameters_of(session.model, layer_ids), "unit")
 
     def _quantized_state(self, session) -> list[dict[str, Any]]:
         """One entry per quantized linear (module name, grid, file and key of its scales and zero points);
@@ -346,7 +311,7 @@ class Checkpoints:
             tensors = {}
             for k, (_, record) in enumerate(pending):
                 tensors.update({f"{k}.scale": record.scale, f"{k}.zero": record.zero})
-            name = self._store(tensors, "quantized")
+            name = self.files.store(tensors, "quantized")
             for k, (_, record) in enumerate(pending):
                 self._quantized_files[id(record)] = (name, str(k), record)
         entries = []
@@ -362,9 +327,9 @@ class Checkpoints:
         layers, rest = self._model_state(session)
         extras_name = None
         if session.outputs.extras:
-            extras_name = self._cached({f"{i}.{k}": t for i, e in enumerate(session.outputs.extras)
+            extras_name = self.files.cached({f"{i}.{k}": t for i, e in enumerate(session.outputs.extras)
                                         for k, t in e["tensors"].items()}, "extras")
-        artifacts = {name: self._store_bytes(data, "artifact")  # names may hold one "/" (a subdirectory)
+        artifacts = {name: self.files.store_bytes(data, "artifact")  # names may hold one "/" (a subdirectory)
                      for name, data in session.outputs.artifacts.items()}
         quantized = self._quantized_state(session)
         homes = [e["home"] for e in layers] + rest if session.stream is not None else []
@@ -373,7 +338,7 @@ class Checkpoints:
             + [e["file"] for e in quantized] + list(artifacts.values()) \
             + ([pass_state["inputs"]] if pass_state else []) \
             + ([pass_state["reference"]["states"]] if pass_state and pass_state["reference"] else [])
-        files = {name: self._digests[name] for name in named}
+        files = {name: self.files.digests[name] for name in named}
         manifest = {"type": KIND, "version": VERSION, "owner": process_identity(), "identity": self.identity,
                     "reached": reached, "streamed": session.stream is not None,
                     "layers": layers, "rest": rest, "config": session.model.config.to_dict(),
@@ -387,16 +352,16 @@ class Checkpoints:
         tmp.write_text(json.dumps(manifest, default=str))
         os.replace(tmp, self.directory / MANIFEST)
         self.manifest = manifest
-        for path in self.directory.iterdir():  # files no checkpoint names any more (superseded staged units too)
-            if path.name != MANIFEST and path.name not in files and path.is_file():
-                path.unlink(missing_ok=True)
-        self._written = {s: w for s, w in self._written.items() if w[0] in files}
-        self._digests = {name: digest for name, digest in self._digests.items() if name in files}
+        self.files.keep_only(files, also=MANIFEST)
         self._quantized_files = {k: v for k, v in self._quantized_files.items() if v[0] in files}
         self._last_end = time.perf_counter()
         self._last_cost = self._last_end - start  # a layer checkpoint adds its activations' writes
         self.seconds += self._last_cost
         self.count += 1
+
+    @property
+    def bytes_written(self) -> int:
+        return self.files.bytes_written
 
     def discard(self) -> None:
         if not self.writer:
