@@ -66,8 +66,7 @@ def cmd_apply(args) -> int:
     with quiet_libraries(args.quiet):
         _, report = apply(args.recipe, overrides=_overrides(args), force=args.force, progress=not args.quiet,
                           resume=args.resume, checkpoints=False if args.no_checkpoints else args.checkpoint_budget,
-                          timings=args.timings,
-                          profile=args.profile)
+                          timings=args.timings, profile=args.profile)
     if report.rank == 0:  # data-parallel: one summary
         print_summary(report, out)
     return 0

@@ -44,13 +44,12 @@ def source_license(source) -> str | None:
     """The license of a source model (``io.models.ModelSource``): its card's ``license`` (a local
     directory; a hub model's card from the local HF cache, else downloaded when the hub answers), or a GGUF
     file's ``general.license``. None when it has none or it cannot be read."""
-    # deferred: the hub client and gguf reader are only needed when an output is written
-    import gguf
+    # deferred: the hub client is only needed when an output is written
     import huggingface_hub
 
     try:
         if source.kind in ("builtin", "gguf"):
-            return _gguf_license(Path(resolve_model(source.spec, convert=False).location), gguf)
+            return _gguf_license(Path(resolve_model(source.spec, convert=False).location))
         if source.kind == "local":
             card = Path(source.location) / CARD_FILE
         else:
@@ -65,13 +64,15 @@ def source_license(source) -> str | None:
         return None
 
 
-def _gguf_license(path: Path, gguf) -> str | None:
+def _gguf_license(path: Path) -> str | None:
     """A GGUF file's ``general.license``, kept in ``LICENSE_FILE`` beside its converted checkpoint (the cache
     is keyed by the file's content): ``GGUFReader`` parses every metadata array (the vocabulary) to find it,
     about 3 s for SmolLM2's file on every run."""
     kept = gguf_cache_dir(path) / LICENSE_FILE
     if kept.is_file():
         return json.loads(kept.read_text())["license"]
+    import gguf  # deferred: read once per file, as above
+
     field = gguf.GGUFReader(path).get_field("general.license")
     value = None if field is None else str(field.contents())
     if kept.parent.is_dir():  # converted already (a builtin always is by now)

@@ -92,20 +92,17 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
                       "whole_model": not streamed or (step.scope == "model" and not step.streams)})
     activations = 4 * tokens * first.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
     runtime = runtime_bytes(recipe) if runtime is None else runtime
+    resident = runtime + (0 if on_device else activations)  # on the host through every step
     for step in steps:  # what the host holds during the step
-        step["host_bytes"] = runtime + step["weights_bytes"] + (
-            0 if on_device else activations + step["working_bytes"])
-    peak_step = max(s["weights_bytes"] + s["working_bytes"] for s in steps)
+        step["host_bytes"] = resident + step["weights_bytes"] + (0 if on_device else step["working_bytes"])
+    host_peak = max(s["host_bytes"] for s in steps)
+    if streamed:  # a streamed run's passes start with the embeddings loaded
+        host_peak = max(host_peak, resident + embedding)
     memory = {"streamed": streamed, "on_device": on_device, "runtime_bytes": runtime,
-              "activations_bytes": activations, "model_bytes": whole, "steps": steps}
+              "activations_bytes": activations, "model_bytes": whole, "steps": steps, "host_peak_bytes": host_peak}
     if on_device:
-        held = max(s["weights_bytes"] for s in steps)
-        memory.update(host_peak_bytes=runtime + (max(held, embedding) if streamed else held),
-                      device_peak_bytes=activations + peak_step)
-        return memory
-    if streamed:
-        peak_step = max(peak_step, embedding)
-    return {**memory, "host_peak_bytes": runtime + activations + peak_step}
+        memory["device_peak_bytes"] = activations + max(s["weights_bytes"] + s["working_bytes"] for s in steps)
+    return memory
 
 
 def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None, on_device: bool = False) -> dict:
