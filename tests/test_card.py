@@ -10,6 +10,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from recipe_engine.cli import main
+from recipe_engine.io.report import load_report
 from tests.helpers import save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 80
@@ -43,8 +44,10 @@ def card(directory):
 
 @pytest.mark.parametrize("name", ["quant", "patch"])
 def test_every_output_has_a_card_the_hub_client_reads(outputs, name):
-    data = card(outputs / name).data
-    assert data.base_model == "source-model"  # a local source: its directory's name
+    data = card(outputs / name)
+    assert data.data.base_model is None  # a local source of unknown origin: no hub id to link
+    assert "`source-model` compressed by" in data.text  # the body names it by its directory's name
+    data = data.data
     assert "recipe" in data.tags and data.library_name == "transformers"
     assert data.pipeline_tag == "text-generation" and data.license == "mit"  # carried over from the source's card
     assert not list(outputs.glob(f".{name}*"))  # written inside the temporary directory renamed into place
@@ -74,7 +77,7 @@ def test_card_says_how_to_load_and_how_to_reproduce(outputs):
     quant, patch = card(outputs / "quant").text, card(outputs / "patch").text
     assert "recipe_engine.load_model" in patch and "LinearPatch" in patch  # a non-stock extra
     assert "recipe_engine.load_model" not in quant and "AutoModelForCausalLM.from_pretrained" in quant
-    assert f"recipe apply {outputs / 'quant.yaml'} --set calibration.seed=1" in quant
+    assert "recipe apply quant.yaml --set calibration.seed=1" in quant  # the recipe by its file name
 
 
 def test_card_command_rewrites_the_card_and_adds_a_later_evaluation(outputs, tmp_path):
@@ -85,18 +88,24 @@ def test_card_command_rewrites_the_card_and_adds_a_later_evaluation(outputs, tmp
     assert main(["card", str(out)]) == 0
     assert (out / "README.md").read_text() == written
     record = tmp_path / "eval.json"
-    assert main(["eval", str(out), "--dataset", str(outputs / "cal.txt"), "--seq-len", "16", "--limit", "2",
-                 "--device", "cpu", "--json", str(record)]) == 0
+    evaluate(out, record, outputs / "cal.txt")
     assert main(["card", str(out), "--eval", str(record)]) == 0
     later = json.loads(record.read_text())["perplexity"]["ppl"]
     rewritten = card(out)
     assert f"{later:.2f} (" in rewritten.text
     assert [r.metric_value for r in rewritten.data.eval_results][-1] == pytest.approx(later, abs=1e-4)
-    other = json.loads(record.read_text())
-    other["model"]["recipe_sha256"] = "0" * 64
-    (tmp_path / "other.json").write_text(json.dumps(other))
-    assert main(["card", str(out), "--eval", str(tmp_path / "other.json")]) == 2  # another model's record
-    assert card(out).text == rewritten.text
+    assert json.loads(record.read_text())["model"]["weights_sha256"] == load_report(out).weights_sha256
+    for field in ("weights_sha256", "resolved_sha256"):  # other weights; another resolved recipe
+        other = json.loads(record.read_text())
+        other["model"][field] = "0" * 64
+        (tmp_path / "other.json").write_text(json.dumps(other))
+        assert main(["card", str(out), "--eval", str(tmp_path / "other.json")]) == 2
+        assert card(out).text == rewritten.text
+
+
+def evaluate(directory, record, text):
+    assert main(["eval", str(directory), "--dataset", str(text), "--seq-len", "16", "--limit", "2",
+                 "--device", "cpu", "--json", str(record)]) == 0
 
 
 def test_card_shows_zero_shot_accuracy_and_what_it_retained(outputs):
