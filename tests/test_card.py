@@ -2,8 +2,10 @@
 tool and the source's license; its body lists the steps and the perplexities report.json records; `recipe
 card` rewrites it from the report and adds later `recipe eval` records of the same output."""
 import json
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -148,3 +150,204 @@ def test_a_gguf_sources_license_is_read_once_per_file(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf, "GGUFReader", lambda path: reads.append(path) or reader(path))
     assert source_license(sources["apache-2.0"]) == "apache-2.0" and reads == []  # from beside the checkpoint
     assert source_license(sources["mit"]) == "mit" and len(reads) == 1  # another file: its own
+
+
+ABSOLUTE = re.compile(r"(?<![\w.])/(tmp|root|home|usr|var|work)\b|site-packages|\\\\")
+
+
+def no_machine_path(text: str, *paths) -> None:
+    assert not ABSOLUTE.search(text), ABSOLUTE.search(text)
+    for path in paths:
+        assert str(path) not in text
+
+
+def test_weights_fingerprint_is_the_sha256_of_the_written_safetensors(outputs):
+    import hashlib
+
+    for name in ("quant", "patch"):
+        files = sorted((outputs / name).glob("*.safetensors"))
+        sha = hashlib.sha256()
+        for path in files:
+            sha.update(path.name.encode() + b"\0" + path.read_bytes())
+        assert load_report(outputs / name).weights_sha256 == sha.hexdigest()
+    assert [p.name for p in files] == ["model.safetensors", "recipe_extras.safetensors"]  # extras count too
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"])
+def test_a_builtin_alias_output_names_its_hub_id_and_no_machine_path(outputs, alias):
+    """The report of an alias-sourced output (written before the report kept ``base_model``: found from the
+    alias), its calibration text from the package's file: the card links the hub id, shows files by name."""
+    from recipe_engine.io.card import model_card
+    from recipe_engine.io.models import BUILTIN_HUB_IDS, builtin_names
+
+    assert sorted(BUILTIN_HUB_IDS) == sorted(builtin_names())  # every shipped alias has its hub id
+    report = load_report(outputs / "quant")
+    text = "/usr/lib/python3/site-packages/recipe_engine/data/wiki.txt"
+    fake = report.model_copy(update={
+        "model": report.model.model_copy(update={"spec": alias, "kind": "builtin", "location": "/root/.cache/x",
+                                                 "base_model": None}),
+        "data": report.data.model_copy(update={"dataset": "wikitext2", "origin": f"{text} [valid: 3 documents]"})})
+    made = model_card(fake, outputs / "quant")
+    assert made.data.base_model == BUILTIN_HUB_IDS[alias]
+    assert f"`{BUILTIN_HUB_IDS[alias]}` compressed by" in made.text
+    assert "read from `wiki.txt [valid: 3 documents]`" in made.text
+    no_machine_path(made.text, outputs)
+
+
+def test_a_hub_source_and_an_output_used_as_source_carry_the_hub_id(outputs, tmp_path):
+    from recipe_engine.io.card import model_card
+
+    report = load_report(outputs / "quant")
+    hub = report.model_copy(update={"model": report.model.model_copy(update={
+        "spec": "owner/some-model", "kind": "hub", "location": "owner/some-model", "base_model": None})})
+    assert model_card(hub, outputs / "quant").data.base_model == "owner/some-model"
+    earlier = tmp_path / "earlier"  # an output of a hub model, then used as the model of another recipe
+    shutil.copytree(outputs / "quant", earlier)
+    (earlier / "report.json").write_text(hub.to_json())
+    local = report.model_copy(update={"model": report.model.model_copy(update={
+        "spec": str(earlier), "kind": "local", "location": str(earlier), "base_model": None})})
+    assert model_card(local, outputs / "quant").data.base_model == "owner/some-model"
+    (earlier / ".recipe_engine.json").unlink()
+    (earlier / "recipe.yaml").unlink()  # no longer a recipe output: its report.json is not trusted
+    assert model_card(local, outputs / "quant").data.base_model is None
+
+
+def snapshot(directory):
+    return {p.name: (p.lstat().st_mode, p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+            for p in directory.iterdir()}
+
+
+def refused(capsys, argv, *words):
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+def test_card_writes_only_its_own_readme(outputs, tmp_path, capsys):
+    """A directory holding a report.json but no output marker keeps its hand-written README.md (--force
+    writes it); a README.md that is a directory or a link to a device is never replaced."""
+    foreign = tmp_path / "foreign"
+    shutil.copytree(outputs / "quant", foreign)
+    (foreign / ".recipe_engine.json").unlink()
+    (foreign / "recipe.yaml").unlink()
+    (foreign / "README.md").write_text("# my own notes\n")
+    before = snapshot(foreign)
+    refused(capsys, ["card", str(foreign)], str(foreign), "not a recipe output", "--force")
+    assert snapshot(foreign) == before
+    assert main(["card", str(foreign), "--force"]) == 0
+    assert card(foreign).data.license == "mit" and not list(foreign.glob(".README*"))
+    out = tmp_path / "out"
+    shutil.copytree(outputs / "quant", out)
+    (out / "README.md").unlink()
+    (out / "README.md").mkdir()
+    (out / "README.md" / "keep").write_text("x")
+    before = snapshot(out)
+    refused(capsys, ["card", str(out), "--force"], "README.md is a directory")
+    assert snapshot(out) == before and (out / "README.md" / "keep").read_text() == "x"
+    (out / "README.md" / "keep").unlink()
+    (out / "README.md").rmdir()
+    (out / "README.md").symlink_to("/dev/null")
+    before = snapshot(out)
+    refused(capsys, ["card", str(out)], "README.md is a symbolic link")
+    assert snapshot(out) == before and (out / "README.md").readlink() == Path("/dev/null")
+
+
+def test_card_on_a_directory_it_cannot_write_is_one_line(outputs, tmp_path, capsys, monkeypatch):
+    import errno
+    import tempfile
+
+    out = tmp_path / "out"
+    shutil.copytree(outputs / "quant", out)
+    before = snapshot(out)
+    if os.geteuid() != 0:  # root writes into a mode-555 directory: the check below covers a read-only mount
+        out.chmod(0o555)
+        try:
+            refused(capsys, ["card", str(out)], "read-only")
+        finally:
+            out.chmod(0o755)
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    refused(capsys, ["card", str(out)], "cannot write", "Read-only file system")
+    assert snapshot(out) == before
+
+
+@pytest.fixture(scope="module")
+def layered(outputs):
+    """Two outputs of one recipe file: ShortGPT n=1 (3 layers) and, with --set, n=2 (2 layers); and a
+    `recipe eval --json` record of each."""
+    recipe = yaml.safe_load((outputs / "patch.yaml").read_text())
+    recipe["modifiers"] = ["ShortGPT<n:1>"]
+    (outputs / "short.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    made = {}
+    for layers, n in ((3, 1), (2, 2)):
+        out = outputs / f"short{layers}"
+        assert main(["apply", str(outputs / "short.yaml"), "--quiet", "--output", str(out),
+                     "--set", f"modifiers.0.n={n}"]) == 0
+        evaluate(out, outputs / f"short{layers}.json", outputs / "cal.txt")
+        made[layers] = out
+    return made
+
+
+def test_a_record_of_the_same_recipe_file_with_other_overrides_is_refused(layered, capsys):
+    three, two = layered[3], layered[2]
+    assert load_report(three).after.layers == 3 and load_report(two).after.layers == 2
+    record = two.parent / "short2.json"
+    before = snapshot(three)
+    refused(capsys, ["card", str(three), "--eval", str(record)], str(record), "other weights")
+    assert snapshot(three) == before
+    assert main(["card", str(two), "--eval", str(record)]) == 0
+    ppl = json.loads(record.read_text())["perplexity"]["ppl"]
+    assert f"| {ppl:.2f} (cal.txt, 2 × 16 tokens) |" in card(two).text
+
+
+def test_an_eval_record_is_bounded_validated_and_escaped(layered, tmp_path, capsys):
+    out = layered[2]
+    good = json.loads((out.parent / "short2.json").read_text())
+    before = snapshot(out)
+    big = tmp_path / "big.json"
+    with open(big, "wb") as handle:
+        handle.truncate(17 << 20)
+    refused(capsys, ["card", str(out), "--eval", "/dev/zero"], "/dev/zero", "a character device")
+    refused(capsys, ["card", str(out), "--eval", str(tmp_path)], "is a directory")
+    os.mkfifo(tmp_path / "fifo")  # opening it would wait for a writer
+    refused(capsys, ["card", str(out), "--eval", str(tmp_path / "fifo")], "a FIFO")
+    refused(capsys, ["card", str(out), "--eval", str(big)], str(big), "at most")
+
+    def variant(name, change):
+        record = json.loads(json.dumps(good))
+        change(record)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(record))
+        return str(path)
+
+    zero = {"tasks": {"arc_easy": {"metric": "acc", "value": 0.5}}, "average": 0.5}
+    cases = {"perplexity.ppl": [lambda r: r["perplexity"].pop("ppl"), lambda r: r["perplexity"].update(ppl="abc"),
+                                lambda r: r["perplexity"].update(ppl=float("nan")),
+                                lambda r: r["perplexity"].update(ppl=True)],
+             "zero_shot.average": [lambda r: r.update(zero_shot={**zero, "average": None}),
+                                   lambda r: r.update(zero_shot={"tasks": {}, "average": "high"})],
+             "zero_shot.tasks.arc_easy.value": [
+                 lambda r: r.update(zero_shot={**zero, "tasks": {"arc_easy": {"metric": "acc", "value": "1"}}})]}
+    for field, changes in cases.items():
+        for i, change in enumerate(changes):
+            path = variant(f"{field}-{i}", change)
+            refused(capsys, ["card", str(out), "--eval", path], path, f"field {field}")
+    old = variant("old", lambda r: r["model"].pop("weights_sha256"))
+    refused(capsys, ["card", str(out), "--eval", old], old, "rerun `recipe eval")
+    assert snapshot(out) == before
+    injected = "x | y\n## injected <b>bold</b>"
+    path = variant("injected", lambda r: (r["perplexity"].update(dataset=injected), r.update(date=injected),
+                                          r.update(zero_shot={**zero, "tasks": {injected: zero["tasks"]["arc_easy"]}})))
+    assert main(["card", str(out), "--eval", path]) == 0
+    lines = card(out).text.splitlines()
+    assert not [line for line in lines if line.lstrip().startswith("## injected") or "<b>" in line]
+    later = lines.index("| evaluated | perplexity | zero-shot average |")
+    rows = lines[later + 2:lines.index("", later)]
+    assert len(rows) == 1 and rows[0].count(" | ") == 2  # one row of three cells: no cell break injected
+    assert "x \\| y ## injected &lt;b&gt;bold&lt;/b&gt;" in rows[0]
+    no_machine_path(card(out).text, out.parent)

@@ -291,13 +291,14 @@ def _eval_results(report: Report, evaluations: list[dict]):
     for record in measured + list(evaluations):
         ppl = record.get("perplexity")
         if ppl:
-            dataset = public(ppl["dataset"])
+            dataset = " ".join(public(ppl["dataset"]).split())  # one line, as in the body
             results.append(EvalResult(task_type="text-generation", dataset_type=dataset,
                                       dataset_name=dataset, metric_type="perplexity",
                                       metric_value=round(ppl["ppl"], 4)))
         for task, result in (record.get("zero_shot") or {}).get("tasks", {}).items():
+            task, metric = " ".join(task.split()), " ".join(result["metric"].split())
             results.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
-                                      metric_type=result["metric"], metric_value=round(result["value"], 4)))
+                                      metric_type=metric, metric_value=round(result["value"], 4)))
     return results
 
 

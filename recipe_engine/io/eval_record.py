@@ -21,14 +21,13 @@ def _read_bounded(path: str) -> Any:
     """The JSON of a regular file of at most :data:`MAX_RECORD_BYTES`, or one line."""
     fail = lambda message: RecipeError(f"--eval {path}: {message}")
     try:
+        info = os.stat(path)  # before opening: opening a FIFO would wait for a writer
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else special_kind(Path(path).resolve())
+            raise fail(f"is {kind or 'not a regular file'}, not a `recipe eval --json` record")
+        if info.st_size > MAX_RECORD_BYTES:
+            raise fail(f"is {info.st_size:,} bytes; a `recipe eval --json` record is at most {MAX_RECORD_BYTES:,}")
         with open(path, "rb") as handle:
-            info = os.fstat(handle.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                kind = "a directory" if stat.S_ISDIR(info.st_mode) else special_kind(Path(path).resolve())
-                raise fail(f"is {kind or 'not a regular file'}, not a `recipe eval --json` record")
-            if info.st_size > MAX_RECORD_BYTES:
-                raise fail(f"is {info.st_size:,} bytes; a `recipe eval --json` record is at most "
-                           f"{MAX_RECORD_BYTES:,}")
             text = handle.read(MAX_RECORD_BYTES + 1)
     except OSError as exc:
         raise fail(f"cannot read: {exc.strerror or exc}") from None
@@ -98,7 +97,7 @@ def read_evaluation(path: str, report: Report, directory: str | Path) -> dict:
     expected = report.weights_sha256 or weights_fingerprint(directory)
     if measured != expected:
         raise RecipeError(f"--eval {path}: measured other weights (sha256 {str(measured)[:12]}…), not this "
-                          f"output's ({str(expected)[:12]}…); evaluate this directory with `recipe eval --json`")
+                          f"output's ({str(expected)[:12]}…); evaluate this output with recipe eval {directory} --json FILE")
     if model.get("resolved_sha256") != report.recipe.resolved_sha256:
         raise RecipeError(f"--eval {path}: measured an output of another resolved recipe (sha256 "
                           f"{str(model.get('resolved_sha256'))[:12]}…, this output's "
