@@ -225,7 +225,8 @@ def _later(evaluations: list[dict]) -> list[str]:
 def _calibration(report: Report) -> list[str]:
     data = report.data
     names = data.dataset if isinstance(data.dataset, list) else [data.dataset]
-    origins = [public(path) + where + rest for path, where, rest in (o.partition(" [") for o in data.origin.split("; "))]
+    origins = [public(path) + where + rest
+               for path, where, rest in (origin.partition(" [") for origin in data.origin.split("; "))]
     return [f"- source: {md(', '.join(public(name) for name in names))} (read from `{code('; '.join(origins))}`)",
             f"- {data.samples} windows × {data.seq_len} tokens, sampled with seed {data.seed} "
             f"({data.tokens_available:,} tokens available)",
@@ -276,8 +277,8 @@ def _reproduce(report: Report) -> list[str]:
     where = f" at commit `{git['commit']}`{' (with uncommitted changes)' if git.get('dirty') else ''}" if git else ""
     versions = ", ".join(f"{name} {version}" for name, version in sorted(report.packages.items()))
     return ["```bash", reproduce_command(report), "```", "",
-            f"Recipe file `{code(public(recipe.file))}`{where}, sha256 `{recipe.sha256}`. The resolved recipe (every default and "
-            f"override filled in) is `recipe.yaml` here: `recipe apply recipe.yaml` runs the same recipe. "
+            f"Recipe file `{code(public(recipe.file))}`{where}, sha256 `{recipe.sha256}`. The resolved recipe (every "
+            f"default and override filled in) is `recipe.yaml` here: `recipe apply recipe.yaml` runs the same recipe. "
             f"Computed on {report.device} in {report.dtype} with {versions}."]
 
 

@@ -97,7 +97,8 @@ def read_evaluation(path: str, report: Report, directory: str | Path) -> dict:
     expected = report.weights_sha256 or weights_fingerprint(directory)
     if measured != expected:
         raise RecipeError(f"--eval {path}: measured other weights (sha256 {str(measured)[:12]}…), not this "
-                          f"output's ({str(expected)[:12]}…); evaluate this output with recipe eval {directory} --json FILE")
+                          f"output's ({str(expected)[:12]}…); evaluate this output with recipe eval {directory} "
+                          f"--json FILE")
     if model.get("resolved_sha256") != report.recipe.resolved_sha256:
         raise RecipeError(f"--eval {path}: measured an output of another resolved recipe (sha256 "
                           f"{str(model.get('resolved_sha256'))[:12]}…, this output's "
