@@ -351,3 +351,15 @@ def test_an_eval_record_is_bounded_validated_and_escaped(layered, tmp_path, caps
     assert len(rows) == 1 and rows[0].count(" | ") == 2  # one row of three cells: no cell break injected
     assert "x \\| y ## injected &lt;b&gt;bold&lt;/b&gt;" in rows[0]
     no_machine_path(card(out).text, out.parent)
+
+
+def test_an_output_written_before_the_fingerprint_is_fingerprinted_from_its_files(layered, tmp_path):
+    """A format-1 report has no weights_sha256: the card fingerprints the directory's files instead."""
+    out = tmp_path / "old"
+    shutil.copytree(layered[2], out)
+    report = json.loads((out / "report.json").read_text())
+    del report["weights_sha256"], report["model"]["base_model"]
+    (out / "report.json").write_text(json.dumps({**report, "format_version": 1}))
+    assert load_report(out).weights_sha256 is None
+    assert main(["card", str(out), "--eval", str(layered[2].parent / "short2.json")]) == 0
+    assert main(["card", str(out), "--eval", str(layered[2].parent / "short3.json")]) == 2
