@@ -2,14 +2,17 @@
 tool and the source's license; its body lists the steps and the perplexities report.json records; `recipe
 card` rewrites it from the report and adds later `recipe eval` records of the same output."""
 import json
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from recipe_engine.cli import main
+from recipe_engine.io.report import load_report
 from tests.helpers import save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 80
@@ -43,8 +46,10 @@ def card(directory):
 
 @pytest.mark.parametrize("name", ["quant", "patch"])
 def test_every_output_has_a_card_the_hub_client_reads(outputs, name):
-    data = card(outputs / name).data
-    assert data.base_model == "source-model"  # a local source: its directory's name
+    data = card(outputs / name)
+    assert data.data.base_model is None  # a local source of unknown origin: no hub id to link
+    assert "`source-model` compressed by" in data.text  # the body names it by its directory's name
+    data = data.data
     assert "recipe" in data.tags and data.library_name == "transformers"
     assert data.pipeline_tag == "text-generation" and data.license == "mit"  # carried over from the source's card
     assert not list(outputs.glob(f".{name}*"))  # written inside the temporary directory renamed into place
@@ -74,7 +79,7 @@ def test_card_says_how_to_load_and_how_to_reproduce(outputs):
     quant, patch = card(outputs / "quant").text, card(outputs / "patch").text
     assert "recipe_engine.load_model" in patch and "LinearPatch" in patch  # a non-stock extra
     assert "recipe_engine.load_model" not in quant and "AutoModelForCausalLM.from_pretrained" in quant
-    assert f"recipe apply {outputs / 'quant.yaml'} --set calibration.seed=1" in quant
+    assert "recipe apply quant.yaml --set calibration.seed=1" in quant  # the recipe by its file name
 
 
 def test_card_command_rewrites_the_card_and_adds_a_later_evaluation(outputs, tmp_path):
@@ -85,18 +90,24 @@ def test_card_command_rewrites_the_card_and_adds_a_later_evaluation(outputs, tmp
     assert main(["card", str(out)]) == 0
     assert (out / "README.md").read_text() == written
     record = tmp_path / "eval.json"
-    assert main(["eval", str(out), "--dataset", str(outputs / "cal.txt"), "--seq-len", "16", "--limit", "2",
-                 "--device", "cpu", "--json", str(record)]) == 0
+    evaluate(out, record, outputs / "cal.txt")
     assert main(["card", str(out), "--eval", str(record)]) == 0
     later = json.loads(record.read_text())["perplexity"]["ppl"]
     rewritten = card(out)
     assert f"{later:.2f} (" in rewritten.text
     assert [r.metric_value for r in rewritten.data.eval_results][-1] == pytest.approx(later, abs=1e-4)
-    other = json.loads(record.read_text())
-    other["model"]["recipe_sha256"] = "0" * 64
-    (tmp_path / "other.json").write_text(json.dumps(other))
-    assert main(["card", str(out), "--eval", str(tmp_path / "other.json")]) == 2  # another model's record
-    assert card(out).text == rewritten.text
+    assert json.loads(record.read_text())["model"]["weights_sha256"] == load_report(out).weights_sha256
+    for field in ("weights_sha256", "resolved_sha256"):  # other weights; another resolved recipe
+        other = json.loads(record.read_text())
+        other["model"][field] = "0" * 64
+        (tmp_path / "other.json").write_text(json.dumps(other))
+        assert main(["card", str(out), "--eval", str(tmp_path / "other.json")]) == 2
+        assert card(out).text == rewritten.text
+
+
+def evaluate(directory, record, text):
+    assert main(["eval", str(directory), "--dataset", str(text), "--seq-len", "16", "--limit", "2",
+                 "--device", "cpu", "--json", str(record)]) == 0
 
 
 def test_card_shows_zero_shot_accuracy_and_what_it_retained(outputs):
@@ -139,3 +150,216 @@ def test_a_gguf_sources_license_is_read_once_per_file(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf, "GGUFReader", lambda path: reads.append(path) or reader(path))
     assert source_license(sources["apache-2.0"]) == "apache-2.0" and reads == []  # from beside the checkpoint
     assert source_license(sources["mit"]) == "mit" and len(reads) == 1  # another file: its own
+
+
+ABSOLUTE = re.compile(r"(?<![\w.])/(tmp|root|home|usr|var|work)\b|site-packages|\\\\")
+
+
+def no_machine_path(text: str, *paths) -> None:
+    assert not ABSOLUTE.search(text), ABSOLUTE.search(text)
+    for path in paths:
+        assert str(path) not in text
+
+
+def test_weights_fingerprint_is_the_sha256_of_the_written_safetensors(outputs):
+    import hashlib
+
+    for name in ("quant", "patch"):
+        files = sorted((outputs / name).glob("*.safetensors"))
+        sha = hashlib.sha256()
+        for path in files:
+            sha.update(path.name.encode() + b"\0" + path.read_bytes())
+        assert load_report(outputs / name).weights_sha256 == sha.hexdigest()
+    assert [p.name for p in files] == ["model.safetensors", "recipe_extras.safetensors"]  # extras count too
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"])
+def test_a_builtin_alias_output_names_its_hub_id_and_no_machine_path(outputs, alias):
+    """The report of an alias-sourced output (written before the report kept ``base_model``: found from the
+    alias), its calibration text from the package's file: the card links the hub id, shows files by name."""
+    from recipe_engine.io.card import model_card
+    from recipe_engine.io.models import BUILTIN_HUB_IDS, builtin_names
+
+    assert sorted(BUILTIN_HUB_IDS) == sorted(builtin_names())  # every shipped alias has its hub id
+    report = load_report(outputs / "quant")
+    text = "/usr/lib/python3/site-packages/recipe_engine/data/wiki.txt"
+    fake = report.model_copy(update={
+        "model": report.model.model_copy(update={"spec": alias, "kind": "builtin", "location": "/root/.cache/x",
+                                                 "base_model": None}),
+        "data": report.data.model_copy(update={"dataset": "wikitext2", "origin": f"{text} [valid: 3 documents]"})})
+    made = model_card(fake, outputs / "quant")
+    assert made.data.base_model == BUILTIN_HUB_IDS[alias]
+    assert f"`{BUILTIN_HUB_IDS[alias]}` compressed by" in made.text
+    assert "read from `wiki.txt [valid: 3 documents]`" in made.text
+    no_machine_path(made.text, outputs)
+
+
+def test_a_hub_source_and_an_output_used_as_source_carry_the_hub_id(outputs, tmp_path):
+    from recipe_engine.io.card import model_card
+
+    report = load_report(outputs / "quant")
+    hub = report.model_copy(update={"model": report.model.model_copy(update={
+        "spec": "owner/some-model", "kind": "hub", "location": "owner/some-model", "base_model": None})})
+    assert model_card(hub, outputs / "quant").data.base_model == "owner/some-model"
+    earlier = tmp_path / "earlier"  # an output of a hub model, then used as the model of another recipe
+    shutil.copytree(outputs / "quant", earlier)
+    (earlier / "report.json").write_text(hub.to_json())
+    local = report.model_copy(update={"model": report.model.model_copy(update={
+        "spec": str(earlier), "kind": "local", "location": str(earlier), "base_model": None})})
+    assert model_card(local, outputs / "quant").data.base_model == "owner/some-model"
+    (earlier / ".recipe_engine.json").unlink()
+    (earlier / "recipe.yaml").unlink()  # no longer a recipe output: its report.json is not trusted
+    assert model_card(local, outputs / "quant").data.base_model is None
+
+
+def snapshot(directory):
+    return {p.name: (p.lstat().st_mode, p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+            for p in directory.iterdir()}
+
+
+def refused(capsys, argv, *words):
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+def test_card_writes_only_its_own_readme(outputs, tmp_path, capsys):
+    """A directory holding a report.json but no output marker keeps its hand-written README.md (--force
+    writes it); a README.md that is a directory or a link to a device is never replaced."""
+    foreign = tmp_path / "foreign"
+    shutil.copytree(outputs / "quant", foreign)
+    (foreign / ".recipe_engine.json").unlink()
+    (foreign / "recipe.yaml").unlink()
+    (foreign / "README.md").write_text("# my own notes\n")
+    before = snapshot(foreign)
+    refused(capsys, ["card", str(foreign)], str(foreign), "not a recipe output", "--force")
+    assert snapshot(foreign) == before
+    assert main(["card", str(foreign), "--force"]) == 0
+    assert card(foreign).data.license == "mit" and not list(foreign.glob(".README*"))
+    out = tmp_path / "out"
+    shutil.copytree(outputs / "quant", out)
+    (out / "README.md").unlink()
+    (out / "README.md").mkdir()
+    (out / "README.md" / "keep").write_text("x")
+    before = snapshot(out)
+    refused(capsys, ["card", str(out), "--force"], "README.md is a directory")
+    assert snapshot(out) == before and (out / "README.md" / "keep").read_text() == "x"
+    (out / "README.md" / "keep").unlink()
+    (out / "README.md").rmdir()
+    (out / "README.md").symlink_to("/dev/null")
+    before = snapshot(out)
+    refused(capsys, ["card", str(out)], "README.md is a symbolic link")
+    assert snapshot(out) == before and (out / "README.md").readlink() == Path("/dev/null")
+
+
+def test_card_on_a_directory_it_cannot_write_is_one_line(outputs, tmp_path, capsys, monkeypatch):
+    import errno
+    import tempfile
+
+    out = tmp_path / "out"
+    shutil.copytree(outputs / "quant", out)
+    before = snapshot(out)
+    if os.geteuid() != 0:  # root writes into a mode-555 directory: the check below covers a read-only mount
+        out.chmod(0o555)
+        try:
+            refused(capsys, ["card", str(out)], "read-only")
+        finally:
+            out.chmod(0o755)
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    refused(capsys, ["card", str(out)], "cannot write", "Read-only file system")
+    assert snapshot(out) == before
+
+
+@pytest.fixture(scope="module")
+def layered(outputs):
+    """Two outputs of one recipe file: ShortGPT n=1 (3 layers) and, with --set, n=2 (2 layers); and a
+    `recipe eval --json` record of each."""
+    recipe = yaml.safe_load((outputs / "patch.yaml").read_text())
+    recipe["modifiers"] = ["ShortGPT<n:1>"]
+    (outputs / "short.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    made = {}
+    for layers, n in ((3, 1), (2, 2)):
+        out = outputs / f"short{layers}"
+        assert main(["apply", str(outputs / "short.yaml"), "--quiet", "--output", str(out),
+                     "--set", f"modifiers.0.n={n}"]) == 0
+        evaluate(out, outputs / f"short{layers}.json", outputs / "cal.txt")
+        made[layers] = out
+    return made
+
+
+def test_a_record_of_the_same_recipe_file_with_other_overrides_is_refused(layered, capsys):
+    three, two = layered[3], layered[2]
+    assert load_report(three).after.layers == 3 and load_report(two).after.layers == 2
+    record = two.parent / "short2.json"
+    before = snapshot(three)
+    refused(capsys, ["card", str(three), "--eval", str(record)], str(record), "other weights")
+    assert snapshot(three) == before
+    assert main(["card", str(two), "--eval", str(record)]) == 0
+    ppl = json.loads(record.read_text())["perplexity"]["ppl"]
+    assert f"| {ppl:.2f} (cal.txt, 2 × 16 tokens) |" in card(two).text
+
+
+def test_an_eval_record_is_bounded_validated_and_escaped(layered, tmp_path, capsys):
+    out = layered[2]
+    good = json.loads((out.parent / "short2.json").read_text())
+    before = snapshot(out)
+    big = tmp_path / "big.json"
+    with open(big, "wb") as handle:
+        handle.truncate(17 << 20)
+    refused(capsys, ["card", str(out), "--eval", "/dev/zero"], "/dev/zero", "a character device")
+    refused(capsys, ["card", str(out), "--eval", str(tmp_path)], "is a directory")
+    os.mkfifo(tmp_path / "fifo")  # opening it would wait for a writer
+    refused(capsys, ["card", str(out), "--eval", str(tmp_path / "fifo")], "a FIFO")
+    refused(capsys, ["card", str(out), "--eval", str(big)], str(big), "at most")
+
+    def variant(name, change):
+        record = json.loads(json.dumps(good))
+        change(record)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(record))
+        return str(path)
+
+    zero = {"tasks": {"arc_easy": {"metric": "acc", "value": 0.5}}, "average": 0.5}
+    cases = {"perplexity.ppl": [lambda r: r["perplexity"].pop("ppl"), lambda r: r["perplexity"].update(ppl="abc"),
+                                lambda r: r["perplexity"].update(ppl=float("nan")),
+                                lambda r: r["perplexity"].update(ppl=True)],
+             "zero_shot.average": [lambda r: r.update(zero_shot={**zero, "average": None}),
+                                   lambda r: r.update(zero_shot={"tasks": {}, "average": "high"})],
+             "zero_shot.tasks.arc_easy.value": [
+                 lambda r: r.update(zero_shot={**zero, "tasks": {"arc_easy": {"metric": "acc", "value": "1"}}})]}
+    for field, changes in cases.items():
+        for i, change in enumerate(changes):
+            path = variant(f"{field}-{i}", change)
+            refused(capsys, ["card", str(out), "--eval", path], path, f"field {field}")
+    old = variant("old", lambda r: r["model"].pop("weights_sha256"))
+    refused(capsys, ["card", str(out), "--eval", old], old, "rerun `recipe eval")
+    assert snapshot(out) == before
+    injected = "x | y\n## injected <b>bold</b>"
+    path = variant("injected", lambda r: (r["perplexity"].update(dataset=injected), r.update(date=injected),
+                                          r.update(zero_shot={**zero, "tasks": {injected: zero["tasks"]["arc_easy"]}})))
+    assert main(["card", str(out), "--eval", path]) == 0
+    lines = card(out).text.splitlines()
+    assert not [line for line in lines if line.lstrip().startswith("## injected") or "<b>" in line]
+    later = lines.index("| evaluated | perplexity | zero-shot average |")
+    rows = lines[later + 2:lines.index("", later)]
+    assert len(rows) == 1 and rows[0].count(" | ") == 2  # one row of three cells: no cell break injected
+    assert "x \\| y ## injected &lt;b&gt;bold&lt;/b&gt;" in rows[0]
+    no_machine_path(card(out).text, out.parent)
+
+
+def test_an_output_written_before_the_fingerprint_is_fingerprinted_from_its_files(layered, tmp_path):
+    """A format-1 report has no weights_sha256: the card fingerprints the directory's files instead."""
+    out = tmp_path / "old"
+    shutil.copytree(layered[2], out)
+    report = json.loads((out / "report.json").read_text())
+    del report["weights_sha256"], report["model"]["base_model"]
+    (out / "report.json").write_text(json.dumps({**report, "format_version": 1}))
+    assert load_report(out).weights_sha256 is None
+    assert main(["card", str(out), "--eval", str(layered[2].parent / "short2.json")]) == 0
+    assert main(["card", str(out), "--eval", str(layered[2].parent / "short3.json")]) == 2

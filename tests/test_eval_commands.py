@@ -1,4 +1,5 @@
 """``recipe eval`` / ``recipe bench`` on tiny saved models, and the recipe ``evaluate:`` block with its gate."""
+import hashlib
 import json
 from pathlib import Path
 from importlib.metadata import version
@@ -42,7 +43,9 @@ def test_eval_cli_writes_json_record(saved, tmp_path, capsys):
                  "--json", str(out)])
     assert code == 0
     record = json.loads(out.read_text())
-    assert record["model"] == {"spec": str(dense), "location": str(dense), "recipe_sha256": "ab" * 32}
+    weights = hashlib.sha256(b"model.safetensors\0" + (dense / "model.safetensors").read_bytes()).hexdigest()
+    assert record["model"] == {"spec": str(dense), "location": str(dense), "recipe_sha256": "ab" * 32,
+                               "resolved_sha256": report["recipe"]["resolved_sha256"], "weights_sha256": weights}
     ppl = record["perplexity"]
     assert (ppl["windows"], ppl["windows_available"], ppl["seq_len"], ppl["tokens"]) == (3, 7, 64, 3 * 63)
     assert len(ppl["fingerprint"]) == 64 and ppl["origin"] == str(text)

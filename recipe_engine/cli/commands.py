@@ -16,7 +16,8 @@ from rich.table import Table
 from ..errors import QualityGateError, RecipeError, one_line
 from ..execution.distributed import DistributedError
 from ..execution.resume import DEFAULT_CHECKPOINT_BUDGET
-from ..io.card import read_evaluation, write_card
+from ..io.card import check_card_target, write_card
+from ..io.eval_record import read_evaluation
 from ..io.gguf_export import TYPES, export_gguf
 from ..io.output import SWEEP_FILE
 from ..io.report import load_report
@@ -141,8 +142,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_card(args) -> int:
+    check_card_target(args.directory, args.force)
     report = load_report(args.directory)
-    evaluations = [read_evaluation(path, report) for path in args.eval or []]
+    evaluations = [read_evaluation(path, report, args.directory) for path in args.eval or []]
     path = write_card(args.directory, report, evaluations)
     out.print(f"wrote {escape(str(path))}")
     return 0
@@ -241,7 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("card", help="rewrite an output directory's model card (README.md) from its report.json")
     p.add_argument("directory", help="a recipe output directory")
     p.add_argument("--eval", action="append", metavar="JSON",
-                   help="a `recipe eval DIR --json` record of this output to show as well (repeatable)")
+                   help="a `recipe eval DIR --json` record of this output to show as well (repeatable; refused "
+                        "when it measured other weights)")
+    p.add_argument("--force", action="store_true",
+                   help="write README.md into a directory that is not a recipe output (its report.json is read)")
     p.set_defaults(func=cmd_card)
 
     p = sub.add_parser("sweep", help="run recipes over a grid of parameter values; table, JSON, Pareto plot")

@@ -19,7 +19,7 @@ from ..evaluation.bench import bench, protocol_note, ratios
 from ..evaluation.run import evaluate_session, evaluation_session, retained
 from ..io.models import checkpoint_bytes, load_model
 from ..io.output import check_file_output
-from ..io.report import REPORT_FILE, load_report
+from ..io.report import REPORT_FILE, load_report, weights_fingerprint
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
 from ..system.progress import Progress
@@ -60,14 +60,17 @@ def quiet_libraries(quiet: bool):
             datasets.enable_progress_bars()
 
 
-def recipe_sha(model_spec: str) -> str | None:
-    """sha256 of the recipe that produced an output directory (its ``report.json``), else None."""
-    directory = Path(model_spec).expanduser()
-    return load_report(directory).recipe.sha256 if (directory / REPORT_FILE).is_file() else None
-
-
-def model_record(spec: str, location: str) -> dict:
-    return {"spec": spec, "location": location, "recipe_sha256": recipe_sha(spec)}
+def model_record(spec: str, location: str, weights: bool = False) -> dict:
+    """What a JSON record says of the model it measured: for an output directory, its recipe's sha256 (the
+    file's and the resolved recipe's); ``weights``: the fingerprint of the files read (``weights_fingerprint``;
+    ``recipe card --eval`` matches it), None for a hub model read from the network."""
+    directory = Path(spec).expanduser()
+    recipe = load_report(directory).recipe if (directory / REPORT_FILE).is_file() else None
+    record = {"spec": spec, "location": location, "recipe_sha256": recipe.sha256 if recipe else None,
+              "resolved_sha256": recipe.resolved_sha256 if recipe else None}
+    if weights:
+        record["weights_sha256"] = weights_fingerprint(location) if Path(location).is_dir() else None
+    return record
 
 
 def positive_int(text: str) -> int:
@@ -178,7 +181,7 @@ def cmd_eval(args) -> int:
     with quiet_libraries(False), Progress() as bar:
         session, source = evaluation_session(args.model, args.dtype, device, args.stream, bar)
         results = evaluate_session(session, config, bar)
-    results = {"model": model_record(args.model, source.location), **results,
+    results = {"model": model_record(args.model, source.location, weights=True), **results,
                "lm_eval_version": version("lm_eval"), "dtype": args.dtype,
                "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.perf_counter() - start}
     if baseline:

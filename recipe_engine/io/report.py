@@ -1,14 +1,16 @@
 """The run report (``report.json`` in every output directory): a typed, versioned pydantic model.
 
 ``Report`` is the only writer (``Report.write``) and reader (``load_report`` / ``Report.read``) of
-``report.json``; docs/report.md documents every field. ``format_version`` is :data:`FORMAT_VERSION`; a
-report without it (format 0: written before the field existed, same layout without the per-step
-``calibration_passes``) is read and upgraded; a newer format is refused with one line.
+``report.json``; docs/report.md documents every field. ``format_version`` is :data:`FORMAT_VERSION`; an
+older report (format 0: written before the field existed, without the per-step ``calibration_passes``;
+format 1: without ``weights_sha256`` and ``model.base_model``) is read and upgraded, the missing fields
+``None``; a newer format is refused with one line.
 Modifier-specific parts (a step's ``result``, evaluation results) stay JSON objects: their keys belong to
 the modifier or the evaluation, documented beside them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -18,8 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import RecipeError
 
 #: Version of the report layout written by this engine.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 REPORT_FILE = "report.json"
+#: Read size of :func:`weights_fingerprint`.
+_CHUNK = 1 << 24
 
 
 class ReportError(RecipeError):
@@ -47,6 +51,8 @@ class ModelRecord(_Section):
     location: str | None = Field(None, description="the directory read (absent for in-memory)")
     license: str | None = Field(None, description="the source's license (its model card, or GGUF metadata)")
     gguf: str | None = Field(None, description="the GGUF file the weights were converted from, if any")
+    base_model: str | None = Field(None, description="the hub id the source comes from (a hub source, a builtin "
+                                                     "alias's, an output's own base_model); None when unknown")
 
 
 class DataRecord(_Section):
@@ -154,6 +160,8 @@ class Report(_Section):
     resumed: Resumed | None = None
     stream: StreamRecord | None = None
     export: ExportRecord | None = None
+    weights_sha256: str | None = Field(None, description="weights_fingerprint of the written output (format < 2: "
+                                                         "absent)")
 
     @classmethod
     def from_data(cls, data: Any, origin: str = "report") -> "Report":
@@ -164,7 +172,7 @@ class Report(_Section):
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise ReportError(f"{origin}: format_version {version!r} is newer than this recipe-engine reads "
                               f"({FORMAT_VERSION}); upgrade recipe-engine")
-        if version == 0:
+        if version < FORMAT_VERSION:
             data = {**data, "format_version": FORMAT_VERSION}
         try:
             return cls.model_validate(data)
@@ -196,3 +204,18 @@ class Report(_Section):
 def load_report(directory: str | Path) -> Report:
     """The :class:`Report` of a recipe output directory (its ``report.json``)."""
     return Report.read(directory)
+
+
+def weights_fingerprint(directory: str | Path) -> str | None:
+    """sha256 over a checkpoint directory's ``*.safetensors`` files in name order (each name, a NUL, its
+    bytes): the same weights give the same value wherever the directory lies; None when it holds none."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return None
+    sha = hashlib.sha256()
+    for path in files:
+        sha.update(path.name.encode() + b"\0")
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(_CHUNK), b""):
+                sha.update(chunk)
+    return sha.hexdigest()

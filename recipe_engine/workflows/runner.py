@@ -21,7 +21,7 @@ from ..execution.session import Session
 from ..execution.steps import run_steps
 from ..execution.timings import Timings, profiled
 from ..execution.streaming import open_stream
-from ..io.card import source_license, write_card
+from ..io.card import hub_origin, source_license, write_card
 from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..io.extras import save_extras
@@ -31,7 +31,7 @@ from ..io.output import atomic_directory, check_output_free, git_info, package_v
 from ..io.output_lock import output_lock
 from ..io.report import Checkpoints as CheckpointsRecord
 from ..io.report import (DataRecord, ExportRecord, ModelRecord, ModelSize, PeakMemory, RecipeRecord, Report,
-                         StreamRecord)
+                         StreamRecord, weights_fingerprint)
 from ..plan.compiled import Plan
 from ..plan.estimates import plan_memory
 from ..plan.preflight import check_device, located, preflight_apply
@@ -172,7 +172,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
         bar.phase(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
         model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
         report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
-                                      license=source_license(source), gguf=gguf_origin(source))
+                                      license=source_license(source), gguf=gguf_origin(source),
+                                      base_model=hub_origin(source.spec, source.kind, source.location))
     else:
         source = None
         report["model"] = ModelRecord(spec=recipe.model, kind="in-memory")
@@ -344,6 +345,7 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
         exported = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name,
                                vocabulary_from=Path(origin) if origin else None)
         report["export"] = ExportRecord(**{**exported, "file": recipe.export.file})
+    report["weights_sha256"] = weights_fingerprint(tmp)  # what `recipe card --eval` matches records against
     final = Report.model_validate(report)
     if final.evaluation is not None and final.evaluation.quality_gate == "failed":
         (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")

@@ -1,0 +1,107 @@
+"""``recipe eval --json`` records read back (``recipe card --eval``): bounded, validated, and accepted only
+for the output they measured (the same weights and the same resolved recipe)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from ..errors import RecipeError
+from .output import special_kind
+from .report import Report, weights_fingerprint
+
+#: The largest record read (a real one is a few KiB).
+MAX_RECORD_BYTES = 16 << 20
+
+
+def _read_bounded(path: str) -> Any:
+    """The JSON of a regular file of at most :data:`MAX_RECORD_BYTES`, or one line."""
+    fail = lambda message: RecipeError(f"--eval {path}: {message}")
+    try:
+        info = os.stat(path)  # before opening: opening a FIFO would wait for a writer
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else special_kind(Path(path).resolve())
+            raise fail(f"is {kind or 'not a regular file'}, not a `recipe eval --json` record")
+        if info.st_size > MAX_RECORD_BYTES:
+            raise fail(f"is {info.st_size:,} bytes; a `recipe eval --json` record is at most {MAX_RECORD_BYTES:,}")
+        with open(path, "rb") as handle:
+            text = handle.read(MAX_RECORD_BYTES + 1)
+    except OSError as exc:
+        raise fail(f"cannot read: {exc.strerror or exc}") from None
+    if len(text) > MAX_RECORD_BYTES:
+        raise fail(f"grew past {MAX_RECORD_BYTES:,} bytes while being read")
+    try:
+        return json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise fail(f"not a `recipe eval --json` record (not JSON: {exc})") from None
+
+
+def _number(path: str, value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        shown = "missing" if value is None else f"{json.dumps(value)[:40]} is not a finite number"
+        raise RecipeError(f"--eval {path}: field {field}: {shown}")
+    return float(value)
+
+
+def _text(path: str, value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise RecipeError(f"--eval {path}: field {field}: expected a string, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _object(path: str, value: Any, field: str) -> dict:
+    if not isinstance(value, dict):
+        raise RecipeError(f"--eval {path}: field {field}: expected an object, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _check_values(path: str, record: dict) -> None:
+    """Every figure the card shows is a finite number, every name a string."""
+    ppl, zero = record.get("perplexity"), record.get("zero_shot")
+    if ppl is None and zero is None:
+        raise RecipeError(f"--eval {path}: holds neither a perplexity nor a zero_shot result")
+    if ppl is not None:
+        _object(path, ppl, "perplexity")
+        _number(path, ppl.get("ppl"), "perplexity.ppl")
+        _text(path, ppl.get("dataset"), "perplexity.dataset")
+        for key in ("windows", "seq_len"):
+            if isinstance(ppl.get(key), bool) or not isinstance(ppl.get(key), int):
+                raise RecipeError(f"--eval {path}: field perplexity.{key}: expected an integer")
+    if zero is not None:
+        _object(path, zero, "zero_shot")
+        _number(path, zero.get("average"), "zero_shot.average")
+        for task, result in _object(path, zero.get("tasks"), "zero_shot.tasks").items():
+            _object(path, result, f"zero_shot.tasks.{task}")
+            _text(path, result.get("metric"), f"zero_shot.tasks.{task}.metric")
+            _number(path, result.get("value"), f"zero_shot.tasks.{task}.value")
+    if "date" in record:
+        _text(path, record["date"], "date")
+
+
+def read_evaluation(path: str, report: Report, directory: str | Path) -> dict:
+    """A ``recipe eval --json`` record of the output in ``directory`` (whose report is ``report``): refused
+    when it measured other weights (``weights_sha256``; an output written before the report recorded it is
+    fingerprinted now) or another resolved recipe, when it predates the fingerprint, or when a value it
+    holds is not what ``recipe eval`` writes."""
+    record = _read_bounded(path)
+    if not isinstance(record, dict) or not isinstance(record.get("model"), dict):
+        raise RecipeError(f"--eval {path}: expected the JSON object `recipe eval --json` writes")
+    model = record["model"]
+    measured = model.get("weights_sha256")
+    if "weights_sha256" not in model:
+        raise RecipeError(f"--eval {path}: records no weights fingerprint (an older `recipe eval`); rerun "
+                          f"`recipe eval {directory} --json FILE` and pass that file")
+    expected = report.weights_sha256 or weights_fingerprint(directory)
+    if measured != expected:
+        raise RecipeError(f"--eval {path}: measured other weights (sha256 {str(measured)[:12]}…), not this "
+                          f"output's ({str(expected)[:12]}…); evaluate this output with recipe eval {directory} "
+                          f"--json FILE")
+    if model.get("resolved_sha256") != report.recipe.resolved_sha256:
+        raise RecipeError(f"--eval {path}: measured an output of another resolved recipe (sha256 "
+                          f"{str(model.get('resolved_sha256'))[:12]}…, this output's "
+                          f"{report.recipe.resolved_sha256[:12]}…)")
+    _check_values(path, record)
+    return record
