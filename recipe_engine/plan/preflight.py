@@ -195,13 +195,12 @@ def check_sweep_output(output: str | Path, inputs=()) -> Path:
     """``recipe sweep --output``: a directory (new, empty, or an earlier sweep's: our marker of
     :data:`SWEEP_KIND`, or a ``sweep.json`` that is a sweep's record) that can take ``sweep.json`` and
     ``pareto.png``, and none of the ``inputs`` (``user_paths``). Returns the path."""
-    target = check_target(Target("--output", output, directory=True, ours=is_sweep, what="an earlier sweep's directory"),
-                          [i for i in inputs if Path(i).expanduser().exists()])
-    rows = target / SWEEP_FILE
-    if rows.exists() and not is_sweep(target, strict=True):
+    given = Path(output).expanduser()
+    if given.is_dir() and not given.is_symlink() and (given / SWEEP_FILE).exists() and not is_sweep(given, True):
         raise RecipeError(f"--output {output}: {SWEEP_FILE} is not an earlier sweep's record; move it away or "
                           f"choose another --output")
-    return target
+    return check_target(Target("--output", output, directory=True, ours=is_sweep, what="an earlier sweep's directory"),
+                        [i for i in inputs if Path(i).expanduser().exists()])
 
 
 def is_sweep(directory: Path, strict: bool = False) -> bool:
