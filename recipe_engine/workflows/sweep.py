@@ -102,6 +102,7 @@ class Sweep:
                  tasks: list[str] | None = None, progress: bool = False, overrides: list[str] = ()):
         self.specs, self.vary = specs, [parse_vary(v) for v in vary]
         self.output, self.eval_limit, self.tasks, self.progress = Path(output), eval_limit, tasks, progress
+        self.given = output  # as named: an empty name is refused, not read as the current directory
         self.overrides = list(overrides)
         self.models: dict[tuple, tuple] = {}
         self.memos: dict[str, Any] = {}
@@ -140,7 +141,7 @@ class Sweep:
         output directory, each variant's device, model config, steps on the symbolic shape, calibration text
         and evaluation (tasks, perplexity text); each distinct model, calibration and evaluation once."""
         texts = {name for _, _, recipe in planned for name in recipe.calibration.sources}
-        check_sweep_output(self.output, [*self.specs, *{recipe.model for _, _, recipe in planned}, *texts])
+        check_sweep_output(self.given, [*self.specs, *{recipe.model for _, _, recipe in planned}, *texts])
         configs: dict[str, Any] = {}
         checked: set[str] = set()
         for spec, _, recipe in planned:
