@@ -233,6 +233,11 @@ def cmd_bench(args) -> int:
     return 0
 
 
+#: ``--json``'s help: the rule of ``io.user_paths`` for a record file.
+JSON_HELP = ("write the full record here (atomically); an existing file is replaced only when it is a `recipe eval` or "
+             "`recipe bench` record (or empty); never an input, a link, a device, FIFO or socket")
+
+
 def _default(model, name: str) -> str:
     """A schema field's default for ``--help`` (the schema is the only place defaults live)."""
     field = model.model_fields[name]
@@ -258,7 +263,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=Recipe.model_fields["device"].default)
     p.add_argument("--stream", choices=["auto", "on", "off"], default=Recipe.model_fields["stream"].default,
                    help="perplexity layer by layer from disk (auto: when the weights exceed half the free memory)")
-    p.add_argument("--json", help="write the full record here")
+    p.add_argument("--json", metavar="PATH", help=JSON_HELP)
     p.set_defaults(func=cmd_eval, dataset=None)
 
     p = sub.add_parser("bench", help="generation throughput, prefill latency and size (A vs B)")
@@ -270,5 +275,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
     p.add_argument("--device", default=Recipe.model_fields["device"].default)
-    p.add_argument("--json", help="write the full record here")
+    p.add_argument("--json", metavar="PATH", help=JSON_HELP)
     p.set_defaults(func=cmd_bench)
