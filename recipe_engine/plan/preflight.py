@@ -5,7 +5,8 @@
 first load; ``recipe eval`` checks its device, model and evaluation with :func:`check_device`,
 :func:`check_model` and :func:`check_evaluation`, ``recipe bench`` its device and models. Outputs:
 :func:`output.check_output_free` (``apply``'s directory), :func:`output.check_file_output` (``export``'s file),
-:func:`check_sweep_output` (``sweep``'s directory); each writer then holds the output's lock
+:func:`check_sweep_output` (``sweep``'s directory), all on the one rule of ``recipe_engine.io.user_paths`` (which
+also checks ``--timings``, ``--profile`` and ``--json``); each writer then holds the output's lock
 (``recipe_engine.io.output_lock``) until its output is in place.
 
 A recipe's steps are checked by compiling it once (``compiled.compile_plan``, in :func:`check_plan`): the
