@@ -155,7 +155,8 @@ def test_apply_output_inside_the_profile_directory_and_the_profile_inside_the_lo
     files = tree(work)
     for argv, fragment in ((["--output", "p/out", "--profile", "p"], "lies inside --profile p"),
                            (["--timings", "t", "--profile", "t"], "--timings and --profile name the same path"),
-                           (["--timings", "p/t.jsonl", "--profile", "p"], "--timings p/t.jsonl lies inside --profile p")):
+                           (["--timings", "p/t.jsonl", "--profile", "p"],
+                            "--timings p/t.jsonl lies inside --profile p")):
         assert main(["apply", "r.yaml", "--force", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and fragment in err[0], err

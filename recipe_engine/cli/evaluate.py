@@ -234,8 +234,8 @@ def cmd_bench(args) -> int:
 
 
 #: ``--json``'s help: the rule of ``io.user_paths`` for a record file.
-JSON_HELP = ("write the full record here (atomically); an existing file is replaced only when it is a `recipe eval` or "
-             "`recipe bench` record (or empty); never an input, a link, a device, FIFO or socket")
+JSON_HELP = ("write the full record here (atomically); an existing file is replaced only when it is a `recipe eval` "
+             "or `recipe bench` record (or empty); never an input, a link, a device, FIFO or socket")
 
 
 def _default(model, name: str) -> str:

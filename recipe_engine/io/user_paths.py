@@ -192,10 +192,11 @@ def check_target(target: Target, inputs: Iterable = ()) -> Path:
     path = target.path
     if not str(target.value).strip():
         raise RecipeError(f"{target.option} is empty; give a {target.noun} name")
-    problem = input_problem(path, inputs) or name_problem(path)
+    problem = input_problem(path, inputs)
     if problem:
-        raise target.fail(f"{problem}; not replaced (choose another {target.noun})" if "input" in problem
-                          else problem)
+        raise target.fail(f"{problem}; not replaced (choose another {target.noun})")
+    if name_problem(path):
+        raise target.fail(name_problem(path))
     if link_kind(path):
         raise target.fail(f"is {link_kind(path)}; not replaced, nor written through (choose another {target.noun})")
     if special_kind(path):

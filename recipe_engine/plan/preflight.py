@@ -197,11 +197,13 @@ def check_sweep_output(output: str | Path, inputs=()) -> Path:
     :data:`SWEEP_KIND`, or a ``sweep.json`` that is a sweep's record) that can take ``sweep.json`` and
     ``pareto.png``, and none of the ``inputs`` (``user_paths``). Returns the path."""
     given = Path(output).expanduser()
-    if str(output).strip() and not name_problem(given) and given.is_dir() and not given.is_symlink() and (given / SWEEP_FILE).exists() and not is_sweep(given, True):
+    named = str(output).strip() and not name_problem(given)
+    if named and given.is_dir() and not given.is_symlink() and (given / SWEEP_FILE).exists() \
+            and not is_sweep(given, strict=True):
         raise RecipeError(f"--output {output}: {SWEEP_FILE} is not an earlier sweep's record; move it away or "
                           f"choose another --output")
-    return check_target(Target("--output", output, directory=True, ours=is_sweep, what="an earlier sweep's directory"),
-                        [i for i in inputs if Path(i).expanduser().exists()])
+    sweep = Target("--output", output, directory=True, ours=is_sweep, what="an earlier sweep's directory")
+    return check_target(sweep, [i for i in inputs if Path(i).expanduser().exists()])
 
 
 def is_sweep(directory: Path, strict: bool = False) -> bool:

@@ -124,7 +124,7 @@ def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool, log: str | P
         targets.append(Target("--profile", profile, directory=True, ours=marked(PROFILE_KIND),
                               what="a profile directory"))
     others = {"the output": Path(loaded.recipe.output)} if writing else {}
-    located(lambda: check_targets(targets, _read(loaded), others), None)
+    check_targets(targets, _read(loaded), others)
     if not writing:
         yield
         return
