@@ -209,3 +209,12 @@ def test_own_records_are_recognised_and_an_empty_file_may_be_replaced(tmp_path):
     assert check_target(Target("--json", tmp_path / "empty", what="a record")) == tmp_path / "empty"
     with pytest.raises(Exception, match="exists and is not a record"):
         check_target(Target("--json", other, ours=is_json_record, what="a record"))
+
+
+def test_a_file_where_the_default_timings_log_goes_is_kept(work, capsys):
+    (work / "fresh.timings.jsonl").write_text("my notes\n")
+    before, files = state(work / "fresh.timings.jsonl"), tree(work)
+    assert main(["apply", "r.yaml", "--output", "fresh"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the timings log fresh.timings.jsonl: exists and is not a timings log" in err[0], err
+    assert "give --timings PATH" in err[0] and state(work / "fresh.timings.jsonl") == before and tree(work) == files

@@ -142,6 +142,8 @@ class Target:
     ours: Callable[[Path], bool] = field(default=never, compare=False)
     what: str = ""
     force: bool = False
+    #: What the user can do instead (a path the user did not name: the default timings log)
+    instead: str = ""
 
     @property
     def path(self) -> Path:
@@ -227,7 +229,8 @@ def _check_existing(target: Target, path: Path) -> None:
     if target.force or _empty(path) or target.ours(path):
         return
     if target.what:
-        raise target.fail(f"exists and is not {target.what}; not replaced (move it away or choose another file)")
+        raise target.fail(f"exists and is not {target.what}; not replaced (move it away or "
+                          f"{target.instead or 'choose another file'})")
     raise target.fail("already exists (use --force to replace it)")
 
 

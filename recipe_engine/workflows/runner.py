@@ -118,8 +118,8 @@ def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool, log: str | P
     checkpoints."""
     if writing:
         check_output_free(loaded.recipe.output, force, loaded.path, inputs=_inputs(loaded))
-    targets = [Target("--timings" if named else "the timings log", log, ours=is_timings_log, what="a timings log")
-               ] if log is not None else []
+    targets = [Target("--timings" if named else "the timings log", log, ours=is_timings_log, what="a timings log",
+                      instead="choose another file" if named else "give --timings PATH")] if log is not None else []
     if profile is not None:
         targets.append(Target("--profile", profile, directory=True, ours=marked(PROFILE_KIND),
                               what="a profile directory"))
