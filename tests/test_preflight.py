@@ -153,7 +153,7 @@ def test_validate_accepts_a_cuda_recipe_on_a_cpu_machine_but_not_mps(work, capsy
 @pytest.mark.parametrize("setup,fragment", [
     ("file", "exists and is not a directory"),
     ("bad json", "sweep.json is not an earlier sweep's record"),
-    ("no rows", "sweep.json is not an earlier sweep's record (no rows)"),
+    ("no rows", "sweep.json is not an earlier sweep's record; move it away"),
     ("proc", "cannot write '/proc/x'"),
 ])
 def test_sweep_output_is_checked_before_loading(work, capsys, no_loading, setup, fragment):

@@ -180,13 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", metavar="PATH=VALUE",
                        help="override a recipe field, e.g. calibration.samples=32 or modifiers.2.n=4")
         p.add_argument("--model", help="override the recipe's model")
-        p.add_argument("--output", help="override the recipe's output directory")
+        p.add_argument("--output", help="override the recipe's output directory (never an input, a link, a special "
+                                        "file, nor the current directory or one holding it)")
         p.add_argument("--device", help="auto | cpu | cuda | cuda:i")
 
     p = sub.add_parser("apply", help="run a recipe and write the compressed checkpoint")
     p.add_argument("recipe")
     with_overrides(p)
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output directory that an earlier run wrote (its marker) or an empty one; "
+                        "never anything else, nor a --timings or --profile path that is not ours")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted (killed) run of the same output from its checkpoints")
@@ -199,10 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"checkpoints after every layer")
     p.add_argument("--timings", metavar="PATH",
                    help="write the timings log (one JSON line per layer and step: seconds by phase) here "
-                        "instead of OUTPUT.timings.jsonl beside the output")
+                        "instead of OUTPUT.timings.jsonl beside the output: a new file renamed into place (--resume "
+                        "appends to it); an existing file is replaced only when it is a timings log (or empty); "
+                        "never an input, a link, a device, FIFO or socket, nor inside the output or --profile")
     p.add_argument("--profile", metavar="DIR",
                    help="write a torch.profiler trace of a few layers (DIR/trace.json) and the top operations "
-                        "by host and device time (DIR/top_operations.txt)")
+                        "by host and device time (DIR/top_operations.txt); DIR is new, empty or an earlier "
+                        "--profile directory (its marker), never an input, a link, nor inside the output")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("show", help="print the canonical resolved recipe")
@@ -235,9 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="convert an output directory to another format (gguf for llama.cpp)")
     p.add_argument("directory", help="a recipe output or any HF model directory")
     p.add_argument("--format", choices=["gguf"], required=True)
-    p.add_argument("--output", required=True, help="the .gguf file to write (atomically)")
+    p.add_argument("--output", required=True,
+                   help="the .gguf file to write (atomically); never the input, a link, a device, FIFO or socket")
     p.add_argument("--type", choices=TYPES, default="f16", help="2-D weights' type; norms and biases stay f32")
-    p.add_argument("--force", action="store_true", help="replace an existing file")
+    p.add_argument("--force", action="store_true", help="replace an existing regular file (not a directory)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("card", help="rewrite an output directory's model card (README.md) from its report.json")
@@ -256,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", nargs="+", metavar="RECIPE", help="more recipes, varied the same way")
     p.add_argument("--eval-limit", type=positive_int, help="first N perplexity windows and N rows per zero-shot task")
     p.add_argument("--tasks", nargs="*", help="zero-shot tasks (default: the recipe's evaluate.tasks)")
-    p.add_argument("--output", required=True, help="directory for sweep.json and pareto.png")
+    p.add_argument("--output", required=True,
+                   help="directory for sweep.json and pareto.png: new, empty or an earlier sweep's (rerun to "
+                        "continue); never an input, a link or another directory")
     p.add_argument("--set", action="append", metavar="PATH=VALUE", help="override every recipe, before --vary")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_sweep)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from importlib.metadata import version
@@ -18,7 +17,7 @@ from ..errors import RecipeError
 from ..evaluation.bench import bench, protocol_note, ratios
 from ..evaluation.run import evaluate_session, evaluation_session, retained
 from ..io.models import checkpoint_bytes, load_model
-from ..io.output import check_file_output
+from ..io.user_paths import Target, check_targets, is_json_record, replace_text
 from ..io.report import REPORT_FILE, load_report, weights_fingerprint
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
@@ -92,27 +91,20 @@ def non_negative_int(text: str) -> int:
 def write_json(path: str | None, record: dict) -> None:
     """Write ``record`` atomically (temporary file beside it, then rename); errors are one line."""
     if path:
-        target = Path(path)
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            try:
-                tmp.write_text(json.dumps(record, indent=2, default=str))
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
+            replace_text(Path(path).expanduser(), json.dumps(record, indent=2, default=str))
         except OSError as exc:
             raise RecipeError(f"cannot write --json {path}: {exc.strerror or exc}") from None
         out.print(f"wrote {path}", markup=False, highlight=False)
 
 
-def check_json_path(path: str | None, models=()) -> None:
-    """Pre-flight of ``--json``, before any model is loaded: the file can be created there, and what it would
-    replace is a regular file that is not one of the ``models`` read, nor inside one's directory."""
-    if path:
-        if Path(path).is_dir():
-            raise RecipeError(f"--json {path}: is a directory; give a file name")
-        check_file_output(path, True, "--json", inputs=[m for m in models if Path(m).expanduser().exists()])
+def check_json_path(path: str | None, inputs=()) -> None:
+    """Pre-flight of ``--json``, before any model is loaded (``user_paths``): the file can be created there,
+    and what it would replace is an earlier record of ``recipe eval`` / ``bench`` (or an empty file), not one
+    of the ``inputs`` read (the models, a baseline, a text), nor inside a model's directory."""
+    if path is not None:
+        check_targets([Target("--json", path, ours=is_json_record,
+                              what="a `recipe eval --json` or `recipe bench --json` record")], inputs)
 
 
 def read_baseline(path: str | None) -> dict | None:
@@ -171,7 +163,7 @@ def cmd_eval(args) -> int:
     if ppl is None and not config.tasks:
         raise RecipeError("--no-ppl with no --tasks leaves nothing to evaluate; give --tasks or drop --no-ppl")
     baseline = read_baseline(args.baseline)
-    check_json_path(args.json, [args.model])
+    check_json_path(args.json, [args.model, *filter(None, [args.baseline]), *(args.dataset or [])])
     device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
     model_config = check_model(args.model)
     check_evaluation(config, fields=None)
@@ -244,6 +236,11 @@ def cmd_bench(args) -> int:
     return 0
 
 
+#: ``--json``'s help: the rule of ``io.user_paths`` for a record file.
+JSON_HELP = ("write the full record here (atomically); an existing file is replaced only when it is a `recipe eval` "
+             "or `recipe bench` record (or empty); never an input, a link, a device, FIFO or socket")
+
+
 def _default(model, name: str) -> str:
     """A schema field's default for ``--help`` (the schema is the only place defaults live)."""
     field = model.model_fields[name]
@@ -269,7 +266,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=Recipe.model_fields["device"].default)
     p.add_argument("--stream", choices=["auto", "on", "off"], default=Recipe.model_fields["stream"].default,
                    help="perplexity layer by layer from disk (auto: when the weights exceed half the free memory)")
-    p.add_argument("--json", help="write the full record here")
+    p.add_argument("--json", metavar="PATH", help=JSON_HELP)
     p.set_defaults(func=cmd_eval, dataset=None)
 
     p = sub.add_parser("bench", help="generation throughput, prefill latency and size (A vs B)")
@@ -281,5 +278,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
     p.add_argument("--device", default=Recipe.model_fields["device"].default)
-    p.add_argument("--json", help="write the full record here")
+    p.add_argument("--json", metavar="PATH", help=JSON_HELP)
     p.set_defaults(func=cmd_bench)

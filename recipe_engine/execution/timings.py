@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -31,13 +32,18 @@ from typing import Any, Iterator
 
 import torch
 
+from ..io.user_paths import is_timings_log, open_fresh, replace_text
+from ..system.cleanup import write_marker
+
 
 class Timings:
     """The phase clock of one run (shared by its sessions: the reference model's layers count too).
-    ``path=None``: phases are not timed and nothing is written (library calls, branches' own use)."""
+    ``path=None``: phases are not timed and nothing is written (library calls, branches' own use). The log
+    is a new file renamed over ``path`` at the first record; with ``append`` (a resumed run) a timings log
+    already there goes on."""
 
-    def __init__(self, path: Path | None = None, device: torch.device = torch.device("cpu")):
-        self.path, self.device = path, device
+    def __init__(self, path: Path | None = None, device: torch.device = torch.device("cpu"), append: bool = False):
+        self.path, self.device, self.append = path, device, append
         self.enabled = path is not None
         self._sync = self.enabled and device.type == "cuda"
         self._file = None
@@ -137,8 +143,8 @@ class Timings:
             torch.cuda.reset_peak_memory_stats(self.device)
         line["at_s"] = round(time.perf_counter() - self._started, 3)
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            resumed = self.append and is_timings_log(self.path)
+            self._file = self.path.open("a", encoding="utf-8") if resumed else open_fresh(self.path)
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
         if self.profiler is not None:
@@ -152,6 +158,9 @@ class Timings:
             self._file.close()
             self._file = None
 
+
+#: The marker type (``cleanup.MARKER``) of a ``--profile`` directory: one that a later run may write into again.
+PROFILE_KIND = "recipe-profile"
 
 #: Records (layers) the profiler skips, warms up on and traces (``profiled``): a few layers of the first pass.
 PROFILE_SCHEDULE = dict(wait=1, warmup=1, active=3, repeat=1)
@@ -169,16 +178,19 @@ def profiled(timings: Timings, directory: Path | None) -> Iterator[None]:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     directory.mkdir(parents=True, exist_ok=True)
+    write_marker(directory, PROFILE_KIND, "complete")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timings.device.type == "cuda" else [])
 
     def write(profiler) -> None:
-        profiler.export_chrome_trace(str(directory / "trace.json"))
+        trace = directory / ".trace.json.tmp"
+        profiler.export_chrome_trace(str(trace))
+        os.replace(trace, directory / "trace.json")
         averages = profiler.key_averages()
         tables = [f"top operations of {PROFILE_SCHEDULE['active']} profiled layers (by self host time)",
                   averages.table(sort_by="self_cpu_time_total", row_limit=25)]
         if timings.device.type == "cuda":
             tables += ["by self device time", averages.table(sort_by="self_cuda_time_total", row_limit=25)]
-        (directory / "top_operations.txt").write_text("\n".join(tables) + "\n")
+        replace_text(directory / "top_operations.txt", "\n".join(tables) + "\n")
 
     with profile(activities=activities, schedule=schedule(**PROFILE_SCHEDULE), on_trace_ready=write) as profiler:
         timings.profiler = profiler

@@ -7,7 +7,6 @@ import importlib.metadata
 import os
 import resource
 import shutil
-import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,6 +18,8 @@ from safetensors import SafetensorError
 from ..errors import RecipeError
 from ..system.cleanup import MARKER, read_marker, sweep_stale, temporary_directory, write_marker
 from .report import ReportError, load_report
+from .user_paths import (Target, check_target, check_writable_parent, current_umask, input_problem, link_kind,
+                         name_problem, special_kind)
 
 OUTPUT_KIND = "recipe-output"
 
@@ -48,57 +49,6 @@ def is_recipe_output(directory: Path) -> bool:
     return (directory / "recipe.yaml").is_file()
 
 
-#: ``stat`` file kinds that no command replaces, by name.
-SPECIAL_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-                 (stat.S_ISSOCK, "a socket"))
-
-
-def special_kind(target: Path) -> str | None:
-    """``"a character device"`` etc. when ``target`` exists and is neither a regular file, a directory nor a
-    symbolic link, else None."""
-    try:
-        mode = os.lstat(target).st_mode
-    except OSError:
-        return None
-    return next((name for test, name in SPECIAL_KINDS if test(mode)), None)
-
-
-def input_problem(target: Path, inputs) -> str | None:
-    """Why writing ``target`` would replace an input of the run (the source model, its files, a text the
-    run reads): it is one, holds one, or is an existing file or directory inside one; else None."""
-    here = target.expanduser().resolve()
-    for given in inputs:
-        source = Path(given).expanduser().resolve()
-        if here == source:
-            return f"is the run's input {given}"
-        if here in source.parents:
-            return f"holds the run's input {given}"
-        if source in here.parents and (target.exists() or target.is_symlink()):
-            return f"lies inside the run's input {given}"
-    return None
-
-
-#: The longest suffix written beside an output ``NAME``: ``.NAME.tmp-XXXXXXXX`` (also ``.old-``, ``.resume``,
-#: ``.lock``, an export's ``.tmp-PID``): the leading dot and 13 characters.
-SIBLING_EXTRA = 14
-
-
-def name_problem(target: Path) -> str | None:
-    """Why the file system cannot hold ``target``'s name and the siblings written beside it, or None."""
-    existing = target.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    try:
-        limit = os.pathconf(existing, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
-    size = len(os.fsencode(target.name))
-    if size + SIBLING_EXTRA > limit:
-        return (f"its name is {size} bytes; {existing} holds names up to {limit} bytes and the run writes "
-                f"'.NAME.tmp-XXXXXXXX' beside it, so at most {limit - SIBLING_EXTRA} (choose a shorter name)")
-    return None
-
-
 def check_output_free(output: str, force: bool, file: str | None = None, inputs=()) -> None:
     """Pre-flight of the output path, before anything is loaded: refuse what a write would trip over
     (a file in the way, an unwritable or missing parent) and what ``--force`` must not delete (anything but
@@ -114,9 +64,14 @@ def check_output_free(output: str, force: bool, file: str | None = None, inputs=
     problem = name_problem(target)
     if problem:
         raise fail(f"output '{output}': {problem}")
+    here = Path.cwd().resolve()
+    if target.resolve() == here or target.resolve() in here.parents:
+        what = "the current directory" if target.resolve() == here else "a directory holding the current one"
+        raise fail(f"output '{output}' is {what}; a run replaces its output directory whole, which it cannot do "
+                   f"to the directory it runs in (give a new directory, e.g. --output ./out)")
     if target.is_symlink() or target.exists():
         if not target.is_dir() or target.is_symlink():
-            kind = "a symbolic link" if target.is_symlink() else special_kind(target) or "not a directory"
+            kind = link_kind(target) or special_kind(target) or "not a directory"
             raise fail(f"output '{output}' exists and is {kind}; not replaced (choose another --output)")
         if not force:
             raise fail(f"output '{output}' already exists (use --force to replace it)")
@@ -130,21 +85,6 @@ def check_output_free(output: str, force: bool, file: str | None = None, inputs=
     check_writable_parent(target, fail)
     if target.parent.is_dir():
         sweep_stale(target.parent, target.name)
-
-
-def check_writable_parent(target: Path, fail) -> None:
-    """``target`` can be created: no file in the way of its parent directories, and the nearest existing
-    one accepts a new entry (probed by creating and removing an empty directory: the only test that is
-    right for permissions, read-only mounts, ``/proc`` and root alike). ``fail(message)`` builds the error."""
-    existing = target.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise fail(f"cannot create '{target}': '{existing}' is a file, not a directory")
-    try:
-        Path(tempfile.mkdtemp(prefix=".recipe-probe-", dir=existing)).rmdir()
-    except OSError as exc:
-        raise fail(f"cannot write '{target}': {existing}: {exc.strerror or exc}") from None
 
 
 def space_problem(target: Path, size: int) -> str | None:
@@ -212,19 +152,6 @@ def default_modes(directory: Path) -> None:
                         raise
 
 
-def current_umask() -> int:
-    """The process's umask, read without changing it where Linux reports it (``/proc/self/status``)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def package_versions() -> dict[str, str]:
     versions = {}
     for name in REPORTED_PACKAGES:
@@ -265,29 +192,9 @@ def peak_memory(watch=None) -> dict[str, float]:
 
 
 def check_file_output(output: str | Path, force: bool, option: str = "--output", inputs=()) -> Path:
-    """A single-file output (``recipe export``, ``--json``): not a directory (also not with ``--force``), not an
-    existing file without ``--force``, not a symbolic link, a device node, FIFO or socket, not an input of the
-    command (``inputs``: the source model, its files), and its directory can take a new entry. Returns the path."""
-    fail = lambda message: RecipeError(f"{option} {output}: {message}")
-    target = Path(output).expanduser()
-    if not str(output).strip():
-        raise RecipeError(f"{option} is empty; give a file name")
-    problem = input_problem(target, inputs)
-    if problem:
-        raise fail(f"{problem}; not replaced (choose another file)")
-    problem = name_problem(target)
-    if problem:
-        raise fail(problem)
-    if target.is_symlink():
-        raise fail("is a symbolic link; not replaced (choose another file)")
-    if special_kind(target):
-        raise fail(f"is {special_kind(target)}, not a regular file; not replaced (choose another file)")
-    if target.is_dir():
-        raise fail("is a directory; give a file name (--force replaces files only)")
-    if target.exists() and not force:
-        raise fail("already exists (use --force to replace it)")
-    check_writable_parent(target, lambda message: RecipeError(f"{option}: {message}"))
-    return target
+    """A single-file output (``recipe export``): the rule of ``user_paths`` (an existing regular file is replaced
+    with ``force``). Returns the path."""
+    return check_target(Target(option, output, force=force), inputs)
 
 
 def check_free_bytes(target: Path, size: int, what: str, option: str = "--output") -> None:
@@ -298,3 +205,5 @@ def check_free_bytes(target: Path, size: int, what: str, option: str = "--output
 
 
 SWEEP_FILE = "sweep.json"
+#: The marker type (``cleanup.MARKER``) of a ``recipe sweep`` directory.
+SWEEP_KIND = "recipe-sweep"

@@ -5,7 +5,8 @@
 first load; ``recipe eval`` checks its device, model and evaluation with :func:`check_device`,
 :func:`check_model` and :func:`check_evaluation`, ``recipe bench`` its device and models. Outputs:
 :func:`output.check_output_free` (``apply``'s directory), :func:`output.check_file_output` (``export``'s file),
-:func:`check_sweep_output` (``sweep``'s directory); each writer then holds the output's lock
+:func:`check_sweep_output` (``sweep``'s directory), all on the one rule of ``recipe_engine.io.user_paths`` (which
+also checks ``--timings``, ``--profile`` and ``--json``); each writer then holds the output's lock
 (``recipe_engine.io.output_lock``) until its output is in place.
 
 A recipe's steps are checked by compiling it once (``compiled.compile_plan``, in :func:`check_plan`): the
@@ -31,7 +32,8 @@ from ..io.data import check_text, is_hub_source, load_text
 from ..io.gguf_export import check_recipe_exportable
 from ..io.gguf_vocabulary import check_source_vocabulary
 from ..io.models import exceeds_memory, load_config, parse_device, require_weights, resolve_device
-from ..io.output import SWEEP_FILE, check_writable_parent, name_problem, space_problem
+from ..io.output import SWEEP_FILE, SWEEP_KIND, name_problem, space_problem
+from ..io.user_paths import Target, check_target, marked
 from ..recipe.schema import Recipe
 from .compiled import Plan, compile_plan
 from .estimates import plan_output_bytes
@@ -190,32 +192,30 @@ def preflight_apply(recipe: Recipe, file: str | None, config=None, *, write: boo
     return replace(plan, streamed=streamed)
 
 
-def check_sweep_output(output: str | Path) -> Path:
-    """``recipe sweep --output``: a directory (new, or an earlier sweep's, whose ``sweep.json`` must be one)
-    that can take ``sweep.json`` and ``pareto.png``. Returns the path."""
-    fail = lambda message: RecipeError(f"--output {output}: {message}")
-    target = Path(output).expanduser()
-    if not str(output).strip():
-        raise RecipeError("--output is empty; give a directory")
-    if name_problem(target):
-        raise fail(name_problem(target))
-    if target.exists() and not target.is_dir():
-        raise fail("exists and is not a directory (sweep writes sweep.json and pareto.png into a directory)")
-    if target.is_dir():
-        check_writable_parent(target / SWEEP_FILE, lambda message: RecipeError(f"--output: {message}"))
-        rows = target / SWEEP_FILE
-        if rows.exists():
-            try:
-                record = json.loads(rows.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, ValueError) as exc:
-                raise fail(f"{SWEEP_FILE} is not an earlier sweep's record: {getattr(exc, 'strerror', None) or exc}; "
-                           f"move it away or choose another --output") from None
-            if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
-                raise fail(f"{SWEEP_FILE} is not an earlier sweep's record (no rows); move it away or choose "
-                           f"another --output")
-    else:
-        check_writable_parent(target, lambda message: RecipeError(f"--output: {message}"))
-    return target
+def check_sweep_output(output: str | Path, inputs=()) -> Path:
+    """``recipe sweep --output``: a directory (new, empty, or an earlier sweep's: our marker of
+    :data:`SWEEP_KIND`, or a ``sweep.json`` that is a sweep's record) that can take ``sweep.json`` and
+    ``pareto.png``, and none of the ``inputs`` (``user_paths``). Returns the path."""
+    given = Path(output).expanduser()
+    named = str(output).strip() and not name_problem(given)
+    if named and given.is_dir() and not given.is_symlink() and (given / SWEEP_FILE).exists() \
+            and not is_sweep(given, strict=True):
+        raise RecipeError(f"--output {output}: {SWEEP_FILE} is not an earlier sweep's record; move it away or "
+                          f"choose another --output")
+    sweep = Target("--output", output, directory=True, ours=is_sweep, what="an earlier sweep's directory")
+    return check_target(sweep, [i for i in inputs if Path(i).expanduser().exists()])
+
+
+def is_sweep(directory: Path, strict: bool = False) -> bool:
+    """An earlier sweep's directory: our marker of :data:`SWEEP_KIND` (unless ``strict``) or a ``sweep.json``
+    holding a record with rows."""
+    if not strict and marked(SWEEP_KIND)(directory):
+        return True
+    try:
+        record = json.loads((directory / SWEEP_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("rows"), list)
 
 
 def located(check, file: str | None, field: str | None = None):

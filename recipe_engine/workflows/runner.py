@@ -19,7 +19,7 @@ from ..execution.outputs import RunOutputs
 from ..execution.placement import largest_layer_bytes, offload_activations
 from ..execution.session import Session
 from ..execution.steps import run_steps
-from ..execution.timings import Timings, profiled
+from ..execution.timings import PROFILE_KIND, Timings, profiled
 from ..execution.streaming import open_stream
 from ..io.card import hub_origin, source_license, write_card
 from ..io.checkpoint_writer import write_checkpoint
@@ -29,6 +29,7 @@ from ..io.gguf_export import export_gguf
 from ..io.models import gguf_origin, load_model
 from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
 from ..io.output_lock import output_lock
+from ..io.user_paths import Target, check_targets, is_timings_log, marked
 from ..io.report import Checkpoints as CheckpointsRecord
 from ..io.report import (DataRecord, ExportRecord, ModelRecord, ModelSize, PeakMemory, RecipeRecord, Report,
                          StreamRecord, weights_fingerprint)
@@ -78,10 +79,13 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
         raise RecipeError(f"checkpoints: a share of the run's time in (0, 1], or True / False; got {checkpoints}")
     loaded = _resolve(recipe, list(overrides))
     device = located(lambda: check_device(loaded.recipe.device), loaded.path, "device")
-    with launched(device) as parallel, _claim_output(loaded, write and parallel.rank == 0, force):
+    with launched(device) as parallel, contextlib.ExitStack() as stack:
         log = timings_path(loaded.recipe.output, timings, write and parallel.rank == 0)
         if profile is not None and log is None:
             raise RecipeError("--profile needs the timings log: give --timings PATH when nothing is written")
+        stack.enter_context(_claim_output(loaded, write and parallel.rank == 0, force,
+                                          (timings if timings is not None else log) if parallel.rank == 0 else None,
+                                          timings is not None, profile if parallel.rank == 0 else None))
         # nothing stays beside the output: a finished run's log is in it, a failed or interrupted run's goes
         # with its other files (also when a signal forces the process out); a SIGKILL (or the OOM killer)
         # leaves it. A log whose place the user named stays there.
@@ -105,16 +109,37 @@ def timings_path(output: str, given: str | Path | None, writing: bool) -> Path |
 
 
 @contextlib.contextmanager
-def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool) -> Iterator[None]:
-    """The output's pre-flight (``output.check_output_free``), then its lock (``output_lock``) for the run:
-    a second run aimed at the same output is refused before it touches this run's temporary files or
-    resume checkpoints."""
+def _claim_output(loaded: LoadedRecipe, writing: bool, force: bool, log: str | Path | None = None, named: bool = False,
+                  profile: str | Path | None = None) -> Iterator[None]:
+    """The pre-flight of every path the run writes: the output (``output.check_output_free``), the timings
+    ``log`` (``named``: given by ``--timings``, else the default beside the output) and the ``profile``
+    directory (``user_paths.check_targets``); then the output's lock (``output_lock``) for the run: a second
+    run aimed at the same output is refused before it touches this run's temporary files or resume
+    checkpoints."""
+    if writing:
+        check_output_free(loaded.recipe.output, force, loaded.path, inputs=_inputs(loaded))
+    targets = [Target("--timings" if named else "the timings log", log, ours=is_timings_log, what="a timings log",
+                      instead="choose another file" if named else "give --timings PATH")] if log is not None else []
+    if profile is not None:
+        targets.append(Target("--profile", profile, directory=True, ours=marked(PROFILE_KIND),
+                              what="a profile directory"))
+    others = {"the output": Path(loaded.recipe.output)} if writing else {}
+    check_targets(targets, _read(loaded), others)
     if not writing:
         yield
         return
-    check_output_free(loaded.recipe.output, force, loaded.path, inputs=_inputs(loaded))
     with output_lock(loaded.recipe.output, loaded.path):
         yield
+
+
+def _read(loaded: LoadedRecipe) -> list[str]:
+    """Everything the run reads that it may not write: the model, the recipe file, the local calibration and
+    evaluation texts."""
+    recipe = loaded.recipe
+    texts = list(recipe.calibration.sources)
+    if recipe.evaluate is not None and recipe.evaluate.perplexity is not None:
+        texts += list(recipe.evaluate.perplexity.dataset)
+    return [*_inputs(loaded), loaded.path, *texts]
 
 
 def _inputs(loaded: LoadedRecipe) -> list[str]:
@@ -196,10 +221,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
     outputs = RunOutputs()
     clock = None
-    if timings is not None and parallel.rank == 0:
-        if not resume:
-            timings.unlink(missing_ok=True)  # a fresh run's log starts empty; a resumed one goes on
-        clock = Timings(timings, parallel.device)
+    if timings is not None and parallel.rank == 0:  # a resumed run appends to its log; a fresh one replaces it
+        clock = Timings(timings, parallel.device, append=resume)
     session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar,
                       reference_loader=_reference_loader(recipe, model, source, lambda: session),
                       stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock,

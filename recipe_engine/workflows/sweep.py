@@ -27,11 +27,13 @@ from ..errors import RecipeError
 from ..evaluation import evaluate_model
 from ..execution.memo import SharedWork
 from ..io.models import load_model, resolve_device
-from ..io.output import SWEEP_FILE
+from ..io.output import SWEEP_FILE, SWEEP_KIND
+from ..io.user_paths import replace_text
 from ..io.output_lock import output_lock
 from ..plan.preflight import check_calibration, check_evaluation, check_model, check_recipe, check_sweep_output
 from ..recipe.files import load_recipe, yaml_scalar
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, dump_recipe, safe_load, yaml_problem
+from ..system.cleanup import read_marker, write_marker
 from ..system.progress import Progress
 from .runner import apply
 
@@ -100,6 +102,7 @@ class Sweep:
                  tasks: list[str] | None = None, progress: bool = False, overrides: list[str] = ()):
         self.specs, self.vary = specs, [parse_vary(v) for v in vary]
         self.output, self.eval_limit, self.tasks, self.progress = Path(output), eval_limit, tasks, progress
+        self.given = output  # as named: an empty name is refused, not read as the current directory
         self.overrides = list(overrides)
         self.models: dict[tuple, tuple] = {}
         self.memos: dict[str, Any] = {}
@@ -111,9 +114,10 @@ class Sweep:
 
     def _save(self) -> None:
         self.output.mkdir(parents=True, exist_ok=True)
-        temporary = self.output / f".{SWEEP_FILE}.tmp-{os.getpid()}"
-        temporary.write_text(json.dumps({"vary": [[p, v] for p, v in self.vary], "rows": self.rows}, indent=2))
-        os.replace(temporary, self.output / SWEEP_FILE)
+        if read_marker(self.output) is None:
+            write_marker(self.output, SWEEP_KIND, "complete")
+        replace_text(self.output / SWEEP_FILE, json.dumps({"vary": [[p, v] for p, v in self.vary],
+                                                           "rows": self.rows}, indent=2))
 
     def _dense(self, recipe):
         key = (recipe.model, recipe.dtype)
@@ -136,7 +140,8 @@ class Sweep:
         """``apply``'s pre-flight for every variant before the first model is loaded (``preflight``): the
         output directory, each variant's device, model config, steps on the symbolic shape, calibration text
         and evaluation (tasks, perplexity text); each distinct model, calibration and evaluation once."""
-        check_sweep_output(self.output)
+        texts = {name for _, _, recipe in planned for name in recipe.calibration.sources}
+        check_sweep_output(self.given, [*self.specs, *{recipe.model for _, _, recipe in planned}, *texts])
         configs: dict[str, Any] = {}
         checked: set[str] = set()
         for spec, _, recipe in planned:
@@ -263,7 +268,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> str | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:  # renamed into place, as every file we write
+        fig.savefig(temporary, dpi=110, format="png")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
     plt.close(fig)
     return None
 
