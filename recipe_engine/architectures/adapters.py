@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import RecipeError
 from ..numerics.linalg import set_linear_weight
+from .experts import UNHANDLED, ExpertLayout, layout_problem
 
 #: Linear roles in dataflow order with their stage (0: reads the attention norm, 1: attention output,
 #: 2: reads the MLP norm, 3: MLP output). Fused roles list the roles they stack (output rows in order).
@@ -44,6 +45,8 @@ def _unfused_linears(attention: str = "self_attn", mlp: str = "mlp") -> dict[str
     return {**{r: f"{attention}.{r}" for r in UNFUSED_ROLES[:4]}, **{r: f"{mlp}.{r}" for r in UNFUSED_ROLES[4:]}}
 
 
+#: An MoE layer's linears: the attention's (its MLP's experts are 3-D tensors, see ``experts``).
+ATTENTION_LINEARS = {r: f"self_attn.{r}" for r in UNFUSED_ROLES[:4]}
 LLAMA_NORMS = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
@@ -100,6 +103,10 @@ class ArchitectureAdapter:
         "lm_head": "lm_head", "rotary": "model.rotary_emb"})
     #: how llama.cpp reads this architecture from a GGUF file (None: GGUF export refuses it)
     gguf: GGUFLayout | None = None
+    #: the MLP is a mixture of experts (3-D expert tensors and a router; None: a dense gated MLP of linears)
+    experts: ExpertLayout | None = None
+    #: ``o_proj`` has a bias and each attention head a learned sink logit (gpt-oss)
+    attention_sinks: bool = False
 
     # -- role facts -----------------------------------------------------------------------------
     @property
@@ -128,13 +135,23 @@ class ArchitectureAdapter:
 
     @property
     def output_linears(self) -> dict[str, str]:
-        """Block path → path of the linear whose result is the block's output (``recipe_engine.execution.staged``)."""
-        return {self.attention_block: self.linears["o_proj"], self.mlp_block: self.linears["down_proj"]}
+        """Block path → path of the linear whose result is the block's output (``recipe_engine.execution.staged``);
+        an MoE block has none (its output is a routed sum of expert tensors)."""
+        blocks = {self.attention_block: self.linears["o_proj"]}
+        if "down_proj" in self.linears:
+            blocks[self.mlp_block] = self.linears["down_proj"]
+        return blocks
 
     @property
     def norm_reads(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """(norm role, roles of the linears reading its output): what ``FuseNorm`` folds."""
-        return (("attention_norm", self.attention_inputs), ("mlp_norm", self.mlp_inputs))
+        """(norm role, roles of the linears reading its output): what ``FuseNorm`` folds. An MoE layer's MLP
+        norm is read by the router and the expert tensors, not by linears: it stays."""
+        reads = (("attention_norm", self.attention_inputs), ("mlp_norm", self.mlp_inputs))
+        return tuple((norm, readers) for norm, readers in reads if readers)
+
+    def intermediate_size(self, config) -> int:
+        """The MLP width of the config's layers: one expert's for an MoE architecture."""
+        return self.experts.intermediate_size(config) if self.experts else config.intermediate_size
 
     def path(self, role: str) -> str:
         """Path inside a decoder layer of a linear, norm or block role (``self_attn``/``mlp``: the blocks)."""
@@ -157,6 +174,11 @@ class ArchitectureAdapter:
         """The linear roles of this architecture that ``roles`` (unfused names) select, in dataflow order: a
         fused linear when all its members are selected; a fused linear selected in part is an error."""
         wanted = set(roles)
+        mlp = sorted(wanted & {"gate_proj", "up_proj", "down_proj"})
+        if self.experts is not None and mlp:
+            raise RecipeError(f"{self.model_type}'s MLP is a mixture of experts (3-D expert tensors and a router, "
+                              f"not linears): {', '.join(mlp)} cannot be targeted; target the attention linears "
+                              f"(q_proj, k_proj, v_proj, o_proj)")
         chosen = []
         for role in self.linears:
             members = FUSED_ROLES.get(role, (role,))
@@ -234,7 +256,21 @@ class ArchitectureAdapter:
             kv = self.linear(layer, "k_proj").out_features // head_dim
         else:
             kv = self.member_rows(layer, "qkv_proj", head_dim)["k_proj"] // head_dim
+        if self.experts is not None:
+            return heads, kv, self.experts.expert_width(layer)
         return heads, kv, self.linear(layer, "down_proj").in_features
+
+    @torch.no_grad()
+    def fold_mlp_output(self, layer: nn.Module, transform: torch.Tensor) -> None:
+        """``y ← y T`` (row vectors) on the MLP's output, folded into its weights in fp64: ``down_proj``'s
+        ``W ← Tᵀ W`` (and bias), or every expert's down projection (and a shared expert's)."""
+        if self.experts is not None:
+            self.experts.fold_output(layer, transform)
+            return
+        down = self.linear(layer, "down_proj")
+        t = transform.to(down.weight.device, torch.float64)
+        bias = t.T @ down.bias.double() if down.bias is not None else None
+        set_linear_weight(down, t.T @ down.weight.double(), bias)
 
     def member_rows(self, layer: nn.Module, role: str, head_dim: int) -> dict[str, int]:
         """Output rows of each member role of linear ``role`` (a plain linear: itself). A fused qkv holds
@@ -405,16 +441,31 @@ ADAPTERS = {
                                 gguf=GGUFLayout("phi3", layer_tensors={**GGUF_LAYER_TENSORS, "qkv_proj": "attn_qkv",
                                                                        "gate_up_proj": "ffn_up"},
                                                 config_problem=_phi3_gguf_problem)),
+    # transformers 5 fuses each layer's experts into 3-D tensors (the Hub's per-expert names are converted at load)
+    "qwen3_moe": ArchitectureAdapter("qwen3_moe", norms={**LLAMA_NORMS, **QK_NORMS},
+                                     linears=dict(ATTENTION_LINEARS),
+                                     experts=ExpertLayout(width="moe_intermediate_size")),
+    "mixtral": ArchitectureAdapter("mixtral", linears=dict(ATTENTION_LINEARS),
+                                   experts=ExpertLayout()),
+    "gpt_oss": ArchitectureAdapter("gpt_oss", linears=dict(ATTENTION_LINEARS),
+                                   qkv_bias=True, attention_sinks=True,
+                                   experts=ExpertLayout(router="mlp.router", transposed=True, interleaved=True,
+                                                        biases=True, router_bias=True)),
 }
 
 
 def adapter_for(config) -> ArchitectureAdapter:
     """Adapter for ``config.model_type``; anything else is a one-line error."""
     model_type = getattr(config, "model_type", None)
+    if model_type in UNHANDLED:
+        raise RecipeError(f"unsupported architecture '{model_type}': {UNHANDLED[model_type]} is not handled yet")
     if model_type not in ADAPTERS:
         raise RecipeError(f"unsupported architecture '{model_type}'; supported: "
                           f"{', '.join(sorted(ADAPTERS))}")
     adapter = ADAPTERS[model_type]
+    problem = layout_problem(config) if adapter.experts is not None else None
+    if problem:
+        raise RecipeError(f"unsupported {model_type} variant: {problem}")
     if getattr(config, "attention_bias", False) and not adapter.qkv_bias:
         raise RecipeError(f"unsupported {model_type} variant with attention_bias=true")
     if getattr(config, "mlp_bias", False):

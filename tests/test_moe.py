@@ -1,0 +1,157 @@
+"""Mixture-of-experts architectures (Qwen3-MoE, Mixtral, gpt-oss; tiny random checkpoints with 4 experts, top-2):
+the config/weights check and the weight stream on the Hub's per-expert names and on transformers' fused names,
+depth methods streamed and in memory (outputs that stock ``from_pretrained`` loads with the engine's logits),
+ReplaceMe's fold into every expert against the same map applied as a hook, memory estimates against the
+parameters HF builds, and one-line refusals of what the engine does not handle."""
+import copy
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import recipe_engine
+from recipe_engine.architectures.adapters import adapter_for
+from recipe_engine.architectures.shape import ModelShape
+from recipe_engine.cli import main
+from recipe_engine.errors import SourceError
+from recipe_engine.io.checkpoint_reader import CheckpointReader
+from recipe_engine.io.models import load_config, skeleton_model
+from recipe_engine.plan.estimates import shape_bytes
+from tests.helpers import (MOE_ARCHITECTURES, BYTE_VOCAB, CharTokenizer, random_tokens, save_tiny_model, tiny_config,
+                           tiny_model)
+
+TEXT = "Mixture-of-experts calibration text, repeated so that every window is full of tokens. " * 200
+
+
+def recipe(tmp_path, model, steps, stream="off", name="out"):
+    data = tmp_path / "cal.txt"
+    data.write_text(TEXT)
+    return {"version": 1, "name": name, "model": str(model), "output": str(tmp_path / name), "stream": stream,
+            "calibration": {"dataset": str(data), "samples": 4, "seq_len": 32, "batch_size": 2}, "modifiers": steps}
+
+
+def disk_names(directory) -> list[str]:
+    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+        return list(handle.keys())
+
+
+def fused_copy(source, target):
+    """The checkpoint in ``source`` rewritten with the in-memory (fused expert) names."""
+    target.mkdir()
+    for file in source.iterdir():
+        if file.name != "model.safetensors":
+            (target / file.name).write_bytes(file.read_bytes())
+    model = AutoModelForCausalLM.from_pretrained(source)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, target / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_per_expert_and_fused_names_both_pass_the_weights_check_and_stream(tmp_path, model_type):
+    """transformers 5.24 writes the Hub's per-expert names (``block_sparse_moe.experts.0.w1.weight``) and loads
+    them fused: the check and the stream read both forms, tensor for tensor what ``from_pretrained`` builds."""
+    model = save_tiny_model(tmp_path / "hub", model_type, num_hidden_layers=2)
+    names = disk_names(tmp_path / "hub")
+    assert any(".experts.0." in n for n in names) and not any(n.endswith("experts.gate_up_proj") for n in names)
+    fused_copy(tmp_path / "hub", tmp_path / "fused")
+    assert any(n.endswith("experts.gate_up_proj") for n in disk_names(tmp_path / "fused"))
+    for form in ("hub", "fused"):
+        load_config(str(tmp_path / form))  # the check: no "missing/unexpected tensors"
+        reader = CheckpointReader(tmp_path / form, skeleton_model(str(tmp_path / form), torch.float32))
+        read = reader.read(list(model.state_dict()))
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(read[name], value, rtol=0, atol=0, msg=f"{form}: {name}")
+
+
+def test_a_missing_expert_is_named_in_one_line(tmp_path):
+    save_tiny_model(tmp_path / "hub", "mixtral", num_hidden_layers=2)
+    path = tmp_path / "hub" / "model.safetensors"
+    with safe_open(str(path), "pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys() if ".experts.3." not in k or "layers.1." not in k}
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(SourceError) as caught:
+        load_config(str(tmp_path / "hub"))
+    assert "do not match its config.json" in str(caught.value) and "experts.gate_up_proj" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+DEPTH = {"ShortGPT": ["ShortGPT<n:1>"], "SLEB": ["SLEB<n:1>"], "ReplaceMe": ["ReplaceMe<n:1>"],
+         "LinearPatch": ["ShortGPT<n:1>", "LinearPatch"], "FuseNorm": ["FuseNorm<untie:true>"],
+         "BestOf": ["BestOf<alternatives:[[ShortGPT<n:1>],[ReplaceMe<n:1>],[LaCo<samples:2>]]>"]}
+
+
+@pytest.mark.parametrize("model_type", MOE_ARCHITECTURES)
+@pytest.mark.parametrize("method", list(DEPTH))
+def test_depth_methods_streamed_equal_in_memory_and_reload_stock(tmp_path, model_type, method):
+    """From the per-expert checkpoint: the streamed run writes the in-memory run's bytes, and the output loads
+    with stock ``from_pretrained`` (LinearPatch: ``recipe_engine.load_model``) with the engine's logits."""
+    save_tiny_model(tmp_path / "model", model_type, num_hidden_layers=4)
+    steps = DEPTH[method]
+    result, report = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", steps), progress=False)
+    tokens = random_tokens(vocab=BYTE_VOCAB)
+    with torch.no_grad():
+        expected = result(tokens).logits
+    out = tmp_path / "out"
+    reloaded = (AutoModelForCausalLM.from_pretrained(out) if report.stock_checkpoint
+                else recipe_engine.load_model(str(out))[0]).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    if method == "BestOf":
+        assert "mixture of" in json.dumps(report.steps[0].result)  # LaCo refused, skipped
+        return  # BestOf runs its alternatives on in-memory copies only
+    streamed, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", steps, "on", "streamed"), progress=False)
+    for file in ("model.safetensors",):
+        with safe_open(str(out / file), "pt") as a, safe_open(str(tmp_path / "streamed" / file), "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys())
+            for key in a.keys():
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+
+
+@pytest.mark.parametrize("model_type", MOE_ARCHITECTURES)
+def test_replace_me_fold_into_every_expert_equals_the_map_as_a_hook(tmp_path, model_type):
+    """``T`` folded into every expert's down projection (and biases) computes what ``y ← y T`` on the MoE
+    block's output computes (``fold: hook``, the map applied to the output by a forward hook)."""
+    model = tiny_model(model_type, num_hidden_layers=4)
+    runs = {}
+    for fold in ("down_proj", "hook"):
+        (tmp_path / fold).mkdir()
+        data = recipe(tmp_path / fold, "tiny", [f"ReplaceMe<n:1,fold:{fold}>"])
+        runs[fold] = recipe_engine.apply(data, model=copy.deepcopy(model), tokenizer=CharTokenizer(), progress=False)
+    folded, hooked = runs["down_proj"][0], runs["hook"][0]
+    assert runs["down_proj"][1].steps[0].result["start"] == runs["hook"][1].steps[0].result["start"]
+    start = runs["down_proj"][1].steps[0].result["start"]
+    experts = adapter_for(model.config).experts
+    before = experts.experts(model.model.layers[start - 1]).down_proj
+    assert not torch.allclose(experts.experts(folded.model.layers[start - 1]).down_proj, before)
+    tokens = random_tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(folded(tokens).logits, hooked(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", MOE_ARCHITECTURES)
+def test_memory_estimate_counts_every_expert(model_type):
+    """The plan's model size is the parameters HF builds: every expert, the router, biases and sinks."""
+    config = tiny_config(model_type, num_hidden_layers=3)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert shape_bytes(ModelShape.from_config(config), 2) == 2 * sum(p.numel() for p in model.parameters())
+    assert ModelShape.from_config(config).num_experts == 4
+
+
+@pytest.mark.parametrize("model_type, config, phrase", [
+    ("deepseek_v3", {}, "multi-head latent attention"),
+    ("qwen3_next", {}, "hybrid linear attention"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "dense MLP layers among the MoE layers"),
+])
+def test_an_unhandled_moe_feature_is_refused_at_validation_naming_it(tmp_path, capsys, model_type, config, phrase):
+    directory = tmp_path / "model"
+    AutoConfig.for_model(model_type, **config).save_pretrained(directory)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(tmp_path, directory, ["ShortGPT<n:1>"])))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and phrase in err and "\n" not in err
