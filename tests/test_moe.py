@@ -5,6 +5,7 @@ ReplaceMe's fold into every expert against the same map applied as a hook, memor
 parameters HF builds, and one-line refusals of what the engine does not handle."""
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +156,22 @@ def test_an_unhandled_moe_feature_is_refused_at_validation_naming_it(tmp_path, c
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and phrase in err and "\n" not in err
+
+
+def test_depth20_auto_on_gpt_oss_skips_the_refused_merges_and_writes_a_stock_checkpoint(tmp_path):
+    """The shipped auto recipe on a tiny gpt-oss (sliding/global layers, attention sinks, expert biases): the
+    alternatives that merge layers are skipped with their reason, the winner reloads with stock
+    ``from_pretrained`` and the engine's logits."""
+    save_tiny_model(tmp_path / "model", "gpt_oss", num_hidden_layers=5)
+    shipped = yaml.safe_load((Path(__file__).parents[1] / "recipes" / "depth20_auto.yaml").read_text())
+    data = recipe(tmp_path, tmp_path / "model", shipped["modifiers"])
+    data["calibration"].update(samples=16, seq_len=128)
+    result, report = recipe_engine.apply(data, progress=False)
+    outcome = report.steps[0].result
+    refused = [a for a in outcome["alternatives"] if "refused" in a]
+    assert len(refused) == 3 and all("mixture of 4 experts" in a["refused"] for a in refused)
+    assert report.stock_checkpoint and report.after.layers == 4
+    tokens = random_tokens(vocab=BYTE_VOCAB)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, result(tokens).logits, rtol=1e-5, atol=1e-5)

@@ -90,9 +90,14 @@ UNHANDLED = {
 
 def layout_problem(config) -> str | None:
     """An MoE config variant the adapters do not handle (None: fine): Qwen3-MoE layers with a dense MLP
-    (``mlp_only_layers``, ``decoder_sparse_step``) make the layers unlike one another."""
+    (``mlp_only_layers``, ``decoder_sparse_step``) make the layers unlike one another; gpt-oss's published
+    MXFP4 expert blocks are no tensors the engine computes with."""
     if getattr(config, "mlp_only_layers", None):
         return f"dense MLP layers among the MoE layers (mlp_only_layers={list(config.mlp_only_layers)})"
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    if method == "mxfp4":
+        return "MXFP4-quantized experts (quantization_config); save a bf16 copy first (dequantized by transformers)"
     step = getattr(config, "decoder_sparse_step", 1)
     if step not in (None, 1):
         return f"MoE on every {step}th layer only (decoder_sparse_step={step})"
