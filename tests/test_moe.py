@@ -5,6 +5,8 @@ ReplaceMe's fold into every expert against the same map applied as a hook, memor
 parameters HF builds, and one-line refusals of what the engine does not handle."""
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,44 @@ def test_depth20_auto_on_gpt_oss_skips_the_refused_merges_and_writes_a_stock_che
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, result(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def moe_resumes(tmp_path_factory):
+    """A tiny Mixtral (per-expert names on disk) killed between steps and inside a shared pass, in memory and
+    streamed, then resumed (``tests/resume_driver.py``: imports paid once, one forked child per run)."""
+    from tests.test_resume import ENV
+
+    base = tmp_path_factory.mktemp("moe_resume")
+    save_tiny_model(base / "model", "mixtral", num_hidden_layers=4)
+    data = recipe(base, base / "model", ["FuseNorm", "PauseStep", "PauseInPass", "ReplaceMe<n:1>"])
+    (base / "recipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+    def apply(name, *extra):
+        return {"name": name, "argv": ["apply", str(base / "recipe.yaml"), "--output", str(base / "out" / name),
+                                       "--quiet", "--checkpoint-budget", "1", *extra]}
+
+    cases = []
+    for mode, extra in {"memory": (), "streamed": ("--set", "stream='on'")}.items():
+        cases.append(apply(f"{mode}_reference", *extra))
+        for point in ("step", "pass"):
+            killed = apply(f"{mode}_{point}", *extra)
+            cases.append({**killed, "name": f"{mode}_kill_{point}", "pause": point,
+                          "then": [{**killed, "name": f"{mode}_resume_{point}",
+                                    "argv": [*killed["argv"], "--resume"]}]})
+    (base / "cases.json").write_text(json.dumps(cases))
+    driver = Path(__file__).with_name("resume_driver.py")
+    subprocess.run([sys.executable, str(driver), str(base / "cases.json")], env=ENV, check=True, timeout=600)
+    return base
+
+
+@pytest.mark.parametrize("mode", ["memory", "streamed"])
+@pytest.mark.parametrize("point", ["step", "pass"])
+def test_a_killed_moe_run_resumes_to_the_same_bytes(moe_resumes, mode, point):
+    rc = lambda name: int((moe_resumes / f"{name}.rc").read_text())
+    assert rc(f"{mode}_reference") == 0 and rc(f"{mode}_kill_{point}") == -9
+    assert rc(f"{mode}_resume_{point}") == 0, (moe_resumes / f"{mode}_resume_{point}.err").read_text()
+    out, reference = moe_resumes / "out" / f"{mode}_{point}", moe_resumes / "out" / f"{mode}_reference"
+    assert (out / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    assert json.loads((out / "report.json").read_text())["resumed"] is not None
+    assert any(".experts.0.w1.weight" in name for name in disk_names(out))  # the Hub's names, as save_pretrained
