@@ -5,6 +5,7 @@ ReplaceMe's fold into every expert against the same map applied as a hook, memor
 parameters HF builds, and one-line refusals of what the engine does not handle."""
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,9 @@ from recipe_engine.errors import SourceError
 from recipe_engine.io.checkpoint_reader import CheckpointReader
 from recipe_engine.io.models import load_config, skeleton_model
 from recipe_engine.plan.estimates import shape_bytes
-from tests.helpers import (MOE_ARCHITECTURES, BYTE_VOCAB, CharTokenizer, random_tokens, save_tiny_model, tiny_config,
-                           tiny_model)
+from tests.helpers import (MOE_ARCHITECTURES, BYTE_VOCAB, CharTokenizer, free_port, random_tokens, save_tiny_model,
+                           tiny_config, tiny_model)
+from tests.test_distributed import assert_same_choices
 
 TEXT = "Mixture-of-experts calibration text, repeated so that every window is full of tokens. " * 200
 
@@ -218,3 +220,55 @@ def test_a_killed_moe_run_resumes_to_the_same_bytes(moe_resumes, mode, point):
     assert (out / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
     assert json.loads((out / "report.json").read_text())["resumed"] is not None
     assert any(".experts.0.w1.weight" in name for name in disk_names(out))  # the Hub's names, as save_pretrained
+
+
+#: Data-parallel jobs on a tiny Qwen3-MoE (6 windows = 3 batches of 2, split 1 + 2 between the ranks).
+DP_JOBS = {"sleb": ["SLEB<n:1>"], "replace_me": ["FuseNorm", "ReplaceMe<n:1>"]}
+
+
+@pytest.fixture(scope="module")
+def moe_two_ranks(tmp_path_factory):
+    """Each job with 2 gloo ranks (``tests/dp_driver.py``, one launch) and in this process."""
+
+    base = tmp_path_factory.mktemp("moe_dp")
+    save_tiny_model(base / "model", "qwen3_moe", num_hidden_layers=4)
+    jobs = []
+    for name, steps in DP_JOBS.items():
+        data = recipe(base, base / "model", steps, name=name)
+        data["calibration"]["samples"] = 6
+        (base / f"{name}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+        jobs.append({"name": name, "argv": ["apply", str(base / f"{name}.yaml"), "--output",
+                                            str(base / "dp" / name), "--quiet"]})
+    (base / "jobs.json").write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]))
+    driver = Path(__file__).with_name("dp_driver.py")
+    ranks = [subprocess.Popen([sys.executable, str(driver), str(base / "jobs.json")],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    try:
+        for name in DP_JOBS:
+            recipe_engine.apply(str(base / f"{name}.yaml"), progress=False)
+    finally:
+        codes = [rank.wait(timeout=300) for rank in ranks]
+    assert codes == [0, 0], [(base / f"{j}.rank{r}.err").read_text() for j in DP_JOBS for r in range(2)]
+    return base
+
+
+@pytest.mark.parametrize("name", list(DP_JOBS))
+def test_two_ranks_write_what_one_process_writes(moe_two_ranks, name):
+    """The ranks' reduced statistics choose the same layers and fold the same map (fp64 sums in another
+    order: relative differences ≤ 1e-6), and the output loads with stock ``from_pretrained``."""
+    dp, single = moe_two_ranks / "dp" / name, moe_two_ranks / name
+    dp_report, single_report = recipe_engine.load_report(dp), recipe_engine.load_report(single)
+    assert dp_report.ranks == 2 and single_report.ranks == 1
+    for a, b in zip(dp_report.steps, single_report.steps):
+        assert_same_choices(a.result, b.result, f"step {b.index}")
+    with safe_open(str(dp / "model.safetensors"), "pt") as a, safe_open(str(single / "model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for key in b.keys():
+            expected = b.get_tensor(key).double()
+            difference = (a.get_tensor(key).double() - expected).abs().max()
+            assert difference <= 1e-6 * expected.abs().max().clamp_min(1e-30), key
+    assert dp_report.calibration_layer_batches < single_report.calibration_layer_batches
+    AutoModelForCausalLM.from_pretrained(dp)
