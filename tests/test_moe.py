@@ -1,8 +1,9 @@
-"""Mixture-of-experts architectures (Qwen3-MoE, Mixtral, gpt-oss; tiny random checkpoints with 4 experts, top-2):
-the config/weights check and the weight stream on the Hub's per-expert names and on transformers' fused names,
-depth methods streamed and in memory (outputs that stock ``from_pretrained`` loads with the engine's logits),
-ReplaceMe's fold into every expert against the same map applied as a hook, memory estimates against the
-parameters HF builds, and one-line refusals of what the engine does not handle."""
+"""Mixture-of-experts architectures (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, gpt-oss; tiny random
+checkpoints with 4 experts, top-2): the config/weights check and the weight stream on the Hub's per-expert names
+and on transformers' fused names; depth methods streamed and in memory (outputs that stock ``from_pretrained``
+loads with the engine's logits); ReplaceMe's fold into every expert against the same map applied as a hook; the
+shipped auto recipe; resumed and data-parallel runs; memory estimates against the parameters HF builds; one-line
+refusals of what the engine does not handle."""
 import copy
 import json
 import os
@@ -55,7 +56,7 @@ def fused_copy(source, target):
               metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_per_expert_and_fused_names_both_pass_the_weights_check_and_stream(tmp_path, model_type):
     """transformers 5.24 writes the Hub's per-expert names (``block_sparse_moe.experts.0.w1.weight``) and loads
     them fused: the check and the stream read both forms, tensor for tensor what ``from_pretrained`` builds."""

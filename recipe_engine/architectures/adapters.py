@@ -442,6 +442,8 @@ ADAPTERS = {
                                                                        "gate_up_proj": "ffn_up"},
                                                 config_problem=_phi3_gguf_problem)),
     # transformers 5 fuses each layer's experts into 3-D tensors (the Hub's per-expert names are converted at load)
+    "qwen2_moe": ArchitectureAdapter("qwen2_moe", linears=dict(ATTENTION_LINEARS), qkv_bias=True,
+                                     experts=ExpertLayout(width="moe_intermediate_size", shared="mlp.shared_expert")),
     "qwen3_moe": ArchitectureAdapter("qwen3_moe", norms={**LLAMA_NORMS, **QK_NORMS},
                                      linears=dict(ATTENTION_LINEARS),
                                      experts=ExpertLayout(width="moe_intermediate_size")),

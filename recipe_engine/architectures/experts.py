@@ -27,7 +27,8 @@ class ExpertLayout:
     expert's intermediate size; ``transposed``: expert weights are ``(experts, in, out)`` (``x @ W``);
     ``interleaved``: gate and up alternate along the gate_up output (gpt-oss) rather than stack;
     ``biases``: per-expert biases ``gate_up_proj_bias`` / ``down_proj_bias``; ``router_bias``: the router has a
-    bias; ``shared``: a shared expert's MLP (a plain gated MLP with a ``down_proj`` linear), or None."""
+    bias; ``shared``: a shared expert's MLP (a plain gated MLP of linears, run on every token and scaled by a
+    sigmoid gate ``Linear(hidden, 1)``: Qwen2-MoE), or None, with its width in config attribute ``shared_width``."""
 
     path: str = "mlp.experts"
     router: str = "mlp.gate"
@@ -38,12 +39,17 @@ class ExpertLayout:
     biases: bool = False
     router_bias: bool = False
     shared: str | None = None
+    shared_width: str = "shared_expert_intermediate_size"
 
     def num_experts(self, config) -> int:
         return next(int(getattr(config, name)) for name in self.count if getattr(config, name, None))
 
     def intermediate_size(self, config) -> int:
         return int(getattr(config, self.width))
+
+    def shared_size(self, config) -> int:
+        """The shared expert's intermediate size (0: none)."""
+        return int(getattr(config, self.shared_width)) if self.shared else 0
 
     def experts(self, layer: nn.Module) -> nn.Module:
         return layer.get_submodule(self.path)
@@ -53,16 +59,20 @@ class ExpertLayout:
         down = self.experts(layer).down_proj
         return down.shape[1] if self.transposed else down.shape[2]
 
-    def mlp_parameters(self, hidden: int, width: int, experts: int) -> int:
-        """Parameters of one MoE MLP: every expert's gate, up and down, the router, and the biases."""
+    def mlp_parameters(self, hidden: int, width: int, experts: int, shared: int = 0) -> int:
+        """Parameters of one MoE MLP: every expert's gate, up and down, the router, the biases, and a shared
+        expert of width ``shared`` with its gate."""
         biases = experts * (2 * width + hidden) if self.biases else 0
-        return experts * 3 * hidden * width + experts * hidden + (experts if self.router_bias else 0) + biases
+        shared_expert = 3 * hidden * shared + hidden if shared else 0
+        return (experts * 3 * hidden * width + experts * hidden + (experts if self.router_bias else 0) + biases
+                + shared_expert)
 
     @torch.no_grad()
     def fold_output(self, layer: nn.Module, transform: torch.Tensor) -> None:
         """``y ← y T`` on the MoE block's output, folded into the weights (fp64 products, cast back): every
-        expert's down projection ``W_e ← Tᵀ W_e`` (transposed layout: ``W_e ← W_e T``), its bias ``b_e ← b_e T``,
-        and the shared expert's ``down_proj``. Exact: the output is a gate-weighted sum of those projections."""
+        expert's down projection ``W_e ← Tᵀ W_e`` (transposed layout: ``W_e ← W_e T``), its bias
+        ``b_e ← b_e T``, and the shared expert's ``down_proj``. Exact: the output is a gate-weighted sum of
+        those projections (the shared expert's gate is a scalar per token)."""
         experts = self.experts(layer)
         down = experts.down_proj
         t = transform.to(down.device, torch.float64)
@@ -82,7 +92,6 @@ UNHANDLED = {
     "deepseek_v2": "DeepSeek's multi-head latent attention (MLA: compressed q/kv projections)",
     "deepseek_v3": "DeepSeek's multi-head latent attention (MLA: compressed q/kv projections)",
     "qwen3_next": "hybrid linear attention (Gated DeltaNet layers beside full attention)",
-    "qwen2_moe": "a shared expert with its own sigmoid gate (shared_expert_gate)",
     "jamba": "hybrid Mamba layers",
     "granitemoehybrid": "hybrid Mamba layers",
 }
@@ -95,7 +104,8 @@ def layout_problem(config) -> str | None:
     if getattr(config, "mlp_only_layers", None):
         return f"dense MLP layers among the MoE layers (mlp_only_layers={list(config.mlp_only_layers)})"
     quantization = getattr(config, "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
     if method == "mxfp4":
         return "MXFP4-quantized experts (quantization_config); save a bf16 copy first (dequantized by transformers)"
     step = getattr(config, "decoder_sparse_step", 1)

@@ -51,8 +51,10 @@ class ModelShape:
     #: The result must be a stock checkpoint (the recipe exports it, e.g. to GGUF): a step that chooses between
     #: alternatives (``BestOf``) skips those whose output is not (``Modifier.output_is_stock``).
     stock_only: bool = False
-    #: Experts per MoE layer (0: dense MLPs; ``intermediate_size`` is then one expert's width).
+    #: Experts per MoE layer (0: dense MLPs; ``intermediate_size`` is then one expert's width), and the
+    #: width of a shared expert beside them (0: none).
     num_experts: int = 0
+    shared_expert_size: int = 0
     #: What a step's ``check`` decided that the user should see at ``recipe validate`` without it being an
     #: error (e.g. an alternative the model refuses, to be skipped); one line each.
     notes: list[str] = field(default_factory=list)
@@ -69,7 +71,8 @@ class ModelShape:
         return cls(config.model_type, config.hidden_size, head_dim, heads, kv,
                    width, bool(getattr(config, "tie_word_embeddings", False)), layers,
                    original_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
-                   qkv_bias=_has_qkv_bias(config), num_experts=experts.num_experts(config) if experts else 0)
+                   qkv_bias=_has_qkv_bias(config), num_experts=experts.num_experts(config) if experts else 0,
+                   shared_expert_size=experts.shared_size(config) if experts else 0)
 
     @property
     def num_layers(self) -> int:
@@ -95,7 +98,8 @@ class ModelShape:
         if adapter is not None:
             biases += len(adapter.head_norms) * d + (layer.num_heads + h if adapter.attention_sinks else 0)
         if adapter is not None and adapter.experts is not None and self.num_experts:
-            mlp = adapter.experts.mlp_parameters(h, layer.intermediate_size, self.num_experts)
+            mlp = adapter.experts.mlp_parameters(h, layer.intermediate_size, self.num_experts,
+                                                 self.shared_expert_size)
         else:
             mlp = 3 * h * layer.intermediate_size
         return attention + biases + mlp + 2 * h
