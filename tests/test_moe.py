@@ -273,3 +273,17 @@ def test_two_ranks_write_what_one_process_writes(moe_two_ranks, name):
             assert difference <= 1e-6 * expected.abs().max().clamp_min(1e-30), key
     assert dp_report.calibration_layer_batches < single_report.calibration_layer_batches
     AutoModelForCausalLM.from_pretrained(dp)
+
+
+@pytest.mark.parametrize("export", ["dequantized", "compressed-tensors"])
+def test_gptq_on_the_attention_of_an_moe_model_reloads_with_its_logits(tmp_path, export):
+    """GPTQ on the attention linears (the expert tensors are refused as targets): the output, dense or packed
+    (compressed-tensors, which transformers loads with the fused expert names), reloads with ``from_pretrained``
+    and the engine's logits."""
+    save_tiny_model(tmp_path / "model", "mixtral", num_hidden_layers=2)
+    steps = [f"GPTQ<targets:[q_proj,k_proj,v_proj,o_proj],group_size:32,export:{export}>"]
+    result, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", steps), progress=False)
+    tokens = random_tokens(vocab=BYTE_VOCAB)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, result(tokens).logits, rtol=1e-4, atol=1e-4)

@@ -131,7 +131,9 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     model = session.model
     state = model.state_dict(keep_vars=True)
     quantized = _quantized_weights(session)
-    rename = saved_names(model) if session.adapter.experts is not None else _as_is  # MoE: the Hub's expert names
+    # MoE: save_pretrained's per-expert names; packed, the fused names (transformers' compressed-tensors loading
+    # does not convert per-expert names: 5.24 fails on them)
+    rename = saved_names(model) if session.adapter.experts is not None and not quantized else _as_is
     layout_of = {name: _stored(name, tensor.to("meta"), quantized, rename) for name, tensor in state.items()}
     shards: list[list[tuple[torch.nn.Module | None, dict[str, str]]]] = [[]]
     size = 0
