@@ -287,3 +287,15 @@ def test_gptq_on_the_attention_of_an_moe_model_reloads_with_its_logits(tmp_path,
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, result(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_recovery_on_the_attention_of_an_moe_model_merges_into_a_stock_checkpoint(tmp_path):
+    save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=3)
+    steps = ["ShortGPT<n:1>", "LoRARecovery<targets:[q_proj,k_proj,v_proj,o_proj],max_steps:2,batch_size:2,"
+             "micro_batch_size:2>"]
+    result, report = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", steps), progress=False)
+    assert report.stock_checkpoint
+    tokens = random_tokens(vocab=BYTE_VOCAB)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, result(tokens).logits, rtol=1e-4, atol=1e-4)
