@@ -13,16 +13,15 @@ Norm roles: ``attention_norm`` (read by q/k/v), ``mlp_norm`` (read by gate/up), 
 The adapter also keeps the config consistent after a change of layer count (``num_hidden_layers``,
 ``layer_types``, ``max_window_layers``, each attention module's ``layer_idx`` / ``layer_type``).
 
-GGUF facts (:class:`GGUFLayout`, an adapter's ``gguf``): how llama.cpp names and computes the architecture —
-its ``general.architecture``, the GGUF tensor name of every role, the rope row order, which attention
-variants its graph computes (sliding windows, logit soft-capping) and the config checks that differ per
-architecture. ``recipe_engine.io.gguf_export`` reads only these; an adapter without them is not exported.
+GGUF facts (:class:`GGUFLayout`, an adapter's ``gguf``, in ``gguf_layout``): how llama.cpp names and computes
+the architecture; ``recipe_engine.io.gguf_export`` reads only these. MoE facts (:class:`ExpertLayout`, an
+adapter's ``experts``, in ``experts``): where the expert tensors and the router are and how they are laid out.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +29,7 @@ from torch import nn
 from ..errors import RecipeError
 from ..numerics.linalg import set_linear_weight
 from .experts import UNHANDLED, ExpertLayout, layout_problem
+from .gguf_layout import GGUF_LAYER_TENSORS, GGUFLayout, gemma3_gguf_problem, phi3_gguf_problem
 
 #: Linear roles in dataflow order with their stage (0: reads the attention norm, 1: attention output,
 #: 2: reads the MLP norm, 3: MLP output). Fused roles list the roles they stack (output rows in order).
@@ -48,39 +48,6 @@ def _unfused_linears(attention: str = "self_attn", mlp: str = "mlp") -> dict[str
 #: An MoE layer's linears: the attention's (its MLP's experts are 3-D tensors, see ``experts``).
 ATTENTION_LINEARS = {r: f"self_attn.{r}" for r in UNFUSED_ROLES[:4]}
 LLAMA_NORMS = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-
-
-#: GGUF tensor names of the roles every exported architecture shares (``gguf.TENSOR_NAMES``).
-GGUF_MODEL_TENSORS = {"embeddings": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
-GGUF_LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-                      "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-                      "attention_norm": "attn_norm", "mlp_norm": "ffn_norm",
-                      "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
-
-
-@dataclass(frozen=True)
-class GGUFLayout:
-    """What llama.cpp expects of one architecture in a GGUF file (read in llama.cpp's ``convert_hf_to_gguf.py``,
-    ``gguf-py/gguf/constants.py`` and the architecture's graph in ``src/models/``; not copied).
-
-    ``layer_tensors``: adapter role → tensor name in block ``blk.N`` (linears and norms of a decoder layer);
-    ``model_tensors``: model-level role → tensor name. ``rope_adjacent_pairs``: the graph rotates adjacent
-    pairs (``LLAMA_ROPE_TYPE_NORM``), so HF's rotate-half q/k rows are reordered; the others rotate halves
-    (NEOX) like HF. ``sliding_window``: the graph computes per-layer sliding windows from
-    ``attention.sliding_window`` and a per-layer ``attention.sliding_window_pattern`` (else a config with
-    sliding layers is refused: the graph would attend fully). ``final_logit_softcapping``: the graph applies
-    ``c·tanh(logits/c)``. ``activation``: the MLP activation the graph computes (``hidden_act`` /
-    ``hidden_activation``). ``config_problem``: a further check of the config (None: fine), for facts only
-    this architecture's graph has (a fixed query scale, square attention output)."""
-
-    arch: str
-    layer_tensors: dict[str, str] = field(default_factory=lambda: dict(GGUF_LAYER_TENSORS))
-    model_tensors: dict[str, str] = field(default_factory=lambda: dict(GGUF_MODEL_TENSORS))
-    rope_adjacent_pairs: bool = False
-    sliding_window: bool = False
-    final_logit_softcapping: bool = False
-    activation: str = "silu"
-    config_problem: Callable[[Any], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -396,31 +363,6 @@ def install_linear(layer: nn.Module, path: str, in_features: int, out_features: 
 QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 
-def _gemma3_gguf_problem(config) -> str | None:
-    """llama.cpp's gemma3 graph scales queries by ``1/sqrt(head_dim)`` — ``1/sqrt(hidden/heads)`` when the
-    model has 62 layers (its 27B) — and reads no ``query_pre_attn_scalar``; attention logits are not soft-capped
-    and attention is causal."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    expected = (config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62 else head_dim)
-    if config.query_pre_attn_scalar != expected:
-        return (f"query_pre_attn_scalar {config.query_pre_attn_scalar} differs from the {expected} llama.cpp's "
-                f"gemma3 graph scales queries by")
-    if getattr(config, "attn_logit_softcapping", None):
-        return "attention logit soft-capping is not computed by llama.cpp's gemma3 graph"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "bidirectional attention is not computed by llama.cpp's gemma3 graph"
-    return None
-
-
-def _phi3_gguf_problem(config) -> str | None:
-    """llama.cpp's phi3 graph sizes the attention output ``hidden × hidden``: heads · head_dim = hidden_size."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim * config.num_attention_heads != config.hidden_size:
-        return (f"{config.num_attention_heads} heads of {head_dim} do not fill hidden_size {config.hidden_size}, "
-                f"which llama.cpp's phi3 graph requires")
-    return None
-
-
 GEMMA3_NORMS = {"attention_norm": "input_layernorm", "attention_output_norm": "post_attention_layernorm",
                 "mlp_norm": "pre_feedforward_layernorm", "mlp_output_norm": "post_feedforward_layernorm", **QK_NORMS}
 ADAPTERS = {
@@ -434,13 +376,13 @@ ADAPTERS = {
         gguf=GGUFLayout("gemma3", layer_tensors={**GGUF_LAYER_TENSORS, "attention_output_norm": "post_attention_norm",
                                                  "mlp_output_norm": "post_ffw_norm"},
                         sliding_window=True, final_logit_softcapping=True, activation="gelu_pytorch_tanh",
-                        config_problem=_gemma3_gguf_problem)),
+                        config_problem=gemma3_gguf_problem)),
     # llama.cpp's phi3 keeps HF's fusions: attn_qkv (q, k, v rows) and ffn_up holding [gate; up]
     "phi3": ArchitectureAdapter("phi3", linears={"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
                                                  "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"},
                                 gguf=GGUFLayout("phi3", layer_tensors={**GGUF_LAYER_TENSORS, "qkv_proj": "attn_qkv",
                                                                        "gate_up_proj": "ffn_up"},
-                                                config_problem=_phi3_gguf_problem)),
+                                                config_problem=phi3_gguf_problem)),
     # transformers 5 fuses each layer's experts into 3-D tensors (the Hub's per-expert names are converted at load)
     "qwen2_moe": ArchitectureAdapter("qwen2_moe", linears=dict(ATTENTION_LINEARS), qkv_bias=True,
                                      experts=ExpertLayout(width="moe_intermediate_size", shared="mlp.shared_expert")),
