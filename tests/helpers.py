@@ -13,18 +13,35 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 #: Architectures with a tiny config (every supported ``model_type``).
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "mixtral", "gpt_oss",
+                 "qwen2_moe")
+#: The mixture-of-experts ones: 4 experts, 2 routed per token (Qwen2-MoE: and a shared expert).
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe")
 
 
 def tiny_config(model_type: str = "llama", **overrides):
     """A tiny config of the given architecture (GQA 4 query / 2 KV heads by default). Gemma 3: layers
-    alternate sliding (window 8, shorter than the test sequences) and global attention."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    alternate sliding (window 8, shorter than the test sequences) and global attention; gpt-oss too (its
+    default layer types). MoE architectures: 4 experts (of width 48 on Qwen3-MoE and Qwen2-MoE), top-2;
+    Qwen2-MoE's shared expert of width 80."""
+    from transformers import (Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config}
+               "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config, "qwen3_moe": Qwen3MoeConfig,
+               "mixtral": MixtralConfig, "gpt_oss": GptOssConfig, "qwen2_moe": Qwen2MoeConfig}
     params = dict(TINY, **overrides)
+    if model_type in MOE_ARCHITECTURES:  # one expert's width: 48 (Qwen3-MoE's moe_intermediate_size)
+        params.setdefault("num_experts_per_tok", 2)
+        qwen = model_type in ("qwen3_moe", "qwen2_moe")
+        params.setdefault("num_experts" if qwen else "num_local_experts", 4)
+        params.setdefault("moe_intermediate_size" if qwen else "intermediate_size", 48)
+    if model_type == "qwen2_moe":
+        params.setdefault("shared_expert_intermediate_size", 80)
+    if model_type in ("mixtral", "gpt_oss"):
+        params.setdefault("sliding_window", 8 if model_type == "gpt_oss" else None)
+    if model_type == "gpt_oss":  # its YaRN default scales from 4096 positions, more than the tiny model has
+        params.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
     if model_type == "mistral":
         params.setdefault("sliding_window", None)
     if model_type == "gemma3_text":

@@ -13,7 +13,7 @@ import recipe_engine
 from recipe_engine.recipe.registry import REGISTRY
 from recipe_engine.recipe.schema import dump_recipe, recipe_from_dict
 from recipe_engine.errors import RecipeError
-from tests.helpers import ARCHITECTURES, BYTE_VOCAB, CharTokenizer, byte_tokenizer, random_tokens, tiny_model
+from tests.helpers import ARCHITECTURES, BYTE_VOCAB, MOE_ARCHITECTURES, CharTokenizer, byte_tokenizer, random_tokens, tiny_model
 
 TEXT = "Calibration text for the contract tests, repeated to have enough tokens. " * 300
 NAMES = REGISTRY.names()
@@ -21,6 +21,10 @@ NAMES = REGISTRY.names()
 REFUSED = {(name, "gemma3_text"): "post-attention/post-feedforward norms"
            for name in ("FlattenAdjacent", "HeadPrune", "NystromMLP")}  # their examples start with FlattenAdjacent
 REFUSED["ReplaceMe", "gemma3_text"] = "normalizes the MLP output"  # no exact fold through the post-MLP norm
+#: Mixture-of-experts MLPs: no merge of two layers' experts, no single down_proj to prune, and quantizing or
+#: adapting the expert tensors is refused by their roles (the examples of the last three start with FlattenAdjacent).
+REFUSED.update({(name, moe): "mixture of" for moe in MOE_ARCHITECTURES
+                for name in ("FlattenAdjacent", "HeadPrune", "NystromMLP", "LaCo", "GPTQ", "Quantize", "LoRARecovery")})
 
 
 def example_recipe(tmp_path, name):

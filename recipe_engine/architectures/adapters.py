@@ -13,22 +13,23 @@ Norm roles: ``attention_norm`` (read by q/k/v), ``mlp_norm`` (read by gate/up), 
 The adapter also keeps the config consistent after a change of layer count (``num_hidden_layers``,
 ``layer_types``, ``max_window_layers``, each attention module's ``layer_idx`` / ``layer_type``).
 
-GGUF facts (:class:`GGUFLayout`, an adapter's ``gguf``): how llama.cpp names and computes the architecture —
-its ``general.architecture``, the GGUF tensor name of every role, the rope row order, which attention
-variants its graph computes (sliding windows, logit soft-capping) and the config checks that differ per
-architecture. ``recipe_engine.io.gguf_export`` reads only these; an adapter without them is not exported.
+GGUF facts (:class:`GGUFLayout`, an adapter's ``gguf``, in ``gguf_layout``): how llama.cpp names and computes
+the architecture; ``recipe_engine.io.gguf_export`` reads only these. MoE facts (:class:`ExpertLayout`, an
+adapter's ``experts``, in ``experts``): where the expert tensors and the router are and how they are laid out.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import RecipeError
 from ..numerics.linalg import set_linear_weight
+from .experts import UNHANDLED, ExpertLayout, layout_problem
+from .gguf_layout import GGUF_LAYER_TENSORS, GGUFLayout, gemma3_gguf_problem, phi3_gguf_problem
 
 #: Linear roles in dataflow order with their stage (0: reads the attention norm, 1: attention output,
 #: 2: reads the MLP norm, 3: MLP output). Fused roles list the roles they stack (output rows in order).
@@ -44,40 +45,9 @@ def _unfused_linears(attention: str = "self_attn", mlp: str = "mlp") -> dict[str
     return {**{r: f"{attention}.{r}" for r in UNFUSED_ROLES[:4]}, **{r: f"{mlp}.{r}" for r in UNFUSED_ROLES[4:]}}
 
 
+#: An MoE layer's linears: the attention's (its MLP's experts are 3-D tensors, see ``experts``).
+ATTENTION_LINEARS = {r: f"self_attn.{r}" for r in UNFUSED_ROLES[:4]}
 LLAMA_NORMS = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-
-
-#: GGUF tensor names of the roles every exported architecture shares (``gguf.TENSOR_NAMES``).
-GGUF_MODEL_TENSORS = {"embeddings": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
-GGUF_LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-                      "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-                      "attention_norm": "attn_norm", "mlp_norm": "ffn_norm",
-                      "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
-
-
-@dataclass(frozen=True)
-class GGUFLayout:
-    """What llama.cpp expects of one architecture in a GGUF file (read in llama.cpp's ``convert_hf_to_gguf.py``,
-    ``gguf-py/gguf/constants.py`` and the architecture's graph in ``src/models/``; not copied).
-
-    ``layer_tensors``: adapter role → tensor name in block ``blk.N`` (linears and norms of a decoder layer);
-    ``model_tensors``: model-level role → tensor name. ``rope_adjacent_pairs``: the graph rotates adjacent
-    pairs (``LLAMA_ROPE_TYPE_NORM``), so HF's rotate-half q/k rows are reordered; the others rotate halves
-    (NEOX) like HF. ``sliding_window``: the graph computes per-layer sliding windows from
-    ``attention.sliding_window`` and a per-layer ``attention.sliding_window_pattern`` (else a config with
-    sliding layers is refused: the graph would attend fully). ``final_logit_softcapping``: the graph applies
-    ``c·tanh(logits/c)``. ``activation``: the MLP activation the graph computes (``hidden_act`` /
-    ``hidden_activation``). ``config_problem``: a further check of the config (None: fine), for facts only
-    this architecture's graph has (a fixed query scale, square attention output)."""
-
-    arch: str
-    layer_tensors: dict[str, str] = field(default_factory=lambda: dict(GGUF_LAYER_TENSORS))
-    model_tensors: dict[str, str] = field(default_factory=lambda: dict(GGUF_MODEL_TENSORS))
-    rope_adjacent_pairs: bool = False
-    sliding_window: bool = False
-    final_logit_softcapping: bool = False
-    activation: str = "silu"
-    config_problem: Callable[[Any], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +70,10 @@ class ArchitectureAdapter:
         "lm_head": "lm_head", "rotary": "model.rotary_emb"})
     #: how llama.cpp reads this architecture from a GGUF file (None: GGUF export refuses it)
     gguf: GGUFLayout | None = None
+    #: the MLP is a mixture of experts (3-D expert tensors and a router; None: a dense gated MLP of linears)
+    experts: ExpertLayout | None = None
+    #: ``o_proj`` has a bias and each attention head a learned sink logit (gpt-oss)
+    attention_sinks: bool = False
 
     # -- role facts -----------------------------------------------------------------------------
     @property
@@ -128,13 +102,23 @@ class ArchitectureAdapter:
 
     @property
     def output_linears(self) -> dict[str, str]:
-        """Block path → path of the linear whose result is the block's output (``recipe_engine.execution.staged``)."""
-        return {self.attention_block: self.linears["o_proj"], self.mlp_block: self.linears["down_proj"]}
+        """Block path → path of the linear whose result is the block's output (``recipe_engine.execution.staged``);
+        an MoE block has none (its output is a routed sum of expert tensors)."""
+        blocks = {self.attention_block: self.linears["o_proj"]}
+        if "down_proj" in self.linears:
+            blocks[self.mlp_block] = self.linears["down_proj"]
+        return blocks
 
     @property
     def norm_reads(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """(norm role, roles of the linears reading its output): what ``FuseNorm`` folds."""
-        return (("attention_norm", self.attention_inputs), ("mlp_norm", self.mlp_inputs))
+        """(norm role, roles of the linears reading its output): what ``FuseNorm`` folds. An MoE layer's MLP
+        norm is read by the router and the expert tensors, not by linears: it stays."""
+        reads = (("attention_norm", self.attention_inputs), ("mlp_norm", self.mlp_inputs))
+        return tuple((norm, readers) for norm, readers in reads if readers)
+
+    def intermediate_size(self, config) -> int:
+        """The MLP width of the config's layers: one expert's for an MoE architecture."""
+        return self.experts.intermediate_size(config) if self.experts else config.intermediate_size
 
     def path(self, role: str) -> str:
         """Path inside a decoder layer of a linear, norm or block role (``self_attn``/``mlp``: the blocks)."""
@@ -157,6 +141,11 @@ class ArchitectureAdapter:
         """The linear roles of this architecture that ``roles`` (unfused names) select, in dataflow order: a
         fused linear when all its members are selected; a fused linear selected in part is an error."""
         wanted = set(roles)
+        mlp = sorted(wanted & {"gate_proj", "up_proj", "down_proj"})
+        if self.experts is not None and mlp:
+            raise RecipeError(f"{self.model_type}'s MLP is a mixture of experts (3-D expert tensors and a router, "
+                              f"not linears): {', '.join(mlp)} cannot be targeted; target the attention linears "
+                              f"(q_proj, k_proj, v_proj, o_proj)")
         chosen = []
         for role in self.linears:
             members = FUSED_ROLES.get(role, (role,))
@@ -234,7 +223,21 @@ class ArchitectureAdapter:
             kv = self.linear(layer, "k_proj").out_features // head_dim
         else:
             kv = self.member_rows(layer, "qkv_proj", head_dim)["k_proj"] // head_dim
+        if self.experts is not None:
+            return heads, kv, self.experts.expert_width(layer)
         return heads, kv, self.linear(layer, "down_proj").in_features
+
+    @torch.no_grad()
+    def fold_mlp_output(self, layer: nn.Module, transform: torch.Tensor) -> None:
+        """``y ← y T`` (row vectors) on the MLP's output, folded into its weights in fp64: ``down_proj``'s
+        ``W ← Tᵀ W`` (and bias), or every expert's down projection (and a shared expert's)."""
+        if self.experts is not None:
+            self.experts.fold_output(layer, transform)
+            return
+        down = self.linear(layer, "down_proj")
+        t = transform.to(down.weight.device, torch.float64)
+        bias = t.T @ down.bias.double() if down.bias is not None else None
+        set_linear_weight(down, t.T @ down.weight.double(), bias)
 
     def member_rows(self, layer: nn.Module, role: str, head_dim: int) -> dict[str, int]:
         """Output rows of each member role of linear ``role`` (a plain linear: itself). A fused qkv holds
@@ -360,31 +363,6 @@ def install_linear(layer: nn.Module, path: str, in_features: int, out_features: 
 QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 
-def _gemma3_gguf_problem(config) -> str | None:
-    """llama.cpp's gemma3 graph scales queries by ``1/sqrt(head_dim)`` — ``1/sqrt(hidden/heads)`` when the
-    model has 62 layers (its 27B) — and reads no ``query_pre_attn_scalar``; attention logits are not soft-capped
-    and attention is causal."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    expected = (config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62 else head_dim)
-    if config.query_pre_attn_scalar != expected:
-        return (f"query_pre_attn_scalar {config.query_pre_attn_scalar} differs from the {expected} llama.cpp's "
-                f"gemma3 graph scales queries by")
-    if getattr(config, "attn_logit_softcapping", None):
-        return "attention logit soft-capping is not computed by llama.cpp's gemma3 graph"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "bidirectional attention is not computed by llama.cpp's gemma3 graph"
-    return None
-
-
-def _phi3_gguf_problem(config) -> str | None:
-    """llama.cpp's phi3 graph sizes the attention output ``hidden × hidden``: heads · head_dim = hidden_size."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim * config.num_attention_heads != config.hidden_size:
-        return (f"{config.num_attention_heads} heads of {head_dim} do not fill hidden_size {config.hidden_size}, "
-                f"which llama.cpp's phi3 graph requires")
-    return None
-
-
 GEMMA3_NORMS = {"attention_norm": "input_layernorm", "attention_output_norm": "post_attention_layernorm",
                 "mlp_norm": "pre_feedforward_layernorm", "mlp_output_norm": "post_feedforward_layernorm", **QK_NORMS}
 ADAPTERS = {
@@ -398,23 +376,40 @@ ADAPTERS = {
         gguf=GGUFLayout("gemma3", layer_tensors={**GGUF_LAYER_TENSORS, "attention_output_norm": "post_attention_norm",
                                                  "mlp_output_norm": "post_ffw_norm"},
                         sliding_window=True, final_logit_softcapping=True, activation="gelu_pytorch_tanh",
-                        config_problem=_gemma3_gguf_problem)),
+                        config_problem=gemma3_gguf_problem)),
     # llama.cpp's phi3 keeps HF's fusions: attn_qkv (q, k, v rows) and ffn_up holding [gate; up]
     "phi3": ArchitectureAdapter("phi3", linears={"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
                                                  "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"},
                                 gguf=GGUFLayout("phi3", layer_tensors={**GGUF_LAYER_TENSORS, "qkv_proj": "attn_qkv",
                                                                        "gate_up_proj": "ffn_up"},
-                                                config_problem=_phi3_gguf_problem)),
+                                                config_problem=phi3_gguf_problem)),
+    # transformers 5 fuses each layer's experts into 3-D tensors (the Hub's per-expert names are converted at load)
+    "qwen2_moe": ArchitectureAdapter("qwen2_moe", linears=dict(ATTENTION_LINEARS), qkv_bias=True,
+                                     experts=ExpertLayout(width="moe_intermediate_size", shared="mlp.shared_expert")),
+    "qwen3_moe": ArchitectureAdapter("qwen3_moe", norms={**LLAMA_NORMS, **QK_NORMS},
+                                     linears=dict(ATTENTION_LINEARS),
+                                     experts=ExpertLayout(width="moe_intermediate_size")),
+    "mixtral": ArchitectureAdapter("mixtral", linears=dict(ATTENTION_LINEARS),
+                                   experts=ExpertLayout()),
+    "gpt_oss": ArchitectureAdapter("gpt_oss", linears=dict(ATTENTION_LINEARS),
+                                   qkv_bias=True, attention_sinks=True,
+                                   experts=ExpertLayout(router="mlp.router", transposed=True, interleaved=True,
+                                                        biases=True, router_bias=True)),
 }
 
 
 def adapter_for(config) -> ArchitectureAdapter:
     """Adapter for ``config.model_type``; anything else is a one-line error."""
     model_type = getattr(config, "model_type", None)
+    if model_type in UNHANDLED:
+        raise RecipeError(f"unsupported architecture '{model_type}': {UNHANDLED[model_type]} is not handled yet")
     if model_type not in ADAPTERS:
         raise RecipeError(f"unsupported architecture '{model_type}'; supported: "
                           f"{', '.join(sorted(ADAPTERS))}")
     adapter = ADAPTERS[model_type]
+    problem = layout_problem(config) if adapter.experts is not None else None
+    if problem:
+        raise RecipeError(f"unsupported {model_type} variant: {problem}")
     if getattr(config, "attention_bias", False) and not adapter.qkv_bias:
         raise RecipeError(f"unsupported {model_type} variant with attention_bias=true")
     if getattr(config, "mlp_bias", False):

@@ -51,6 +51,10 @@ class ModelShape:
     #: The result must be a stock checkpoint (the recipe exports it, e.g. to GGUF): a step that chooses between
     #: alternatives (``BestOf``) skips those whose output is not (``Modifier.output_is_stock``).
     stock_only: bool = False
+    #: Experts per MoE layer (0: dense MLPs; ``intermediate_size`` is then one expert's width), and the
+    #: width of a shared expert beside them (0: none).
+    num_experts: int = 0
+    shared_expert_size: int = 0
     #: What a step's ``check`` decided that the user should see at ``recipe validate`` without it being an
     #: error (e.g. an alternative the model refuses, to be skipped); one line each.
     notes: list[str] = field(default_factory=list)
@@ -60,12 +64,15 @@ class ModelShape:
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        layers = [LayerShape(heads, kv, config.intermediate_size, (i,))
-                  for i in range(config.num_hidden_layers)]
+        adapter = ADAPTERS.get(config.model_type)
+        experts = adapter.experts if adapter is not None else None
+        width = adapter.intermediate_size(config) if adapter is not None else config.intermediate_size
+        layers = [LayerShape(heads, kv, width, (i,)) for i in range(config.num_hidden_layers)]
         return cls(config.model_type, config.hidden_size, head_dim, heads, kv,
-                   config.intermediate_size, bool(getattr(config, "tie_word_embeddings", False)), layers,
+                   width, bool(getattr(config, "tie_word_embeddings", False)), layers,
                    original_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
-                   qkv_bias=_has_qkv_bias(config))
+                   qkv_bias=_has_qkv_bias(config), num_experts=experts.num_experts(config) if experts else 0,
+                   shared_expert_size=experts.shared_size(config) if experts else 0)
 
     @property
     def num_layers(self) -> int:
@@ -81,11 +88,21 @@ class ModelShape:
                 != [standard[k] for k in picked]]
 
     def layer_parameters(self, layer: LayerShape) -> int:
-        """Parameters of one decoder layer of these widths (q/k/v biases counted when present)."""
+        """Parameters of one decoder layer of these widths (q/k/v biases counted when present; an MoE layer:
+        every expert, the router and their biases; per-head q/k norms, attention sinks and the ``o_proj`` bias
+        where present)."""
         h, d = self.hidden_size, self.head_dim
+        adapter = ADAPTERS.get(self.model_type)
         attention = (2 * layer.num_heads + 2 * layer.num_kv_heads) * d * h
         biases = (layer.num_heads + 2 * layer.num_kv_heads) * d if self.qkv_bias else 0
-        return attention + biases + 3 * h * layer.intermediate_size + 2 * h
+        if adapter is not None:
+            biases += len(adapter.head_norms) * d + (layer.num_heads + h if adapter.attention_sinks else 0)
+        if adapter is not None and adapter.experts is not None and self.num_experts:
+            mlp = adapter.experts.mlp_parameters(h, layer.intermediate_size, self.num_experts,
+                                                 self.shared_expert_size)
+        else:
+            mlp = 3 * h * layer.intermediate_size
+        return attention + biases + mlp + 2 * h
 
 
 def _has_qkv_bias(config) -> bool:

@@ -155,7 +155,7 @@ class Session:
         """Layers wider than the config, read from the weights: in query heads (``part="attention"``),
         in intermediate size (``"mlp"``), or in either (``None``, which also compares KV heads)."""
         cfg = self.model.config
-        standard = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+        standard = (cfg.num_attention_heads, cfg.num_key_value_heads, self.adapter.intermediate_size(cfg))
         picked = WIDTH_INDEX[part]
         return [i for i, layer in enumerate(self.layers)
                 if [self.adapter.layer_widths(layer, self.head_dim)[k] for k in picked]

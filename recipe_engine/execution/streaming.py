@@ -258,7 +258,7 @@ def open_stream(model: nn.Module, adapter, location: str, staging: Path | None, 
             adapter.lm_head(model).weight = adapter.embeddings(model).weight
 
     retie()
-    return WeightStream(model, stream_units(model, adapter), CheckpointReader(location), staging, retie)
+    return WeightStream(model, stream_units(model, adapter), CheckpointReader(location, model), staging, retie)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..errors import SourceError
+from .checkpoint_names import converted_names, converted_shapes
 
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -25,10 +26,12 @@ class CheckpointReader:
     """Lazy reader of a safetensors checkpoint directory: one ``model.safetensors`` or a sharded index.
 
     ``read(names)`` opens each shard with ``safe_open`` only for the duration of the call; the returned
-    tensors are memory-mapped views (copy-on-write), valid after the file is closed.
+    tensors are memory-mapped views (copy-on-write), valid after the file is closed. Given the ``model`` the
+    checkpoint is for, it also reads the in-memory names of tensors transformers converts at load (a Mixtral's
+    fused experts from the per-expert tensors on disk; ``checkpoint_names``).
     """
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, model: nn.Module | None = None):
         self.directory = Path(directory)
         index = self.directory / INDEX_FILE
         if index.is_file():
@@ -40,15 +43,25 @@ class CheckpointReader:
                 self.files = {name: path for name in handle.keys()}
         else:
             raise SourceError(f"{self.directory}: no {SINGLE_FILE} or {INDEX_FILE} to stream weights from")
+        #: in-memory name → the on-disk tensors transformers makes it from (``checkpoint_names``)
+        self.converted = converted_names(model, list(self.files)) if model is not None else {}
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files
+        return name in self.files or name in self.converted
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         names = list(names)
-        missing = [n for n in names if n not in self.files]
+        missing = [n for n in names if n not in self]
         if missing:
             raise SourceError(f"{self.directory}: tensors missing from the checkpoint: {missing[:3]}")
+        stored = [n for n in names if n in self.files]
+        tensors = self._read(stored)
+        for name in names:
+            if name not in self.files:
+                tensors[name] = self.converted[name].build(self._read)
+        return tensors
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = {}
         by_file = itertools.groupby(sorted(names, key=lambda n: str(self.files[n])), key=lambda n: self.files[n])
         for path, group in by_file:
@@ -148,13 +161,19 @@ def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
 def check_checkpoint(directory: Path, config, spec: str | None = None) -> None:
     """Every tensor ``config``'s architecture needs is in the checkpoint with the config's shape, and no other
     tensor is (headers only, no weight read; a tied ``lm_head`` may be absent; a packed linear's
-    ``weight_packed``/``weight_scale``/... stand for its ``weight``). Otherwise one line naming the first few."""
+    ``weight_packed``/``weight_scale``/... stand for its ``weight``; tensors transformers converts at load, such
+    as per-expert names, count as what they convert to). Otherwise one line naming the first few."""
     # deferred: transformers' model classes take seconds to import; only what builds a model pays it
     from transformers import AutoModelForCausalLM
 
     present = checkpoint_shapes(directory)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    conversions = converted_names(model, list(present))
+    if conversions:  # on-disk names transformers converts at load (per-expert tensors): compared converted
+        sources = {name for conversion in conversions.values() for name in conversion.names}
+        present = {**{k: v for k, v in present.items() if k not in sources},
+                   **converted_shapes(conversions, present)}
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     packed = {f"{name[:-len('weight')]}{suffix}" for name in expected if name.endswith(".weight")

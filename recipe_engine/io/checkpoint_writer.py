@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..numerics.quantization import QuantizedLinear, pack, packed_layout, quantization_config
+from .checkpoint_names import saved_names
 from .checkpoint_reader import INDEX_FILE, SINGLE_FILE, is_materialized
 
 #: Default shard size (``save_pretrained``'s "5GB"); the writer holds one unit, not one shard, in memory.
@@ -105,11 +106,17 @@ def _unit_values(session, unit: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach() for name, tensor in unit.state_dict(keep_vars=True).items()}
 
 
-def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinear]) -> dict[str, torch.Tensor]:
-    """The file entries of one state tensor: itself, or its packed tensors when it is a quantized weight."""
+def _as_is(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {name: tensor}
+
+
+def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinear],
+            rename=_as_is) -> dict[str, torch.Tensor]:
+    """The file entries of one state tensor: itself (``rename``: under ``save_pretrained``'s on-disk names), or
+    its packed tensors when it is a quantized weight."""
     record = quantized.get(name)
     if record is None:
-        return {name: tensor}
+        return rename(name, tensor)
     prefix = name[: -len("weight")]
     if tensor.device.type == "meta":
         return {prefix + key: value for key, value in packed_layout(tensor, record).items()}
@@ -124,7 +131,10 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     model = session.model
     state = model.state_dict(keep_vars=True)
     quantized = _quantized_weights(session)
-    layout_of = {name: _stored(name, tensor.to("meta"), quantized) for name, tensor in state.items()}
+    # MoE: save_pretrained's per-expert names; packed, the fused names (transformers' compressed-tensors loading
+    # does not convert per-expert names: 5.24 fails on them)
+    rename = saved_names(model) if session.adapter.experts is not None and not quantized else _as_is
+    layout_of = {name: _stored(name, tensor.to("meta"), quantized, rename) for name, tensor in state.items()}
     shards: list[list[tuple[torch.nn.Module | None, dict[str, str]]]] = [[]]
     size = 0
     for group in _groups(session):
@@ -149,7 +159,7 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
                 unit_values = _unit_values(session, unit)
                 values = {name: unit_values[local] for name, local in names.items()}
             yield {key: tensor for name, value in values.items()
-                   for key, tensor in _stored(name, value, quantized).items()}
+                   for key, tensor in _stored(name, value, quantized, rename).items()}
             if unit is not None and session.stream is not None and not is_materialized(unit):
                 session.stream.discard_staged(unit)  # written: its staging file is no longer needed
 

@@ -16,8 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from recipe_engine.api import (ADAPTERS, LayerBudget, Modifier, ModifierSession, RecipeError, Statistic,
-                               budget_field, mean_eigenvalue, refit_error, register, remove_layers, ridge_refit,
-                               set_linear_weight)
+                               budget_field, mean_eigenvalue, refit_error, register, remove_layers, ridge_refit)
 
 from ._depth import drop_symbolic, extra_adapter, require_uniform, span_scores, token_mask
 
@@ -203,6 +202,8 @@ class MapOutput:
         self.matrix = matrix
 
     def __call__(self, _module, _args, output):
+        if isinstance(output, tuple):  # gpt-oss's MoE block returns (output, router scores)
+            return (self(_module, _args, output[0]), *output[1:])
         return output @ self.matrix.to(output.device, output.dtype)
 
 
@@ -238,7 +239,8 @@ class ReplaceMe(Modifier):
     accumulated over calibration batches (``λ = ridge × mean eigenvalue of MᵀM``, shrinking ``T`` towards the
     plain drop ``T = I``; 0: the paper's plain least squares); ``objective: cosine`` minimises
     ``1 − mean cos(M T, L − Y)`` with Adam (``adam``). ``fold: down_proj``: ``down_proj``'s weight ``W``
-    becomes ``Tᵀ W`` (stock). ``fold: hook``: ``M`` is what the layer adds to the residual stream (on Gemma 3
+    becomes ``Tᵀ W`` (stock; on a mixture-of-experts layer every expert's down projection, and a shared
+    expert's: the MLP output is a gate-weighted sum of them, so the fold is exact). ``fold: hook``: ``M`` is what the layer adds to the residual stream (on Gemma 3
     the normalized MLP output) and ``T`` is applied to it by a forward hook, saved as a recipe extra (not
     stock; the layers are pinned as after LinearPatch). ``fold: auto``: down_proj where the architecture
     allows it, else the hook (the report's ``fold`` says which).
@@ -345,10 +347,7 @@ class ReplaceMe(Modifier):
                    relative=residual / seam.error if seam.error else 0.0)
         if fold == "down_proj":
             with session.placed(start - 1, on_device=False):
-                down = session.layers[start - 1].get_submodule(session.adapter.path("down_proj"))
-                weight = transform.T @ down.weight.double()
-                bias = transform.T @ down.bias.double() if down.bias is not None else None
-                set_linear_weight(down, weight, bias)
+                session.adapter.fold_mlp_output(session.layers[start - 1], transform)
         else:
             install_map(session.model, session.adapter, start - 1, branch, transform.float())
         folded_into = list(session.layer_origin[start - 1])

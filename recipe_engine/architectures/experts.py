@@ -1,0 +1,114 @@
+"""Mixture-of-experts layers as transformers 5 holds them: the experts of a layer as 3-D tensors.
+
+An MoE decoder layer's MLP is a router (``mlp.gate`` or ``mlp.router``: one logit per expert) and the experts,
+fused per layer into ``experts.gate_up_proj`` (gate and up rows of every expert) and ``experts.down_proj``,
+each of shape ``(experts, out, in)`` — or ``(experts, in, out)`` where the layout is ``transposed``
+(gpt-oss, which also carries per-expert biases and interleaves gate and up columns). The block's output is
+``Σ_e g_e(x) · down_e(act(gate_e x) ⊙ up_e x)`` over the routed experts, plus a shared expert where the
+architecture has one. A linear map ``T`` on that output (row vectors, ``y ← y T``) therefore folds exactly
+into every expert's down projection (and the shared expert's): :meth:`ExpertLayout.fold_output`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..numerics.linalg import set_linear_weight
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where an architecture keeps its experts and how their tensors are laid out.
+
+    ``path``: the experts module inside a decoder layer; ``router``: the router module; ``count``: config
+    attributes holding the number of experts (first present wins); ``width``: the config attribute of one
+    expert's intermediate size; ``transposed``: expert weights are ``(experts, in, out)`` (``x @ W``);
+    ``interleaved``: gate and up alternate along the gate_up output (gpt-oss) rather than stack;
+    ``biases``: per-expert biases ``gate_up_proj_bias`` / ``down_proj_bias``; ``router_bias``: the router has a
+    bias; ``shared``: a shared expert's MLP (a plain gated MLP of linears, run on every token and scaled by a
+    sigmoid gate ``Linear(hidden, 1)``: Qwen2-MoE), or None, with its width in config attribute ``shared_width``."""
+
+    path: str = "mlp.experts"
+    router: str = "mlp.gate"
+    count: tuple[str, ...] = ("num_local_experts", "num_experts")
+    width: str = "intermediate_size"
+    transposed: bool = False
+    interleaved: bool = False
+    biases: bool = False
+    router_bias: bool = False
+    shared: str | None = None
+    shared_width: str = "shared_expert_intermediate_size"
+
+    def num_experts(self, config) -> int:
+        return next(int(getattr(config, name)) for name in self.count if getattr(config, name, None))
+
+    def intermediate_size(self, config) -> int:
+        return int(getattr(config, self.width))
+
+    def shared_size(self, config) -> int:
+        """The shared expert's intermediate size (0: none)."""
+        return int(getattr(config, self.shared_width)) if self.shared else 0
+
+    def experts(self, layer: nn.Module) -> nn.Module:
+        return layer.get_submodule(self.path)
+
+    def expert_width(self, layer: nn.Module) -> int:
+        """One expert's intermediate size, read from the weights."""
+        down = self.experts(layer).down_proj
+        return down.shape[1] if self.transposed else down.shape[2]
+
+    def mlp_parameters(self, hidden: int, width: int, experts: int, shared: int = 0) -> int:
+        """Parameters of one MoE MLP: every expert's gate, up and down, the router, the biases, and a shared
+        expert of width ``shared`` with its gate."""
+        biases = experts * (2 * width + hidden) if self.biases else 0
+        shared_expert = 3 * hidden * shared + hidden if shared else 0
+        return (experts * 3 * hidden * width + experts * hidden + (experts if self.router_bias else 0) + biases
+                + shared_expert)
+
+    @torch.no_grad()
+    def fold_output(self, layer: nn.Module, transform: torch.Tensor) -> None:
+        """``y ← y T`` on the MoE block's output, folded into the weights (fp64 products, cast back): every
+        expert's down projection ``W_e ← Tᵀ W_e`` (transposed layout: ``W_e ← W_e T``), its bias
+        ``b_e ← b_e T``, and the shared expert's ``down_proj``. Exact: the output is a gate-weighted sum of
+        those projections (the shared expert's gate is a scalar per token)."""
+        experts = self.experts(layer)
+        down = experts.down_proj
+        t = transform.to(down.device, torch.float64)
+        folded = down.double() @ t if self.transposed else t.T @ down.double()
+        down.copy_(folded.to(down.dtype))
+        if self.biases:
+            experts.down_proj_bias.copy_((experts.down_proj_bias.double() @ t).to(experts.down_proj_bias.dtype))
+        if self.shared is not None:
+            linear = layer.get_submodule(f"{self.shared}.down_proj")
+            bias = t.T @ linear.bias.double() if linear.bias is not None else None
+            set_linear_weight(linear, t.T @ linear.weight.double(), bias)
+
+
+#: What the engine refuses by name: MoE (and other) architectures whose layers hold something it cannot
+#: process yet, with the reason (``adapter_for``).
+UNHANDLED = {
+    "deepseek_v2": "DeepSeek's multi-head latent attention (MLA: compressed q/kv projections)",
+    "deepseek_v3": "DeepSeek's multi-head latent attention (MLA: compressed q/kv projections)",
+    "qwen3_next": "hybrid linear attention (Gated DeltaNet layers beside full attention)",
+    "jamba": "hybrid Mamba layers",
+    "granitemoehybrid": "hybrid Mamba layers",
+}
+
+
+def layout_problem(config) -> str | None:
+    """An MoE config variant the adapters do not handle (None: fine): Qwen3-MoE layers with a dense MLP
+    (``mlp_only_layers``, ``decoder_sparse_step``) make the layers unlike one another; gpt-oss's published
+    MXFP4 expert blocks are no tensors the engine computes with."""
+    if getattr(config, "mlp_only_layers", None):
+        return f"dense MLP layers among the MoE layers (mlp_only_layers={list(config.mlp_only_layers)})"
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    if method == "mxfp4":
+        return "MXFP4-quantized experts (quantization_config); save a bf16 copy first (dequantized by transformers)"
+    step = getattr(config, "decoder_sparse_step", 1)
+    if step not in (None, 1):
+        return f"MoE on every {step}th layer only (decoder_sparse_step={step})"
+    return None

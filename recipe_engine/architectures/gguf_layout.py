@@ -1,0 +1,65 @@
+"""GGUF facts of the architectures: how llama.cpp names and computes each one (an adapter's ``gguf``).
+
+``recipe_engine.io.gguf_export`` reads only these; an adapter without them is not exported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+#: GGUF tensor names of the roles every exported architecture shares (``gguf.TENSOR_NAMES``).
+GGUF_MODEL_TENSORS = {"embeddings": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
+GGUF_LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                      "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+                      "attention_norm": "attn_norm", "mlp_norm": "ffn_norm",
+                      "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """What llama.cpp expects of one architecture in a GGUF file (read in llama.cpp's ``convert_hf_to_gguf.py``,
+    ``gguf-py/gguf/constants.py`` and the architecture's graph in ``src/models/``; not copied).
+
+    ``layer_tensors``: adapter role → tensor name in block ``blk.N`` (linears and norms of a decoder layer);
+    ``model_tensors``: model-level role → tensor name. ``rope_adjacent_pairs``: the graph rotates adjacent
+    pairs (``LLAMA_ROPE_TYPE_NORM``), so HF's rotate-half q/k rows are reordered; the others rotate halves
+    (NEOX) like HF. ``sliding_window``: the graph computes per-layer sliding windows from
+    ``attention.sliding_window`` and a per-layer ``attention.sliding_window_pattern`` (else a config with
+    sliding layers is refused: the graph would attend fully). ``final_logit_softcapping``: the graph applies
+    ``c·tanh(logits/c)``. ``activation``: the MLP activation the graph computes (``hidden_act`` /
+    ``hidden_activation``). ``config_problem``: a further check of the config (None: fine), for facts only
+    this architecture's graph has (a fixed query scale, square attention output)."""
+
+    arch: str
+    layer_tensors: dict[str, str] = field(default_factory=lambda: dict(GGUF_LAYER_TENSORS))
+    model_tensors: dict[str, str] = field(default_factory=lambda: dict(GGUF_MODEL_TENSORS))
+    rope_adjacent_pairs: bool = False
+    sliding_window: bool = False
+    final_logit_softcapping: bool = False
+    activation: str = "silu"
+    config_problem: Callable[[Any], str | None] | None = None
+
+
+def gemma3_gguf_problem(config) -> str | None:
+    """llama.cpp's gemma3 graph scales queries by ``1/sqrt(head_dim)`` — ``1/sqrt(hidden/heads)`` when the
+    model has 62 layers (its 27B) — and reads no ``query_pre_attn_scalar``; attention logits are not soft-capped
+    and attention is causal."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    expected = (config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62 else head_dim)
+    if config.query_pre_attn_scalar != expected:
+        return (f"query_pre_attn_scalar {config.query_pre_attn_scalar} differs from the {expected} llama.cpp's "
+                f"gemma3 graph scales queries by")
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping is not computed by llama.cpp's gemma3 graph"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention is not computed by llama.cpp's gemma3 graph"
+    return None
+
+
+def phi3_gguf_problem(config) -> str | None:
+    """llama.cpp's phi3 graph sizes the attention output ``hidden × hidden``: heads · head_dim = hidden_size."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim * config.num_attention_heads != config.hidden_size:
+        return (f"{config.num_attention_heads} heads of {head_dim} do not fill hidden_size {config.hidden_size}, "
+                f"which llama.cpp's phi3 graph requires")
+    return None
