@@ -387,7 +387,8 @@ def test_packed_export_streamed_equals_in_memory_without_the_whole_model(tmp_pat
                                                     (8, None, True, 72), (4, 64, False, 13)])
 def test_packed_layout_is_what_the_compressor_returns(bits, group, sym, rows):
     """The writer fixes each file's header before packing: its layout must be the library's output."""
-    from recipe_engine.numerics.quantization import Grid, QuantizedLinear, pack, packed_layout
+    from recipe_engine.io.exporters import checkpoint_exporter
+    from recipe_engine.numerics.quantization import Grid, QuantizedLinear
 
     grid = Grid(bits, group, sym)
     weight = torch.randn(rows, 128, dtype=torch.float32)
@@ -398,8 +399,9 @@ def test_packed_layout_is_what_the_compressor_returns(bits, group, sym, rows):
                         for g in range(groups)], 1)
     record = QuantizedLinear(grid, scale.float(), zero.to(torch.int16))
     on_grid = grid.fake(weight.double(), grid.expand(scale, 128), grid.expand(zero, 128)).to(weight.dtype)
-    packed = pack("layer", on_grid, record)
-    layout = packed_layout(on_grid, record)
+    exporter = checkpoint_exporter("compressed-tensors")
+    packed = exporter.pack("layer", on_grid, record)
+    layout = exporter.layout(on_grid, record)
     assert list(packed) == list(layout)
     assert all(packed[k].shape == layout[k].shape and packed[k].dtype == layout[k].dtype for k in layout)
 
