@@ -81,7 +81,9 @@ def check_on_grid(name: str, weight: torch.Tensor, record: QuantizedLinear) -> N
     """Refuse to pack a weight a later step moved off its grid (e.g. merged LoRA adapters)."""
     grid, w = record.grid, weight.detach().to(torch.float64)
     step = grid.expand(record.scale.to(torch.float64), w.shape[1])
-    off = ((w - grid.fake(w, step, grid.expand(record.zero.to(torch.float64), w.shape[1]))).abs() / step).max()
+    # the grid value as the weight's dtype holds it (bf16 keeps 8 bits: int8 codes times a scale are rounded)
+    fake = grid.fake(w, step, grid.expand(record.zero.to(torch.float64), w.shape[1])).to(weight.dtype)
+    off = ((w - fake.to(torch.float64)).abs() / step).max()
     if off > 0.05:
         raise RuntimeError(f"{name}: weights are {float(off):.2f} grid steps off their quantization grid; "
                            f"a step after quantization changed them, so they cannot be packed")

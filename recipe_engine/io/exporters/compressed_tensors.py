@@ -49,15 +49,22 @@ class CompressedTensors(Exporter):
         return {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in layout.items()}
 
     def pack(self, name: str, weight: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:
-        """Zero points move to the signed compressed-tensors grid: ``z_ct = z - 2^(b-1)``."""
-        from compressed_tensors.compressors import PackedQuantizationCompressor  # deferred: imports transformers
+        """Codes from the weight in fp64 (a bf16 weight divided in bf16 can land on the next code), moved to
+        the signed compressed-tensors grid (``q - 2^(b-1)``, zero points likewise), packed by the library's
+        ``pack_to_int32``: what ``PackedQuantizationCompressor.compress`` writes (checked in the tests)."""
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # deferred: imports transformers
 
         check_on_grid(name, weight, record)
-        grid = record.grid
-        packed = PackedQuantizationCompressor.compress(
-            {"weight": weight.detach().cpu(), "weight_scale": record.scale.to(weight.dtype),
-             "weight_zero_point": (record.zero - 2 ** (grid.bits - 1)).to(torch.int8)}, scheme(grid))
-        return {key: packed[key] for key in self.layout(weight, record)}
+        grid, columns, offset = record.grid, weight.shape[1], 2 ** (record.grid.bits - 1)
+        scale = grid.expand(record.scale.to(torch.float64), columns)
+        codes = grid.codes(weight.detach().cpu().to(torch.float64), scale,
+                           grid.expand(record.zero.to(torch.float64), columns))
+        packed = {"weight_packed": pack_to_int32((codes - offset).to(torch.int8), grid.bits),
+                  "weight_scale": record.scale.to(weight.dtype),
+                  "weight_shape": torch.tensor(list(weight.shape), dtype=torch.int64)}
+        if not grid.sym:
+            packed["weight_zero_point"] = pack_to_int32((record.zero - offset).to(torch.int8), grid.bits, packed_dim=0)
+        return packed
 
     def quantization_config(self, grid: Grid, ignore: list[str]) -> dict:
         from compressed_tensors.quantization import QuantizationConfig  # deferred: imports transformers
