@@ -92,7 +92,6 @@ def test_gptq_step_uses_layer_hessians_and_beats_rtn():
 
 @pytest.mark.parametrize("sym", [True, False])
 def test_fusenorm_gptq_recipe_exports_compressed_tensors(tmp_path, sym):
-    pytest.importorskip("compressed_tensors", reason="export needs: pip install 'recipe-engine[vllm]'")
     from transformers import CompressedTensorsConfig
 
     model = tiny_model()
@@ -118,7 +117,6 @@ def test_fusenorm_gptq_recipe_exports_compressed_tensors(tmp_path, sym):
 
 
 def test_export_refuses_weights_moved_off_grid(tmp_path):
-    pytest.importorskip("compressed_tensors", reason="export needs: pip install 'recipe-engine[vllm]'")
     model = tiny_model()
     session = make_session(model, random_tokens(4, 32))
     session.run_layer_modifiers([GPTQ(group_size=16, export="compressed-tensors")])
