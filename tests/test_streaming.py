@@ -266,7 +266,7 @@ def test_weight_change_after_quantizing_is_a_validation_error(tmp_path, steps, m
         check_against_config(recipe_from_dict(data), tiny_config(), "r.yaml")
     assert "step 1" in str(error.value) and "r.yaml" in str(error.value)
     for allowed in (["ShortGPT<n:1>", f"GPTQ<group_size:32,{PACKED}>", "LinearPatch"],  # a patch, not weights
-                    ["GPTQ<group_size:32>", "LoRARecovery"]):  # dequantized export: recovery may move them
+                    ["GPTQ<group_size:32,export:dequantized>", "LoRARecovery"]):  # recovery may move them
         check_against_config(recipe_from_dict({**data, "modifiers": allowed}), tiny_config(num_hidden_layers=6),
                              "r.yaml")
 
