@@ -137,12 +137,17 @@ class ArchitectureAdapter:
         return {**{path: LINEAR_ROLES[role] for role, path in self.linears.items()},
                 self.attention_block: 0, self.mlp_block: 2}
 
-    def module_roles(self, roles: list[str] | tuple[str, ...]) -> list[str]:
+    def module_roles(self, roles: list[str] | tuple[str, ...], experts: bool = False) -> list[str]:
         """The linear roles of this architecture that ``roles`` (unfused names) select, in dataflow order: a
-        fused linear when all its members are selected; a fused linear selected in part is an error."""
+        fused linear when all its members are selected; a fused linear selected in part is an error. On an
+        MoE architecture the MLP roles name expert tensors, not linears: with ``experts`` (a step that handles
+        them, :meth:`expert_roles`) they are left out here, otherwise they are an error."""
         wanted = set(roles)
         mlp = sorted(wanted & {"gate_proj", "up_proj", "down_proj"})
-        if self.experts is not None and mlp:
+        if self.experts is not None and mlp and experts:
+            self.expert_roles(roles)
+            wanted -= set(mlp)
+        elif self.experts is not None and mlp:
             raise RecipeError(f"{self.model_type}'s MLP is a mixture of experts (3-D expert tensors and a router, "
                               f"not linears): {', '.join(mlp)} cannot be targeted; target the attention linears "
                               f"(q_proj, k_proj, v_proj, o_proj)")
@@ -156,6 +161,19 @@ class ArchitectureAdapter:
             if picked:
                 chosen.append(role)
         return chosen
+
+    def expert_roles(self, roles: list[str] | tuple[str, ...]) -> list[str]:
+        """The expert tensors (``gate_up_proj``, ``down_proj``) that ``roles`` select on an MoE architecture, in
+        dataflow order ([] on a dense one); gate and up are one fused tensor: both or neither."""
+        if self.experts is None:
+            return []
+        wanted = set(roles)
+        picked = wanted & {"gate_proj", "up_proj"}
+        if len(picked) == 1:
+            raise RecipeError(f"{self.model_type} fuses every expert's gate_proj and up_proj into "
+                              f"{self.experts.path}.gate_up_proj: target both or neither (got {picked.pop()})")
+        return [name for name, members in (("gate_up_proj", {"gate_proj"}), ("down_proj", {"down_proj"}))
+                if members & wanted]
 
     def gguf_tensors(self, num_layers: int) -> dict[str, tuple[str, str]]:
         """HF state-dict tensor name → (GGUF tensor name, role), for the ``.weight`` and ``.bias`` of every role
@@ -417,12 +435,13 @@ def adapter_for(config) -> ArchitectureAdapter:
     return adapter
 
 
-def roles_problem(model_type: str, roles: list[str]) -> str | None:
-    """Why ``roles`` cannot be targeted on ``model_type`` (a fused linear selected in part), or None."""
+def roles_problem(model_type: str, roles: list[str], experts: bool = False) -> str | None:
+    """Why ``roles`` cannot be targeted on ``model_type`` (a fused linear selected in part; MoE MLP roles by a
+    step that does not handle ``experts``), or None."""
     if model_type not in ADAPTERS:
         return None
     try:
-        ADAPTERS[model_type].module_roles(roles)
+        ADAPTERS[model_type].module_roles(roles, experts)
     except RecipeError as exc:
         return exc.detail
     return None

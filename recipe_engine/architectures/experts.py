@@ -86,6 +86,70 @@ class ExpertLayout:
             set_linear_weight(linear, t.T @ linear.weight.double(), bias)
 
 
+    # -- one expert as linears [out, in] (quantizing steps) ---------------------------------------
+
+    def units(self, layer: nn.Module) -> int:
+        """Experts to quantize: the routed ones, then the shared expert where the architecture has one."""
+        return self.experts(layer).down_proj.shape[0] + (1 if self.shared else 0)
+
+    def is_shared(self, layer: nn.Module, index: int) -> bool:
+        return index == self.experts(layer).down_proj.shape[0]
+
+    def weight(self, layer: nn.Module, index: int, tensor: str) -> torch.Tensor:
+        """Expert ``index``'s ``gate_up_proj`` or ``down_proj`` as one linear weight ``[out, in]`` (a copy for the
+        shared expert's gate/up, a view otherwise). Rows keep the stored order (gpt-oss interleaves gate and up
+        rows): GPTQ and round-to-nearest treat rows independently, groups run along the input."""
+        if self.is_shared(layer, index):
+            shared = layer.get_submodule(self.shared)
+            if tensor == "down_proj":
+                return shared.down_proj.weight
+            return torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
+        stored = getattr(self.experts(layer), tensor)[index]
+        return stored.T if self.transposed else stored
+
+    @torch.no_grad()
+    def set_weight(self, layer: nn.Module, index: int, tensor: str, value: torch.Tensor) -> None:
+        """Write ``value`` ``[out, in]`` back where :meth:`weight` read it (cast to the stored dtype)."""
+        if self.is_shared(layer, index) and tensor == "gate_up_proj":
+            shared = layer.get_submodule(self.shared)
+            gate, up = value.split([shared.gate_proj.out_features, shared.up_proj.out_features])
+            shared.gate_proj.weight.copy_(gate.to(shared.gate_proj.weight.dtype))
+            shared.up_proj.weight.copy_(up.to(shared.up_proj.weight.dtype))
+            return
+        target = self.weight(layer, index, tensor)
+        target.copy_(value.to(target.dtype))
+
+    def name(self, index: int, tensor: str, layer: nn.Module) -> str:
+        """How the quantization log names one expert's tensor (its path inside the decoder layer)."""
+        if self.is_shared(layer, index):
+            return f"{self.shared}.{'down_proj' if tensor == 'down_proj' else 'gate_proj+up_proj'}"
+        return f"{self.path}.{tensor}[{index}]"
+
+    @torch.no_grad()
+    def hidden(self, layer: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
+        """``down_proj``'s input of expert ``index`` for tokens ``x`` [tokens, hidden], as the model computes it:
+        ``act(gate x) ⊙ up x`` (gpt-oss: biases, interleaved columns, its clamped GLU)."""
+        if self.is_shared(layer, index):
+            shared = layer.get_submodule(self.shared)
+            return shared.act_fn(shared.gate_proj(x)) * shared.up_proj(x)
+        experts = self.experts(layer)
+        weight = experts.gate_up_proj[index]
+        if self.transposed:
+            gate_up = x @ weight + (experts.gate_up_proj_bias[index] if self.biases else 0)
+            return experts._apply_gate(gate_up)
+        gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
+        return experts.act_fn(gate) * up
+
+    @torch.no_grad()
+    def routed(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``[tokens, experts]`` bool: the experts the router picks for each token of ``x`` (its ``top_k``
+        largest logits; the softmax the routers apply first or after keeps that order)."""
+        router = layer.get_submodule(self.router)
+        logits = nn.functional.linear(x.to(router.weight.dtype), router.weight, getattr(router, "bias", None))
+        picked = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        return picked.scatter_(1, logits.topk(router.top_k, dim=-1).indices, True)
+
+
 #: What the engine refuses by name: MoE (and other) architectures whose layers hold something it cannot
 #: process yet, with the reason (``adapter_for``).
 UNHANDLED = {

@@ -74,7 +74,7 @@ class StagedLayer:
         if block in self._finished or position(path) < self._position:
             raise RuntimeError(f"{path}: asked for after a module downstream of it (dataflow order only)")
         self._position = position(path)
-        output_linear = self.session.adapter.output_linears[block]
+        output_linear = self.session.adapter.output_linears.get(block)  # an MoE block has none
         finishing = path == output_linear
         target, block_module = self.layer.get_submodule(path), self.layer.get_submodule(block)
         recorded: list[torch.Tensor] = []

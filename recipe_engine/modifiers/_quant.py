@@ -57,16 +57,19 @@ def weight_error(weight: torch.Tensor, quantized: torch.Tensor) -> float:
 LOG_FILE = "quantization_log.csv"
 
 
-def log_row(layer: int, module: str, linear: torch.nn.Module, grid: Grid, quantized: torch.Tensor, *,
+def log_row(layer: int, module: str, weight: torch.Tensor, grid: Grid, quantized: torch.Tensor, *, method: str,
             damp: float | None = None, damping: float | None = None, error_rtn: float | None = None,
             error: float | None = None, tokens: int = 0, seconds: float) -> dict:
-    """One row of :data:`LOG_FILE` (call before the weight is overwritten): ``error_rtn`` and ``error`` are
-    the relative layer-output errors (:func:`output_error`) of round-to-nearest and of the step's result on
-    the calibration inputs (None without them); ``damping`` the absolute ``λ`` added to ``diag H``."""
-    return {"layer": layer, "module": module, "rows": linear.out_features, "columns": linear.in_features,
-            "bits": grid.bits, "group_size": grid.width(linear.in_features), "sym": grid.sym, "damp": damp,
+    """One row of :data:`LOG_FILE` (call before the weight ``[out, in]`` is overwritten): ``method`` how it was
+    quantized (``gptq``, ``rtn``, or ``rtn-fallback``: an expert with too few calibration tokens),
+    ``error_rtn`` and ``error`` the relative layer-output errors (:func:`output_error`) of round-to-nearest
+    and of the step's result on the calibration inputs (None without them); ``damping`` the absolute ``λ``
+    added to ``diag H``."""
+    rows, columns = weight.shape
+    return {"layer": layer, "module": module, "method": method, "rows": rows, "columns": columns,
+            "bits": grid.bits, "group_size": grid.width(columns), "sym": grid.sym, "damp": damp,
             "damping": damping, "error_rtn": error_rtn, "error": error,
-            "weight_error": weight_error(linear.weight, quantized), "hessian_tokens": tokens, "seconds": seconds}
+            "weight_error": weight_error(weight, quantized), "hessian_tokens": tokens, "seconds": seconds}
 
 
 def input_width(shape: ModelShape, layer: int, target: str) -> int:
@@ -86,6 +89,12 @@ def linear_path(model_type: str, role: str) -> str:
     return adapter.path(next((f for f, members in adapter.fused.items() if role in members), role))
 
 
+def expert_targets(model_type: str, targets: list[str]) -> list[str]:
+    """The expert tensors ``targets`` select on an MoE architecture ([] on a dense or unknown one)."""
+    adapter = ADAPTERS.get(model_type)
+    return adapter.expert_roles(targets) if adapter is not None else []
+
+
 def known_targets(targets: list[str]) -> list[str]:
     """Validator: every target is a role of :data:`LINEARS`; the older ``self_attn.q_proj`` / ``mlp.up_proj``
     spelling names the same role."""
@@ -99,7 +108,7 @@ def known_targets(targets: list[str]) -> list[str]:
 def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None) -> tuple[str, str] | None:
     """``(message, field)`` for the first configuration error against ``shape``: a target whose input
     width ``group_size`` does not divide (named by layer)."""
-    problem = roles_problem(shape.model_type, targets)
+    problem = roles_problem(shape.model_type, targets, experts=True)
     if problem:
         return problem, "targets"
     if group_size is None:
@@ -168,3 +177,7 @@ class GridParameters(BaseModel):
         problem = grid_problem(shape, self.targets, self.group_size)
         if problem:
             raise self.fail(*problem)
+        if self.quantizes and expert_targets(shape.model_type, self.targets):
+            raise self.fail(f"export {self.export} does not store {shape.model_type}'s expert tensors yet (packed "
+                            f"experts are not written); use export: dequantized, or target the attention "
+                            f"linears only", "export")

@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, ClassVar
+from functools import partial
+from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveInt, PrivateAttr
 
 from recipe_engine.api import (InputCovariance, LayerModifier, ModifierSession, StagedLayer, lower_triangular_inverse,
                                position, register)
 
-from ._quant import LOG_FILE, Grid, GridParameters, QuantizedWeight, log_row, output_error, rtn
+from ._experts import MoEInputs, expert_gram, quantize_experts
+from ._quant import LOG_FILE, Grid, GridParameters, QuantizedWeight, expert_targets, log_row, output_error, rtn
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -211,6 +213,14 @@ class GPTQ(GridParameters, LayerModifier):
     sequential: bool = Field(True, description="take each linear group's Hessian after quantizing the groups "
                                                "before it in the layer (false: all from the unquantized layer)")
     block_size: PositiveInt = Field(128, description="columns per lazy-batch block (speed only)")
+    experts: Literal["all", "routed"] = Field("all", description=(
+        "mixture-of-experts layers: the tokens behind each expert's Hessian: all (every calibration token, "
+        "llm-compressor's 'calibrate all experts') or routed (only those its router picks); the layer's "
+        "output always uses the routed experts"))
+    min_expert_tokens: NonNegativeInt = Field(16, description=(
+        "an expert whose Hessian covers fewer tokens is rounded to nearest on the same grid instead "
+        "(method rtn-fallback in quantization_log.csv and the report)"))
+    _fallbacks: list[str] = PrivateAttr(default_factory=list)
 
     def working_memory(self, shape, tokens: int) -> int:
         """The fp64 Hessian of the widest input (``down_proj``: the intermediate size), its Cholesky
@@ -227,7 +237,7 @@ class GPTQ(GridParameters, LayerModifier):
         """Hessian source path → the target roles quantized with it, in dataflow order: linears reading the
         same tensor share one gram (q/k/v; gate/up; a fused qkv or gate_up linear is its own source)."""
         adapter, sources = session.adapter, {}
-        for role in adapter.module_roles(self.targets):
+        for role in adapter.module_roles(self.targets, experts=True):
             group = next((g for g in (adapter.attention_inputs, adapter.mlp_inputs) if role in g), (role,))
             sources.setdefault(adapter.path(group[0]), []).append(role)
         return dict(sorted(sources.items(), key=lambda item: position(item[0])))
@@ -271,17 +281,63 @@ class GPTQ(GridParameters, LayerModifier):
             for target, linear, quantized, scale, zero, rounded in zip(targets, linears, *pieces):
                 path = session.adapter.path(target)
                 errors[path] = output_error(linear.weight, quantized, gram)
-                rows.append(log_row(layer_index, path, linear, grid, quantized, damp=self.damp, damping=damping,
+                rows.append(log_row(layer_index, path, linear.weight, grid, quantized, method="gptq",
+                                    damp=self.damp, damping=damping,
                                     error_rtn=output_error(linear.weight, rounded, gram), error=errors[path],
                                     tokens=statistic.count, seconds=seconds))
                 with torch.no_grad():
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
                 self.mark(session, linear, grid, scale, zero)
+        if session.adapter.expert_roles(self.targets):
+            rows += self._quantize_experts(session, layer_index, staged)
         session.outputs.add_rows(LOG_FILE, rows, step=self)
         if staged is not None:
             current.provide_outputs(staged.outputs())
         return {"output_error": errors}
 
+    def _quantize_experts(self, session: ModifierSession, layer_index: int, staged: StagedLayer) -> list[dict]:
+        """Every expert's targeted tensors (``recipe_engine.modifiers._experts``), gate/up before down, from the
+        MoE block's inputs with the attention linears already quantized."""
+        adapter, layer = session.adapter, session.layers[layer_index]
+        captured = MoEInputs(adapter.mlp_block, adapter.experts, layer, session.storage)
+        staged.inputs_of(adapter.mlp_block, captured)
+        split = session.parallel.share(len(session.current_layer.inputs)) is not None
+        if split:
+            session.parallel.reduce_statistics([captured.all_tokens])
+        routed, rows = self.experts == "routed", []
+
+        def gram(tensor, index):
+            statistic = expert_gram(captured, index, tensor, routed, session.device)
+            if split and statistic is not captured.all_tokens:
+                session.parallel.reduce_statistics([statistic])
+            return statistic
+
+        for tensor in adapter.expert_roles(self.targets):
+            done, fallbacks = quantize_experts(session, layer_index, tensor, partial(gram, tensor), self._gptq,
+                                               self.grid, self.min_expert_tokens, self.damp)
+            rows += done
+            self._fallbacks += fallbacks
+        return rows
+
+    def _gptq(self, weight: torch.Tensor, gram: torch.Tensor, grid: Grid) -> QuantizedWeight:
+        return gptq_quantize(weight, gram, grid, self.act_order, self.damp, self.block_size)
+
+    def check(self, shape) -> None:
+        super().check(shape)
+        if not self.sequential and expert_targets(shape.model_type, self.targets):
+            raise self.fail("mixture-of-experts experts are quantized from the MoE block's inputs taken in the "
+                            "layer's sequential run: sequential: false cannot target gate_proj/up_proj/down_proj "
+                            f"on {shape.model_type}", "sequential")
+
     def finish(self, session: ModifierSession) -> dict[str, Any]:
-        return {"quantized_linears": len(session.adapter.module_roles(self.targets)) * len(session.layers),
-                "export": self.export, "log": LOG_FILE, "format": self.format_line()}
+        adapter = session.adapter
+        per_layer = len(adapter.module_roles(self.targets, experts=True))
+        result = {"quantized_linears": per_layer * len(session.layers), "export": self.export, "log": LOG_FILE,
+                  "format": self.format_line()}
+        if adapter.expert_roles(self.targets):
+            experts = sum(adapter.experts.units(layer) for layer in session.layers)
+            result["experts"] = {"calibration": self.experts, "quantized": experts * len(adapter.expert_roles(
+                self.targets)), "min_expert_tokens": self.min_expert_tokens,
+                "fallback": {"method": "round-to-nearest on the same grid", "count": len(self._fallbacks),
+                             "tensors": list(self._fallbacks)}}
+        return result

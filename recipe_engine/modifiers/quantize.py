@@ -8,6 +8,7 @@ import torch
 
 from recipe_engine.api import Modifier, ModifierSession, register
 
+from ._experts import quantize_experts
 from ._quant import LOG_FILE, GridParameters, log_row, rtn
 
 
@@ -29,15 +30,19 @@ class Quantize(GridParameters, Modifier):
         for index in session.progress.track(range(len(session.layers)), "Quantize layers"):
             with session.placed(index, on_device=False):  # one layer materialized at a time on a streamed model
                 rows = []
-                for target in session.adapter.module_roles(self.targets):
+                for target in session.adapter.module_roles(self.targets, experts=True):
                     started = time.perf_counter()
                     linear = session.adapter.linear(session.layers[index], target)
                     grid = self.grid(linear.weight.dtype)
                     result = rtn(linear.weight, grid)
-                    rows.append(log_row(index, session.adapter.path(target), linear, grid, result.dequantized,
-                                        seconds=time.perf_counter() - started))
+                    rows.append(log_row(index, session.adapter.path(target), linear.weight, grid,
+                                        result.dequantized, method="rtn", seconds=time.perf_counter() - started))
                     linear.weight.copy_(result.dequantized.to(linear.weight.dtype))
                     count += 1
                     self.mark(session, linear, grid, result.scale, result.zero)
+                for tensor in session.adapter.expert_roles(self.targets):  # mixture-of-experts: every expert
+                    done, _ = quantize_experts(session, index, tensor, lambda _index: None, None, self.grid, 0, None)
+                    rows += done
+                    count += len(done)
                 session.outputs.add_rows(LOG_FILE, rows, step=self)
         return {"quantized_linears": count, "export": self.export, "log": LOG_FILE, "format": self.format_line()}

@@ -1,0 +1,150 @@
+"""Quantizing mixture-of-experts layers (tiny random Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE; 4 experts, top-2):
+GPTQ and Quantize cover every expert's gate/up and down slices (the router stays as it was), streamed runs write
+the in-memory run's bytes, outputs reload with stock ``from_pretrained`` and the engine's logits; an expert's
+Hessians equal ``XᵀX`` computed by hand from the MoE block's inputs; an expert no token reaches under
+``experts: routed`` is rounded to nearest and said so in the log and the report; packed export of experts is
+refused in one line."""
+import csv
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import recipe_engine
+from recipe_engine.architectures.adapters import adapter_for
+from recipe_engine.cli import main
+from tests.helpers import BYTE_VOCAB, random_tokens, save_tiny_model, tiny_model
+from tests.test_moe import recipe
+
+GPTQ = "GPTQ<group_size:16,export:dequantized,{extra}>"
+
+
+def log_rows(out):
+    with open(out / "quantization_log.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_gptq_on_every_expert_streamed_equals_in_memory_and_reloads_stock(tmp_path, model_type):
+    model = save_tiny_model(tmp_path / "model", model_type, num_hidden_layers=2)
+    step = GPTQ.format(extra="experts:all")
+    result, report = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step]), progress=False)
+    layout = adapter_for(model.config).experts
+    for index, layer in enumerate(result.model.layers):
+        before = model.model.layers[index]
+        for tensor in ("gate_up_proj", "down_proj"):
+            assert not torch.equal(getattr(layout.experts(layer), tensor), getattr(layout.experts(before), tensor))
+        router = layer.get_submodule(layout.router)
+        assert torch.equal(router.weight, before.get_submodule(layout.router).weight)  # never quantized
+    rows = log_rows(tmp_path / "out")
+    experts = [r for r in rows if "experts." in r["module"]]
+    assert len(experts) == 2 * 4 * 2 and {r["method"] for r in experts} == {"gptq"}
+    assert {int(r["hessian_tokens"]) for r in experts} == {4 * 32}  # every expert saw every token
+    assert sum(float(r["error"]) for r in experts) < sum(float(r["error_rtn"]) for r in experts)
+    assert report.steps[0].result["experts"]["fallback"]["count"] == 0
+    tokens = random_tokens(vocab=BYTE_VOCAB)
+    with torch.no_grad():
+        expected = result(tokens).logits
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], "on", "streamed"), progress=False)
+    with safe_open(str(tmp_path / "out/model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "streamed/model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for key in a.keys():
+            assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+
+
+def reference_hidden(model_type, experts, index, x):
+    """``act(gate x) ⊙ up x`` of one expert, written from the transformers models' formulas."""
+    if model_type == "gpt_oss":
+        gate_up = x @ experts.gate_up_proj[index] + experts.gate_up_proj_bias[index]
+        gate, up = gate_up[:, ::2].clamp(max=experts.limit), gate_up[:, 1::2].clamp(-experts.limit, experts.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * experts.alpha)
+    gate, up = (x @ experts.gate_up_proj[index].T).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("mode", ["all", "routed"])
+def test_expert_hessians_equal_xtx_of_the_block_inputs(model_type, mode):
+    from recipe_engine.modifiers._experts import MoEInputs, expert_gram
+
+    model = tiny_model(model_type, num_hidden_layers=1)
+    layout = adapter_for(model.config).experts
+    layer = model.model.layers[0]
+    seen = []
+    handle = layer.mlp.register_forward_pre_hook(lambda _m, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+    captured = MoEInputs("mlp", layout, layer, torch.device("cpu"))
+    layer.mlp.register_forward_pre_hook(lambda _m, args: captured.update(args[0], None))
+    with torch.no_grad():
+        model(random_tokens(batch=3, length=16))
+    handle.remove()
+    x = torch.cat(seen).double()
+    router = layer.get_submodule(layout.router)
+    logits = x @ router.weight.double().T + (router.bias.double() if getattr(router, "bias", None) is not None else 0)
+    picks = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(router.top_k, dim=-1).indices, True)
+    experts = layout.experts(layer)
+    for index in range(4):
+        rows = picks[:, index] if mode == "routed" else torch.ones(len(x), dtype=torch.bool)
+        xe = x[rows]
+        gate_up = expert_gram(captured, index, "gate_up_proj", mode == "routed", torch.device("cpu"))
+        assert gate_up.count == len(xe)
+        torch.testing.assert_close(gate_up.gram, xe.T @ xe, rtol=1e-5, atol=1e-4)
+        with torch.no_grad():
+            h = reference_hidden(model_type, experts, index, xe.float()).double()
+        down = expert_gram(captured, index, "down_proj", mode == "routed", torch.device("cpu"))
+        assert down.count == len(xe)
+        torch.testing.assert_close(down.gram, h.T @ h, rtol=1e-5, atol=1e-4)
+
+
+def test_an_unrouted_expert_falls_back_to_rtn_and_says_so(tmp_path):
+    """gpt-oss's router bias of expert 3 is forced to -1e4: under ``experts: routed`` no token reaches it. The
+    run finishes, expert 3 is rounded to nearest on the same grid, and the log and the report name it."""
+    from safetensors.torch import load_file, save_file
+
+    from recipe_engine.modifiers._quant import rtn
+    from recipe_engine.numerics.quantization import Grid
+
+    save_tiny_model(tmp_path / "model", "gpt_oss", num_hidden_layers=2)
+    path = tmp_path / "model/model.safetensors"
+    tensors = load_file(path)
+    biases = [name for name in tensors if name.endswith("mlp.router.bias")]
+    assert len(biases) == 2
+    for name in biases:
+        tensors[name][3] = -1e4
+    save_file(tensors, path, metadata={"format": "pt"})
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    step = GPTQ.format(extra="experts:routed,min_expert_tokens:1")
+    result, report = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step]), progress=False)
+    rows = log_rows(tmp_path / "out")
+    fallback = [(r["layer"], r["module"]) for r in rows if r["method"] == "rtn-fallback"]
+    assert {(str(i), f"mlp.experts.{t}[3]") for i in range(2) for t in ("gate_up_proj", "down_proj")} <= set(fallback)
+    assert all(r["hessian_tokens"] == "0" for r in rows if r["method"] == "rtn-fallback")  # min_expert_tokens 1
+    assert all(int(r["hessian_tokens"]) > 0 for r in rows if r["method"] == "gptq")
+    info = report.steps[0].result["experts"]["fallback"]
+    assert info["count"] == len(fallback) and info["method"].startswith("round-to-nearest")
+    assert "model.layers.1.mlp.experts.down_proj[3]" in info["tensors"]
+    saved = json.loads((tmp_path / "out/report.json").read_text())
+    assert "mlp.experts.gate_up_proj[3]" in json.dumps(saved)
+    layout = adapter_for(original.config).experts
+    for index, layer in enumerate(result.model.layers):
+        for tensor in ("gate_up_proj", "down_proj"):
+            weight = layout.weight(original.model.layers[index], 3, tensor)
+            expected = rtn(weight, Grid(4, 16, True)).dequantized.to(weight.dtype)
+            torch.testing.assert_close(layout.weight(layer, 3, tensor), expected, rtol=0, atol=0)
+
+
+def test_packed_export_of_experts_is_refused_in_one_line(tmp_path, capsys):
+    import yaml
+
+    save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=2)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(tmp_path, tmp_path / "model", ["GPTQ<group_size:16>"])))
+    capsys.readouterr()
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expert tensors yet" in err[0] and "export" in err[0]
