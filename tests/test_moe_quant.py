@@ -148,3 +148,45 @@ def test_packed_export_of_experts_is_refused_in_one_line(tmp_path, capsys):
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "expert tensors yet" in err[0] and "export" in err[0]
+
+
+def test_quantize_rounds_every_expert_and_the_shared_expert(tmp_path):
+    """Quantize on Qwen2-MoE: every routed expert's slices and the shared expert's linears equal round-to-nearest
+    of the originals (the router and the shared expert's gate untouched); one log row per expert tensor."""
+    from recipe_engine.modifiers._quant import rtn
+    from recipe_engine.numerics.quantization import Grid
+
+    original = save_tiny_model(tmp_path / "model", "qwen2_moe", num_hidden_layers=2)
+    step = "Quantize<group_size:16,export:dequantized>"
+    result, report = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step]), progress=False)
+    layout = adapter_for(original.config).experts
+    for index, layer in enumerate(result.model.layers):
+        before = original.model.layers[index]
+        assert layout.units(layer) == 5
+        for unit in range(5):
+            for tensor in ("gate_up_proj", "down_proj"):
+                weight = layout.weight(before, unit, tensor).detach()
+                expected = rtn(weight, Grid(4, 16, True)).dequantized.to(weight.dtype)
+                torch.testing.assert_close(layout.weight(layer, unit, tensor), expected, rtol=0, atol=0)
+        assert torch.equal(layer.mlp.gate.weight, before.mlp.gate.weight)
+        assert torch.equal(layer.mlp.shared_expert_gate.weight, before.mlp.shared_expert_gate.weight)
+    rows = [r for r in log_rows(tmp_path / "out") if "expert" in r["module"]]
+    assert len(rows) == 2 * 5 * 2 and {r["method"] for r in rows} == {"rtn"}
+    assert report.steps[0].result["quantized_linears"] == 2 * (4 + 10)
+    tokens = random_tokens(vocab=BYTE_VOCAB)
+    with torch.no_grad():
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        torch.testing.assert_close(reloaded(tokens).logits, result(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gptq_covers_the_shared_expert(tmp_path):
+    original = save_tiny_model(tmp_path / "model", "qwen2_moe", num_hidden_layers=2)
+    result, report = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [GPTQ.format(extra="experts:all")]),
+                                         progress=False)
+    rows = {(r["layer"], r["module"]): r for r in log_rows(tmp_path / "out")}
+    for layer in range(2):
+        for name in ("mlp.shared_expert.gate_proj+up_proj", "mlp.shared_expert.down_proj"):
+            assert rows[str(layer), name]["method"] == "gptq" and rows[str(layer), name]["hessian_tokens"] == "128"
+        assert not torch.equal(result.model.layers[layer].mlp.shared_expert.down_proj.weight,
+                               original.model.layers[layer].mlp.shared_expert.down_proj.weight)
+    assert report.steps[0].result["experts"]["quantized"] == 2 * 5 * 2

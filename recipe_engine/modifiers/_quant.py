@@ -86,6 +86,8 @@ def linear_path(model_type: str, role: str) -> str:
     if model_type not in ADAPTERS:
         raise RecipeError(f"unsupported architecture '{model_type}'; supported: {', '.join(sorted(ADAPTERS))}")
     adapter = ADAPTERS[model_type]
+    if adapter.experts is not None and role in ("gate_proj", "up_proj", "down_proj"):
+        return f"{adapter.experts.path}.{'down_proj' if role == 'down_proj' else 'gate_up_proj'}"
     return adapter.path(next((f for f, members in adapter.fused.items() if role in members), role))
 
 
@@ -174,10 +176,10 @@ class GridParameters(BaseModel):
         problem = checkpoint_exporter(self.export).grid_problem(self.bits, self.sym)
         if problem:
             raise self.fail(problem, "bits" if "bits" in problem else "sym")
-        problem = grid_problem(shape, self.targets, self.group_size)
-        if problem:
-            raise self.fail(*problem)
         if self.quantizes and expert_targets(shape.model_type, self.targets):
             raise self.fail(f"export {self.export} does not store {shape.model_type}'s expert tensors yet (packed "
                             f"experts are not written); use export: dequantized, or target the attention "
                             f"linears only", "export")
+        problem = grid_problem(shape, self.targets, self.group_size)
+        if problem:
+            raise self.fail(*problem)
