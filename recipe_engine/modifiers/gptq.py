@@ -12,7 +12,7 @@ from pydantic import Field, NonNegativeInt, PositiveInt, PrivateAttr
 from recipe_engine.api import (InputCovariance, LayerModifier, ModifierSession, StagedLayer, lower_triangular_inverse,
                                position, register)
 
-from ._experts import MoEInputs, expert_gram, quantize_experts
+from ._experts import STACK_ROWS, MoEInputs, expert_gram, quantize_experts
 from ._quant import LOG_FILE, Grid, GridParameters, QuantizedWeight, expert_targets, log_row, output_error, rtn
 
 
@@ -225,10 +225,12 @@ class GPTQ(GridParameters, LayerModifier):
     def working_memory(self, shape, tokens: int) -> int:
         """The fp64 Hessian of the widest input (``down_proj``: the intermediate size), its Cholesky
         inverse and a copy; sequential mode also keeps the block outputs' inputs (o_proj, down_proj) of
-        every calibration token (fp32)."""
+        every calibration token (fp32). Experts: the stacked gate/up of up to ``STACK_ROWS`` rows in fp64
+        (the weight, its transpose, the result and the round-to-nearest copy)."""
         widest = max(max(layer.intermediate_size for layer in shape.layers), shape.hidden_size)
         kept = tokens * (shape.hidden_size + widest) * 4 if self.sequential else 0
-        return 3 * widest * widest * 8 + kept
+        experts = 4 * STACK_ROWS * shape.hidden_size * 8 if shape.num_experts else 0
+        return 3 * widest * widest * 8 + kept + experts
 
     def target_layers(self, session: ModifierSession) -> list[int]:
         return list(range(len(session.layers)))

@@ -1,0 +1,85 @@
+"""GPTQ on every expert of a Qwen3-30B-A3B-shaped mixture-of-experts checkpoint: per-layer time and peak memory
+against ``recipe plan``'s estimate.
+
+    OMP_NUM_THREADS=2 python benchmarks/moe_gptq.py --work /tmp/moe --layers 2 --samples 8 --seq-len 512
+
+The checkpoint is synthetic bf16 (random weights, std 0.02, written by ``save_pretrained`` with the Hub's
+per-expert names): Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts of width 768, top-8, 32 query / 4 KV
+heads of 128) with ``--layers`` of its 48 layers, and SmolLM2's tokenizer and vocabulary (49152; the original's
+151936 only changes the embeddings). Calibration: WikiText-2 validation windows (timing only). The recipe is
+``GPTQ<bits:4,group_size:128,export:dequantized>`` on every linear and expert; per-layer seconds are the sums
+of ``quantization_log.csv``'s ``seconds`` (the solves and, sequentially, collecting their Hessians), the peak
+is the run's peak RSS, the estimate ``recipe plan --json``'s host peak.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     vocab_size=49152, tie_word_embeddings=False, norm_topk_prob=True)
+
+
+def write_checkpoint(directory: Path, layers: int) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    from recipe_engine.io.models import resolve_model
+
+    if (directory / "config.json").is_file():
+        return directory
+    config = Qwen3MoeConfig(num_hidden_layers=layers, max_position_embeddings=4096, **QWEN3_30B_A3B)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(resolve_model("smollm2-135m").location).save_pretrained(directory)
+    return directory
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    model = write_checkpoint(args.work / f"qwen3-30b-a3b-{args.layers}-bf16", args.layers)
+    data = Path(os.environ.get("RECIPE_DATA_DIR", ROOT / "data")) / "wikitext-2-raw" / "wiki.valid.raw"
+    recipe = {"version": 1, "name": "moe-gptq", "model": str(model), "dtype": "bfloat16", "stream": "off",
+              "calibration": {"dataset": str(data), "samples": args.samples, "seq_len": args.seq_len,
+                              "batch_size": 1},
+              "modifiers": ["GPTQ<bits:4,group_size:128,export:dequantized>"], "output": str(args.work / "out")}
+    path = args.work / "recipe.json"
+    path.write_text(json.dumps(recipe))
+    cli = [sys.executable, "-m", "recipe_engine.cli"]
+    plan = json.loads(subprocess.run([*cli, "plan", str(path), "--json"], check=True, capture_output=True,
+                                     text=True).stdout)
+    started = time.perf_counter()
+    subprocess.run([*cli, "apply", str(path), "--force"], check=True)
+    wall = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    seconds = defaultdict(float)
+    with open(args.work / "out" / "quantization_log.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    for row in rows:
+        kind = "experts" if "experts." in row["module"] else "attention"
+        seconds[int(row["layer"]), kind] += float(row["seconds"])
+    print(json.dumps({"wall_s": round(wall, 1), "peak_rss_bytes": peak, "plan": {k: v for k, v in plan.items()
+                      if "byte" in k or "peak" in k}, "seconds_by_layer": {f"{k[0]} {k[1]}": round(v, 1)
+                                                                          for k, v in sorted(seconds.items())},
+                      "rows": len(rows), "threads": os.environ.get("OMP_NUM_THREADS")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
