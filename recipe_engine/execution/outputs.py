@@ -81,6 +81,16 @@ class RunOutputs:
         writer.writerows(table if old else [columns, *table])
         self.add_artifact(filename, text.getvalue().encode())
 
+    def rows(self, filename: str, step: Any = None) -> list[dict[str, str]]:
+        """The rows of a CSV log added by :meth:`add_rows` (with ``step``: only those that step added), as
+        strings; a resumed run reads the rows its checkpoint carried too."""
+        data = self._drawn(filename)
+        rows = list(csv.DictReader(io.StringIO(data.decode()))) if data else []
+        if step is None:
+            return rows
+        label = self.step_labels.get(id(step), step.step_name())
+        return [row for row in rows if row.get("step") == label]
+
     def mark_quantized(self, linear: nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor,
                        format: str) -> None:
         """Record that ``linear``'s weight lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and

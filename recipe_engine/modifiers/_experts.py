@@ -73,13 +73,13 @@ def expert_gram(captured: MoEInputs, index: int, tensor: str, routed: bool, devi
 
 
 def quantize_experts(session, layer_index: int, tensor: str, grams: Callable[[int], InputCovariance | None],
-                     quantize: Callable, grid_of: Callable, min_tokens: int, damp: float | None) -> tuple[list, list]:
-    """Quantize ``tensor`` of every expert of the layer; returns ``(log rows, names that fell back)``.
+                     quantize: Callable, grid_of: Callable, min_tokens: int, damp: float | None) -> list[dict]:
+    """Quantize ``tensor`` of every expert of the layer; returns the log rows (``method`` says which fell back).
 
     ``grams(index)``: the expert's input Gram (None: no calibration, round-to-nearest); ``quantize(weight, gram,
     grid)`` the step's method. Experts whose Gram is the same object are quantized stacked (one call)."""
     layout, layer = session.adapter.experts, session.layers[layer_index]
-    rows, fallbacks, pending = [], [], []
+    rows, pending = [], []
 
     def flush():
         if not pending:
@@ -103,8 +103,6 @@ def quantize_experts(session, layer_index: int, tensor: str, grams: Callable[[in
             rows.append(log_row(layer_index, name, weight, grid, quantized, method=method, damp=damp,
                                 tokens=gram.count if gram is not None else 0, seconds=seconds, **errors))
             layout.set_weight(layer, index, tensor, quantized)
-            if fallback:
-                fallbacks.append(f"model.layers.{layer_index}.{name}")
         pending.clear()
 
     for index in range(layout.units(layer)):
@@ -114,4 +112,4 @@ def quantize_experts(session, layer_index: int, tensor: str, grams: Callable[[in
             flush()
         pending.append((index, gram))
     flush()
-    return rows, fallbacks
+    return rows

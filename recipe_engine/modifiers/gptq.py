@@ -7,12 +7,12 @@ from functools import partial
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, NonNegativeInt, PositiveInt, PrivateAttr
+from pydantic import Field, NonNegativeInt, PositiveInt
 
 from recipe_engine.api import (InputCovariance, LayerModifier, ModifierSession, StagedLayer, lower_triangular_inverse,
                                position, register)
 
-from ._experts import STACK_ROWS, MoEInputs, expert_gram, quantize_experts
+from ._experts import FALLBACK, STACK_ROWS, MoEInputs, expert_gram, quantize_experts
 from ._quant import LOG_FILE, Grid, GridParameters, QuantizedWeight, expert_targets, log_row, output_error, rtn
 
 
@@ -220,7 +220,6 @@ class GPTQ(GridParameters, LayerModifier):
     min_expert_tokens: NonNegativeInt = Field(16, description=(
         "an expert whose Hessian covers fewer tokens is rounded to nearest on the same grid instead "
         "(method rtn-fallback in quantization_log.csv and the report)"))
-    _fallbacks: list[str] = PrivateAttr(default_factory=list)
 
     def working_memory(self, shape, tokens: int) -> int:
         """The fp64 Hessian of the widest input (``down_proj``: the intermediate size), its Cholesky
@@ -315,10 +314,8 @@ class GPTQ(GridParameters, LayerModifier):
             return statistic
 
         for tensor in adapter.expert_roles(self.targets):
-            done, fallbacks = quantize_experts(session, layer_index, tensor, partial(gram, tensor), self._gptq,
-                                               self.grid, self.min_expert_tokens, self.damp)
-            rows += done
-            self._fallbacks += fallbacks
+            rows += quantize_experts(session, layer_index, tensor, partial(gram, tensor), self._gptq, self.grid,
+                                     self.min_expert_tokens, self.damp)
         return rows
 
     def _gptq(self, weight: torch.Tensor, gram: torch.Tensor, grid: Grid) -> QuantizedWeight:
@@ -336,10 +333,12 @@ class GPTQ(GridParameters, LayerModifier):
         per_layer = len(adapter.module_roles(self.targets, experts=True))
         result = {"quantized_linears": per_layer * len(session.layers), "export": self.export, "log": LOG_FILE,
                   "format": self.format_line()}
-        if adapter.expert_roles(self.targets):
+        if adapter.expert_roles(self.targets):  # from the log: a resumed run's earlier layers included
+            fallbacks = [f"model.layers.{row['layer']}.{row['module']}" for row in
+                         session.outputs.rows(LOG_FILE, step=self) if row["method"] == FALLBACK]
             experts = sum(adapter.experts.units(layer) for layer in session.layers)
             result["experts"] = {"calibration": self.experts, "quantized": experts * len(adapter.expert_roles(
                 self.targets)), "min_expert_tokens": self.min_expert_tokens,
-                "fallback": {"method": "round-to-nearest on the same grid", "count": len(self._fallbacks),
-                             "tensors": list(self._fallbacks)}}
+                "fallback": {"method": "round-to-nearest on the same grid", "count": len(fallbacks),
+                             "tensors": fallbacks}}
         return result
