@@ -25,11 +25,12 @@ from ..plan.steps import compile_for_plan, memory_plan, plan_rows, print_plan, r
 from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
 from ..recipe.registry import REGISTRY, RegistryError
 from ..recipe.schema import dump_recipe
-from ..system.cleanup import Interrupted, handle_signals
+from ..system.cleanup import Interrupted
 from ..system.progress import Progress
 from ..workflows.runner import apply
 from ..workflows.sweep import Sweep, plot, table
 from .evaluate import add_commands, positive_int, quiet_libraries
+from .stdio import after_output, say
 from .summary import print_summary
 
 out = Console()
@@ -68,7 +69,8 @@ def cmd_apply(args) -> int:
                           resume=args.resume, checkpoints=False if args.no_checkpoints else args.checkpoint_budget,
                           timings=args.timings, profile=args.profile)
     if report.rank == 0:  # data-parallel: one summary
-        print_summary(report, out)
+        with after_output(f"the output {args.output} is complete" if args.output else "the output is complete"):
+            print_summary(report, out)
     return 0
 
 
@@ -135,8 +137,9 @@ def cmd_list(args) -> int:
 def cmd_export(args) -> int:
     with quiet_libraries(False), Progress() as bar:
         summary = export_gguf(args.directory, args.output, args.type, force=args.force, progress=bar)
-    out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
-              f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
+    with after_output(f"{summary['file']} is complete"):
+        out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
+                  f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
     return 0
 
 
@@ -260,30 +263,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 ok, 2 user error (one line), 3 quality gate, 128+n signal n, 1 internal bug
-    (a traceback: please report it). See docs/errors.md."""
+def run(argv: list[str] | None = None) -> int:
+    """Parse and run one command; user errors become one line and their exit code (``main``, in this
+    package's ``__init__``, adds the signal handling and the guard on stdout/stderr)."""
     try:
-        with handle_signals():
-            args = build_parser().parse_args(argv)
-            handler: Callable = args.func
-            return handler(args)
+        args = build_parser().parse_args(argv)
+        handler: Callable = args.func
+        return handler(args)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     except (RecipeError, RegistryError) as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        say(f"error: {one_line(str(exc))}")
         return RecipeError.exit_code
     except DistributedError as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        say(f"error: {one_line(str(exc))}")
         return DistributedError.exit_code
     except QualityGateError as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        say(f"error: {one_line(str(exc))}")
         return QualityGateError.exit_code
-    except KeyboardInterrupt as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        print(f"interrupted by {signal.Signals(signum).name}; nothing written", file=sys.stderr)
-        return 128 + signum
 
+
+from . import main  # noqa: E402  the entry point (light, in the package's __init__), kept importable here
 
 if __name__ == "__main__":
     sys.exit(main())

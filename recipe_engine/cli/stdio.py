@@ -1,0 +1,103 @@
+"""Standard output and error that fail as one line: a full device (``> /dev/full``) or a reader gone
+(``| head -1``) ends the command with the documented exit code, never a traceback. Standard library only:
+the ``recipe`` entry point installs it before the engine (torch, transformers) is imported."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import sys
+from typing import Iterator
+
+#: A reader that went away (``recipe list-modifiers | head -1``): quiet, exit 128 + SIGPIPE as CLI tools do.
+PIPE_CLOSED = 128 + signal.SIGPIPE
+#: Any other failure to write standard output or error (no space, I/O error): a user's environment, exit 2.
+WRITE_FAILED = 2
+
+
+class StreamError(OSError):
+    """Writing standard output or error failed; ``after`` says what was complete before it failed."""
+
+    def __init__(self, stream: str, cause: OSError, after: str | None = None):
+        self.stream, self.cause, self.after = stream, cause, after
+        super().__init__(cause.errno, cause.strerror or str(cause))
+
+    @property
+    def exit_code(self) -> int:
+        return PIPE_CLOSED if self.cause.errno == errno.EPIPE else WRITE_FAILED
+
+    def line(self) -> str:
+        reason = self.cause.strerror or str(self.cause)
+        done = f" ({self.after}; only its summary is missing)" if self.after else "; nothing written"
+        return f"error: cannot write to {self.stream}: {reason}{done}"
+
+
+class _Guarded:
+    """A text stream whose failed writes raise :class:`StreamError`; everything else is the stream's own."""
+
+    def __init__(self, stream, name: str):
+        self._stream, self._name = stream, name
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise StreamError(self._name, exc) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise StreamError(self._name, exc) from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def guarded() -> Iterator[None]:
+    """``sys.stdout``/``sys.stderr`` guarded for the block, flushed at its end (a failure surfaces inside the
+    caller's ``try``, not in Python's own flush at exit); restored afterwards (``main`` may run in-process)."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Guarded(saved[0], "standard output"), _Guarded(saved[1], "standard error")
+    try:
+        yield
+        sys.stdout.flush()
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+@contextlib.contextmanager
+def after_output(what: str) -> Iterator[None]:
+    """Standard output written in the block follows a complete output (``what``: "the output out/x is
+    complete"): a failure to print says so instead of "nothing written"."""
+    try:
+        yield
+        sys.stdout.flush()
+    except StreamError as exc:
+        raise StreamError(exc.stream, exc.cause, what) from None
+
+
+def failed(exc: StreamError) -> int:
+    """Report a failed stream (one line on stderr, none for a closed pipe or when stderr itself failed),
+    point the dead stream at ``/dev/null`` (Python flushes both at exit) and return the exit code."""
+    _to_devnull(sys.__stderr__ if exc.stream == "standard error" else sys.__stdout__)
+    if exc.cause.errno != errno.EPIPE and exc.stream != "standard error":
+        say(exc.line())
+    return exc.exit_code
+
+
+def _to_devnull(stream) -> None:
+    """What the Python documentation advises after EPIPE: the descriptor now writes nowhere, so the flush
+    at exit cannot fail again (a stream without a descriptor, e.g. under a test's capture, is left alone)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
+def say(line: str) -> None:
+    """One line on stderr; a stderr that cannot be written is not reported again."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
