@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from ..errors import SourceError
+from ..errors import SourceError, reading
 from ..suggest import did_you_mean
 from ..system.cleanup import MARKER, sweep_stale, temporary_directory
 from ..system.host_memory import available_memory
@@ -272,7 +272,8 @@ def gguf_config(gguf: Path):
 
     cached = gguf_cache_dir(gguf)
     if (cached / "config.json").is_file():
-        return AutoConfig.from_pretrained(cached)
+        with reading(f"{cached / 'config.json'} (converted from {gguf})"):
+            return AutoConfig.from_pretrained(cached)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -331,16 +332,16 @@ def load_config(spec: str):
     source = resolve_model(spec, convert=False)
     if source.kind in ("builtin", "gguf"):
         return gguf_config(Path(source.location))
-    try:
+    with reading(_config_of(spec, source)):  # not JSON, an unknown model_type, sizes transformers rejects
         config = AutoConfig.from_pretrained(source.location)
-    except OSError as exc:
-        raise SourceError(f"cannot load config of model '{spec}': {str(exc).splitlines()[0]}") from None
-    except ValueError as exc:  # e.g. a config.json that is not JSON, or an unknown model_type
-        raise SourceError(f"cannot load config of model '{spec}': {(str(exc).splitlines() or [''])[0]}") \
-            from None
     if source.kind == "local" and has_weights(Path(source.location)):  # a config alone validates a recipe
         check_checkpoint(Path(source.location), config, spec)
     return config
+
+
+def _config_of(spec: str, source: "ModelSource") -> str:
+    where = Path(source.location) / "config.json" if source.kind == "local" else source.location
+    return f"the config of model '{spec}' ({where})"
 
 
 def require_weights(spec: str) -> None:
@@ -358,13 +359,16 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     every parameter stays on the meta device, to be streamed from the source (``recipe_engine.execution.streaming``).
     """
     # deferred: transformers' model classes take seconds to import; only what builds a model pays it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(spec)
     if skeleton and source.kind == "hub":
         source = ModelSource(spec, "hub", _hub_snapshot(spec))
+    with reading(_config_of(spec, source)):  # checked before any weight is read (``load_config``)
+        AutoConfig.from_pretrained(source.location)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.location)
+        with reading(f"the tokenizer of model '{spec}' ({source.location})"):
+            tokenizer = AutoTokenizer.from_pretrained(source.location)
         if skeleton:
             if (Path(source.location) / EXTRAS_JSON).is_file():
                 raise SourceError(f"model '{spec}' carries non-stock extras ({EXTRAS_JSON}); they are "
@@ -373,7 +377,7 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
             skeleton = skeleton_model(source.location, DTYPES[dtype])
             check_checkpoint(Path(source.location), skeleton.config, spec)  # the stream reads these files
             return skeleton, tokenizer, source
-        with _quiet_load_report():
+        with _quiet_load_report(), reading(f"model '{spec}' ({source.location})"):
             model, info = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype],
                                                                output_loading_info=True, ignore_mismatched_sizes=True)
     except OSError as exc:
@@ -463,7 +467,8 @@ def skeleton_model(location: str, dtype: torch.dtype) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    config = AutoConfig.from_pretrained(location)
+    with reading(f"{Path(location) / 'config.json'}"):
+        config = AutoConfig.from_pretrained(location)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if (Path(location) / "generation_config.json").is_file():
