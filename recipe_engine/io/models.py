@@ -287,41 +287,51 @@ def converted_gguf(gguf: Path) -> Path:
     target = gguf_cache_dir(gguf)
     if (target / "config.json").is_file():
         return target
-    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only or unreachable cache: one line, as a failed write below
+        raise _cache_unwritable(target, exc) from None
     sweep_stale(target.parent, target.name, legacy=(f".{target.name}.????????",))
     problem = space_problem(target, estimated_output_bytes(gguf_config(gguf), "float32"))
     if problem:
         raise SourceError(f"not enough disk space to convert {gguf.name} into the cache: {problem} "
                           f"(set RECIPE_CACHE to another directory)")
-    with temporary_directory(target.parent, target.name, "gguf-cache") as tmp:
-        try:
-            # transformers' conversion progress bars go to a buffer: an error line stays the only output
-            with contextlib.redirect_stderr(io.StringIO()):
-                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                             dtype=torch.float32)
-        except Exception as exc:  # as in gguf_config: many exception types for one kind of problem
-            raise SourceError(gguf_problem(gguf, exc)) from None
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        try:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            (tmp / MARKER).unlink()
-            if (target / "config.json").is_file():  # another process converted it meanwhile
-                return target
-            os.replace(tmp, target)
-        except (OSError, SafetensorError) as exc:
-            if (target / "config.json").is_file():
-                return target
-            detail = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
-            raise SourceError(f"cannot write the GGUF conversion cache {target}: {detail} "
-                              f"(set RECIPE_CACHE to another directory)") from None
+    try:
+        with temporary_directory(target.parent, target.name, "gguf-cache") as tmp:
+            return _convert(gguf, tmp, target)
+    except (OSError, SafetensorError) as exc:  # the temporary directory, the converted files, the rename
+        if (target / "config.json").is_file():  # another process converted it meanwhile
+            return target
+        raise _cache_unwritable(target, exc) from None
+
+
+def _convert(gguf: Path, tmp: Path, target: Path) -> Path:
+    """Dequantize ``gguf`` into ``tmp`` and rename it to ``target``."""
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        # transformers' conversion progress bars go to a buffer: an error line stays the only output
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # as in gguf_config: many exception types for one kind of problem
+        raise SourceError(gguf_problem(gguf, exc)) from None
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / MARKER).unlink()
+    if not (target / "config.json").is_file():  # else another process converted it meanwhile
+        os.replace(tmp, target)
     return target
+
+
+def _cache_unwritable(target: Path, exc: Exception) -> SourceError:
+    detail = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    return SourceError(f"cannot write the GGUF conversion cache {target}: {detail} "
+                       f"(set RECIPE_CACHE to another directory)")
 
 
 def load_config(spec: str):
@@ -443,7 +453,9 @@ def parse_device(name: str) -> torch.device:
         raise SourceError(f"device '{name}' is not a device (auto, cpu, cuda, cuda:i)") from None
     if device.type not in ("cpu", "cuda"):
         raise SourceError(f"device '{name}' is not supported (auto, cpu, cuda, cuda:i)")
-    return device
+    # ``cpu:N`` is the CPU, as torch itself has it (a tensor moved there reports ``cpu``): one form, so
+    # that comparing a tensor's device with the run's holds
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def resolve_device(name: str) -> torch.device:
