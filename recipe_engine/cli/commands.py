@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import signal
@@ -52,6 +53,14 @@ def _overrides(args) -> list[str]:
     return sets
 
 
+def engine_version() -> str:
+    """The installed package's version (its metadata)."""
+    try:
+        return importlib.metadata.version("recipe-engine")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a source tree; pip install -e . records its version)"
+
+
 def budget_share(text: str) -> float:
     """argparse type: a share of the run's time in (0, 1]."""
     try:
@@ -99,7 +108,18 @@ def cmd_validate(args) -> int:
     return RecipeError.exit_code if failed else 0
 
 
+def world_size() -> int:
+    """``--ranks``' default: ``$WORLD_SIZE`` (set by torchrun), else 1; a bad value names the variable."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return positive_int(value)
+    except argparse.ArgumentTypeError as exc:
+        raise RecipeError(f"environment variable WORLD_SIZE (the default of recipe plan --ranks): {exc}; "
+                          f"unset it or give --ranks") from None
+
+
 def cmd_plan(args) -> int:
+    args.ranks = args.ranks or world_size()
     loaded = load_recipe(args.recipe, _overrides(args))
     recipe = loaded.recipe
     located(lambda: check_device(recipe.device, here=False), loaded.path, "device")  # its form, as validate
@@ -175,6 +195,8 @@ def cmd_sweep(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="recipe", description=__doc__)
+    parser.add_argument("-V", "--version", action="version", version=f"recipe {engine_version()}",
+                        help="print the installed version (recipe X.Y.Z) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_overrides(p: Parser) -> None:
@@ -219,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print steps, statistics, calibration passes and a memory estimate")
     p.add_argument("recipe")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--ranks", type=positive_int, default=os.environ.get("WORLD_SIZE", "1"),
+    p.add_argument("--ranks", type=positive_int, default=None,
                    help="data-parallel processes (torchrun --nproc-per-node × nodes): per-rank memory "
                         "(default: $WORLD_SIZE, else 1)")
     with_overrides(p)
@@ -282,8 +304,3 @@ def run(argv: list[str] | None = None) -> int:
         say(f"error: {one_line(str(exc))}")
         return QualityGateError.exit_code
 
-
-from . import main  # noqa: E402  the entry point (light, in the package's __init__), kept importable here
-
-if __name__ == "__main__":
-    sys.exit(main())

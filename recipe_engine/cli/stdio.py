@@ -16,12 +16,13 @@ PIPE_CLOSED = 128 + signal.SIGPIPE
 WRITE_FAILED = 2
 
 
-class StreamError(OSError):
-    """Writing standard output or error failed; ``after`` says what was complete before it failed."""
+class StreamError(Exception):
+    """Writing standard output or error failed; ``after`` says what was complete before it failed. Not an
+    ``OSError``: code that handles a file's errors (argparse's own printing among it) must not swallow it."""
 
     def __init__(self, stream: str, cause: OSError, after: str | None = None):
         self.stream, self.cause, self.after = stream, cause, after
-        super().__init__(cause.errno, cause.strerror or str(cause))
+        super().__init__(f"{stream}: {cause.strerror or cause}")
 
     @property
     def exit_code(self) -> int:
