@@ -9,7 +9,7 @@ _LAZY = {"FORMAT_VERSION": "io.report", "Report": "io.report", "load_report": "i
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
+        import importlib  # deferred: the lazy face above, with what it imports
 
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     went away), 1 internal bug (a traceback: please report it). See docs/errors.md."""
     try:
         with stdio.guarded(), handle_signals():
-            from .commands import run  # deferred: the engine's imports, under the signal handling
+            # deferred: the engine's imports (torch, transformers: seconds), under the signal handling
+            from .commands import run
 
             return run(argv)
     except KeyboardInterrupt as exc:
@@ -29,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def __getattr__(name: str):
-    if name == "build_parser":  # deferred, as in main
-        from .commands import build_parser
+    if name == "build_parser":
+        from .commands import build_parser  # deferred: as in main
 
         return build_parser
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

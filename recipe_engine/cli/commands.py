@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -27,7 +26,7 @@ from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
 from ..recipe.registry import REGISTRY, RegistryError
 from ..recipe.schema import dump_recipe
 from ..system.cleanup import Interrupted
-from ..system.progress import Progress
+from ..system.progress import Console, Progress
 from ..workflows.runner import apply
 from ..workflows.sweep import Sweep, plot, table
 from .evaluate import add_commands, positive_int, quiet_libraries

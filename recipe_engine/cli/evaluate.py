@@ -10,7 +10,6 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -22,7 +21,7 @@ from ..io.output import check_file_output
 from ..io.report import REPORT_FILE, load_report
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
-from ..system.progress import Progress
+from ..system.progress import Console, Progress
 
 out = Console()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import signal
 import sys
 from typing import Iterator
@@ -34,21 +35,52 @@ class StreamError(Exception):
         return f"error: cannot write to {self.stream}: {reason}{done}"
 
 
+#: An ANSI escape sequence (CSI: colours, cursor moves, line erases; or a two-byte escape).
+_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]?")
+_BREAKS = re.compile(r"(\r\n|\r|\n)")
+
+
 class _Guarded:
-    """A text stream whose failed writes raise :class:`StreamError`; everything else is the stream's own."""
+    """A text stream whose failed writes raise :class:`StreamError`; everything else is the stream's own.
+
+    A stream that is not a terminal (a pipe, a log file) gets plain lines: escape sequences are dropped, and
+    a carriage return (a progress bar of a library redrawing its line: tqdm, transformers, lm-eval) starts
+    the line over, so only the state a line ends in is written (a bar that closes leaves its last state)."""
 
     def __init__(self, stream, name: str):
         self._stream, self._name = stream, name
+        self._plain = not _isatty(stream)
+        self._line, self._redrawn = "", False
 
     def write(self, text: str) -> int:
+        self._put(self._lines(text) if self._plain else text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._plain and self._line and not self._redrawn:  # a line being written, not a bar's redraw
+            self._put(self._line)
+            self._line = ""
         try:
-            return self._stream.write(text)
+            self._stream.flush()
         except OSError as exc:
             raise StreamError(self._name, exc) from None
 
-    def flush(self) -> None:
+    def _lines(self, text: str) -> str:
+        done = []
+        for part in _BREAKS.split(_ESCAPE.sub("", text)):
+            if part in ("\n", "\r\n"):
+                done.append(self._line + "\n")
+                self._line, self._redrawn = "", False
+            elif part == "\r":
+                self._line, self._redrawn = "", True
+            else:
+                self._line += part
+        return "".join(done)
+
+    def _put(self, text: str) -> None:
         try:
-            self._stream.flush()
+            if text:
+                self._stream.write(text)
         except OSError as exc:
             raise StreamError(self._name, exc) from None
 
@@ -66,6 +98,8 @@ def guarded() -> Iterator[None]:
         yield
         sys.stdout.flush()
     finally:
+        with contextlib.suppress(StreamError, OSError, ValueError):  # a last line without its newline
+            sys.stderr.flush()
         sys.stdout, sys.stderr = saved
 
 
@@ -78,6 +112,13 @@ def after_output(what: str) -> Iterator[None]:
         sys.stdout.flush()
     except StreamError as exc:
         raise StreamError(exc.stream, exc.cause, what) from None
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def failed(exc: StreamError) -> int:
