@@ -5,9 +5,11 @@ the commands (torch, transformers: seconds), so Ctrl-C during those imports is t
 from __future__ import annotations
 
 import signal
+import sys
 
 from ..system.cleanup import Interrupted, handle_signals
 from . import stdio
+from .about import version
 
 __all__ = ["build_parser", "main"]
 
@@ -15,12 +17,16 @@ __all__ = ["build_parser", "main"]
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 ok, 2 user error (one line), 3 quality gate, 128+n signal n (141: stdout's reader
     went away), 1 internal bug (a traceback: please report it). See docs/errors.md."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
         with stdio.guarded(), handle_signals():
+            if args in (["--version"], ["-V"]):  # at once, without importing the engine
+                print(f"recipe {version()}")
+                return 0
             # deferred: the engine's imports (torch, transformers: seconds), under the signal handling
             from .commands import run
 
-            return run(argv)
+            return run(args)
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         stdio.say(f"interrupted by {signal.Signals(signum).name}; nothing written")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import signal
@@ -30,6 +29,7 @@ from ..system.progress import Console, Progress
 from ..workflows.runner import apply
 from ..workflows.sweep import Sweep, plot, table
 from .evaluate import add_commands, positive_int, quiet_libraries
+from .about import version
 from .stdio import after_output, say
 from .summary import print_summary
 
@@ -50,14 +50,6 @@ def _overrides(args) -> list[str]:
         if value is not None:  # an explicit empty value is validated, not ignored
             sets.append(f"{name}={yaml_scalar(value)}")
     return sets
-
-
-def engine_version() -> str:
-    """The installed package's version (its metadata)."""
-    try:
-        return importlib.metadata.version("recipe-engine")
-    except importlib.metadata.PackageNotFoundError:
-        return "(not installed: run from a source tree; pip install -e . records its version)"
 
 
 def budget_share(text: str) -> float:
@@ -194,7 +186,7 @@ def cmd_sweep(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="recipe", description=__doc__)
-    parser.add_argument("-V", "--version", action="version", version=f"recipe {engine_version()}",
+    parser.add_argument("-V", "--version", action="version", version=f"recipe {version()}",
                         help="print the installed version (recipe X.Y.Z) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
