@@ -173,15 +173,20 @@ def cmd_sweep(args) -> int:
         print(f"interrupted by {signal.Signals(signum).name}; {len(sweep.rows)} finished rows kept in "
               f"{args.output}/{SWEEP_FILE} (rerun to continue)", file=sys.stderr)
         return 128 + signum
+    with after_output(f"{args.output}/{SWEEP_FILE} is complete"):
+        _print_sweep(sweep, rows, args.output)
+    return 0
+
+
+def _print_sweep(sweep: Sweep, rows, output: str) -> None:
     out.print(table(rows))
     shared = sweep.shared_work()
     if shared:
         out.print("shared work: " + "; ".join(f"{k} computed {v['computed']}, reused {v['reused']}"
                                               for k, v in sorted(shared.items())))
 
-    problem = plot(rows, Path(args.output) / "pareto.png")
-    out.print(problem or f"wrote {escape(args.output)}/{SWEEP_FILE} and pareto.png")
-    return 0
+    problem = plot(rows, Path(output) / "pareto.png")
+    out.print(problem or f"wrote {escape(output)}/{SWEEP_FILE} and pareto.png")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ from ..io.report import REPORT_FILE, load_report
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
 from ..system.progress import Console, Progress
+from .stdio import after_output
 
 out = Console()
 
@@ -86,7 +87,9 @@ def non_negative_int(text: str) -> int:
 
 
 def write_json(path: str | None, record: dict) -> None:
-    """Write ``record`` atomically (temporary file beside it, then rename); errors are one line."""
+    """Write ``record`` atomically (temporary file beside it, then rename); errors are one line. What was
+    printed before is flushed first: standard output that fails does so before the file is written."""
+    sys.stdout.flush()
     if path:
         target = Path(path)
         try:
@@ -99,7 +102,8 @@ def write_json(path: str | None, record: dict) -> None:
                 tmp.unlink(missing_ok=True)
         except OSError as exc:
             raise RecipeError(f"cannot write --json {path}: {exc.strerror or exc}") from None
-        out.print(f"wrote {path}", markup=False, highlight=False)
+        with after_output(f"{path} is complete"):
+            out.print(f"wrote {path}", markup=False, highlight=False)
 
 
 def check_json_path(path: str | None, models=()) -> None:
