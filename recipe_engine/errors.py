@@ -1,6 +1,9 @@
 """User-facing errors: one line naming the file, the step and the field."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 
 class RecipeError(Exception):
     """A mistake in a recipe or in the command line: exit code 2, nothing written.
@@ -54,3 +57,26 @@ class QualityGateError(Exception):
     """The compressed model fell below ``evaluate.min_retained`` (exit code 3, output kept)."""
 
     exit_code = 3
+
+
+def library_reason(exc: BaseException) -> str:
+    """The innermost cause of a library's exception, as one line (huggingface_hub's
+    ``StrictDataclassClassValidationError`` wraps transformers' own ``ValueError``: its first line is only
+    "Class validation error for validator ...")."""
+    while exc.__cause__ is not None and exc.__cause__ is not exc:
+        exc = exc.__cause__
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return one_line(text[:200] + ("..." if len(text) > 200 else "")) or type(exc).__name__
+
+
+@contextlib.contextmanager
+def reading(what: str) -> Iterator[None]:
+    """Around one call into transformers, huggingface_hub, safetensors or torch that reads a user's model
+    file: whatever it raises (a config transformers rejects, a corrupt file) becomes one line naming ``what``.
+    Our own errors, signals and a lack of memory pass through."""
+    try:
+        yield
+    except (RecipeError, MemoryError):
+        raise
+    except Exception as exc:
+        raise SourceError(f"cannot read {what}: {library_reason(exc)}") from None

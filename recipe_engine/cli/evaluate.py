@@ -9,7 +9,6 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -21,7 +20,8 @@ from ..io.user_paths import Target, check_targets, is_json_record, replace_text
 from ..io.report import REPORT_FILE, load_report, weights_fingerprint
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
-from ..system.progress import Progress
+from ..system.progress import Console, Progress
+from .stdio import after_output
 
 out = Console()
 
@@ -89,13 +89,16 @@ def non_negative_int(text: str) -> int:
 
 
 def write_json(path: str | None, record: dict) -> None:
-    """Write ``record`` atomically (temporary file beside it, then rename); errors are one line."""
+    """Write ``record`` atomically (temporary file beside it, then rename); errors are one line. What was
+    printed before is flushed first: standard output that fails does so before the file is written."""
+    sys.stdout.flush()
     if path:
         try:
             replace_text(Path(path).expanduser(), json.dumps(record, indent=2, default=str))
         except OSError as exc:
             raise RecipeError(f"cannot write --json {path}: {exc.strerror or exc}") from None
-        out.print(f"wrote {path}", markup=False, highlight=False)
+        with after_output(f"{path} is complete"):
+            out.print(f"wrote {path}", markup=False, highlight=False)
 
 
 def check_json_path(path: str | None, inputs=()) -> None:

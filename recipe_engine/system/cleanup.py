@@ -234,5 +234,6 @@ def _exit_now(signum: int) -> None:
             if not path.exists():
                 break
     name = signal.Signals(signum).name
-    os.write(2, f"interrupted by {name}; nothing written\n".encode())
+    with contextlib.suppress(OSError):  # a standard error that cannot be written: the exit code says it
+        os.write(2, f"interrupted by {name}; nothing written\n".encode())
     os._exit(128 + signum)
