@@ -280,3 +280,25 @@ def test_a_library_bar_on_a_pipe_leaves_the_line_it_ends_in():
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].startswith("bar: 100%") and "3/3" in lines[0]
     assert lines[1] == "bold line"
+
+
+def test_a_failure_a_signal_caused_is_the_interruption(monkeypatch, capsys):
+    # a library that swallows the Interrupted raised inside it (transformers' lazy imports) fails otherwise
+    # afterwards: that failure is reported as the interruption, not as an unreadable model or a traceback
+    from recipe_engine import errors
+    from recipe_engine.cli import commands
+
+    def interrupted_then_broken(args):
+        errors.note_signal(signal.SIGINT)
+        with errors.reading("m/config.json"):
+            raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(commands, "run", interrupted_then_broken)
+    from recipe_engine.cli import main
+
+    assert main(["validate", "r.yaml"]) == 130
+    assert capsys.readouterr().err == "interrupted by SIGINT; nothing written\n"
+    assert errors.received_signal() is None  # cleared for the next command in this process
+    with pytest.raises(errors.SourceError, match="cannot read m/config.json: .*recursion"):
+        with errors.reading("m/config.json"):  # without a signal: one line naming the file
+            raise RecursionError("maximum recursion depth exceeded")

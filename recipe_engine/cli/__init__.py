@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from ..errors import received_signal
 from ..system.cleanup import Interrupted, handle_signals
 from . import stdio
 from .about import version
@@ -19,14 +20,20 @@ def main(argv: list[str] | None = None) -> int:
     went away), 1 internal bug (a traceback: please report it). See docs/errors.md."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
-        with stdio.guarded(), handle_signals():
+        with stdio.guarded(), handle_signals() as signals:
             if args in (["--version"], ["-V"]):  # at once, without importing the engine
                 print(f"recipe {version()}")
                 return 0
-            # deferred: the engine's imports (torch, transformers: seconds), under the signal handling
-            from .commands import run
-
-            return run(args)
+            # nothing is written yet, so a signal ends the process there at once (raised inside torch's C++
+            # code it would abort it)
+            with signals.exit_at_once():
+                from .commands import run  # deferred: the engine's imports (torch, transformers: seconds)
+            try:
+                return run(args)
+            except Exception:  # raised after a signal, because of it: a library that swallowed the
+                if received_signal() is None:  # interruption inside a lazy import fails otherwise
+                    raise
+                raise Interrupted(received_signal()) from None
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         stdio.say(f"interrupted by {signal.Signals(signum).name}; nothing written")
