@@ -39,6 +39,7 @@ from .execution.session import remove_layers
 from .execution.staged import StagedLayer
 from .execution.stats import InputCovariance, Statistic, position
 from .io.data import check_text, load_text, tokenize
+from .io.exporters import checkpoint_exporter, checkpoint_formats
 from .numerics.hadamard import rotation
 from .numerics.linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, reconstruction_error,
                               refit_error, ridge_compensation, ridge_leverage_scores, ridge_refit, set_linear_weight,
@@ -54,7 +55,7 @@ from .recipe.split import SCORE_FRACTION, WindowSplit, heldout_split
 from .recipe.validate import check_steps
 
 __all__ = ["LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
-           "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear", "roles_problem", "Grid", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
+           "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear", "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
            "ModifierSession", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
            "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",

@@ -45,7 +45,7 @@ def rtn_reference(w, bits, group, sym):
 def test_rtn_quantize_values_lie_on_grid(tmp_path, bits, group, sym):
     model = tiny_model()
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    step = {"Quantize": {"bits": bits, "group_size": group, "sym": sym}}
+    step = {"Quantize": {"bits": bits, "group_size": group, "sym": sym, "export": "dequantized"}}
     recipe_engine.apply(recipe(tmp_path, [step]), model=model, tokenizer=CharTokenizer(), write=False,
                         progress=False)
     for name, param in model.named_parameters():
@@ -92,7 +92,6 @@ def test_gptq_step_uses_layer_hessians_and_beats_rtn():
 
 @pytest.mark.parametrize("sym", [True, False])
 def test_fusenorm_gptq_recipe_exports_compressed_tensors(tmp_path, sym):
-    pytest.importorskip("compressed_tensors", reason="export needs: pip install 'recipe-engine[vllm]'")
     from transformers import CompressedTensorsConfig
 
     model = tiny_model()
@@ -118,7 +117,6 @@ def test_fusenorm_gptq_recipe_exports_compressed_tensors(tmp_path, sym):
 
 
 def test_export_refuses_weights_moved_off_grid(tmp_path):
-    pytest.importorskip("compressed_tensors", reason="export needs: pip install 'recipe-engine[vllm]'")
     model = tiny_model()
     session = make_session(model, random_tokens(4, 32))
     session.run_layer_modifiers([GPTQ(group_size=16, export="compressed-tensors")])
@@ -129,9 +127,10 @@ def test_export_refuses_weights_moved_off_grid(tmp_path):
         write_checkpoint(session, tmp_path)
 
 
-def test_default_output_is_stock_checkpoint(tmp_path):
+def test_dequantized_output_is_stock_checkpoint(tmp_path):
     model = tiny_model()
-    out, _ = recipe_engine.apply(recipe(tmp_path, ["GPTQ<group_size:32,act_order:true>"]), model=model,
+    out, _ = recipe_engine.apply(recipe(tmp_path, ["GPTQ<group_size:32,act_order:true,export:dequantized>"]),
+                                 model=model,
                                  tokenizer=CharTokenizer(), progress=False)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert getattr(loaded.config, "quantization_config", None) is None
@@ -145,7 +144,7 @@ def test_flattengpt_then_gptq_shares_the_layer_pass(tmp_path):
     flatten = ["FuseNorm", "FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP"]
     _, without = recipe_engine.apply(recipe(tmp_path, flatten), model=tiny_model(num_hidden_layers=6),
                                      tokenizer=CharTokenizer(), write=False, progress=False)
-    out, report = recipe_engine.apply(recipe(tmp_path, flatten + ["GPTQ<group_size:32,sym:false>"]),
+    out, report = recipe_engine.apply(recipe(tmp_path, flatten + ["GPTQ<group_size:32,sym:false,export:dequantized>"]),
                                       model=tiny_model(num_hidden_layers=6), tokenizer=CharTokenizer(),
                                       progress=False)
     assert report.steps[4].shared_pass and out.config.num_hidden_layers == 4
@@ -217,8 +216,9 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
                                           block_size=128)
                 linear.weight.copy_(quantized.dequantized)
     model, one_pass = tiny_model(), tiny_model()
-    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16)])  # sequential, act_order: the defaults
-    make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=False)])
+    # sequential, act_order: the defaults; the reference's scales are fp64 (not rounded to a stored dtype)
+    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16, export="dequantized")])
+    make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=False, export="dequantized")])
     for index, target in ((i, t) for i in range(len(model.model.layers)) for t in LINEARS):
         torch.testing.assert_close(model.model.layers[index].get_submodule(target).weight,
                                    reference.model.layers[index].get_submodule(target).weight, rtol=0, atol=1e-5)

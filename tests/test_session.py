@@ -250,7 +250,7 @@ def test_a_branch_keeps_what_the_run_produced_before_it():
     session.outputs.add_extra("Earlier", {"k": 1}, {"t": torch.ones(2)})
     session.outputs.add_artifact("earlier.txt", b"x")
     session.outputs.mark_quantized(linear, Grid(bits=4, group_size=columns, sym=False),
-                                   torch.ones(rows, 1), torch.zeros(rows, 1))
+                                   torch.ones(rows, 1), torch.zeros(rows, 1), "compressed-tensors")
     branch = session.branch(session.calibration)
     branch.outputs.add_extra("Later", {}, {})
     session.adopt(branch)

@@ -266,7 +266,7 @@ def test_weight_change_after_quantizing_is_a_validation_error(tmp_path, steps, m
         check_against_config(recipe_from_dict(data), tiny_config(), "r.yaml")
     assert "step 1" in str(error.value) and "r.yaml" in str(error.value)
     for allowed in (["ShortGPT<n:1>", f"GPTQ<group_size:32,{PACKED}>", "LinearPatch"],  # a patch, not weights
-                    ["GPTQ<group_size:32>", "LoRARecovery"]):  # dequantized export: recovery may move them
+                    ["GPTQ<group_size:32,export:dequantized>", "LoRARecovery"]):  # recovery may move them
         check_against_config(recipe_from_dict({**data, "modifiers": allowed}), tiny_config(num_hidden_layers=6),
                              "r.yaml")
 
@@ -386,10 +386,15 @@ def test_packed_export_streamed_equals_in_memory_without_the_whole_model(tmp_pat
 @pytest.mark.parametrize("bits, group, sym, rows", [(4, 32, True, 96), (4, None, False, 100), (8, 16, False, 64),
                                                     (8, None, True, 72), (4, 64, False, 13)])
 def test_packed_layout_is_what_the_compressor_returns(bits, group, sym, rows):
-    """The writer fixes each file's header before packing: its layout must be the library's output."""
-    from recipe_engine.numerics.quantization import Grid, QuantizedLinear, pack, packed_layout
+    """The writer fixes each file's header before packing: its layout, and the packed tensors themselves, must
+    be the library's ``PackedQuantizationCompressor.compress`` output."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
 
-    grid = Grid(bits, group, sym)
+    from recipe_engine.io.exporters import checkpoint_exporter
+    from recipe_engine.io.exporters.compressed_tensors import scheme
+    from recipe_engine.numerics.quantization import Grid, QuantizedLinear
+
+    grid = Grid(bits, group, sym, torch.float32)
     weight = torch.randn(rows, 128, dtype=torch.float32)
     groups = 128 // (group or 128)
     scale = torch.stack([grid.params(weight[:, g * 128 // groups:(g + 1) * 128 // groups].double())[0]
@@ -398,10 +403,15 @@ def test_packed_layout_is_what_the_compressor_returns(bits, group, sym, rows):
                         for g in range(groups)], 1)
     record = QuantizedLinear(grid, scale.float(), zero.to(torch.int16))
     on_grid = grid.fake(weight.double(), grid.expand(scale, 128), grid.expand(zero, 128)).to(weight.dtype)
-    packed = pack("layer", on_grid, record)
-    layout = packed_layout(on_grid, record)
+    exporter = checkpoint_exporter("compressed-tensors")
+    packed = exporter.pack("layer", on_grid, record)
+    layout = exporter.layout(on_grid, record)
+    library = PackedQuantizationCompressor.compress(
+        {"weight": on_grid, "weight_scale": record.scale, "weight_zero_point": (zero - 2 ** (bits - 1)).to(torch.int8)},
+        scheme(grid))
     assert list(packed) == list(layout)
     assert all(packed[k].shape == layout[k].shape and packed[k].dtype == layout[k].dtype for k in layout)
+    assert all(torch.equal(packed[k], library[k]) for k in layout)
 
 
 def test_report_records_each_steps_peak_beside_its_estimate(tmp_path):

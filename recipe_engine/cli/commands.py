@@ -17,7 +17,7 @@ from ..execution.distributed import DistributedError
 from ..execution.resume import DEFAULT_CHECKPOINT_BUDGET
 from ..io.card import check_card_target, write_card
 from ..io.eval_record import read_evaluation
-from ..io.gguf_export import TYPES, export_gguf
+from ..io.exporters import exporters, file_export, file_formats
 from ..io.output import SWEEP_FILE
 from ..io.report import load_report
 from ..plan.preflight import check_device, located, validate_recipe
@@ -147,8 +147,9 @@ def cmd_list(args) -> int:
 
 
 def cmd_export(args) -> int:
+    exporter, kind, _ = file_export(args.format, args.type, None)
     with quiet_libraries(False), Progress() as bar:
-        summary = export_gguf(args.directory, args.output, args.type, force=args.force, progress=bar)
+        summary = exporter.write_file(Path(args.directory), Path(args.output), kind, force=args.force, progress=bar)
     with after_output(f"{summary['file']} is complete"):
         out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
                   f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
@@ -262,10 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="convert an output directory to another format (gguf for llama.cpp)")
     p.add_argument("directory", help="a recipe output or any HF model directory")
-    p.add_argument("--format", choices=["gguf"], required=True)
+    p.add_argument("--format", choices=file_formats(), required=True)
     p.add_argument("--output", required=True,
-                   help="the .gguf file to write (atomically); never the input, a link, a device, FIFO or socket")
-    p.add_argument("--type", choices=TYPES, default="f16", help="2-D weights' type; norms and biases stay f32")
+                   help="the file to write (atomically), e.g. model.gguf; never the input, a link, a device, FIFO "
+                        "or socket")
+    p.add_argument("--type", choices=list(dict.fromkeys(t for e in exporters().values() for t in e.types)),
+                   help="2-D weights' type (gguf: f16 default, f32, bf16, q8_0); norms and biases stay f32")
     p.add_argument("--force", action="store_true", help="replace an existing regular file (not a directory)")
     p.set_defaults(func=cmd_export)
 

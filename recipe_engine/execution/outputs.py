@@ -25,6 +25,12 @@ class RunOutputs:
         self._artifacts: dict[str, bytes | Callable[[], bytes]] = {}
         #: Linears whose weight lies on a quantization grid; the writer packs them.
         self.quantized: dict[nn.Module, QuantizedLinear] = {}
+        #: id of a step object → its label in row logs, ``"<index> <Name>"`` (:meth:`label_steps`).
+        self.step_labels: dict[int, str] = {}
+
+    def label_steps(self, steps: list[tuple[int, Any]]) -> None:
+        """Name the ``(recipe index, step)`` pairs about to run, for the ``step`` column of row logs."""
+        self.step_labels.update({id(step): f"{index} {step.step_name()}" for index, step in steps})
 
     def add_extra(self, modifier: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.io.extras``)."""
@@ -51,12 +57,16 @@ class RunOutputs:
             raise ValueError(f"artifact name must be a file name or dir/file name, got {filename!r}")
         self._artifacts[filename] = data
 
-    def add_rows(self, filename: str, rows: list[dict[str, Any]]) -> None:
+    def add_rows(self, filename: str, rows: list[dict[str, Any]], step: Any = None) -> None:
         """Append ``rows`` to a CSV file of the output directory (a per-layer log): the columns are the first
-        row's keys, and every later row must have the same. The file is kept as an artifact, so resume
-        checkpoints and branches carry it like any other."""
+        row's keys, and every later row must have the same. With ``step`` (the step object adding them) each
+        row starts with a ``step`` column, ``"<index> <Name>"``, so two steps writing one log stay apart.
+        The file is kept as an artifact, so resume checkpoints and branches carry it like any other."""
         if not filename.endswith(".csv"):
             raise ValueError(f"a row log is a .csv file, got {filename!r}")
+        if step is not None:
+            label = self.step_labels.get(id(step), step.step_name())
+            rows = [{"step": label, **row} for row in rows]
         old = self._drawn(filename)
         table = list(csv.reader(io.StringIO(old.decode()))) if old else []
         columns = table[0] if table else list(rows[0]) if rows else []
@@ -71,18 +81,22 @@ class RunOutputs:
         writer.writerows(table if old else [columns, *table])
         self.add_artifact(filename, text.getvalue().encode())
 
-    def mark_quantized(self, linear: nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor) -> None:
+    def mark_quantized(self, linear: nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor,
+                       format: str) -> None:
         """Record that ``linear``'s weight lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and
-        ``zero`` (codes ``0 … 2^b − 1``): the checkpoint stores it packed (compressed-tensors). One grid per
-        checkpoint (validation refuses a second quantizing step)."""
+        ``zero`` (codes ``0 … 2^b − 1``): the checkpoint stores it packed in ``format`` (a checkpoint
+        format of ``recipe_engine.io.exporters``). One grid and format per checkpoint (validation refuses a
+        second quantizing step)."""
         self.restore_quantized(linear, QuantizedLinear(grid, scale.detach().to("cpu", torch.float32),
-                                                       zero.detach().to("cpu", torch.int16)))
+                                                       zero.detach().to("cpu", torch.int16), format))
 
     def restore_quantized(self, linear: nn.Module, record: QuantizedLinear) -> None:
         """Record ``linear``'s quantization as given (a resumed run's record, kept as the same object)."""
-        other = next((kept.grid for kept in self.quantized.values() if kept.grid != record.grid), None)
+        other = next((kept for kept in self.quantized.values()
+                      if (kept.grid, kept.format) != (record.grid, record.format)), None)
         if other is not None:
-            raise RuntimeError(f"one quantization grid per checkpoint: {record.grid} after {other}")
+            raise RuntimeError(f"one quantization grid and format per checkpoint: {record.grid} ({record.format}) "
+                               f"after {other.grid} ({other.format})")
         self.quantized[linear] = record
 
     def copy_for(self, copies: dict[int, Any]) -> "RunOutputs":
@@ -91,6 +105,7 @@ class RunOutputs:
         that the branch starts from everything the run has produced until now."""
         copied = RunOutputs()
         copied.extras, copied._artifacts = list(self.extras), dict(self._artifacts)
+        copied.step_labels = dict(self.step_labels)
         copied.quantized = {copies[id(linear)]: record for linear, record in self.quantized.items()
                             if id(linear) in copies}
         return copied

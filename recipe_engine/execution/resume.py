@@ -39,7 +39,7 @@ from .streaming import StagedFile
 from .unit_files import file_sha256, fill_module, meta_tensors, parameters_of
 
 MANIFEST = "manifest.json"
-KIND, VERSION = "recipe-resume", 2
+KIND, VERSION = "recipe-resume", 3
 #: The share of a run's time its resume checkpoints may take (``--checkpoint-budget``): a pass skips a
 #: layer's checkpoint while the work since the last checkpoint is shorter than ``(1 − b) / b`` times what
 #: that checkpoint cost. A layer's activations are what a pass checkpoint writes (an 8B model at 128 × 2048
@@ -186,7 +186,9 @@ class Checkpoints:
             files = {name: load_file(str(self.directory / name)) for name in {e["file"] for e in state["quantized"]}}
             for entry in state["quantized"]:
                 tensors, key = files[entry["file"]], entry["key"]
-                record = QuantizedLinear(Grid(*entry["grid"]), tensors[f"{key}.scale"], tensors[f"{key}.zero"])
+                bits, group_size, sym, scale_dtype = entry["grid"]
+                grid = Grid(bits, group_size, sym, getattr(torch, scale_dtype) if scale_dtype else None)
+                record = QuantizedLinear(grid, tensors[f"{key}.scale"], tensors[f"{key}.zero"], entry["format"])
                 session.outputs.restore_quantized(session.model.get_submodule(entry["module"]), record)
                 self._quantized_files[id(record)] = (entry["file"], key, record)
         self._pass = self._load_pass()
@@ -318,8 +320,9 @@ class Checkpoints:
         for module, record in session.outputs.quantized.items():
             file, key, _ = self._quantized_files[id(record)]
             grid = record.grid
-            entries.append({"module": names[id(module)], "grid": [grid.bits, grid.group_size, grid.sym],
-                            "file": file, "key": key})
+            dtype = str(grid.scale_dtype).removeprefix("torch.") if grid.scale_dtype else None
+            entries.append({"module": names[id(module)], "grid": [grid.bits, grid.group_size, grid.sym, dtype],
+                            "format": record.format, "file": file, "key": key})
         return entries
 
     def _save(self, session, reached: dict, records: list, report: dict[str, Any], pass_state: dict | None) -> None:

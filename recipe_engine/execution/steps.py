@@ -61,6 +61,7 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
                 continue
             checkpoints.begin_group(number, [step for _, step in group], records, report)
         watch.start()
+        session.outputs.label_steps(group)
         start, passes_before = time.perf_counter(), session.passes.value
         names = ", ".join(step.step_name() for _, step in group)
         bar.phase(f"step {group[0][0]}: {names}")

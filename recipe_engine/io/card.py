@@ -247,8 +247,9 @@ def _loading(report: Report, directory: Path) -> list[str]:
              'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")', "```"]
     lines = ["A standard checkpoint of the source's architecture class: stock `from_pretrained` loads it.", ""]
     if packed:
+        package = "gptqmodel" if packed == "gptq" else "compressed-tensors"
         lines = [f"Weights are packed ({packed}): stock `from_pretrained` loads them with `pip install "
-                 f"compressed-tensors`; vLLM serves the directory as is.", ""]
+                 f"{package}`; vLLM and SGLang serve the directory as is.", ""]
     lines += stock
     extras = directory / EXTRAS_JSON
     if extras.is_file():
@@ -311,7 +312,7 @@ def model_card(report: Report, directory: str | Path, evaluations: list[dict] = 
 
     directory = Path(directory)
     quantized = any(step.result.get("format") for step in report.steps)
-    tags = [TOOL_TAG, "compressed"] + (["compressed-tensors"] if _packed(directory) else [])
+    tags = [TOOL_TAG, "compressed"] + ([_packed(directory)] if _packed(directory) else [])
     results = _eval_results(report, list(evaluations))
     data = ModelCardData(base_model=base_model(report.model), library_name="transformers", tags=tags,
                          pipeline_tag="text-generation", license=report.model.license,

@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..errors import SourceError, library_reason, reading
+from ..errors import RecipeError, SourceError, library_reason, reading
 from .checkpoint_names import converted_names, converted_shapes
+from .exporters import packed_reader
 
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,9 +27,11 @@ class CheckpointReader:
     """Lazy reader of a safetensors checkpoint directory: one ``model.safetensors`` or a sharded index.
 
     ``read(names)`` opens each shard with ``safe_open`` only for the duration of the call; the returned
-    tensors are memory-mapped views (copy-on-write), valid after the file is closed. Given the ``model`` the
-    checkpoint is for, it also reads the in-memory names of tensors transformers converts at load (a Mixtral's
-    fused experts from the per-expert tensors on disk; ``checkpoint_names``).
+    tensors are memory-mapped views (copy-on-write), valid after the file is closed. A packed checkpoint (a
+    ``quantization_config`` a registered format reads, ``recipe_engine.io.exporters``) is read by its
+    logical names: ``<linear>.weight`` is dequantized from its packed tensors into the checkpoint's dtype.
+    Given the ``model`` the checkpoint is for, it also reads the in-memory names of tensors transformers
+    converts at load (a Mixtral's fused experts from the per-expert tensors on disk; ``checkpoint_names``).
     """
 
     def __init__(self, directory: str | Path, model: nn.Module | None = None):
@@ -44,32 +47,79 @@ class CheckpointReader:
                 self.files = {name: path for name in handle.keys()}
         else:
             raise SourceError(f"{self.directory}: no {SINGLE_FILE} or {INDEX_FILE} to stream weights from")
+        config_file = self.directory / "config.json"
+        self.config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.format, self.packed = packed_weights(self.files, self.config)
         #: in-memory name → the on-disk tensors transformers makes it from (``checkpoint_names``)
         self.converted = converted_names(model, list(self.files)) if model is not None else {}
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files or name in self.converted
+        return name in self.files or name in self.packed or name in self.converted
+
+    def names(self) -> list[str]:
+        """The logical tensor names: stored ones, packed linears' tensors replaced by their ``weight``."""
+        hidden = {stored for parts in self.packed.values() for stored in parts.values()}
+        logical = {stored: stored for stored in self.files if stored not in hidden}
+        logical.update({next(iter(parts.values())): name for name, parts in self.packed.items()})
+        return [logical[stored] for stored in self.files if stored in logical]
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         names = list(names)
         missing = [n for n in names if n not in self]
         if missing:
             raise SourceError(f"{self.directory}: tensors missing from the checkpoint: {missing[:3]}")
-        stored = [n for n in names if n in self.files]
-        tensors = self._read(stored)
+        tensors = self._read([n for n in names if n in self.files or n in self.packed])
         for name in names:
-            if name not in self.files:
+            if name not in tensors:
                 tensors[name] = self.converted[name].build(self._read)
-        return tensors
+        return {name: tensors[name] for name in names}
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Stored tensors by name, and packed linears' weights dequantized from their parts."""
+        stored = [n for n in names if n not in self.packed]
+        stored += [part for n in names if n in self.packed for part in self.packed[n].values()]
         tensors: dict[str, torch.Tensor] = {}
-        by_file = itertools.groupby(sorted(names, key=lambda n: str(self.files[n])), key=lambda n: self.files[n])
+        by_file = itertools.groupby(sorted(stored, key=lambda n: str(self.files[n])), key=lambda n: self.files[n])
         for path, group in by_file:
             with reading(str(path)), safe_open(str(path), "pt") as handle:
                 for name in group:
                     tensors[name] = handle.get_tensor(name)
-        return tensors
+        dtype = checkpoint_dtype(self.config)
+        for name in names:
+            if name in self.packed:
+                parts = {suffix: tensors.pop(part) for suffix, part in self.packed[name].items()}
+                shape = self.format.weight_shape({suffix: tuple(t.shape) for suffix, t in parts.items()},
+                                                 self.config["quantization_config"])
+                tensors[name] = self.format.dequantize(parts, shape, self.config["quantization_config"], dtype)
+        return {name: tensors[name] for name in names}
+
+
+def _config_value(config, key: str):
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def checkpoint_dtype(config) -> torch.dtype:
+    """The dtype ``config.json`` declares for the weights (``dtype``, older ``torch_dtype``; default fp32)."""
+    name = _config_value(config, "dtype") or _config_value(config, "torch_dtype") or "float32"
+    return name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."))
+
+
+def packed_weights(names: Iterable[str], config) -> tuple:
+    """``(format, {"<linear>.weight": {suffix: stored name}})`` of a packed checkpoint's tensors (``(None, {})``
+    for plain weights); a ``quantization_config`` no registered format reads is one line."""
+    qconfig = _config_value(config, "quantization_config")
+    if not qconfig:
+        return None, {}
+    try:
+        exporter = packed_reader(qconfig if isinstance(qconfig, dict) else qconfig.to_dict())
+    except RecipeError as exc:
+        raise SourceError(exc.detail) from None
+    groups: dict[str, dict[str, str]] = {}
+    for name in names:
+        prefix, _, suffix = name.rpartition(".")
+        if suffix in exporter.suffixes:
+            groups.setdefault(f"{prefix}.weight", {})[suffix] = name
+    return exporter, groups
 
 
 def is_materialized(module: nn.Module) -> bool:
@@ -133,10 +183,6 @@ def safetensors_header(file: Path) -> dict | str:
     return {key: entry for key, entry in header.items() if key != "__metadata__"}
 
 
-#: The tensors that replace ``<linear>.weight`` in a compressed-tensors packed checkpoint.
-PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
-
-
 def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name → shape of the checkpoint in ``directory`` (its shard index or ``model.safetensors``), from
     the safetensors headers alone; a shard the index names that is missing or broken is one line."""
@@ -164,15 +210,30 @@ def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def logical_shapes(shapes: dict[str, tuple[int, ...]], config) -> dict[str, tuple[int, ...]]:
+    """``shapes`` with each packed linear's tensors replaced by its ``weight`` and that weight's shape."""
+    exporter, packed = packed_weights(shapes, config)
+    if exporter is None:
+        return shapes
+    qconfig = _config_value(config, "quantization_config")
+    qconfig = qconfig if isinstance(qconfig, dict) else qconfig.to_dict()
+    hidden = {stored for parts in packed.values() for stored in parts.values()}
+    logical = {name: shape for name, shape in shapes.items() if name not in hidden}
+    for name, parts in packed.items():
+        logical[name] = tuple(exporter.weight_shape({s: shapes[n] for s, n in parts.items()}, qconfig))
+    return logical
+
+
 def check_checkpoint(directory: Path, config, spec: str | None = None) -> None:
     """Every tensor ``config``'s architecture needs is in the checkpoint with the config's shape, and no other
-    tensor is (headers only, no weight read; a tied ``lm_head`` may be absent; a packed linear's
-    ``weight_packed``/``weight_scale``/... stand for its ``weight``; tensors transformers converts at load, such
-    as per-expert names, count as what they convert to). Otherwise one line naming the first few."""
+    tensor is (headers only, no weight read; a tied ``lm_head`` may be absent; a packed linear's tensors
+    stand for its ``weight``, of the shape they hold; tensors transformers converts at load, such as
+    per-expert names, count as what they convert to). Otherwise one line naming the first few."""
     # deferred: transformers' model classes take seconds to import; only what builds a model pays it
     from transformers import AutoModelForCausalLM
 
-    present = checkpoint_shapes(directory)
+    saved = directory / "config.json"  # its quantization_config, also when ``config`` was read without it
+    present = logical_shapes(checkpoint_shapes(directory), json.loads(saved.read_text()) if saved.is_file() else config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     conversions = converted_names(model, list(present))
@@ -182,12 +243,9 @@ def check_checkpoint(directory: Path, config, spec: str | None = None) -> None:
                    **converted_shapes(conversions, present)}
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    packed = {f"{name[:-len('weight')]}{suffix}" for name in expected if name.endswith(".weight")
-              for suffix in PACKED_SUFFIXES} if getattr(config, "quantization_config", None) else set()
     optional = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    missing = [name for name in expected if name not in present and name not in optional
-               and f"{name}_packed" not in present]
-    unexpected = [name for name in present if name not in expected and name not in packed
+    missing = [name for name in expected if name not in present and name not in optional]
+    unexpected = [name for name in present if name not in expected
                   and not any(re.search(pattern, name) for pattern in ignored)]
     wrong = [f"{name} {list(present[name])} (config: {list(shape)})" for name, shape in expected.items()
              if name in present and present[name] != shape]

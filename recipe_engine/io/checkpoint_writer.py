@@ -1,5 +1,6 @@
 """The engine's checkpoint writer: sharded safetensors assembled unit by unit (never from a whole model),
-dense or with the linears a quantizing step recorded packed (``recipe_engine.numerics.quantization``).
+dense or with the linears a quantizing step recorded packed in the format it named
+(``recipe_engine.io.exporters``).
 
 The layout is ``save_pretrained``'s: ``model.safetensors`` when everything fits one shard, else
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (``metadata.total_size``,
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..numerics.quantization import QuantizedLinear, pack, packed_layout, quantization_config
+from ..numerics.quantization import QuantizedLinear
 from .checkpoint_names import saved_names
+from .exporters import checkpoint_exporter
 from .checkpoint_reader import INDEX_FILE, SINGLE_FILE, is_materialized
 
 #: Default shard size (``save_pretrained``'s "5GB"); the writer holds one unit, not one shard, in memory.
@@ -117,10 +119,10 @@ def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinea
     record = quantized.get(name)
     if record is None:
         return rename(name, tensor)
-    prefix = name[: -len("weight")]
+    prefix, exporter = name[: -len("weight")], checkpoint_exporter(record.format)
     if tensor.device.type == "meta":
-        return {prefix + key: value for key, value in packed_layout(tensor, record).items()}
-    return {prefix + key: value for key, value in pack(name[: -len(".weight")], tensor, record).items()}
+        return {prefix + key: value for key, value in exporter.layout(tensor, record).items()}
+    return {prefix + key: value for key, value in exporter.pack(name[: -len(".weight")], tensor, record).items()}
 
 
 def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
@@ -177,10 +179,10 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
 def _save_configs(session, directory: Path, quantized: dict[str, QuantizedLinear]) -> None:
     model = session.model
     if quantized:
-        grids = {record.grid for record in quantized.values()}
+        (grid, format_), *_ = {(record.grid, record.format) for record in quantized.values()}
         linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         ignore = [name[: -len(".weight")] for name in linears - quantized.keys()]
-        model.config.quantization_config = quantization_config(grids.pop(), ignore)
+        model.config.quantization_config = checkpoint_exporter(format_).quantization_config(grid, ignore)
     try:
         model.config.save_pretrained(directory)
     finally:

@@ -4,6 +4,8 @@ Reads the directory (``config.json``, safetensors weights, the tokenizer) and, f
 GGUF file, that file's metadata, and writes one GGUF file with the ``gguf`` package's writer: architecture
 metadata, the vocabulary (``gguf_vocabulary``) and the weights under llama.cpp's tensor names. Tensors are streamed: tensor infos
 first (sizes from the shapes), then the data one tensor at a time, into a temporary sibling renamed into place.
+A packed checkpoint (``recipe_engine.io.exporters``) is read through ``CheckpointReader``, which dequantizes
+each packed linear into the checkpoint's dtype as it is read.
 
 Every architecture fact comes from the model's adapter (``adapters.GGUFLayout``: llama.cpp's architecture
 name, the tensor name of each role, rope row order, sliding windows, soft-capping, activation, further
@@ -13,7 +15,7 @@ q/k rows are reordered from HF's rotate-half layout to GGML's adjacent-pair rope
 (``permute_rope``); norms stored as ``w`` with gain ``offset + w`` (Gemma's ``1 + w``) are written as the gain;
 a tied ``lm_head`` is not written (llama.cpp and transformers reuse ``token_embd``). Refused in one line:
 anything GGUF or the architecture's llama.cpp graph cannot express — recipe extras (LinearPatch),
-compressed-tensors packed weights, tensors that disagree with the config (missing, extra, of another shape:
+tensors that disagree with the config (missing, extra, of another shape:
 non-uniform layers), rope scaling, sliding windows where the graph attends fully, unknown tokenizers.
 """
 from __future__ import annotations
@@ -26,12 +28,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from ..architectures.adapters import ADAPTERS, ArchitectureAdapter, adapter_for
 from ..errors import RecipeError, reading
 from ..system.cleanup import track, untrack
-from .checkpoint_reader import INDEX_FILE, SINGLE_FILE, check_checkpoint
+from .checkpoint_reader import CheckpointReader, check_checkpoint, checkpoint_shapes, logical_shapes
 from .extras import EXTRAS_JSON
 from .gguf_vocabulary import vocabulary
 from .output import check_file_output, check_free_bytes
@@ -49,27 +50,13 @@ def permute_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _weights(directory: Path) -> dict[str, str]:
-    """Tensor name → safetensors file holding it."""
-    if (directory / INDEX_FILE).is_file():
-        weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
-        return {name: str(directory / file) for name, file in weight_map.items()}
-    if (directory / SINGLE_FILE).is_file():
-        with safe_open(str(directory / SINGLE_FILE), "pt") as f:
-            return {name: str(directory / SINGLE_FILE) for name in f.keys()}
-    raise _fail(f"'{directory}' has no {SINGLE_FILE} or {INDEX_FILE}")
-
-
 def check_recipe_exportable(steps, shapes, config) -> None:
     """Before anything loads: ``recipe.export`` refused for steps whose output GGUF cannot hold (each step
-    asked on the shape it receives: non-stock extras, packed quantized weights) and for an unsupported
-    model config."""
+    asked on the shape it receives: non-stock extras) and for an unsupported model config. Packed
+    quantized weights are dequantized as they are exported."""
     for index, (step, shape) in enumerate(zip(steps, shapes)):
         if not step.output_is_stock(shape):
             raise _fail(f"step {index} ({step.step_name()}) adds non-stock extras that GGUF cannot express")
-        if step.quantizes:
-            raise _fail(f"step {index} ({step.step_name()}) writes packed quantized weights that GGUF cannot "
-                        f"hold; use its dequantized export and export.type q8_0 if size matters")
     check_config(config)
 
 
@@ -80,9 +67,6 @@ def check_exportable(directory: Path, config) -> None:
         raise _fail(f"the checkpoint carries recipe extras ({names}) that GGUF cannot express; export a "
                     f"recipe without them (with export: {{format: gguf}} a BestOf recipe chooses among the "
                     f"alternatives GGUF can hold)")
-    if getattr(config, "quantization_config", None):
-        raise _fail("compressed-tensors packed weights have no GGUF form; export the dequantized output "
-                    "(GPTQ export: dequantized) and pick --type q8_0 if size matters")
     check_config(config)
 
 
@@ -150,17 +134,13 @@ def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)
 
 
-def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str, str, str, tuple[int, ...], object, str]]:
-    """``(gguf name, hf name, file, shape, GGML type, role)`` per tensor, in file order (the tensors agree
-    with the config: ``check_checkpoint``); refuses tensors llama.cpp has no name for and rows Q8_0 cannot
-    block."""
-    files = _weights(directory)
+def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str, str, tuple[int, ...], object, str]]:
+    """``(gguf name, hf name, shape, GGML type, role)`` per tensor, in file order (the tensors agree
+    with the config: ``check_checkpoint``; a packed linear counts as its ``weight``); refuses tensors
+    llama.cpp has no name for and rows Q8_0 cannot block."""
     names = adapter.gguf_tensors(config.num_hidden_layers)
-    plan, shapes = [], {}
-    for file in dict.fromkeys(files.values()):
-        with safe_open(file, "pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-    for hf_name in files:
+    plan, shapes = [], logical_shapes(checkpoint_shapes(directory), config)
+    for hf_name in shapes:
         shape = shapes[hf_name]
         if hf_name not in names:
             raise _fail(f"no llama.cpp name for tensor {hf_name}")
@@ -173,7 +153,7 @@ def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str,
             block = gguf.GGML_QUANT_SIZES[qtype][0]
             if shape[-1] % block:
                 raise _fail(f"{hf_name}: row length {shape[-1]} is not a multiple of {kind}'s block {block}")
-        plan.append((gguf_name, hf_name, files[hf_name], shape, qtype, role))
+        plan.append((gguf_name, hf_name, shape, qtype, role))
     return sorted(plan, key=lambda row: _order(row[0]))
 
 
@@ -274,7 +254,7 @@ def _export(directory: Path, output: Path, kind: str, name: str | None, origin: 
         writer = gguf.GGUFWriter(str(temporary), arch_name)
         _metadata(writer, config, kind, name or directory.resolve().name)
         vocab.write(writer, directory)
-        for gguf_name, _, _, shape, qtype, _ in plan:
+        for gguf_name, _, shape, qtype, _ in plan:
             if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 dtype = np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16
                 writer.add_tensor_info(gguf_name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
@@ -285,9 +265,9 @@ def _export(directory: Path, output: Path, kind: str, name: str | None, origin: 
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         tensors = plan if progress is None else progress.track(plan, "GGUF tensors written")
-        for _, hf_name, file, _, qtype, role in tensors:
-            with safe_open(file, "pt") as f:
-                tensor = f.get_tensor(hf_name)
+        reader = CheckpointReader(directory)
+        for _, hf_name, _, qtype, role in tensors:
+            tensor = reader.read([hf_name])[hf_name]
             writer.write_tensor_data(_encoding(gguf_tensor(tensor, role, adapter, config), qtype))
         writer.close()
         os.replace(temporary, output)
@@ -307,7 +287,7 @@ def planned_bytes(plan, tokens: list[str]) -> int:
     """The GGUF file's size from the tensor plan (each tensor in its GGML type: ``GGML_QUANT_SIZES`` gives
     the block length and bytes per block) plus the vocabulary's strings; the other metadata is small."""
     size = 0
-    for _, _, _, shape, qtype, _ in plan:
+    for _, _, shape, qtype, _ in plan:
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         size += int(np.prod(shape)) // block * block_bytes
     return size + sum(len(token.encode("utf-8")) + 16 for token in tokens)

@@ -24,7 +24,7 @@ from ..errors import SourceError, reading
 from ..suggest import did_you_mean
 from ..system.cleanup import MARKER, sweep_stale, temporary_directory
 from ..system.host_memory import available_memory
-from .checkpoint_reader import check_checkpoint, check_safetensors, has_weights
+from .checkpoint_reader import CheckpointReader, check_checkpoint, check_safetensors, has_weights
 from .data import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
 from .extras import EXTRAS_JSON, restore_extras
 from .output import is_recipe_output, space_problem
@@ -392,6 +392,8 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
             skeleton = skeleton_model(source.location, DTYPES[dtype])
             check_checkpoint(Path(source.location), skeleton.config, spec)  # the stream reads these files
             return skeleton, tokenizer, source
+        if is_packed(source.location):
+            return packed_model(source.location, DTYPES[dtype], spec), tokenizer, source
         with _quiet_load_report(), reading(f"model '{spec}' ({source.location})"):
             model, info = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype],
                                                                output_loading_info=True, ignore_mismatched_sizes=True)
@@ -408,6 +410,30 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     model.eval()
     restore_extras(model, source.location)
     return model, tokenizer, source
+
+
+def is_packed(location: str) -> bool:
+    """A local checkpoint whose ``config.json`` has a ``quantization_config`` (packed weights)."""
+    config = Path(location) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("quantization_config"))
+
+
+def packed_model(location: str, dtype: torch.dtype, spec: str) -> nn.Module:
+    """A packed checkpoint (``recipe_engine.io.exporters``) as a plain model in ``dtype``: every packed linear
+    dequantized by ``CheckpointReader`` (``s (q - z)``, the values the quantizing step left), no
+    ``quantization_config`` left on the config, so the model is what the engine and a later recipe work on."""
+    model = skeleton_model(location, dtype)
+    check_checkpoint(Path(location), model.config, spec)
+    reader = CheckpointReader(location)
+    state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+             for name, tensor in reader.read(reader.names()).items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    empty = [name for name, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]
+    if empty:
+        raise SourceError(f"model '{spec}': {len(empty)} tensor(s) missing from {location}: {', '.join(empty[:3])}")
+    restore_extras(model, location)
+    return model.eval()
 
 
 def hub_file(spec: str, filename: str) -> str:
@@ -479,13 +505,16 @@ def resolve_device(name: str) -> torch.device:
 def skeleton_model(location: str, dtype: torch.dtype) -> nn.Module:
     """The model of the HF checkpoint directory ``location`` with every parameter on the meta device
     (``accelerate.init_empty_weights``; buffers such as rotary frequencies are real), in eval mode, with
-    the directory's generation config: what ``from_pretrained`` builds, minus the weights."""
+    the directory's generation config: what ``from_pretrained`` builds, minus the weights (and minus a
+    ``quantization_config``: the engine reads packed weights dequantized)."""
     # deferred: accelerate and transformers' model classes (seconds) are needed only when weights stream
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     with reading(f"{Path(location) / 'config.json'}"):
         config = AutoConfig.from_pretrained(location)
+    if getattr(config, "quantization_config", None):  # packed weights are read dequantized (CheckpointReader)
+        del config.quantization_config
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if (Path(location) / "generation_config.json").is_file():

@@ -6,12 +6,11 @@ rows of the per-linear log (:data:`LOG_FILE`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from pydantic import BaseModel, Field, PositiveInt, field_validator
 
-from recipe_engine.api import ADAPTERS, UNFUSED_ROLES, Grid, ModelShape, RecipeError, roles_problem
+from recipe_engine.api import (ADAPTERS, UNFUSED_ROLES, Grid, ModelShape, RecipeError, checkpoint_exporter,
+                               checkpoint_formats, roles_problem)
 
 #: Target roles (``recipe_engine.architectures.adapters``); a fused linear (Phi-3 ``qkv_proj``) is targeted by
 #: all its members.
@@ -97,12 +96,9 @@ def known_targets(targets: list[str]) -> list[str]:
     return roles
 
 
-def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None, bits: int,
-                 export: str) -> tuple[str, str] | None:
+def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None) -> tuple[str, str] | None:
     """``(message, field)`` for the first configuration error against ``shape``: a target whose input
-    width ``group_size`` does not divide (named by layer), or an export that cannot hold ``bits``."""
-    if export == "compressed-tensors" and bits not in (4, 8):
-        return f"compressed-tensors export needs bits 4 or 8 (got {bits})", "bits"
+    width ``group_size`` does not divide (named by layer)."""
     problem = roles_problem(shape.model_type, targets)
     if problem:
         return problem, "targets"
@@ -129,29 +125,46 @@ class GridParameters(BaseModel):
     targets: list[str] = Field(list(LINEARS), min_length=1, description=(
         "linear roles inside each decoder layer (q_proj … down_proj); a fused linear (Phi-3 qkv_proj, "
         "gate_up_proj) is targeted by naming all its members"))
-    export: Literal["dequantized", "compressed-tensors"] = Field(
-        "dequantized", description="checkpoint format: dequantized model-dtype weights or packed int (vLLM)")
+    export: str = Field("compressed-tensors", description=(
+        "checkpoint format (recipe_engine/io/exporters): compressed-tensors (packed int, vLLM/SGLang), "
+        "gptq (GPTQ v1 qweight/qzeros/scales/g_idx), dequantized (model-dtype weights on the grid)"))
 
     @field_validator("targets")
     @classmethod
     def _known_targets(cls, value: list[str]) -> list[str]:
         return known_targets(value)
 
+    @field_validator("export")
+    @classmethod
+    def _known_export(cls, value: str) -> str:
+        if value not in checkpoint_formats():
+            raise ValueError(f"unknown export {value!r}; choose from {', '.join(checkpoint_formats())}")
+        return value
+
     @property
     def quantizes(self) -> bool:  # packed weights must stay on their grid; dequantized ones may change
-        return self.export == "compressed-tensors"
+        return checkpoint_exporter(self.export).packs
 
-    def grid(self) -> Grid:
-        return Grid(self.bits, self.group_size, self.sym)
+    def grid(self, weight_dtype: torch.dtype | None = None) -> Grid:
+        """The grid; with the weights' dtype, its scales rounded to what the export stores."""
+        scale_dtype = checkpoint_exporter(self.export).scale_dtype(weight_dtype) if weight_dtype else None
+        return Grid(self.bits, self.group_size, self.sym, scale_dtype)
+
+    def mark(self, session, linear: torch.nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Record a quantized linear for a packing export (a no-op for a dequantized one)."""
+        if self.quantizes:
+            session.outputs.mark_quantized(linear, grid, scale, zero, self.export)
 
     def format_line(self) -> str:
         """The number format the weights are left in, one line (a step result's ``format``)."""
         groups = f"groups of {self.group_size} columns" if self.group_size else "one group per row"
-        stored = ("packed int32 + scales (compressed-tensors pack-quantized)" if self.quantizes
-                  else "stored dequantized in the model dtype")
+        stored = f"packed ({self.export})" if self.quantizes else "stored dequantized in the model dtype"
         return f"int{self.bits} {'symmetric' if self.sym else 'asymmetric'}, {groups}, {stored}"
 
     def check(self, shape: ModelShape) -> None:
-        problem = grid_problem(shape, self.targets, self.group_size, self.bits, self.export)
+        problem = checkpoint_exporter(self.export).grid_problem(self.bits, self.sym)
+        if problem:
+            raise self.fail(problem, "bits" if "bits" in problem else "sym")
+        problem = grid_problem(shape, self.targets, self.group_size)
         if problem:
             raise self.fail(*problem)

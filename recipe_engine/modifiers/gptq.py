@@ -196,8 +196,9 @@ class GPTQ(GridParameters, LayerModifier):
     forward, less than the one-pass mode's two. ``sequential: false`` quantizes all linears from grams
     collected in one run of the unquantized layer (llm-compressor's way); those statistics come from the
     shared pass, so they can be reused from a step before. q/k/v share one Hessian, as do gate/up.
-    ``lm_head`` and the embeddings stay in the model dtype. Output: dequantized weights in the model dtype
-    (stock checkpoint), or with ``export: compressed-tensors`` packed int32 weights + scales that vLLM loads.
+    ``lm_head`` and the embeddings stay in the model dtype. Output (``export``): packed int32 weights +
+    scales that vLLM and SGLang load (``compressed-tensors``, the default), GPTQ v1 (``gptq``), or the
+    dequantized weights in the model dtype (``dequantized``, a stock checkpoint).
     """
 
     example: ClassVar[tuple[str, ...]] = ("GPTQ<group_size:32>",)  # tiny contract model: widths 64 and 96
@@ -244,7 +245,7 @@ class GPTQ(GridParameters, LayerModifier):
         """Linears sharing a Hessian are quantized as one row-stacked matrix: GPTQ treats rows
         independently given ``H`` (same factor, same order, per-row groups), so this equals quantizing
         each alone, with one Cholesky and one column loop per input instead of per linear."""
-        layer, grid, errors, rows = session.layers[layer_index], self.grid(), {}, []
+        layer, errors, rows = session.layers[layer_index], {}, []
         current = session.current_layer
         staged = StagedLayer(session, layer, current.inputs, current.kwargs_list) if self.sequential else None
         for source, targets in self._sources(session).items():
@@ -257,6 +258,7 @@ class GPTQ(GridParameters, LayerModifier):
                 staged.inputs_of(source, statistic)
             gram = statistic.gram
             stacked = torch.cat([linear.weight.detach() for linear in linears])
+            grid = self.grid(stacked.dtype)
             result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)
             if stacked.is_cuda:  # the log's seconds are the GPU's work, not its launch
                 torch.cuda.synchronize(stacked.device)
@@ -274,9 +276,8 @@ class GPTQ(GridParameters, LayerModifier):
                                     tokens=statistic.count, seconds=seconds))
                 with torch.no_grad():
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
-                if self.export == "compressed-tensors":
-                    session.outputs.mark_quantized(linear, grid, scale, zero)
-        session.outputs.add_rows(LOG_FILE, rows)
+                self.mark(session, linear, grid, scale, zero)
+        session.outputs.add_rows(LOG_FILE, rows, step=self)
         if staged is not None:
             current.provide_outputs(staged.outputs())
         return {"output_error": errors}

@@ -25,19 +25,19 @@ class Quantize(GridParameters, Modifier):
 
     @torch.no_grad()
     def apply(self, session: ModifierSession) -> dict[str, Any]:
-        grid, count = self.grid(), 0
+        count = 0
         for index in session.progress.track(range(len(session.layers)), "Quantize layers"):
             with session.placed(index, on_device=False):  # one layer materialized at a time on a streamed model
                 rows = []
                 for target in session.adapter.module_roles(self.targets):
                     started = time.perf_counter()
                     linear = session.adapter.linear(session.layers[index], target)
+                    grid = self.grid(linear.weight.dtype)
                     result = rtn(linear.weight, grid)
                     rows.append(log_row(index, session.adapter.path(target), linear, grid, result.dequantized,
                                         seconds=time.perf_counter() - started))
                     linear.weight.copy_(result.dequantized.to(linear.weight.dtype))
                     count += 1
-                    if self.export == "compressed-tensors":
-                        session.outputs.mark_quantized(linear, grid, result.scale, result.zero)
-                session.outputs.add_rows(LOG_FILE, rows)
+                    self.mark(session, linear, grid, result.scale, result.zero)
+                session.outputs.add_rows(LOG_FILE, rows, step=self)
         return {"quantized_linears": count, "export": self.export, "log": LOG_FILE, "format": self.format_line()}

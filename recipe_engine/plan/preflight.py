@@ -29,7 +29,7 @@ from ..architectures.shape import ModelShape
 from ..errors import RecipeError, SourceError
 from ..evaluation.zeroshot import check_tasks
 from ..io.data import check_text, is_hub_source, load_text
-from ..io.gguf_export import check_recipe_exportable
+from ..io.exporters import file_export
 from ..io.gguf_vocabulary import check_source_vocabulary
 from ..io.models import exceeds_memory, load_config, parse_device, require_weights, resolve_device
 from ..io.output import SWEEP_FILE, SWEEP_KIND, name_problem, space_problem
@@ -276,7 +276,8 @@ def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
                           f"uniform layers (add pruning steps that cover them)", file=file, field="modifiers")
     if recipe.export is not None:
         try:
-            check_recipe_exportable(plan.steps, plan.shapes, config)
+            exporter, _, _ = file_export(recipe.export.format, recipe.export.type, recipe.export.file)
+            exporter.check_recipe(plan.steps, plan.shapes, config)
         except RecipeError as exc:
             raise exc.located(file=file, field="export") from None
     return plan

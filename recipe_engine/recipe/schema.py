@@ -99,11 +99,14 @@ class EvaluateConfig(StrictModel):
 
 
 class ExportConfig(StrictModel):
-    """An extra file written into the output directory from the finished checkpoint."""
+    """An extra file written into the output directory from the finished checkpoint, by a file format of
+    ``recipe_engine.io.exporters`` (checked against the registry before anything loads)."""
 
-    format: Literal["gguf"] = Field(description="gguf: one file for llama.cpp / Ollama / LM Studio")
-    type: Literal["f32", "f16", "bf16", "q8_0"] = Field("f16", description="2-D weights' type (norms stay f32)")
-    file: str = Field("model.gguf", pattern=r"^[^/\\]+$", description="file name inside the output directory")
+    format: str = Field(description="a file format: gguf (one file for llama.cpp / Ollama / LM Studio)")
+    type: str | None = Field(None, description="the format's weight type (gguf: f16 default, f32, bf16, q8_0; "
+                                               "norms stay f32)")
+    file: str | None = Field(None, pattern=r"^[^/\\]+$", description="file name inside the output directory "
+                                                                   "(default: the format's, model.gguf)")
 
 
 class Recipe(StrictModel):

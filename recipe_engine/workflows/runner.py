@@ -25,7 +25,7 @@ from ..io.card import hub_origin, source_license, write_card
 from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..io.extras import save_extras
-from ..io.gguf_export import export_gguf
+from ..io.exporters import file_export
 from ..io.models import gguf_origin, load_model
 from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
 from ..io.output_lock import output_lock
@@ -364,10 +364,9 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
     save_extras(tmp, outputs.extras)
     (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
     if recipe.export is not None:  # from the finished files, so it sees exactly what was written
-        origin = report["model"].gguf
-        exported = export_gguf(tmp, tmp / recipe.export.file, recipe.export.type, name=recipe.name,
-                               vocabulary_from=Path(origin) if origin else None)
-        report["export"] = ExportRecord(**{**exported, "file": recipe.export.file})
+        exporter, kind, file = file_export(recipe.export.format, recipe.export.type, recipe.export.file)
+        exported = exporter.write_file(tmp, tmp / file, kind, name=recipe.name, origin=report["model"].gguf)
+        report["export"] = ExportRecord(**{**exported, "file": file})
     report["weights_sha256"] = weights_fingerprint(tmp)  # what `recipe card --eval` matches records against
     final = Report.model_validate(report)
     if final.evaluation is not None and final.evaluation.quality_gate == "failed":

@@ -1,0 +1,152 @@
+"""Output formats as plug-ins: one :class:`Exporter` interface and one registry, one module per format.
+
+Two kinds of format share the interface. A *checkpoint format* is what a quantizing step's ``export:`` names:
+how the linears it quantized are stored in the output's safetensors files (``pack``/``layout``), the
+``quantization_config`` that ``config.json`` carries, and how a reader gets the weights back
+(``dequantize``), so every command that reads an output (``eval``, ``bench``, a later recipe, resume,
+streaming, the GGUF export) works on any of them. A *file format* (``recipe export --format``, a recipe's
+``export:`` block) writes one more file from a finished output directory (``write_file``). A new format is
+one module here with a ``@register``-decorated class, and one test.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from ...errors import RecipeError
+from ...numerics.quantization import Grid, QuantizedLinear
+
+
+class Exporter:
+    """What a format needs. Checkpoint formats set ``checkpoint`` and implement the packing half; file
+    formats set ``types`` and implement :meth:`write_file`."""
+
+    #: The name recipes and the command line use.
+    name: ClassVar[str]
+    #: One line for the docs and ``--help``: what reads it.
+    summary: ClassVar[str]
+    #: A checkpoint format a quantizing step can name (``export:``).
+    checkpoint: ClassVar[bool] = False
+    #: The quantized linears are stored as integers (the step must leave them on their grid).
+    packs: ClassVar[bool] = False
+    #: The tensors that replace ``<linear>.weight`` of a packed linear.
+    suffixes: ClassVar[tuple[str, ...]] = ()
+    #: File formats: the accepted ``type`` values (the first is the default) and the default file name.
+    types: ClassVar[tuple[str, ...]] = ()
+    default_file: ClassVar[str] = ""
+
+    # -- checkpoint formats ------------------------------------------------------------------------
+    def grid_problem(self, bits: int, sym: bool) -> str | None:
+        """Why this format cannot hold a grid of ``bits`` (and ``sym``), or None."""
+        return None
+
+    def scale_dtype(self, weight_dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype the file stores scales in (the grid rounds its scales to it), None when not packed."""
+        return None
+
+    def layout(self, weight: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:
+        """The packed tensors by suffix as meta tensors (dtype and shape), in file order."""
+        raise NotImplementedError
+
+    def pack(self, name: str, weight: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:
+        """The packed tensors of one linear's on-grid ``weight`` (keys and order as :meth:`layout`)."""
+        raise NotImplementedError
+
+    def quantization_config(self, grid: Grid, ignore: list[str]) -> dict:
+        """``config.json``'s ``quantization_config`` (``ignore``: the linears left unquantized)."""
+        raise NotImplementedError
+
+    def reads(self, quantization_config: dict) -> bool:
+        """This format wrote a checkpoint with this ``quantization_config``."""
+        return False
+
+    def weight_shape(self, shapes: dict[str, tuple[int, ...]], quantization_config: dict) -> tuple[int, int]:
+        """One packed linear's weight shape ``(rows, columns)`` from its packed tensors' shapes (by suffix)."""
+        raise NotImplementedError
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int], quantization_config: dict,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """One linear's weight ``[rows, columns]`` in ``dtype`` from its packed tensors (by suffix)."""
+        raise NotImplementedError
+
+    # -- file formats ------------------------------------------------------------------------------
+    def write_file(self, directory: Path, output: Path, kind: str, *, force: bool = False, name: str | None = None,
+                   origin: str | None = None, progress=None) -> dict:
+        """Write ``output`` from the output directory ``directory``; returns ``{"file", "type", ...}``
+        (``report.json``'s ``export``). ``origin``: the GGUF file the model was converted from, if any."""
+        raise NotImplementedError
+
+    def check_recipe(self, steps, shapes, config) -> None:
+        """Before anything loads: refuse (``RecipeError``) what this file format cannot hold."""
+
+
+_EXPORTERS: dict[str, Exporter] = {}
+_discovered: list[bool] = []
+
+
+def register(cls: type[Exporter]) -> type[Exporter]:
+    """Class decorator: add one instance of ``cls`` to the registry under ``cls.name``."""
+    if cls.name in _EXPORTERS:
+        raise RuntimeError(f"exporter {cls.name!r} registered twice ({type(_EXPORTERS[cls.name]).__name__}, "
+                           f"{cls.__name__})")
+    _EXPORTERS[cls.name] = cls()
+    return cls
+
+
+def exporters() -> dict[str, Exporter]:
+    """Every format by name; the package's modules are imported on the first call (each registers its
+    format; a failing import raises), not when the package is, so a format module may import any ``io``
+    module."""
+    if not _discovered:
+        _discovered.append(True)
+        for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+            importlib.import_module(f"{__name__}.{module.name}")
+    return _EXPORTERS
+
+
+def checkpoint_formats() -> list[str]:
+    return [name for name, exporter in exporters().items() if exporter.checkpoint]
+
+
+def file_formats() -> list[str]:
+    return [name for name, exporter in exporters().items() if exporter.types]
+
+
+def file_exporter(name: str) -> Exporter:
+    """The file format ``name``; an unknown one is one line listing the known ones."""
+    if name not in file_formats():
+        raise RecipeError(f"unknown export format {name!r}; choose from {', '.join(file_formats())}",
+                          field="format")
+    return exporters()[name]
+
+
+def file_export(format_: str, kind: str | None, file: str | None) -> tuple[Exporter, str, str]:
+    """``(exporter, type, file name)`` of a file export, the format's defaults filled in; an unknown format
+    or a type it does not write is one line."""
+    exporter = file_exporter(format_)
+    kind = kind or exporter.types[0]
+    if kind not in exporter.types:
+        raise RecipeError(f"{format_} export writes types {', '.join(exporter.types)}, not {kind!r}", field="type")
+    return exporter, kind, file or exporter.default_file
+
+
+def checkpoint_exporter(name: str) -> Exporter:
+    if name not in checkpoint_formats():
+        raise RecipeError(f"unknown checkpoint format {name!r}; choose from {', '.join(checkpoint_formats())}",
+                          field="export")
+    return exporters()[name]
+
+
+def packed_reader(qconfig: dict) -> Exporter:
+    """The format that wrote a checkpoint whose ``config.json`` has this ``quantization_config``; one no
+    registered format reads is one line."""
+    for exporter in exporters().values():
+        if exporter.checkpoint and exporter.reads(qconfig):
+            return exporter
+    method = qconfig.get("quant_method")
+    raise RecipeError(f"quantized checkpoint (quant_method {method!r}, format {qconfig.get('format')!r}) is not "
+                      f"one the engine reads ({', '.join(f for f in checkpoint_formats() if exporters()[f].packs)})")

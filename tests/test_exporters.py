@@ -1,0 +1,196 @@
+"""Output formats (``recipe_engine.io.exporters``): every checkpoint format through the registry packs and reads
+back the quantized weights bit for bit; quantizing steps write compressed-tensors by default; GPTQ v1 is
+checked against the published reference's unpacking; packed outputs load with the engine, with plain
+transformers + compressed-tensors, as a later recipe's model, and export to the same GGUF as their
+dequantized form."""
+import csv
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import recipe_engine
+from recipe_engine.io.exporters import checkpoint_exporter, checkpoint_formats, exporters, file_formats
+from recipe_engine.io.models import load_model
+from recipe_engine.numerics.quantization import Grid, QuantizedLinear
+from tests.helpers import CharTokenizer, random_tokens, tiny_model
+from tests.test_gguf_export import VOCAB, saved
+
+PACKING = [name for name in checkpoint_formats() if checkpoint_exporter(name).packs]
+
+
+def on_grid(weight: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, QuantizedLinear]:
+    """RTN of ``weight`` on ``grid`` in fp64, stored in the weight's dtype, with its record."""
+    w = weight.double()
+    width = grid.width(w.shape[1])
+    params = [grid.params(w[:, c:c + width]) for c in range(0, w.shape[1], width)]
+    scale, zero = torch.stack([p[0] for p in params], 1), torch.stack([p[1] for p in params], 1)
+    fake = grid.fake(w, grid.expand(scale, w.shape[1]), grid.expand(zero, w.shape[1])).to(weight.dtype)
+    return fake, QuantizedLinear(grid, scale.float(), zero.to(torch.int16))
+
+
+def test_registry_holds_each_format_once():
+    assert set(checkpoint_formats()) == {"dequantized", "compressed-tensors", "gptq"}
+    assert file_formats() == ["gguf"]
+    assert all(exporter.name == name for name, exporter in exporters().items())
+
+
+@pytest.mark.parametrize("name", PACKING)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, group, sym", [(4, 32, True), (8, None, True), (4, 64, False)])
+def test_every_packing_format_reads_back_the_quantized_weight_bit_for_bit(name, dtype, bits, group, sym):
+    exporter = checkpoint_exporter(name)
+    if exporter.grid_problem(bits, sym):
+        pytest.skip(exporter.grid_problem(bits, sym))
+    grid = Grid(bits, group, sym, exporter.scale_dtype(dtype))
+    weight = (0.05 * torch.randn(48, 128, generator=torch.Generator().manual_seed(0))).to(dtype)
+    fake, record = on_grid(weight, grid)
+    record.format = name
+    packed = exporter.pack("layer", fake, record)
+    layout = exporter.layout(fake, record)
+    assert list(packed) == list(layout) and set(packed) <= set(exporter.suffixes)
+    assert all(packed[k].shape == layout[k].shape and packed[k].dtype == layout[k].dtype for k in layout)
+    qconfig = json.loads(json.dumps(exporter.quantization_config(grid, ["lm_head"])))
+    assert exporter.reads(qconfig)
+    shape = exporter.weight_shape({k: tuple(t.shape) for k, t in packed.items()}, qconfig)
+    assert shape == tuple(weight.shape)
+    assert torch.equal(exporter.dequantize(packed, shape, qconfig, dtype), fake)
+    share = bits / (8 * fake.element_size()) + 0.15  # the codes plus scales (and zero points)
+    assert sum(t.numel() * t.element_size() for t in packed.values()) < share * fake.numel() * fake.element_size()
+
+
+def reference_gptq_v1_dequantize(qweight, qzeros, scales, g_idx, bits):
+    """GPTQ v1 dequantization as AutoGPTQ's torch path does it (AutoGPTQ/AutoGPTQ,
+    ``auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py``, ``QuantLinear.forward`` without the CUDA
+    extension): shift each int32 word right by 0, b, 2b, ... and mask ``2^b - 1``; ``qweight`` words hold
+    consecutive input rows, ``qzeros`` words consecutive output columns; zeros are stored minus one, so
+    ``zeros = unpack(qzeros) + 1``; ``W = scales[g_idx] * (unpack(qweight) - zeros[g_idx])`` (``[in, out]``).
+    Written here from that description, independently of the engine's packing code."""
+    wf = torch.tensor(list(range(0, 32, bits)), dtype=torch.int32).unsqueeze(0)
+    zeros = torch.bitwise_right_shift(torch.unsqueeze(qzeros, 2).expand(-1, -1, 32 // bits), wf.unsqueeze(0))
+    zeros = torch.bitwise_and(zeros, 2**bits - 1) + 1
+    zeros = zeros.reshape(qzeros.shape[0], -1)
+    weight = torch.bitwise_right_shift(torch.unsqueeze(qweight, 1).expand(-1, 32 // bits, -1), wf.unsqueeze(-1))
+    weight = torch.bitwise_and(weight, 2**bits - 1).reshape(-1, qweight.shape[1])
+    return scales.float()[g_idx.long()] * (weight - zeros[g_idx.long()]).float()
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 64), (2, None), (4, None)])
+def test_gptq_v1_unpacks_as_the_published_reference(bits, group):
+    exporter = checkpoint_exporter("gptq")
+    grid = Grid(bits, group, True, exporter.scale_dtype(torch.float32))
+    weight = 0.05 * torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    fake, record = on_grid(weight, grid)
+    packed = exporter.pack("layer", fake, record)
+    assert packed["scales"].dtype == torch.float16 and packed["g_idx"].dtype == torch.int32
+    reference = reference_gptq_v1_dequantize(packed["qweight"], packed["qzeros"], packed["scales"],
+                                             packed["g_idx"], bits)
+    assert torch.equal(reference.t(), fake)
+    config = exporter.quantization_config(grid, [])
+    assert config == {**config, "quant_method": "gptq", "bits": bits, "group_size": group or -1,
+                      "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+
+
+def test_gptq_v1_refuses_what_it_cannot_store():
+    gptq = checkpoint_exporter("gptq")
+    assert "sym: true" in gptq.grid_problem(4, False)
+    assert "bits" in gptq.grid_problem(3, True)
+    assert "bits 4 or 8" in checkpoint_exporter("compressed-tensors").grid_problem(3, True)
+
+
+def recipe(tmp_path, model, steps, output="out", **extra):
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    return dict(version=1, name="export-test", model=str(model), device="cpu", output=str(tmp_path / output),
+                calibration=dict(dataset=str(text), samples=4, seq_len=32, batch_size=2), modifiers=steps, **extra)
+
+
+def stored_names(directory):
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_a_recipe_naming_no_export_writes_packed_that_loads_back_bit_for_bit(tmp_path):
+    """The default is compressed-tensors; the engine reads it back to the very weights the step left, and
+    plain transformers + compressed-tensors computes the engine's logits from the files."""
+    from transformers import AutoModelForCausalLM
+
+    _, directory = saved(tmp_path)
+    out, report = recipe_engine.apply(recipe(tmp_path, directory, ["GPTQ<group_size:32>"]), progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["format"]) == ("compressed-tensors", "pack-quantized")
+    assert "model.layers.0.mlp.down_proj.weight_packed" in stored_names(tmp_path / "out")
+    assert "model.layers.0.mlp.down_proj.weight" not in stored_names(tmp_path / "out")
+    assert "packed (compressed-tensors)" in report.steps[0].result["format"]
+    loaded, _, _ = load_model(str(tmp_path / "out"))
+    assert getattr(loaded.config, "quantization_config", None) is None
+    for name, tensor in out.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, out(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gptq_export_round_trips_through_the_engine_and_the_reference(tmp_path):
+    _, directory = saved(tmp_path)
+    out, _ = recipe_engine.apply(recipe(tmp_path, directory, ["GPTQ<group_size:32,export:gptq>"]), progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["checkpoint_format"], config["bits"]) == ("gptq", "gptq", 4)
+    loaded, _, _ = load_model(str(tmp_path / "out"))
+    for name, tensor in out.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    prefix = "model.layers.1.self_attn.o_proj."
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        parts = [f.get_tensor(prefix + key) for key in ("qweight", "qzeros", "scales", "g_idx")]
+    reference = reference_gptq_v1_dequantize(*parts, 4).t()
+    assert torch.equal(reference, out.get_parameter(prefix + "weight"))
+
+
+def test_two_gptq_steps_log_their_rows_apart(tmp_path):
+    steps = ["GPTQ<group_size:32,export:dequantized>", "GPTQ<group_size:32,export:dequantized>"]
+    model = tiny_model()
+    recipe_engine.apply(recipe(tmp_path, "unused", steps), model=model, tokenizer=CharTokenizer(), progress=False)
+    with open(tmp_path / "out" / "quantization_log.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0])[0] == "step"
+    keys = [(row["step"], row["layer"], row["module"]) for row in rows]
+    assert len(set(keys)) == len(keys) == 2 * model.config.num_hidden_layers * 7
+    assert {row["step"] for row in rows} == {"0 GPTQ", "1 GPTQ"}
+
+
+def test_a_packed_output_is_a_later_recipes_model_streamed_or_not(tmp_path):
+    """A later recipe reads the packed output dequantized (in memory and streamed from its files) and writes
+    a plain checkpoint; both ways give the same model."""
+    _, directory = saved(tmp_path)
+    out, _ = recipe_engine.apply(recipe(tmp_path, directory, ["GPTQ<group_size:32>"]), progress=False)
+    ids = random_tokens(2, 16, vocab=VOCAB)
+    logits = {}
+    for stream in ("on", "off"):
+        recipe_engine.apply(recipe(tmp_path, tmp_path / "out", ["ShortGPT<n:1>"], f"later-{stream}", stream=stream),
+                            progress=False)
+        assert "quantization_config" not in json.loads((tmp_path / f"later-{stream}" / "config.json").read_text())
+        reloaded, _, _ = load_model(str(tmp_path / f"later-{stream}"))
+        assert reloaded.config.num_hidden_layers == out.config.num_hidden_layers - 1
+        with torch.no_grad():
+            logits[stream] = reloaded(ids).logits
+    torch.testing.assert_close(logits["on"], logits["off"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("export", ["compressed-tensors", "gptq"])
+def test_gguf_of_a_packed_output_equals_the_gguf_of_its_dequantized_form(tmp_path, export):
+    import gguf
+
+    _, directory = saved(tmp_path)
+    out, _ = recipe_engine.apply(recipe(tmp_path, directory, [f"GPTQ<group_size:32,export:{export}>"],
+                                        export={"format": "gguf", "type": "f32"}), progress=False)
+    dense = tmp_path / "dense"
+    out.save_pretrained(dense)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dense / name).write_bytes((tmp_path / "out" / name).read_bytes())
+    exporters()["gguf"].write_file(dense, tmp_path / "dense.gguf", "f32", name="export-test")
+    packed, plain = gguf.GGUFReader(tmp_path / "out" / "model.gguf"), gguf.GGUFReader(tmp_path / "dense.gguf")
+    assert [t.name for t in packed.tensors] == [t.name for t in plain.tensors]
+    for a, b in zip(packed.tensors, plain.tensors):
+        assert (a.data == b.data).all(), a.name
