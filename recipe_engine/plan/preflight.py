@@ -277,6 +277,9 @@ def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
     if recipe.export is not None:
         try:
             exporter, _, _ = file_export(recipe.export.format, recipe.export.type, recipe.export.file)
+        except RecipeError as exc:  # the format or type field of the export block
+            raise RecipeError(exc.detail, file=file, field=f"export.{exc.field}") from None
+        try:
             exporter.check_recipe(plan.steps, plan.shapes, config)
         except RecipeError as exc:
             raise exc.located(file=file, field="export") from None
