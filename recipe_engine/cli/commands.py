@@ -29,6 +29,7 @@ from ..system.cleanup import Interrupted, handle_signals
 from ..system.progress import Progress
 from ..workflows.runner import apply
 from ..workflows.sweep import Sweep, plot, table
+from .bench import add_bench_command
 from .evaluate import add_commands, positive_int, quiet_libraries
 from .summary import print_summary
 
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep)
 
     add_commands(sub)
+    add_bench_command(sub)
     return parser
 
 
