@@ -161,6 +161,9 @@ def test_bench_cli_served_reports_median_p90_and_ratios(pair, tmp_path, capsys):
     assert "GPU busy while decoding" in text and "B/A" in text
     assert "not measured: peak device memory (device cpu), GPU busy share while decoding (no GPU)" in text
     assert "served mode (static KV cache, decode step not compiled)" in text
+    limit = a["bytes_per_token"] / b["bytes_per_token"]
+    assert record["ratio_b_over_a"]["bytes_per_token"] == pytest.approx(1 / limit) and limit > 1.2
+    assert f"limit of decode tokens/s B/A (weight bytes read per token, A/B): {limit:.3f}×" in text
     assert "note: differs from SLEB / FlattenGPT Table 2: device cpu (paper: GPU)" in text
 
 
@@ -186,3 +189,19 @@ def test_bench_cli_refuses_what_the_int4_kernel_cannot_time(tmp_path, capsys):
     assert main(["bench", str(tmp_path / "packed"), *SMALL]) == 2
     assert "group_size 16 (config group group_0): PyTorch's int4 kernel takes 32, 64, 128, 256" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bytes_read_per_token_leave_out_the_embedding_gather(tmp_path, tied):
+    from recipe_engine.evaluation.bench import bytes_read_per_token
+
+    model = tiny_model(vocab_size=BYTE_VOCAB, num_hidden_layers=2, tie_word_embeddings=tied)
+    model.save_pretrained(tmp_path)
+    read = [p for n, p in model.named_parameters() if tied or "embed_tokens" not in n]  # a tied head: once
+    assert bytes_read_per_token(str(tmp_path), torch.bfloat16) == 2 * sum(p.numel() for p in read)
+    assert bytes_read_per_token(str(tmp_path), torch.float32) == 4 * sum(p.numel() for p in read)
+
+
+def test_bench_cli_refuses_a_request_the_mode_lacks(pair, capsys):
+    assert main(["bench", str(pair[0]), *SMALL, "--requests", "prefill"]) == 2
+    assert "error: --requests prefill: the served mode times throughput and latency" in capsys.readouterr().err

@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import RecipeError
-from ..evaluation.bench import (MODES, BenchPlan, bench, check_packed, load_packed, packed_config, protocol_note,
-                                ratios, shapes)
+from ..evaluation.bench import (MODES, BenchPlan, bench, bytes_read_per_token, check_packed, load_packed,
+                                packed_config, protocol_note, ratios, shapes)
 from ..io.models import DTYPES, checkpoint_bytes, load_model, resolve_model
 from ..plan.preflight import check_device, check_model, check_seq_len
 from ..recipe.schema import Recipe
@@ -22,6 +22,17 @@ out = Console()
 
 def _cell(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
+
+
+def limit_line(ratio: dict | None) -> str | None:
+    """Each request's decode tokens/s B/A against the memory-bound limit (weight bytes read per token A/B)."""
+    if not ratio or not ratio.get("bytes_per_token"):
+        return None
+    limit = 1 / ratio["bytes_per_token"]
+    parts = [f"{name} {r['decode_tokens_per_s_median']:.3f}× = {r['decode_tokens_per_s_median'] / limit:.3f} of it"
+             for name, r in ratio.items() if isinstance(r, dict) and "decode_tokens_per_s_median" in r]
+    return f"limit of decode tokens/s B/A (weight bytes read per token, A/B): {limit:.3f}×" + \
+        (f"; decode tokens/s B/A: {', '.join(parts)}" if parts else "")
 
 
 def unmeasured(runs: list[dict], device) -> str | None:
@@ -66,6 +77,7 @@ def bench_table(names: list[str], runs: list[dict], ratio: dict | None) -> Table
     rows = [("parameters", "parameters", "{:,}", "parameters"),
             ("checkpoint bytes", "checkpoint_bytes", "{:,}", "checkpoint_bytes"),
             ("weights", "weights", "{}", None), ("layers", "layers", "{}", None),
+            ("weight bytes read per token", "bytes_per_token", "{:,}", "bytes_per_token"),
             ("peak device memory MiB", "peak_device_mib", "{:,.0f}", "peak_device_memory")]
     for label, key, fmt, ratio_key in rows:
         table.add_row(label, *[_cell(run[key], fmt) for run in runs],
@@ -94,6 +106,12 @@ def cmd_bench(args) -> int:
     on_gpu = device.type == "cuda"
     compiled = args.mode == "served" and (on_gpu if args.compile == "auto" else args.compile == "on")
     used = shapes(args.mode, on_gpu, args.batch, args.prompt_tokens, args.gen_tokens, args.prefill_tokens)
+    if args.requests:
+        unknown = sorted(set(args.requests) - {s.name for s in used})
+        if unknown:
+            raise RecipeError(f"--requests {' '.join(unknown)}: the {args.mode} mode times "
+                              f"{' and '.join(s.name for s in used)}")
+        used = tuple(s for s in used if s.name in args.requests)
     for spec in args.dirs:
         config = check_model(spec)
         check_seq_len(max(s.prompt_tokens + s.gen_tokens for s in used), config, None,
@@ -105,7 +123,8 @@ def cmd_bench(args) -> int:
     plan = BenchPlan(args.mode, used, args.warmup, args.repeats, compiled, device)
     runs = bench([m for m, _, _ in loaded], plan)
     for run, spec, (_, location, weights) in zip(runs, args.dirs, loaded):
-        run.update(model=model_record(spec, location), checkpoint_bytes=checkpoint_bytes(location), weights=weights)
+        run.update(model=model_record(spec, location), checkpoint_bytes=checkpoint_bytes(location), weights=weights,
+                   bytes_per_token=bytes_read_per_token(location, DTYPES[args.dtype]))
     ratio = ratios(runs[0], runs[1]) if len(runs) == 2 else None
     note = protocol_note(args.mode, used, device.type, compiled, args.repeats)
     out.print(bench_table(args.dirs, runs, ratio))
@@ -115,7 +134,7 @@ def cmd_bench(args) -> int:
               f"decode step {'compiled' if compiled else 'not compiled'}); {sizes}; median and p90 of "
               f"{args.repeats} interleaved iterations after {args.warmup} warm-up; {device}, {args.dtype}",
               markup=False, highlight=False, soft_wrap=True)
-    for line in (unmeasured(runs, device), f"note: {note}" if note else None):
+    for line in (limit_line(ratio), unmeasured(runs, device), f"note: {note}" if note else None):
         if line:
             out.print(line, markup=False, highlight=False, soft_wrap=True)
     write_json(args.json, {"models": runs, "ratio_b_over_a": ratio, "protocol_note": note, "mode": args.mode,
@@ -140,6 +159,8 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-tokens", type=positive_int, help="new tokens per request (paper 128; CPU default 32)")
     p.add_argument("--prefill-tokens", type=positive_int,
                    help="second request's prompt length (paper 2048; CPU default 256 served, 512 eager)")
+    p.add_argument("--requests", nargs="+", choices=["throughput", "latency", "generation", "prefill"],
+                   help="time only these requests (served: throughput latency; eager: generation prefill)")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed runs per model and request")
     p.add_argument("--repeats", type=positive_int, default=30, help="timed iterations per model and request")
     p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...errors import SourceError
+from ...io.models import skeleton_model
 
 #: group sizes and the tile of the input dimension PyTorch's int4 kernel accepts
 KERNEL_GROUPS = (32, 64, 128, 256)
@@ -127,16 +128,10 @@ def swap_packed(model: nn.Module, tensors: dict, dtype: torch.dtype, device: tor
 def load_packed(location: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A ``pack-quantized`` checkpoint as a model on ``device`` whose quantized linears are :class:`Int4Linear`
     and whose other weights (embeddings, norms, head) are read as stored, in ``dtype``."""
-    # deferred: transformers and accelerate take seconds to import
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from safetensors import safe_open  # deferred: only a packed checkpoint needs it
 
-    config = AutoConfig.from_pretrained(location)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = skeleton_model(location, dtype)
+    config = model.config
     tensors = {}
     for path in sorted(Path(location).glob("*.safetensors")):
         with safe_open(str(path), "pt") as handle:

@@ -9,7 +9,9 @@ Ratios are B relative to A (> 1: B is faster; latency as A/B). Size: parameters 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,34 @@ def weight_bytes(model) -> int:
     """Bytes of the model's parameters and buffers as held (tied tensors once)."""
     seen = {t.data_ptr(): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
     return sum(seen.values())
+
+
+#: bytes per element of safetensors' dtypes
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+               "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def bytes_read_per_token(location: str, dtype: torch.dtype) -> int | None:
+    """Bytes of weights one decode step reads, as loaded: every tensor of the checkpoint's ``*.safetensors``
+    (floating ones at ``dtype``'s size, packed integers as stored) except the input embeddings, a gather of
+    one row per token, which count once, as the output head, when the head is tied to them (not stored).
+    The ratio of two models' bytes is the memory-bound limit of their decode tokens/s (None: no local files)."""
+    from safetensors import safe_open  # deferred: only the command that reports it reads the headers
+
+    sizes = {}
+    for path in sorted(Path(location).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                stored = piece.get_dtype()
+                width = torch.empty(0, dtype=dtype).element_size() if stored.startswith(("F", "BF")) \
+                    else DTYPE_BYTES[stored]
+                sizes[key] = math.prod(piece.get_shape()) * width
+    if not sizes:
+        return None
+    if any(key.endswith("lm_head.weight") for key in sizes):
+        return sum(v for k, v in sizes.items() if not k.endswith("embed_tokens.weight"))
+    return sum(sizes.values())
 
 
 def peak_measure(measure, device: torch.device, peaks: dict):
@@ -98,7 +128,8 @@ def ratios(a: dict, b: dict) -> dict:
     out = {"parameters": share(a["parameters"], b["parameters"]),
            "checkpoint_bytes": share(a.get("checkpoint_bytes"), b.get("checkpoint_bytes")),
            "weight_bytes": share(a["weight_bytes"], b["weight_bytes"]),
-           "peak_device_memory": share(a.get("peak_device_mib"), b.get("peak_device_mib"))}
+           "peak_device_memory": share(a.get("peak_device_mib"), b.get("peak_device_mib")),
+           "bytes_per_token": share(a.get("bytes_per_token"), b.get("bytes_per_token"))}
     for name, ra in a["requests"].items():
         rb = b["requests"][name]
         entry = {"latency_speedup_median": ra["latency_ms"]["median"] / rb["latency_ms"]["median"],
