@@ -205,3 +205,17 @@ def test_bytes_read_per_token_leave_out_the_embedding_gather(tmp_path, tied):
 def test_bench_cli_refuses_a_request_the_mode_lacks(pair, capsys):
     assert main(["bench", str(pair[0]), *SMALL, "--requests", "prefill"]) == 2
     assert "error: --requests prefill: the served mode times throughput and latency" in capsys.readouterr().err
+
+
+def test_gpu_busy_share_averages_the_samples_inside_the_decode_windows():
+    from recipe_engine.evaluation.bench.timing import BusySampler, parse_smi_line
+
+    sampler = BusySampler(torch.device("cpu"))
+    assert sampler.source is None  # no GPU: not measured
+    sampler._offset = 100.0
+    sampler.samples = [(100.5, 0.2), (101.0, 0.9), (101.5, 1.0), (103.0, 0.1), (104.2, 0.8)]
+    assert sampler.share([(1.0, 1.5), (4.0, 4.5)]) == pytest.approx((0.9 + 1.0 + 0.8) / 3)
+    assert sampler.share([(9.0, 9.5)]) is None
+    stamp, busy = parse_smi_line("2026/11/27 10:40:39.250, 97\n")
+    assert busy == 0.97 and stamp % 1 == pytest.approx(0.25)
+    assert parse_smi_line("[N/A], [N/A]") is None

@@ -51,6 +51,12 @@ class Int4Linear(nn.Module):
                  bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.out_features, self.in_features = values.shape
+        fits = self.out_features % 8 == 0 and self.in_features % (INNER_K_TILES * 16) == 0 if device.type == "cuda" \
+            else self.out_features % 16 == 0
+        if not fits:
+            raise SourceError(f"a {self.out_features} x {self.in_features} weight: PyTorch's int4 kernel on {device.type} "
+                              f"takes rows in multiples of {8 if device.type == 'cuda' else 16}"
+                              + (f" and columns in multiples of {INNER_K_TILES * 16}" if device.type == "cuda" else ""))
         self.group_size = self.in_features // scale.shape[1]
         zeros = -(zero_point.float() * scale.float()) if zero_point is not None else torch.zeros_like(scale.float())
         self.register_buffer("scale_and_zeros", torch.stack([scale.float().t(), zeros.t()], dim=-1)
@@ -65,12 +71,15 @@ class Int4Linear(nn.Module):
                                  torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, INNER_K_TILES),
                                  persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
-        self._mm = torch.ops.aten._weight_int4pack_mm if device.type == "cuda" else \
-            torch.ops.aten._weight_int4pack_mm_for_cpu
+        self.on_cuda = device.type == "cuda"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scale_and_zeros.dtype)
-        y = self._mm(flat, self.weight_int4, self.group_size, self.scale_and_zeros)
+        if self.on_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(flat, self.weight_int4, self.group_size, self.scale_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight_int4, self.group_size,
+                                                           self.scale_and_zeros)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -105,6 +114,17 @@ def check_packed(spec: str, config: dict, device: torch.device, dtype: str) -> N
         raise SourceError(f"{spec}: packed int4 weights run on CUDA in bfloat16 only: pass --dtype bfloat16")
 
 
+def pop_packed(tensors: dict, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Remove linear ``name``'s packed tensors from ``tensors``: its unsigned values ``[out, in]``, its scales
+    ``[out, in / group]`` and its signed zero points (None: symmetric; packed along the output dimension)."""
+    rows, columns = (int(v) for v in tensors.pop(f"{name}.weight_shape").tolist())
+    values = unpack_int4(tensors.pop(f"{name}.weight_packed"), columns)
+    zero_point = tensors.pop(f"{name}.weight_zero_point", None)
+    if zero_point is not None:
+        zero_point = unpack_int4(zero_point.t().contiguous(), rows).t() - 8
+    return values, tensors.pop(f"{name}.weight_scale"), zero_point
+
+
 def swap_packed(model: nn.Module, tensors: dict, dtype: torch.dtype, device: torch.device) -> int:
     """Replace every ``nn.Linear`` whose packed tensors are in ``tensors`` by an :class:`Int4Linear` on
     ``device`` (its entries are removed from ``tensors``); returns how many were swapped."""
@@ -114,13 +134,12 @@ def swap_packed(model: nn.Module, tensors: dict, dtype: torch.dtype, device: tor
             continue
         if not isinstance(module, nn.Linear) or f"{name}.weight_g_idx" in tensors:
             raise SourceError(f"packed weights of {name}: not a plain linear with contiguous groups")
-        rows, columns = (int(v) for v in tensors.pop(f"{name}.weight_shape").tolist())
-        values = unpack_int4(tensors.pop(f"{name}.weight_packed"), columns)
-        zero_point = tensors.pop(f"{name}.weight_zero_point", None)
-        if zero_point is not None:  # packed along the output dimension
-            zero_point = unpack_int4(zero_point.t().contiguous(), rows).t() - 8
-        model.set_submodule(name, Int4Linear(values, tensors.pop(f"{name}.weight_scale"), zero_point,
-                                             tensors.pop(f"{name}.bias", None), dtype, device))
+        values, scale, zero_point = pop_packed(tensors, name)
+        try:
+            linear = Int4Linear(values, scale, zero_point, tensors.pop(f"{name}.bias", None), dtype, device)
+        except SourceError as error:
+            raise SourceError(f"{name}: {error}") from None
+        model.set_submodule(name, linear)
         swapped += 1
     return swapped
 

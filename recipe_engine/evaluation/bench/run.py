@@ -113,10 +113,9 @@ def bench(models: list, plan: BenchPlan) -> list[dict]:
             windows = [r["decode_window"] for r in runs if "decode_window" in r]
             busy = sampler.share(windows) if sampler.source else None
             record["requests"][shape.name] = summarize(shape, runs, busy)
-        records[0]["gpu_busy_source"] = sampler.source
+            record["gpu_busy_source"] = sampler.source
     for record, model in zip(records, models):
         record["peak_device_mib"] = (record["weight_bytes"] + peaks[id(model)]) / 2**20 if id(model) in peaks else None
-        record.pop("gpu_busy_source", None)
     return records
 
 

@@ -2,6 +2,7 @@
 and the GPU's busy share sampled while it decodes."""
 from __future__ import annotations
 
+import datetime
 import math
 import shutil
 import subprocess
@@ -65,11 +66,13 @@ class Clock:
 
 class BusySampler:
     """The GPU's utilisation (the share of time a kernel ran, ``nvidia-smi``'s ``utilization.gpu``) sampled
-    every ``interval`` s in a thread, through pynvml where installed, else ``nvidia-smi``'s loop; ``share``
-    averages the samples taken inside the given windows. No GPU or neither tool: ``source`` is None."""
+    every ``interval`` s in a thread, through pynvml where installed, else ``nvidia-smi``'s loop (each sample
+    timed by nvidia-smi's own timestamp: its pipe may deliver lines late); ``share`` averages the samples taken
+    inside the given windows. No GPU or neither tool: ``source`` is None."""
 
     def __init__(self, device: torch.device, interval: float = 0.05):
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, float]] = []  # (time.time(), utilisation 0-1)
+        self._offset = time.time() - time.perf_counter()  # windows come in perf_counter seconds
         self.source, self._stop, self._thread = None, threading.Event(), None
         if device.type != "cuda":
             return
@@ -98,16 +101,17 @@ class BusySampler:
 
     def _poll(self, pynvml, handle, interval: float) -> None:
         while not self._stop.wait(interval):
-            self.samples.append((time.perf_counter(), pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100))
+            self.samples.append((time.time(), pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100))
 
     def _follow(self, index: int, interval: float) -> None:
-        process = subprocess.Popen(["nvidia-smi", "-i", str(index), "--query-gpu=utilization.gpu",
+        process = subprocess.Popen(["nvidia-smi", "-i", str(index), "--query-gpu=timestamp,utilization.gpu",
                                     "--format=csv,noheader,nounits", "-lms", str(max(1, int(interval * 1000)))],
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
             for line in process.stdout:
-                if line.strip().replace(".", "", 1).isdigit():
-                    self.samples.append((time.perf_counter(), float(line) / 100))
+                sample = parse_smi_line(line)
+                if sample is not None:
+                    self.samples.append(sample)
                 if self._stop.is_set():
                     break
         finally:
@@ -116,5 +120,17 @@ class BusySampler:
 
     def share(self, windows: list[tuple[float, float]]) -> float | None:
         """Mean utilisation (0-1) of the samples inside ``windows`` ((start, end) perf_counter seconds)."""
-        inside = [u for t, u in self.samples if any(a <= t <= b for a, b in windows)]
+        shifted = [(a + self._offset, b + self._offset) for a, b in windows]
+        inside = [u for t, u in self.samples if any(a <= t <= b for a, b in shifted)]
         return sum(inside) / len(inside) if inside else None
+
+
+def parse_smi_line(line: str) -> tuple[float, float] | None:
+    """(time.time(), utilisation 0-1) of an ``nvidia-smi --query-gpu=timestamp,utilization.gpu`` line (local
+    time, ``2026/11/27 10:40:39.123, 97``); None for anything else."""
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        return stamp, float(parts[1]) / 100
+    except (ValueError, IndexError):
+        return None
