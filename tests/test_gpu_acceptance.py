@@ -62,7 +62,7 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
     # time goals are judged on a GPU only
     assert all(r["met"] is None for r in result["rows"] if r["leg"] in ("stream8b", "bench", "w4"))
     bench = result["legs"]["bench"]["figures"]
-    assert bench["layers"] == [8, 6] and bench["limit"] > 1.1 and bench["compiled"] is False
+    assert bench["layers"] == [8, 6] and bench["limit"] > 1 and bench["compiled"] is False  # the head dominates
     assert len(bench["throughput"]["ratio"]) == 2 and bench["invocations_apart"] >= 0  # two invocations
     w4 = result["legs"]["w4"]["figures"]
     assert w4["weights"] == ["bfloat16", "int4 (packed)"] and w4["bytes_ratio"] < 1 and w4["limit"] > 1
