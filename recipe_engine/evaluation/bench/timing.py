@@ -78,7 +78,7 @@ class BusySampler:
             return
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
-            import pynvml  # optional: nvidia-ml-py
+            import pynvml  # deferred: optional (nvidia-ml-py), and only on a GPU
 
             pynvml.nvmlInit()
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
