@@ -38,6 +38,8 @@ def test_protocol_note_names_each_difference():
     assert "device cpu (paper: GPU)" in note and "throughput batch 8 (paper 64)" in note
     assert "latency prompt tokens 256 (paper 2048)" in note and "decode step not compiled" in note
     assert "5 timed iterations" in note
+    latency_only = protocol_note("served", cpu[1:], "cpu", True, 30)  # --requests latency: its own paper shape
+    assert "latency prompt tokens 256 (paper 2048)" in latency_only and "batch" not in latency_only
     first, second = shapes("served", True, batch=16, prefill_tokens=1024)
     assert (first.batch, first.prompt_tokens, first.gen_tokens) == (16, 64, 128)
     assert (second.batch, second.prompt_tokens, second.gen_tokens) == (1, 1024, 128)

@@ -54,7 +54,9 @@ def protocol_differences(mode: str, used: tuple[Shape, Shape], device_type: str,
                          repeats: int) -> list[str]:
     """Each way this run differs from the paper's protocol of ``mode`` (empty: it matches)."""
     notes = [f"device {device_type} (paper: GPU)"] if device_type != "cuda" else []
-    for ours, paper in zip(used, PAPER[mode]):
+    papers = {shape.name: shape for shape in PAPER[mode]}
+    for ours in used:
+        paper = papers[ours.name]
         for field in ("batch", "prompt_tokens", "gen_tokens"):
             if getattr(ours, field) != getattr(paper, field):
                 notes.append(f"{ours.name} {field.replace('_', ' ')} {getattr(ours, field)} "
