@@ -29,6 +29,7 @@ from ..system.cleanup import Interrupted
 from ..system.progress import Console, Progress
 from ..workflows.runner import apply
 from ..workflows.sweep import Sweep, plot, table
+from .bench import add_bench_command
 from .evaluate import add_commands, positive_int, quiet_libraries
 from .about import version
 from .stdio import after_output, say
@@ -296,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep)
 
     add_commands(sub)
+    add_bench_command(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""``recipe eval`` and ``recipe bench`` sub-commands: rich tables on stdout, full records as JSON."""
+"""``recipe eval`` sub-command: rich tables on stdout, full records as JSON."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import RecipeError
-from ..evaluation.bench import bench, protocol_note, ratios
 from ..evaluation.run import evaluate_session, evaluation_session, retained
-from ..io.models import checkpoint_bytes, load_model
+from ..io.models import load_model
 from ..io.user_paths import Target, check_targets, is_json_record, replace_text
 from ..io.report import REPORT_FILE, load_report, weights_fingerprint
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
@@ -190,55 +189,6 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def bench_table(names: list[str], runs: list[dict], ratio: dict | None) -> Table:
-    table = Table(title="recipe bench")
-    table.add_column("")
-    for name in names:
-        table.add_column(escape(name), justify="right")
-    if ratio:
-        table.add_column("B/A", justify="right")
-    rows = [("parameters", "parameters", "{:,}", "parameters"),
-            ("checkpoint bytes", "checkpoint_bytes", "{:,}", "checkpoint_bytes"),
-            ("layers", "layers", "{}", None),
-            ("generation tokens/s", "throughput_tok_s", "{:.1f}", "throughput"),
-            ("prefill latency ms", "prefill_latency_ms", "{:.1f}", "prefill_speedup")]
-    for label, key, fmt, ratio_key in rows:
-        cells = [fmt.format(run[key]) for run in runs]
-        if ratio:
-            value = ratio.get(ratio_key) if ratio_key else None
-            cells.append(f"{value:.3f}×" if value is not None else "")
-        table.add_row(label, *cells)
-    return table
-
-
-def cmd_bench(args) -> int:
-    if len(args.dirs) > 2:
-        raise RecipeError(f"recipe bench takes DIR_A [DIR_B], got {len(args.dirs)} directories")
-    check_json_path(args.json, args.dirs)
-    device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
-    for spec in args.dirs:
-        check_seq_len(args.prefill_tokens + args.gen_tokens, check_model(spec), None,
-                      option=f"{spec}: --prefill-tokens + --gen-tokens: ")
-    loaded = [load_model(spec, args.dtype) for spec in args.dirs]
-    runs = bench([m for m, _, _ in loaded], args.batch, args.gen_tokens, args.prefill_tokens, args.warmup,
-                 args.repeats, device)
-    for run, spec, (_, _, source) in zip(runs, args.dirs, loaded):
-        run.update(model=model_record(spec, source.location), checkpoint_bytes=checkpoint_bytes(source.location))
-    ratio = ratios(runs[0], runs[1]) if len(runs) == 2 else None
-    note = protocol_note(args.batch, args.gen_tokens, args.prefill_tokens, device)
-    out.print(bench_table(args.dirs, runs, ratio))
-    out.print(f"batch {args.batch} × {args.gen_tokens} generated tokens, prefill {args.prefill_tokens} tokens, "
-              f"median of {args.repeats} alternated repeats after {args.warmup} warm-up, {device}, {args.dtype}",
-              markup=False, highlight=False)
-    if note:
-        out.print(f"note: {note}", markup=False, highlight=False)
-    write_json(args.json, {"models": runs, "ratio_b_over_a": ratio, "protocol_note": note, "device": str(device),
-                           "dtype": args.dtype, "batch": args.batch, "gen_tokens": args.gen_tokens,
-                           "prefill_tokens": args.prefill_tokens, "warmup": args.warmup, "repeats": args.repeats,
-                           "torch_version": version("torch"), "date": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    return 0
-
-
 #: ``--json``'s help: the rule of ``io.user_paths`` for a record file.
 JSON_HELP = ("write the full record here (atomically); an existing file is replaced only when it is a `recipe eval` "
              "or `recipe bench` record (or empty); never an input, a link, a device, FIFO or socket")
@@ -272,14 +222,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", help=JSON_HELP)
     p.set_defaults(func=cmd_eval, dataset=None)
 
-    p = sub.add_parser("bench", help="generation throughput, prefill latency and size (A vs B)")
-    p.add_argument("dirs", nargs="+", metavar="DIR", help="DIR_A [DIR_B]: ratios are B relative to A")
-    p.add_argument("--batch", type=positive_int, default=64, help="generation batch (paper 64; use less on CPU)")
-    p.add_argument("--gen-tokens", type=positive_int, default=128, help="generated tokens (paper 128)")
-    p.add_argument("--prefill-tokens", type=positive_int, default=2048, help="prefill sequence length (paper 2048)")
-    p.add_argument("--warmup", type=non_negative_int, default=1)
-    p.add_argument("--repeats", type=positive_int, default=5)
-    p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
-    p.add_argument("--device", default=Recipe.model_fields["device"].default)
-    p.add_argument("--json", metavar="PATH", help=JSON_HELP)
-    p.set_defaults(func=cmd_bench)
