@@ -63,6 +63,7 @@ class Outcome:
     stderr: str
     seconds: float
     isolation: str
+    uid: int  # the disposable uid it ran under (namespaces), else the user's
 
     @property
     def passed(self) -> bool:
@@ -152,7 +153,8 @@ def run_program(source: str, limits: Limits = Limits()) -> Outcome:
         stdout, stderr = _read(home / "stdout", limits.output_bytes), _read(home / "stderr", limits.output_bytes)
         if code == LAUNCH_FAILED and stderr.startswith("sandbox: "):
             raise RecipeError(f"the code sandbox could not start: {stderr.splitlines()[0][9:]}")
-        return Outcome(code, timed_out, stdout, stderr, seconds, "namespaces" if cfg["isolate"] else "audit-hook")
+        return Outcome(code, timed_out, stdout, stderr, seconds, "namespaces" if cfg["isolate"] else "audit-hook",
+                       cfg["uid"])
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
