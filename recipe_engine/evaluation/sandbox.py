@@ -76,7 +76,7 @@ def isolation() -> str:
 
 
 def uid_processes(uid: int) -> list[int]:
-    """Process ids whose real uid is ``uid`` (read from /proc)."""
+    """Live (not zombie) process ids whose real uid is ``uid`` (read from /proc)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -84,23 +84,32 @@ def uid_processes(uid: int) -> list[int]:
                 status = (entry / "status").read_text()
             except OSError:  # exited meanwhile
                 continue
-            line = next((l for l in status.splitlines() if l.startswith("Uid:")), "")
-            if line.split()[1:2] == [str(uid)]:
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if fields.get("Uid", "").split()[:1] == [str(uid)] and not fields.get("State", "").strip().startswith("Z"):
                 pids.append(int(entry.name))
     return pids
 
 
 def kill_all(pgid: int, uid: int | None) -> None:
-    """SIGKILL the process group, then every process of the disposable uid (one that left the group)."""
+    """SIGKILL the process group, then every process of the disposable uid (one that left the group) until
+    none is left."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for pid in uid_processes(uid) if uid is not None else ():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    deadline = time.monotonic() + 5.0
+    while uid is not None and time.monotonic() < deadline:  # SIGKILL takes effect asynchronously
+        pids = uid_processes(uid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    if uid is not None and uid_processes(uid):
+        raise RecipeError(f"the code sandbox could not kill every process of uid {uid}")
 
 
 def disposable_uid() -> int:
