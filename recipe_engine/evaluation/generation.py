@@ -120,6 +120,27 @@ def check_generation(config) -> None:
                           f"sandbox (docs/evaluation.md)")
 
 
+def heldout_failures(model, tokenizer, name: str, count: int, max_new_tokens: int, batch_size: int,
+                     device, progress=None) -> tuple[list[str], list[float]]:
+    """The task's last ``count`` problems (held out from an evaluation of its first ones): their ids and a loss
+    per problem, 1 − passed, for choosing between models by what they generate (lower is better)."""
+    task = TASKS[name]
+    chosen = task.problems()[-count:]
+    completions = generate(model, tokenizer, [p.prompt for p in chosen], task.stop, max_new_tokens, batch_size,
+                           device, progress, f"{name} held-out generation")
+    return [p.id for p in chosen], [0.0 if task.score(p, c, Limits()) else 1.0 for p, c in zip(chosen, completions)]
+
+
+def check_scoring_task(name: str, allowed: bool) -> None:
+    """A task a step scores by: a generation task, installed, with the opt-in when it executes code."""
+    if name not in TASKS:
+        raise RecipeError(f"no generation task '{name}' (generation tasks: {', '.join(TASKS)})")
+    TASKS[name].path()
+    if TASKS[name].executes_code and not allowed and os.environ.get(CODE_EVAL_ENV, "").strip() != "1":
+        raise RecipeError(f"task {name} executes model-written code: set allow_code_execution: true here (or "
+                          f"{CODE_EVAL_ENV}=1) to run it in the sandbox (docs/evaluation.md)")
+
+
 def generation_tasks(names: list[str]) -> list[str]:
     """The generation tasks among ``names`` (the rest are lm-eval's)."""
     return [n for n in names if n in TASKS]
