@@ -14,20 +14,29 @@ import time
 import torch
 
 from ..errors import RecipeError
+from ..system.progress import interval_s
 
 from .generation_tasks import TASKS, GenerationTask
 from .sandbox import Limits, isolation
 
 
 class StopOnSequences:
-    """``StoppingCriteria``: a row is done once its generated text contains one of ``stop``."""
+    """``StoppingCriteria``: a row is done once its generated text contains one of ``stop``; with ``progress``,
+    a line every ``interval_s()`` seconds (tokens generated, rows done) so a long batch shows it is alive."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_width: int):
+    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_width: int, progress=None, label: str = ""):
         self.tokenizer, self.stop, self.width = tokenizer, stop, prompt_width
+        self.progress, self.label, self.last = progress, label, time.perf_counter()
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         texts = self.tokenizer.batch_decode(input_ids[:, self.width:], skip_special_tokens=True)
-        return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
+        done = torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
+        now = time.perf_counter()
+        if self.progress is not None and now - self.last >= interval_s():
+            self.last = now
+            self.progress.log(f"{self.label}: {input_ids.shape[1] - self.width} tokens generated, "
+                              f"{int(done.sum())}/{len(texts)} rows stopped")
+        return done
 
 
 def cut(text: str, stop: tuple[str, ...]) -> str:
@@ -61,11 +70,11 @@ def generate(model, tokenizer, prompts: list[str], stop: tuple[str, ...], max_ne
     was_training = model.training
     model.eval()
     try:
-        for batch in (progress.track(batches, label) if progress is not None else batches):
+        for b, batch in enumerate(progress.track(batches, label) if progress is not None else batches):
             encoded = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True).to(device)
             width = encoded["input_ids"].shape[1]
             out = model.generate(**encoded, generation_config=config, stopping_criteria=StoppingCriteriaList(
-                [StopOnSequences(tokenizer, stop, width)]))
+                [StopOnSequences(tokenizer, stop, width, progress, f"{label} batch {b + 1}/{len(batches)}")]))
             texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
             for i, text in zip(batch, texts):
                 completions[i] = cut(text, stop)
