@@ -123,3 +123,24 @@ def test_sandbox_verdicts_equal_openais_check_correctness(tmp_path):
     ours = [task.score(problems[t], c, Limits()) for t, c in cases]
     assert ours == openai_verdicts(cases, tmp_path)
     assert ours[:len(rows)] == [True] * len(rows)  # every canonical solution passes
+
+
+def test_evaluate_block_records_generation_before_and_after(tmp_path):
+    import recipe_engine
+    from recipe_engine.recipe.schema import recipe_from_dict
+
+    text = tmp_path / "text.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 20)
+    recipe = recipe_from_dict(dict(
+        version=1, name="gen", model="tiny", device="cpu", output="unused",
+        calibration=dict(dataset=str(text), samples=2, seq_len=32), modifiers=["ShortGPT<n:1>"],
+        evaluate=dict(perplexity=None, tasks=["humaneval"], limit=1, max_new_tokens=2, allow_code_execution=True,
+                      min_retained=0.5)))
+    _, report = recipe_engine.apply(recipe, model=tiny_model(vocab_size=BYTE_VOCAB), tokenizer=byte_tokenizer(),
+                                    write=False, progress=False)
+    evaluation = report.evaluation
+    for side in (evaluation.before, evaluation.after):
+        record = side["generation"]["tasks"]["humaneval"]
+        assert (record["samples"], record["passed"], record["max_new_tokens"]) == (1, 0, 2)
+    assert evaluation.retained["generation"] is None  # 0 of 0: no ratio, and the gate does not count it
+    assert evaluation.quality_gate == "passed"
