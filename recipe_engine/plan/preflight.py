@@ -27,6 +27,7 @@ import torch
 from ..architectures.adapters import adapter_for
 from ..architectures.shape import ModelShape
 from ..errors import RecipeError, SourceError
+from ..evaluation.generation import check_generation
 from ..evaluation.zeroshot import check_tasks
 from ..io.data import check_text, is_hub_source, load_text
 from ..io.exporters import file_export
@@ -72,6 +73,7 @@ def check_evaluation(config, file: str | None = None, fields: dict[str, str] | N
 
     fields = fields or {}
     located(lambda: check_tasks(list(config.tasks), config.task_data), file, fields.get("tasks"))
+    located(lambda: check_generation(config), file, fields.get("tasks"))
     if config.perplexity is not None:
         located(lambda: check_perplexity_text(config.perplexity, unchecked), file, fields.get("dataset"))
 

