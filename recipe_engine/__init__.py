@@ -1,8 +1,18 @@
 """recipe: a declarative YAML recipe engine for composable compression of HF decoder LLMs."""
 from .errors import QualityGateError, RecipeError
-from .io.report import FORMAT_VERSION, Report, load_report
-from .recipe.modifier import LayerModifier, Modifier
-from .recipe.registry import register
+
+# The package's face loads on first use (PEP 562): ``import recipe_engine.cli`` or ``recipe_engine.errors``
+# must not import torch, so that the ``recipe`` command handles Ctrl-C before the engine's imports.
+_LAZY = {"FORMAT_VERSION": "io.report", "Report": "io.report", "load_report": "io.report",
+         "LayerModifier": "recipe.modifier", "Modifier": "recipe.modifier", "register": "recipe.registry"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib  # deferred: the lazy face above, with what it imports
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def apply(recipe, model=None, tokenizer=None, **kwargs):

@@ -21,6 +21,8 @@ modifiers.
   held-out ridge scale, :func:`set_linear_weight`, :func:`submatrix`.
 * Transforms: :func:`rotation` (Hadamard / orthogonal), :class:`Grid` (the quantization grid),
   :func:`fold_norm_into` (norm folding), :func:`top_k_kl` (top-k distillation loss).
+* Generation: :func:`heldout_failures` (a generation task's last problems, one loss per problem: 1 − passed),
+  :func:`check_scoring_task` (the task exists, its rows are installed, the opt-in to execute code).
 * Data: :func:`load_text`, :func:`check_text` (a source's pre-flight), :func:`tokenize`; the fit / score split of the calibration windows
   (:func:`heldout_split`, :class:`WindowSplit`).
 * Budgets: :data:`LayerBudget` / :func:`budget_field` (a count or a percentage of the model's layers,
@@ -32,6 +34,7 @@ modifiers.
 from .architectures.adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, install_linear, replace_linear, roles_problem
 from .architectures.shape import LayerShape, ModelShape
 from .errors import RecipeError
+from .evaluation.generation import check_scoring_task, heldout_failures
 from .execution.memo import SharedWork
 from .execution.modifier_session import CurrentLayer, ModifierSession, PassCounter
 from .execution.outputs import RunOutputs
@@ -54,7 +57,7 @@ from .recipe.schema import parse_step, step_to_dict
 from .recipe.split import SCORE_FRACTION, WindowSplit, heldout_split
 from .recipe.validate import check_steps
 
-__all__ = ["LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
+__all__ = ["check_scoring_task", "heldout_failures", "LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
            "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear", "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
            "ModifierSession", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",

@@ -1,6 +1,9 @@
 """User-facing errors: one line naming the file, the step and the field."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 
 class RecipeError(Exception):
     """A mistake in a recipe or in the command line: exit code 2, nothing written.
@@ -54,3 +57,44 @@ class QualityGateError(Exception):
     """The compressed model fell below ``evaluate.min_retained`` (exit code 3, output kept)."""
 
     exit_code = 3
+
+
+def library_reason(exc: BaseException) -> str:
+    """The innermost cause of a library's exception, as one line (huggingface_hub's
+    ``StrictDataclassClassValidationError`` wraps transformers' own ``ValueError``: its first line is only
+    "Class validation error for validator ...")."""
+    while exc.__cause__ is not None and exc.__cause__ is not exc:
+        exc = exc.__cause__
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return one_line(text[:200] + ("..." if len(text) > 200 else "")) or type(exc).__name__
+
+
+#: The signal the running command received, set by ``system.cleanup.handle_signals`` (None: none yet).
+_received_signal: list[int | None] = [None]
+
+
+def note_signal(signum: int | None) -> None:
+    """Record (or, with None, clear) the signal the running command received."""
+    _received_signal[0] = signum
+
+
+def received_signal() -> int | None:
+    """The signal the running command received, if any: a library that swallowed the interruption raised
+    inside it and then failed otherwise (a half-imported module, a recursion) failed because of it."""
+    return _received_signal[0]
+
+
+@contextlib.contextmanager
+def reading(what: str) -> Iterator[None]:
+    """Around one call into transformers, huggingface_hub, safetensors or torch that reads a user's model
+    file: whatever it raises (a config transformers rejects, a corrupt file) becomes one line naming ``what``.
+    Our own errors, signals and a lack of memory pass through; so does a failure after a signal was received,
+    which the signal caused (the caller turns it into the interruption)."""
+    try:
+        yield
+    except (RecipeError, MemoryError):
+        raise
+    except Exception as exc:
+        if received_signal() is not None:
+            raise
+        raise SourceError(f"cannot read {what}: {library_reason(exc)}") from None

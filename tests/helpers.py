@@ -255,7 +255,7 @@ def refuse_loading(monkeypatch, refuse) -> None:
     """Replace ``io.models.load_model`` with ``refuse`` in every engine module that imported it."""
     import sys
 
-    import recipe_engine.cli  # noqa: F401  (every command's module, each with its own load_model name)
+    import recipe_engine.cli.commands  # noqa: F401  (every command's module, each with its own load_model name)
     from recipe_engine.io import models
 
     real = models.load_model

@@ -460,3 +460,46 @@ def test_a_recipe_that_exports_chooses_only_among_stock_alternatives(tmp_path):
     _, free = recipe_engine.apply(recipe(tmp_path, steps), model=copy.deepcopy(model), tokenizer=byte_tokenizer(),
                                   write=False, progress=False)
     assert "refused" not in free.steps[0].result["alternatives"][0]
+
+
+def test_best_of_scores_by_a_generation_tasks_heldout_problems():
+    """``score.task``: each alternative generates the task's last problems (greedy, checked in the sandbox)
+    and its failures are recorded per problem; a random tiny model passes none, so the first listed wins."""
+    model = tiny_model(vocab_size=BYTE_VOCAB, num_hidden_layers=6, seed=1)
+    step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:2>"], ["SLEB<n:2>"]], "score": {
+        "task": "humaneval", "problems": 2, "max_new_tokens": 4, "allow_code_execution": True}}}, 0)
+    step.check_sources()
+    report = step.apply(make_session(model, random_tokens(8, 32, vocab=BYTE_VOCAB, seed=2),
+                                     tokenizer=byte_tokenizer()))
+    for record in report["alternatives"]:
+        assert record["problems"] == ["HumanEval/162", "HumanEval/163"] and record["failures"] == [1.0, 1.0]
+        assert "window_nlls" not in record
+    assert report["chosen"] == 0 and report["pass_rate"] == 0.0
+    assert "humaneval pass rate 0.0000 on its last 2 problems" in report["headline"]
+    assert model.config.num_hidden_layers == 4
+
+
+def test_best_of_chooses_the_fewest_failures(monkeypatch):
+    """The alternative with the lowest failure rate wins; its margin is the paired mean difference per problem."""
+    from recipe_engine.modifiers import best_of
+
+    failures = iter([[1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    monkeypatch.setattr(best_of, "heldout_failures", lambda *a, **k: (["p0", "p1", "p2", "p3"], next(failures)))
+    model = tiny_model(num_hidden_layers=6, seed=1)
+    step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:2>"], ["SLEB<n:2>"]], "refit": False,
+                                  "score": {"task": "gsm8k", "problems": 4}}}, 0)
+    report = step.apply(make_session(model, random_tokens(8, 32, seed=2)))
+    assert (report["lowest"], report["chosen"], report["pass_rate"]) == (1, 1, 0.75)
+    assert report["runner_up"]["nats"] == pytest.approx(0.5)  # (1 + 0 + 1 + 0) / 4 more failures
+
+
+def test_best_of_scoring_by_humaneval_needs_the_opt_in(monkeypatch):
+    monkeypatch.delenv("RECIPE_ALLOW_CODE_EVAL", raising=False)
+    step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"]],
+                                  "score": {"task": "humaneval"}}}, 0)
+    with pytest.raises(RecipeError, match="allow_code_execution: true") as caught:
+        step.check_sources()
+    assert "\n" not in str(caught.value)
+    with pytest.raises(RecipeError, match="no generation task 'humaneva'"):
+        parse_step({"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"]],
+                               "score": {"task": "humaneva"}}}, 0).check_sources()

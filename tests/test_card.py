@@ -128,6 +128,25 @@ def test_card_shows_zero_shot_accuracy_and_what_it_retained(outputs):
         [("arc_easy", "acc_norm", 0.4)]
 
 
+def test_card_shows_generation_pass_at_1_and_what_it_retained(outputs):
+    from recipe_engine.io.card import model_card
+    from recipe_engine.io.report import load_report
+
+    report = load_report(outputs / "quant")
+    run = lambda passed: {"tasks": {"humaneval": {"metric": "pass@1", "value": passed / 24, "passed": passed,
+                                                   "samples": 24}}, "average": passed / 24}
+    evaluation = report.evaluation.model_copy(update={
+        "before": {**report.evaluation.before, "generation": run(17)},
+        "after": {**report.evaluation.after, "generation": run(3)},
+        "retained": {**report.evaluation.retained, "generation": 3 / 17}})
+    card = model_card(report.model_copy(update={"evaluation": evaluation}), outputs / "quant")
+    lines = card.text.splitlines()
+    assert "| humaneval pass@1 | 0.7083 | 0.1250 | |" in lines
+    assert "| generation average | 0.7083 | 0.1250 | 17.6% |" in lines
+    assert ("humaneval", "pass@1", 0.125) in [(r.dataset_name, r.metric_type, r.metric_value)
+                                              for r in card.data.eval_results]
+
+
 def test_a_gguf_sources_license_is_read_once_per_file(tmp_path, monkeypatch):
     """A GGUF source's ``general.license`` is parsed from the file once (GGUFReader reads every metadata
     array, seconds for a real vocabulary) and then read from beside the converted checkpoint."""
@@ -332,7 +351,10 @@ def test_an_eval_record_is_bounded_validated_and_escaped(layered, tmp_path, caps
              "zero_shot.average": [lambda r: r.update(zero_shot={**zero, "average": None}),
                                    lambda r: r.update(zero_shot={"tasks": {}, "average": "high"})],
              "zero_shot.tasks.arc_easy.value": [
-                 lambda r: r.update(zero_shot={**zero, "tasks": {"arc_easy": {"metric": "acc", "value": "1"}}})]}
+                 lambda r: r.update(zero_shot={**zero, "tasks": {"arc_easy": {"metric": "acc", "value": "1"}}})],
+             "generation.tasks.humaneval.value": [
+                 lambda r: r.update(generation={"tasks": {"humaneval": {"metric": "pass@1", "value": None}},
+                                                "average": 0.5})]}
     for field, changes in cases.items():
         for i, change in enumerate(changes):
             path = variant(f"{field}-{i}", change)
@@ -346,9 +368,9 @@ def test_an_eval_record_is_bounded_validated_and_escaped(layered, tmp_path, caps
     assert main(["card", str(out), "--eval", path]) == 0
     lines = card(out).text.splitlines()
     assert not [line for line in lines if line.lstrip().startswith("## injected") or "<b>" in line]
-    later = lines.index("| evaluated | perplexity | zero-shot average |")
+    later = lines.index("| evaluated | perplexity | zero-shot average | generation |")
     rows = lines[later + 2:lines.index("", later)]
-    assert len(rows) == 1 and rows[0].count(" | ") == 2  # one row of three cells: no cell break injected
+    assert len(rows) == 1 and rows[0].count(" | ") == 3  # one row of four cells: no cell break injected
     assert "x \\| y ## injected &lt;b&gt;bold&lt;/b&gt;" in rows[0]
     no_machine_path(card(out).text, out.parent)
 

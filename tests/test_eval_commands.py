@@ -1,4 +1,4 @@
-"""``recipe eval`` / ``recipe bench`` on tiny saved models, and the recipe ``evaluate:`` block with its gate."""
+"""``recipe eval`` on tiny saved models, and the recipe ``evaluate:`` block with its gate."""
 import hashlib
 import json
 from pathlib import Path
@@ -11,7 +11,6 @@ import recipe_engine
 from recipe_engine.cli import main
 from recipe_engine.errors import QualityGateError
 from recipe_engine.evaluation import perplexity
-from recipe_engine.evaluation.bench import alternate, protocol_note, ratios
 from recipe_engine.recipe.modifier import Modifier
 from recipe_engine.recipe.schema import recipe_from_dict
 from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, shared_data, tiny_model
@@ -90,35 +89,6 @@ def test_eval_cli_text_shorter_than_a_window_exits_2(saved, capsys):
     dense, _, text = saved
     assert main(["eval", str(dense), "--dataset", str(text), "--seq-len", "4096", "--device", "cpu"]) == 2
     assert "shorter than one window of 4096" in capsys.readouterr().err
-
-
-def test_bench_cli_reports_ratios(saved, tmp_path, capsys):
-    dense, shallow, _ = saved
-    out = tmp_path / "bench.json"
-    code = main(["bench", str(dense), str(shallow), "--batch", "2", "--gen-tokens", "4", "--prefill-tokens", "64",
-                 "--repeats", "2", "--device", "cpu", "--json", str(out)])
-    assert code == 0
-    record = json.loads(out.read_text())
-    a, b = record["models"]
-    assert a["layers"] == 4 and b["layers"] == 2
-    assert b["parameters"] < a["parameters"]
-    assert a["checkpoint_bytes"] == sum(p.stat().st_size for p in dense.glob("*.safetensors")) > 0
-    ratio = record["ratio_b_over_a"]
-    assert ratio["parameters"] == pytest.approx(b["parameters"] / a["parameters"])
-    assert ratio["throughput"] == pytest.approx(b["throughput_tok_s"] / a["throughput_tok_s"])
-    assert ratio["prefill_speedup"] == pytest.approx(a["prefill_latency_ms"] / b["prefill_latency_ms"])
-    assert "device cpu (paper: GPU)" in record["protocol_note"] and "batch 2 (paper 64)" in record["protocol_note"]
-    assert "B/A" in capsys.readouterr().out
-
-
-def test_bench_alternates_models_after_warmup():
-    calls = []
-    medians = alternate(["A", "B"], lambda m: calls.append(m) or {"A": 2.0, "B": 1.0}[m], warmup=1, repeats=3)
-    assert calls == ["A", "B"] + ["A", "B"] * 3 and medians == [2.0, 1.0]
-    assert protocol_note(64, 128, 2048, torch.device("cuda")) is None
-    assert ratios({"throughput_tok_s": 10, "prefill_latency_ms": 30, "parameters": 4, "checkpoint_bytes": 8},
-                  {"throughput_tok_s": 20, "prefill_latency_ms": 10, "parameters": 3, "checkpoint_bytes": 6}) == {
-        "throughput": 2.0, "prefill_speedup": 3.0, "parameters": 0.75, "checkpoint_bytes": 0.75}
 
 
 class NoisyHead(Modifier):

@@ -194,3 +194,20 @@ def test_gguf_of_a_packed_output_equals_the_gguf_of_its_dequantized_form(tmp_pat
     assert [t.name for t in packed.tensors] == [t.name for t in plain.tensors]
     for a, b in zip(packed.tensors, plain.tensors):
         assert (a.data == b.data).all(), a.name
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"modifiers": ["GPTQ<group_size:32,export:gptq,sym:false>"]}, "field 'sym': gptq export stores zero points"),
+    ({"modifiers": ["GPTQ<group_size:32,bits:3>"]}, "field 'bits': compressed-tensors export needs bits 4 or 8"),
+    ({"export": {"format": "onnx"}}, "field 'export.format': unknown export format 'onnx'; choose from gguf"),
+    ({"export": {"format": "gguf", "type": "q4_0"}}, "field 'export.type': gguf export writes types")])
+def test_formats_refuse_what_they_cannot_hold_before_anything_runs(tmp_path, change, message):
+    from recipe_engine.errors import RecipeError
+    from recipe_engine.plan.preflight import check_against_config
+    from recipe_engine.recipe.schema import recipe_from_dict
+    from tests.helpers import tiny_config
+
+    data = {**recipe(tmp_path, "unused", ["GPTQ<group_size:32>"]), **change}
+    with pytest.raises(RecipeError, match=message) as error:
+        check_against_config(recipe_from_dict(data), tiny_config(), "r.yaml")
+    assert "r.yaml" in str(error.value) and "\n" not in str(error.value)

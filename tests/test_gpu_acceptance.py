@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from recipe_engine.execution.distributed import launched
 from recipe_engine.execution.stats import InputCovariance
-from tests.helpers import free_port
+from tests.helpers import byte_tokenizer, free_port, shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.py"
@@ -32,7 +34,7 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"] and result["tiny"]
     assert {leg: r["status"] for leg, r in result["legs"].items()} == dict.fromkeys(
-        ("graphs", "smollm2", "stream8b", "bench", "dp"), "ok"), result["legs"]
+        ("graphs", "smollm2", "stream8b", "bench", "dp", "w4"), "ok"), result["legs"]
     graphs = result["legs"]["graphs"]["figures"]
     assert graphs["act_order"]["identical"] and graphs["dynamic_groups"]["identical"]
     machine = result["machine"]
@@ -58,8 +60,12 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
                                       "1-3 HeadPrune, NystromMLP, GPTQ: layer-sequential pass": 6}
     assert result["machine"]["disk_write_mb_s"][str(tmp_path)] > 0
     # time goals are judged on a GPU only
-    assert all(r["met"] is None for r in result["rows"] if r["leg"] in ("stream8b", "bench"))
-    assert result["legs"]["bench"]["figures"]["depth_ratio"] == 8 / 6
+    assert all(r["met"] is None for r in result["rows"] if r["leg"] in ("stream8b", "bench", "w4"))
+    bench = result["legs"]["bench"]["figures"]
+    assert bench["layers"] == [8, 6] and bench["limit"] > 1 and bench["compiled"] is False  # the head dominates
+    assert len(bench["throughput"]["ratio"]) == 2 and bench["invocations_apart"] >= 0  # two invocations
+    w4 = result["legs"]["w4"]["figures"]
+    assert w4["weights"] == ["bfloat16", "int4 (packed)"] and w4["bytes_ratio"] < 1 and w4["limit"] > 1
     dp = result["legs"]["dp"]["figures"]
     assert dp["backend"] == "gloo" and dp["ranks"] == 1 and dp["identical_weights"] is True
     assert "dp" in run.stdout and "met" in run.stdout  # the table
@@ -67,25 +73,57 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
     assert kept and {p.suffix for p in kept} <= {".log", ".yaml", ".json"}
 
 
-def test_bench_in_a_later_call_uses_the_stream8b_output_of_an_earlier_one(tmp_path):
-    """One lease, two calls: the bench leg finds the checkpoints a stream8b leg left in the same --work."""
-    work = tmp_path / "work"
-    first = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path / "a"), "--work", str(work),
-                       "--legs", "stream8b")
+def fake_carry(directory: Path) -> Path:
+    """What ``--prepare-carry`` puts in ``b`` (no wheels: this machine has every package), with a byte-level
+    tokenizer that tells itself apart from SmolLM2's."""
+    b = directory / "b"
+    (b / "wheels").mkdir(parents=True)
+    byte_tokenizer().save_pretrained(b / "tokenizer")
+    shutil.copytree(shared_data() / "wikitext-2-raw",
+                    b / "data" / "wikitext-2-raw")
+    (b / "wiki.utf8").write_text("A carried sample of text. " * 4000)
+    (b / "manifest.json").write_text(json.dumps({"gguf_sha256": "", "gguf_bytes": 0, "wheels": []}))
+    return directory
+
+
+def test_detached_serving_calls_carry_b_alone_and_a_later_call_times_the_output(tmp_path):
+    """The docstring's two GPU calls, rehearsed on CPU: each carries only ``b`` and runs detached; the child is
+    handed the carried tokenizer (``--tokenizer``), and the second call's legs find the first call's output."""
+    work, carried = tmp_path / "work", fake_carry(tmp_path / "carry")
+    env = {"RECIPE_CARRY_SITE": str(tmp_path / "site")}
+    first = run_script("--carry", str(carried), "--device", "cpu", "--tiny", "--out", str(tmp_path / "a"), "--work",
+                       str(work), "--pack", "--legs", "stream8b", "--budget", "9", "--detach", "--follow", "600",
+                       env=env)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    second = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path / "b"), "--work", str(work),
-                        "--legs", "bench", "--pack")
+    result = json.loads((tmp_path / "a" / "gpu_acceptance.json").read_text())
+    assert result["legs"]["stream8b"]["status"] == "ok", result["legs"]
+    written = AutoTokenizer.from_pretrained(work / "stream8b" / "tiny-llama-bf16")
+    assert len(written) == len(byte_tokenizer())  # the carried tokenizer, not SmolLM2's 49,152 tokens
+    second = run_script("--carry", str(carried), "--device", "cpu", "--tiny", "--out", str(tmp_path / "b"), "--work",
+                        str(work), "--pack", "--legs", "bench", "w4", "--budget", "20", "--detach", "--follow", "600",
+                        env=env)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
-    bench = json.loads((tmp_path / "b" / "gpu_acceptance.json").read_text())["legs"]["bench"]
-    assert bench["status"] == "ok" and bench["figures"]["depth_ratio"] == 8 / 6
-    # --pack: OUT holds the result and one archive with every run's log and recipe
-    assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_file()) == ["gpu_acceptance.json", "runs.tar.gz"]
+    legs = json.loads((tmp_path / "b" / "gpu_acceptance.json").read_text())["legs"]
+    assert legs["bench"]["status"] == "ok" and legs["w4"]["status"] == "ok", legs
+    assert legs["bench"]["figures"]["layers"] == [8, 6]
+    # --pack: OUT holds the result, the detached run's log and one archive with every run's log and recipe
+    assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_file()) == [
+        "acceptance.log", "gpu_acceptance.json", "runs.tar.gz"]
     with tarfile.open(tmp_path / "b" / "runs.tar.gz") as archive:
         names = archive.getnames()
-    assert "logs/bench/bench.log" in names and any(n.startswith("logs/stream8b/") and n.endswith(".log") for n in names)
+    assert "logs/bench/bench-1.log" in names and "logs/w4/w4.log" in names
     alone = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path / "c"), "--legs", "bench")
     assert "needs the stream8b leg's output" in json.loads(
         (tmp_path / "c" / "gpu_acceptance.json").read_text())["legs"]["bench"]["error"], alone.stdout[-2000:]
+
+
+def test_the_detached_child_is_handed_the_carried_tokenizer():
+    carry = _carry()
+    argv = ["--carry", ".gpu", "--device", "cuda", "--detach", "--follow", "570", "--legs", "bench", "w4",
+            "--tokenizer=smollm2-135m"]
+    assert carry.child_arguments(argv, "/tmp/c/b/tokenizer") == [
+        "--device", "cuda", "--legs", "bench", "w4", "--tokenizer", "/tmp/c/b/tokenizer"]
+    assert carry.child_arguments(["--carry=.gpu", "--detach", "--tokenizer", "t"], None) == ["--tokenizer", "t"]
 
 
 def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
@@ -105,16 +143,16 @@ def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
         return leg
 
     monkeypatch.setattr(gpu_acceptance, "leg_smollm2", broken)
-    for name in ("graphs", "stream8b", "bench", "dp"):
+    for name in ("graphs", "stream8b", "bench", "dp", "w4"):
         monkeypatch.setattr(gpu_acceptance, f"leg_{name}", fine(name))
     monkeypatch.setattr(gpu_acceptance, "disk_write_speed", lambda _directory: 1.0)
     assert gpu_acceptance.main(["--device", "cpu", "--out", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
-    assert ran == ["graphs", "smollm2", "dp", "stream8b", "bench"]
+    assert ran == ["graphs", "smollm2", "dp", "stream8b", "bench", "w4"]
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"]
     assert result["legs"]["smollm2"]["status"] == "error"
     assert result["legs"]["smollm2"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
-    assert [r["met"] for r in result["rows"]] == [True, False, True, True, True]
+    assert [r["met"] for r in result["rows"]] == [True, False, True, True, True, True]
     assert result["rows"][1]["error"] == result["legs"]["smollm2"]["error"]
 
 
@@ -171,6 +209,13 @@ def _acceptance():
     import gpu_acceptance
 
     return gpu_acceptance
+
+
+def _carry():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_acceptance_carry
+
+    return gpu_acceptance_carry
 
 
 def test_full_size_recipes_are_valid_for_their_models(tmp_path):

@@ -302,7 +302,8 @@ def test_plan_ranks_must_be_positive(work, capsys, ranks):
 def test_plan_ranks_from_world_size(work, capsys, monkeypatch):
     _, recipe = work
     monkeypatch.setenv("WORLD_SIZE", "0")
-    one_line_error(capsys, ["plan", recipe()], "argument --ranks: expected a positive integer, got 0")
+    one_line_error(capsys, ["plan", recipe()], "environment variable WORLD_SIZE (the default of recipe plan "
+                   "--ranks): expected a positive integer, got 0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["plan", recipe(), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["data_parallel"] is not None

@@ -70,7 +70,7 @@ def test_cli_reports_plugin_error(monkeypatch, capsys):
     _patch_entry_points(monkeypatch, [FakeEntryPoint("broken", "x", error=ImportError("boom"))])
     monkeypatch.setattr(registry_module, "REGISTRY", Registry())
     monkeypatch.setattr(cli, "REGISTRY", registry_module.REGISTRY)
-    assert cli.main(["list-modifiers"]) == 2
+    assert cli.run(["list-modifiers"]) == 2
     assert "plugin 'broken' (x) failed to import: ImportError: boom" in capsys.readouterr().err
 
 
@@ -97,6 +97,6 @@ def test_broken_builtin_module_is_one_line_at_the_cli(monkeypatch, capsys, tmp_p
     _patch_entry_points(monkeypatch, [])
     monkeypatch.setattr(registry_module, "REGISTRY", Registry())
     monkeypatch.setattr(cli, "REGISTRY", registry_module.REGISTRY)
-    assert cli.main(["list-modifiers"]) == 2
+    assert cli.run(["list-modifiers"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(broken_builtins) failed to import: ModuleNotFoundError" in err

@@ -1,7 +1,7 @@
 """``python -m recipe_engine.cli`` (and ``torchrun -m recipe_engine.cli``): the ``recipe`` command."""
 import sys
 
-from .commands import main
+from . import main
 
 if __name__ == "__main__":  # not when a tool (doctest collection) imports the module
     sys.exit(main())

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -26,11 +25,14 @@ from ..plan.steps import compile_for_plan, memory_plan, plan_rows, print_plan, r
 from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
 from ..recipe.registry import REGISTRY, RegistryError
 from ..recipe.schema import dump_recipe
-from ..system.cleanup import Interrupted, handle_signals
-from ..system.progress import Progress
+from ..system.cleanup import Interrupted
+from ..system.progress import Console, Progress
 from ..workflows.runner import apply
 from ..workflows.sweep import Sweep, plot, table
+from .bench import add_bench_command
 from .evaluate import add_commands, positive_int, quiet_libraries
+from .about import version
+from .stdio import after_output, say
 from .summary import print_summary
 
 out = Console()
@@ -69,7 +71,8 @@ def cmd_apply(args) -> int:
                           resume=args.resume, checkpoints=False if args.no_checkpoints else args.checkpoint_budget,
                           timings=args.timings, profile=args.profile)
     if report.rank == 0:  # data-parallel: one summary
-        print_summary(report, out)
+        with after_output(f"the output {args.output} is complete" if args.output else "the output is complete"):
+            print_summary(report, out)
     return 0
 
 
@@ -98,7 +101,18 @@ def cmd_validate(args) -> int:
     return RecipeError.exit_code if failed else 0
 
 
+def world_size() -> int:
+    """``--ranks``' default: ``$WORLD_SIZE`` (set by torchrun), else 1; a bad value names the variable."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return positive_int(value)
+    except argparse.ArgumentTypeError as exc:
+        raise RecipeError(f"environment variable WORLD_SIZE (the default of recipe plan --ranks): {exc}; "
+                          f"unset it or give --ranks") from None
+
+
 def cmd_plan(args) -> int:
+    args.ranks = args.ranks or world_size()
     loaded = load_recipe(args.recipe, _overrides(args))
     recipe = loaded.recipe
     located(lambda: check_device(recipe.device, here=False), loaded.path, "device")  # its form, as validate
@@ -137,8 +151,9 @@ def cmd_export(args) -> int:
     exporter, kind, _ = file_export(args.format, args.type, None)
     with quiet_libraries(False), Progress() as bar:
         summary = exporter.write_file(Path(args.directory), Path(args.output), kind, force=args.force, progress=bar)
-    out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
-              f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
+    with after_output(f"{summary['file']} is complete"):
+        out.print(f"wrote {escape(summary['file'])}: {summary['architecture']}, {summary['tensors']} tensors, "
+                  f"{summary['type']}, {summary['bytes'] / 2**20:.1f} MiB")
     return 0
 
 
@@ -147,7 +162,8 @@ def cmd_card(args) -> int:
     report = load_report(args.directory)
     evaluations = [read_evaluation(path, report, args.directory) for path in args.eval or []]
     path = write_card(args.directory, report, evaluations)
-    out.print(f"wrote {escape(str(path))}")
+    with after_output(f"{path} is complete"):
+        out.print(f"wrote {escape(str(path))}")
     return 0
 
 
@@ -162,19 +178,26 @@ def cmd_sweep(args) -> int:
         print(f"interrupted by {signal.Signals(signum).name}; {len(sweep.rows)} finished rows kept in "
               f"{args.output}/{SWEEP_FILE} (rerun to continue)", file=sys.stderr)
         return 128 + signum
+    with after_output(f"{args.output}/{SWEEP_FILE} is complete"):
+        _print_sweep(sweep, rows, args.output)
+    return 0
+
+
+def _print_sweep(sweep: Sweep, rows, output: str) -> None:
     out.print(table(rows))
     shared = sweep.shared_work()
     if shared:
         out.print("shared work: " + "; ".join(f"{k} computed {v['computed']}, reused {v['reused']}"
                                               for k, v in sorted(shared.items())))
 
-    problem = plot(rows, Path(args.output) / "pareto.png")
-    out.print(problem or f"wrote {escape(args.output)}/{SWEEP_FILE} and pareto.png")
-    return 0
+    problem = plot(rows, Path(output) / "pareto.png")
+    out.print(problem or f"wrote {escape(output)}/{SWEEP_FILE} and pareto.png")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="recipe", description=__doc__)
+    parser.add_argument("-V", "--version", action="version", version=f"recipe {version()}",
+                        help="print the installed version (recipe X.Y.Z) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_overrides(p: Parser) -> None:
@@ -225,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print steps, statistics, calibration passes and a memory estimate")
     p.add_argument("recipe")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--ranks", type=positive_int, default=os.environ.get("WORLD_SIZE", "1"),
+    p.add_argument("--ranks", type=positive_int, default=None,
                    help="data-parallel processes (torchrun --nproc-per-node × nodes): per-rank memory "
                         "(default: $WORLD_SIZE, else 1)")
     with_overrides(p)
@@ -274,33 +297,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep)
 
     add_commands(sub)
+    add_bench_command(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 ok, 2 user error (one line), 3 quality gate, 128+n signal n, 1 internal bug
-    (a traceback: please report it). See docs/errors.md."""
+def run(argv: list[str] | None = None) -> int:
+    """Parse and run one command; user errors become one line and their exit code (``main``, in this
+    package's ``__init__``, adds the signal handling and the guard on stdout/stderr)."""
     try:
-        with handle_signals():
-            args = build_parser().parse_args(argv)
-            handler: Callable = args.func
-            return handler(args)
+        args = build_parser().parse_args(argv)
+        handler: Callable = args.func
+        return handler(args)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     except (RecipeError, RegistryError) as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        say(f"error: {one_line(str(exc))}")
         return RecipeError.exit_code
     except DistributedError as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        say(f"error: {one_line(str(exc))}")
         return DistributedError.exit_code
     except QualityGateError as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        say(f"error: {one_line(str(exc))}")
         return QualityGateError.exit_code
-    except KeyboardInterrupt as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        print(f"interrupted by {signal.Signals(signum).name}; nothing written", file=sys.stderr)
-        return 128 + signum
 
-
-if __name__ == "__main__":
-    sys.exit(main())

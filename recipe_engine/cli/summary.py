@@ -39,6 +39,13 @@ def print_summary(report: Report, console: Console) -> None:
                 table.add_row(f"{task} {res['metric']}", f"{res['value']:.4f}", f"{value:.4f}", "")
             table.add_row("zero-shot average", f"{zs_before['average']:.4f}",
                           f"{zs_after.get('average', float('nan')):.4f}", "")
+        generated = evaluation.before.get("generation")
+        if generated:
+            after_tasks = (evaluation.after or {}).get("generation", {}).get("tasks", {})
+            for task, res in generated["tasks"].items():
+                value = after_tasks.get(task, {}).get("value", float("nan"))
+                table.add_row(f"{task} {res['metric']} [{res['samples']} problems]", f"{res['value']:.4f}",
+                              f"{value:.4f}", f"{value / res['value']:.3f}" if res["value"] else "-")
     steps = report.steps
     for step, following in zip(steps, steps[1:] + [None]):
         peak = f" (peak {step.peak_rss_mib / 1024:.2f} GiB)" if step.peak_rss_mib else ""

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from ..architectures.adapters import adapter_for
-from ..errors import SourceError
+from ..errors import RecipeError, SourceError
 from ..execution.session import Session
 from ..execution.streaming import forward_streamed, open_stream
 from ..io.data import load_text
 from ..io.models import exceeds_memory, load_model
 from ..recipe.schema import CalibrationConfig, EvaluateConfig
 from .perplexity import perplexity, streamed_perplexity
+from .generation import generation_tasks, run_generation
 from .zeroshot import zero_shot
 
 
@@ -33,8 +34,12 @@ def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=No
             source = first_available_text(ppl.dataset, ppl.split)
             results["perplexity"] = {"dataset": source.name, "origin": source.origin, **perplexity(
                 model, tokenizer, source.text, ppl.seq_len, ppl.limit, device, source.origin, progress)}
-        if config.tasks:
-            results["zero_shot"] = zero_shot(model, tokenizer, config.tasks, config.limit, device, config.task_data)
+        lm_tasks, generating = harness_tasks(config.tasks), generation_tasks(config.tasks)
+        if lm_tasks:
+            results["zero_shot"] = zero_shot(model, tokenizer, lm_tasks, config.limit, device, config.task_data)
+        if generating:
+            results["generation"] = run_generation(model, tokenizer, generating, config.limit, config.max_new_tokens,
+                                                   config.generation_batch, device, progress)
     finally:
         model.to("cpu")
     return results
@@ -57,6 +62,9 @@ def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
     (``streamed_perplexity``) and zero-shot tasks with one unit resident at a time (``forward_streamed``)."""
     if session.stream is None:
         return evaluate_model(session.model, session.tokenizer, config, session.device, progress)
+    if generation_tasks(config.tasks):
+        raise RecipeError(f"generation tasks ({', '.join(generation_tasks(config.tasks))}) need the model in memory; "
+                          f"this one is streamed from disk (--stream off / stream: off to load it whole)")
     results: dict = {}
     if config.perplexity is not None:
         ppl = config.perplexity
@@ -70,12 +78,20 @@ def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
     return results
 
 
+def harness_tasks(names: list[str]) -> list[str]:
+    """The zero-shot (lm-eval) tasks among ``names``."""
+    return [n for n in names if n not in generation_tasks(names)]
+
+
 def retained(before: dict, after: dict) -> dict:
-    """Retained fraction: dense PPL / compressed PPL for perplexity, after/before for accuracies."""
+    """Retained fraction: dense PPL / compressed PPL for perplexity, after/before for accuracies and pass rates."""
     out: dict = {}
     if "perplexity" in before and "perplexity" in after:
         out["perplexity"] = before["perplexity"]["ppl"] / after["perplexity"]["ppl"]
     if "zero_shot" in before and "zero_shot" in after:
         b, a = before["zero_shot"]["average"], after["zero_shot"]["average"]
         out["zero_shot"] = a / b if b else None
+    if "generation" in before and "generation" in after:
+        b, a = before["generation"]["average"], after["generation"]["average"]
+        out["generation"] = a / b if b else None
     return out

@@ -18,6 +18,7 @@ from ..errors import SourceError
 from ..io.data import hub_unreachable
 from ..suggest import did_you_mean
 from . import task_data
+from .generation_tasks import TASKS as GENERATION_TASKS
 
 TASKS_DIR = Path(__file__).with_name("tasks")
 PAPER_TASKS = ["arc_easy", "arc_challenge", "piqa", "hellaswag", "winogrande"]
@@ -36,10 +37,11 @@ def task_manager(data: str):
 def check_tasks(tasks: list[str], data: str) -> None:
     """Before any model is loaded: every task has a config (local: ``tasks/``; hub: lm-eval's task index,
     with the hub reachable), with a did-you-mean for a near miss; an offline task's files exist."""
+    tasks = [t for t in tasks if t not in GENERATION_TASKS]  # checked by ``generation.check_generation``
     if not tasks:
         return
     if data == "local":
-        known = task_data.LOCAL_TASKS
+        known = task_data.LOCAL_TASKS + tuple(GENERATION_TASKS)
         unknown = [t for t in tasks if t not in known]
         if unknown:
             raise SourceError(f"no offline config for task(s) {', '.join(unknown)}{did_you_mean(unknown[0], known)} "

@@ -184,6 +184,21 @@ def _ppl_row(name: str, before: dict | None, after: dict | None, kept: float | N
     return f"| {name} | {value(before)} | {value(after)} | {f'{kept:.1%}' if kept is not None else '-'} |"
 
 
+def _task_rows(label: str, before: dict | None, after: dict, retained: float | None) -> list[str]:
+    """One row per task (zero-shot accuracy, generation pass@1 or exact match) and the average's row."""
+    if not before:
+        return []
+    lines = []
+    for task, result in before["tasks"].items():
+        value = after.get("tasks", {}).get(task, {}).get("value")
+        lines.append(f"| {md(task)} {md(result['metric'])} | {result['value']:.4f} | "
+                     f"{'-' if value is None else f'{value:.4f}'} | |")
+    average = after.get("average")
+    lines.append(f"| {label} average | {before['average']:.4f} | {'-' if average is None else f'{average:.4f}'} | "
+                 f"{'-' if retained is None else f'{retained:.1%}'} |")
+    return lines
+
+
 def _evaluation(report: Report) -> list[str]:
     evaluation = report.evaluation
     if evaluation is None:
@@ -194,31 +209,24 @@ def _evaluation(report: Report) -> list[str]:
         ppl = before["perplexity"]
         name = f"perplexity, {md(public(ppl['dataset']))} ({ppl['windows']} × {ppl['seq_len']} tokens)"
         lines.append(_ppl_row(name, ppl, after.get("perplexity"), kept.get("perplexity")))
-    if before.get("zero_shot"):
-        zero_after = after.get("zero_shot", {})
-        for task, result in before["zero_shot"]["tasks"].items():
-            value = zero_after.get("tasks", {}).get(task, {}).get("value")
-            lines.append(f"| {md(task)} {md(result['metric'])} | {result['value']:.4f} | "
-                         f"{'-' if value is None else f'{value:.4f}'} | |")
-        average = zero_after.get("average")
-        retained = kept.get("zero_shot")
-        lines.append(f"| zero-shot average | {before['zero_shot']['average']:.4f} | "
-                     f"{'-' if average is None else f'{average:.4f}'} | "
-                     f"{'-' if retained is None else f'{retained:.1%}'} |")
-    retained = "retained: dense perplexity / compressed perplexity; accuracy after / before"
+    for field, label in (("zero_shot", "zero-shot"), ("generation", "generation")):
+        lines += _task_rows(label, before.get(field), after.get(field, {}), kept.get(field))
+    retained = "retained: dense perplexity / compressed perplexity; accuracy, pass@1 or exact match after / before"
     gate = f"; quality gate {evaluation.quality_gate}" if evaluation.quality_gate else ""
     return lines + ["", f"Measured by this run ({retained}{gate}; `report.json`, `evaluation`)."]
 
 
 def _later(evaluations: list[dict]) -> list[str]:
     """Rows of ``recipe eval --json`` records of this output (``recipe card --eval``)."""
-    lines = ["| evaluated | perplexity | zero-shot average |", "|---|---|---|"]
+    lines = ["| evaluated | perplexity | zero-shot average | generation |", "|---|---|---|---|"]
     for record in evaluations:
-        ppl, zero = record.get("perplexity"), record.get("zero_shot")
+        ppl, zero, generation = record.get("perplexity"), record.get("zero_shot"), record.get("generation")
         text = (f"{ppl['ppl']:.2f} ({md(public(ppl['dataset']))}, {ppl['windows']} × {ppl['seq_len']} tokens)"
                 if ppl else "-")
         average = f"{zero['average']:.4f}" if zero else "-"
-        lines.append(f"| {md(record.get('date', '-'))} | {text} | {average} |")
+        generated = ", ".join(f"{md(task)} {md(r['metric'])} {r['value']:.4f}" for task, r in
+                              generation["tasks"].items()) if generation else "-"
+        lines.append(f"| {md(record.get('date', '-'))} | {text} | {average} | {generated} |")
     return lines
 
 
@@ -284,7 +292,7 @@ def _reproduce(report: Report) -> list[str]:
 
 
 def _eval_results(report: Report, evaluations: list[dict]):
-    """``model-index`` entries: every perplexity and zero-shot score measured on this output."""
+    """``model-index`` entries: every perplexity, zero-shot and generation score measured on this output."""
     # deferred: the hub client loads only where a card is written
     from huggingface_hub import EvalResult
 
@@ -297,7 +305,8 @@ def _eval_results(report: Report, evaluations: list[dict]):
             results.append(EvalResult(task_type="text-generation", dataset_type=dataset,
                                       dataset_name=dataset, metric_type="perplexity",
                                       metric_value=round(ppl["ppl"], 4)))
-        for task, result in (record.get("zero_shot") or {}).get("tasks", {}).items():
+        tasks = {**(record.get("zero_shot") or {}).get("tasks", {}), **(record.get("generation") or {}).get("tasks", {})}
+        for task, result in tasks.items():
             task, metric = " ".join(task.split()), " ".join(result["metric"].split())
             results.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
                                       metric_type=metric, metric_value=round(result["value"], 4)))

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..errors import RecipeError, SourceError
+from ..errors import RecipeError, SourceError, library_reason, reading
 from .checkpoint_names import converted_names, converted_shapes
 from .exporters import packed_reader
 
@@ -38,11 +38,12 @@ class CheckpointReader:
         self.directory = Path(directory)
         index = self.directory / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            with reading(str(index)):
+                weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {name: self.directory / file for name, file in weight_map.items()}
         elif (self.directory / SINGLE_FILE).is_file():
             path = self.directory / SINGLE_FILE
-            with safe_open(str(path), "pt") as handle:
+            with reading(str(path)), safe_open(str(path), "pt") as handle:
                 self.files = {name: path for name in handle.keys()}
         else:
             raise SourceError(f"{self.directory}: no {SINGLE_FILE} or {INDEX_FILE} to stream weights from")
@@ -80,7 +81,7 @@ class CheckpointReader:
         tensors: dict[str, torch.Tensor] = {}
         by_file = itertools.groupby(sorted(stored, key=lambda n: str(self.files[n])), key=lambda n: self.files[n])
         for path, group in by_file:
-            with safe_open(str(path), "pt") as handle:
+            with reading(str(path)), safe_open(str(path), "pt") as handle:
                 for name in group:
                     tensors[name] = handle.get_tensor(name)
         dtype = checkpoint_dtype(self.config)
@@ -174,6 +175,11 @@ def safetensors_header(file: Path) -> dict | str:
     needed = 8 + length + max(ends, default=0)
     if needed > size:
         return f"{size:,} bytes, but its tensors need {needed:,} (truncated: copy or download it again)"
+    try:  # the rest safetensors itself checks (dtypes, shapes against offsets) when it opens the file
+        with safe_open(str(file), "pt"):
+            pass
+    except Exception as exc:  # SafetensorError, and whatever else its reader raises: one line
+        return f"safetensors cannot open it: {library_reason(exc)}"
     return {key: entry for key, entry in header.items() if key != "__metadata__"}
 
 

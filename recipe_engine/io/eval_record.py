@@ -60,9 +60,9 @@ def _object(path: str, value: Any, field: str) -> dict:
 
 def _check_values(path: str, record: dict) -> None:
     """Every figure the card shows is a finite number, every name a string."""
-    ppl, zero = record.get("perplexity"), record.get("zero_shot")
-    if ppl is None and zero is None:
-        raise RecipeError(f"--eval {path}: holds neither a perplexity nor a zero_shot result")
+    ppl, zero, generation = record.get("perplexity"), record.get("zero_shot"), record.get("generation")
+    if ppl is None and zero is None and generation is None:
+        raise RecipeError(f"--eval {path}: holds no perplexity, zero_shot or generation result")
     if ppl is not None:
         _object(path, ppl, "perplexity")
         _number(path, ppl.get("ppl"), "perplexity.ppl")
@@ -70,13 +70,14 @@ def _check_values(path: str, record: dict) -> None:
         for key in ("windows", "seq_len"):
             if isinstance(ppl.get(key), bool) or not isinstance(ppl.get(key), int):
                 raise RecipeError(f"--eval {path}: field perplexity.{key}: expected an integer")
-    if zero is not None:
-        _object(path, zero, "zero_shot")
-        _number(path, zero.get("average"), "zero_shot.average")
-        for task, result in _object(path, zero.get("tasks"), "zero_shot.tasks").items():
-            _object(path, result, f"zero_shot.tasks.{task}")
-            _text(path, result.get("metric"), f"zero_shot.tasks.{task}.metric")
-            _number(path, result.get("value"), f"zero_shot.tasks.{task}.value")
+    for field, tasks in (("zero_shot", zero), ("generation", generation)):
+        if tasks is not None:
+            _object(path, tasks, field)
+            _number(path, tasks.get("average"), f"{field}.average")
+            for task, result in _object(path, tasks.get("tasks"), f"{field}.tasks").items():
+                _object(path, result, f"{field}.tasks.{task}")
+                _text(path, result.get("metric"), f"{field}.tasks.{task}.metric")
+                _number(path, result.get("value"), f"{field}.tasks.{task}.value")
     if "date" in record:
         _text(path, record["date"], "date")
 

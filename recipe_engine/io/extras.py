@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..errors import reading
 from ..recipe.registry import REGISTRY
 
 EXTRAS_JSON = "recipe_extras.json"
@@ -38,9 +39,12 @@ def restore_extras(model: torch.nn.Module, location: str) -> list[str]:
     if not meta_path.is_file():
         return []
 
-    tensors = load_file(str(Path(location) / EXTRAS_TENSORS))
+    with reading(f"{Path(location) / EXTRAS_TENSORS}"):
+        tensors = load_file(str(Path(location) / EXTRAS_TENSORS))
+    with reading(f"{meta_path}"):
+        entries = json.loads(meta_path.read_text())
     applied = []
-    for i, entry in enumerate(json.loads(meta_path.read_text())):
+    for i, entry in enumerate(entries):
         prefix = f"{i}."
         own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         REGISTRY.get(entry["modifier"]).restore_extra(model, entry["config"], own)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..architectures.adapters import ADAPTERS, ArchitectureAdapter, adapter_for
-from ..errors import RecipeError
+from ..errors import RecipeError, reading
 from ..system.cleanup import track, untrack
 from .checkpoint_reader import CheckpointReader, check_checkpoint, checkpoint_shapes, logical_shapes
 from .extras import EXTRAS_JSON
@@ -238,7 +238,8 @@ def _export(directory: Path, output: Path, kind: str, name: str | None, origin: 
             progress=None) -> dict:
     from transformers import AutoConfig  # deferred: transformers' model classes take seconds to import
 
-    config = AutoConfig.from_pretrained(directory)
+    with reading(f"{directory / 'config.json'}"):  # sizes transformers itself rejects: one line
+        config = AutoConfig.from_pretrained(directory)
     check_exportable(directory, config)
     check_checkpoint(directory, config)  # a GGUF must hold every block its metadata counts
     adapter = gguf_adapter(config)

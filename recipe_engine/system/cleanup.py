@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from ..errors import note_signal
+
 MARKER = ".recipe_engine.json"
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # process-wide by nature: signals are delivered to the process, so what to remove on one is too
@@ -158,21 +160,46 @@ def _sweep_one(path: Path, target: Path, legacy: bool, note) -> bool:
     return True
 
 
+class SignalScope:
+    """What :func:`handle_signals` does with a signal: raise :class:`Interrupted` (the default), or, within
+    :meth:`exit_at_once`, end the process with ``128 + signum`` (nothing to clean up there)."""
+
+    def __init__(self):
+        self.at_once = False
+
+    @contextlib.contextmanager
+    def exit_at_once(self) -> Iterator[None]:
+        self.at_once = True
+        try:
+            yield
+        finally:
+            self.at_once = False
+
+
 @contextlib.contextmanager
 def handle_signals(grace_s: float = 3.0) -> Iterator[None]:
     """SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`; a watchdog enforces exit within ``grace_s``.
 
+    The signal is also recorded (``errors.received_signal``): a library that swallows the
+    :class:`Interrupted` raised inside it and then fails otherwise can be told apart from a real failure.
+    Yields a :class:`SignalScope`: within its ``exit_at_once()`` (imports, before anything is written) a
+    signal ends the process at once instead of raising inside a library's C++ code, which cannot unwind it.
     Only installs anything in the main thread (signal handlers cannot be set elsewhere).
     """
+    scope = SignalScope()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield scope
         return
     state = {"signum": None}
+    note_signal(None)
     done = threading.Event()
 
     def handler(signum, _frame):
+        if scope.at_once:
+            _exit_now(signum)
         if state["signum"] is None:
             state["signum"] = signum
+            note_signal(signum)
             raise Interrupted(signum)
         # a second signal while cleaning up: the watchdog ends the process; do not break the cleanup
 
@@ -184,8 +211,9 @@ def handle_signals(grace_s: float = 3.0) -> Iterator[None]:
                                 name="recipe-signal-watchdog")
     watchdog.start()
     try:
-        yield
+        yield scope
     finally:
+        note_signal(None)
         done.set()
         signal.set_wakeup_fd(old_wakeup)
         for s, old in previous.items():
@@ -234,5 +262,6 @@ def _exit_now(signum: int) -> None:
             if not path.exists():
                 break
     name = signal.Signals(signum).name
-    os.write(2, f"interrupted by {name}; nothing written\n".encode())
+    with contextlib.suppress(OSError):  # a standard error that cannot be written: the exit code says it
+        os.write(2, f"interrupted by {name}; nothing written\n".encode())
     os._exit(128 + signum)

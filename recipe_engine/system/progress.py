@@ -7,11 +7,26 @@ import sys
 import time
 from typing import IO, Iterable, Iterator, TypeVar
 
-from rich.console import Console
+from rich import console as rich_console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
 T = TypeVar("T")
+
+class Console(rich_console.Console):
+    """rich's ``Console``, for which only a terminal is one: ``FORCE_COLOR`` and ``TTY_COMPATIBLE=1`` bring
+    colour and live bars to a terminal that rich would not detect, but never escape sequences or carriage
+    returns into a pipe or a file (``recipe apply ... | tee log``). ``NO_COLOR`` is honoured as by rich."""
+
+    @property
+    def is_terminal(self) -> bool:
+        isatty = getattr(self.file, "isatty", None)
+        try:
+            tty = bool(isatty is not None and isatty())
+        except ValueError:  # a closed stream
+            tty = False
+        return tty and super().is_terminal
+
 
 #: Seconds between two plain progress lines (``$RECIPE_PROGRESS_INTERVAL`` overrides it).
 INTERVAL_S = 10.0

@@ -1,0 +1,133 @@
+"""The GPU acceptance's serving legs (``benchmarks/gpu_acceptance.py``), on the stream8b leg's output: the
+Llama-3-8B-shaped FlattenGPT + GPTQ W4 g128 checkpoint (32 → 25 layers, compressed-tensors pack-quantized).
+
+  bench  `recipe bench` in its served mode (static KV cache, the decode step compiled as CUDA graphs; batch 64
+         × 64-token prompts + 128 new tokens, and batch 1 after a 2048-token prefill) of the dense checkpoint
+         against the output's 25 layers in bf16 (its packed weights dequantized: the layer cut alone), twice:
+         tokens/s ≥ 0.95 × the weight-bytes limit (dense bytes read per token / the output's, 1.255 for
+         32 → 25 with the head) at both batches, the GPU ≥ 90 % busy while decoding, the two invocations
+         within 3 %.
+  w4     the packed output itself: its checkpoint bytes ≤ 0.31 × the dense bf16 checkpoint's, and its batch-1
+         decode tokens/s (PyTorch's int4 kernel) ≥ 2.0 × dense.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from gpu_acceptance_carry import LegError, row, run_logged
+
+STREAM8B_STATE = "stream8b-output.json"  # in the stream8b leg's work directory: its checkpoints for bench and w4
+GOAL_OF_LIMIT = 0.95        # tokens/s of the 25 layers against the weight-bytes limit
+GOAL_DECODE_BUSY = 0.90     # the GPU's busy share while decoding
+GOAL_REPEATABLE = 0.03      # two invocations' tokens/s apart at most
+GOAL_W4_BYTES = 0.31        # packed checkpoint / dense bf16 checkpoint
+GOAL_W4_DECODE = 2.0        # batch-1 decode tokens/s, packed / dense
+
+
+def stream8b_outputs(work: Path, state: dict) -> dict:
+    """The stream8b leg's checkpoints, from this call or an earlier one with the same --work."""
+    earlier = work.parent / "stream8b" / STREAM8B_STATE
+    if "stream8b" not in state and earlier.is_file():
+        state["stream8b"] = json.loads(earlier.read_text())
+    if "stream8b" not in state or not all(Path(state["stream8b"][k], "config.json").is_file()
+                                          for k in ("dense", "compressed")):
+        raise LegError("needs the stream8b leg's output (that leg did not run or failed, in this call or an "
+                       "earlier one with the same --work)")
+    return state["stream8b"]
+
+
+def dequantized_copy(packed: Path, target: Path) -> Path:
+    """``target``: the packed checkpoint with every packed linear dequantized to bf16 (``(q − z) · s``, what
+    ``export: dequantized`` writes), the same layers and shapes; kept for a later call."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from recipe_engine.evaluation.bench.int4 import dequantize, pop_packed
+
+    if (target / "config.json").is_file():
+        return target
+    tensors = {}
+    for path in sorted(packed.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
+    for name in [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]:
+        tensors[f"{name}.weight"] = dequantize(*pop_packed(tensors, name)).to(torch.bfloat16)
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(packed, partial, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((partial / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    os.replace(partial, target)
+    return target
+
+
+def bench_command(args, a: str, b: str, out: Path, requests: tuple[str, ...]) -> list[str]:
+    """``recipe bench A B`` in the served mode (``--tiny``: seconds-sized requests)."""
+    sizes = ["--batch", "2", "--prompt-tokens", "8", "--gen-tokens", "4", "--prefill-tokens", "32",
+             "--warmup", "1", "--repeats", "3"] if args.tiny else ["--repeats", str(args.bench_repeats)]
+    return [sys.executable, "-m", "recipe_engine.cli", "bench", a, b, "--mode", "served", "--device", args.device,
+            "--dtype", "bfloat16", "--json", str(out), "--requests", *requests, *sizes]
+
+
+def timed(args, work: Path, name: str, a: str, b: str, requests: tuple[str, ...]) -> dict:
+    out = work / f"{name}.json"
+    run_logged(bench_command(args, a, b, out, requests), work / f"{name}.log", timeout=300 if args.tiny else 580)
+    return json.loads(out.read_text())
+
+
+def leg_bench(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
+    outputs = stream8b_outputs(work, state)
+    plain = dequantized_copy(Path(outputs["compressed"]), work / "dequantized")
+    records = [timed(args, work, f"bench-{i}", outputs["dense"], str(plain), ("throughput", "latency"))
+               for i in (1, 2)]
+    first = records[0]
+    limit = 1 / first["ratio_b_over_a"]["bytes_per_token"]
+    goal, on_gpu = GOAL_OF_LIMIT * limit, args.device.startswith("cuda")
+    rows, figures = [], {"limit": limit, "layers": outputs["layers"], "compiled": first["compiled"],
+                         "protocol_note": first["protocol_note"]}
+    for request in ("throughput", "latency"):
+        shape = first["models"][0]["requests"][request]["shape"]
+        ratio = first["ratio_b_over_a"][request]["tokens_per_s_median"]
+        busy = [m["requests"][request]["gpu_busy_decode"] for m in first["models"]]
+        least = min(busy) if None not in busy else None
+        figures[request] = {"ratio": [r["ratio_b_over_a"][request]["tokens_per_s_median"] for r in records],
+                            "tokens_per_s": [[m["requests"][request]["tokens_per_s"] for m in r["models"]]
+                                             for r in records], "gpu_busy_decode": busy}
+        what = f"batch {shape['batch']}, {shape['prompt_tokens']}-token prompts + {shape['gen_tokens']} new"
+        rows += [row("bench", f"{request} tokens/s, 25 layers / dense ({what}), served", round(ratio, 3), "x",
+                     f">= {goal:.3f} (0.95 x bytes limit {limit:.3f})", ratio >= goal if on_gpu else None),
+                 row("bench", f"{request}: GPU busy while decoding (the lower of the two models)", least, "",
+                     f">= {GOAL_DECODE_BUSY}", least >= GOAL_DECODE_BUSY if on_gpu and least is not None else None)]
+    apart = max(abs(a["requests"][q]["tokens_per_s"]["median"] / b["requests"][q]["tokens_per_s"]["median"] - 1)
+                for a, b in zip(records[0]["models"], records[1]["models"]) for q in ("throughput", "latency"))
+    figures["invocations_apart"] = apart
+    rows.append(row("bench", "two invocations' median tokens/s apart (worst model and request)", round(apart, 4), "",
+                    f"<= {GOAL_REPEATABLE}", apart <= GOAL_REPEATABLE if on_gpu else None))
+    return figures, rows
+
+
+def leg_w4(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
+    from recipe_engine.io.models import checkpoint_bytes
+
+    outputs = stream8b_outputs(work, state)
+    dense, packed = outputs["dense"], outputs["compressed"]
+    size = checkpoint_bytes(packed) / checkpoint_bytes(dense)
+    record = timed(args, work, "w4", dense, packed, ("latency",))
+    ratio = record["ratio_b_over_a"]["latency"]["decode_tokens_per_s_median"]
+    limit = 1 / record["ratio_b_over_a"]["bytes_per_token"]
+    on_gpu = args.device.startswith("cuda")
+    figures = {"checkpoint_bytes": [checkpoint_bytes(dense), checkpoint_bytes(packed)], "bytes_ratio": size,
+               "decode_ratio": ratio, "limit": limit, "weights": [m["weights"] for m in record["models"]],
+               "decode_tokens_per_s": [m["requests"]["latency"]["decode_tokens_per_s"] for m in record["models"]]}
+    return figures, [
+        row("w4", "packed W4 g128 checkpoint bytes / dense bf16", round(size, 4), "x", f"<= {GOAL_W4_BYTES}",
+            size <= GOAL_W4_BYTES if not args.tiny else None),
+        row("w4", f"batch-1 decode tokens/s, packed W4 (int4 kernel) / dense (bytes limit {limit:.2f})",
+            round(ratio, 3), "x", f">= {GOAL_W4_DECODE}", ratio >= GOAL_W4_DECODE if on_gpu else None)]
