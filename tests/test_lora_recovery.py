@@ -124,7 +124,7 @@ def peaked_model():
 def test_distill_moves_the_compressed_model_toward_the_dense_teacher(tmp_path):
     text = tmp_path / "train.txt"
     text.write_text(" ".join(WORDS * 60))
-    quantize = {"Quantize": {"bits": 2, "group_size": 32}}
+    quantize = {"Quantize": {"bits": 2, "group_size": 32, "export": "dequantized"}}
     quantized, _ = recipe_engine.apply(recipe(tmp_path, [quantize]), model=peaked_model(),
                                        tokenizer=CharTokenizer(), write=False, progress=False)
     lora = {"LoRARecovery": {"lr": 5e-3, "max_steps": 6, "batch_size": 4, "micro_batch_size": 4, "seq_len": 64,

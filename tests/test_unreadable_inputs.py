@@ -148,7 +148,7 @@ def test_shard_index_naming_a_missing_shard(tmp_path, capsys, monkeypatch):
     (["validate", "{recipe}", "--model", " "], "field 'model': empty model name ' '"),
     (["eval", ""], "empty model name ''"),
     (["bench", "{model}", "--prefill-tokens", "250", "--gen-tokens", "7"],
-     "--prefill-tokens + --gen-tokens: seq_len 257 exceeds the model's context of 256 tokens"),
+     "(--prefill-tokens / --prompt-tokens + --gen-tokens): seq_len 257 exceeds the model's context of 256 tokens"),
     (["eval", "{model}", "--seq-len", "1"], "--seq-len 1: a perplexity window needs at least 2 tokens"),
     (["validate", "{recipe}", "--set", "evaluate={perplexity: {seq_len: 1}}"],
      "field 'evaluate.perplexity.seq_len': Input should be greater than or equal to 2"),

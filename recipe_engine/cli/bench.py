@@ -115,7 +115,8 @@ def cmd_bench(args) -> int:
     for spec in args.dirs:
         config = check_model(spec)
         check_seq_len(max(s.prompt_tokens + s.gen_tokens for s in used), config, None,
-                      option=f"{spec}: the longest request's prompt + new tokens: ")
+                      option=f"{spec}: the longest request's prompt + new tokens (--prefill-tokens / "
+                             f"--prompt-tokens + --gen-tokens): ")
         packed = packed_config(resolve_model(spec).location)
         if packed is not None:
             check_packed(spec, packed, device, args.dtype)

@@ -71,6 +71,9 @@ class CurrentLayer(NamedTuple):
     #: step anyway; the pass takes them as the next layer's inputs instead of running the layer again
     #: (unless a later step changes the layer).
     provide_outputs: Callable[[list[torch.Tensor]], None]
+    #: ``sum_over_ranks(statistics)``: sum each statistic a step gathered itself (its ``sums``, fp64) over the
+    #: data-parallel ranks when they split this layer's batches; whether they did (False: one process).
+    sum_over_ranks: Callable[[list], bool]
 
 
 class ModifierSession(Protocol):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -277,6 +278,13 @@ class LayerPipeline:
         return float(sums.sum()) / (tokens * len(sums))
 
     # -- outputs handed over by a step ------------------------------------------------------------
+    def sum_over_ranks(self, batches: int, statistics: list) -> bool:
+        """``CurrentLayer.sum_over_ranks``: all-reduce the statistics when the ranks split the ``batches``."""
+        if self.session.parallel.share(batches) is None:
+            return False
+        self.session.parallel.reduce_statistics(list(statistics))
+        return True
+
     def provide_outputs(self, outputs: list[torch.Tensor]) -> None:
         """``CurrentLayer.provide_outputs``: the layer's outputs on its inputs as the step leaves it."""
         if self.current is None:
@@ -360,7 +368,8 @@ class LayerPipeline:
             elif missing:  # statistics only: each forward stops after the last block they read
                 self.run_layer(layer, inputs, kwargs_list, hooks=missing, stop_after=last_block(missing))
             cache.update({stat.key: stat for stat in missing})
-            self.current, self._provided = CurrentLayer(inputs, kwargs_list, self.provide_outputs), None
+            self.current, self._provided = CurrentLayer(inputs, kwargs_list, self.provide_outputs,
+                                                        partial(self.sum_over_ranks, len(inputs))), None
             try:
                 with s.timings.phase("compress"):
                     entry = modifier.compress_layer(s, index, {stat.key: cache[stat.key] for stat in needed})

@@ -302,15 +302,13 @@ class GPTQ(GridParameters, LayerModifier):
         adapter, layer = session.adapter, session.layers[layer_index]
         captured = MoEInputs(adapter.mlp_block, adapter.experts, layer, session.storage)
         staged.inputs_of(adapter.mlp_block, captured)
-        split = session.parallel.share(len(session.current_layer.inputs)) is not None
-        if split:
-            session.parallel.reduce_statistics([captured.all_tokens])
+        split = session.current_layer.sum_over_ranks([captured.all_tokens])
         routed, rows = self.experts == "routed", []
 
         def gram(tensor, index):
             statistic = expert_gram(captured, index, tensor, routed, session.device)
             if split and statistic is not captured.all_tokens:
-                session.parallel.reduce_statistics([statistic])
+                session.current_layer.sum_over_ranks([statistic])
             return statistic
 
         for tensor in adapter.expert_roles(self.targets):
