@@ -35,10 +35,7 @@ from typing import Callable, Iterable
 
 from ..errors import RecipeError
 from ..system.cleanup import MARKER, read_marker
-
-#: ``stat`` file kinds that no command replaces, by name.
-SPECIAL_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-                 (stat.S_ISSOCK, "a socket"))
+from ..system.file_kinds import special_kind_of
 
 #: The longest suffix written beside an output ``NAME``: ``.NAME.tmp-XXXXXXXX`` (also ``.old-``, ``.resume``,
 #: ``.lock``, an export's ``.tmp-PID``): the leading dot and 13 characters.
@@ -55,7 +52,7 @@ def special_kind(target: Path) -> str | None:
         mode = os.lstat(target).st_mode
     except OSError:
         return None
-    return next((name for test, name in SPECIAL_KINDS if test(mode)), None)
+    return special_kind_of(mode)
 
 
 def link_kind(target: Path) -> str | None:
@@ -67,7 +64,7 @@ def link_kind(target: Path) -> str | None:
         mode = os.stat(target).st_mode
     except OSError:
         return "a symbolic link to nothing"
-    kind = next((name for test, name in SPECIAL_KINDS if test(mode)), None)
+    kind = special_kind_of(mode)
     kind = kind or ("a directory" if stat.S_ISDIR(mode) else "a regular file")
     return f"a symbolic link to {kind} ({os.path.realpath(target)})"
 

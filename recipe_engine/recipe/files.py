@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ import yaml
 
 from ..errors import RecipeError
 from ..suggest import did_you_mean
+from ..system.file_kinds import special_kind_of
 from .schema import (MAX_YAML_BYTES, CalibrationConfig, EvaluateConfig, PerplexityConfig, Recipe, load_yaml,
                      parse_compact, recipe_from_dict, recipe_to_dict, safe_load, yaml_problem)
 
@@ -35,10 +35,7 @@ class LoadedRecipe:
 
 def file_kind(path: Path) -> str:
     """What a path that is not a regular file or a directory is: a character device, a FIFO, ..."""
-    mode = path.stat().st_mode
-    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
+    return special_kind_of(path.stat().st_mode) or "not a regular file"
 
 
 def read_recipe_text(spec: str) -> tuple[str, str]:
