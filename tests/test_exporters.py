@@ -133,6 +133,21 @@ def test_a_recipe_naming_no_export_writes_packed_that_loads_back_bit_for_bit(tmp
         torch.testing.assert_close(plain(ids).logits, out(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("step", ["GPTQ<group_size:32>", "Quantize<group_size:32>"])
+def test_export_dequantized_writes_the_packed_defaults_weights_bit_for_bit(tmp_path, step):
+    """Choosing the file format never changes the model: both grids round their scales to the model dtype."""
+    _, directory = saved(tmp_path)
+    name, _, params = step.partition("<")
+    recipe_engine.apply(recipe(tmp_path, directory, [step], output="packed"), progress=False)
+    recipe_engine.apply(recipe(tmp_path, directory, [f"{name}<export:dequantized,{params}"], output="plain"),
+                        progress=False)
+    assert "model.layers.0.mlp.down_proj.weight" in stored_names(tmp_path / "plain")
+    packed, _, _ = load_model(str(tmp_path / "packed"))
+    plain, _, _ = load_model(str(tmp_path / "plain"))
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(packed.state_dict()[name], tensor), name
+
+
 def test_gptq_export_round_trips_through_the_engine_and_the_reference(tmp_path):
     _, directory = saved(tmp_path)
     out, _ = recipe_engine.apply(recipe(tmp_path, directory, ["GPTQ<group_size:32,export:gptq>"]), progress=False)

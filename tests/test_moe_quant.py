@@ -134,7 +134,7 @@ def test_an_unrouted_expert_falls_back_to_rtn_and_says_so(tmp_path):
     for index, layer in enumerate(result.model.layers):
         for tensor in ("gate_up_proj", "down_proj"):
             weight = layout.weight(original.model.layers[index], 3, tensor)
-            expected = rtn(weight, Grid(4, 16, True)).dequantized.to(weight.dtype)
+            expected = rtn(weight, Grid(4, 16, True, weight.dtype)).dequantized.to(weight.dtype)
             torch.testing.assert_close(layout.weight(layer, 3, tensor), expected, rtol=0, atol=0)
 
 
@@ -166,7 +166,7 @@ def test_quantize_rounds_every_expert_and_the_shared_expert(tmp_path):
         for unit in range(5):
             for tensor in ("gate_up_proj", "down_proj"):
                 weight = layout.weight(before, unit, tensor).detach()
-                expected = rtn(weight, Grid(4, 16, True)).dequantized.to(weight.dtype)
+                expected = rtn(weight, Grid(4, 16, True, weight.dtype)).dequantized.to(weight.dtype)
                 torch.testing.assert_close(layout.weight(layer, unit, tensor), expected, rtol=0, atol=0)
         assert torch.equal(layer.mlp.gate.weight, before.mlp.gate.weight)
         assert torch.equal(layer.mlp.shared_expert_gate.weight, before.mlp.shared_expert_gate.weight)

@@ -27,7 +27,8 @@ def recipe(tmp_path, steps, **extra):
 
 
 def rtn_reference(w, bits, group, sym):
-    """Independent RTN: per row and group, min-max grid (symmetric: ±absmax on 2^b - 1 steps)."""
+    """Independent RTN: per row and group, min-max grid (symmetric: ±absmax on 2^b - 1 steps); the scale is
+    rounded to the weight's dtype, as every output format stores it."""
     out = torch.empty_like(w, dtype=torch.float64)
     for start in range(0, w.shape[1], group):
         x = w[:, start:start + group].double()
@@ -35,7 +36,7 @@ def rtn_reference(w, bits, group, sym):
         if sym:
             hi = torch.maximum(-lo, hi)
             lo = -hi
-        scale = (hi - lo) / (2 ** bits - 1)
+        scale = ((hi - lo) / (2 ** bits - 1)).to(w.dtype).double()
         zero = 2 ** (bits - 1) if sym else torch.round(-lo / scale)
         out[:, start:start + group] = scale * (torch.clamp(torch.round(x / scale) + zero, 0, 2 ** bits - 1) - zero)
     return out
@@ -212,11 +213,11 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
         for target in group:
             linear = layer.get_submodule(target)
             with torch.no_grad():
-                quantized = gptq_quantize(linear.weight, gram, Grid(4, 16, True), act_order=True, damp=0.01,
+                quantized = gptq_quantize(linear.weight, gram, Grid(4, 16, True, torch.float32), act_order=True, damp=0.01,
                                           block_size=128)
                 linear.weight.copy_(quantized.dequantized)
     model, one_pass = tiny_model(), tiny_model()
-    # sequential, act_order: the defaults; the reference's scales are fp64 (not rounded to a stored dtype)
+    # sequential, act_order: the defaults; the reference's scales rounded to the model dtype, as every format
     make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16, export="dequantized")])
     make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=False, export="dequantized")])
     for index, target in ((i, t) for i in range(len(model.model.layers)) for t in LINEARS):
