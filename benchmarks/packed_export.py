@@ -4,8 +4,8 @@ which names no ``export``), bytes on disk and WikiText-2 perplexity of each outp
 Rows: "packed" is the recipe as shipped (compressed-tensors ``pack-quantized``, the default). "dequantized" is
 the same weights as a stock checkpoint: the packed output loaded with ``load_model`` (every packed linear
 dequantized, bit for bit the weights the step left: ``tests/test_exporters.py``) and written with
-``save_pretrained`` — what ``export: dequantized`` writes, except that a dequantized run keeps its scales in
-fp64 where the packed one rounds them to the stored fp32 first. ``--separate`` adds the recipe run again with
+``save_pretrained`` — what ``export: dequantized`` writes (both round their scales to the model dtype, so the
+weights are bit for bit the same; GPTQ v1 stores fp16 scales, so its grid differs). ``--separate`` adds the recipe run again with
 ``export: dequantized`` and ``export: gptq`` (GPTQ v1), three GPTQ runs in all. Each output is loaded from
 disk with ``recipe_engine.io.models.load_model`` (what ``recipe eval`` does) and evaluated on the first
 ``--windows`` windows × 1024 tokens of WikiText-2 test. "ratio": safetensors bytes over the dequantized row's.
