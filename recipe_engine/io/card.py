@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,8 @@ from ..system.cleanup import MARKER
 from .data import hub_unreachable
 from .extras import EXTRAS_JSON
 from .models import BUILTIN_HUB_IDS, gguf_cache_dir, resolve_model
-from .output import current_umask, is_recipe_output, special_kind
+from .output import is_recipe_output, special_kind
+from .user_paths import replace_text
 from .report import ModelRecord, Report, ReportError, load_report
 
 CARD_FILE = "README.md"
@@ -374,17 +374,8 @@ def write_card(directory: str | Path, report: Report | None = None, evaluations:
     report = report if report is not None else load_report(directory)
     card = model_card(report, directory, evaluations)
     target = directory / CARD_FILE
-    temporary = None
     try:
-        handle, name = tempfile.mkstemp(prefix=f".{CARD_FILE}.tmp-", dir=directory)
-        temporary = Path(name)
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(str(card))
-        os.chmod(temporary, 0o666 & ~current_umask())
-        os.replace(temporary, target)
+        replace_text(target, str(card))
     except OSError as exc:
         raise RecipeError(f"cannot write {target}: {exc.strerror or exc}") from None
-    finally:
-        if temporary is not None:
-            temporary.unlink(missing_ok=True)
     return target

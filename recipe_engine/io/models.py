@@ -97,15 +97,20 @@ def builtin_gguf(alias: str) -> Path:
     return _package_file(alias, package, filename, install, needs="package")
 
 
-def _package_file(alias: str, package: str, relative: str, install: str, needs: str = "packages") -> Path:
-    """File ``relative`` inside installed ``package``; missing package or file: one line with ``install``."""
+def package_file(package: str, relative: str, install: str, owner: str, needs: str = "package") -> Path:
+    """File ``relative`` inside installed ``package``, located without importing it; a missing package or
+    file is one line naming ``owner`` (what needs it) and the ``install`` command."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise SourceError(f"model '{alias}' needs the PyPI {needs}: {install}")
+        raise SourceError(f"{owner} needs the PyPI {needs}: {install}")
     path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.is_file():
-        raise SourceError(f"model '{alias}': {path} missing; reinstall with {install}")
+        raise SourceError(f"{owner}: {path} missing; reinstall with {install}")
     return path
+
+
+def _package_file(alias: str, package: str, relative: str, install: str, needs: str = "packages") -> Path:
+    return package_file(package, relative, install, f"model '{alias}'", needs)
 
 
 def expected_sha256(alias: str) -> str | None:
