@@ -1,7 +1,8 @@
 """GPU acceptance: the whole product on one lent GPU, every figure against its goal.
 
     python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--tiny] --out DIR
-                                        [--legs graphs smollm2 dp stream8b bench w4] [--layers 32] [--work DIR]
+                                        [--legs graphs smollm2 dp stream8b bench w4 moe] [--layers 32]
+                                        [--moe-layers 8] [--work DIR]
                                         [--budget MINUTES] [--bench-repeats 30]
 
 Legs (a failing leg records its error line; the next leg still runs):
@@ -32,6 +33,9 @@ Legs (a failing leg records its error line; the next leg still runs):
             the invocations within 3 % (benchmarks/gpu_acceptance_serving.py).
   w4        stream8b's packed output: checkpoint bytes ≤ 0.31 × dense bf16, batch-1 decode tokens/s with
             PyTorch's int4 kernel ≥ 2.0 × dense.
+  moe       GPTQ W4 g128 on every expert of a Qwen3-30B-A3B-shaped checkpoint (`--moe-layers` of its 48):
+            time × 48 / layers ≤ 10 minutes, the GPU ≥ 60 % busy, peak GPU ≤ 1.5 × the plan's estimate
+            (benchmarks/gpu_acceptance_moe.py).
             bench and w4 in a later call with the same --work (the machine still warm) find the checkpoints
             of an earlier call's stream8b.
 
@@ -95,10 +99,11 @@ import gpu_acceptance_carry as carry
 from gpu_acceptance_carry import LegError, disk_write_speed, engine_env, gpu_trace, row, run_logged, stop_trace
 import gpu_acceptance_serving as serving
 from gpu_acceptance_serving import STREAM8B_STATE, leg_bench, leg_w4
+from gpu_acceptance_moe import leg_moe
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "benchmarks" / "gpu_acceptance_reference.json"
-LEGS = ("graphs", "smollm2", "dp", "stream8b", "bench", "w4")  # the quick legs first: a long one cannot starve them
+LEGS = ("graphs", "smollm2", "dp", "stream8b", "bench", "w4", "moe")  # the quick legs first: a long one cannot starve them
 
 #: The goals (one H100, 8B-shaped bf16, 32 layers at 128 × 2048): FlattenGPT steps within 3 minutes (the paper:
 #: 7 on one H800), GPTQ within 2 (llm-compressor: 12), the GPU busy, memory, speed.
@@ -567,7 +572,8 @@ def run(args) -> int:
             "stream8b": lambda: leg_stream8b(args, work / "stream8b", state),
             "bench": lambda: leg_bench(args, work / "bench", state),
             "w4": lambda: leg_w4(args, work / "w4", state),
-            "dp": lambda: leg_dp(args, work / "dp")}
+            "dp": lambda: leg_dp(args, work / "dp"),
+            "moe": lambda: leg_moe(args, work / "moe", apply_recipe, device_estimate)}
     for leg in args.legs:
         (work / leg).mkdir(parents=True, exist_ok=True)
         print(f"[{time.strftime('%H:%M:%S')}] {leg} ...", flush=True)
@@ -618,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=LLAMA3_8B_LAYERS,
                         help="stream8b: decoder layers of the 8B-shaped checkpoint (fewer: its figures are "
                              "extrapolated to 32 layers, labelled as such; FlattenGPT's merges scale with them)")
+    parser.add_argument("--moe-layers", type=int, default=8,
+                        help="moe: decoder layers of the Qwen3-30B-A3B-shaped checkpoint (of its 48; all 128 experts)")
     parser.add_argument("--budget", type=float, default=20.0,
                         help="minutes for all legs; a run still going then is stopped and its leg recorded as failed")
     parser.add_argument("--work", help="work directory (checkpoints, outputs; kept) instead of OUT/work")

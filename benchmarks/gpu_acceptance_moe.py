@@ -1,0 +1,120 @@
+"""The GPU acceptance's mixture-of-experts leg (``benchmarks/gpu_acceptance.py --legs moe``).
+
+  moe   a Qwen3-30B-A3B-shaped bf16 synthetic checkpoint (hidden 2048, 128 experts of width 768, top-8, 32 / 4
+        heads of 128; ``--moe-layers`` of its 48 layers, all 128 experts each), streamed through
+        ``GPTQ<bits:4,group_size:128>`` on every expert (``experts: all``) at ``--samples`` × ``--seq-len``
+        Wikipedia-sample tokens. Goals: the GPTQ time per layer (its step plus the shared pass) × 48 ≤ 10
+        minutes on one GPU, the GPU ≥ 60 % busy over the run, peak GPU memory ≤ 1.5 × the plan's estimate.
+        Also recorded: every expert's method in ``quantization_log.csv`` (none left unquantized).
+
+The checkpoint is drawn on the device (seconds on a GPU) and written by transformers' own ``save_pretrained``
+(the Hub's layout for the installed transformers), with SmolLM2's tokenizer and vocabulary (49152; the
+original's 151936 only changes the embeddings). ``--tiny``: 2 layers of a 8-expert toy of the same family.
+"""
+from __future__ import annotations
+
+import csv
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+from gpu_acceptance_carry import LegError, row
+
+QWEN3_30B_A3B_LAYERS = 48
+QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     vocab_size=49152, tie_word_embeddings=False, norm_topk_prob=True)
+TINY_MOE = dict(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                vocab_size=49152, tie_word_embeddings=False, norm_topk_prob=True)
+TINY_MOE_LAYERS = 2
+GOAL_MOE_48_LAYERS_S = 10 * 60
+GOAL_GPU_BUSY = 0.60
+GOAL_GPU_OVER_ESTIMATE = 1.5
+
+
+def write_moe_checkpoint(directory: Path, layers: int, device: str, tokenizer: str, shape: dict) -> Path:
+    """A Qwen3-MoE checkpoint of ``shape`` with ``layers`` decoder layers, random weights (std 0.02, seed 0)
+    drawn on ``device``; written into a temporary directory renamed into place, skipped when complete."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    from recipe_engine.io.models import resolve_model
+
+    if (directory / "config.json").is_file():
+        return directory
+    tmp = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    config = Qwen3MoeConfig(num_hidden_layers=layers, max_position_embeddings=4096, initializer_range=0.02, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp)
+    del model
+    source = tokenizer if Path(tokenizer).is_dir() else resolve_model(tokenizer).location
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+    tmp.rename(directory)
+    return directory
+
+
+def moe_recipe(args, model: Path, work: Path) -> dict:
+    gptq = {"bits": 4, "group_size": 32 if args.tiny else 128, "export": "dequantized"}
+    samples, seq_len, batch = (4, 64, 2) if args.tiny else (args.samples, args.seq_len, 4)
+    return {"version": 1, "name": "moe", "model": str(model), "dtype": "bfloat16", "device": args.device,
+            "stream": "on", "calibration": {"dataset": "wikipedia-sample", "split": "train", "samples": samples,
+                                            "seq_len": seq_len, "batch_size": batch, "seed": 0},
+            "modifiers": [{"GPTQ": gptq}], "output": str(work / "moe-out")}
+
+
+def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list[dict]]:
+    """``apply_recipe`` and ``device_estimate``: gpu_acceptance's (one run in a logged subprocess; the plan's
+    device share)."""
+    from recipe_engine.io.models import load_config
+
+    started = time.perf_counter()
+    shape, layers = (TINY_MOE, TINY_MOE_LAYERS) if args.tiny else (QWEN3_30B_A3B, args.moe_layers)
+    model = write_moe_checkpoint(work / ("tiny-qwen3-moe-bf16" if args.tiny else f"qwen3-30b-a3b-{layers}-bf16"),
+                                 layers, args.device, args.tokenizer, shape)
+    written_s = time.perf_counter() - started
+    recipe = moe_recipe(args, model, work)
+    result = apply_recipe(recipe, work, timeout=600 if args.tiny else 1500, trace=True)
+    report = result["report"]
+    with open(Path(recipe["output"]) / "quantization_log.csv") as handle:
+        log = list(csv.DictReader(handle))
+    experts = [r for r in log if "experts." in r["module"]]
+    if not experts:
+        raise LegError("quantization_log.csv lists no expert: the experts were not quantized")
+    methods = Counter(r["method"] for r in experts)
+    gptq_s = sum(s.wall_s for s in report.steps if s.modifier == "GPTQ")
+    shared = max((s.pass_shared_s for s in report.steps if s.shared_pass), default=0.0)
+    per_layer = (gptq_s + shared) / layers
+    scale_up = 1.0 if args.tiny else QWEN3_30B_A3B_LAYERS / layers
+    estimate = device_estimate(recipe, load_config(str(model)), report.activations_on not in (None, "cpu"))
+    gpu_mib = report.peak_memory.cuda_mib
+    busy = result["gpu_busy"]
+    on_gpu = report.device.startswith("cuda")
+    figures = {"checkpoint_gib": round(sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**30, 3),
+               "checkpoint_written_s": round(written_s, 1), "apply_wall_s": round(result["wall_s"], 1),
+               "gptq_step_s": round(gptq_s, 2), "pass_shared_s": round(shared, 2), "model_layers": layers,
+               "per_layer_s": round(per_layer, 2), "calibration": f"{recipe['calibration']['samples']} x "
+               f"{recipe['calibration']['seq_len']}", "expert_rows": len(experts), "expert_methods": dict(methods),
+               "log_rows": len(log), "peak_gpu_mib": gpu_mib, "gpu_estimate_mib": round(estimate["bytes"] / 2**20, 1),
+               "peak_host_gib": round((result["watched_peak_mib"] or report.peak_memory.rss_mib) / 1024, 3),
+               "timings": result["timings"], "gpu_busy": busy, "device": report.device}
+    label = f"48 layers, {layers} x {scale_up:g}" if scale_up != 1 else f"{layers} layers"
+    if not args.keep_work:  # ~20 GB in /dev/shm: the later legs' checkpoints need the room
+        shutil.rmtree(recipe["output"], ignore_errors=True)
+        shutil.rmtree(model, ignore_errors=True)
+    whole = per_layer * (QWEN3_30B_A3B_LAYERS if not args.tiny else layers)
+    rows = [row("moe", f"GPTQ W4 g128 on every expert, Qwen3-30B-A3B-shaped, {label}", round(whole, 1), "s",
+                f"<= {GOAL_MOE_48_LAYERS_S} (one GPU)", whole <= GOAL_MOE_48_LAYERS_S if on_gpu else None,
+                measured_s=round(gptq_s + shared, 1)),
+            row("moe", "GPU busy (nvidia-smi utilisation, mean over the apply run)", busy, "", f">= {GOAL_GPU_BUSY}",
+                busy >= GOAL_GPU_BUSY if on_gpu and busy is not None else None),
+            row("moe", "peak GPU memory / plan's estimate", round(gpu_mib * 2**20 / estimate["bytes"], 3)
+                if gpu_mib else None, "x", f"<= {GOAL_GPU_OVER_ESTIMATE}",
+                gpu_mib * 2**20 <= GOAL_GPU_OVER_ESTIMATE * estimate["bytes"] if gpu_mib else None),
+            row("moe", "experts quantized (quantization_log.csv rows; none left in bf16)", len(experts), "",
+                "every expert", sum(methods.values()) == len(experts), methods=dict(methods))]
+    return figures, rows
