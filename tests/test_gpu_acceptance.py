@@ -34,7 +34,7 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"] and result["tiny"]
     assert {leg: r["status"] for leg, r in result["legs"].items()} == dict.fromkeys(
-        ("graphs", "smollm2", "stream8b", "bench", "dp", "w4"), "ok"), result["legs"]
+        ("graphs", "smollm2", "stream8b", "bench", "dp", "w4", "moe"), "ok"), result["legs"]
     graphs = result["legs"]["graphs"]["figures"]
     assert graphs["act_order"]["identical"] and graphs["dynamic_groups"]["identical"]
     machine = result["machine"]
@@ -68,6 +68,9 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
     assert w4["weights"] == ["bfloat16", "int4 (packed)"] and w4["bytes_ratio"] < 1 and w4["limit"] > 1
     dp = result["legs"]["dp"]["figures"]
     assert dp["backend"] == "gloo" and dp["ranks"] == 1 and dp["identical_weights"] is True
+    moe = result["legs"]["moe"]["figures"]  # every expert of every layer quantized, none left in bf16
+    assert moe["expert_methods"] == {"gptq": moe["expert_rows"]} and moe["expert_rows"] == 2 * 8 * 2
+    assert moe["per_layer_s"] > 0 and moe["peak_gpu_mib"] is None and moe["gpu_estimate_mib"] > 0
     assert "dp" in run.stdout and "met" in run.stdout  # the table
     kept = [p for p in (tmp_path / "work").rglob("*") if p.is_file()]  # logs and recipes only
     assert kept and {p.suffix for p in kept} <= {".log", ".yaml", ".json"}
