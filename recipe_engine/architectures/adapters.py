@@ -412,7 +412,9 @@ ADAPTERS = {
     "gpt_oss": ArchitectureAdapter("gpt_oss", linears=dict(ATTENTION_LINEARS),
                                    qkv_bias=True, attention_sinks=True,
                                    experts=ExpertLayout(router="mlp.router", transposed=True, interleaved=True,
-                                                        biases=True, router_bias=True)),
+                                                        biases=True, router_bias=True, packed_problem=(
+                                                            "gpt-oss stores its experts as fused 3-D tensors, not "
+                                                            "as the per-expert linears a packed format holds"))),
 }
 
 

@@ -31,7 +31,8 @@ class CheckpointReader:
     ``quantization_config`` a registered format reads, ``recipe_engine.io.exporters``) is read by its
     logical names: ``<linear>.weight`` is dequantized from its packed tensors into the checkpoint's dtype.
     Given the ``model`` the checkpoint is for, it also reads the in-memory names of tensors transformers
-    converts at load (a Mixtral's fused experts from the per-expert tensors on disk; ``checkpoint_names``).
+    converts at load (a Mixtral's fused experts from the per-expert tensors on disk, packed ones dequantized
+    first; ``checkpoint_names``).
     """
 
     def __init__(self, directory: str | Path, model: nn.Module | None = None):
@@ -51,7 +52,7 @@ class CheckpointReader:
         self.config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.format, self.packed = packed_weights(self.files, self.config)
         #: in-memory name → the on-disk tensors transformers makes it from (``checkpoint_names``)
-        self.converted = converted_names(model, list(self.files)) if model is not None else {}
+        self.converted = converted_names(model, self.names()) if model is not None else {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files or name in self.packed or name in self.converted

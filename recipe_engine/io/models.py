@@ -429,9 +429,10 @@ def packed_model(location: str, dtype: torch.dtype, spec: str) -> nn.Module:
     ``quantization_config`` left on the config, so the model is what the engine and a later recipe work on."""
     model = skeleton_model(location, dtype)
     check_checkpoint(Path(location), model.config, spec)
-    reader = CheckpointReader(location)
+    reader = CheckpointReader(location, model)  # with the model: packed experts under the Hub's names fused
+    wanted = [name for name in model.state_dict() if name in reader]
     state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-             for name, tensor in reader.read(reader.names()).items()}
+             for name, tensor in reader.read(wanted).items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     empty = [name for name, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]
