@@ -6,6 +6,11 @@ names (``mlp.experts.<e>.gate_proj.weight_packed`` / ``block_sparse_moe.experts.
 logits from the files, the engine reads its own output back (a later recipe, in memory and streamed), and the
 expert codes equal compressed-tensors' own compressor's on the same weights and scales. gpt-oss's fused experts
 are refused in one line.
+
+GGUF: llama.cpp's qwen3moe / qwen2moe / llama (Mixtral) layout — stacked ``ffn_gate_exps`` / ``ffn_up_exps`` /
+``ffn_down_exps``, the router as ``ffn_gate_inp``, the ``expert_*`` keys — read back by ``gguf.GGUFReader`` and,
+for the Qwen families, by transformers' GGUF loader with the engine's logits. (llama.cpp's own loader:
+``test_gguf_architectures.py``, when llama-cpp-python is installed.)
 """
 import json
 
@@ -125,3 +130,101 @@ def test_packed_experts_transformers_cannot_load_are_refused(tmp_path, step, mes
     with pytest.raises(RecipeError, match=message):
         recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step]), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+# -- GGUF -------------------------------------------------------------------------------------------------------
+
+def gguf_file(tmp_path, model_type, kind="f32", **overrides):
+    """A tiny MoE model saved with a byte-level tokenizer and exported to GGUF; returns (model, GGUFReader)."""
+    import gguf
+
+    from recipe_engine.io.gguf_export import export_gguf
+    from tests.test_gguf_architectures import saved
+
+    model, directory = saved(tmp_path, model_type, **overrides)
+    summary = export_gguf(directory, tmp_path / "m.gguf", kind, name="tiny")
+    assert summary["architecture"] == {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}[model_type]
+    return model, gguf.GGUFReader(str(tmp_path / "m.gguf"))
+
+
+@pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", dict(norm_topk_prob=True)), ("qwen2_moe", {})])
+@pytest.mark.parametrize("kind,tolerance", [("f32", 1e-6), ("f16", 1e-2)])
+def test_gguf_of_qwen_moe_reads_back_in_transformers_with_the_same_logits(tmp_path, model_type, overrides, kind,
+                                                                         tolerance):
+    """transformers' GGUF loader (``gguf_file=``) splits ``ffn_gate_exps``/``ffn_up_exps`` back into the stacked
+    gate_up_proj. It reads no ``expert_feed_forward_length`` (its default expert width, 768 for Qwen3-MoE, is
+    the 30B-A3B's), so the tiny model's config is passed; the metadata llama.cpp reads is checked from the file."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gguf_export import relative_error
+
+    model, reader = gguf_file(tmp_path, model_type, kind, **overrides)
+    arch = reader.fields["general.architecture"].contents()
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    config = model.config
+    assert fields[f"{arch}.expert_count"] == 4 and fields[f"{arch}.expert_used_count"] == 2
+    assert fields[f"{arch}.expert_feed_forward_length"] == config.moe_intermediate_size == 48
+    if model_type == "qwen2_moe":
+        assert fields[f"{arch}.expert_shared_feed_forward_length"] == config.shared_expert_intermediate_size
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", config=config,
+                                                dtype=torch.float32).eval()
+    assert relative_error(model, back) < tolerance
+
+
+def test_gguf_of_mixtral_holds_llama_cpp_s_tensors(tmp_path):
+    """Mixtral is llama.cpp's llama graph with experts (transformers reads no Mixtral GGUF): every key and tensor
+    read back by ``gguf.GGUFReader`` — the router as ``ffn_gate_inp``, each expert tensor stacked
+    ``[experts, rows, columns]`` (GGML's dimensions reversed), gate and up apart, q/k rows in llama.cpp's
+    adjacent-pair rope order."""
+    from recipe_engine.io.gguf_export import permute_rope
+
+    model, reader = gguf_file(tmp_path, "mixtral")
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    assert fields["llama.expert_count"] == 4 and fields["llama.expert_used_count"] == 2
+    assert fields["llama.expert_feed_forward_length"] == fields["llama.feed_forward_length"] == 96
+    written = {tensor.name: torch.from_numpy(tensor.data.copy()) for tensor in reader.tensors}
+    for index, layer in enumerate(model.model.layers):
+        experts, block = layer.mlp.experts, f"blk.{index}."
+        gate, up = experts.gate_up_proj.chunk(2, dim=1)
+        assert list(written[block + "ffn_gate_exps.weight"].shape) == [4, 96, 64]
+        for name, expected in (("ffn_gate_exps", gate), ("ffn_up_exps", up), ("ffn_down_exps", experts.down_proj),
+                               ("ffn_gate_inp", layer.mlp.gate.weight),
+                               ("attn_q", permute_rope(layer.self_attn.q_proj.weight, 4)),
+                               ("attn_k", permute_rope(layer.self_attn.k_proj.weight, 2))):
+            assert torch.equal(written[f"{block}{name}.weight"], expected.detach()), name
+    assert len(written) == len(model.state_dict()) + len(model.model.layers)  # gate_up_proj gives two
+
+
+def test_gguf_of_a_packed_moe_output_holds_its_dequantized_experts(tmp_path):
+    """``recipe export`` of a GPTQ output with packed experts: the GGUF experts are the engine's quantized
+    weights, read from the per-expert packed tensors and stacked."""
+    import gguf
+
+    from recipe_engine.io.gguf_export import export_gguf
+
+    save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=2, norm_topk_prob=True)
+    from tests.test_gguf_export import bpe_tokenizer
+    bpe_tokenizer().save_pretrained(tmp_path / "model")
+    result, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [GPTQ.format(extra="experts:all")]),
+                                    progress=False)
+    export_gguf(tmp_path / "out", tmp_path / "q.gguf", "f32")
+    written = {t.name: torch.from_numpy(t.data.copy()) for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
+    experts = result.model.layers[1].mlp.experts
+    assert torch.equal(written["blk.1.ffn_up_exps.weight"], experts.gate_up_proj.chunk(2, dim=1)[1].detach())
+    assert torch.equal(written["blk.1.ffn_down_exps.weight"], experts.down_proj.detach())
+
+
+@pytest.mark.parametrize("model_type,overrides,message", [
+    ("qwen3_moe", dict(norm_topk_prob=False), "norm_topk_prob False differs from llama.cpp's graph, which "
+                                              "renormalizes"),
+    ("qwen2_moe", dict(norm_topk_prob=True), "norm_topk_prob True differs from llama.cpp's graph, which does not"),
+    ("gpt_oss", {}, r"model_type 'gpt_oss' is not supported \(supported: .*qwen3_moe, mixtral\)"),
+])
+def test_gguf_moe_refusals_are_one_line(tmp_path, model_type, overrides, message):
+    from recipe_engine.io.gguf_export import export_gguf
+    from tests.test_gguf_architectures import saved
+
+    _, directory = saved(tmp_path, model_type, **overrides)
+    with pytest.raises(RecipeError, match=f"GGUF export: {message}") as caught:
+        export_gguf(directory, tmp_path / "m.gguf")
+    assert "\n" not in str(caught.value) and not (tmp_path / "m.gguf").exists()
