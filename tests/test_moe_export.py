@@ -228,3 +228,16 @@ def test_gguf_moe_refusals_are_one_line(tmp_path, model_type, overrides, message
     with pytest.raises(RecipeError, match=f"GGUF export: {message}") as caught:
         export_gguf(directory, tmp_path / "m.gguf")
     assert "\n" not in str(caught.value) and not (tmp_path / "m.gguf").exists()
+
+
+def test_bench_of_packed_experts_is_refused_in_one_line(tmp_path, capsys):
+    """``recipe bench`` times packed linears with PyTorch's int4 kernel; packed experts are refused before loading."""
+    from recipe_engine.cli import main
+    from tests.helpers import refused_in_one_line
+    from tests.test_bench import SMALL
+
+    save_tiny_model(tmp_path / "model", "mixtral", num_hidden_layers=2)
+    recipe_engine.apply(recipe(tmp_path, tmp_path / "model", ["Quantize<group_size:32>"]), progress=False)
+    capsys.readouterr()
+    refused_in_one_line(capsys, main, ["bench", str(tmp_path / "out"), *SMALL],
+                        "packed mixture-of-experts experts (model.layers.0.block_sparse_moe.experts.0.w1", "vLLM")
