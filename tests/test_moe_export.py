@@ -70,6 +70,18 @@ def test_packed_experts_load_stock_with_the_engines_logits(tmp_path, model_type,
         assert torch.equal(reader.read([name])[name], tensor), name
 
 
+def test_streamed_packed_experts_are_the_in_memory_bytes(tmp_path):
+    """GPTQ on every expert of a streamed Qwen2-MoE (routed and shared experts) writes the in-memory run's bytes."""
+    save_tiny_model(tmp_path / "model", "qwen2_moe", num_hidden_layers=2)
+    step = GPTQ.format(extra="experts:all")
+    for stream, name in (("off", "memory"), ("on", "streamed")):
+        recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], stream, name), progress=False)
+    a, b = stored(tmp_path / "memory"), stored(tmp_path / "streamed")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert "model.layers.1.mlp.shared_expert.up_proj.weight_packed" in a
+    assert (tmp_path / "memory/config.json").read_text() == (tmp_path / "streamed/config.json").read_text()
+
+
 def test_expert_codes_are_compressed_tensors_own(tmp_path):
     """Each expert's packed tensors equal what compressed-tensors' ``PackedQuantizationCompressor`` writes for
     the same weight and scales (an independent packer)."""
