@@ -253,3 +253,27 @@ def test_bench_of_packed_experts_is_refused_in_one_line(tmp_path, capsys):
     capsys.readouterr()
     refused_in_one_line(capsys, main, ["bench", str(tmp_path / "out"), *SMALL],
                         "packed mixture-of-experts experts (model.layers.0.block_sparse_moe.experts.0.w1", "vLLM")
+
+
+@pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", dict(norm_topk_prob=True)), ("qwen2_moe", {})])
+def test_the_engine_reads_its_moe_gguf_back(tmp_path, monkeypatch, model_type, overrides):
+    """A GGUF export is a model source: the expert widths transformers' GGUF reader leaves out come from the
+    file's ``expert_feed_forward_length`` keys, and the converted model computes the source's logits."""
+    from tests.test_gguf_export import relative_error
+
+    monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
+    model, _ = gguf_file(tmp_path, model_type, **overrides)
+    loaded, _ = recipe_engine.load_model(str(tmp_path / "m.gguf"))
+    assert loaded.config.moe_intermediate_size == 48
+    assert relative_error(model, loaded) < 1e-6
+
+
+def test_a_mixtral_gguf_source_is_refused_in_one_line(tmp_path, monkeypatch):
+    """transformers reads a llama GGUF with experts as a dense Llama: refused instead of loading without experts."""
+    from recipe_engine.errors import SourceError
+
+    monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
+    gguf_file(tmp_path, "mixtral")
+    with pytest.raises(SourceError, match="a llama GGUF file with 4 experts per layer") as caught:
+        recipe_engine.load_model(str(tmp_path / "m.gguf"))
+    assert "\n" not in str(caught.value)

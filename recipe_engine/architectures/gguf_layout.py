@@ -22,6 +22,11 @@ GGUF_EXPERT_TENSORS = {"router": "ffn_gate_inp", "gate_exps": "ffn_gate_exps", "
                        "shared_gate_proj": "ffn_gate_shexp", "shared_up_proj": "ffn_up_shexp",
                        "shared_down_proj": "ffn_down_shexp"}
 
+#: Config attributes of mixture-of-experts widths → the ``{arch}.*`` GGUF key that holds them (llama.cpp's names;
+#: transformers' GGUF reader leaves them out, so a model read from GGUF gets them from here).
+GGUF_MOE_WIDTHS = {"moe_intermediate_size": "expert_feed_forward_length",
+                   "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
+
 
 @dataclass(frozen=True)
 class GGUFLayout:
