@@ -118,24 +118,28 @@ def test_gemma3_file_holds_what_llama_cpp_reads(tmp_path):
 
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if ADAPTERS[a].gguf is not None])
 def test_adapter_name_maps_cover_every_tensor_once(arch):
-    """Every tensor of a tiny model has exactly one GGUF name from its adapter, no two share one, each is a
-    tensor llama.cpp's architecture declares (``gguf.MODEL_TENSORS``), and it is the name gguf-py's own
-    HF→GGUF table (``get_tensor_name_map``, the table llama.cpp's converter uses) gives."""
+    """Every tensor of a tiny model has GGUF names from its adapter (one; an MoE layer's stacked gate_up_proj
+    two), no two share one, each is a tensor llama.cpp's architecture declares (``gguf.MODEL_TENSORS``), and it
+    is the name gguf-py's own HF→GGUF table (``get_tensor_name_map``, the table llama.cpp's converter uses) gives
+    (for stacked experts: to its merged per-expert names, ``mlp.experts.gate_proj``)."""
     import gguf
 
     adapter = ADAPTERS[arch]
     assert adapter.gguf is not None, f"{arch} has no GGUF facts"
     state = tiny_model(arch).state_dict()
     names = adapter.gguf_tensors(tiny_config(arch).num_hidden_layers)
-    mapped = {hf: names[hf][0] for hf in state}  # KeyError: a tensor without a name
-    assert len(set(mapped.values())) == len(mapped)
+    mapped = [(hf, name, role) for hf in state for name, role in names[hf]]  # KeyError: a tensor without a name
+    assert len({name for _, name, _ in mapped}) == len(mapped)
+    assert all(len(names[hf]) == (2 if hf.endswith("experts.gate_up_proj") else 1) for hf in state)
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == adapter.gguf.arch)
     declared = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
     reference = gguf.get_tensor_name_map(arch_id, tiny_config(arch).num_hidden_layers)
-    for hf, name in mapped.items():
+    merged = {"gate_exps": "gate_proj.weight", "up_exps": "up_proj.weight", "down_exps": "down_proj.weight"}
+    for hf, name, role in mapped:
         base, suffix = name.rsplit(".", 1)
         assert any(base == d.format(bid=b) for d in declared for b in range(4)) or base in declared, name
-        assert reference.get_name(hf, try_suffixes=(".weight", ".bias")) == name, hf
+        source = f"{hf.rsplit('.', 1)[0]}.{merged[role]}" if role in merged else hf
+        assert reference.get_name(source, try_suffixes=(".weight", ".bias")) == name, hf
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "phi3"])
@@ -185,14 +189,15 @@ def test_unsupported_architecture_is_one_line(tmp_path, monkeypatch):
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(RecipeError, match=r"GGUF export: model_type 'gpt2' is not supported \(supported: llama, "
-                                          r"mistral, qwen2, qwen3, gemma3_text, phi3\)") as caught:
+                                          r"mistral, qwen2, qwen3, gemma3_text, phi3, qwen2_moe, qwen3_moe, "
+                                          r"mixtral\)") as caught:
         export_gguf(tmp_path / "gpt2", tmp_path / "a.gguf")
     assert "\n" not in str(caught.value)
     _, directory = saved(tmp_path, "qwen3")
     monkeypatch.setitem(ADAPTERS, "qwen3", ADAPTERS["qwen3"].__class__("qwen3", norms=ADAPTERS["qwen3"].norms))
     with pytest.raises(RecipeError, match="model_type 'qwen3' is not supported") as caught:
         export_gguf(directory, tmp_path / "b.gguf")
-    assert "\n" not in str(caught.value) and "qwen3" not in caught.value.detail.split("supported:")[1]
+    assert "\n" not in str(caught.value) and "qwen3," not in caught.value.detail.split("supported:")[1]
     assert not list(tmp_path.glob("*.gguf"))
 
 
@@ -238,6 +243,8 @@ def test_refused_tokenizer_shape(tmp_path):
                     reason="llama.cpp reader not installed: pip install 'recipe-engine[gguf]' (builds llama.cpp)")
 @pytest.mark.parametrize("arch,overrides", [
     ("qwen3", {}), ("phi3", {}),
+    # mixture of experts: stacked ffn_*_exps, the router, Qwen2-MoE's shared expert
+    ("qwen3_moe", dict(norm_topk_prob=True)), ("mixtral", {}), ("qwen2_moe", {}),
     # sliding window 8 < the 20 positions, an irregular pattern, its own rope base, soft-capped logits
     ("gemma3_text", dict(final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention",
                                                                     "sliding_attention", "sliding_attention"],

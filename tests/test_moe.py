@@ -184,13 +184,14 @@ def test_depth20_auto_on_gpt_oss_skips_the_refused_merges_and_writes_a_stock_che
 @pytest.fixture(scope="module")
 def moe_resumes(tmp_path_factory):
     """A tiny Mixtral (per-expert names on disk) killed between steps and inside a shared pass (GPTQ on every
-    expert, some falling back to round-to-nearest), in memory and streamed, then resumed (``tests/resume_driver.py``: imports paid once, one forked child per run)."""
+    expert, some falling back to round-to-nearest, packed: the resume checkpoints keep the experts' scales), in
+    memory and streamed, then resumed (``tests/resume_driver.py``: imports paid once, one forked child per run)."""
     from tests.test_resume import ENV
 
     base = tmp_path_factory.mktemp("moe_resume")
     save_tiny_model(base / "model", "mixtral", num_hidden_layers=4)
-    data = recipe(base, base / "model", ["FuseNorm", "PauseStep", "PauseInPass", "ReplaceMe<n:1>",
-                                         "GPTQ<group_size:16,export:dequantized,experts:routed,min_expert_tokens:40>"])
+    data = recipe(base, base / "model", ["FuseNorm", "PauseStep", "ReplaceMe<n:1>", "PauseInPass",
+                                         "GPTQ<group_size:16,experts:routed,min_expert_tokens:40>"])
     (base / "recipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
     def apply(name, *extra):
@@ -224,7 +225,7 @@ def test_a_killed_moe_run_resumes_to_the_same_bytes(moe_resumes, mode, point):
     reference_report = json.loads((reference / "report.json").read_text())
     # the experts that fell back are counted from the log, the killed run's layers included
     assert report["steps"][-1]["result"]["experts"] == reference_report["steps"][-1]["result"]["experts"]
-    assert any(".experts.0.w1.weight" in name for name in disk_names(out))  # the Hub's names, as save_pretrained
+    assert any(".experts.0.w1.weight_packed" in name for name in disk_names(out))  # the Hub's names, packed
 
 
 #: Data-parallel jobs on a tiny Qwen3-MoE (6 windows = 3 batches of 2, split 1 + 2 between the ranks).

@@ -256,8 +256,8 @@ def test_a_branch_keeps_what_the_run_produced_before_it():
     session.adopt(branch)
     assert [extra["modifier"] for extra in session.outputs.extras] == ["Earlier", "Later"]
     assert session.outputs.artifacts == {"earlier.txt": b"x"}
-    (kept,) = session.outputs.quantized
-    assert kept is session.layers[0].mlp.down_proj and kept is not linear
+    ((kept, parameter),) = session.outputs.quantized
+    assert kept is session.layers[0].mlp.down_proj and kept is not linear and parameter == "weight"
 
 
 def test_a_statistics_only_run_stops_after_the_last_block_it_reads():

@@ -29,7 +29,8 @@ from torch import nn
 from ..errors import RecipeError
 from ..numerics.linalg import set_linear_weight
 from .experts import UNHANDLED, ExpertLayout, layout_problem
-from .gguf_layout import GGUF_LAYER_TENSORS, GGUFLayout, gemma3_gguf_problem, phi3_gguf_problem
+from .gguf_layout import (GGUF_EXPERT_TENSORS, GGUF_LAYER_TENSORS, GGUFLayout, gemma3_gguf_problem,
+                          phi3_gguf_problem, routing_problem)
 
 #: Linear roles in dataflow order with their stage (0: reads the attention norm, 1: attention output,
 #: 2: reads the MLP norm, 3: MLP output). Fused roles list the roles they stack (output rows in order).
@@ -175,20 +176,42 @@ class ArchitectureAdapter:
         return [name for name, members in (("gate_up_proj", {"gate_proj"}), ("down_proj", {"down_proj"}))
                 if members & wanted]
 
-    def gguf_tensors(self, num_layers: int) -> dict[str, tuple[str, str]]:
-        """HF state-dict tensor name → (GGUF tensor name, role), for the ``.weight`` and ``.bias`` of every role
-        of the model and of each of ``num_layers`` layers (role paths + ``gguf``'s names); an adapter without
-        GGUF facts is one line."""
+    def gguf_tensors(self, num_layers: int) -> dict[str, list[tuple[str, str]]]:
+        """HF state-dict tensor name → ``[(GGUF tensor name, role)]``, for the ``.weight`` and ``.bias`` of every
+        role of the model and of each of ``num_layers`` layers (role paths + ``gguf``'s names); an MoE layer's
+        router, shared expert and expert tensors too (``GGUF_EXPERT_TENSORS``: the fused ``gate_up_proj`` gives
+        two, roles ``gate_exps`` and ``up_exps``). An adapter without GGUF facts is one line."""
         if self.gguf is None:
             raise RecipeError(f"{self.model_type} has no GGUF layout")
         layers = self.model_paths["layers"]
-        bases = {self.model_paths[role]: (name, role) for role, name in self.gguf.model_tensors.items()}
+        bases = {self.model_paths[role]: [(name, role)] for role, name in self.gguf.model_tensors.items()}
+        stacked: dict[str, list[tuple[str, str]]] = {}  # parameters of the experts module: no .weight suffix
         for index in range(num_layers):
+            block = f"{layers}.{index}"
             for role, name in self.gguf.layer_tensors.items():
                 if role in self.linears or role in self.norms:
-                    bases[f"{layers}.{index}.{self.path(role)}"] = (f"blk.{index}.{name}", role)
-        return {f"{hf}.{suffix}": (f"{name}.{suffix}", role)
-                for hf, (name, role) in bases.items() for suffix in ("weight", "bias")}
+                    bases[f"{block}.{self.path(role)}"] = [(f"blk.{index}.{name}", role)]
+            for path, roles in self._expert_paths().items():
+                parts = [(f"blk.{index}.{GGUF_EXPERT_TENSORS[role]}", role) for role in roles]
+                if path.startswith(f"{self.experts.path}."):
+                    stacked[f"{block}.{path}"] = [(f"{name}.weight", role) for name, role in parts]
+                else:
+                    bases[f"{block}.{path}"] = parts
+        return {**{f"{hf}.{suffix}": [(f"{name}.{suffix}", role) for name, role in parts]
+                   for hf, parts in bases.items() for suffix in ("weight", "bias")}, **stacked}
+
+    def _expert_paths(self) -> dict[str, tuple[str, ...]]:
+        """Path inside a decoder layer → ``GGUF_EXPERT_TENSORS`` roles: the router, the stacked expert tensors, a
+        shared expert's linears and its gate (none on a dense architecture)."""
+        if self.experts is None:
+            return {}
+        paths = {self.experts.router: ("router",), f"{self.experts.path}.gate_up_proj": ("gate_exps", "up_exps"),
+                 f"{self.experts.path}.down_proj": ("down_exps",)}
+        if self.experts.shared:
+            shared = self.experts.shared
+            paths.update({f"{shared}.{p}": (f"shared_{p}",) for p in ("gate_proj", "up_proj", "down_proj")})
+            paths[f"{shared}_gate"] = ("shared_gate",)
+        return paths
 
     # -- navigation -------------------------------------------------------------------------------
     def _model_part(self, model: nn.Module, role: str) -> nn.Module:
@@ -402,17 +425,24 @@ ADAPTERS = {
                                                                        "gate_up_proj": "ffn_up"},
                                                 config_problem=phi3_gguf_problem)),
     # transformers 5 fuses each layer's experts into 3-D tensors (the Hub's per-expert names are converted at load)
+    # llama.cpp: qwen2moe, qwen3moe, and Mixtral as llama with experts (ffn_*_exps, ffn_gate_inp)
     "qwen2_moe": ArchitectureAdapter("qwen2_moe", linears=dict(ATTENTION_LINEARS), qkv_bias=True,
-                                     experts=ExpertLayout(width="moe_intermediate_size", shared="mlp.shared_expert")),
+                                     experts=ExpertLayout(width="moe_intermediate_size", shared="mlp.shared_expert"),
+                                     gguf=GGUFLayout("qwen2moe", config_problem=routing_problem(False))),
     "qwen3_moe": ArchitectureAdapter("qwen3_moe", norms={**LLAMA_NORMS, **QK_NORMS},
                                      linears=dict(ATTENTION_LINEARS),
-                                     experts=ExpertLayout(width="moe_intermediate_size")),
+                                     experts=ExpertLayout(width="moe_intermediate_size"),
+                                     gguf=GGUFLayout("qwen3moe", config_problem=routing_problem(True))),
     "mixtral": ArchitectureAdapter("mixtral", linears=dict(ATTENTION_LINEARS),
-                                   experts=ExpertLayout()),
+                                   experts=ExpertLayout(),
+                                   gguf=GGUFLayout("llama", rope_adjacent_pairs=True,
+                                                   config_problem=routing_problem(True))),
     "gpt_oss": ArchitectureAdapter("gpt_oss", linears=dict(ATTENTION_LINEARS),
                                    qkv_bias=True, attention_sinks=True,
                                    experts=ExpertLayout(router="mlp.router", transposed=True, interleaved=True,
-                                                        biases=True, router_bias=True)),
+                                                        biases=True, router_bias=True, packed_problem=(
+                                                            "gpt-oss stores its experts as fused 3-D tensors, not "
+                                                            "as the per-expert linears a packed format holds"))),
 }
 
 

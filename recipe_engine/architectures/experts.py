@@ -28,7 +28,9 @@ class ExpertLayout:
     ``interleaved``: gate and up alternate along the gate_up output (gpt-oss) rather than stack;
     ``biases``: per-expert biases ``gate_up_proj_bias`` / ``down_proj_bias``; ``router_bias``: the router has a
     bias; ``shared``: a shared expert's MLP (a plain gated MLP of linears, run on every token and scaled by a
-    sigmoid gate ``Linear(hidden, 1)``: Qwen2-MoE), or None, with its width in config attribute ``shared_width``."""
+    sigmoid gate ``Linear(hidden, 1)``: Qwen2-MoE), or None, with its width in config attribute ``shared_width``;
+    ``packed_problem``: why a packed (per-linear) checkpoint format cannot hold the experts (None: the Hub
+    checkpoint names every expert's projections as linears, which transformers fuses at load)."""
 
     path: str = "mlp.experts"
     router: str = "mlp.gate"
@@ -40,6 +42,7 @@ class ExpertLayout:
     router_bias: bool = False
     shared: str | None = None
     shared_width: str = "shared_expert_intermediate_size"
+    packed_problem: str | None = None
 
     def num_experts(self, config) -> int:
         return next(int(getattr(config, name)) for name in self.count if getattr(config, name, None))
@@ -118,6 +121,21 @@ class ExpertLayout:
             return
         target = self.weight(layer, index, tensor)
         target.copy_(value.to(target.dtype))
+
+    def quantized_parts(self, layer: nn.Module, tensor: str,
+                        per_unit: list[torch.Tensor]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """``(module, parameter, values)`` where per-unit ``[rows, groups]`` quantization parameters (scales or
+        zero points of :meth:`weight`'s rows, in :meth:`units` order) belong: the routed experts' stacked
+        ``[experts, rows, groups]`` on ``(experts module, tensor)``, the shared expert's on its linears (gate/up
+        rows split)."""
+        routed = self.experts(layer).down_proj.shape[0]
+        parts = [(self.experts(layer), tensor, torch.stack(per_unit[:routed]))]
+        if self.shared and len(per_unit) > routed:
+            shared = layer.get_submodule(self.shared)
+            linears = [shared.down_proj] if tensor == "down_proj" else [shared.gate_proj, shared.up_proj]
+            values = per_unit[routed].split([linear.out_features for linear in linears])
+            parts += [(linear, "weight", value) for linear, value in zip(linears, values)]
+        return parts
 
     def name(self, index: int, tensor: str, layer: nn.Module) -> str:
         """How the quantization log names one expert's tensor (its path inside the decoder layer)."""

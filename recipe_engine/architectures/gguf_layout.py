@@ -15,6 +15,19 @@ GGUF_LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v"
                       "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 
 
+#: GGUF tensor names of a mixture-of-experts layer (``gguf.TENSOR_NAMES``): the router, each expert tensor stacked
+#: over the experts (``[experts, rows, columns]``, gate and up apart), and Qwen2-MoE's shared expert and its gate.
+GGUF_EXPERT_TENSORS = {"router": "ffn_gate_inp", "gate_exps": "ffn_gate_exps", "up_exps": "ffn_up_exps",
+                       "down_exps": "ffn_down_exps", "shared_gate": "ffn_gate_inp_shexp",
+                       "shared_gate_proj": "ffn_gate_shexp", "shared_up_proj": "ffn_up_shexp",
+                       "shared_down_proj": "ffn_down_shexp"}
+
+#: Config attributes of mixture-of-experts widths → the ``{arch}.*`` GGUF key that holds them (llama.cpp's names;
+#: transformers' GGUF reader leaves them out, so a model read from GGUF gets them from here).
+GGUF_MOE_WIDTHS = {"moe_intermediate_size": "expert_feed_forward_length",
+                   "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
+
+
 @dataclass(frozen=True)
 class GGUFLayout:
     """What llama.cpp expects of one architecture in a GGUF file (read in llama.cpp's ``convert_hf_to_gguf.py``,
@@ -63,3 +76,15 @@ def phi3_gguf_problem(config) -> str | None:
         return (f"{config.num_attention_heads} heads of {head_dim} do not fill hidden_size {config.hidden_size}, "
                 f"which llama.cpp's phi3 graph requires")
     return None
+
+
+def routing_problem(normalized: bool) -> Callable[[Any], str | None]:
+    """The check of an MoE config whose llama.cpp graph renormalizes the top-k routing weights (``normalized``:
+    qwen3moe, Mixtral's llama) or does not (qwen2moe): ``norm_topk_prob`` must agree (Mixtral has none: its
+    softmax over the chosen experts is normalized)."""
+    def problem(config) -> str | None:
+        if bool(getattr(config, "norm_topk_prob", True)) != normalized:
+            return (f"norm_topk_prob {config.norm_topk_prob} differs from llama.cpp's graph, which "
+                    f"{'renormalizes' if normalized else 'does not renormalize'} the chosen experts' weights")
+        return None
+    return problem

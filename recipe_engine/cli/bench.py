@@ -117,9 +117,10 @@ def cmd_bench(args) -> int:
         check_seq_len(max(s.prompt_tokens + s.gen_tokens for s in used), config, None,
                       option=f"{spec}: the longest request's prompt + new tokens (--prefill-tokens / "
                              f"--prompt-tokens + --gen-tokens): ")
-        packed = packed_config(resolve_model(spec).location)
+        location = resolve_model(spec).location
+        packed = packed_config(location)
         if packed is not None:
-            check_packed(spec, packed, device, args.dtype)
+            check_packed(spec, packed, device, args.dtype, location)
     loaded = [load_for_bench(spec, args.dtype, device) for spec in args.dirs]
     plan = BenchPlan(args.mode, used, args.warmup, args.repeats, compiled, device)
     runs = bench([m for m, _, _ in loaded], plan)

@@ -23,8 +23,9 @@ class RunOutputs:
         #: Files for the output directory, by name (``dir/file`` at most one level down): bytes, or a
         #: function drawing them, called once the files are wanted (``artifacts``).
         self._artifacts: dict[str, bytes | Callable[[], bytes]] = {}
-        #: Linears whose weight lies on a quantization grid; the writer packs them.
-        self.quantized: dict[nn.Module, QuantizedLinear] = {}
+        #: ``(module, parameter)`` of the weights that lie on a quantization grid (a linear's ``weight``, an MoE
+        #: layer's expert tensors); the writer packs them.
+        self.quantized: dict[tuple[nn.Module, str], QuantizedLinear] = {}
         #: id of a step object → its label in row logs, ``"<index> <Name>"`` (:meth:`label_steps`).
         self.step_labels: dict[int, str] = {}
 
@@ -92,22 +93,24 @@ class RunOutputs:
         return [row for row in rows if row.get("step") == label]
 
     def mark_quantized(self, linear: nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor,
-                       format: str) -> None:
-        """Record that ``linear``'s weight lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and
+                       format: str, parameter: str = "weight") -> None:
+        """Record that ``linear``'s weight (or its tensor ``parameter``: an MoE layer's stacked experts, scale and
+        zero ``[experts, rows, groups]``) lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and
         ``zero`` (codes ``0 … 2^b − 1``): the checkpoint stores it packed in ``format`` (a checkpoint
         format of ``recipe_engine.io.exporters``). One grid and format per checkpoint (validation refuses a
         second quantizing step)."""
         self.restore_quantized(linear, QuantizedLinear(grid, scale.detach().to("cpu", torch.float32),
-                                                       zero.detach().to("cpu", torch.int16), format))
+                                                       zero.detach().to("cpu", torch.int16), format, parameter))
 
     def restore_quantized(self, linear: nn.Module, record: QuantizedLinear) -> None:
-        """Record ``linear``'s quantization as given (a resumed run's record, kept as the same object)."""
+        """Record ``linear``'s quantization (of ``record.parameter``) as given (a resumed run's record, kept as
+        the same object)."""
         other = next((kept for kept in self.quantized.values()
                       if (kept.grid, kept.format) != (record.grid, record.format)), None)
         if other is not None:
             raise RuntimeError(f"one quantization grid and format per checkpoint: {record.grid} ({record.format}) "
                                f"after {other.grid} ({other.format})")
-        self.quantized[linear] = record
+        self.quantized[(linear, record.parameter)] = record
 
     def copy_for(self, copies: dict[int, Any]) -> "RunOutputs":
         """The outputs of a branch over a copy of the model (``copies``: ``copy.deepcopy``'s memo of that
@@ -116,8 +119,8 @@ class RunOutputs:
         copied = RunOutputs()
         copied.extras, copied._artifacts = list(self.extras), dict(self._artifacts)
         copied.step_labels = dict(self.step_labels)
-        copied.quantized = {copies[id(linear)]: record for linear, record in self.quantized.items()
-                            if id(linear) in copies}
+        copied.quantized = {(copies[id(linear)], parameter): record
+                            for (linear, parameter), record in self.quantized.items() if id(linear) in copies}
         return copied
 
     def adopt(self, branch: "RunOutputs") -> None:

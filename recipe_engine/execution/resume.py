@@ -39,7 +39,7 @@ from .streaming import StagedFile
 from .unit_files import file_sha256, fill_module, meta_tensors, parameters_of
 
 MANIFEST = "manifest.json"
-KIND, VERSION = "recipe-resume", 3
+KIND, VERSION = "recipe-resume", 4
 #: The share of a run's time its resume checkpoints may take (``--checkpoint-budget``): a pass skips a
 #: layer's checkpoint while the work since the last checkpoint is shorter than ``(1 − b) / b`` times what
 #: that checkpoint cost. A layer's activations are what a pass checkpoint writes (an 8B model at 128 × 2048
@@ -188,7 +188,8 @@ class Checkpoints:
                 tensors, key = files[entry["file"]], entry["key"]
                 bits, group_size, sym, scale_dtype = entry["grid"]
                 grid = Grid(bits, group_size, sym, getattr(torch, scale_dtype) if scale_dtype else None)
-                record = QuantizedLinear(grid, tensors[f"{key}.scale"], tensors[f"{key}.zero"], entry["format"])
+                record = QuantizedLinear(grid, tensors[f"{key}.scale"], tensors[f"{key}.zero"], entry["format"],
+                                         entry["parameter"])
                 session.outputs.restore_quantized(session.model.get_submodule(entry["module"]), record)
                 self._quantized_files[id(record)] = (entry["file"], key, record)
         self._pass = self._load_pass()
@@ -317,11 +318,12 @@ class Checkpoints:
             for k, (_, record) in enumerate(pending):
                 self._quantized_files[id(record)] = (name, str(k), record)
         entries = []
-        for module, record in session.outputs.quantized.items():
+        for (module, _), record in session.outputs.quantized.items():
             file, key, _ = self._quantized_files[id(record)]
             grid = record.grid
             dtype = str(grid.scale_dtype).removeprefix("torch.") if grid.scale_dtype else None
-            entries.append({"module": names[id(module)], "grid": [grid.bits, grid.group_size, grid.sym, dtype],
+            entries.append({"module": names[id(module)], "parameter": record.parameter,
+                            "grid": [grid.bits, grid.group_size, grid.sym, dtype],
                             "format": record.format, "file": file, "key": key})
         return entries
 

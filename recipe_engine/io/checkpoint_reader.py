@@ -31,7 +31,8 @@ class CheckpointReader:
     ``quantization_config`` a registered format reads, ``recipe_engine.io.exporters``) is read by its
     logical names: ``<linear>.weight`` is dequantized from its packed tensors into the checkpoint's dtype.
     Given the ``model`` the checkpoint is for, it also reads the in-memory names of tensors transformers
-    converts at load (a Mixtral's fused experts from the per-expert tensors on disk; ``checkpoint_names``).
+    converts at load (a Mixtral's fused experts from the per-expert tensors on disk, packed ones dequantized
+    first; ``checkpoint_names``).
     """
 
     def __init__(self, directory: str | Path, model: nn.Module | None = None):
@@ -51,7 +52,7 @@ class CheckpointReader:
         self.config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.format, self.packed = packed_weights(self.files, self.config)
         #: in-memory name → the on-disk tensors transformers makes it from (``checkpoint_names``)
-        self.converted = converted_names(model, list(self.files)) if model is not None else {}
+        self.converted = converted_names(model, self.names()) if model is not None else {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files or name in self.packed or name in self.converted
@@ -224,23 +225,37 @@ def logical_shapes(shapes: dict[str, tuple[int, ...]], config) -> dict[str, tupl
     return logical
 
 
+def meta_model(config) -> nn.Module:
+    """The config's model on the meta device (names and shapes, no weights)."""
+    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def in_memory_shapes(directory: Path, model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensors in ``directory`` by the names ``model`` holds them under, with their shapes, from
+    the headers alone: a packed linear's tensors as its ``weight``, on-disk names transformers converts at load
+    (per-expert tensors) as what they convert to."""
+    saved = directory / "config.json"  # its quantization_config, also when the model's config was read without it
+    present = logical_shapes(checkpoint_shapes(directory),
+                             json.loads(saved.read_text()) if saved.is_file() else model.config)
+    conversions = converted_names(model, list(present))
+    if conversions:
+        sources = {name for conversion in conversions.values() for name in conversion.names}
+        present = {**{k: v for k, v in present.items() if k not in sources},
+                   **converted_shapes(conversions, present)}
+    return present
+
+
 def check_checkpoint(directory: Path, config, spec: str | None = None) -> None:
     """Every tensor ``config``'s architecture needs is in the checkpoint with the config's shape, and no other
     tensor is (headers only, no weight read; a tied ``lm_head`` may be absent; a packed linear's tensors
     stand for its ``weight``, of the shape they hold; tensors transformers converts at load, such as
     per-expert names, count as what they convert to). Otherwise one line naming the first few."""
-    # deferred: transformers' model classes take seconds to import; only what builds a model pays it
-    from transformers import AutoModelForCausalLM
-
-    saved = directory / "config.json"  # its quantization_config, also when ``config`` was read without it
-    present = logical_shapes(checkpoint_shapes(directory), json.loads(saved.read_text()) if saved.is_file() else config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    conversions = converted_names(model, list(present))
-    if conversions:  # on-disk names transformers converts at load (per-expert tensors): compared converted
-        sources = {name for conversion in conversions.values() for name in conversion.names}
-        present = {**{k: v for k, v in present.items() if k not in sources},
-                   **converted_shapes(conversions, present)}
+    model = meta_model(config)
+    present = in_memory_shapes(directory, model)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     optional = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()

@@ -15,6 +15,7 @@ its packed tensors (``<name>.weight_packed``, ``weight_scale``, ...) in place of
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -94,12 +95,14 @@ def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor],
 
 
 def _quantized_weights(session) -> dict[str, QuantizedLinear]:
-    """``{"<linear name>.weight": record}`` for every linear a step recorded as quantized."""
+    """``{"<module name>.<parameter>": record}`` for every weight a step recorded as quantized (a linear's
+    ``weight``, an MoE layer's stacked ``experts.gate_up_proj`` / ``down_proj``)."""
     names = {module: name for name, module in session.model.named_modules()}
-    missing = [module for module in session.outputs.quantized if module not in names]
+    missing = [module for module, _ in session.outputs.quantized if module not in names]
     if missing:
         raise RuntimeError(f"{len(missing)} quantized linears are no longer in the model")
-    return {f"{names[module]}.weight": record for module, record in session.outputs.quantized.items()}
+    return {f"{names[module]}.{parameter}": record
+            for (module, parameter), record in session.outputs.quantized.items()}
 
 
 def _unit_values(session, unit: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -115,10 +118,22 @@ def _as_is(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
 def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinear],
             rename=_as_is) -> dict[str, torch.Tensor]:
     """The file entries of one state tensor: itself (``rename``: under ``save_pretrained``'s on-disk names), or
-    its packed tensors when it is a quantized weight."""
+    its packed tensors when it is a quantized weight; an MoE layer's stacked experts are split by ``rename``
+    into each expert's linears (the Hub's names), their scales and zero points split the same way, and each
+    linear packed."""
     record = quantized.get(name)
     if record is None:
         return rename(name, tensor)
+    if record.parameter != "weight":
+        scales, zeros = rename(name, record.scale), rename(name, record.zero)
+        return {key: value for linear, weight in rename(name, tensor).items()
+                for key, value in _packed(linear, weight, replace(record, scale=scales[linear],
+                                                                  zero=zeros[linear])).items()}
+    return _packed(name, tensor, record)
+
+
+def _packed(name: str, tensor: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:
+    """The packed tensors of one linear's ``weight`` (their layout for a meta tensor)."""
     prefix, exporter = name[: -len("weight")], checkpoint_exporter(record.format)
     if tensor.device.type == "meta":
         return {prefix + key: value for key, value in exporter.layout(tensor, record).items()}
@@ -133,9 +148,12 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     model = session.model
     state = model.state_dict(keep_vars=True)
     quantized = _quantized_weights(session)
-    # MoE: save_pretrained's per-expert names; packed, the fused names (transformers' compressed-tensors loading
-    # does not convert per-expert names: 5.24 fails on them)
-    rename = saved_names(model) if session.adapter.experts is not None and not quantized else _as_is
+    # MoE: save_pretrained's per-expert names, also for packed experts (transformers dequantizes them at load,
+    # vLLM reads them); packed attention beside dense experts keeps the fused names (transformers' compressed-
+    # tensors loading does not convert dense per-expert names: 5.24 fails on them)
+    experts_packed = any(record.parameter != "weight" for record in quantized.values())
+    per_expert = session.adapter.experts is not None and (experts_packed or not quantized)
+    rename = saved_names(model) if per_expert else _as_is
     layout_of = {name: _stored(name, tensor.to("meta"), quantized, rename) for name, tensor in state.items()}
     shards: list[list[tuple[torch.nn.Module | None, dict[str, str]]]] = [[]]
     size = 0
@@ -172,16 +190,28 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     if len(files) > 1:
         (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                         "weight_map": weight_map}, indent=2) + "\n")
-    _save_configs(session, directory, quantized)
+    _save_configs(session, directory, quantized, rename)
     return files
 
 
-def _save_configs(session, directory: Path, quantized: dict[str, QuantizedLinear]) -> None:
+def _unquantized(session, quantized: dict[str, QuantizedLinear], rename) -> list[str]:
+    """The on-disk names of the linears a packed checkpoint leaves unquantized (its ``ignore``): every
+    ``nn.Linear`` not recorded, and an MoE layer's router (vLLM builds it as a linear; transformers' is not)."""
+    model = session.model
+    names = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    experts = session.adapter.experts
+    if experts is not None:
+        names |= {f"{name}.weight" for name, _ in model.named_modules() if name.endswith(f".{experts.router}")}
+    state = model.state_dict(keep_vars=True)
+    return [stored[: -len(".weight")] for name in names - quantized.keys()
+            for stored in rename(name, state[name].to("meta"))]
+
+
+def _save_configs(session, directory: Path, quantized: dict[str, QuantizedLinear], rename=_as_is) -> None:
     model = session.model
     if quantized:
         (grid, format_), *_ = {(record.grid, record.format) for record in quantized.values()}
-        linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        ignore = [name[: -len(".weight")] for name in linears - quantized.keys()]
+        ignore = _unquantized(session, quantized, rename)
         model.config.quantization_config = checkpoint_exporter(format_).quantization_config(grid, ignore)
     try:
         model.config.save_pretrained(directory)

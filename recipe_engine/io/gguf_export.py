@@ -13,7 +13,10 @@ config checks); this module names no architecture. Conventions followed (llama.c
 ``convert_hf_to_gguf.py``, read, not copied): 1-D tensors (norms, biases) stay F32 whatever ``--type``;
 q/k rows are reordered from HF's rotate-half layout to GGML's adjacent-pair rope where the graph rotates pairs
 (``permute_rope``); norms stored as ``w`` with gain ``offset + w`` (Gemma's ``1 + w``) are written as the gain;
-a tied ``lm_head`` is not written (llama.cpp and transformers reuse ``token_embd``). Refused in one line:
+a tied ``lm_head`` is not written (llama.cpp and transformers reuse ``token_embd``); a mixture-of-experts
+layer's experts are read stacked (``CheckpointReader`` with the model: per-expert tensors, packed or not) and
+written as ``ffn_{gate,up,down}_exps`` ``[experts, rows, columns]``, gate and up apart, with the router as
+``ffn_gate_inp`` and the ``expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length`` keys. Refused in one line:
 anything GGUF or the architecture's llama.cpp graph cannot express — recipe extras (LinearPatch),
 tensors that disagree with the config (missing, extra, of another shape:
 non-uniform layers), rope scaling, sliding windows where the graph attends fully, unknown tokenizers.
@@ -32,7 +35,7 @@ import torch
 from ..architectures.adapters import ADAPTERS, ArchitectureAdapter, adapter_for
 from ..errors import RecipeError, reading
 from ..system.cleanup import track, untrack
-from .checkpoint_reader import CheckpointReader, check_checkpoint, checkpoint_shapes, logical_shapes
+from .checkpoint_reader import CheckpointReader, check_checkpoint, in_memory_shapes, meta_model
 from .extras import EXTRAS_JSON
 from .gguf_vocabulary import vocabulary
 from .output import check_file_output, check_free_bytes
@@ -134,38 +137,54 @@ def _encoding(tensor: torch.Tensor, qtype) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)
 
 
-def _tensor_plan(directory: Path, config, kind: str, adapter) -> list[tuple[str, str, tuple[int, ...], object, str]]:
-    """``(gguf name, hf name, shape, GGML type, role)`` per tensor, in file order (the tensors agree
-    with the config: ``check_checkpoint``; a packed linear counts as its ``weight``); refuses tensors
-    llama.cpp has no name for and rows Q8_0 cannot block."""
+#: The halves of an MoE layer's stacked ``gate_up_proj`` (gate rows first) that llama.cpp stores apart.
+EXPERT_HALVES = {"gate_exps": 0, "up_exps": 1}
+
+
+def _tensor_plan(directory: Path, config, kind: str, adapter,
+                 model=None) -> list[tuple[str, str, tuple[int, ...], object, str]]:
+    """``(gguf name, hf name, shape, GGML type, role)`` per GGUF tensor, in file order (the tensors agree with
+    the config: ``check_checkpoint``; named as ``model``, the config's model on the meta device, holds them: a
+    packed linear as its ``weight``, per-expert tensors stacked, an MoE layer's ``gate_up_proj`` giving its gate
+    and up halves); refuses tensors llama.cpp has no name for and rows Q8_0 cannot block."""
     names = adapter.gguf_tensors(config.num_hidden_layers)
-    plan, shapes = [], logical_shapes(checkpoint_shapes(directory), config)
-    for hf_name in shapes:
-        shape = shapes[hf_name]
+    plan = []
+    for hf_name, stored in in_memory_shapes(directory, model if model is not None else meta_model(config)).items():
         if hf_name not in names:
             raise _fail(f"no llama.cpp name for tensor {hf_name}")
-        gguf_name, role = names[hf_name]
-        if len(shape) == 1 or kind == "f32":
-            qtype = gguf.GGMLQuantizationType.F32
-        else:
-            qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
-                     "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
-            block = gguf.GGML_QUANT_SIZES[qtype][0]
-            if shape[-1] % block:
-                raise _fail(f"{hf_name}: row length {shape[-1]} is not a multiple of {kind}'s block {block}")
-        plan.append((gguf_name, hf_name, shape, qtype, role))
+        for gguf_name, role in names[hf_name]:
+            shape = _gguf_shape(stored, role)
+            if len(shape) == 1 or kind == "f32":
+                qtype = gguf.GGMLQuantizationType.F32
+            else:
+                qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
+                         "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
+                block = gguf.GGML_QUANT_SIZES[qtype][0]
+                if shape[-1] % block:
+                    raise _fail(f"{hf_name}: row length {shape[-1]} is not a multiple of {kind}'s block {block}")
+            plan.append((gguf_name, hf_name, shape, qtype, role))
     return sorted(plan, key=lambda row: _order(row[0]))
+
+
+def _gguf_shape(shape: tuple[int, ...], role: str) -> tuple[int, ...]:
+    """The shape :func:`gguf_tensor` gives a tensor of ``shape``."""
+    if role in EXPERT_HALVES:
+        return (shape[0], shape[1] // 2, *shape[2:])
+    return (shape[-1],) if role == "shared_gate" else shape
 
 
 def gguf_tensor(tensor: torch.Tensor, role: str, adapter, config) -> torch.Tensor:
     """An HF tensor as llama.cpp reads it: q/k rows in adjacent-pair rope order where the graph rotates pairs,
-    a norm's weight ``w`` as its gain ``norm_offset + w`` (fp32)."""
+    a norm's weight ``w`` as its gain ``norm_offset + w`` (fp32), the gate or up half of stacked experts, a
+    shared expert's gate ``Linear(hidden, 1)`` as its vector."""
     if adapter.gguf.rope_adjacent_pairs and role in ("q_proj", "k_proj"):
         heads = config.num_attention_heads
         return permute_rope(tensor, heads if role == "q_proj" else getattr(config, "num_key_value_heads", None) or heads)
     if adapter.norm_offset and (role in adapter.norms or role == "final_norm"):
         return tensor.float() + adapter.norm_offset
-    return tensor
+    if role in EXPERT_HALVES:
+        return tensor.chunk(2, dim=1)[EXPERT_HALVES[role]]
+    return tensor.reshape(-1) if role == "shared_gate" else tensor
 
 
 def _order(gguf_name: str) -> tuple[int, str]:
@@ -203,6 +222,13 @@ def _metadata(writer, config, kind: str, name: str) -> None:
         writer.add_rope_freq_base_swa(float(rope.get("sliding_attention", full)["rope_theta"]))
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    experts = gguf_adapter(config).experts
+    if experts is not None:
+        writer.add_expert_count(experts.num_experts(config))
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(experts.intermediate_size(config))
+        if experts.shared:
+            writer.add_expert_shared_feed_forward_length(experts.shared_size(config))
     writer.add_vocab_size(config.vocab_size)
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                   "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -244,7 +270,8 @@ def _export(directory: Path, output: Path, kind: str, name: str | None, origin: 
     check_checkpoint(directory, config)  # a GGUF must hold every block its metadata counts
     adapter = gguf_adapter(config)
     arch_name = adapter.gguf.arch
-    plan = _tensor_plan(directory, config, kind, adapter)
+    model = meta_model(config)
+    plan = _tensor_plan(directory, config, kind, adapter, model)
     vocab = vocabulary(directory, config.vocab_size, origin)
     check_free_bytes(output, planned_bytes(plan, vocab.tokens), f"the {kind} GGUF file")
     _remove_stale_temporaries(output)
@@ -265,7 +292,7 @@ def _export(directory: Path, output: Path, kind: str, name: str | None, origin: 
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         tensors = plan if progress is None else progress.track(plan, "GGUF tensors written")
-        reader = CheckpointReader(directory)
+        reader = CheckpointReader(directory, model)  # in-memory names: per-expert tensors stacked
         for _, hf_name, _, qtype, role in tensors:
             tensor = reader.read([hf_name])[hf_name]
             writer.write_tensor_data(_encoding(gguf_tensor(tensor, role, adapter, config), qtype))

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from ..architectures.gguf_layout import GGUF_MOE_WIDTHS
 from ..errors import SourceError, reading
 from ..suggest import did_you_mean
 from ..system.cleanup import MARKER, sweep_stale, temporary_directory
@@ -286,9 +287,34 @@ def gguf_config(gguf: Path):
             return AutoConfig.from_pretrained(cached)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        fields = _gguf_fields(gguf)
     except Exception as exc:  # transformers' GGUF reader raises ValueError, struct.error, KeyError, ...
         raise SourceError(gguf_problem(gguf, exc)) from None
+    return _moe_widths(config, fields, gguf)
+
+
+def _gguf_fields(gguf: Path) -> dict:
+    """The GGUF file's metadata, ``{key: value}``."""
+    import gguf as gguf_files  # deferred: the GGUF package is needed only for GGUF sources
+
+    return {key: field.contents() for key, field in gguf_files.GGUFReader(str(gguf)).fields.items()}
+
+
+def _moe_widths(config, fields: dict, gguf: Path):
+    """``config`` with the mixture-of-experts widths transformers' GGUF reader leaves out, from the file's
+    llama.cpp keys (``GGUF_MOE_WIDTHS``); a file with experts that it reads as a dense model (llama.cpp's llama
+    with experts: Mixtral) is one line."""
+    arch = fields.get("general.architecture")
+    values = {key[len(arch) + 1:]: value for key, value in fields.items() if key.startswith(f"{arch}.")}
+    if "expert_count" in values and not any(hasattr(config, name) for name in (*GGUF_MOE_WIDTHS, "num_local_experts")):
+        raise SourceError(f"{gguf}: a {arch} GGUF file with {values['expert_count']} experts per layer (Mixtral's "
+                          f"layout), which transformers' GGUF reader builds without its experts; use the "
+                          f"safetensors checkpoint")
+    for name, key in GGUF_MOE_WIDTHS.items():
+        if key in values and hasattr(config, name):
+            setattr(config, name, int(values[key]))
+    return config
 
 
 def converted_gguf(gguf: Path) -> Path:
@@ -324,7 +350,8 @@ def _convert(gguf: Path, tmp: Path, target: Path) -> Path:
         # transformers' conversion progress bars go to a buffer: an error line stays the only output
         with contextlib.redirect_stderr(io.StringIO()):
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                         config=gguf_config(gguf))
     except Exception as exc:  # as in gguf_config: many exception types for one kind of problem
         raise SourceError(gguf_problem(gguf, exc)) from None
     model.hf_quantizer = None
@@ -429,9 +456,10 @@ def packed_model(location: str, dtype: torch.dtype, spec: str) -> nn.Module:
     ``quantization_config`` left on the config, so the model is what the engine and a later recipe work on."""
     model = skeleton_model(location, dtype)
     check_checkpoint(Path(location), model.config, spec)
-    reader = CheckpointReader(location)
+    reader = CheckpointReader(location, model)  # with the model: packed experts under the Hub's names fused
+    wanted = [name for name in model.state_dict() if name in reader]
     state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-             for name, tensor in reader.read(reader.names()).items()}
+             for name, tensor in reader.read(wanted).items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     empty = [name for name, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]

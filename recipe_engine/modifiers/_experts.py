@@ -73,13 +73,16 @@ def expert_gram(captured: MoEInputs, index: int, tensor: str, routed: bool, devi
 
 
 def quantize_experts(session, layer_index: int, tensor: str, grams: Callable[[int], InputCovariance | None],
-                     quantize: Callable, grid_of: Callable, min_tokens: int, damp: float | None) -> list[dict]:
+                     quantize: Callable, grid_of: Callable, min_tokens: int, damp: float | None,
+                     mark: Callable | None = None) -> list[dict]:
     """Quantize ``tensor`` of every expert of the layer; returns the log rows (``method`` says which fell back).
 
     ``grams(index)``: the expert's input Gram (None: no calibration, round-to-nearest); ``quantize(weight, gram,
-    grid)`` the step's method. Experts whose Gram is the same object are quantized stacked (one call)."""
+    grid)`` the step's method. Experts whose Gram is the same object are quantized stacked (one call).
+    ``mark(module, grid, scale, zero, parameter)``: records the scales and zero points for a packing export
+    (``ExpertLayout.quantized_parts``)."""
     layout, layer = session.adapter.experts, session.layers[layer_index]
-    rows, pending = [], []
+    rows, pending, scales, zeros, grids = [], [], [], [], []
 
     def flush():
         if not pending:
@@ -94,6 +97,9 @@ def quantize_experts(session, layer_index: int, tensor: str, grams: Callable[[in
         seconds = (time.perf_counter() - started) / len(pending)
         method = "rtn" if gram is None else FALLBACK if fallback else "gptq"
         split = [w.shape[0] for w in weights]
+        scales.extend(result.scale.split(split))
+        zeros.extend(result.zero.split(split))
+        grids.append(grid)
         for (index, _), weight, quantized in zip(pending, weights, result.dequantized.split(split)):
             name = layout.name(index, tensor, layer)
             errors = {}
@@ -112,4 +118,8 @@ def quantize_experts(session, layer_index: int, tensor: str, grams: Callable[[in
             flush()
         pending.append((index, gram))
     flush()
+    if mark is not None:
+        for (module, parameter, scale), (*_, zero) in zip(layout.quantized_parts(layer, tensor, scales),
+                                                           layout.quantized_parts(layer, tensor, zeros)):
+            mark(module, grids[0], scale, zero, parameter)
     return rows

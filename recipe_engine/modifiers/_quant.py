@@ -97,6 +97,25 @@ def expert_targets(model_type: str, targets: list[str]) -> list[str]:
     return adapter.expert_roles(targets) if adapter is not None else []
 
 
+def packed_experts_problem(model_type: str, tensors: list[str], export: str, sym: bool) -> tuple[str, str] | None:
+    """``(message, field)``: why the packed ``export`` cannot store the expert ``tensors`` of ``model_type`` on a
+    grid with ``sym`` (None: it can)."""
+    layout = ADAPTERS[model_type].experts
+    if not checkpoint_exporter(export).packs_experts:
+        return (f"export {export} does not store {model_type}'s expert tensors; use export: compressed-tensors or "
+                f"dequantized", "export")
+    if layout.packed_problem:
+        return (f"export {export} cannot store {model_type}'s experts: {layout.packed_problem}; use export: "
+                f"dequantized", "export")
+    if len(tensors) < 2:
+        return (f"packed experts need gate_proj, up_proj and down_proj targeted together (vLLM loads an MoE "
+                f"layer's experts with one scheme); add the missing ones, or use export: dequantized", "targets")
+    if not sym:
+        return ("packed experts need sym: true (vLLM's MoE kernels take symmetric weights only; transformers "
+                "dequantizes packed experts without zero points); use sym: true, or export: dequantized", "sym")
+    return None
+
+
 def known_targets(targets: list[str]) -> list[str]:
     """Validator: every target is a role of :data:`LINEARS`; the older ``self_attn.q_proj`` / ``mlp.up_proj``
     spelling names the same role."""
@@ -161,10 +180,12 @@ class GridParameters(BaseModel):
         scale_dtype = checkpoint_exporter(self.export).scale_dtype(weight_dtype) if weight_dtype else None
         return Grid(self.bits, self.group_size, self.sym, scale_dtype)
 
-    def mark(self, session, linear: torch.nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        """Record a quantized linear for a packing export (a no-op for a dequantized one)."""
+    def mark(self, session, linear: torch.nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor,
+             parameter: str = "weight") -> None:
+        """Record a quantized linear (or an MoE layer's expert tensor ``parameter``) for a packing export (a
+        no-op for a dequantized one)."""
         if self.quantizes:
-            session.outputs.mark_quantized(linear, grid, scale, zero, self.export)
+            session.outputs.mark_quantized(linear, grid, scale, zero, self.export, parameter)
 
     def format_line(self) -> str:
         """The number format the weights are left in, one line (a step result's ``format``)."""
@@ -176,10 +197,11 @@ class GridParameters(BaseModel):
         problem = checkpoint_exporter(self.export).grid_problem(self.bits, self.sym)
         if problem:
             raise self.fail(problem, "bits" if "bits" in problem else "sym")
-        if self.quantizes and expert_targets(shape.model_type, self.targets):
-            raise self.fail(f"export {self.export} does not store {shape.model_type}'s expert tensors yet (packed "
-                            f"experts are not written); use export: dequantized, or target the attention "
-                            f"linears only", "export")
+        experts = expert_targets(shape.model_type, self.targets)
+        problem = self.quantizes and experts and packed_experts_problem(shape.model_type, experts, self.export,
+                                                                         self.sym)
+        if problem:
+            raise self.fail(*problem)
         problem = grid_problem(shape, self.targets, self.group_size)
         if problem:
             raise self.fail(*problem)

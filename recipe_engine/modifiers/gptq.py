@@ -313,7 +313,7 @@ class GPTQ(GridParameters, LayerModifier):
 
         for tensor in adapter.expert_roles(self.targets):
             rows += quantize_experts(session, layer_index, tensor, partial(gram, tensor), self._gptq, self.grid,
-                                     self.min_expert_tokens, self.damp)
+                                     self.min_expert_tokens, self.damp, partial(self.mark, session))
         return rows
 
     def _gptq(self, weight: torch.Tensor, gram: torch.Tensor, grid: Grid) -> QuantizedWeight:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -41,7 +42,8 @@ class Quantize(GridParameters, Modifier):
                     count += 1
                     self.mark(session, linear, grid, result.scale, result.zero)
                 for tensor in session.adapter.expert_roles(self.targets):  # mixture-of-experts: every expert
-                    done = quantize_experts(session, index, tensor, lambda _index: None, None, self.grid, 0, None)
+                    done = quantize_experts(session, index, tensor, lambda _index: None, None, self.grid, 0, None,
+                                            partial(self.mark, session))
                     rows += done
                     count += len(done)
                 session.outputs.add_rows(LOG_FILE, rows, step=self)

@@ -69,12 +69,14 @@ class Grid:
 class QuantizedLinear:
     """What the writer needs to pack one linear: the checkpoint ``format`` (an exporter's name), its grid and
     per-group ``[rows, groups]`` scale (fp32; the file stores it in ``grid.scale_dtype``) and zero point
-    (integer codes ``0 … 2^b − 1``, int16)."""
+    (integer codes ``0 … 2^b − 1``, int16). ``parameter``: the module's quantized tensor (``weight``; the
+    experts of an MoE layer: ``gate_up_proj`` or ``down_proj``, scale and zero point ``[experts, rows, groups]``)."""
 
     grid: Grid
     scale: torch.Tensor
     zero: torch.Tensor
     format: str = "compressed-tensors"
+    parameter: str = "weight"
 
 
 def check_on_grid(name: str, weight: torch.Tensor, record: QuantizedLinear) -> None:

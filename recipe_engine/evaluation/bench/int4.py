@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...errors import SourceError
+from ...io.checkpoint_reader import checkpoint_shapes
 from ...io.models import skeleton_model
 
 #: group sizes and the tile of the input dimension PyTorch's int4 kernel accepts
@@ -97,8 +98,17 @@ def packed_config(location: str) -> dict | None:
     return config if "pack-quantized" in formats else None
 
 
-def check_packed(spec: str, config: dict, device: torch.device, dtype: str) -> None:
-    """One line for what the int4 kernel cannot time: another width, groups it lacks, act-order indices."""
+def check_packed(spec: str, config: dict, device: torch.device, dtype: str, location: str | None = None) -> None:
+    """One line for what the int4 kernel cannot time: another width, groups it lacks, act-order indices, and
+    (from the headers of the checkpoint in ``location``) a mixture-of-experts layer's packed experts, which are
+    no linears of transformers' model."""
+    experts = [name for name in checkpoint_shapes(Path(location))
+               if name.endswith(".weight_packed") and ".experts." in name] if location else []
+    if experts:
+        raise SourceError(f"{spec}: packed mixture-of-experts experts ({experts[0].removesuffix('.weight_packed')}, "
+                          f"...): recipe bench times packed linears with PyTorch's int4 kernel, and transformers "
+                          f"holds the experts as 3-D tensors; bench the export: dequantized output, or serve "
+                          f"this one with vLLM")
     for name, group in config.get("config_groups", {}).items():
         weights = group.get("weights") or {}
         if weights.get("num_bits") != 4 or weights.get("strategy") != "group" or group.get("input_activations"):

@@ -33,6 +33,8 @@ class Exporter:
     checkpoint: ClassVar[bool] = False
     #: The quantized linears are stored as integers (the step must leave them on their grid).
     packs: ClassVar[bool] = False
+    #: Packs the experts of an MoE layer too (each expert's projections as linears, under the Hub's names).
+    packs_experts: ClassVar[bool] = False
     #: The tensors that replace ``<linear>.weight`` of a packed linear.
     suffixes: ClassVar[tuple[str, ...]] = ()
     #: File formats: the accepted ``type`` values (the first is the default) and the default file name.

@@ -28,6 +28,7 @@ class CompressedTensors(Exporter):
     summary = "packed int4/int8 (pack-quantized): vLLM, SGLang, transformers + compressed-tensors"
     checkpoint = True
     packs = True
+    packs_experts = True  # transformers dequantizes them at load; vLLM and SGLang read them as fused-MoE weights
     suffixes = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
     def grid_problem(self, bits: int, sym: bool) -> str | None:
