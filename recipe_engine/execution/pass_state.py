@@ -5,29 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from .activations import Activations
 
 
 @dataclass
 class ReferenceStates:
-    """The original model's hidden states in lockstep with a pass: after its original layers ``< next``,
-    one tensor per batch, with the keyword arguments its layers take (None until captured again after a
-    resume)."""
+    """The original model's activations in lockstep with a pass: after its original layers ``< next``."""
 
     next: int
-    states: list[torch.Tensor]
-    kwargs_list: list[dict[str, Any]] | None = None
+    states: Activations
 
 
 @dataclass
 class PassState:
-    """A pass after a finished layer: the next layer to run, its inputs (one tensor per batch), the
-    per-step reports so far, each step's target layers, and the original model's states (when a step
-    follows the original model; else None)."""
+    """A pass after a finished layer: the next layer to run, its input activations, the per-step reports so
+    far, each step's target layers, and the original model's states (when a step follows the original model;
+    else None)."""
 
     next_layer: int
-    inputs: list[torch.Tensor]
+    inputs: Activations
     reports: list[dict[str, Any]]
     targets: list[set[int]]
     reference: ReferenceStates | None = None
-

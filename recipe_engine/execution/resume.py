@@ -23,7 +23,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -33,6 +33,7 @@ from ..errors import RecipeError
 from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack
+from .activations import Activations
 from .checkpoint_files import CheckpointFiles
 from .pass_state import PassState, ReferenceStates
 from .streaming import StagedFile
@@ -61,7 +62,7 @@ class Checkpoints:
         #: sha256 of the manifest resumed from (the ranks of a data-parallel run compare it)
         self.manifest_sha: str | None = None
         #: the interrupted pass's state, loaded by ``restore`` (see ``pass_state``)
-        self._pass: PassState | None = None
+        self._pass: tuple | None = None  # (next layer, inputs, reports, targets, (next, states) or None)
         self.manifest: dict[str, Any] | None = None  # the last written or the one resumed from
         self.files = CheckpointFiles(directory)  # the content-addressed files and their sha256
         #: id of a quantization record → (file, key, the record: held so no id is reused)
@@ -203,15 +204,17 @@ class Checkpoints:
             fill_module(unit, meta_tensors(path))
         stream.adopt(unit, path, home["names"])
 
-    def pass_state(self) -> PassState | None:
+    def pass_state(self, captured: Activations, reference: Callable[[], Activations]) -> PassState | None:
         """The interrupted pass now starting (its next layer, inputs, reports, targets and the original
-        model's states), or None."""
+        model's states), or None. Its saved hidden states take the keyword arguments of ``captured`` (this
+        pass's capture) and, for the original model's states, of ``reference()`` (the reference's capture)."""
         if self._pass is None or self.manifest["reached"]["group"] != self._group:
             return None
-        state, self._pass = self._pass, None
-        return state
+        (layer, inputs, reports, targets, states), self._pass = self._pass, None
+        walk = None if states is None else ReferenceStates(states[0], reference().replace(states[1]))
+        return PassState(layer, captured.replace(inputs), reports, targets, walk)
 
-    def _load_pass(self) -> PassState | None:
+    def _load_pass(self) -> tuple | None:
         """The interrupted pass's state (``pass_state``), read when restoring: before the run writes its next
         checkpoint (which removes these files), on every rank."""
         saved = self.manifest["pass"]
@@ -221,9 +224,9 @@ class Checkpoints:
         reference = None
         if saved["reference"] is not None:
             states = load_file(str(self.directory / saved["reference"]["states"]))
-            reference = ReferenceStates(saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
-        return PassState(saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
-                         [set(t) for t in saved["targets"]], reference)
+            reference = (saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
+        return (saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
+                [set(t) for t in saved["targets"]], reference)
 
     def agree(self, parallel) -> None:
         """Data-parallel: every rank must have adopted the same checkpoint (the manifest's sha256, or none)."""

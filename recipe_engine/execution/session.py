@@ -21,6 +21,7 @@ from ..architectures.shape import WIDTH_INDEX, LayerShape, ModelShape, WidthPart
 from ..recipe.modifier import LayerModifier, Modifier
 from ..recipe.schema import CalibrationConfig
 from ..system.progress import Progress
+from .activations import Activations
 from .distributed import Parallel
 from .memo import SharedWork
 from .modifier_session import CurrentLayer, PassCounter
@@ -303,31 +304,29 @@ class Session:
         return self.residency.on_device(*modules)
 
     # -- the layer-sequential pass (``recipe_engine.execution.pipeline``) -------------------------
-    def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    def capture_inputs(self) -> Activations:
         return self.pipeline.capture_inputs()
 
-    def run_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]],
-                  hooks: list[Statistic] = (),
-                  on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
-        return self.pipeline.run_layer(layer, inputs, kwargs_list, hooks, on_batch)
+    def run_layer(self, layer: nn.Module, inputs: Activations, hooks: list[Statistic] = (),
+                  on_batch: Callable[[int, torch.Tensor], None] | None = None) -> Activations:
+        return self.pipeline.run_layer(layer, inputs, hooks, on_batch)
 
-    def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
+    def layer_pass(self, visit: Callable[[int, Activations, Activations], None],
                    description: str = "calibration pass", skip: tuple[int, ...] = (), *,
                    as_received: bool = False) -> None:
         self.pipeline.layer_pass(visit, description, skip, as_received=as_received)
 
-    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
+    def calibration_nll(self, skip: tuple[int, ...] = (), finals: Activations | None = None,
                         per_window: bool = False) -> float | list[float]:
         return self.pipeline.calibration_nll(skip, finals, per_window)
 
-    def final_nll(self, finals: list[torch.Tensor], per_window: bool = False) -> float | list[float]:
+    def final_nll(self, finals: Activations, per_window: bool = False) -> float | list[float]:
         return self.pipeline.final_nll(finals, per_window)
 
-    def original_outputs(self, index: int, inputs: list[torch.Tensor] | None = None,
-                         kwargs_list: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
-        return self.pipeline.walk.original_outputs(index, inputs, kwargs_list)
+    def original_outputs(self, index: int, inputs: Activations | None = None) -> Activations:
+        return self.pipeline.walk.original_outputs(index, inputs)
 
-    def reference_outputs(self, index: int) -> list[torch.Tensor]:
+    def reference_outputs(self, index: int) -> Activations:
         return self.pipeline.walk.reference_outputs(index)
 
     def run_layer_modifiers(self, group: list[LayerModifier], checkpoints=None) -> dict[str, dict[str, Any]]:

@@ -55,11 +55,11 @@ def target_moments(session: ModifierSession, layer, targets: list[torch.Tensor],
     batches ``k ≡ f mod folds``) gets ``C = Σ σᵀe`` and, when ``grams``, ``G = Σ σᵀσ`` (each batch's
     product in fp32, summed in fp64), and ``E = Σ‖e‖²`` (fp64; ``e`` is subtracted in fp64).
     """
-    inputs, kwargs_list = session.current_layer.inputs, session.current_layer.kwargs_list
+    inputs = session.current_layer.inputs
     down = session.adapter.linear(layer, "down_proj")
     sigma = _LastInput(session.adapter.path("down_proj"))
     moments = _TargetMoments(sigma, targets, folds, down.in_features, down.out_features, grams, session.device)
-    session.run_layer(layer, inputs, kwargs_list, hooks=[sigma, moments])
+    session.run_layer(layer, inputs, hooks=[sigma, moments])
     return [{"cross": moments.cross[f], "gram": moments.gram[f] if grams else None,
              "error": float(moments.error[f])} for f in range(folds)]
 
@@ -212,9 +212,9 @@ class NystromMLP(LayerModifier):
         others dropped) with the same refit; the candidate with the least error — held-out error at its
         chosen λ with ``target_scales``, else the error left on the calibration tokens — replaces the layer.
         """
-        inputs, kwargs_list = session.current_layer.inputs, session.current_layer.kwargs_list
+        inputs = session.current_layer.inputs
         targets = (session.original_outputs(index) if self.target == "original"
-                   else session.original_outputs(index, inputs, kwargs_list))
+                   else session.original_outputs(index, inputs))
         layer = session.layers[index]
         folds = 2 if self.target_scales is not None else 1
         if self.target_scales is not None and len(inputs) < 2:
