@@ -88,10 +88,14 @@ class Activations:
         kwargs = self.kwargs[k] if kwargs_of is None else kwargs_of(self.kwargs[k])
         return self.load(self.states[k], device), self.load(kwargs, device)
 
+    def state(self, k: int, device: torch.device) -> torch.Tensor:
+        """The hidden states of batch ``k`` on ``device``."""
+        return self.load(self.states[k], device)
+
     def on(self, device: torch.device, indices: Iterable[int] | None = None) -> Iterator[torch.Tensor]:
         """The hidden states of the batches ``indices`` (all: in order) on ``device``, one at a time."""
         for k in range(len(self)) if indices is None else indices:
-            yield self.load(self.states[k], device)
+            yield self.state(k, device)
 
     def windows_on(self, device: torch.device, indices: Iterable[int] | None = None) -> Iterator[torch.Tensor]:
         """The token windows of the batches ``indices`` (all: in order) on ``device``, one at a time."""

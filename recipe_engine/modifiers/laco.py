@@ -65,7 +65,7 @@ class Similarity:
     def _represent(self, hidden: Activations) -> list[torch.Tensor]:
         norm = self.sub.adapter.final_norm(self.sub.model)
         with self.sub.placed(norm):
-            return [(norm(h).double() * m[..., None].to(self.sub.device)).flatten(1).cpu()
+            return [(norm(h).double() * m.to(self.sub.device)[..., None]).flatten(1).cpu()
                     for h, m in zip(hidden.on(self.sub.device), self.masks)]
 
     @torch.no_grad()

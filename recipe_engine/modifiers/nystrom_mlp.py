@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine.api import (InputCovariance, LayerModifier, ModelShape, ModifierSession, Statistic,
+from recipe_engine.api import (Activations, InputCovariance, LayerModifier, ModelShape, ModifierSession, Statistic,
                                heldout_ridge_scale, mean_eigenvalue, refit_error, register, ridge_compensation,
                                ridge_leverage_scores, ridge_refit, set_linear_weight, submatrix)
 
@@ -28,7 +28,7 @@ class _TargetMoments(Statistic):
 
     sums = ("cross", "gram", "error")
 
-    def __init__(self, sigma: _LastInput, targets: list[torch.Tensor], folds: int, channels: int, width: int,
+    def __init__(self, sigma: _LastInput, targets: Activations, folds: int, channels: int, width: int,
                  grams: bool, device: torch.device):
         super().__init__("")
         self.sigma, self.targets, self.folds = sigma, targets, folds
@@ -38,7 +38,7 @@ class _TargetMoments(Statistic):
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         fold = self.batch % self.folds
-        target = self.targets[self.batch].to(output.device, torch.float64)  # subtract in fp64, not the model dtype
+        target = self.targets.state(self.batch, output.device).double()  # subtract in fp64, not the model dtype
         residual = (target - output.to(torch.float64)).reshape(-1, output.shape[-1])
         flat = self.sigma.value.reshape(-1, self.cross.shape[1])
         self.cross[fold].add_((flat.float().T @ residual.float()).to(torch.float64))
@@ -47,7 +47,7 @@ class _TargetMoments(Statistic):
             self.gram[fold].add_((flat.float().T @ flat.float()).to(torch.float64))
 
 
-def target_moments(session: ModifierSession, layer, targets: list[torch.Tensor], folds: int,
+def target_moments(session: ModifierSession, layer, targets: Activations, folds: int,
                    grams: bool) -> list[dict[str, Any]]:
     """Moments of the ``down_proj`` refit towards ``targets`` for the layer on ``session.current_layer``'s inputs.
 
