@@ -61,7 +61,7 @@ class Session:
                  passes: PassCounter | None = None, *, memo: SharedWork | None = None,
                  outputs: RunOutputs | None = None, origin: list[tuple[int, ...]] | None = None,
                  original_layers: int | None = None, completed: list[str] = (), timings: Timings | None = None,
-                 matches_reference: bool = False, stock_only: bool = False):
+                 matches_reference: bool = False, stock_only: bool = False, offload: bool | None = None):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
         #: Calibration passes made so far by this session and its siblings (``recipe plan`` predicts them).
         self.passes = passes or PassCounter()
@@ -70,6 +70,9 @@ class Session:
         #: Set when the model is a meta-device skeleton streamed from disk (``recipe_engine.execution.streaming``).
         self.stream = stream
         self.calibration, self.config, self.device = calibration, config, device
+        #: ``calibration.offload`` resolved (the runner decides ``auto``; not given: true unless it is false):
+        #: the activations live on the host between layers. The recipe's own value is left as written.
+        self.offload = offload if offload is not None else config.offload is not False
         self.progress = progress or Progress(enabled=False)
         cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -192,7 +195,7 @@ class Session:
         keyword arguments of ``Session``: memo, origin, ...)."""
         return Session(model, self.tokenizer, self.adapter, self.calibration if calibration is None else calibration,
                        self.config, self.device, self.progress, stream=stream, parallel=self.parallel,
-                       passes=self.passes, timings=self.timings, **state)
+                       passes=self.passes, timings=self.timings, offload=self.offload, **state)
 
     # -- branches: alternatives run side by side (a step choosing between them) -------------
     def current_shape(self) -> ModelShape:
@@ -258,7 +261,7 @@ class Session:
     @property
     def storage(self) -> torch.device:
         """Where calibration activations live between layers (``calibration.offload``, resolved)."""
-        return torch.device("cpu") if self.config.offload else self.device
+        return torch.device("cpu") if self.offload else self.device
 
     @property
     def batches(self) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -166,29 +167,43 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
     with discard_on_error(owned), _workspace(recipe.output, writing, force) as workdir, \
             Progress(enabled=progress and parallel.rank == 0) as bar:
-        model, tokenizer, session, outputs, checkpoints, gate = _execute(
-            plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
-            keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings, profile=profile)
+        run = _execute(plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
+                       keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings,
+                       profile=profile)
+        model, session = run.model, run.session
         with session.timings.phase("write"):
-            final = (_write(recipe, model, tokenizer, session, outputs, report, workdir) if writing
+            final = (_write(recipe, model, run.tokenizer, session, run.outputs, report, workdir) if writing
                      else Report.model_validate(report))
         session.timings.record(event="output written" if writing else "done")
         session.timings.close()
         if writing and timings is not None and timings.is_file():
             shutil.copyfile(timings, workdir / TIMINGS)
         parallel.barrier()  # renamed into place only when every rank finished
-    if checkpoints is not None:
-        checkpoints.discard()  # the output is in place
-    if gate:
-        raise QualityGateError(gate)
+    if run.checkpoints is not None:
+        run.checkpoints.discard()  # the output is in place
+    if run.gate:
+        raise QualityGateError(run.gate)
     return model, final
+
+
+@dataclass
+class Executed:
+    """What ``_execute`` hands the writer: the model as the steps left it (loaded by the run, or the one passed
+    in), its tokenizer, the run's session and outputs, its resume checkpoints (None when it keeps none) and the
+    quality gate's failure (None: passed or no gate)."""
+
+    model: Any
+    tokenizer: Any
+    session: Session
+    outputs: RunOutputs
+    checkpoints: Checkpoints | None
+    gate: str | None
 
 
 def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: dict[str, Any], bar: Progress,
              workdir: Path, owned: list, *, resume: bool, keep_checkpoints: bool | float, memo, file: str | None,
-             timings: Path | None = None, profile: Path | None = None):
-    """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``.
-    Returns ``(model, tokenizer, session, outputs, checkpoints, quality gate failure or None)``."""
+             timings: Path | None = None, profile: Path | None = None) -> Executed:
+    """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``."""
     recipe, cal, streamed = plan.recipe, plan.recipe.calibration, plan.streamed
     watch = PeakWatch()
     # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
@@ -215,15 +230,14 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     if cal.offload == "auto" and parallel.device.type != "cpu":
         bar.log(f"calibration activations kept on {'the host' if offload else parallel.device} (offload: auto)")
     if not offload and parallel.device.type != "cpu":  # the activations, statistics and solves on the device
-        memory = plan_memory(plan, streamed, memory["runtime_bytes"], on_device=True)
-    cal = cal.model_copy(update={"offload": offload})
+        memory = plan_memory(plan, streamed, memory.runtime_bytes, on_device=True)
     report["activations_on"] = "cpu" if offload else str(parallel.device)
     stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
     outputs = RunOutputs()
     clock = None
     if timings is not None and parallel.rank == 0:  # a resumed run appends to its log; a fresh one replaces it
         clock = Timings(timings, parallel.device, append=resume)
-    session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar,
+    session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar, offload=offload,
                       reference_loader=_reference_loader(recipe, model, source, lambda: session),
                       stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock,
                       matches_reference=True, stock_only=recipe.export is not None)
@@ -259,9 +273,9 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     peaks = peak_memory(watch)
     if session.timings.peak_device_bytes():  # the timings log resets torch's counter per record
         peaks["cuda_mib"] = max(peaks.get("cuda_mib") or 0, session.timings.peak_device_bytes() / 2**20)
-    report["peak_memory"] = PeakMemory(**peaks, estimate_rss_mib=memory["host_peak_bytes"] / 2**20,
-                                       estimate_device_mib=memory.get("device_peak_bytes", 0) / 2**20 or None)
-    return model, tokenizer, session, outputs, checkpoints, gate
+    report["peak_memory"] = PeakMemory(**peaks, estimate_rss_mib=memory.host_peak_bytes / 2**20,
+                                       estimate_device_mib=(memory.device_peak_bytes or 0) / 2**20 or None)
+    return Executed(model, tokenizer, session, outputs, checkpoints, gate)
 
 
 #: Directory inside the output's temporary directory holding changed units of a streamed model.
