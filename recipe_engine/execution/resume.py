@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import RecipeError
+from ..io.report import RunReport
 from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack
@@ -140,7 +141,7 @@ class Checkpoints:
     def records(self) -> list[dict[str, Any]]:
         return list(self.manifest["records"]) if self.manifest else []
 
-    def restore(self, session, report: dict[str, Any]) -> None:
+    def restore(self, session, report: RunReport) -> None:
         """Bring a freshly loaded session to the checkpointed state (no-op when not resuming)."""
         if self.manifest is None:
             return
@@ -193,8 +194,9 @@ class Checkpoints:
                 session.outputs.restore_quantized(session.model.get_submodule(entry["module"]), record)
                 self._quantized_files[id(record)] = (entry["file"], key, record)
         self._pass = self._load_pass()
-        report.update(state["report"])
-        report["resumed"] = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
+        for section, value in state["report"].items():  # what the interrupted run had made (its evaluation)
+            setattr(report, section, value)
+        report.resumed = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
 
     def _adopt(self, stream, unit: nn.Module, home: dict[str, Any]) -> None:
         """Give a restored (meta) unit its checkpointed home; a staged one's tensors take the shapes in the
@@ -242,7 +244,7 @@ class Checkpoints:
         """A streamed run stages its changed units here: the staged files are the checkpointed units."""
         stream.staging, stream.keep_staged = self.directory, True
 
-    def group_done(self, session, group_index: int, records: list, report: dict[str, Any]) -> None:
+    def group_done(self, session, group_index: int, records: list, report: RunReport) -> None:
         if not self.writer:
             return
         self._save(session, {"group": group_index + 1, "layer": None}, records, report, None)
@@ -274,7 +276,7 @@ class Checkpoints:
             return True
         return now - self._last_end >= (1 - self.budget) / self.budget * self._last_cost
 
-    def begin_group(self, group_index: int, steps: list, records: list, report: dict[str, Any]) -> None:
+    def begin_group(self, group_index: int, steps: list, records: list, report: RunReport) -> None:
         self._group, self._pass_steps, self._records, self._report = group_index, steps, records, report
 
     def _home(self, stream, unit: nn.Module) -> dict[str, Any]:
@@ -328,7 +330,7 @@ class Checkpoints:
                             "format": record.format, "file": file, "key": key})
         return entries
 
-    def _save(self, session, reached: dict, records: list, report: dict[str, Any], pass_state: dict | None) -> None:
+    def _save(self, session, reached: dict, records: list, report: RunReport, pass_state: dict | None) -> None:
         start = time.perf_counter()
         layers, rest = self._model_state(session)
         extras_name = None
@@ -352,7 +354,7 @@ class Checkpoints:
                                                              for e in session.outputs.extras],
                     "artifacts": artifacts, "quantized": quantized,
                     "records": json.loads(json.dumps(records, default=str)),
-                    "report": {k: report[k] for k in ("evaluation",) if k in report},
+                    "report": {} if report.evaluation is None else {"evaluation": report.evaluation},
                     "pass": pass_state, "files": files}
         tmp = self.directory / f".{MANIFEST}.part"
         tmp.write_text(json.dumps(manifest, default=str))

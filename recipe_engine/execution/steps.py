@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from ..io.report import RunReport
 from ..recipe.modifier import LayerModifier, Modifier
 from ..recipe.schema import step_to_dict
 from ..system.host_memory import PeakWatch
@@ -32,7 +33,7 @@ def group_steps(steps: list[Modifier]) -> list[list[tuple[int, Modifier]]]:
 
 
 def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None = None,
-              plan: MemoryPlan | None = None, checkpoints=None, report: dict | None = None) -> list[dict[str, Any]]:
+              plan: MemoryPlan | None = None, checkpoints=None, report: RunReport | None = None) -> list[dict[str, Any]]:
     """Run the steps (consecutive layer steps share one pass); each record has the step's own wall time,
     and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate. With
     ``checkpoints``, finished groups of an interrupted run are skipped and each group (and each layer of a
@@ -49,7 +50,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
 
 
 def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None,
-                plan: MemoryPlan | None, checkpoints, report: dict | None) -> list[dict[str, Any]]:
+                plan: MemoryPlan | None, checkpoints, report: RunReport | None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
     watch = watch or PeakWatch()
     groups = group_steps(steps)
