@@ -1,10 +1,11 @@
 """The layer-sequential pass: calibration activations and the layers that run over them.
 
 Inputs of the first decoder layer are captured with recording stand-ins in place of the decoder layers (no
-fx tracing); then decoder layers run one at a time over all calibration batches. This module owns the
-activations and their device moves: the per-batch move onto the device, the outputs kept on the session's
-``storage`` (the device, or the host with ``calibration.offload``), the data-parallel share and gather, and
-the pass state a resume checkpoint saves. The original model's states beside the pass are
+fx tracing) into an :class:`~recipe_engine.execution.activations.Activations` on the session's ``storage``
+(the device, or the host with ``calibration.offload``); then decoder layers run one at a time over all
+calibration batches, each run the store's per-batch loop (``Activations.run``: the only place a batch moves
+between host and device), split over data-parallel ranks. This module keeps the pass state a resume
+checkpoint saves. The original model's states beside the pass are
 ``recipe_engine.execution.reference_walk``'s, weight residency is ``recipe_engine.execution.residency``'s, the
 steps are ``recipe_engine.execution.steps``'.
 
