@@ -3,7 +3,9 @@ checkpoint saves after each finished layer (``recipe_engine.execution.resume``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from .activations import Activations
 
@@ -27,3 +29,22 @@ class PassState:
     reports: list[dict[str, Any]]
     targets: list[set[int]]
     reference: ReferenceStates | None = None
+
+
+@dataclass
+class SavedPass:
+    """A pass as a resume checkpoint saved it: hidden states only, per batch (the keyword arguments they go with
+    are captured again when the run resumes), and the original model's states as ``(next, states)``."""
+
+    next_layer: int
+    inputs: list[torch.Tensor]
+    reports: list[dict[str, Any]]
+    targets: list[set[int]]
+    reference: tuple[int, list[torch.Tensor]] | None = None
+
+    def resumed(self, captured: Activations, reference: Callable[[], Activations]) -> PassState:
+        """The pass state to go on from: the saved states with the keyword arguments and windows of ``captured``
+        (this pass's capture) and, for the original model's states, of ``reference()`` (its capture)."""
+        walk = None if self.reference is None else ReferenceStates(self.reference[0],
+                                                                   reference().replace(self.reference[1]))
+        return PassState(self.next_layer, captured.replace(self.inputs), self.reports, self.targets, walk)

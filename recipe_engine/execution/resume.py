@@ -36,7 +36,7 @@ from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack
 from .activations import Activations
 from .checkpoint_files import CheckpointFiles
-from .pass_state import PassState, ReferenceStates
+from .pass_state import PassState, SavedPass
 from .streaming import StagedFile
 from .unit_files import file_sha256, fill_module, meta_tensors, parameters_of
 
@@ -63,7 +63,7 @@ class Checkpoints:
         #: sha256 of the manifest resumed from (the ranks of a data-parallel run compare it)
         self.manifest_sha: str | None = None
         #: the interrupted pass's state, loaded by ``restore`` (see ``pass_state``)
-        self._pass: tuple | None = None  # (next layer, inputs, reports, targets, (next, states) or None)
+        self._pass: SavedPass | None = None
         self.manifest: dict[str, Any] | None = None  # the last written or the one resumed from
         self.files = CheckpointFiles(directory)  # the content-addressed files and their sha256
         #: id of a quantization record → (file, key, the record: held so no id is reused)
@@ -212,11 +212,10 @@ class Checkpoints:
         pass's capture) and, for the original model's states, of ``reference()`` (the reference's capture)."""
         if self._pass is None or self.manifest["reached"]["group"] != self._group:
             return None
-        (layer, inputs, reports, targets, states), self._pass = self._pass, None
-        walk = None if states is None else ReferenceStates(states[0], reference().replace(states[1]))
-        return PassState(layer, captured.replace(inputs), reports, targets, walk)
+        saved, self._pass = self._pass, None
+        return saved.resumed(captured, reference)
 
-    def _load_pass(self) -> tuple | None:
+    def _load_pass(self) -> SavedPass | None:
         """The interrupted pass's state (``pass_state``), read when restoring: before the run writes its next
         checkpoint (which removes these files), on every rank."""
         saved = self.manifest["pass"]
@@ -227,8 +226,8 @@ class Checkpoints:
         if saved["reference"] is not None:
             states = load_file(str(self.directory / saved["reference"]["states"]))
             reference = (saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
-        return (saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
-                [set(t) for t in saved["targets"]], reference)
+        return SavedPass(saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
+                         [set(t) for t in saved["targets"]], reference)
 
     def agree(self, parallel) -> None:
         """Data-parallel: every rank must have adopted the same checkpoint (the manifest's sha256, or none)."""
