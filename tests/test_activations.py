@@ -70,7 +70,9 @@ def test_copy_is_new_lists_around_the_same_tensors():
     copied.states[0] = torch.zeros(1)
     copied.kwargs[1]["flag"] = 99
     assert store.states[0].shape == (2, 5, 4) and store.kwargs[1]["flag"] == 1
-    assert copied.states[1] is store.states[1]
+    assert copied.states[1] is store.states[1] and copied.meter is store.meter
+    meter = lambda tensor, target: None
+    assert store.copy(meter).meter is meter
 
 
 def test_moves_count_their_bytes_and_keep_nesting():

@@ -65,10 +65,11 @@ class Activations:
             raise ValueError(f"activations: {len(states)} batches given, {len(self)} expected")
         return Activations(states, self.kwargs, self.windows, self.storage, self.meter)
 
-    def copy(self) -> "Activations":
-        """New lists (and keyword dicts) around the same tensors: rebinding an entry leaves this store as it is."""
+    def copy(self, meter: Meter | None = None) -> "Activations":
+        """New lists (and keyword dicts) around the same tensors: rebinding an entry leaves this store as it is.
+        ``meter``: the copy's (a sweep variant reusing a capture counts its moves in its own timings log)."""
         return Activations(list(self.states), [dict(k) for k in self.kwargs], list(self.windows), self.storage,
-                           self.meter)
+                           self.meter if meter is None else meter)
 
     # -- moves --------------------------------------------------------------------------------------
     def keep(self, value: Any) -> Any:

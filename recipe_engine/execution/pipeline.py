@@ -126,7 +126,7 @@ class LayerPipeline:
         embedding = s.adapter.embeddings(s.model).weight
         if s.memo is None or s.stream is not None or embedding.is_meta:
             return self._capture()
-        return s.memo.capture(embedding, self._capture)
+        return s.memo.capture(embedding, self._capture).copy(s.timings.moved)
 
     @torch.no_grad()
     def _capture(self) -> Activations:
