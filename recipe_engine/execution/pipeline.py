@@ -242,6 +242,8 @@ class LayerPipeline:
             last[:] = [outputs]
 
         self.session.layer_pass(keep_last, "calibration NLL", skip=skip)
+        if not last:
+            raise ValueError("calibration_nll: every layer is skipped (at least one must run)")
         return self.session.final_nll(last[0], per_window)
 
     @torch.no_grad()
