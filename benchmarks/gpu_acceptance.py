@@ -308,10 +308,10 @@ def device_estimate(recipe: dict, config, activations_on_device: bool = False) -
 
     def steps(samples: int) -> list[dict]:
         scaled = recipe_from_dict({**recipe, "calibration": {**cal, "samples": samples}})
-        return estimate(scaled, config, streamed=True, runtime=0)["steps"]
+        return estimate(scaled, config, streamed=True, runtime=0).to_dict()["steps"]
 
     if activations_on_device:  # the engine's own device estimate (``recipe plan`` prints it)
-        plan = estimate(recipe_from_dict(recipe), config, streamed=True, runtime=0, on_device=True)
+        plan = estimate(recipe_from_dict(recipe), config, streamed=True, runtime=0, on_device=True).to_dict()
         on_device = [{"step": a["step"], "bytes": a["weights_bytes"] + a["working_bytes"]} for a in plan["steps"]]
         largest = max(on_device, key=lambda s: s["bytes"])
         return {"bytes": plan["device_peak_bytes"], "largest_step": largest["step"],

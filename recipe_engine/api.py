@@ -13,6 +13,8 @@ modifiers.
   (``branch``, ``adopt``); its read-only facts (``model``, ``adapter``, ``layers``, ``layer_origin``,
   ``shape``, ``reference``, ``current_layer``, ...) include two small collaborators, ``passes``
   (:class:`PassCounter`) and ``outputs`` (:class:`RunOutputs`: extras, artifacts, quantization records).
+  Calibration activations travel as :class:`Activations` (per batch: hidden states, layer keyword arguments,
+  token windows; iterate for the stored hidden states, ``on(device)`` for them on a device).
   The symbolic shape :class:`ModelShape` / :class:`LayerShape`, :func:`adapter_for`, the architectures'
   role maps (:data:`ADAPTERS`, :data:`UNFUSED_ROLES`, :func:`roles_problem`, :func:`replace_linear`, :func:`install_linear`).
 * Statistics: :class:`Statistic`, :class:`InputCovariance` (fp64 input Grams), :func:`position` (dataflow
@@ -35,6 +37,7 @@ from .architectures.adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, instal
 from .architectures.shape import LayerShape, ModelShape
 from .errors import RecipeError
 from .evaluation.generation import check_scoring_task, heldout_failures
+from .execution.activations import Activations
 from .execution.memo import SharedWork
 from .execution.modifier_session import CurrentLayer, ModifierSession, PassCounter
 from .execution.outputs import RunOutputs
@@ -59,7 +62,7 @@ from .recipe.validate import check_steps
 
 __all__ = ["check_scoring_task", "heldout_failures", "LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
            "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear", "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
-           "ModifierSession", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
+           "ModifierSession", "Activations", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
            "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
            "refit_error", "register",

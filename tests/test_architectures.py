@@ -69,7 +69,7 @@ def test_gemma3_sliding_layers_get_their_own_kwargs():
     tokens = random_tokens(2, 32)
     session = Session(model, None, adapter_for(model.config), tokens,
                       CalibrationConfig(samples=2, seq_len=32, batch_size=2), torch.device("cpu"))
-    kwargs = session.capture_inputs()[1][0]
+    kwargs = session.capture_inputs().kwargs[0]
     by_type = kwargs["_recipe_layer_type_kwargs"]
     assert set(by_type) == {"sliding_attention", "full_attention"}
     sliding, full = by_type["sliding_attention"], by_type["full_attention"]

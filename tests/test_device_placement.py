@@ -177,14 +177,14 @@ def test_a_statistic_kept_on_the_host_fails_a_session_run():
     session = Session(model, None, adapter_for(model.config),
                       torch.randint(0, 128, (4, 16)), recipe.calibration, torch.device(ACCELERATOR))
     with AcceleratorStandIn():
-        inputs, kwargs = session.capture_inputs()
+        inputs = session.capture_inputs()
         assert inputs[0].device.type == "cpu"  # offloaded between layers
         good = InputCovariance("mlp.down_proj")
         with session.using(0):
-            session.run_layer(session.layers[0], inputs, kwargs, hooks=[good])
+            session.run_layer(session.layers[0], inputs, hooks=[good])
         assert good.gram.device.type == ACCELERATOR and good.gram.dtype == torch.float64
         with session.using(0), pytest.raises(MixedDevices, match="aten::add_"):
-            session.run_layer(session.layers[0], inputs, kwargs, hooks=[HostGram("mlp.down_proj")])
+            session.run_layer(session.layers[0], inputs, hooks=[HostGram("mlp.down_proj")])
 
 
 def example_recipe_dict() -> dict:

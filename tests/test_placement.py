@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from recipe_engine.execution.placement import DEVICE_SHARE, largest_layer_bytes, offload_activations
+from recipe_engine.plan.estimates import MemoryPlan, StepMemory
 from recipe_engine.recipe.schema import CalibrationConfig
 from tests.helpers import tiny_model
 
 GIB = 2**30
-MEMORY = {"activations_bytes": 8 * GIB, "steps": [{"working_bytes": 20 * GIB}, {"working_bytes": 4 * GIB}]}
+MEMORY = MemoryPlan(streamed=False, on_device=False, runtime_bytes=0, activations_bytes=8 * GIB, model_bytes=0,
+                    steps=[StepMemory("A", 0, 20 * GIB, True), StepMemory("B", 0, 4 * GIB, True)], host_peak_bytes=0)
 
 
 @pytest.mark.parametrize("free_gib,offload", [(80, False), (40, False), (39, True), (20, True)])
@@ -41,3 +43,20 @@ def test_largest_layer_bytes_counts_meta_parameters_too():
     assert largest_layer_bytes(model.model.layers) == expected
     meta = model.to("meta")
     assert largest_layer_bytes(meta.model.layers) == expected
+
+
+def test_the_resolved_value_is_the_sessions_own_field_and_the_recipe_keeps_auto():
+    """The runner resolves ``auto`` into ``Session.offload``; the calibration config (saved with the output as the
+    recipe was written) is not rewritten, and siblings (the reference model, branches) share the decision."""
+    from recipe_engine.architectures.adapters import adapter_for
+    from recipe_engine.execution.session import Session
+
+    model = tiny_model(num_hidden_layers=2)
+    config = CalibrationConfig()
+    on_device = Session(model, None, adapter_for(model.config), torch.zeros(2, 8, dtype=torch.long), config,
+                        torch.device("meta"), offload=False)
+    assert on_device.storage == torch.device("meta") and config.offload == "auto"
+    assert on_device.sibling(model, None).storage == torch.device("meta")
+    default = Session(model, None, adapter_for(model.config), torch.zeros(2, 8, dtype=torch.long), config,
+                      torch.device("meta"))
+    assert default.offload is True and default.storage == torch.device("cpu")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import recipe_engine
-from recipe_engine.io.report import FORMAT_VERSION, Report, ReportError, load_report
+from recipe_engine.io.report import FORMAT_VERSION, Report, ReportError, RunReport, load_report
 from tests.helpers import CharTokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +38,22 @@ def test_written_report_reads_back_equal(written):
     assert (flatten.calibration_passes, heads.calibration_passes, mlp.calibration_passes) == (1, 1, 1)
     assert report.calibration_passes == 2 and report.evaluation.quality_gate == "passed"
 
+
+
+def test_the_run_report_becomes_the_written_report_and_needs_every_required_section(written):
+    """``RunReport`` (the sections a run fills) gives back the same ``Report``; an unset optional section is left
+    out (None), an unset required one is a validation error."""
+    report, _ = written
+    sections = {name: getattr(report, name) for name in ("recipe", "packages", "device", "dtype", "streamed", "rank",
+                                                         "ranks")}
+    run = RunReport(**sections)
+    with pytest.raises(ValueError, match="model"):
+        run.to_report()
+    for name in ("model", "data", "before", "after", "steps", "stock_checkpoint", "calibration_layer_runs",
+                 "calibration_layer_batches", "calibration_passes", "activations_on", "peak_memory", "evaluation",
+                 "weights_sha256"):
+        setattr(run, name, getattr(report, name))
+    assert run.to_report() == report and run.to_report().checkpoints is None
 
 def test_format0_report_is_read_and_upgraded():
     old = json.loads((FORMAT0 / "report.json").read_text())

@@ -25,10 +25,10 @@ def test_layer_pass_reproduces_hidden_states(model_type):
     seen = {}
     make_session(model, tokens).layer_pass(lambda i, inp, out: seen.setdefault(i, (inp, out)))
     for index in range(model.config.num_hidden_layers):
-        inputs = torch.cat(seen[index][0])
+        inputs = torch.cat(seen[index][0].states)
         torch.testing.assert_close(inputs, reference[index], rtol=1e-5, atol=1e-5)
     # the last layer's output before the final norm: compare through the norm
-    last = torch.cat(seen[model.config.num_hidden_layers - 1][1])
+    last = torch.cat(seen[model.config.num_hidden_layers - 1][1].states)
     torch.testing.assert_close(model.model.norm(last), reference[-1], rtol=1e-5, atol=1e-5)
 
 
@@ -111,10 +111,10 @@ class TargetProbe(LayerModifier):
         return []
 
     def compress_layer(self, session, layer_index, stats):
-        inputs, kwargs_list = session.current_layer.inputs, session.current_layer.kwargs_list
-        self.seen[layer_index] = (torch.cat(inputs), torch.cat(session.original_outputs(layer_index, inputs,
-                                                                                        kwargs_list)),
-                                  torch.cat(session.original_outputs(layer_index)))
+        inputs = session.current_layer.inputs
+        self.seen[layer_index] = (torch.cat(inputs.states),
+                                  torch.cat(session.original_outputs(layer_index, inputs).states),
+                                  torch.cat(session.original_outputs(layer_index).states))
         with torch.no_grad():
             session.layers[layer_index].mlp.down_proj.weight.zero_()
         return {}
@@ -167,10 +167,10 @@ def test_input_covariance_fp32_products_agree_with_fp64_and_are_keyed_apart():
 
 def test_layer_keyword_arguments_move_to_the_device_with_nesting():
     """Captured layer kwargs (a dict holding the (cos, sin) tuple) reach the session device whole."""
-    from recipe_engine.execution.tensors import to_device
+    from recipe_engine.execution.activations import load
 
     kwargs = {"position_embeddings": (torch.ones(2), torch.zeros(2)), "attention_mask": torch.ones(1), "flag": 3}
-    moved = to_device(kwargs, torch.device("meta"))
+    moved = load(kwargs, torch.device("meta"))
     assert [t.device.type for t in moved["position_embeddings"]] == ["meta", "meta"]
     assert moved["attention_mask"].device.type == "meta" and moved["flag"] == 3
 
@@ -268,18 +268,18 @@ def test_a_statistics_only_run_stops_after_the_last_block_it_reads():
 
     model = tiny_model(num_hidden_layers=2)
     session = make_session(model, random_tokens(4, 16))
-    inputs, kwargs = session.capture_inputs()
+    inputs = session.capture_inputs()
     layer = session.layers[0]
     full, early = InputCovariance("self_attn.o_proj"), InputCovariance("self_attn.o_proj")
-    session.run_layer(layer, inputs, kwargs, hooks=[full])
+    session.run_layer(layer, inputs, hooks=[full])
     mlp_ran = []
     handle = layer.mlp.register_forward_hook(lambda *_: mlp_ran.append(True))
     try:
-        returned = session.pipeline.run_layer(layer, inputs, kwargs, hooks=[early], stop_after=last_block([early]))
+        returned = session.pipeline.run_layer(layer, inputs, hooks=[early], stop_after=last_block([early]))
     finally:
         handle.remove()
     assert torch.equal(full.gram, early.gram) and full.count == early.count
-    assert returned == [] and not mlp_ran
+    assert returned is None and not mlp_ran
     assert last_block([early]) == "self_attn"
     assert last_block([early, InputCovariance("mlp.down_proj")]) == "mlp"
     assert last_block([early, InputCovariance("")]) is None and last_block([]) is None

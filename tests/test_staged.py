@@ -27,7 +27,7 @@ def hooked_inputs(session, layer, path):
     seen = []
     handle = layer.get_submodule(path).register_forward_pre_hook(lambda _m, args: seen.append(args[0].clone()))
     try:
-        outputs = session.run_layer(layer, *session.capture_inputs())
+        outputs = session.run_layer(layer, session.capture_inputs())
     finally:
         handle.remove()
     return seen, outputs
@@ -47,7 +47,7 @@ def test_staged_inputs_and_outputs_equal_full_runs_as_the_layer_changes(model_ty
     model = tiny_model(model_type, attn_implementation=attention)
     session = make_session(model, random_tokens(4, 24))
     layer = session.layers[0]
-    staged = StagedLayer(session, layer, *session.capture_inputs())
+    staged = StagedLayer(session, layer, session.capture_inputs())
     for path in SOURCES:
         expected, _ = hooked_inputs(session, layer, path)
         got = Collect(path)
@@ -66,7 +66,7 @@ def test_replay_skips_the_attention_core():
     model = tiny_model()
     session = make_session(model, random_tokens(4, 24))
     layer = session.layers[0]
-    staged = StagedLayer(session, layer, *session.capture_inputs())
+    staged = StagedLayer(session, layer, session.capture_inputs())
     staged.inputs_of("self_attn.o_proj", Collect(""))
     calls = []
     handle = layer.self_attn.q_proj.register_forward_hook(lambda *_: calls.append(1))
@@ -79,7 +79,7 @@ def test_replay_skips_the_attention_core():
 def test_asking_upstream_of_a_finished_block_is_an_error():
     model = tiny_model()
     session = make_session(model, random_tokens(4, 24))
-    staged = StagedLayer(session, session.layers[0], *session.capture_inputs())
+    staged = StagedLayer(session, session.layers[0], session.capture_inputs())
     staged.inputs_of("mlp.gate_proj", Collect(""))
     with pytest.raises(RuntimeError, match="self_attn.o_proj: asked for after"):
         staged.inputs_of("self_attn.o_proj", Collect(""))
@@ -90,7 +90,7 @@ def test_a_block_that_changes_its_output_linears_result_is_refused():
     session = make_session(model, random_tokens(4, 24))
     layer = session.layers[0]
     layer.mlp.register_forward_hook(lambda _m, _a, output: output * 2)
-    staged = StagedLayer(session, layer, *session.capture_inputs())
+    staged = StagedLayer(session, layer, session.capture_inputs())
     with pytest.raises(NotImplementedError, match="cannot replay 'mlp'"):
         staged.inputs_of("mlp.down_proj", Collect(""))
 
@@ -107,7 +107,8 @@ class HalvesDown(LayerModifier):
         with torch.no_grad():
             session.layers[layer_index].mlp.down_proj.weight.mul_(0.5)
         if self.zeros:
-            session.current_layer.provide_outputs([torch.zeros_like(x) for x in session.current_layer.inputs])
+            inputs = session.current_layer.inputs
+            session.current_layer.provide_outputs(inputs.replace([torch.zeros_like(x) for x in inputs]))
         return {}
 
 
@@ -121,7 +122,7 @@ class RecordsInputs(LayerModifier):
         return [1]
 
     def compress_layer(self, session, layer_index, stats):
-        RECORDED_INPUTS.append(torch.cat(session.current_layer.inputs))
+        RECORDED_INPUTS.append(torch.cat(session.current_layer.inputs.states))
         return {}
 
 

@@ -307,18 +307,18 @@ def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
     plans = {streamed: estimate(recipe_from_dict({**data, "dtype": "bfloat16"}), config, streamed, runtime=0)
              for streamed in (False, True)}
     model = AutoModelForCausalLM.from_config(config)
-    assert plans[True]["model_bytes"] == 2 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    nystrom = plans[True]["steps"][2]
+    assert plans[True].model_bytes == 2 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    nystrom = plans[True].steps[2]
     merged = 2 * config.intermediate_size  # the widest merged layer joins two layers
     kept = config.intermediate_size  # Theorem 3.1: G, G_KK, two panels, rhs solved in place; then 2 G_KK
     hidden = config.hidden_size
-    assert nystrom["working_bytes"] == 8 * max(merged**2 + kept**2 + 2 * merged * 512 + kept * hidden,
-                                               2 * kept**2 + 2 * kept * hidden)
-    assert [s["whole_model"] for s in plans[True]["steps"]] == [False, False, False]
-    assert all(s["whole_model"] for s in plans[False]["steps"])
-    assert plans[True]["host_peak_bytes"] < plans[False]["host_peak_bytes"]
+    assert nystrom.working_bytes == 8 * max(merged**2 + kept**2 + 2 * merged * 512 + kept * hidden,
+                                            2 * kept**2 + 2 * kept * hidden)
+    assert [s.whole_model for s in plans[True].steps] == [False, False, False]
+    assert all(s.whole_model for s in plans[False].steps)
+    assert plans[True].host_peak_bytes < plans[False].host_peak_bytes
     lora = estimate(recipe_from_dict({**data, "modifiers": ["LoRARecovery"]}), config, True, runtime=0)
-    assert lora["steps"][0]["whole_model"] and lora["steps"][0]["weights_bytes"] >= lora["model_bytes"]
+    assert lora.steps[0].whole_model and lora.steps[0].weights_bytes >= lora.model_bytes
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -338,15 +338,15 @@ def test_memory_estimate_with_the_activations_on_a_device(tmp_path, capsys, stre
     host = estimate(recipe_from_dict(data), config, streamed, runtime=100)
     device = estimate(recipe_from_dict(data), config, streamed, runtime=100, on_device=True)
     activations = 4 * 4 * 32 * config.hidden_size * 2 + 3 * 2 * 32 * config.intermediate_size * 4
-    assert host["activations_bytes"] == device["activations_bytes"] == activations
-    held = max(s["weights_bytes"] for s in device["steps"])
+    assert host.activations_bytes == device.activations_bytes == activations
+    held = max(s.weights_bytes for s in device.steps)
     embedding = config.vocab_size * config.hidden_size * 2
-    assert device["host_peak_bytes"] == 100 + (max(held, embedding) if streamed else held)
-    assert device["device_peak_bytes"] == activations + max(s["weights_bytes"] + s["working_bytes"]
-                                                            for s in device["steps"])
-    for on_host, on_accelerator in zip(host["steps"], device["steps"]):
-        assert on_host["host_bytes"] - on_accelerator["host_bytes"] == activations + on_host["working_bytes"]
-    assert "device_peak_bytes" not in host
+    assert device.host_peak_bytes == 100 + (max(held, embedding) if streamed else held)
+    assert device.device_peak_bytes == activations + max(s.weights_bytes + s.working_bytes
+                                                         for s in device.steps)
+    for on_host, on_accelerator in zip(host.steps, device.steps):
+        assert on_host.host_bytes - on_accelerator.host_bytes == activations + on_host.working_bytes
+    assert host.device_peak_bytes is None
 
     model_dir = tmp_path / "model"
     saved_model(model_dir)

@@ -40,14 +40,9 @@ class SharedWork:
         for weight, value in self._captures:
             if weight.shape == embedding.shape and torch.equal(weight, embedding.detach().cpu()):
                 self.reused["calibration capture"] += 1
-                return _copy(value)
+                return value.copy()  # new lists: a caller rebinding entries cannot alter the memo
         value = compute()
         self._captures.append((embedding.detach().cpu().clone(), value))
         self.computed["calibration capture"] += 1
-        return _copy(value)
+        return value.copy()  # new lists: a caller rebinding entries cannot alter the memo
 
-
-def _copy(capture: tuple[list, list[dict]]) -> tuple[list, list[dict]]:
-    """New lists (and kwargs dicts) around the same tensors: a caller rebinding entries cannot alter the memo."""
-    inputs, kwargs_list = capture
-    return list(inputs), [dict(kwargs) for kwargs in kwargs_list]

@@ -22,8 +22,9 @@ Nineteen read-only facts (properties): the run's ``model``, ``tokenizer``, ``ada
 (where activations live), ``progress``; the model's ``layers``, ``layer_origin``, symbolic ``shape``,
 whether it is ``streamed`` and its ``scratch_directory``; ``reference`` (the original model's session);
 ``records`` (of steps a branch ran). Three facts carry callables of their own, six in all:
-``current_layer`` (inside ``compress_layer``: :class:`CurrentLayer`'s ``inputs``, ``kwargs_list`` and
-``provide_outputs``), ``passes`` (:class:`PassCounter`: ``value``, ``count()``) and ``outputs`` (the run's
+``current_layer`` (inside ``compress_layer``: :class:`CurrentLayer`'s ``inputs``, an
+:class:`~recipe_engine.execution.activations.Activations`, ``provide_outputs`` and ``sum_over_ranks``),
+``passes`` (:class:`PassCounter`: ``value``, ``count()``) and ``outputs`` (the run's
 extras collector, :class:`~recipe_engine.execution.outputs.RunOutputs`: ``add_extra``, ``add_artifact``,
 ``add_rows``, ``mark_quantized``).
 """
@@ -40,6 +41,7 @@ from ..architectures.adapters import ArchitectureAdapter
 from ..architectures.shape import ModelShape
 from ..recipe.schema import CalibrationConfig
 from ..system.progress import Progress
+from .activations import Activations
 from .outputs import RunOutputs
 
 if TYPE_CHECKING:
@@ -63,14 +65,13 @@ class PassCounter:
 class CurrentLayer(NamedTuple):
     """The layer a layer-sequential pass is compressing, as ``compress_layer`` sees it."""
 
-    #: Hidden states entering the layer, one tensor per batch (on ``storage``; never modify in place).
-    inputs: list[torch.Tensor]
-    #: The layer's keyword arguments per batch (attention mask, rotary embeddings, ...).
-    kwargs_list: list[dict[str, Any]]
+    #: The activations entering the layer: per batch its hidden states and keyword arguments (attention mask,
+    #: rotary embeddings, ...), on ``storage`` (never modify them in place).
+    inputs: Activations
     #: ``provide_outputs(outputs)``: the layer's outputs on ``inputs`` as this step leaves it, computed by the
     #: step anyway; the pass takes them as the next layer's inputs instead of running the layer again
     #: (unless a later step changes the layer).
-    provide_outputs: Callable[[list[torch.Tensor]], None]
+    provide_outputs: Callable[[Activations], None]
     #: ``sum_over_ranks(statistics)``: sum each statistic a step gathered itself (its ``sums``, fp64) over the
     #: data-parallel ranks when they split this layer's batches; whether they did (False: one process).
     sum_over_ranks: Callable[[list], bool]
@@ -125,15 +126,14 @@ class ModifierSession(Protocol):
         ``inherit`` the current index whose per-layer config entries it keeps."""
 
     # -- calibration forwards ------------------------------------------------------------------
-    def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-        """Hidden states and keyword arguments entering decoder layer 0, one entry per batch; counts a pass."""
+    def capture_inputs(self) -> Activations:
+        """The activations entering decoder layer 0 (hidden states and keyword arguments per batch); counts a pass."""
 
-    def run_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]],
-                  hooks: "list[Statistic]" = (),
-                  on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
-        """Run one (placed) layer over all batches, feeding ``hooks``; returns its outputs."""
+    def run_layer(self, layer: nn.Module, inputs: Activations, hooks: "list[Statistic]" = (),
+                  on_batch: Callable[[int, torch.Tensor], None] | None = None) -> Activations:
+        """Run one (placed) layer over all batches of ``inputs``, feeding ``hooks``; returns its outputs."""
 
-    def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
+    def layer_pass(self, visit: Callable[[int, Activations, Activations], None],
                    description: str = "calibration pass", skip: tuple[int, ...] = (), *,
                    as_received: bool = False) -> None:
         """``visit(index, inputs, outputs)`` for every layer of one whole-model pass (``skip``: bypassed).
@@ -142,14 +142,13 @@ class ModifierSession(Protocol):
         states, the pass runs the reference's layers (the same function) and keeps their states, so that
         later step's ``original_outputs(index)`` need not run the original model again."""
 
-    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
+    def calibration_nll(self, skip: tuple[int, ...] = (), finals: Activations | None = None,
                         per_window: bool = False) -> float | list[float]:
         """Token-weighted mean next-token NLL of the calibration windows (layers in ``skip`` bypassed), or
         of given last-layer outputs ``finals``; ``per_window``: each window's mean NLL, in window order."""
 
     # -- the original model --------------------------------------------------------------------
-    def original_outputs(self, index: int, inputs: list[torch.Tensor] | None = None,
-                         kwargs_list: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
+    def original_outputs(self, index: int, inputs: Activations | None = None) -> Activations:
         """The original layers behind layer ``index`` run serially on ``inputs``; without ``inputs``, the
         original model's own hidden states after them (in increasing layer order)."""
 

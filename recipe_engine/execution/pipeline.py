@@ -1,10 +1,11 @@
 """The layer-sequential pass: calibration activations and the layers that run over them.
 
 Inputs of the first decoder layer are captured with recording stand-ins in place of the decoder layers (no
-fx tracing); then decoder layers run one at a time over all calibration batches. This module owns the
-activations and their device moves: the per-batch move onto the device, the outputs kept on the session's
-``storage`` (the device, or the host with ``calibration.offload``), the data-parallel share and gather, and
-the pass state a resume checkpoint saves. The original model's states beside the pass are
+fx tracing) into an :class:`~recipe_engine.execution.activations.Activations` on the session's ``storage``
+(the device, or the host with ``calibration.offload``); then decoder layers run one at a time over all
+calibration batches, each run the store's per-batch loop (``Activations.run``: the only place a batch moves
+between host and device), split over data-parallel ranks. This module keeps the pass state a resume
+checkpoint saves. The original model's states beside the pass are
 ``recipe_engine.execution.reference_walk``'s, weight residency is ``recipe_engine.execution.residency``'s, the
 steps are ``recipe_engine.execution.steps``'.
 
@@ -22,12 +23,13 @@ from torch import nn
 
 from ..architectures.adapters import LAYER_TYPE_KWARGS
 from ..recipe.modifier import LayerModifier
+from .activations import Activations, keep, load
 from .distributed import module_digest
 from .modifier_session import CurrentLayer
 from .pass_state import PassState
 from .reference_walk import ReferenceWalk
 from .stats import Statistic, change_position
-from .tensors import first_tensor, hidden_state, to_device
+from .tensors import first_tensor, hidden_state
 
 if TYPE_CHECKING:
     from .session import Session
@@ -61,24 +63,24 @@ class _Capture:
     keyword arguments per batch (with several layer types, each type's first layer's own keyword arguments).
     Module-level, so a capture forms no reference cycle with the session (a dropped copy is freed at once)."""
 
-    def __init__(self, storage: torch.device, types: list[str], count: int):
-        self.storage, self.types, self.count = storage, types, count
+    def __init__(self, storage: torch.device, types: list[str], count: int, meter):
+        self.storage, self.types, self.count, self.meter = storage, types, count, meter
         self.by_type = len(set(types)) > 1
         self.inputs: list[torch.Tensor] = []
-        self.kwargs_list: list[dict[str, Any]] = []
+        self.kwargs: list[dict[str, Any]] = []
 
     def keep(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {k: to_device(v, self.storage) for k, v in kwargs.items()
+        return {k: keep(v, self.storage, self.meter) for k, v in kwargs.items()
                 if k != "hidden_states" and k != "past_key_values"}
 
     def record(self, index: int, args: tuple, kwargs: dict) -> torch.Tensor:
         if index == 0:
-            self.inputs.append(first_tensor(args, kwargs).to(self.storage))
-            self.kwargs_list.append(self.keep(kwargs))
+            self.inputs.append(keep(first_tensor(args, kwargs), self.storage, self.meter))
+            self.kwargs.append(self.keep(kwargs))
             if self.by_type:
-                self.kwargs_list[-1][LAYER_TYPE_KWARGS] = {}
-        if self.by_type and self.types[index] not in self.kwargs_list[-1][LAYER_TYPE_KWARGS]:
-            self.kwargs_list[-1][LAYER_TYPE_KWARGS][self.types[index]] = self.keep(kwargs)
+                self.kwargs[-1][LAYER_TYPE_KWARGS] = {}
+        if self.by_type and self.types[index] not in self.kwargs[-1][LAYER_TYPE_KWARGS]:
+            self.kwargs[-1][LAYER_TYPE_KWARGS][self.types[index]] = self.keep(kwargs)
         if index == self.count - 1 or not self.by_type:
             raise _Captured
         return first_tensor(args, kwargs)
@@ -115,49 +117,49 @@ class LayerPipeline:
         return self._session()
 
     # -- capture and layer runs -------------------------------------------------------------------
-    def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-        """Hidden states and keyword arguments entering decoder layer 0, one entry per batch (reused from
-        the sweep memo when the embedding matrix is unchanged; callers never modify them in place).
-        Starts a calibration pass (``passes.count()``)."""
+    def capture_inputs(self) -> Activations:
+        """The activations entering decoder layer 0: hidden states and keyword arguments per batch (reused from
+        the sweep memo when the embedding matrix is unchanged; callers never modify them in place). Starts a
+        calibration pass (``passes.count()``)."""
         s = self.session
         s.passes.count()
         embedding = s.adapter.embeddings(s.model).weight
         if s.memo is None or s.stream is not None or embedding.is_meta:
             return self._capture()
-        return s.memo.capture(embedding, self._capture)
+        return s.memo.capture(embedding, self._capture).copy(s.timings.moved)
 
     @torch.no_grad()
-    def _capture(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    def _capture(self) -> Activations:
         """The base model runs with its decoder layers swapped for recording stand-ins (no layer runs):
         the first records the hidden states and keyword arguments, and when layers differ in type
         (``config.layer_types``: Gemma 3's sliding / global attention masks and rotary embeddings) the first
         layer of each type records its own under ``LAYER_TYPE_KWARGS`` (``ArchitectureAdapter.layer_kwargs``)."""
         s = self.session
-        count = len(s.layers)
-        capture = _Capture(s.storage, list(getattr(s.model.config, "layer_types", None) or []), count)
+        count, windows = len(s.layers), s.batches
+        capture = _Capture(s.storage, list(getattr(s.model.config, "layer_types", None) or []), count,
+                           s.timings.moved)
         layers = s.layers
         s.adapter.set_layer_list(s.model, nn.ModuleList([_Recorder(i, capture) for i in range(count)]))
         try:
             with s.using(s.adapter.embeddings(s.model)), s.on_device(s.adapter.rotary(s.model)), \
                     s.timings.phase("forward"):
-                for batch in s.batches:
+                for batch in windows:
                     try:
-                        s.model.model(input_ids=batch.to(s.device), use_cache=False)
+                        s.model.model(input_ids=load(batch, s.device, s.timings.moved), use_cache=False)
                     except _Captured:
                         pass
         finally:
             s.adapter.set_layer_list(s.model, layers)
-        return capture.inputs, capture.kwargs_list
+        return Activations(capture.inputs, capture.kwargs, windows, s.storage, s.timings.moved)
 
     @torch.no_grad()
-    def run_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]],
-                  hooks: list[Statistic] = (),
+    def run_layer(self, layer: nn.Module, inputs: Activations, hooks: list[Statistic] = (),
                   on_batch: Callable[[int, torch.Tensor], None] | None = None, *,
-                  stop_after: str | None = None) -> list[torch.Tensor]:
-        """Run one (already placed) layer over all batches, feeding ``hooks``; returns its outputs.
-        ``on_batch(k, output)`` is called after batch ``k`` (its hooks have fired), output on the device.
-        ``stop_after``: a block (``last_block(hooks)``) after whose forward each batch stops, for a run whose
-        outputs are not needed (the statistics are those of a full run; nothing is returned).
+                  stop_after: str | None = None) -> Activations | None:
+        """Run one (already placed) layer over all batches of ``inputs``, feeding ``hooks``; returns its outputs
+        (the next layer's activations). ``on_batch(k, output)`` is called after batch ``k`` (its hooks have
+        fired), output on the device. ``stop_after``: a block (``last_block(hooks)``) after whose forward each
+        batch stops, for a run whose outputs are not needed (the statistics are those of a full run; None).
 
         Data-parallel (``session.parallel``): without ``on_batch`` each rank runs its share of the batches,
         the hooks' sums are all-reduced in fp64 and the outputs all-gathered (every rank returns all)."""
@@ -173,25 +175,16 @@ class LayerPipeline:
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
         if stop_after is not None:  # registered after the statistics' hooks, which fire first
             handles.append(layer.get_submodule(stop_after).register_forward_hook(_stop))
-        outputs = []
+
+        def before(_position: int, k: int) -> None:
+            for stat in hooks:
+                stat.batch = k
+            s.count_layer_work(batches=1)
+
         try:
             with s.timings.phase("forward"):
-                for k, (x, kwargs) in enumerate(zip(inputs, kwargs_list)):
-                    if share is not None and k not in share:
-                        continue
-                    for stat in hooks:
-                        stat.batch = k
-                    s.timings.moved(x, s.device)
-                    s.count_layer_work(batches=1)
-                    try:
-                        out = hidden_state(layer(x.to(s.device),
-                                                 **to_device(s.adapter.layer_kwargs(layer, kwargs), s.device)))
-                    except _Collected:
-                        continue
-                    if on_batch is not None:
-                        on_batch(len(outputs), out)
-                    s.timings.moved(out, s.storage)
-                    outputs.append(out.to(s.storage))
+                outputs = inputs.run(layer, s.device, share, kwargs_of=partial(s.adapter.layer_kwargs, layer),
+                                     before=before, after=on_batch, stops=(_Collected,))
         finally:
             for handle in handles:
                 handle.remove()
@@ -199,10 +192,10 @@ class LayerPipeline:
         if share is not None:
             s.parallel.reduce_statistics(hooks)
             if stop_after is None:
-                outputs = s.parallel.gather(outputs, len(inputs))
-        return outputs
+                outputs = inputs.gather(s.parallel, outputs)
+        return None if stop_after is not None else inputs.replace(outputs)
 
-    def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
+    def layer_pass(self, visit: Callable[[int, Activations, Activations], None],
                    description: str = "calibration pass", skip: tuple[int, ...] = (), *,
                    as_received: bool = False, keep: bool = False) -> None:
         """Whole-model pass: ``visit(index, inputs, outputs)`` for every layer (skipped layers pass
@@ -218,13 +211,13 @@ class LayerPipeline:
         if as_received and not skip and s.keep_reference_states and s.storage.type == "cpu":
             s.reference_session().pipeline.layer_pass(visit, description, keep=True)
             return
-        inputs, kwargs_list = s.capture_inputs()
-        kept = self.walk.start_keeping(kwargs_list) if keep else None
+        inputs = s.capture_inputs()
+        kept = self.walk.start_keeping() if keep else None
         for index in s.progress.track(range(len(s.layers)), description):
             if index in skip:
                 continue
             with s.using(index):
-                outputs = s.run_layer(s.layers[index], inputs, kwargs_list)
+                outputs = s.run_layer(s.layers[index], inputs)
             visit(index, inputs, outputs)
             if kept is not None:
                 kept.add(index + 1, outputs)
@@ -233,43 +226,45 @@ class LayerPipeline:
 
     # -- calibration loss --------------------------------------------------------------------------
     @torch.no_grad()
-    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
+    def calibration_nll(self, skip: tuple[int, ...] = (), finals: Activations | None = None,
                         per_window: bool = False) -> float | list[float]:
         """Token-weighted mean next-token NLL of the calibration windows (layers in ``skip`` bypassed;
-        at least one layer must run). With ``finals``, the last decoder layer's outputs (one tensor per
-        batch, e.g. of a model assembled by the step), no pass is made: see ``final_nll``. ``per_window``:
-        each window's mean NLL instead, in window order (windows are equally long: their mean is the former)."""
+        at least one layer must run). With ``finals``, the last decoder layer's outputs (e.g. of a model
+        assembled by the step), no pass is made: see ``final_nll``. ``per_window``: each window's mean NLL
+        instead, in window order (windows are equally long: their mean is the former)."""
         if finals is not None:
             if skip:
                 raise ValueError("calibration_nll: skip and finals exclude each other")
             return self.session.final_nll(finals, per_window)
-        finals = []
+        last: list[Activations] = []
 
-        def keep_last(index: int, _inputs, outputs) -> None:
-            finals[:] = outputs
+        def keep_last(index: int, _inputs, outputs: Activations) -> None:
+            last[:] = [outputs]
 
         self.session.layer_pass(keep_last, "calibration NLL", skip=skip)
-        return self.session.final_nll(finals, per_window)
+        if not last:
+            raise ValueError("calibration_nll: every layer is skipped (at least one must run)")
+        return self.session.final_nll(last[0], per_window)
 
     @torch.no_grad()
-    def final_nll(self, finals: list[torch.Tensor], per_window: bool = False) -> float | list[float]:
+    def final_nll(self, finals: Activations, per_window: bool = False) -> float | list[float]:
         """Token-weighted mean next-token NLL of the calibration windows given the last decoder layer's
-        outputs ``finals`` (one tensor per batch): final norm, ``lm_head``, cross-entropy in fp32, summed per
-        window in fp64. ``per_window``: each window's mean NLL, in window order."""
+        outputs ``finals``: final norm, ``lm_head``, cross-entropy in fp32, summed per window in fp64.
+        ``per_window``: each window's mean NLL, in window order."""
         s = self.session
         sums = torch.zeros(s.calibration.shape[0], dtype=torch.float64)
         norm, head = s.adapter.final_norm(s.model), s.adapter.lm_head(s.model)
         share = s.parallel.share(len(finals))
-        end = 0
+        ends = [0]
+        for window in finals.windows:
+            ends.append(ends[-1] + window.shape[0])  # each batch's windows
+        own = list(share if share is not None else range(len(finals)))
         with s.using(norm, head):
-            for k, (hidden, batch) in enumerate(zip(finals, s.batches)):
-                start, end = end, end + batch.shape[0]  # this batch's windows
-                if share is not None and k not in share:
-                    continue
-                logits = head(norm(hidden.to(s.device))).float()
-                targets = batch[:, 1:].to(s.device)
-                loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none")
-                sums[start:end] = loss.sum(dim=1).double().cpu()
+            for k, hidden, window in zip(own, finals.on(s.device, own), finals.windows_on(s.device, own)):
+                logits = head(norm(hidden)).float()
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), window[:, 1:],
+                                                         reduction="none")
+                sums[ends[k]:ends[k + 1]] = loss.sum(dim=1).double().cpu()
         if share is not None:
             sums = torch.tensor(s.parallel.sum(sums.tolist()), dtype=torch.float64)
         tokens = s.calibration.shape[1] - 1
@@ -285,7 +280,7 @@ class LayerPipeline:
         self.session.parallel.reduce_statistics(list(statistics))
         return True
 
-    def provide_outputs(self, outputs: list[torch.Tensor]) -> None:
+    def provide_outputs(self, outputs: Activations) -> None:
         """``CurrentLayer.provide_outputs``: the layer's outputs on its inputs as the step leaves it."""
         if self.current is None:
             raise RuntimeError("provide_outputs() is only available inside compress_layer")
@@ -309,16 +304,16 @@ class LayerPipeline:
         """
         s = self.session
         own = [0.0] * len(group)
-        state, kwargs_list = self._start(group, checkpoints)
+        state = self._start(group, checkpoints)
         last = max((max(t) for t in state.targets if t), default=-1)
         for index in s.progress.track(range(state.next_layer, last + 1), PASS):
             active = [k for k, t in enumerate(state.targets) if index in t]
             with s.using(index):
                 if not active:
-                    state.inputs = s.run_layer(s.layers[index], state.inputs, kwargs_list)
+                    state.inputs = s.run_layer(s.layers[index], state.inputs)
                     self._layer_done(state, index, last, checkpoints)
                     continue
-                state.inputs = self._compress_layer(group, active, index, state, kwargs_list, own)
+                state.inputs = self._compress_layer(group, active, index, state, own)
             self._layer_done(state, index, last, checkpoints)
         self.walk.states = None
         for k, modifier in enumerate(group):
@@ -327,20 +322,18 @@ class LayerPipeline:
             state.reports[k]["own_s"] = own[k] + time.perf_counter() - started
         return {str(k): r for k, r in enumerate(state.reports)}
 
-    def _start(self, group: list[LayerModifier], checkpoints) -> tuple[PassState, list[dict[str, Any]]]:
-        """The pass's state before its first layer (fresh, or where a checkpoint left it: ``--resume``, with the
-        original model's states and their layers' keyword arguments) and the keyword arguments of its layers."""
+    def _start(self, group: list[LayerModifier], checkpoints) -> PassState:
+        """The pass's state before its first layer: fresh, or where a checkpoint left it (``--resume``: its saved
+        activations with the keyword arguments captured now, and the original model's states likewise)."""
         s = self.session
-        inputs, kwargs_list = s.capture_inputs()
-        resumed = checkpoints.pass_state() if checkpoints is not None else None
+        inputs = s.capture_inputs()
+        resumed = None if checkpoints is None else checkpoints.pass_state(
+            inputs, lambda: s.reference_session().capture_inputs())
         self.walk.states = None
         if resumed is None:
-            fresh = PassState(0, inputs, [{"layers": {}} for _ in group], [set(m.target_layers(s)) for m in group])
-            return fresh, kwargs_list
-        if resumed.reference is not None:
-            resumed.reference.kwargs_list = s.reference_session().capture_inputs()[1]
-            self.walk.states = resumed.reference
-        return resumed, kwargs_list
+            return PassState(0, inputs, [{"layers": {}} for _ in group], [set(m.target_layers(s)) for m in group])
+        self.walk.states = resumed.reference
+        return resumed
 
     def _layer_done(self, state: PassState, index: int, last: int, checkpoints) -> None:
         state.next_layer, state.reference = index + 1, self.walk.states
@@ -349,7 +342,7 @@ class LayerPipeline:
         self.session.timings.record(**{"pass": PASS, "layer": index, "layers": last + 1})
 
     def _compress_layer(self, group: list[LayerModifier], active: list[int], index: int, state: PassState,
-                        kwargs_list: list[dict[str, Any]], own: list[float]) -> list[torch.Tensor]:
+                        own: list[float]) -> Activations:
         """Every active modifier on layer ``index`` (placed), in recipe order; returns the layer's outputs,
         the next layer's inputs. Statistics are collected by the forwards the modifiers need and reused
         until a modifier changes what they read (``change_position``)."""
@@ -364,11 +357,11 @@ class LayerPipeline:
             needed = modifier.statistics(s, index)
             missing = [stat for stat in needed if stat.key not in cache]
             if keep_original and original_outputs is None:  # the unchanged layer's outputs go on
-                original_outputs = s.run_layer(layer, inputs, kwargs_list, hooks=missing)
+                original_outputs = s.run_layer(layer, inputs, hooks=missing)
             elif missing:  # statistics only: each forward stops after the last block they read
-                self.run_layer(layer, inputs, kwargs_list, hooks=missing, stop_after=last_block(missing))
+                self.run_layer(layer, inputs, hooks=missing, stop_after=last_block(missing))
             cache.update({stat.key: stat for stat in missing})
-            self.current, self._provided = CurrentLayer(inputs, kwargs_list, self.provide_outputs,
+            self.current, self._provided = CurrentLayer(inputs, self.provide_outputs,
                                                         partial(self.sum_over_ranks, len(inputs))), None
             try:
                 with s.timings.phase("compress"):
@@ -388,4 +381,4 @@ class LayerPipeline:
             return original_outputs
         if provided is not None:
             return provided
-        return s.run_layer(s.layers[index], inputs, kwargs_list)
+        return s.run_layer(s.layers[index], inputs)

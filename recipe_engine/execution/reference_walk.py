@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..system.host_memory import available_memory
+from .activations import Activations
 from .pass_state import ReferenceStates
 
 if TYPE_CHECKING:
@@ -18,16 +19,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class KeptStates:
-    """A reference model's hidden states kept by an ``as_received`` pass (``LayerPipeline.layer_pass``):
-    depth ``d`` (after its layers ``< d``) → one tensor per batch, with the keyword arguments its layers
-    take, up to ``budget`` bytes."""
+    """A reference model's activations kept by an ``as_received`` pass (``LayerPipeline.layer_pass``):
+    depth ``d`` (after its layers ``< d``) → its activations, up to ``budget`` bytes."""
 
-    kwargs_list: list[dict[str, Any]]
     budget: int
-    states: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    states: dict[int, Activations] = field(default_factory=dict)
     bytes: int = 0
 
-    def add(self, depth: int, states: list[torch.Tensor]) -> None:
+    def add(self, depth: int, states: Activations) -> None:
         """Keep ``states`` (no copy) if they fit in what is left of the budget."""
         size = _size(states)
         if self.bytes + size <= self.budget:
@@ -37,13 +36,13 @@ class KeptStates:
         """The deepest kept states at a depth in ``(after, depth]`` as a walk's start, or None; every kept
         depth up to ``depth`` is dropped (walks only go deeper)."""
         start = max((d for d in self.states if after < d <= depth), default=None)
-        found = None if start is None else ReferenceStates(start, self.states[start], self.kwargs_list)
+        found = None if start is None else ReferenceStates(start, self.states[start])
         for d in [d for d in self.states if d <= depth]:
             self.bytes -= _size(self.states.pop(d))
         return found
 
 
-def _size(states: list[torch.Tensor]) -> int:
+def _size(states: Activations) -> int:
     return sum(t.numel() * t.element_size() for t in states)
 
 
@@ -61,24 +60,23 @@ class ReferenceWalk:
     def session(self) -> "Session":
         return self._session()
 
-    def start_keeping(self, kwargs_list: list[dict[str, Any]]) -> KeptStates:
+    def start_keeping(self) -> KeptStates:
         """Keep this (reference) model's states of the pass now starting, in a quarter of the host memory
         available now (the deepest states that do not fit are walked to instead)."""
-        self.kept = KeptStates(kwargs_list, available_memory() // 4)
+        self.kept = KeptStates(available_memory() // 4)
         return self.kept
 
     @torch.no_grad()
-    def original_outputs(self, index: int, inputs: list[torch.Tensor] | None = None,
-                         kwargs_list: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
+    def original_outputs(self, index: int, inputs: Activations | None = None) -> Activations:
         """The original layers that layer ``index`` stands for (``layer_origin``), run one after another
         on ``inputs``: the serial computation a merged layer approximates. Without ``inputs``: the original
         model's own hidden states after them (``reference_outputs``)."""
         if inputs is None:
             return self.session.reference_outputs(index)
-        return self.run_original(self.session.layer_origin[index], inputs, kwargs_list)
+        return self.run_original(self.session.layer_origin[index], inputs)
 
     @torch.no_grad()
-    def reference_outputs(self, index: int) -> list[torch.Tensor]:
+    def reference_outputs(self, index: int) -> Activations:
         """Hidden states of the original model after the last original layer that layer ``index`` covers,
         computed from the original model's own inputs. The original layers advance in lockstep with the
         pass (one extra set of activations in memory), from the deepest kept states on the way when an
@@ -92,17 +90,15 @@ class ReferenceWalk:
         if kept is not None:
             self.states = kept.take(last + 1, self.states.next if self.states is not None else 0) or self.states
         if self.states is None:
-            states, kwargs_list = reference.capture_inputs()
-            self.states = ReferenceStates(0, states, kwargs_list)
-        self.states.states = self.run_original(range(self.states.next, last + 1), self.states.states,
-                                               self.states.kwargs_list)
+            self.states = ReferenceStates(0, reference.capture_inputs())
+        self.states.states = self.run_original(range(self.states.next, last + 1), self.states.states)
         self.states.next = last + 1
         return self.states.states
 
-    def run_original(self, indices, states: list[torch.Tensor], kwargs_list: list[dict[str, Any]]):
+    def run_original(self, indices, states: Activations) -> Activations:
         """Original layers ``indices`` (of the reference model), one after another, over all batches."""
         reference = self.session.reference_session()
         for original in indices:
             with reference.using(original):
-                states = reference.run_layer(reference.layers[original], states, kwargs_list)
+                states = reference.run_layer(reference.layers[original], states)
         return states

@@ -23,18 +23,20 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import RecipeError
+from ..io.report import RunReport
 from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack
+from .activations import Activations
 from .checkpoint_files import CheckpointFiles
-from .pass_state import PassState, ReferenceStates
+from .pass_state import PassState, SavedPass
 from .streaming import StagedFile
 from .unit_files import file_sha256, fill_module, meta_tensors, parameters_of
 
@@ -61,7 +63,7 @@ class Checkpoints:
         #: sha256 of the manifest resumed from (the ranks of a data-parallel run compare it)
         self.manifest_sha: str | None = None
         #: the interrupted pass's state, loaded by ``restore`` (see ``pass_state``)
-        self._pass: PassState | None = None
+        self._pass: SavedPass | None = None
         self.manifest: dict[str, Any] | None = None  # the last written or the one resumed from
         self.files = CheckpointFiles(directory)  # the content-addressed files and their sha256
         #: id of a quantization record → (file, key, the record: held so no id is reused)
@@ -139,7 +141,7 @@ class Checkpoints:
     def records(self) -> list[dict[str, Any]]:
         return list(self.manifest["records"]) if self.manifest else []
 
-    def restore(self, session, report: dict[str, Any]) -> None:
+    def restore(self, session, report: RunReport) -> None:
         """Bring a freshly loaded session to the checkpointed state (no-op when not resuming)."""
         if self.manifest is None:
             return
@@ -193,8 +195,9 @@ class Checkpoints:
                 session.outputs.restore_quantized(session.model.get_submodule(entry["module"]), record)
                 self._quantized_files[id(record)] = (entry["file"], key, record)
         self._pass = self._load_pass()
-        report.update(state["report"])
-        report["resumed"] = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
+        for section, value in state["report"].items():  # what the interrupted run had made (its evaluation)
+            setattr(report, section, value)
+        report.resumed = {"group": state["reached"]["group"], "layer": state["reached"]["layer"]}
 
     def _adopt(self, stream, unit: nn.Module, home: dict[str, Any]) -> None:
         """Give a restored (meta) unit its checkpointed home; a staged one's tensors take the shapes in the
@@ -204,15 +207,16 @@ class Checkpoints:
             fill_module(unit, meta_tensors(path))
         stream.adopt(unit, path, home["names"])
 
-    def pass_state(self) -> PassState | None:
+    def pass_state(self, captured: Activations, reference: Callable[[], Activations]) -> PassState | None:
         """The interrupted pass now starting (its next layer, inputs, reports, targets and the original
-        model's states), or None."""
+        model's states), or None. Its saved hidden states take the keyword arguments of ``captured`` (this
+        pass's capture) and, for the original model's states, of ``reference()`` (the reference's capture)."""
         if self._pass is None or self.manifest["reached"]["group"] != self._group:
             return None
-        state, self._pass = self._pass, None
-        return state
+        saved, self._pass = self._pass, None
+        return saved.resumed(captured, reference)
 
-    def _load_pass(self) -> PassState | None:
+    def _load_pass(self) -> SavedPass | None:
         """The interrupted pass's state (``pass_state``), read when restoring: before the run writes its next
         checkpoint (which removes these files), on every rank."""
         saved = self.manifest["pass"]
@@ -222,8 +226,8 @@ class Checkpoints:
         reference = None
         if saved["reference"] is not None:
             states = load_file(str(self.directory / saved["reference"]["states"]))
-            reference = ReferenceStates(saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
-        return PassState(saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
+            reference = (saved["reference"]["next"], [states[str(k)] for k in range(len(states))])
+        return SavedPass(saved["layer"] + 1, [inputs[str(k)] for k in range(len(inputs))], saved["reports"],
                          [set(t) for t in saved["targets"]], reference)
 
     def agree(self, parallel) -> None:
@@ -240,7 +244,7 @@ class Checkpoints:
         """A streamed run stages its changed units here: the staged files are the checkpointed units."""
         stream.staging, stream.keep_staged = self.directory, True
 
-    def group_done(self, session, group_index: int, records: list, report: dict[str, Any]) -> None:
+    def group_done(self, session, group_index: int, records: list, report: RunReport) -> None:
         if not self.writer:
             return
         self._save(session, {"group": group_index + 1, "layer": None}, records, report, None)
@@ -272,7 +276,7 @@ class Checkpoints:
             return True
         return now - self._last_end >= (1 - self.budget) / self.budget * self._last_cost
 
-    def begin_group(self, group_index: int, steps: list, records: list, report: dict[str, Any]) -> None:
+    def begin_group(self, group_index: int, steps: list, records: list, report: RunReport) -> None:
         self._group, self._pass_steps, self._records, self._report = group_index, steps, records, report
 
     def _home(self, stream, unit: nn.Module) -> dict[str, Any]:
@@ -327,7 +331,7 @@ class Checkpoints:
                             "format": record.format, "file": file, "key": key})
         return entries
 
-    def _save(self, session, reached: dict, records: list, report: dict[str, Any], pass_state: dict | None) -> None:
+    def _save(self, session, reached: dict, records: list, report: RunReport, pass_state: dict | None) -> None:
         start = time.perf_counter()
         layers, rest = self._model_state(session)
         extras_name = None
@@ -351,7 +355,7 @@ class Checkpoints:
                                                              for e in session.outputs.extras],
                     "artifacts": artifacts, "quantized": quantized,
                     "records": json.loads(json.dumps(records, default=str)),
-                    "report": {k: report[k] for k in ("evaluation",) if k in report},
+                    "report": {} if report.evaluation is None else {"evaluation": report.evaluation},
                     "pass": pass_state, "files": files}
         tmp = self.directory / f".{MANIFEST}.part"
         tmp.write_text(json.dumps(manifest, default=str))

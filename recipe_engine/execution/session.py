@@ -21,6 +21,7 @@ from ..architectures.shape import WIDTH_INDEX, LayerShape, ModelShape, WidthPart
 from ..recipe.modifier import LayerModifier, Modifier
 from ..recipe.schema import CalibrationConfig
 from ..system.progress import Progress
+from .activations import Activations
 from .distributed import Parallel
 from .memo import SharedWork
 from .modifier_session import CurrentLayer, PassCounter
@@ -60,7 +61,7 @@ class Session:
                  passes: PassCounter | None = None, *, memo: SharedWork | None = None,
                  outputs: RunOutputs | None = None, origin: list[tuple[int, ...]] | None = None,
                  original_layers: int | None = None, completed: list[str] = (), timings: Timings | None = None,
-                 matches_reference: bool = False, stock_only: bool = False):
+                 matches_reference: bool = False, stock_only: bool = False, offload: bool | None = None):
         self.model, self.tokenizer, self.adapter = model, tokenizer, adapter
         #: Calibration passes made so far by this session and its siblings (``recipe plan`` predicts them).
         self.passes = passes or PassCounter()
@@ -69,6 +70,9 @@ class Session:
         #: Set when the model is a meta-device skeleton streamed from disk (``recipe_engine.execution.streaming``).
         self.stream = stream
         self.calibration, self.config, self.device = calibration, config, device
+        #: ``calibration.offload`` resolved (the runner decides ``auto``; not given: true unless it is false):
+        #: the activations live on the host between layers. The recipe's own value is left as written.
+        self.offload = offload if offload is not None else config.offload is not False
         self.progress = progress or Progress(enabled=False)
         cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -191,7 +195,7 @@ class Session:
         keyword arguments of ``Session``: memo, origin, ...)."""
         return Session(model, self.tokenizer, self.adapter, self.calibration if calibration is None else calibration,
                        self.config, self.device, self.progress, stream=stream, parallel=self.parallel,
-                       passes=self.passes, timings=self.timings, **state)
+                       passes=self.passes, timings=self.timings, offload=self.offload, **state)
 
     # -- branches: alternatives run side by side (a step choosing between them) -------------
     def current_shape(self) -> ModelShape:
@@ -257,7 +261,7 @@ class Session:
     @property
     def storage(self) -> torch.device:
         """Where calibration activations live between layers (``calibration.offload``, resolved)."""
-        return torch.device("cpu") if self.config.offload else self.device
+        return torch.device("cpu") if self.offload else self.device
 
     @property
     def batches(self) -> list[torch.Tensor]:
@@ -303,31 +307,29 @@ class Session:
         return self.residency.on_device(*modules)
 
     # -- the layer-sequential pass (``recipe_engine.execution.pipeline``) -------------------------
-    def capture_inputs(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    def capture_inputs(self) -> Activations:
         return self.pipeline.capture_inputs()
 
-    def run_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]],
-                  hooks: list[Statistic] = (),
-                  on_batch: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
-        return self.pipeline.run_layer(layer, inputs, kwargs_list, hooks, on_batch)
+    def run_layer(self, layer: nn.Module, inputs: Activations, hooks: list[Statistic] = (),
+                  on_batch: Callable[[int, torch.Tensor], None] | None = None) -> Activations:
+        return self.pipeline.run_layer(layer, inputs, hooks, on_batch)
 
-    def layer_pass(self, visit: Callable[[int, list[torch.Tensor], list[torch.Tensor]], None],
+    def layer_pass(self, visit: Callable[[int, Activations, Activations], None],
                    description: str = "calibration pass", skip: tuple[int, ...] = (), *,
                    as_received: bool = False) -> None:
         self.pipeline.layer_pass(visit, description, skip, as_received=as_received)
 
-    def calibration_nll(self, skip: tuple[int, ...] = (), finals: list[torch.Tensor] | None = None,
+    def calibration_nll(self, skip: tuple[int, ...] = (), finals: Activations | None = None,
                         per_window: bool = False) -> float | list[float]:
         return self.pipeline.calibration_nll(skip, finals, per_window)
 
-    def final_nll(self, finals: list[torch.Tensor], per_window: bool = False) -> float | list[float]:
+    def final_nll(self, finals: Activations, per_window: bool = False) -> float | list[float]:
         return self.pipeline.final_nll(finals, per_window)
 
-    def original_outputs(self, index: int, inputs: list[torch.Tensor] | None = None,
-                         kwargs_list: list[dict[str, Any]] | None = None) -> list[torch.Tensor]:
-        return self.pipeline.walk.original_outputs(index, inputs, kwargs_list)
+    def original_outputs(self, index: int, inputs: Activations | None = None) -> Activations:
+        return self.pipeline.walk.original_outputs(index, inputs)
 
-    def reference_outputs(self, index: int) -> list[torch.Tensor]:
+    def reference_outputs(self, index: int) -> Activations:
         return self.pipeline.walk.reference_outputs(index)
 
     def run_layer_modifiers(self, group: list[LayerModifier], checkpoints=None) -> dict[str, dict[str, Any]]:

@@ -20,12 +20,13 @@ by ``inputs_of`` is all-reduced after each run, and ``outputs`` all-gathers the 
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .tensors import hidden_state, to_device
+from .activations import Activations
 from .stats import Statistic, position
 
 
@@ -50,13 +51,11 @@ class StagedLayer:
     """One layer over the calibration batches, run up to one linear at a time (see the module docstring).
 
     ``inputs_of(path, statistic)`` feeds ``statistic`` the input of submodule ``path`` for every batch with
-    the layer as it is now; ``outputs()`` returns the layer's outputs (on ``session.storage``).
+    the layer as it is now; ``outputs()`` returns the layer's outputs (the next layer's activations).
     """
 
-    def __init__(self, session, layer: nn.Module, inputs: list[torch.Tensor],
-                 kwargs_list: list[dict[str, Any]]):
-        self.session, self.layer = session, layer
-        self.inputs, self.kwargs_list = inputs, kwargs_list
+    def __init__(self, session, layer: nn.Module, inputs: Activations):
+        self.session, self.layer, self.inputs = session, layer, inputs
         #: block path → (its output linear, that linear's recorded inputs, output wrapper)
         self._finished: dict[str, tuple[nn.Module, list[torch.Tensor], Callable]] = {}
         self._share = session.parallel.share(len(inputs))
@@ -83,8 +82,7 @@ class StagedLayer:
         def capture(_module, args):
             statistic.update(args[0], None)
             if finishing:
-                self.session.timings.moved(args[0], self.session.storage)
-                recorded.append(args[0].to(self.session.storage))
+                recorded.append(self.inputs.keep(args[0]))
             if not (finishing and self._batch == 0):
                 raise _Stop
 
@@ -111,41 +109,33 @@ class StagedLayer:
         if finishing:
             self._finished[block] = (target, recorded, seen["wrapper"])
 
-    def outputs(self) -> list[torch.Tensor]:
+    def outputs(self) -> Activations:
         """The layer's outputs for every batch (finished blocks replayed); counts as one layer run."""
         outputs = self._run()
         self.session.count_layer_work(runs=1)
         if self._share is not None:
-            outputs = self.session.parallel.gather(outputs, len(self.inputs))
-        return outputs
+            outputs = self.inputs.gather(self.session.parallel, outputs)
+        return self.inputs.replace(outputs)
 
     @torch.no_grad()
     def _run(self) -> list[torch.Tensor]:
-        device, outputs = self.session.device, []
-        replayed = []
+        device, replayed = self.session.device, []
         for block, (linear, recorded, wrap) in self._finished.items():
             module = self.layer.get_submodule(block)
             module.forward = lambda *_a, _linear=linear, _recorded=recorded, _wrap=wrap, **_k: \
-                _wrap(_linear(_recorded[self._batch].to(device)))
+                _wrap(_linear(self.inputs.load(_recorded[self._batch], device)))
             replayed.append(module)
-        timings, storage = self.session.timings, self.session.storage
+
+        def before(position: int, k: int) -> None:
+            self._batch = position
+            if self._statistic is not None:
+                self._statistic.batch = k
+            self.session.count_layer_work(batches=1)
+
         try:
-            with timings.phase("forward"):
-                for batch, k in enumerate(self._own):
-                    x, kwargs = self.inputs[k], self.kwargs_list[k]
-                    self._batch = batch
-                    if self._statistic is not None:
-                        self._statistic.batch = k
-                    self.session.count_layer_work(batches=1)
-                    timings.moved(x, device)
-                    try:
-                        out = self.layer(x.to(device),
-                                         **to_device(self.session.adapter.layer_kwargs(self.layer, kwargs), device))
-                    except _Stop:
-                        continue
-                    timings.moved(hidden_state(out), storage)
-                    outputs.append(hidden_state(out).to(storage))
+            with self.session.timings.phase("forward"):
+                return self.inputs.run(self.layer, device, self._own, before=before, stops=(_Stop,),
+                                       kwargs_of=partial(self.session.adapter.layer_kwargs, self.layer))
         finally:
             for module in replayed:
                 del module.forward
-        return outputs

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from ..io.report import RunReport
 from ..recipe.modifier import LayerModifier, Modifier
 from ..recipe.schema import step_to_dict
 from ..system.host_memory import PeakWatch
@@ -16,6 +17,7 @@ from ..system.progress import Progress
 from .distributed import module_digest
 
 if TYPE_CHECKING:
+    from ..plan.estimates import MemoryPlan
     from .session import Session
 
 
@@ -31,7 +33,7 @@ def group_steps(steps: list[Modifier]) -> list[list[tuple[int, Modifier]]]:
 
 
 def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None = None,
-              plan: dict | None = None, checkpoints=None, report: dict | None = None) -> list[dict[str, Any]]:
+              plan: MemoryPlan | None = None, checkpoints=None, report: RunReport | None = None) -> list[dict[str, Any]]:
     """Run the steps (consecutive layer steps share one pass); each record has the step's own wall time,
     and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate. With
     ``checkpoints``, finished groups of an interrupted run are skipped and each group (and each layer of a
@@ -48,7 +50,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
 
 
 def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None,
-                plan: dict | None, checkpoints, report: dict | None) -> list[dict[str, Any]]:
+                plan: MemoryPlan | None, checkpoints, report: RunReport | None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
     watch = watch or PeakWatch()
     groups = group_steps(steps)
@@ -91,7 +93,7 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
         for (index, step), result, own_s in zip(group, results, own):
             memory = {"peak_rss_mib": None if peak is None else peak / 2**20}
             if plan is not None:
-                memory["estimate_rss_mib"] = max(plan["steps"][i]["host_bytes"] for i, _ in group) / 2**20
+                memory["estimate_rss_mib"] = max(plan.steps[i].host_bytes for i, _ in group) / 2**20
             records.append({"index": index, "modifier": step.step_name(), "group": number,
                             "params": step.model_dump(mode="json"), "wall_s": own_s,
                             "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),

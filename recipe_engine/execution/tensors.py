@@ -6,17 +6,6 @@ from typing import Any
 import torch
 
 
-def to_device(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor in it (nested tuples, lists and dicts) moved to ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
-
-
 def first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
     """The hidden states a decoder layer (or a linear) was called with: positional or ``hidden_states``."""
     return args[0] if args else kwargs["hidden_states"]

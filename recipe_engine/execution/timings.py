@@ -9,6 +9,9 @@ output. A record::
      "by_step": {"shared": {"load": 0.41, "forward": 0.3, ...}, "HeadPrune": {"forward": 0.5, ...}, ...},
      "bytes_to_device": 201326592, "bytes_to_host": 0, "peak_device_mib": 5321.4, "at_s": 12.8}
 
+``bytes_to_device``/``bytes_to_host``: the calibration activations that crossed between host and device
+(``recipe_engine.execution.activations``: hidden states, the layers' keyword arguments, token windows).
+
 A pass shared by several layer-scope steps splits each layer's phases by step (``by_step``; ``shared``:
 loading, the forward that hands the layer's outputs on, writing). A step's last record has
 ``"event": "step"`` and its wall time.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -199,6 +200,42 @@ class Report(_Section):
     def to_json(self) -> str:
         """The JSON text of ``report.json`` (a modifier's non-JSON value, e.g. a path, as its ``str``)."""
         return self.model_dump_json(indent=2, fallback=str)
+
+
+@dataclass
+class RunReport:
+    """The sections of ``report.json`` as a run makes them (each set when the run reaches it; a resumed run
+    restores ``evaluation`` and sets ``resumed``), made the validated :class:`Report` by :meth:`to_report`."""
+
+    recipe: RecipeRecord
+    packages: dict[str, str]
+    device: str
+    dtype: str
+    streamed: bool
+    rank: int
+    ranks: int
+    model: ModelRecord | None = None
+    data: DataRecord | None = None
+    before: ModelSize | None = None
+    activations_on: str | None = None
+    evaluation: dict[str, Any] | None = None
+    steps: list[dict[str, Any]] | None = None
+    after: ModelSize | None = None
+    stock_checkpoint: bool | None = None
+    checkpoints: Checkpoints | None = None
+    calibration_passes: int | None = None
+    calibration_layer_runs: int | None = None
+    calibration_layer_batches: int | None = None
+    stream: StreamRecord | None = None
+    peak_memory: PeakMemory | None = None
+    resumed: dict[str, Any] | None = None
+    export: ExportRecord | None = None
+    weights_sha256: str | None = None
+
+    def to_report(self) -> Report:
+        """The finished report (a section never set is left out, as pydantic then requires or defaults it)."""
+        return Report.model_validate({f.name: getattr(self, f.name) for f in fields(self)
+                                      if getattr(self, f.name) is not None})
 
 
 def load_report(directory: str | Path) -> Report:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine.api import (ADAPTERS, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier, ModifierSession,
+from recipe_engine.api import (ADAPTERS, Activations, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier, ModifierSession,
                                budget_field, heldout_split, install_linear, register)
 
 from ._depth import check_search_window
@@ -47,8 +47,7 @@ def scoring_prune() -> tuple:
 
 
 @torch.no_grad()
-def prune_to_config(probe: ModifierSession, layer: torch.nn.Module, states: list[torch.Tensor],
-                    kwargs_list) -> torch.nn.Module:
+def prune_to_config(probe: ModifierSession, layer: torch.nn.Module, states: Activations) -> torch.nn.Module:
     """A wide (merged) layer pruned back to the config's widths in place, close to what the flagship recipe
     does: ``HeadPrune`` at its defaults, then ``NystromMLP<criterion: energy, target: merged>`` (channels by
     output energy, Theorem 3.1 refit; not ridge leverage, whose fp64 inverse of the merged Gram was 71 % of
@@ -61,7 +60,7 @@ def prune_to_config(probe: ModifierSession, layer: torch.nn.Module, states: list
         with probe.placed(layer):
             for step in scoring_prune():
                 hooks = step.statistics(probe, 0)
-                probe.run_layer(layer, states, kwargs_list, hooks=hooks)
+                probe.run_layer(layer, states, hooks=hooks)
                 step.compress_layer(probe, 0, {hook.key: hook for hook in hooks})
     finally:
         probe.adapter.set_layer_list(probe.model, layers)
@@ -100,24 +99,24 @@ def select_blocks_by_nll(probe: ModifierSession, merges: int, rounds: list[dict[
 
     fitter = probe if fit is None else fit
 
-    def build(prefix: list[list[int]], block: list[int], states: list[torch.Tensor], kwargs_list) -> torch.nn.Module:
+    def build(prefix: list[list[int]], block: list[int], states: Activations) -> torch.nn.Module:
         """The merged ``block`` on ``prefix``, pruned on ``states`` (``fitter``'s windows)."""
         key = (tuple(map(tuple, prefix)), tuple(block))
         if built is not None and key in built:
             return built[key]
         with probe.placed(*block, on_device=False):
             merged = merge_layers([layers[i] for i in block], probe.adapter)
-        module = prune_to_config(fitter, merged, states, kwargs_list) if pruned else merged
+        module = prune_to_config(fitter, merged, states) if pruned else merged
         if built is not None:
             built[key] = module
         return module
 
-    def run(block: list[int], module: torch.nn.Module | None, states, kwargs_list) -> list[torch.Tensor]:
+    def run(block: list[int], module: torch.nn.Module | None, states: Activations) -> Activations:
         if module is None:
             with probe.placed(block[0]):
-                return probe.run_layer(layers[block[0]], states, kwargs_list)
+                return probe.run_layer(layers[block[0]], states)
         with probe.placed(module):
-            return probe.run_layer(module, states, kwargs_list)
+            return probe.run_layer(module, states)
 
     blocks = [[i] for i in range(len(layers))]
     rounds = [] if rounds is None else rounds
@@ -130,31 +129,31 @@ def select_blocks_by_nll(probe: ModifierSession, merges: int, rounds: list[dict[
     for _ in range(len(rounds), merges):
         if built is not None:  # forget blocks built on a prefix that has changed
             built = {key: m for key, m in built.items() if [list(b) for b in key[0]] == blocks[: len(key[0])]}
-        states, kwargs_list = probe.capture_inputs()
+        states = probe.capture_inputs()
         # the fitting windows' states (the scored ones themselves when in-sample)
-        fit_states, fit_kwargs = fit.capture_inputs() if fit is not None else (states, kwargs_list)
+        fit_states = fit.capture_inputs() if fit is not None else states
         block_inputs, fit_inputs, modules = [], [], []
         for j, block in enumerate(blocks):
             block_inputs.append(states)
             fit_inputs.append(fit_states)
-            modules.append(build(blocks[:j], block, fit_states, fit_kwargs) if len(block) > 1 else None)
+            modules.append(build(blocks[:j], block, fit_states) if len(block) > 1 else None)
             if j < len(blocks) - 1:
-                states = run(block, modules[-1], states, kwargs_list)
-                fit_states = states if fit is None else run(block, modules[-1], fit_states, fit_kwargs)
+                states = run(block, modules[-1], states)
+                fit_states = states if fit is None else run(block, modules[-1], fit_states)
         scores: dict[tuple[int, str], float] = {}  # (block index, "merge" | "drop") → NLL
         for j in range(len(blocks) - 1):
             candidate = blocks[j] + blocks[j + 1]
-            merged = build(blocks[:j], candidate, fit_inputs[j], fit_kwargs)
-            states = run(candidate, merged, block_inputs[j], kwargs_list)
+            merged = build(blocks[:j], candidate, fit_inputs[j])
+            states = run(candidate, merged, block_inputs[j])
             for block, module in zip(blocks[j + 2:], modules[j + 2:]):
-                states = run(block, module, states, kwargs_list)
+                states = run(block, module, states)
             scores[j, "merge"] = probe.calibration_nll(finals=states)
         for j in range(1, len(blocks) - 1) if drops else ():
             if len(blocks[j]) > 1:
                 continue
             states = block_inputs[j]
             for block, module in zip(blocks[j + 1:], modules[j + 1:]):
-                states = run(block, module, states, kwargs_list)
+                states = run(block, module, states)
             scores[j, "drop"] = probe.calibration_nll(finals=states)
         (best, move) = min(scores, key=lambda key: (scores[key], key[0], key[1] == "drop"))
         name = lambda j, kind: "+".join(map(str, blocks[j] + blocks[j + 1])) if kind == "merge" else f"-{blocks[j][0]}"
@@ -486,7 +485,7 @@ class FlattenAdjacent(Modifier):
         store = UnitVectorStore(len(session.layers), len(picked), session.model.config.hidden_size,
                                 session.scratch_directory)
 
-        def keep_units(index: int, inputs: list[torch.Tensor], _outputs) -> None:
+        def keep_units(index: int, inputs: Activations, _outputs) -> None:
             offset, rows = 0, []
             for x in inputs:  # select batch by batch: no full copy of the layer's activations
                 flat = x.reshape(-1, x.shape[-1])

@@ -258,7 +258,7 @@ class GPTQ(GridParameters, LayerModifier):
         each alone, with one Cholesky and one column loop per input instead of per linear."""
         layer, errors, rows = session.layers[layer_index], {}, []
         current = session.current_layer
-        staged = StagedLayer(session, layer, current.inputs, current.kwargs_list) if self.sequential else None
+        staged = StagedLayer(session, layer, current.inputs) if self.sequential else None
         for source, targets in self._sources(session).items():
             started = time.perf_counter()
             linears = [session.adapter.linear(layer, t) for t in targets]

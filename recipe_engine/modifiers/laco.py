@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from pydantic import ConfigDict, Field
 
-from recipe_engine.api import LayerBudget, Modifier, ModifierSession, RecipeError, budget_field, register
+from recipe_engine.api import Activations, LayerBudget, Modifier, ModifierSession, RecipeError, budget_field, register
 
 from ._depth import require_uniform, token_mask
 
@@ -51,7 +51,7 @@ class Similarity:
     def __init__(self, session: ModifierSession, samples: int):
         self.sub = session.branch(session.calibration[:samples], copy=False)
         self.masks = [token_mask(session, batch) for batch in self.sub.batches]
-        hidden, self.kwargs = self.sub.capture_inputs()
+        hidden = self.sub.capture_inputs()
         self.inputs = []
         for layer in self.sub.progress.track(list(self.sub.layers), "LaCo reference"):
             self.inputs.append(hidden)
@@ -60,13 +60,13 @@ class Similarity:
 
     def _run(self, layer, hidden):
         with self.sub.placed(layer):
-            return self.sub.run_layer(layer, hidden, self.kwargs)
+            return self.sub.run_layer(layer, hidden)
 
-    def _represent(self, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _represent(self, hidden: Activations) -> list[torch.Tensor]:
         norm = self.sub.adapter.final_norm(self.sub.model)
         with self.sub.placed(norm):
-            return [(norm(h.to(self.sub.device)).double() * m[..., None].to(self.sub.device)).flatten(1).cpu()
-                    for h, m in zip(hidden, self.masks)]
+            return [(norm(h).double() * m.to(self.sub.device)[..., None]).flatten(1).cpu()
+                    for h, m in zip(hidden.on(self.sub.device), self.masks)]
 
     @torch.no_grad()
     def __call__(self, layers: list[torch.nn.Module], start: int) -> float:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine.api import (LayerBudget, Modifier, ModifierSession, budget_field, register, remove_layers, rotation,
+from recipe_engine.api import (Activations, LayerBudget, Modifier, ModifierSession, budget_field, register, remove_layers, rotation,
                                top_k_kl)
 
 from ._depth import drop_symbolic, extra_adapter, require_uniform, span_scores, token_mask
@@ -69,10 +69,10 @@ def rotated_magnitudes(reference: ModifierSession, wanted: set[int], h: torch.Te
     sums: dict[int, torch.Tensor] = {}
     h32 = h.float().to(reference.device)
 
-    def take(index: int, hidden: list[torch.Tensor]) -> None:
+    def take(index: int, hidden: Activations) -> None:
         total = torch.zeros(h.shape[0], dtype=torch.float64)
-        for x, mask in zip(hidden, masks):
-            rotated = x.to(reference.device).float() @ h32
+        for x, mask in zip(hidden.on(reference.device), masks):
+            rotated = x.float() @ h32
             total += rotated[mask.to(rotated.device)].abs().double().sum(0).cpu()
         sums[index] = total / sum(int(m.sum()) for m in masks)
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine.api import (InputCovariance, LayerModifier, ModelShape, ModifierSession, Statistic,
+from recipe_engine.api import (Activations, InputCovariance, LayerModifier, ModelShape, ModifierSession, Statistic,
                                heldout_ridge_scale, mean_eigenvalue, refit_error, register, ridge_compensation,
                                ridge_leverage_scores, ridge_refit, set_linear_weight, submatrix)
 
@@ -28,7 +28,7 @@ class _TargetMoments(Statistic):
 
     sums = ("cross", "gram", "error")
 
-    def __init__(self, sigma: _LastInput, targets: list[torch.Tensor], folds: int, channels: int, width: int,
+    def __init__(self, sigma: _LastInput, targets: Activations, folds: int, channels: int, width: int,
                  grams: bool, device: torch.device):
         super().__init__("")
         self.sigma, self.targets, self.folds = sigma, targets, folds
@@ -38,7 +38,7 @@ class _TargetMoments(Statistic):
 
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         fold = self.batch % self.folds
-        target = self.targets[self.batch].to(output.device, torch.float64)  # subtract in fp64, not the model dtype
+        target = self.targets.state(self.batch, output.device).double()  # subtract in fp64, not the model dtype
         residual = (target - output.to(torch.float64)).reshape(-1, output.shape[-1])
         flat = self.sigma.value.reshape(-1, self.cross.shape[1])
         self.cross[fold].add_((flat.float().T @ residual.float()).to(torch.float64))
@@ -47,7 +47,7 @@ class _TargetMoments(Statistic):
             self.gram[fold].add_((flat.float().T @ flat.float()).to(torch.float64))
 
 
-def target_moments(session: ModifierSession, layer, targets: list[torch.Tensor], folds: int,
+def target_moments(session: ModifierSession, layer, targets: Activations, folds: int,
                    grams: bool) -> list[dict[str, Any]]:
     """Moments of the ``down_proj`` refit towards ``targets`` for the layer on ``session.current_layer``'s inputs.
 
@@ -55,11 +55,11 @@ def target_moments(session: ModifierSession, layer, targets: list[torch.Tensor],
     batches ``k ≡ f mod folds``) gets ``C = Σ σᵀe`` and, when ``grams``, ``G = Σ σᵀσ`` (each batch's
     product in fp32, summed in fp64), and ``E = Σ‖e‖²`` (fp64; ``e`` is subtracted in fp64).
     """
-    inputs, kwargs_list = session.current_layer.inputs, session.current_layer.kwargs_list
+    inputs = session.current_layer.inputs
     down = session.adapter.linear(layer, "down_proj")
     sigma = _LastInput(session.adapter.path("down_proj"))
     moments = _TargetMoments(sigma, targets, folds, down.in_features, down.out_features, grams, session.device)
-    session.run_layer(layer, inputs, kwargs_list, hooks=[sigma, moments])
+    session.run_layer(layer, inputs, hooks=[sigma, moments])
     return [{"cross": moments.cross[f], "gram": moments.gram[f] if grams else None,
              "error": float(moments.error[f])} for f in range(folds)]
 
@@ -212,9 +212,9 @@ class NystromMLP(LayerModifier):
         others dropped) with the same refit; the candidate with the least error — held-out error at its
         chosen λ with ``target_scales``, else the error left on the calibration tokens — replaces the layer.
         """
-        inputs, kwargs_list = session.current_layer.inputs, session.current_layer.kwargs_list
+        inputs = session.current_layer.inputs
         targets = (session.original_outputs(index) if self.target == "original"
-                   else session.original_outputs(index, inputs, kwargs_list))
+                   else session.original_outputs(index, inputs))
         layer = session.layers[index]
         folds = 2 if self.target_scales is not None else 1
         if self.target_scales is not None and len(inputs) < 2:

@@ -137,11 +137,11 @@ def seam_moments(session: ModifierSession, start: int, n: int, keep_rows: bool, 
         seam.add(m.to(output.device), h.to(output.device), output[masks[k].to(output.device)])
         kept[k] = None
 
-    inputs, kwargs_list = session.capture_inputs()
+    inputs = session.capture_inputs()
     for index in session.progress.track(range(start + n), "ReplaceMe activations"):
         on_batch = keep if index == start - 1 else fold if index == start + n - 1 else None
         with session.placed(index):
-            inputs = session.run_layer(session.layers[index], inputs, kwargs_list,
+            inputs = session.run_layer(session.layers[index], inputs,
                                        hooks=[mlp] if on_batch is keep else (), on_batch=on_batch)
     seam.gram, seam.cross = seam.gram.cpu(), seam.cross.cpu()
     return seam

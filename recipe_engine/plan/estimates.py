@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import asdict, dataclass
 
 from ..architectures.shape import ModelShape
 from ..io.data import calibration_windows, load_calibration
@@ -57,7 +58,40 @@ def output_bytes(recipe: Recipe, config) -> int:
     return plan_output_bytes(compile_plan(recipe, config))
 
 
-def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_device: bool = False) -> dict:
+@dataclass
+class StepMemory:
+    """One step's part of the estimate: the weights it holds, its working memory, whether it needs the whole
+    model resident, and what the host holds during it."""
+
+    step: str
+    weights_bytes: int
+    working_bytes: int
+    whole_model: bool
+    host_bytes: int = 0
+
+
+@dataclass
+class MemoryPlan:
+    """The memory estimate of a plan (:func:`plan_memory`); ``to_dict`` is its form in ``recipe plan --json``."""
+
+    streamed: bool
+    on_device: bool
+    runtime_bytes: int
+    activations_bytes: int
+    model_bytes: int
+    steps: list[StepMemory]
+    host_peak_bytes: int
+    #: With the activations on the device: its peak (the activations and the largest step); else None.
+    device_peak_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        memory = asdict(self)
+        if self.device_peak_bytes is None:
+            del memory["device_peak_bytes"]
+        return memory
+
+
+def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_device: bool = False) -> MemoryPlan:
     """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory, on the
     shape the plan says it receives.
 
@@ -87,24 +121,21 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
             held = max(4 * largest, embedding)
         else:
             held = shape_bytes(shape, width) + (whole if step.needs_reference else 0)
-        work = step.working_memory(shape, tokens)
-        steps.append({"step": step.step_name(), "weights_bytes": held, "working_bytes": work,
-                      "whole_model": not streamed or (step.scope == "model" and not step.streams)})
+        steps.append(StepMemory(step.step_name(), held, step.working_memory(shape, tokens),
+                                not streamed or (step.scope == "model" and not step.streams)))
     activations = 4 * tokens * first.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
     runtime = runtime_bytes(recipe) if runtime is None else runtime
     resident = runtime + (0 if on_device else activations)  # on the host through every step
     for step in steps:  # what the host holds during the step
-        step["host_bytes"] = resident + step["weights_bytes"] + (0 if on_device else step["working_bytes"])
-    host_peak = max(s["host_bytes"] for s in steps)
+        step.host_bytes = resident + step.weights_bytes + (0 if on_device else step.working_bytes)
+    host_peak = max(s.host_bytes for s in steps)
     if streamed:  # a streamed run's passes start with the embeddings loaded
         host_peak = max(host_peak, resident + embedding)
-    memory = {"streamed": streamed, "on_device": on_device, "runtime_bytes": runtime,
-              "activations_bytes": activations, "model_bytes": whole, "steps": steps, "host_peak_bytes": host_peak}
-    if on_device:
-        memory["device_peak_bytes"] = activations + max(s["weights_bytes"] + s["working_bytes"] for s in steps)
-    return memory
+    device_peak = activations + max(s.weights_bytes + s.working_bytes for s in steps) if on_device else None
+    return MemoryPlan(streamed, on_device, runtime, activations, whole, steps, host_peak, device_peak)
 
 
-def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None, on_device: bool = False) -> dict:
+def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None,
+             on_device: bool = False) -> MemoryPlan:
     """:func:`plan_memory` of the recipe compiled against ``config``."""
     return plan_memory(compile_plan(recipe, config), streamed, runtime, on_device)

@@ -85,12 +85,14 @@ def memory_plan(recipe: Recipe, plan: Plan | None = None, problem: str | None = 
             return {"unavailable": problem}
     try:
         streamed = recipe.stream == "on" or (recipe.stream == "auto" and exceeds_memory(recipe.model))
-        memory = plan_memory(plan, streamed)
+        estimate = plan_memory(plan, streamed)
     except RecipeError as exc:
         return {"unavailable": exc.detail}
+    memory = estimate.to_dict()
     if recipe.device != "cpu" and recipe.calibration.offload is not True:  # an accelerator may hold them
-        on_device = plan_memory(plan, streamed, memory["runtime_bytes"], on_device=True)
-        memory["accelerator"] = {key: on_device[key] for key in ("device_peak_bytes", "host_peak_bytes")}
+        on_device = plan_memory(plan, streamed, estimate.runtime_bytes, on_device=True)
+        memory["accelerator"] = {"device_peak_bytes": on_device.device_peak_bytes,
+                                 "host_peak_bytes": on_device.host_peak_bytes}
     return memory
 
 

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -32,7 +33,7 @@ from ..io.output_lock import output_lock
 from ..io.user_paths import Target, check_targets, is_timings_log, marked
 from ..io.report import Checkpoints as CheckpointsRecord
 from ..io.report import (DataRecord, ExportRecord, ModelRecord, ModelSize, PeakMemory, RecipeRecord, Report,
-                         StreamRecord, weights_fingerprint)
+                         RunReport, StreamRecord, weights_fingerprint)
 from ..plan.compiled import Plan
 from ..plan.estimates import plan_memory
 from ..plan.preflight import check_device, located, preflight_apply
@@ -160,35 +161,48 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     plan = preflight_apply(recipe, file, model.config if model is not None else None, write=write,
                            writing=writing, keep_checkpoints=keep_checkpoints, resume=resume)
     # the report's sections, typed as the run makes them; ``Report`` when the run is done
-    report: dict[str, Any] = {"recipe": _recipe_record(loaded), "packages": package_versions(),
-                              "device": str(parallel.device), "dtype": recipe.dtype, "streamed": plan.streamed,
-                              "rank": parallel.rank, "ranks": parallel.world}
+    report = RunReport(recipe=_recipe_record(loaded), packages=package_versions(), device=str(parallel.device),
+                       dtype=recipe.dtype, streamed=plan.streamed, rank=parallel.rank, ranks=parallel.world)
     owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
     with discard_on_error(owned), _workspace(recipe.output, writing, force) as workdir, \
             Progress(enabled=progress and parallel.rank == 0) as bar:
-        model, tokenizer, session, outputs, checkpoints, gate = _execute(
-            plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
-            keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings, profile=profile)
+        run = _execute(plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
+                       keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings,
+                       profile=profile)
+        model, session = run.model, run.session
         with session.timings.phase("write"):
-            final = (_write(recipe, model, tokenizer, session, outputs, report, workdir) if writing
-                     else Report.model_validate(report))
+            final = (_write(recipe, model, run.tokenizer, session, run.outputs, report, workdir) if writing
+                     else report.to_report())
         session.timings.record(event="output written" if writing else "done")
         session.timings.close()
         if writing and timings is not None and timings.is_file():
             shutil.copyfile(timings, workdir / TIMINGS)
         parallel.barrier()  # renamed into place only when every rank finished
-    if checkpoints is not None:
-        checkpoints.discard()  # the output is in place
-    if gate:
-        raise QualityGateError(gate)
+    if run.checkpoints is not None:
+        run.checkpoints.discard()  # the output is in place
+    if run.gate:
+        raise QualityGateError(run.gate)
     return model, final
 
 
-def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: dict[str, Any], bar: Progress,
+@dataclass
+class Executed:
+    """What ``_execute`` hands the writer: the model as the steps left it (loaded by the run, or the one passed
+    in), its tokenizer, the run's session and outputs, its resume checkpoints (None when it keeps none) and the
+    quality gate's failure (None: passed or no gate)."""
+
+    model: Any
+    tokenizer: Any
+    session: Session
+    outputs: RunOutputs
+    checkpoints: Checkpoints | None
+    gate: str | None
+
+
+def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: RunReport, bar: Progress,
              workdir: Path, owned: list, *, resume: bool, keep_checkpoints: bool | float, memo, file: str | None,
-             timings: Path | None = None, profile: Path | None = None):
-    """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``.
-    Returns ``(model, tokenizer, session, outputs, checkpoints, quality gate failure or None)``."""
+             timings: Path | None = None, profile: Path | None = None) -> Executed:
+    """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``."""
     recipe, cal, streamed = plan.recipe, plan.recipe.calibration, plan.streamed
     watch = PeakWatch()
     # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
@@ -196,72 +210,71 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: di
     if model is None:
         bar.phase(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
         model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
-        report["model"] = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
+        report.model = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
                                       license=source_license(source), gguf=gguf_origin(source),
                                       base_model=hub_origin(source.spec, source.kind, source.location))
     else:
         source = None
-        report["model"] = ModelRecord(spec=recipe.model, kind="in-memory")
+        report.model = ModelRecord(spec=recipe.model, kind="in-memory")
     windows, tokens_available = calibration_windows(tokenizer, texts, cal)
     resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
                                               {id(t): t for t in model.state_dict().values()}.values())
     memory = plan_memory(plan, streamed, max(current_rss() - resident_weights, before_weights))
-    report["data"] = DataRecord(dataset=cal.dataset, origin="; ".join(text.origin for text, _ in texts),
+    report.data = DataRecord(dataset=cal.dataset, origin="; ".join(text.origin for text, _ in texts),
                                 tokens_available=tokens_available, samples=cal.samples, seq_len=cal.seq_len,
                                 seed=cal.seed, fingerprint=fingerprint(windows))
-    report["before"] = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers)
+    report.before = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers)
     adapter = adapter_for(model.config)
     offload = offload_activations(cal.offload, parallel.device, memory, largest_layer_bytes(adapter.layers(model)))
     if cal.offload == "auto" and parallel.device.type != "cpu":
         bar.log(f"calibration activations kept on {'the host' if offload else parallel.device} (offload: auto)")
     if not offload and parallel.device.type != "cpu":  # the activations, statistics and solves on the device
-        memory = plan_memory(plan, streamed, memory["runtime_bytes"], on_device=True)
-    cal = cal.model_copy(update={"offload": offload})
-    report["activations_on"] = "cpu" if offload else str(parallel.device)
+        memory = plan_memory(plan, streamed, memory.runtime_bytes, on_device=True)
+    report.activations_on = "cpu" if offload else str(parallel.device)
     stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
     outputs = RunOutputs()
     clock = None
     if timings is not None and parallel.rank == 0:  # a resumed run appends to its log; a fresh one replaces it
         clock = Timings(timings, parallel.device, append=resume)
-    session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar,
+    session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar, offload=offload,
                       reference_loader=_reference_loader(recipe, model, source, lambda: session),
                       stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock,
                       matches_reference=True, stock_only=recipe.export is not None)
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
-    if recipe.evaluate is not None and "evaluation" not in report:  # a resumed run has it
+    if recipe.evaluate is not None and report.evaluation is None:  # a resumed run has it
         bar.phase("evaluating the model before compression")
-        report["evaluation"] = {"before": evaluate_session(session, recipe.evaluate, bar)}
+        report.evaluation = {"before": evaluate_session(session, recipe.evaluate, bar)}
         session.timings.record(event="evaluation before")
     with profiled(session.timings, profile):
-        report["steps"] = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
+        report.steps = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
     _check_uniform(session)
-    report["after"] = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers,
+    report.after = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers,
                                 layer_origin=[list(o) for o in session.layer_origin])
     # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
-    report["stock_checkpoint"] = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
+    report.stock_checkpoint = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
     gate = None
     if recipe.evaluate is not None:
         bar.phase("evaluating the compressed model")
         after = evaluate_session(session, recipe.evaluate, bar)
         session.timings.record(event="evaluation after")
-        report["evaluation"].update(after=after, retained=retained(report["evaluation"]["before"], after))
-        gate = _quality_gate(recipe, report["evaluation"]["retained"])
-        report["evaluation"]["quality_gate"] = "failed" if gate else "passed"
+        report.evaluation.update(after=after, retained=retained(report.evaluation["before"], after))
+        gate = _quality_gate(recipe, report.evaluation["retained"])
+        report.evaluation["quality_gate"] = "failed" if gate else "passed"
     if checkpoints is not None:
-        report["checkpoints"] = CheckpointsRecord(written=checkpoints.count, seconds=checkpoints.seconds,
+        report.checkpoints = CheckpointsRecord(written=checkpoints.count, seconds=checkpoints.seconds,
                                                   bytes=checkpoints.bytes_written, skipped=checkpoints.skipped)
-    report["calibration_passes"] = sum({step["group"]: step["calibration_passes"] for step in report["steps"]}.values())
-    report["calibration_layer_runs"] = session.layer_runs
-    report["calibration_layer_batches"] = session.layer_batches  # this rank's share under torchrun
+    report.calibration_passes = sum({step["group"]: step["calibration_passes"] for step in report.steps}.values())
+    report.calibration_layer_runs = session.layer_runs
+    report.calibration_layer_batches = session.layer_batches  # this rank's share under torchrun
     if stream is not None:
-        report["stream"] = StreamRecord(bytes_read=stream.bytes_read, bytes_staged=stream.bytes_staged)
+        report.stream = StreamRecord(bytes_read=stream.bytes_read, bytes_staged=stream.bytes_staged)
     peaks = peak_memory(watch)
     if session.timings.peak_device_bytes():  # the timings log resets torch's counter per record
         peaks["cuda_mib"] = max(peaks.get("cuda_mib") or 0, session.timings.peak_device_bytes() / 2**20)
-    report["peak_memory"] = PeakMemory(**peaks, estimate_rss_mib=memory["host_peak_bytes"] / 2**20,
-                                       estimate_device_mib=memory.get("device_peak_bytes", 0) / 2**20 or None)
-    return model, tokenizer, session, outputs, checkpoints, gate
+    report.peak_memory = PeakMemory(**peaks, estimate_rss_mib=memory.host_peak_bytes / 2**20,
+                                       estimate_device_mib=(memory.device_peak_bytes or 0) / 2**20 or None)
+    return Executed(model, tokenizer, session, outputs, checkpoints, gate)
 
 
 #: Directory inside the output's temporary directory holding changed units of a streamed model.
@@ -300,7 +313,7 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
     return load
 
 
-def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool | float, session: Session,
+def _checkpoints(recipe: Recipe, report: RunReport, source, resume: bool, write: bool | float, session: Session,
                  file: str):
     """The run's resume checkpoints (``recipe_engine.execution.resume``), restored into ``session`` when resuming (a
     streamed session stages its units there); None when this run keeps none (not written, model passed in
@@ -309,8 +322,8 @@ def _checkpoints(recipe: Recipe, report: dict, source, resume: bool, write: bool
     parallel = session.parallel
     if not write or source is None or (parallel.rank > 0 and not resume):
         return None
-    identity = {"recipe": report["recipe"].resolved_sha256, "model": model_fingerprint(source.location),
-                "calibration": report["data"].fingerprint, "packages": report["packages"]}
+    identity = {"recipe": report.recipe.resolved_sha256, "model": model_fingerprint(source.location),
+                "calibration": report.data.fingerprint, "packages": report.packages}
     checkpoints = Checkpoints.open(recipe.output, identity, resume, file, writer=parallel.rank == 0)
     if write is not True:
         checkpoints.budget = float(write)
@@ -347,7 +360,7 @@ def _recipe_record(loaded: LoadedRecipe) -> RecipeRecord:
                         git=git_info(loaded.path), overrides=loaded.recipe.overrides)
 
 
-def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutputs, report: dict,
+def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutputs, report: RunReport,
            tmp: Path) -> Report:
     """The output files, into the workspace that ``apply`` renames into place; staging data is removed.
     Returns the report as written."""
@@ -365,10 +378,10 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
     (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
     if recipe.export is not None:  # from the finished files, so it sees exactly what was written
         exporter, kind, file = file_export(recipe.export.format, recipe.export.type, recipe.export.file)
-        exported = exporter.write_file(tmp, tmp / file, kind, name=recipe.name, origin=report["model"].gguf)
-        report["export"] = ExportRecord(**{**exported, "file": file})
-    report["weights_sha256"] = weights_fingerprint(tmp)  # what `recipe card --eval` matches records against
-    final = Report.model_validate(report)
+        exported = exporter.write_file(tmp, tmp / file, kind, name=recipe.name, origin=report.model.gguf)
+        report.export = ExportRecord(**{**exported, "file": file})
+    report.weights_sha256 = weights_fingerprint(tmp)  # what `recipe card --eval` matches records against
+    final = report.to_report()
     if final.evaluation is not None and final.evaluation.quality_gate == "failed":
         (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
     final.write(tmp)
