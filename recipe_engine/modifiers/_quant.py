@@ -42,9 +42,21 @@ def rtn(weight: torch.Tensor, grid: Grid) -> QuantizedWeight:
 
 def output_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tensor) -> float:
     """Relative layer-output error ``tr(ΔW G ΔWᵀ) / tr(W G Wᵀ)`` for the input gram ``G = Σ x xᵀ``."""
-    w = weight.to(torch.float64)
-    delta = w - quantized.to(torch.float64)
-    return float(((delta @ gram) * delta).sum() / ((w @ gram) * w).sum())
+    return output_errors([weight], [quantized], [gram])[0]
+
+
+def output_errors(weights: list[torch.Tensor], quantized: list[torch.Tensor], grams: list[torch.Tensor]) -> list[float]:
+    """:func:`output_error` of several weights of one shape at once (batched products, one host
+    synchronisation); each value is the one computed alone, bit for bit on CPU."""
+    w = _batch([weight.to(torch.float64) for weight in weights])
+    delta = w - _batch([q.to(torch.float64) for q in quantized])
+    g = _batch(grams) if any(gram is not grams[0] for gram in grams) else grams[0].expand(len(grams), -1, -1)
+    return (((delta @ g) * delta).sum((1, 2)) / ((w @ g) * w).sum((1, 2))).tolist()
+
+
+def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` without a copy of a single tensor (a large linear's fp64 weight)."""
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
 
 
 def weight_error(weight: torch.Tensor, quantized: torch.Tensor) -> float:
