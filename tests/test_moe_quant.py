@@ -190,3 +190,30 @@ def test_gptq_covers_the_shared_expert(tmp_path):
         assert not torch.equal(result.model.layers[layer].mlp.shared_expert.down_proj.weight,
                                original.model.layers[layer].mlp.shared_expert.down_proj.weight)
     assert report.steps[0].result["experts"]["quantized"] == 2 * 5 * 2
+
+
+@pytest.mark.parametrize("model_type,extra", [("qwen3_moe", "experts:all"), ("qwen2_moe", "experts:all,act_order:false"),
+                                              ("gpt_oss", "experts:routed,min_expert_tokens:40")])
+def test_experts_batched_equal_one_expert_at_a_time(tmp_path, monkeypatch, model_type, extra):
+    """The batched path (several experts' down_proj Grams per pass over the batches, one GPTQ call and one error
+    evaluation per batch of experts with their own Hessians) writes the weights and log of the one-at-a-time path
+    (memory budgets of one byte: one expert per pass and per call) bit for bit; ``seconds`` is the call's time
+    shared by its experts (the fallbacks of ``routed`` and the shared expert included)."""
+    from recipe_engine.modifiers import _experts
+
+    save_tiny_model(tmp_path / "model", model_type, num_hidden_layers=2)
+    step = GPTQ.format(extra=extra)
+    batched, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], name="batched"), progress=False)
+    monkeypatch.setattr(_experts, "SOLVE_BYTES", 1)
+    monkeypatch.setattr(_experts, "HIDDEN_BYTES", 1)
+    alone, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], name="alone"), progress=False)
+    expected = alone.model.state_dict()
+    for key, value in batched.model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    rows, reference = log_rows(tmp_path / "batched"), log_rows(tmp_path / "alone")
+    assert [{**r, "seconds": None} for r in rows] == [{**r, "seconds": None} for r in reference]
+    down = [r for r in rows if r["layer"] == "0" and r["module"].startswith("mlp.experts.down_proj")
+            and r["method"] == "gptq"]
+    assert len(down) >= 2 and len({r["seconds"] for r in down}) == 1  # one call
+    if "routed" in extra:
+        assert any(r["method"] == "rtn-fallback" for r in rows)

@@ -130,53 +130,47 @@ def _method(gram: InputCovariance | None, min_tokens: int) -> str:
 def quantize_experts(session, layer_index: int, tensor: str,
                      grams: Callable[[list[int]], list[InputCovariance | None]], quantize: Callable | None,
                      grid_of: Callable, min_tokens: int, damp: float | None) -> list[dict]:
-    """Quantize ``tensor`` of every expert of the layer; returns the log rows (``method`` says which fell back).
+    """Quantize ``tensor`` of every expert of the layer; returns the log rows in expert order (``method`` says
+    which fell back).
 
     ``grams(indices)``: the experts' input Grams (None: no calibration, round-to-nearest), asked for as many
-    experts at a time as one batched call takes; ``quantize(weights, grams, grid)`` the step's method on a
-    batch ``[E, rows, cols]`` with ``[E, cols, cols]``. Experts whose Gram is the same object are quantized
-    row-stacked (one Hessian, :data:`STACK_ROWS` rows per call), experts with their own Grams batched
-    (:data:`SOLVE_BYTES` per call); a row's ``seconds`` is its call's time over the experts in it."""
+    experts at a time as one batched call takes (:data:`SOLVE_BYTES`); ``quantize(weights, grams, grid)`` the
+    step's method on a batch ``[E, rows, cols]`` with ``[E, cols, cols]``. Experts whose Gram is one shared
+    object are quantized row-stacked (one Hessian, :data:`STACK_ROWS` rows per call), those with their own
+    Grams batched (one call per request), rounded ones stacked; a row's ``seconds`` is its call's time over
+    the experts in it."""
     layout, layer = session.adapter.experts, session.layers[layer_index]
     units = layout.units(layer)
     per_call = max(1, SOLVE_BYTES // solve_bytes(*layout.weight(layer, 0, tensor).shape))
-    rows, pending = [], []
+    rows, pending = [], {}  # call kind → [(index, gram)]
 
-    def batched() -> bool:  # pending: experts with their own Hessians (not one shared)
-        return _method(pending[0][1], min_tokens) == "gptq" and len({id(g) for _, g in pending}) == len(pending) > 1
-
-    def joins(index: int, gram: InputCovariance | None) -> bool:
-        first, first_gram = pending[0]
-        weight = layout.weight(layer, index, tensor)
-        if _method(gram, min_tokens) != _method(first_gram, min_tokens) \
-                or weight.shape != layout.weight(layer, first, tensor).shape:
-            return False
-        stacked = len(pending) * weight.shape[0] < STACK_ROWS
-        if gram is None or gram.count < min_tokens:
-            return stacked
-        if gram is first_gram:
-            return stacked and all(g is gram for _, g in pending)
-        return len(pending) < per_call and (len(pending) == 1 or batched()) and all(g is not gram for _, g in pending)
+    def flush(key):
+        rows.extend(_quantize_call(session, layer_index, tensor, pending.pop(key), quantize, grid_of, min_tokens,
+                                   damp))
 
     for first in range(0, units, per_call):
         indices = list(range(first, min(first + per_call, units)))
-        for index, gram in zip(indices, grams(indices)):
-            if pending and not joins(index, gram):
-                rows += _quantize_call(session, layer_index, tensor, pending, quantize, grid_of, min_tokens, damp)
-                pending.clear()
-            pending.append((index, gram))
-        if pending and batched():  # its Grams go before the next experts' are taken
-            rows += _quantize_call(session, layer_index, tensor, pending, quantize, grid_of, min_tokens, damp)
-            pending.clear()
-    if pending:
-        rows += _quantize_call(session, layer_index, tensor, pending, quantize, grid_of, min_tokens, damp)
-    return rows
+        statistics = grams(indices)
+        for index, gram in zip(indices, statistics):
+            method, shape = _method(gram, min_tokens), tuple(layout.weight(layer, index, tensor).shape)
+            shared = method == "gptq" and (sum(g is gram for g in statistics) > 1 or ("stack", shape, id(gram))
+                                           in pending)
+            key = (method, shape, gram is not None and gram.count > 0) if method != "gptq" \
+                else ("stack", shape, id(gram)) if shared else ("own", shape)
+            if key[0] != "own" and key in pending and len(pending[key]) * shape[0] >= STACK_ROWS:
+                flush(key)
+            pending.setdefault(key, []).append((index, gram))
+        for key in [key for key in pending if key[0] == "own"]:  # their Grams go before the next are taken
+            flush(key)
+    for key in list(pending):
+        flush(key)
+    return [row for _, row in sorted(rows, key=lambda item: item[0])]
 
 
 def _quantize_call(session, layer_index: int, tensor: str, pending: list, quantize: Callable | None,
-                   grid_of: Callable, min_tokens: int, damp: float | None) -> list[dict]:
+                   grid_of: Callable, min_tokens: int, damp: float | None) -> list[tuple[int, dict]]:
     """One call of :func:`quantize_experts`: the experts of ``pending`` (``(index, gram)``) stacked on one shared
-    Hessian, batched with their own, or rounded to nearest; their log rows."""
+    Hessian, batched with their own, or rounded to nearest; their log rows (with their indices)."""
     layout, layer = session.adapter.experts, session.layers[layer_index]
     started = time.perf_counter()
     weights = [layout.weight(layer, index, tensor).detach() for index, _ in pending]
@@ -201,7 +195,8 @@ def _quantize_call(session, layer_index: int, tensor: str, pending: list, quanti
                   zip(output_errors(weights, quantized, matrices), output_errors(weights, rounded, matrices))]
     rows = []
     for (index, gram), weight, result, error in zip(pending, weights, quantized, errors):
-        rows.append(log_row(layer_index, layout.name(index, tensor, layer), weight, grid, result, method=method,
-                            damp=damp, tokens=gram.count if gram is not None else 0, seconds=seconds, **error))
+        rows.append((index, log_row(layer_index, layout.name(index, tensor, layer), weight, grid, result,
+                                    method=method, damp=damp, tokens=gram.count if gram is not None else 0,
+                                    seconds=seconds, **error)))
         layout.set_weight(layer, index, tensor, result)
     return rows
