@@ -192,7 +192,7 @@ def _quantize_call(session, layer_index: int, tensor: str, pending: list, quanti
         rounded = rtn(torch.cat(weights), grid).dequantized.split(split)
         matrices = [gram.gram for gram in grams]
         errors = [{"error": error, "error_rtn": error_rtn} for error, error_rtn in
-                  zip(output_errors(weights, quantized, matrices), output_errors(weights, rounded, matrices))]
+                  zip(*output_errors(weights, [quantized, rounded], matrices))]
     rows = []
     for (index, gram), weight, result, error in zip(pending, weights, quantized, errors):
         rows.append((index, log_row(layer_index, layout.name(index, tensor, layer), weight, grid, result,

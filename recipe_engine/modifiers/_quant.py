@@ -42,16 +42,23 @@ def rtn(weight: torch.Tensor, grid: Grid) -> QuantizedWeight:
 
 def output_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tensor) -> float:
     """Relative layer-output error ``tr(ΔW G ΔWᵀ) / tr(W G Wᵀ)`` for the input gram ``G = Σ x xᵀ``."""
-    return output_errors([weight], [quantized], [gram])[0]
+    return output_errors([weight], [[quantized]], [gram])[0][0]
 
 
-def output_errors(weights: list[torch.Tensor], quantized: list[torch.Tensor], grams: list[torch.Tensor]) -> list[float]:
-    """:func:`output_error` of several weights of one shape at once (batched products, one host
-    synchronisation); each value is the one computed alone, bit for bit on CPU."""
+def output_errors(weights: list[torch.Tensor], candidates: list[list[torch.Tensor]],
+                  grams: list[torch.Tensor]) -> list[list[float]]:
+    """:func:`output_error` of several weights of one shape, each against several candidates (e.g. GPTQ's result
+    and round-to-nearest: ``candidates[k][e]`` for weight ``e``), at once: batched products, the denominator
+    ``tr(W G Wᵀ)`` once per weight, one host synchronisation; each value is the one computed alone (bit for
+    bit on CPU). Returns ``[candidate][weight]``."""
     w = _batch([weight.to(torch.float64) for weight in weights])
-    delta = w - _batch([q.to(torch.float64) for q in quantized])
     g = _batch(grams) if any(gram is not grams[0] for gram in grams) else grams[0].expand(len(grams), -1, -1)
-    return (((delta @ g) * delta).sum((1, 2)) / ((w @ g) * w).sum((1, 2))).tolist()
+    denominator = ((w @ g) * w).sum((1, 2))
+    errors = []
+    for quantized in candidates:
+        delta = w - _batch([q.to(torch.float64) for q in quantized])
+        errors.append(((delta @ g) * delta).sum((1, 2)) / denominator)
+    return torch.stack(errors).tolist()
 
 
 def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -14,7 +14,8 @@ from recipe_engine.api import (InputCovariance, LayerModifier, ModifierSession, 
 
 from ._experts import (FALLBACK, HIDDEN_BYTES, SOLVE_BYTES, STACK_ROWS, MoEInputs, expert_grams, quantize_experts,
                        solve_bytes)
-from ._quant import LOG_FILE, Grid, GridParameters, QuantizedWeight, expert_targets, log_row, output_error, rtn
+from ._quant import (LOG_FILE, Grid, GridParameters, QuantizedWeight, expert_targets, log_row, output_errors,
+                     rtn)
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -313,10 +314,9 @@ class GPTQ(GridParameters, LayerModifier):
             damping = self.damp * float(torch.where(diagonal == 0, 1.0, diagonal).mean())
             for target, linear, quantized, scale, zero, rounded in zip(targets, linears, *pieces):
                 path = session.adapter.path(target)
-                errors[path] = output_error(linear.weight, quantized, gram)
+                (errors[path],), (error_rtn,) = output_errors([linear.weight], [[quantized], [rounded]], [gram])
                 rows.append(log_row(layer_index, path, linear.weight, grid, quantized, method="gptq",
-                                    damp=self.damp, damping=damping,
-                                    error_rtn=output_error(linear.weight, rounded, gram), error=errors[path],
+                                    damp=self.damp, damping=damping, error_rtn=error_rtn, error=errors[path],
                                     tokens=statistic.count, seconds=seconds))
                 with torch.no_grad():
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
