@@ -192,20 +192,23 @@ def test_gptq_covers_the_shared_expert(tmp_path):
     assert report.steps[0].result["experts"]["quantized"] == 2 * 5 * 2
 
 
-@pytest.mark.parametrize("model_type,extra", [("qwen3_moe", "experts:all"), ("qwen2_moe", "experts:all,act_order:false"),
-                                              ("gpt_oss", "experts:routed,min_expert_tokens:40")])
+@pytest.mark.parametrize("model_type,extra", [
+    ("qwen3_moe", "experts:all"), ("qwen2_moe", "experts:all,act_order:false"),
+    ("gpt_oss", "experts:routed,min_expert_tokens:40")])
 def test_experts_batched_equal_one_expert_at_a_time(tmp_path, monkeypatch, model_type, extra):
     """The batched path (several experts' down_proj Grams per pass over the batches, one GPTQ call and one error
-    evaluation per batch of experts with their own Hessians) writes the weights and log of the one-at-a-time path
-    (memory budgets of one byte: one expert per pass and per call) bit for bit; ``seconds`` is the call's time
-    shared by its experts (the fallbacks of ``routed`` and the shared expert included)."""
+    evaluation per batch of experts with their own Hessians; batched on CPU as on a GPU here) writes the weights
+    and log of the one-at-a-time path (memory budgets of one byte: one expert per pass and per call) bit for
+    bit; ``seconds`` is the call's time shared by its experts (the fallbacks of ``routed`` and the shared
+    expert included)."""
     from recipe_engine.modifiers import _experts
 
     save_tiny_model(tmp_path / "model", model_type, num_hidden_layers=2)
     step = GPTQ.format(extra=extra)
+    monkeypatch.setattr(_experts, "CPU_SOLVE_BYTES", _experts.SOLVE_BYTES)  # batched here as on a GPU
     batched, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], name="batched"), progress=False)
-    monkeypatch.setattr(_experts, "SOLVE_BYTES", 1)
-    monkeypatch.setattr(_experts, "HIDDEN_BYTES", 1)
+    for budget in ("SOLVE_BYTES", "CPU_SOLVE_BYTES", "HIDDEN_BYTES"):
+        monkeypatch.setattr(_experts, budget, 1)
     alone, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], name="alone"), progress=False)
     expected = alone.model.state_dict()
     for key, value in batched.model.state_dict().items():

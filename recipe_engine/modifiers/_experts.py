@@ -14,9 +14,10 @@ The layer's output (what the next layer receives) is always the model's own forw
 An expert whose statistics cover fewer than ``min_expert_tokens`` tokens is rounded to nearest on the same
 grid instead (``method`` ``rtn-fallback`` in ``quantization_log.csv``, listed in the step's report).
 
-Experts whose Hessians differ (``down_proj``; everything under ``routed``) are solved in batches of
-:data:`SOLVE_BYTES` of working memory, one batched GPTQ call each (``gptq_quantize_batch``: each expert's result
-is that of solving it alone); their log errors are evaluated together, one host synchronisation per batch.
+Experts whose Hessians differ (``down_proj``; everything under ``routed``) have their Grams taken
+:data:`SOLVE_BYTES` at a time and are solved in batches on an accelerator, one batched GPTQ call each
+(``gptq_quantize_batch``: each expert's result is that of solving it alone; on CPU one expert per call,
+:data:`CPU_SOLVE_BYTES`); their log errors are evaluated together, one host synchronisation per call.
 """
 from __future__ import annotations
 
@@ -33,8 +34,12 @@ from ._quant import log_row, output_errors, rtn
 FALLBACK = "rtn-fallback"
 #: Rows of experts quantized in one GPTQ call when they share a Hessian (speed: one factorization).
 STACK_ROWS = 8192
-#: fp64 working memory of one batched call over experts with their own Hessians (:func:`solve_bytes` each).
+#: fp64 working memory of one batched call over experts with their own Hessians (:func:`solve_bytes` each) on
+#: an accelerator, where a call's time is kernel launches; also how many experts' Grams are taken per request.
 SOLVE_BYTES = 512 << 20
+#: The same on CPU, where a batch's sweep outgrows the cache (8 experts of 2048 × 768 per call: 1.3x the time of
+#: one at a time, measured): one expert per call.
+CPU_SOLVE_BYTES = 0
 #: Memory of the ``down_proj`` inputs ``h`` of one calibration batch computed at once for several experts.
 HIDDEN_BYTES = 256 << 20
 
@@ -134,22 +139,23 @@ def quantize_experts(session, layer_index: int, tensor: str,
     which fell back).
 
     ``grams(indices)``: the experts' input Grams (None: no calibration, round-to-nearest), asked for as many
-    experts at a time as one batched call takes (:data:`SOLVE_BYTES`); ``quantize(weights, grams, grid)`` the
-    step's method on a batch ``[E, rows, cols]`` with ``[E, cols, cols]``. Experts whose Gram is one shared
-    object are quantized row-stacked (one Hessian, :data:`STACK_ROWS` rows per call), those with their own
-    Grams batched (one call per request), rounded ones stacked; a row's ``seconds`` is its call's time over
-    the experts in it."""
+    experts at a time as :data:`SOLVE_BYTES` allow; ``quantize(weights, grams, grid)`` the step's method on a
+    batch ``[E, rows, cols]`` with ``[E, cols, cols]``. Experts whose Gram is one shared object are quantized
+    row-stacked (one Hessian, :data:`STACK_ROWS` rows per call), those with their own Grams batched (on an
+    accelerator one call per request; on CPU :data:`CPU_SOLVE_BYTES`), rounded ones stacked; a row's
+    ``seconds`` is its call's time over the experts in it."""
     layout, layer = session.adapter.experts, session.layers[layer_index]
-    units = layout.units(layer)
-    per_call = max(1, SOLVE_BYTES // solve_bytes(*layout.weight(layer, 0, tensor).shape))
+    units, weight = layout.units(layer), layout.weight(layer, 0, tensor)
+    request = max(1, SOLVE_BYTES // solve_bytes(*weight.shape))
+    per_call = request if weight.device.type != "cpu" else max(1, CPU_SOLVE_BYTES // solve_bytes(*weight.shape))
     rows, pending = [], {}  # call kind → [(index, gram)]
 
     def flush(key):
         rows.extend(_quantize_call(session, layer_index, tensor, pending.pop(key), quantize, grid_of, min_tokens,
                                    damp))
 
-    for first in range(0, units, per_call):
-        indices = list(range(first, min(first + per_call, units)))
+    for first in range(0, units, request):
+        indices = list(range(first, min(first + request, units)))
         statistics = grams(indices)
         for index, gram in zip(indices, statistics):
             method, shape = _method(gram, min_tokens), tuple(layout.weight(layer, index, tensor).shape)
@@ -157,7 +163,8 @@ def quantize_experts(session, layer_index: int, tensor: str,
                                            in pending)
             key = (method, shape, gram is not None and gram.count > 0) if method != "gptq" \
                 else ("stack", shape, id(gram)) if shared else ("own", shape)
-            if key[0] != "own" and key in pending and len(pending[key]) * shape[0] >= STACK_ROWS:
+            if key in pending and (len(pending[key]) >= per_call if key[0] == "own"
+                                   else len(pending[key]) * shape[0] >= STACK_ROWS):
                 flush(key)
             pending.setdefault(key, []).append((index, gram))
         for key in [key for key in pending if key[0] == "own"]:  # their Grams go before the next are taken
