@@ -71,7 +71,7 @@ def reference_hidden(model_type, experts, index, x):
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 @pytest.mark.parametrize("mode", ["all", "routed"])
 def test_expert_hessians_equal_xtx_of_the_block_inputs(model_type, mode):
-    from recipe_engine.modifiers._experts import MoEInputs, expert_gram
+    from recipe_engine.modifiers._experts import MoEInputs, expert_gram, expert_grams
 
     model = tiny_model(model_type, num_hidden_layers=1)
     layout = adapter_for(model.config).experts
@@ -99,6 +99,11 @@ def test_expert_hessians_equal_xtx_of_the_block_inputs(model_type, mode):
         down = expert_gram(captured, index, "down_proj", mode == "routed", torch.device("cpu"))
         assert down.count == len(xe)
         torch.testing.assert_close(down.gram, h.T @ h, rtol=1e-5, atol=1e-4)
+    # several experts per pass over the batches (one batched h): each Gram the one taken alone, bit for bit
+    together = expert_grams(captured, [1, 2, 3], "down_proj", mode == "routed", torch.device("cpu"))
+    for index, gram in zip([1, 2, 3], together):
+        alone = expert_gram(captured, index, "down_proj", mode == "routed", torch.device("cpu"))
+        assert gram.count == alone.count and torch.equal(gram.gram, alone.gram)
 
 
 def test_an_unrouted_expert_falls_back_to_rtn_and_says_so(tmp_path):
