@@ -53,11 +53,12 @@ def output_errors(weights: list[torch.Tensor], candidates: list[list[torch.Tenso
     bit on CPU). Returns ``[candidate][weight]``."""
     w = _batch([weight.to(torch.float64) for weight in weights])
     g = _batch(grams) if any(gram is not grams[0] for gram in grams) else grams[0].expand(len(grams), -1, -1)
-    denominator = ((w @ g) * w).sum((1, 2))
+    denominator = (w @ g).mul_(w).sum((1, 2))  # in place: one product buffer at a time
     errors = []
     for quantized in candidates:
         delta = w - _batch([q.to(torch.float64) for q in quantized])
-        errors.append(((delta @ g) * delta).sum((1, 2)) / denominator)
+        errors.append((delta @ g).mul_(delta).sum((1, 2)) / denominator)
+        del delta
     return torch.stack(errors).tolist()
 
 
