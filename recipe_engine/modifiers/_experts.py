@@ -195,11 +195,12 @@ def _quantize_call(session, layer_index: int, tensor: str, pending: list, quanti
         torch.cuda.synchronize(weights[0].device)
     seconds = (time.perf_counter() - started) / len(pending)
     errors = [{}] * len(pending)
-    if grams[0] is not None and grams[0].count:
-        rounded = rtn(torch.cat(weights), grid).dequantized.split(split)
-        matrices = [gram.gram for gram in grams]
-        errors = [{"error": error, "error_rtn": error_rtn} for error, error_rtn in
-                  zip(*output_errors(weights, [quantized, rounded], matrices))]
+    if grams[0] is not None and grams[0].count:  # in groups of STACK_ROWS / 2 rows (memory: the solve's)
+        errors, group = [], max(1, STACK_ROWS // 2 // split[0])
+        for part in (slice(first, first + group) for first in range(0, len(pending), group)):
+            rounded = rtn(torch.cat(weights[part]), grid).dequantized.split(split[part])
+            errors += [{"error": error, "error_rtn": error_rtn} for error, error_rtn in zip(*output_errors(
+                weights[part], [quantized[part], rounded], [gram.gram for gram in grams[part]]))]
     rows = []
     for (index, gram), weight, result, error in zip(pending, weights, quantized, errors):
         rows.append((index, log_row(layer_index, layout.name(index, tensor, layer), weight, grid, result,

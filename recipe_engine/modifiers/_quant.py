@@ -48,17 +48,20 @@ def output_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tens
 def output_errors(weights: list[torch.Tensor], candidates: list[list[torch.Tensor]],
                   grams: list[torch.Tensor]) -> list[list[float]]:
     """:func:`output_error` of several weights of one shape, each against several candidates (e.g. GPTQ's result
-    and round-to-nearest: ``candidates[k][e]`` for weight ``e``), at once: batched products, the denominator
-    ``tr(W G Wᵀ)`` once per weight, one host synchronisation; each value is the one computed alone (bit for
-    bit on CPU). Returns ``[candidate][weight]``."""
-    w = _batch([weight.to(torch.float64) for weight in weights])
+    and round-to-nearest: ``candidates[k][e]`` for weight ``e``), at once: batched products into three fp64
+    buffers the size of the weights, the denominator ``tr(W G Wᵀ)`` once per weight, one host synchronisation;
+    each value is the one computed alone (bit for bit on CPU). Returns ``[candidate][weight]``."""
+    w = torch.empty(len(weights), *weights[0].shape, dtype=torch.float64, device=weights[0].device)
+    for row, weight in zip(w, weights):
+        row.copy_(weight)
     g = _batch(grams) if any(gram is not grams[0] for gram in grams) else grams[0].expand(len(grams), -1, -1)
-    denominator = (w @ g).mul_(w).sum((1, 2))  # in place: one product buffer at a time
+    delta, product = torch.empty_like(w), torch.empty_like(w)
+    denominator = torch.matmul(w, g, out=product).mul_(w).sum((1, 2))
     errors = []
     for quantized in candidates:
-        delta = w - _batch([q.to(torch.float64) for q in quantized])
-        errors.append((delta @ g).mul_(delta).sum((1, 2)) / denominator)
-        del delta
+        for row, weight, value in zip(delta, w, quantized):
+            torch.sub(weight, value.to(torch.float64), out=row)
+        errors.append(torch.matmul(delta, g, out=product).mul_(delta).sum((1, 2)) / denominator)
     return torch.stack(errors).tolist()
 
 
