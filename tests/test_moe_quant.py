@@ -71,7 +71,7 @@ def reference_hidden(model_type, experts, index, x):
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 @pytest.mark.parametrize("mode", ["all", "routed"])
 def test_expert_hessians_equal_xtx_of_the_block_inputs(model_type, mode):
-    from recipe_engine.modifiers._experts import MoEInputs, expert_gram
+    from recipe_engine.modifiers._experts import MoEInputs, expert_gram, expert_grams
 
     model = tiny_model(model_type, num_hidden_layers=1)
     layout = adapter_for(model.config).experts
@@ -99,6 +99,11 @@ def test_expert_hessians_equal_xtx_of_the_block_inputs(model_type, mode):
         down = expert_gram(captured, index, "down_proj", mode == "routed", torch.device("cpu"))
         assert down.count == len(xe)
         torch.testing.assert_close(down.gram, h.T @ h, rtol=1e-5, atol=1e-4)
+    # several experts per pass over the batches (one batched h): each Gram the one taken alone, bit for bit
+    together = expert_grams(captured, [1, 2, 3], "down_proj", mode == "routed", torch.device("cpu"))
+    for index, gram in zip([1, 2, 3], together):
+        alone = expert_gram(captured, index, "down_proj", mode == "routed", torch.device("cpu"))
+        assert gram.count == alone.count and torch.equal(gram.gram, alone.gram)
 
 
 def test_an_unrouted_expert_falls_back_to_rtn_and_says_so(tmp_path):
@@ -190,3 +195,33 @@ def test_gptq_covers_the_shared_expert(tmp_path):
         assert not torch.equal(result.model.layers[layer].mlp.shared_expert.down_proj.weight,
                                original.model.layers[layer].mlp.shared_expert.down_proj.weight)
     assert report.steps[0].result["experts"]["quantized"] == 2 * 5 * 2
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("qwen3_moe", "experts:all"), ("qwen2_moe", "experts:all,act_order:false"),
+    ("gpt_oss", "experts:routed,min_expert_tokens:40")])
+def test_experts_batched_equal_one_expert_at_a_time(tmp_path, monkeypatch, model_type, extra):
+    """The batched path (several experts' down_proj Grams per pass over the batches, one GPTQ call and one error
+    evaluation per batch of experts with their own Hessians; batched on CPU as on a GPU here) writes the weights
+    and log of the one-at-a-time path (memory budgets of one byte: one expert per pass and per call) bit for
+    bit; ``seconds`` is the call's time shared by its experts (the fallbacks of ``routed`` and the shared
+    expert included)."""
+    from recipe_engine.modifiers import _experts
+
+    save_tiny_model(tmp_path / "model", model_type, num_hidden_layers=2)
+    step = GPTQ.format(extra=extra)
+    monkeypatch.setattr(_experts, "CPU_SOLVE_BYTES", _experts.SOLVE_BYTES)  # batched here as on a GPU
+    batched, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], name="batched"), progress=False)
+    for budget in ("SOLVE_BYTES", "CPU_SOLVE_BYTES", "HIDDEN_BYTES"):
+        monkeypatch.setattr(_experts, budget, 1)
+    alone, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], name="alone"), progress=False)
+    expected = alone.model.state_dict()
+    for key, value in batched.model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    rows, reference = log_rows(tmp_path / "batched"), log_rows(tmp_path / "alone")
+    assert [{**r, "seconds": None} for r in rows] == [{**r, "seconds": None} for r in reference]
+    down = [r for r in rows if r["layer"] == "0" and r["module"].startswith("mlp.experts.down_proj")
+            and r["method"] == "gptq"]
+    assert len(down) >= 2 and len({r["seconds"] for r in down}) == 1  # one call
+    if "routed" in extra:
+        assert any(r["method"] == "rtn-fallback" for r in rows)

@@ -136,3 +136,53 @@ def test_gptq_block_program_through_static_buffers_equals_the_eager_sweep(group,
     assert torch.equal(eager.scale, buffered.scale) and torch.equal(eager.zero, buffered.zero)
     expected = reference_gptq(weight, gram, 4, group, sym, act_order, damp=0.01)
     torch.testing.assert_close(buffered.dequantized, expected, rtol=0, atol=1e-9)
+
+
+def expert_problems(count=5, rows=24, cols=64):
+    """``count`` weights with their own Hessians: correlated SPD Grams, one all-zero (no token: every input
+    dead), one singular (rank 8 < 64 and two dead inputs)."""
+    weights, grams = zip(*(correlated_problem(rows, cols, seed=seed) for seed in range(count)))
+    weights, grams = torch.stack(weights), torch.stack(grams)
+    grams[1] = 0.0
+    x = torch.randn(8, cols, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    grams[2] = x.T @ x
+    grams[2, 7, :] = grams[2, :, 7] = grams[2, 40, :] = grams[2, :, 40] = 0.0
+    return weights, grams
+
+
+@pytest.mark.parametrize("group,sym,act_order", [(16, True, True), (16, False, False), (8, True, False),
+                                                  (None, True, False), (32, False, True)])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_batched_gptq_equals_one_weight_at_a_time(group, sym, act_order, graphs):
+    """``gptq_quantize_batch`` over several weights, each with its own Hessian (incl. an all-zero and a singular
+    one), equals ``gptq_quantize`` of each alone bit for bit: the same integer codes, scales and zero points, and
+    so the same dequantized weights (dynamic groups, act_order, per-row groups, a short last block); each alone
+    also matches the independent reference."""
+    from recipe_engine.modifiers.gptq import gptq_quantize_batch
+
+    weights, grams = expert_problems(cols=96)
+    grid = Grid(4, group, sym)
+    batched = gptq_quantize_batch(weights, grams, grid, act_order, damp=0.01, block_size=64, graphs=graphs)
+    for index, (weight, gram) in enumerate(zip(weights, grams)):
+        alone = gptq_quantize(weight, gram, grid, act_order, damp=0.01, block_size=64, graphs=graphs)
+        assert torch.equal(batched.scale[index], alone.scale) and torch.equal(batched.zero[index], alone.zero)
+        codes = grid.codes(batched.dequantized[index], grid.expand(alone.scale, 96), grid.expand(alone.zero, 96))
+        assert torch.equal(codes, grid.codes(alone.dequantized, grid.expand(alone.scale, 96),
+                                             grid.expand(alone.zero, 96)))
+        assert torch.equal(batched.dequantized[index], alone.dequantized)
+        dead = torch.diagonal(gram) == 0  # as the reference code: H_ii = 1, zero weights
+        if dead.all():  # no token: every weight zero (the reference's grid has no all-zero group)
+            assert not alone.dequantized.any()
+            continue
+        expected = reference_gptq(weight.masked_fill(dead, 0.0), torch.where(torch.diag(dead), 1.0, gram), 4, group,
+                                  sym, act_order, damp=0.01)
+        torch.testing.assert_close(alone.dequantized, expected, rtol=0, atol=1e-9)
+
+
+def test_batched_gptq_names_the_hessian_that_is_not_positive_definite():
+    from recipe_engine.modifiers.gptq import gptq_quantize_batch
+
+    weights, grams = expert_problems(count=3)
+    grams[2] = -torch.eye(64, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"Hessians \[2\] of the batch"):
+        gptq_quantize_batch(weights, grams, Grid(4, 16, True), False, damp=0.01, block_size=64)

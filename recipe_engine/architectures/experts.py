@@ -159,6 +159,18 @@ class ExpertLayout:
         return experts.act_fn(gate) * up
 
     @torch.no_grad()
+    def hidden_batch(self, layer: nn.Module, start: int, stop: int, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`hidden` of the routed experts ``start:stop`` on the same tokens, ``[experts, tokens, width]``:
+        one batched product (each expert's the same operations as alone)."""
+        experts = self.experts(layer)
+        weight = experts.gate_up_proj[start:stop]
+        if self.transposed:
+            gate_up = x @ weight + (experts.gate_up_proj_bias[start:stop, None] if self.biases else 0)
+            return experts._apply_gate(gate_up)
+        gate, up = (x @ weight.transpose(1, 2)).chunk(2, dim=-1)
+        return experts.act_fn(gate) * up
+
+    @torch.no_grad()
     def routed(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``[tokens, experts]`` bool: the experts the router picks for each token of ``x`` (its ``top_k``
         largest logits; the softmax the routers apply first or after keeps that order)."""

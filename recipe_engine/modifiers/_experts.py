@@ -6,13 +6,18 @@ Each expert's ``gate_up_proj`` and ``down_proj`` slice is one linear weight ``[o
 
 - ``experts: all`` (default, llm-compressor's "calibrate all experts"): every expert's statistics use every
   token. gate/up read ``x`` itself, so one Hessian ``Σ x xᵀ`` serves the gate/up of every expert of the layer;
-  ``down_proj``'s Hessian is that expert's ``h = act(gate x) ⊙ up x`` over all tokens, computed one expert at a
-  time (memory: one expert's activations of one batch and one ``width × width`` sum).
+  ``down_proj``'s Hessian is that expert's ``h = act(gate x) ⊙ up x`` over all tokens, computed for several
+  experts per pass over the batches (one batched product per batch; memory: :data:`HIDDEN_BYTES` of ``h``).
 - ``experts: routed``: each expert's statistics use only the tokens its router picks.
 
 The layer's output (what the next layer receives) is always the model's own forward: routed experts only.
 An expert whose statistics cover fewer than ``min_expert_tokens`` tokens is rounded to nearest on the same
 grid instead (``method`` ``rtn-fallback`` in ``quantization_log.csv``, listed in the step's report).
+
+Experts whose Hessians differ (``down_proj``; everything under ``routed``) have their Grams taken
+:data:`SOLVE_BYTES` at a time and are solved in batches on an accelerator, one batched GPTQ call each
+(``gptq_quantize_batch``: each expert's result is that of solving it alone; on CPU one expert per call,
+:data:`CPU_SOLVE_BYTES`); their log errors are evaluated together, one host synchronisation per call.
 """
 from __future__ import annotations
 
@@ -23,12 +28,27 @@ import torch
 
 from recipe_engine.api import InputCovariance, Statistic
 
-from ._quant import log_row, output_error, rtn
+from ._quant import log_row, output_errors, rtn
 
 #: ``method`` of an expert rounded to nearest because too few tokens reached it.
 FALLBACK = "rtn-fallback"
 #: Rows of experts quantized in one GPTQ call when they share a Hessian (speed: one factorization).
 STACK_ROWS = 8192
+#: fp64 working memory of one batched call over experts with their own Hessians (:func:`solve_bytes` each) on
+#: an accelerator, where a call's time is kernel launches; also how many experts' Grams are taken per request.
+SOLVE_BYTES = 512 << 20
+#: The same on CPU, where a batch's sweep outgrows the cache (8 experts of 2048 × 768 per call: 1.3x the time of
+#: one at a time, measured): one expert per call.
+CPU_SOLVE_BYTES = 0
+#: Memory of the ``down_proj`` inputs ``h`` of one calibration batch computed at once for several experts.
+HIDDEN_BYTES = 256 << 20
+
+
+def solve_bytes(rows: int, columns: int) -> int:
+    """fp64 working memory of one expert's ``[rows, columns]`` weight in a batched GPTQ call: the weight, its
+    permuted transpose, the result and the round-to-nearest reference, and three ``columns²`` matrices (the
+    Hessian, its permuted copy and the inverse factor)."""
+    return 8 * (4 * rows * columns + 3 * columns * columns)
 
 
 class MoEInputs(Statistic):
@@ -72,54 +92,130 @@ def expert_gram(captured: MoEInputs, index: int, tensor: str, routed: bool, devi
     return gram
 
 
-def quantize_experts(session, layer_index: int, tensor: str, grams: Callable[[int], InputCovariance | None],
-                     quantize: Callable, grid_of: Callable, min_tokens: int, damp: float | None,
-                     mark: Callable | None = None) -> list[dict]:
-    """Quantize ``tensor`` of every expert of the layer; returns the log rows (``method`` says which fell back).
+def expert_grams(captured: MoEInputs, indices: list[int], tensor: str, routed: bool,
+                 device) -> list[InputCovariance]:
+    """:func:`expert_gram` of the experts ``indices``; ``down_proj`` over all tokens is taken for several routed
+    experts per pass over the batches (as many as :data:`HIDDEN_BYTES` of ``h`` allow), with the same
+    operations per expert, so the Grams are the one-at-a-time ones bit for bit."""
+    layout, layer = captured.layout, captured.layer
+    together = [i for i in indices if tensor == "down_proj" and not routed and not layout.is_shared(layer, i)]
+    grams = {i: expert_gram(captured, i, tensor, routed, device) for i in indices if i not in together}
+    if together:
+        down = layout.weight(layer, together[0], "down_proj")
+        tokens = max((len(x) for x in captured.inputs), default=1)
+        per_expert = tokens * down.shape[1] * (4 * down.element_size() + 4)  # gate/up, act, h, its fp32 copy
+        per_pass = max(1, HIDDEN_BYTES // per_expert)
+        for first in range(0, len(together), per_pass):
+            grams.update(_down_grams(captured, together[first:first + per_pass], device))
+    return [grams[i] for i in indices]
 
-    ``grams(index)``: the expert's input Gram (None: no calibration, round-to-nearest); ``quantize(weight, gram,
-    grid)`` the step's method. Experts whose Gram is the same object are quantized stacked (one call).
-    ``mark(module, grid, scale, zero, parameter)``: records the scales and zero points for a packing export
-    (``ExpertLayout.quantized_parts``)."""
+
+def _down_grams(captured: MoEInputs, indices: list[int], device) -> dict[int, InputCovariance]:
+    """All-token ``down_proj`` Grams of consecutive routed experts ``indices``, one pass over the batches."""
+    layout, layer = captured.layout, captured.layer
+    dtype = layout.weight(layer, indices[0], "down_proj").dtype
+    grams = {i: InputCovariance(layout.name(i, "down_proj", layer), products=torch.float32) for i in indices}
+    for x in captured.inputs:
+        if not len(x):
+            continue
+        hidden = layout.hidden_batch(layer, indices[0], indices[-1] + 1, x.to(device).to(dtype))
+        for index, h in zip(indices, hidden):
+            grams[index].update(h, None)
+    for index, gram in grams.items():
+        if gram.gram is None:  # no token: an all-zero Hessian (the fallback's count)
+            width = layout.weight(layer, index, "down_proj").shape[1]
+            gram.gram = torch.zeros(width, width, dtype=torch.float64, device=device)
+    return grams
+
+
+def _method(gram: InputCovariance | None, min_tokens: int) -> str:
+    return "rtn" if gram is None else FALLBACK if gram.count < min_tokens else "gptq"
+
+
+def quantize_experts(session, layer_index: int, tensor: str,
+                     grams: Callable[[list[int]], list[InputCovariance | None]], quantize: Callable | None,
+                     grid_of: Callable, min_tokens: int, damp: float | None, mark: Callable | None = None) -> list[dict]:
+    """Quantize ``tensor`` of every expert of the layer; returns the log rows in expert order (``method`` says
+    which fell back). ``mark(module, grid, scale, zero, parameter)``: records the scales and zero points for a
+    packing export (``ExpertLayout.quantized_parts``), in expert order.
+
+    ``grams(indices)``: the experts' input Grams (None: no calibration, round-to-nearest), asked for as many
+    experts at a time as :data:`SOLVE_BYTES` allow; ``quantize(weights, grams, grid)`` the step's method on a
+    batch ``[E, rows, cols]`` with ``[E, cols, cols]``. Experts whose Gram is one shared object are quantized
+    row-stacked (one Hessian, :data:`STACK_ROWS` rows per call), those with their own Grams batched (on an
+    accelerator one call per request; on CPU :data:`CPU_SOLVE_BYTES`), rounded ones stacked; a row's
+    ``seconds`` is its call's time over the experts in it."""
     layout, layer = session.adapter.experts, session.layers[layer_index]
-    rows, pending, scales, zeros, grids = [], [], [], [], []
+    units, weight = layout.units(layer), layout.weight(layer, 0, tensor)
+    request = max(1, SOLVE_BYTES // solve_bytes(*weight.shape))
+    per_call = request if weight.device.type != "cpu" else max(1, CPU_SOLVE_BYTES // solve_bytes(*weight.shape))
+    rows, pending = [], {}  # call kind → [(index, gram)]
 
-    def flush():
-        if not pending:
-            return
-        started = time.perf_counter()
-        gram = pending[0][1]
-        weights = [layout.weight(layer, index, tensor).detach() for index, _ in pending]
-        stacked = torch.cat(weights)
-        grid = grid_of(stacked.dtype)
-        fallback = gram is not None and gram.count < min_tokens
-        result = rtn(stacked, grid) if gram is None or fallback else quantize(stacked, gram.gram, grid)
-        seconds = (time.perf_counter() - started) / len(pending)
-        method = "rtn" if gram is None else FALLBACK if fallback else "gptq"
-        split = [w.shape[0] for w in weights]
-        scales.extend(result.scale.split(split))
-        zeros.extend(result.zero.split(split))
-        grids.append(grid)
-        for (index, _), weight, quantized in zip(pending, weights, result.dequantized.split(split)):
-            name = layout.name(index, tensor, layer)
-            errors = {}
-            if gram is not None and gram.count:
-                errors = {"error": output_error(weight, quantized, gram.gram),
-                          "error_rtn": output_error(weight, rtn(weight, grid).dequantized, gram.gram)}
-            rows.append(log_row(layer_index, name, weight, grid, quantized, method=method, damp=damp,
-                                tokens=gram.count if gram is not None else 0, seconds=seconds, **errors))
-            layout.set_weight(layer, index, tensor, quantized)
-        pending.clear()
+    def flush(key):
+        rows.extend(_quantize_call(session, layer_index, tensor, pending.pop(key), quantize, grid_of, min_tokens,
+                                   damp))
 
-    for index in range(layout.units(layer)):
-        gram = grams(index)
-        rows_so_far = sum(layout.weight(layer, i, tensor).shape[0] for i, _ in pending)
-        if pending and (pending[0][1] is not gram or gram is None or rows_so_far >= STACK_ROWS):
-            flush()
-        pending.append((index, gram))
-    flush()
+    for first in range(0, units, request):
+        indices = list(range(first, min(first + request, units)))
+        statistics = grams(indices)
+        for index, gram in zip(indices, statistics):
+            method, shape = _method(gram, min_tokens), tuple(layout.weight(layer, index, tensor).shape)
+            shared = method == "gptq" and (sum(g is gram for g in statistics) > 1 or ("stack", shape, id(gram))
+                                           in pending)
+            key = (method, shape, gram is not None and gram.count > 0) if method != "gptq" \
+                else ("stack", shape, id(gram)) if shared else ("own", shape)
+            if key in pending and (len(pending[key]) >= per_call if key[0] == "own"
+                                   else len(pending[key]) * shape[0] >= STACK_ROWS):
+                flush(key)
+            pending.setdefault(key, []).append((index, gram))
+        for key in [key for key in pending if key[0] == "own"]:  # their Grams go before the next are taken
+            flush(key)
+    for key in list(pending):
+        flush(key)
+    rows.sort(key=lambda item: item[0])
     if mark is not None:
+        scales, zeros = [item[2] for item in rows], [item[3] for item in rows]
         for (module, parameter, scale), (*_, zero) in zip(layout.quantized_parts(layer, tensor, scales),
                                                            layout.quantized_parts(layer, tensor, zeros)):
-            mark(module, grids[0], scale, zero, parameter)
+            mark(module, rows[0][4], scale, zero, parameter)
+    return [item[1] for item in rows]
+
+
+def _quantize_call(session, layer_index: int, tensor: str, pending: list, quantize: Callable | None,
+                   grid_of: Callable, min_tokens: int, damp: float | None) -> list[tuple]:
+    """One call of :func:`quantize_experts`: the experts of ``pending`` (``(index, gram)``) stacked on one shared
+    Hessian, batched with their own, or rounded to nearest; per expert ``(index, log row, scale, zero, grid)``."""
+    layout, layer = session.adapter.experts, session.layers[layer_index]
+    started = time.perf_counter()
+    weights = [layout.weight(layer, index, tensor).detach() for index, _ in pending]
+    grams = [gram for _, gram in pending]
+    grid = grid_of(weights[0].dtype)
+    method = _method(grams[0], min_tokens)
+    split = [w.shape[0] for w in weights]
+    if method != "gptq":
+        result = rtn(torch.cat(weights), grid)
+        parts = [list(t.split(split)) for t in (result.dequantized, result.scale, result.zero)]
+    elif all(gram is grams[0] for gram in grams):
+        result = quantize(torch.cat(weights)[None], grams[0].gram[None], grid)
+        parts = [list(t[0].split(split)) for t in (result.dequantized, result.scale, result.zero)]
+    else:
+        result = quantize(torch.stack(weights), torch.stack([g.gram for g in grams]), grid)
+        parts = [list(t) for t in (result.dequantized, result.scale, result.zero)]
+    quantized, scales, zeros = parts
+    if weights[0].is_cuda:  # the log's seconds are the GPU's work, not its launch
+        torch.cuda.synchronize(weights[0].device)
+    seconds = (time.perf_counter() - started) / len(pending)
+    errors = [{}] * len(pending)
+    if grams[0] is not None and grams[0].count:  # in groups of STACK_ROWS / 2 rows (memory: the solve's)
+        errors, group = [], max(1, STACK_ROWS // 2 // split[0])
+        for part in (slice(first, first + group) for first in range(0, len(pending), group)):
+            rounded = rtn(torch.cat(weights[part]), grid).dequantized.split(split[part])
+            errors += [{"error": error, "error_rtn": error_rtn} for error, error_rtn in zip(*output_errors(
+                weights[part], [quantized[part], rounded], [gram.gram for gram in grams[part]]))]
+    rows = []
+    for (index, gram), weight, result, scale, zero, error in zip(pending, weights, quantized, scales, zeros, errors):
+        rows.append((index, log_row(layer_index, layout.name(index, tensor, layer), weight, grid, result,
+                                    method=method, damp=damp, tokens=gram.count if gram is not None else 0,
+                                    seconds=seconds, **error), scale, zero, grid))
+        layout.set_weight(layer, index, tensor, result)
     return rows

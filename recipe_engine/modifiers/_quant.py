@@ -42,9 +42,32 @@ def rtn(weight: torch.Tensor, grid: Grid) -> QuantizedWeight:
 
 def output_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tensor) -> float:
     """Relative layer-output error ``tr(ΔW G ΔWᵀ) / tr(W G Wᵀ)`` for the input gram ``G = Σ x xᵀ``."""
-    w = weight.to(torch.float64)
-    delta = w - quantized.to(torch.float64)
-    return float(((delta @ gram) * delta).sum() / ((w @ gram) * w).sum())
+    return output_errors([weight], [[quantized]], [gram])[0][0]
+
+
+def output_errors(weights: list[torch.Tensor], candidates: list[list[torch.Tensor]],
+                  grams: list[torch.Tensor]) -> list[list[float]]:
+    """:func:`output_error` of several weights of one shape, each against several candidates (e.g. GPTQ's result
+    and round-to-nearest: ``candidates[k][e]`` for weight ``e``), at once: batched products into three fp64
+    buffers the size of the weights, the denominator ``tr(W G Wᵀ)`` once per weight, one host synchronisation;
+    each value is the one computed alone (bit for bit on CPU). Returns ``[candidate][weight]``."""
+    w = torch.empty(len(weights), *weights[0].shape, dtype=torch.float64, device=weights[0].device)
+    for row, weight in zip(w, weights):
+        row.copy_(weight)
+    g = _batch(grams) if any(gram is not grams[0] for gram in grams) else grams[0].expand(len(grams), -1, -1)
+    delta, product = torch.empty_like(w), torch.empty_like(w)
+    denominator = torch.matmul(w, g, out=product).mul_(w).sum((1, 2))
+    errors = []
+    for quantized in candidates:
+        for row, weight, value in zip(delta, w, quantized):
+            torch.sub(weight, value.to(torch.float64), out=row)
+        errors.append(torch.matmul(delta, g, out=product).mul_(delta).sum((1, 2)) / denominator)
+    return torch.stack(errors).tolist()
+
+
+def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` without a copy of a single tensor (a large linear's fp64 weight)."""
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
 
 
 def weight_error(weight: torch.Tensor, quantized: torch.Tensor) -> float:

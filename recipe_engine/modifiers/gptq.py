@@ -12,8 +12,10 @@ from pydantic import Field, NonNegativeInt, PositiveInt
 from recipe_engine.api import (InputCovariance, LayerModifier, ModifierSession, StagedLayer, lower_triangular_inverse,
                                position, register)
 
-from ._experts import FALLBACK, STACK_ROWS, MoEInputs, expert_gram, quantize_experts
-from ._quant import LOG_FILE, Grid, GridParameters, QuantizedWeight, expert_targets, log_row, output_error, rtn
+from ._experts import (FALLBACK, HIDDEN_BYTES, SOLVE_BYTES, STACK_ROWS, MoEInputs, expert_grams, quantize_experts,
+                       solve_bytes)
+from ._quant import (LOG_FILE, Grid, GridParameters, QuantizedWeight, expert_targets, log_row, output_errors,
+                     rtn)
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -23,16 +25,20 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     With ``P`` the order reversal and ``P(H + λI)P = LLᵀ``, ``U = P L⁻¹ P`` (upper triangular, positive
     diagonal, ``UᵀU = P L⁻ᵀL⁻¹ P = (H + λI)⁻¹``): one Cholesky and one triangular inverse, ``n³/3``
     multiply-adds, where the reference code's Cholesky, ``cholesky_inverse`` and second Cholesky take
-    ``2n³/3`` (``down_proj`` of Llama-3-8B: n = 14336)."""
-    reversed_h = hessian.flip(0, 1)  # a copy: at most two n × n buffers beside H at any time
-    reversed_h.diagonal().add_(damp * torch.diagonal(hessian).mean())
+    ``2n³/3`` (``down_proj`` of Llama-3-8B: n = 14336). Leading dimensions are a batch of Hessians, each with
+    its own ``λ``."""
+    reversed_h = hessian.flip(-2, -1)  # a copy: at most two n × n buffers beside H at any time
+    diagonal = torch.diagonal(hessian, dim1=-2, dim2=-1)
+    reversed_h.diagonal(dim1=-2, dim2=-1).add_(damp * diagonal.mean(-1, keepdim=True))
     lower, info = torch.linalg.cholesky_ex(reversed_h)
     del reversed_h
-    if int(info):
-        raise ValueError(f"damped Hessian not positive definite (damp={damp}); raise damp")
+    failed = torch.nonzero(info.reshape(-1)).flatten().tolist()
+    if failed:
+        which = f" (Hessians {failed} of the batch)" if info.numel() > 1 else ""
+        raise ValueError(f"damped Hessian not positive definite{which} (damp={damp}); raise damp")
     inverse = lower_triangular_inverse(lower)
     del lower
-    return inverse.flip(0, 1)
+    return inverse.flip(-2, -1)
 
 
 #: Columns per inner lazy batch of ``gptq_quantize`` (speed only).
@@ -42,33 +48,35 @@ SUB_BLOCK = 16
 def quantize_block(w1: torch.Tensor, hb: torch.Tensor, q_out: torch.Tensor, err: torch.Tensor, grid: Grid,
                    sub: int, column_scale: torch.Tensor, column_zero: torch.Tensor,
                    group_scale: torch.Tensor | None = None, group_zero: torch.Tensor | None = None) -> None:
-    """One lazy-batch block of GPTQ's column sweep, in place: ``w1`` [block, rows] the block's (transposed)
-    weights, ``hb`` its ``U`` diagonal block; writes the dequantized columns to ``q_out`` and the scaled
-    errors ``(w - q) / U_ii`` to ``err``. Static groups: ``column_scale``/``column_zero`` [block, rows] are
-    each column's group parameters. Dynamic groups (``group_scale`` given, [block / width, rows]): a group's
-    parameters are computed from the updated weights when its first column is reached and written there
-    (``column_scale`` then holds the group width in its length only: ``len(w1) / len(group_scale)``).
+    """One lazy-batch block of GPTQ's column sweep over a batch of ``E`` weights, in place: ``w1``
+    [E, block, rows] the block's (transposed) weights, ``hb`` [E, block, block] their ``U`` diagonal blocks;
+    writes the dequantized columns to ``q_out`` and the scaled errors ``(w - q) / U_ii`` to ``err``. Static
+    groups: ``column_scale``/``column_zero`` [E, block, rows] are each column's group parameters. Dynamic
+    groups (``group_scale`` given, [E, block / width, rows]): a group's parameters are computed from the
+    updated weights when its first column is reached and written there (``column_scale`` then holds the
+    group width in its length only: ``block / groups``).
 
-    Every operation is a fixed-shape tensor operation with no host synchronisation, so on a GPU the whole
-    block is captured once as a CUDA graph and replayed per block (``_BlockGraph``)."""
-    n = w1.shape[0]
-    width = n // len(group_scale) if group_scale is not None else 0
+    Every operation is one batched tensor operation over the ``E`` weights (the same kernels a single weight
+    runs, on ``E`` times the elements) with no host synchronisation, so on a GPU the whole block is captured
+    once as a CUDA graph and replayed per block (``_BlockGraph``)."""
+    n = w1.shape[1]
+    width = n // group_scale.shape[1] if group_scale is not None else 0
     for s0 in range(0, n, sub):
         s1 = min(s0 + sub, n)
         for i in range(s0, s1):
             if group_scale is not None:
                 if i % width == 0:
-                    scale, zero = grid.params(w1[i:i + width].t())
-                    group_scale[i // width].copy_(scale)
-                    group_zero[i // width].copy_(zero)
-                scale, zero = group_scale[i // width], group_zero[i // width]
+                    scale, zero = grid.params(w1[:, i:i + width].transpose(1, 2))
+                    group_scale[:, i // width].copy_(scale)
+                    group_zero[:, i // width].copy_(zero)
+                scale, zero = group_scale[:, i // width], group_zero[:, i // width]
             else:
-                scale, zero = column_scale[i], column_zero[i]
-            q = grid.fake(w1[i], scale, zero)
-            q_out[i] = q
-            err[i] = (w1[i] - q) / hb[i, i]
-            w1[i + 1:s1].addr_(hb[i, i + 1:s1], err[i], alpha=-1)
-        w1[s1:] -= hb[s0:s1, s1:].t() @ err[s0:s1]
+                scale, zero = column_scale[:, i], column_zero[:, i]
+            q = grid.fake(w1[:, i], scale, zero)
+            q_out[:, i] = q
+            err[:, i] = (w1[:, i] - q) / hb[:, i, i, None]
+            w1[:, i + 1:s1].addcmul_(hb[:, i, i + 1:s1, None], err[:, i, None], value=-1)
+        w1[:, s1:] -= hb[:, s0:s1, s1:].transpose(1, 2) @ err[:, s0:s1]
 
 
 class _BlockGraph:
@@ -78,16 +86,17 @@ class _BlockGraph:
     same kernels on the same values as the eager call, so the result is identical. Off a GPU (the test
     suite) ``run`` calls the program directly over the same buffers."""
 
-    def __init__(self, rows: int, n: int, groups: int | None, grid: Grid, sub: int, like: torch.Tensor):
+    def __init__(self, count: int, rows: int, n: int, groups: int | None, grid: Grid, sub: int,
+                 like: torch.Tensor):
         def buffer(*size):
-            return torch.zeros(*size, dtype=like.dtype, device=like.device)
+            return torch.zeros(count, *size, dtype=like.dtype, device=like.device)
 
         self.w1, self.hb, self.q_out, self.err = buffer(n, rows), buffer(n, n), buffer(n, rows), buffer(n, rows)
         per_column = (n, rows) if groups is None else (n, 1)  # dynamic groups: only the shape is read
         self.column_scale, self.column_zero = buffer(*per_column), buffer(*per_column)
         self.group_scale = buffer(groups, rows) if groups else None
         self.group_zero = buffer(groups, rows) if groups else None
-        self.hb.diagonal().fill_(1.0)
+        self.hb.diagonal(dim1=1, dim2=2).fill_(1.0)
         self.program = lambda: quantize_block(self.w1, self.hb, self.q_out, self.err, grid, sub, self.column_scale,
                                               self.column_zero, self.group_scale, self.group_zero)
         self.graph = None
@@ -113,12 +122,29 @@ class _BlockGraph:
             self.program()
 
 
+def _rows_of(matrices: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``matrices[e][order[e]]`` for every ``e`` of the batch ([E, n, m] by [E, n]), one gather."""
+    return matrices.gather(1, order[:, :, None].expand(-1, -1, matrices.shape[2]))
+
+
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_order: bool, damp: float,
                   block_size: int, graphs: bool | None = None) -> QuantizedWeight:
-    """GPTQ Algorithm 1 in fp64: quantize columns left to right, spreading each column's error
-    ``(w - q) / U_ii`` over the remaining columns with row ``i`` of ``U = chol((H + λI)⁻¹)ᵀ``;
-    updates to columns after the current block are applied lazily once per block ("lazy batch").
+    """GPTQ of one weight ``[rows, cols]`` with its input Gram ``[cols, cols]``: :func:`gptq_quantize_batch`
+    on a batch of one."""
+    result = gptq_quantize_batch(weight[None], gram[None], grid, act_order, damp, block_size, graphs)
+    return QuantizedWeight(result.dequantized[0], result.scale[0], result.zero[0])
+
+
+@torch.no_grad()
+def gptq_quantize_batch(weights: torch.Tensor, grams: torch.Tensor, grid: Grid, act_order: bool, damp: float,
+                        block_size: int, graphs: bool | None = None) -> QuantizedWeight:
+    """GPTQ Algorithm 1 in fp64 on ``E`` weights ``[E, rows, cols]``, each with its own input Gram
+    ``[E, cols, cols]``, in one sweep: quantize columns left to right, spreading each column's error
+    ``(w - q) / U_ii`` over the remaining columns with row ``i`` of ``U = chol((H + λI)⁻¹)ᵀ``; updates to
+    columns after the current block are applied lazily once per block ("lazy batch"). Every step is one
+    batched operation over the ``E`` weights (the experts of an MoE layer: one sweep instead of ``E``);
+    each weight's result is that of solving it alone (``tests/test_quant_gptq.py``: bit for bit on CPU).
 
     ``gram = Σ x xᵀ`` of the layer input (``H = 2 gram``; the factor cancels since ``λ`` is relative).
     Inputs never seen (``H_ii = 0``) get ``H_ii = 1`` and zero weights, as in the reference code.
@@ -131,28 +157,28 @@ def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_orde
     the sweep launches ~10 small kernels per column, which bounds it by Python's launch rate when eager
     (8B-shaped layers on an H200: ~4 s of a layer's GPTQ).
     """
-    w = weight.detach().to(torch.float64).clone()
-    h = gram.detach().to(device=w.device, dtype=torch.float64).clone()
-    rows, columns = w.shape
-    dead = torch.diagonal(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+    w = weights.detach().to(torch.float64).clone()
+    h = grams.detach().to(device=w.device, dtype=torch.float64).clone()
+    count, rows, columns = w.shape
+    dead = torch.diagonal(h, dim1=1, dim2=2) == 0
+    h.diagonal(dim1=1, dim2=2).masked_fill_(dead, 1.0)
+    w.masked_fill_(dead[:, None, :], 0.0)
     width = grid.width(columns)
-    scale = torch.zeros(rows, columns // width, dtype=w.dtype, device=w.device)
+    scale = torch.zeros(count, rows, columns // width, dtype=w.dtype, device=w.device)
     zero = torch.zeros_like(scale)
     static = act_order or grid.group_size is None
     if static:
         for g in range(columns // width):
-            scale[:, g], zero[:, g] = grid.params(w[:, g * width:(g + 1) * width])
-    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order \
-        else torch.arange(columns, device=w.device)
+            scale[:, :, g], zero[:, :, g] = grid.params(w[:, :, g * width:(g + 1) * width])
+    perm = torch.argsort(torch.diagonal(h, dim1=1, dim2=2), dim=1, descending=True, stable=True) if act_order \
+        else torch.arange(columns, device=w.device).expand(count, columns)
     # work on the transpose: column j of the (permuted) weight is the contiguous row j (2.3x faster on CPU)
-    wt = w.t()[perm].contiguous()
+    wt = _rows_of(w.transpose(1, 2), perm).contiguous()
     del w
     group_of = perm // width
-    factor = inverse_hessian_factor(h[perm][:, perm], damp)
+    factor = inverse_hessian_factor(_rows_of(_rows_of(h, perm).transpose(1, 2), perm), damp)  # H symmetric
     del h
-    scale_t, zero_t = scale.t(), zero.t()  # views: a group's parameters are a row
+    scale_t, zero_t = scale.transpose(1, 2), zero.transpose(1, 2)  # views: a group's parameters are a row
     block = block_size if static else width * max(1, block_size // width)
     # the lazy batch twice over: rank-1 updates within SUB_BLOCK columns, one product per sub-block for the
     # rest of the block (the reference's per-column update of the whole block is memory-bound: 1.6–1.8×
@@ -164,26 +190,27 @@ def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_orde
     out = torch.empty_like(wt)
     for start in range(0, columns, block):
         end = min(start + block, columns)
-        w1, hb = wt[start:end], factor[start:end, start:end]
-        column_scale = scale_t[group_of[start:end]] if static else scale_t[:end - start]  # dynamic: unused
-        column_zero = zero_t[group_of[start:end]] if static else zero_t[:end - start]
+        w1, hb = wt[:, start:end], factor[:, start:end, start:end]
+        column_scale = _rows_of(scale_t, group_of[:, start:end]) if static else scale_t[:, :end - start]
+        column_zero = _rows_of(zero_t, group_of[:, start:end]) if static else zero_t[:, :end - start]
         groups = None if static else (end - start) // width
         if graphs:
             if end - start not in captured:
-                captured[end - start] = _BlockGraph(rows, end - start, groups, grid, sub, wt)
+                captured[end - start] = _BlockGraph(count, rows, end - start, groups, grid, sub, wt)
             program = captured[end - start]
             program.run(w1, hb, column_scale, column_zero)
-            out[start:end], err = program.q_out, program.err
+            out[:, start:end], err = program.q_out, program.err
             if not static:
-                scale_t[start // width:end // width] = program.group_scale
-                zero_t[start // width:end // width] = program.group_zero
+                scale_t[:, start // width:end // width] = program.group_scale
+                zero_t[:, start // width:end // width] = program.group_zero
         else:
             err = torch.empty_like(w1)
-            group_scale = scale_t[start // width:end // width] if not static else None
-            group_zero = zero_t[start // width:end // width] if not static else None
-            quantize_block(w1, hb, out[start:end], err, grid, sub, column_scale, column_zero, group_scale, group_zero)
-        wt[end:] -= factor[start:end, end:].t() @ err
-    return QuantizedWeight(out[torch.argsort(perm)].t(), scale, zero)
+            group_scale = scale_t[:, start // width:end // width] if not static else None
+            group_zero = zero_t[:, start // width:end // width] if not static else None
+            quantize_block(w1, hb, out[:, start:end], err, grid, sub, column_scale, column_zero, group_scale,
+                           group_zero)
+        wt[:, end:] -= factor[:, start:end, end:].transpose(1, 2) @ err
+    return QuantizedWeight(_rows_of(out, torch.argsort(perm, dim=1)).transpose(1, 2), scale, zero)
 
 
 @register
@@ -225,10 +252,16 @@ class GPTQ(GridParameters, LayerModifier):
         """The fp64 Hessian of the widest input (``down_proj``: the intermediate size), its Cholesky
         inverse and a copy; sequential mode also keeps the block outputs' inputs (o_proj, down_proj) of
         every calibration token (fp32). Experts: the stacked gate/up of up to ``STACK_ROWS`` rows in fp64
-        (the weight, its transpose, the result and the round-to-nearest copy)."""
+        (the weight, its transpose, the result and the round-to-nearest copy), or the batched down_proj solve
+        (at most ``SOLVE_BYTES``) with the batch's ``h`` of several experts (at most ``HIDDEN_BYTES``)."""
         widest = max(max(layer.intermediate_size for layer in shape.layers), shape.hidden_size)
         kept = tokens * (shape.hidden_size + widest) * 4 if self.sequential else 0
-        experts = 4 * STACK_ROWS * shape.hidden_size * 8 if shape.num_experts else 0
+        experts = 0
+        if shape.num_experts:
+            width, count = shape.layers[0].intermediate_size, shape.num_experts
+            batched = min(SOLVE_BYTES, count * solve_bytes(shape.hidden_size, width)) + \
+                min(HIDDEN_BYTES, count * tokens * width * 12)
+            experts = max(4 * STACK_ROWS * shape.hidden_size * 8, batched)
         return 3 * widest * widest * 8 + kept + experts
 
     def target_layers(self, session: ModifierSession) -> list[int]:
@@ -281,10 +314,9 @@ class GPTQ(GridParameters, LayerModifier):
             damping = self.damp * float(torch.where(diagonal == 0, 1.0, diagonal).mean())
             for target, linear, quantized, scale, zero, rounded in zip(targets, linears, *pieces):
                 path = session.adapter.path(target)
-                errors[path] = output_error(linear.weight, quantized, gram)
+                (errors[path],), (error_rtn,) = output_errors([linear.weight], [[quantized], [rounded]], [gram])
                 rows.append(log_row(layer_index, path, linear.weight, grid, quantized, method="gptq",
-                                    damp=self.damp, damping=damping,
-                                    error_rtn=output_error(linear.weight, rounded, gram), error=errors[path],
+                                    damp=self.damp, damping=damping, error_rtn=error_rtn, error=errors[path],
                                     tokens=statistic.count, seconds=seconds))
                 with torch.no_grad():
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
@@ -305,19 +337,20 @@ class GPTQ(GridParameters, LayerModifier):
         split = session.current_layer.sum_over_ranks([captured.all_tokens])
         routed, rows = self.experts == "routed", []
 
-        def gram(tensor, index):
-            statistic = expert_gram(captured, index, tensor, routed, session.device)
-            if split and statistic is not captured.all_tokens:
-                session.current_layer.sum_over_ranks([statistic])
-            return statistic
+        def grams(tensor, indices):
+            statistics = expert_grams(captured, indices, tensor, routed, session.device)
+            own = [statistic for statistic in statistics if statistic is not captured.all_tokens]
+            if split and own:
+                session.current_layer.sum_over_ranks(own)
+            return statistics
 
         for tensor in adapter.expert_roles(self.targets):
-            rows += quantize_experts(session, layer_index, tensor, partial(gram, tensor), self._gptq, self.grid,
+            rows += quantize_experts(session, layer_index, tensor, partial(grams, tensor), self._gptq, self.grid,
                                      self.min_expert_tokens, self.damp, partial(self.mark, session))
         return rows
 
-    def _gptq(self, weight: torch.Tensor, gram: torch.Tensor, grid: Grid) -> QuantizedWeight:
-        return gptq_quantize(weight, gram, grid, self.act_order, self.damp, self.block_size)
+    def _gptq(self, weights: torch.Tensor, grams: torch.Tensor, grid: Grid) -> QuantizedWeight:
+        return gptq_quantize_batch(weights, grams, grid, self.act_order, self.damp, self.block_size)
 
     def check(self, shape) -> None:
         super().check(shape)

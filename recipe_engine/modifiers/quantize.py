@@ -42,8 +42,8 @@ class Quantize(GridParameters, Modifier):
                     count += 1
                     self.mark(session, linear, grid, result.scale, result.zero)
                 for tensor in session.adapter.expert_roles(self.targets):  # mixture-of-experts: every expert
-                    done = quantize_experts(session, index, tensor, lambda _index: None, None, self.grid, 0, None,
-                                            partial(self.mark, session))
+                    done = quantize_experts(session, index, tensor, lambda indices: [None] * len(indices), None,
+                                            self.grid, 0, None, partial(self.mark, session))
                     rows += done
                     count += len(done)
                 session.outputs.add_rows(LOG_FILE, rows, step=self)

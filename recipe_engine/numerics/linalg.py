@@ -97,29 +97,30 @@ def cholesky_lower_(matrix: torch.Tensor, block: int = 512) -> None:
 
 def inverse_panel(factor: torch.Tensor, start: int, stop: int, block: int = 512) -> torch.Tensor:
     """Rows ``start:`` of columns ``start:stop`` of ``L⁻¹`` (rows above ``start`` are zero) for the lower
-    triangle ``L`` of ``factor``, by blocked forward substitution ``L X = E`` over row blocks."""
-    size = factor.shape[0]
-    panel = torch.zeros(size - start, stop - start, dtype=factor.dtype, device=factor.device)
+    triangle ``L`` of ``factor``, by blocked forward substitution ``L X = E`` over row blocks. Leading
+    dimensions are a batch (each matrix factored alone, the same operations batched)."""
+    size = factor.shape[-1]
+    panel = factor.new_zeros(*factor.shape[:-2], size - start, stop - start)
     for r0 in range(start, size, block):
         r1 = min(r0 + block, size)
-        rhs = panel[r0 - start:r1 - start]
+        rhs = panel[..., r0 - start:r1 - start, :]
         if r0 < stop:
-            rhs[:, r0 - start:r1 - start] += torch.eye(r1 - r0, dtype=factor.dtype, device=factor.device)
+            rhs[..., r0 - start:r1 - start] += torch.eye(r1 - r0, dtype=factor.dtype, device=factor.device)
         if r0 > start:
-            rhs -= factor[r0:r1, start:r0] @ panel[:r0 - start]
-        rhs.copy_(torch.linalg.solve_triangular(torch.tril(factor[r0:r1, r0:r1]), rhs, upper=False))
+            rhs -= factor[..., r0:r1, start:r0] @ panel[..., :r0 - start, :]
+        rhs.copy_(torch.linalg.solve_triangular(torch.tril(factor[..., r0:r1, r0:r1]), rhs, upper=False))
     return panel
 
 
 def lower_triangular_inverse(factor: torch.Tensor, block: int = 512) -> torch.Tensor:
-    """``L⁻¹`` of the lower triangle ``L`` of ``factor``, one column panel at a time (``inverse_panel``):
-    ``n³/6`` multiply-adds, LAPACK ``trtri``'s count, which torch does not expose (a triangular solve
-    against the identity costs ``n³/2``)."""
-    size = factor.shape[0]
+    """``L⁻¹`` of the lower triangle ``L`` of ``factor`` (leading dimensions: a batch), one column panel at a
+    time (``inverse_panel``): ``n³/6`` multiply-adds, LAPACK ``trtri``'s count, which torch does not expose
+    (a triangular solve against the identity costs ``n³/2``)."""
+    size = factor.shape[-1]
     inverse = torch.zeros_like(factor)
     for start in range(0, size, block):
         stop = min(start + block, size)
-        inverse[start:, start:stop] = inverse_panel(factor, start, stop, block)
+        inverse[..., start:, start:stop] = inverse_panel(factor, start, stop, block)
     return inverse
 
 

@@ -35,9 +35,10 @@ class Grid:
         return self.group_size or columns
 
     def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale and zero point (each ``[rows]``) of the columns ``w`` [rows, cols] form one group of."""
-        xmin = w.min(dim=1).values.clamp(max=0)
-        xmax = w.max(dim=1).values.clamp(min=0)
+        """Scale and zero point (each ``[rows]``) of the columns ``w`` [rows, cols] form one group of (leading
+        dimensions: a batch of such matrices)."""
+        xmin = w.min(dim=-1).values.clamp(max=0)
+        xmax = w.max(dim=-1).values.clamp(min=0)
         if self.sym:
             xmax = torch.maximum(xmin.abs(), xmax)
             xmin = -xmax
