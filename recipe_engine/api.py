@@ -37,7 +37,7 @@ from .architectures.adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, instal
 from .architectures.shape import LayerShape, ModelShape
 from .errors import RecipeError
 from .evaluation.generation import check_scoring_task, heldout_failures
-from .execution.activations import Activations
+from .execution.activations import Activations, keep as keep_activations, load as load_activations
 from .execution.memo import SharedWork
 from .execution.modifier_session import CurrentLayer, ModifierSession, PassCounter
 from .execution.outputs import RunOutputs
@@ -62,7 +62,7 @@ from .recipe.validate import check_steps
 
 __all__ = ["check_scoring_task", "heldout_failures", "LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
            "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear", "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
-           "ModifierSession", "Activations", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
+           "ModifierSession", "Activations", "keep_activations", "load_activations", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
            "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
            "refit_error", "register",

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from recipe_engine.api import InputCovariance, Statistic
+from recipe_engine.api import InputCovariance, Statistic, keep_activations, load_activations
 
 from ._quant import log_row, output_errors, rtn
 
@@ -67,8 +67,8 @@ class MoEInputs(Statistic):
     def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
         x = inputs.reshape(-1, inputs.shape[-1])
         self.all_tokens.update(x, None)
-        self.picks.append(self.layout.routed(self.layer, x).to(self.storage))
-        self.inputs.append(x.float().to(self.storage))
+        self.picks.append(keep_activations(self.layout.routed(self.layer, x), self.storage))
+        self.inputs.append(keep_activations(x.float(), self.storage))
 
 
 def expert_gram(captured: MoEInputs, index: int, tensor: str, routed: bool, device) -> InputCovariance:
@@ -84,7 +84,7 @@ def expert_gram(captured: MoEInputs, index: int, tensor: str, routed: bool, devi
             x = x[picks[:, index]]
         if not len(x):
             continue
-        x = x.to(device)
+        x = load_activations(x, device)
         gram.update(x if tensor == "gate_up_proj" else layout.hidden(layer, index, x.to(weight_dtype)), None)
     if gram.gram is None:  # no token: an all-zero Hessian (the fallback's count)
         width = layout.weight(layer, index, tensor).shape[1]
@@ -118,7 +118,7 @@ def _down_grams(captured: MoEInputs, indices: list[int], device) -> dict[int, In
     for x in captured.inputs:
         if not len(x):
             continue
-        hidden = layout.hidden_batch(layer, indices[0], indices[-1] + 1, x.to(device).to(dtype))
+        hidden = layout.hidden_batch(layer, indices[0], indices[-1] + 1, load_activations(x, device).to(dtype))
         for index, h in zip(indices, hidden):
             grams[index].update(h, None)
     for index, gram in grams.items():

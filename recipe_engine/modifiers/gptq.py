@@ -32,8 +32,8 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     reversed_h.diagonal(dim1=-2, dim2=-1).add_(damp * diagonal.mean(-1, keepdim=True))
     lower, info = torch.linalg.cholesky_ex(reversed_h)
     del reversed_h
-    failed = torch.nonzero(info.reshape(-1)).flatten().tolist()
-    if failed:
+    if bool(info.any()):  # one synchronisation; which ones only when some failed
+        failed = torch.nonzero(info.reshape(-1)).flatten().tolist()
         which = f" (Hessians {failed} of the batch)" if info.numel() > 1 else ""
         raise ValueError(f"damped Hessian not positive definite{which} (damp={damp}); raise damp")
     inverse = lower_triangular_inverse(lower)
