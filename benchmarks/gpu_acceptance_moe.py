@@ -2,8 +2,8 @@
 
   moe   a Qwen3-30B-A3B-shaped bf16 synthetic checkpoint (hidden 2048, 128 experts of width 768, top-8, 32 / 4
         heads of 128; ``--moe-layers`` of its 48 layers, all 128 experts each), streamed through
-        ``GPTQ<bits:4,group_size:128>`` on every expert (``experts: all``) at ``--samples`` × ``--seq-len``
-        Wikipedia-sample tokens. Goals: the GPTQ time per layer (its step plus the shared pass) × 48 ≤ 10
+        ``GPTQ<bits:4,group_size:128>`` (the packed default: compressed-tensors) on every expert (``experts: all``)
+        at ``--samples`` × ``--seq-len`` Wikipedia-sample tokens. Goals: the GPTQ time per layer (its step plus the shared pass) × 48 ≤ 10
         minutes on one GPU, the GPU ≥ 60 % busy over the run, peak GPU memory ≤ 1.5 × the plan's estimate.
         Also recorded: every expert's method in ``quantization_log.csv`` (none left unquantized).
 
@@ -59,7 +59,7 @@ def write_moe_checkpoint(directory: Path, layers: int, device: str, tokenizer: s
 
 
 def moe_recipe(args, model: Path, work: Path) -> dict:
-    gptq = {"bits": 4, "group_size": 32 if args.tiny else 128, "export": "dequantized"}
+    gptq = {"bits": 4, "group_size": 32 if args.tiny else 128}  # the packed default (compressed-tensors)
     samples, seq_len, batch = (4, 64, 2) if args.tiny else (args.samples, args.seq_len, 4)
     return {"version": 1, "name": "moe", "model": str(model), "dtype": "bfloat16", "device": args.device,
             "stream": "on", "calibration": {"dataset": "wikipedia-sample", "split": "train", "samples": samples,
