@@ -3,8 +3,9 @@
   moe   a Qwen3-30B-A3B-shaped bf16 synthetic checkpoint (hidden 2048, 128 experts of width 768, top-8, 32 / 4
         heads of 128; ``--moe-layers`` of its 48 layers, all 128 experts each), streamed through
         ``GPTQ<bits:4,group_size:128>`` (the packed default: compressed-tensors) on every expert (``experts: all``)
-        at ``--samples`` × ``--seq-len`` Wikipedia-sample tokens. Goals: the GPTQ time per layer (its step plus the shared pass) × 48 ≤ 10
-        minutes on one GPU, the GPU ≥ 60 % busy over the run, peak GPU memory ≤ 1.5 × the plan's estimate.
+        at ``--samples`` × ``--seq-len`` Wikipedia-sample tokens. Goals: the GPTQ time per layer (its step plus
+        the shared pass) × 48 ≤ 10 minutes on one GPU, the GPU ≥ 60 % busy over the run, peak GPU memory ≤ 1.5 ×
+        the plan's estimate.
         Also recorded: every expert's method in ``quantization_log.csv`` (none left unquantized).
 
 The checkpoint is drawn on the device (seconds on a GPU) and written by transformers' own ``save_pretrained``
