@@ -134,7 +134,8 @@ def _method(gram: InputCovariance | None, min_tokens: int) -> str:
 
 def quantize_experts(session, layer_index: int, tensor: str,
                      grams: Callable[[list[int]], list[InputCovariance | None]], quantize: Callable | None,
-                     grid_of: Callable, min_tokens: int, damp: float | None, mark: Callable | None = None) -> list[dict]:
+                     grid_of: Callable, min_tokens: int, damp: float | None,
+                     mark: Callable | None = None) -> list[dict]:
     """Quantize ``tensor`` of every expert of the layer; returns the log rows in expert order (``method`` says
     which fell back). ``mark(module, grid, scale, zero, parameter)``: records the scales and zero points for a
     packing export (``ExpertLayout.quantized_parts``), in expert order.
