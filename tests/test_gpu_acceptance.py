@@ -146,11 +146,11 @@ def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
         return leg
 
     monkeypatch.setattr(gpu_acceptance, "leg_smollm2", broken)
-    for name in ("graphs", "stream8b", "bench", "dp", "w4"):
+    for name in ("graphs", "stream8b", "bench", "dp", "w4", "moe"):
         monkeypatch.setattr(gpu_acceptance, f"leg_{name}", fine(name))
     monkeypatch.setattr(gpu_acceptance, "disk_write_speed", lambda _directory: 1.0)
     assert gpu_acceptance.main(["--device", "cpu", "--out", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
-    assert ran == ["graphs", "smollm2", "dp", "stream8b", "bench", "w4"]
+    assert ran == ["graphs", "smollm2", "dp", "stream8b", "bench", "w4", "moe"]
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"]
     assert result["legs"]["smollm2"]["status"] == "error"
