@@ -155,7 +155,7 @@ def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
     assert result["complete"]
     assert result["legs"]["smollm2"]["status"] == "error"
     assert result["legs"]["smollm2"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
-    assert [r["met"] for r in result["rows"]] == [True, False, True, True, True, True]
+    assert [r["met"] for r in result["rows"]] == [True, False, True, True, True, True, True]
     assert result["rows"][1]["error"] == result["legs"]["smollm2"]["error"]
 
 
