@@ -67,12 +67,20 @@ The serving goals need only [".gpu/b"] (the tokenizer travels in it and is passe
 call returns after --follow seconds and the detached run goes on (`--out DIR --follow N` in a later call
 prints the rest):
 
-    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/acc --work /dev/shm/accw --pack \
-        --legs stream8b --layers 32 --budget 9.5 --detach --follow 570
-    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out $OUT/serve --work /dev/shm/accw --pack \
-        --legs bench w4 --budget 20 --detach --follow 570
+    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out /dev/shm/acc --work /dev/shm/accw \
+        --pack --legs stream8b --layers 32 --budget 9.5 --detach --follow 570; cp /dev/shm/acc/*.* $OUT/
+    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out /dev/shm/serve --work /dev/shm/accw \
+        --pack --legs bench w4 --budget 20 --detach --follow 570; cp /dev/shm/serve/*.* $OUT/
 
-(On CPU the same two command lines with `--device cpu --tiny` and a local --work rehearse them, as the tests do.)
+A detached run's --out lies outside $OUT (the device tool empties $OUT before each call); each call copies
+its files there. On one H200 the stream8b leg took 324 s (checkpoint written, then the recipe) and the
+served bench of both 8B-shaped models was still compiling its decode steps after 136 s: give bench and w4 a
+call of their own. The MoE leg alone (about 3 minutes on one H200):
+
+    python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out /dev/shm/acc --work /dev/shm/accw \
+        --pack --legs moe --moe-layers 8 --budget 9 --detach --follow 540; cp /dev/shm/acc/*.* $OUT/
+
+(On CPU the same command lines with `--device cpu --tiny` and a local --work rehearse them, as the tests do.)
 
 `--pack` leaves OUT with gpu_acceptance.json and runs.tar.gz (every run's timings log, GPU trace, log and
 recipe): the device tool sends back only a few files. A bench leg in a later call with the same --work uses
