@@ -104,7 +104,8 @@ import time
 from pathlib import Path
 
 import gpu_acceptance_carry as carry
-from gpu_acceptance_carry import LegError, disk_write_speed, engine_env, gpu_trace, row, run_logged, stop_trace
+from gpu_acceptance_carry import (GOAL_GPU_BUSY, GOAL_GPU_OVER_ESTIMATE, LegError, disk_write_speed, engine_env,
+                                  gpu_trace, row, run_logged, stop_trace)
 import gpu_acceptance_serving as serving
 from gpu_acceptance_serving import STREAM8B_STATE, leg_bench, leg_w4
 from gpu_acceptance_moe import leg_moe
@@ -117,8 +118,6 @@ LEGS = ("graphs", "smollm2", "dp", "stream8b", "bench", "w4", "moe")  # the quic
 #: 7 on one H800), GPTQ within 2 (llm-compressor: 12), the GPU busy, memory, speed.
 GOAL_FLATTEN_S = 3 * 60
 GOAL_GPTQ_S = 2 * 60
-GOAL_GPU_BUSY = 0.60
-GOAL_GPU_OVER_ESTIMATE = 1.5
 GOAL_PPL_RELATIVE = 0.01
 
 LLAMA3_8B_LAYERS = 32

@@ -31,6 +31,9 @@ CARRY_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspecti
 NEEDED = {"torch": "torch", "transformers": "transformers", "pydantic": "pydantic pydantic-core annotated-types "
           "typing-inspection", "yaml": "pyyaml", "safetensors": "safetensors", "accelerate": "accelerate",
           "rich": "rich", "numpy": "numpy", "gguf": "gguf", "compressed_tensors": "compressed-tensors loguru"}
+#: Goals every leg that runs a recipe on the GPU shares: the GPU busy over the run, peak GPU over the plan.
+GOAL_GPU_BUSY = 0.60
+GOAL_GPU_OVER_ESTIMATE = 1.5
 PART_BYTES = 56 * 2**20  # the first GGUF part; the repository (~1.3 MiB) travels beside it under 64 MiB
 
 

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from gpu_acceptance_carry import LegError, row
+from gpu_acceptance_carry import GOAL_GPU_BUSY, GOAL_GPU_OVER_ESTIMATE, LegError, row
 
 QWEN3_30B_A3B_LAYERS = 48
 QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
@@ -31,8 +31,6 @@ TINY_MOE = dict(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_interm
                 vocab_size=49152, tie_word_embeddings=False, norm_topk_prob=True)
 TINY_MOE_LAYERS = 2
 GOAL_MOE_48_LAYERS_S = 10 * 60
-GOAL_GPU_BUSY = 0.60
-GOAL_GPU_OVER_ESTIMATE = 1.5
 
 
 def write_moe_checkpoint(directory: Path, layers: int, device: str, tokenizer: str, shape: dict) -> Path:

@@ -24,26 +24,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from gpu_acceptance_moe import QWEN3_30B_A3B, write_moe_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
-QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                     intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                     vocab_size=49152, tie_word_embeddings=False, norm_topk_prob=True)
-
-
-def write_checkpoint(directory: Path, layers: int) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
-
-    from recipe_engine.io.models import resolve_model
-
-    if (directory / "config.json").is_file():
-        return directory
-    config = Qwen3MoeConfig(num_hidden_layers=layers, max_position_embeddings=4096, **QWEN3_30B_A3B)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(resolve_model("smollm2-135m").location).save_pretrained(directory)
-    return directory
 
 
 def main() -> None:
@@ -54,7 +37,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    model = write_checkpoint(args.work / f"qwen3-30b-a3b-{args.layers}-bf16", args.layers)
+    model = write_moe_checkpoint(args.work / f"qwen3-30b-a3b-{args.layers}-bf16", args.layers, "cpu", "smollm2-135m",
+                                 QWEN3_30B_A3B)
     data = Path(os.environ.get("RECIPE_DATA_DIR", ROOT / "data")) / "wikitext-2-raw" / "wiki.valid.raw"
     recipe = {"version": 1, "name": "moe-gptq", "model": str(model), "dtype": "bfloat16", "stream": "off",
               "calibration": {"dataset": str(data), "samples": args.samples, "seq_len": args.seq_len,
