@@ -91,3 +91,47 @@ def test_moves_count_their_bytes_and_keep_nesting():
     x, kwargs = store.batch(1, torch.device("meta"), kwargs_of=pick)
     assert x.device.type == "meta" and set(kwargs) == {"position_embeddings"}
     assert [t.device.type for t in store.on(torch.device("meta"))] == ["meta", "meta"]
+
+
+class RecordedCopies:
+    """A copy stream that records when each batch's copy is issued and made ready (CopyStream's calls)."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def issue(self, fetch):
+        value = fetch()
+        self.events.append(("issue", int(value[0][0, 0, 0].item()) if isinstance(value, tuple)
+                            else int(value[0, 0, 0].item())))
+        return value
+
+    def ready(self, value):
+        self.events.append(("ready", int(value[0][0, 0, 0].item()) if isinstance(value, tuple)
+                            else int(value[0, 0, 0].item())))
+
+
+def test_prefetch_issues_the_next_batch_before_the_current_one_computes():
+    """With a copy stream, batch k + 1's copy is issued before batch k's forward, each batch is made ready
+    before it is read, and the outputs are those of the plain loop."""
+    store = _store(4)
+    for k, state in enumerate(store.states):
+        state[0, 0, 0] = k  # the batch's number, read back by RecordedCopies
+    events = []
+    layer = torch.nn.Linear(4, 4)
+    layer.register_forward_pre_hook(lambda _m, args: events.append(("forward", int(args[0][0, 0, 0].item()))))
+    ahead = store.run(layer, torch.device("cpu"), [0, 2, 3], kwargs_of=lambda _kwargs: {},
+                      copies=RecordedCopies(events))
+    assert events == [("issue", 0), ("ready", 0), ("issue", 2), ("forward", 0), ("ready", 2), ("issue", 3),
+                      ("forward", 2), ("ready", 3), ("forward", 3)]
+    plain = store.run(layer, torch.device("cpu"), [0, 2, 3], kwargs_of=lambda _kwargs: {})
+    assert all(torch.equal(a, b) for a, b in zip(ahead, plain, strict=True))
+    events.clear()
+    assert [int(s[0, 0, 0]) for s in store.on(torch.device("cpu"), [1, 3])] == [1, 3]
+    assert events == []  # no copy stream between host storage and the host
+
+
+def test_a_copy_stream_only_between_host_storage_and_cuda():
+    from recipe_engine.execution.activations import CopyStream
+    assert CopyStream.between(torch.device("cpu"), torch.device("cpu")) is None
+    assert CopyStream.between(torch.device("cpu"), torch.device("meta")) is None
+    assert CopyStream.between(torch.device("cuda", 0), torch.device("cuda", 0)) is None

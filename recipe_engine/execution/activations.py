@@ -13,6 +13,10 @@ batch moves between host and device in a pass (``tests/test_activation_moves.py`
   ``StagedLayer``, the original model's walk).
 - ``gather``: the outputs of a data-parallel rank's share, all-gathered in batch order.
 
+Prefetch: with host storage and a CUDA device, ``run`` and ``on`` load batch ``k + 1`` on a side copy stream
+while batch ``k`` computes (:class:`CopyStream`); the compute stream waits for that copy before it reads the
+batch. One more batch is then resident on the device. Elsewhere each batch is loaded when it is reached.
+
 ``replace(states)`` is the next layer's activations: new hidden states, the same keyword arguments and windows.
 The store never changes a tensor in place; callers never do either.
 """
@@ -95,8 +99,29 @@ class Activations:
 
     def on(self, device: torch.device, indices: Iterable[int] | None = None) -> Iterator[torch.Tensor]:
         """The hidden states of the batches ``indices`` (all: in order) on ``device``, one at a time."""
-        for k in range(len(self)) if indices is None else indices:
-            yield self.state(k, device)
+        for _k, state in self.ahead(range(len(self)) if indices is None else indices, device,
+                                    lambda k: self.state(k, device)):
+            yield state
+
+    def ahead(self, indices: Iterable[int], device: torch.device, fetch: Callable[[int], Any],
+              copies: "CopyStream | None" = None) -> Iterator[tuple[int, Any]]:
+        """``(k, fetch(k))`` for the batches ``indices``, in order, each fetched one batch ahead on a side copy
+        stream when ``copies`` (default: :meth:`CopyStream.between` ``storage`` and ``device``) is given: batch
+        ``k + 1``'s copy is issued before batch ``k`` is handed out, so it overlaps batch ``k``'s compute."""
+        copies = CopyStream.between(self.storage, device) if copies is None else copies
+        order = iter(indices)
+        if copies is None:
+            for k in order:
+                yield k, fetch(k)
+            return
+        k = next(order, None)
+        pending = None if k is None else (k, copies.issue(lambda: fetch(k)))
+        while pending is not None:
+            k, value = pending
+            copies.ready(value)
+            following = next(order, None)
+            pending = None if following is None else (following, copies.issue(lambda: fetch(following)))
+            yield k, value
 
     def windows_on(self, device: torch.device, indices: Iterable[int] | None = None) -> Iterator[torch.Tensor]:
         """The token windows of the batches ``indices`` (all: in order) on ``device``, one at a time."""
@@ -108,16 +133,17 @@ class Activations:
             kwargs_of: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
             before: Callable[[int, int], None] | None = None,
             after: Callable[[int, torch.Tensor], None] | None = None,
-            stops: tuple[type[BaseException], ...] = ()) -> list[torch.Tensor]:
+            stops: tuple[type[BaseException], ...] = (), copies: "CopyStream | None" = None) -> list[torch.Tensor]:
         """``layer`` over the batches ``indices`` (all, in order), each moved to ``device``; returns the outputs
         kept on ``storage``. ``before(position, k)`` runs before batch ``k`` (the ``position``-th run here),
         ``after(count, output)`` after it with the output on the device (``count``: outputs so far). A batch whose
-        forward raises one of ``stops`` (a hook that stops it early) gives no output."""
+        forward raises one of ``stops`` (a hook that stops it early) gives no output. ``copies``: see :meth:`ahead`."""
         outputs: list[torch.Tensor] = []
-        for position, k in enumerate(range(len(self)) if indices is None else indices):
+        batches = self.ahead(range(len(self)) if indices is None else indices, device,
+                             lambda k: self.batch(k, device, kwargs_of), copies)
+        for position, (k, (x, kwargs)) in enumerate(batches):
             if before is not None:
                 before(position, k)
-            x, kwargs = self.batch(k, device, kwargs_of)
             try:
                 out = hidden_state(layer(x, **kwargs))
             except stops:
@@ -130,6 +156,36 @@ class Activations:
     def gather(self, parallel, local: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every data-parallel rank's ``local`` outputs (its ``parallel.share(len(self))``), in batch order."""
         return parallel.gather(local, len(self))
+
+
+class CopyStream:
+    """A side CUDA stream for host-to-device loads ahead of use. ``issue(fetch)`` runs ``fetch`` (its copies)
+    on the side stream; ``ready(value)`` makes the compute stream wait for them and records the copied tensors
+    on the compute stream, so that the caching allocator does not reuse their memory while compute still
+    reads them (``Tensor.record_stream``)."""
+
+    def __init__(self, device: torch.device):
+        self.compute = torch.cuda.current_stream(device)
+        self.side = torch.cuda.Stream(device)
+
+    @classmethod
+    def between(cls, storage: torch.device, device: torch.device) -> "CopyStream | None":
+        """A copy stream for loads from host ``storage`` onto a CUDA ``device``; None for any other pair."""
+        return cls(device) if storage.type == "cpu" and device.type == "cuda" else None
+
+    def issue(self, fetch: Callable[[], Any]) -> Any:
+        with torch.cuda.stream(self.side):
+            return fetch()
+
+    def ready(self, value: Any) -> None:
+        self.compute.wait_stream(self.side)
+
+        def record(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.is_cuda:
+                tensor.record_stream(self.compute)
+            return tensor
+
+        _each_tensor(value, record)
 
 
 def keep(value: Any, storage: torch.device, meter: Meter = _no_meter) -> Any:
