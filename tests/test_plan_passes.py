@@ -1,11 +1,15 @@
-"""``recipe plan``'s calibration passes against the passes a run makes (counted by the session), for every
-shipped recipe on a tiny random model of the recipe's architecture and depth."""
+"""``recipe plan``'s calibration passes against the passes a run makes (counted by the session), and its kept
+original states against the bytes the run keeps, for every shipped recipe on a tiny random model of the
+recipe's architecture and depth."""
 from pathlib import Path
 
 import pytest
 
 import recipe_engine
 from recipe_engine.io.models import load_config
+from recipe_engine.execution.reference_walk import KeptStates
+from recipe_engine.plan.compiled import compile_plan
+from recipe_engine.plan.estimates import kept_states_bytes
 from recipe_engine.plan.steps import plan_rows
 from recipe_engine.recipe.files import load_recipe
 from recipe_engine.execution.steps import group_steps
@@ -53,10 +57,22 @@ def tiny_recipe(path: Path, tmp_path: Path):
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
-def test_plan_passes_match_the_run(path, tmp_path):
+def test_plan_passes_match_the_run(path, tmp_path, monkeypatch):
     recipe, model = tiny_recipe(path, tmp_path)
     rows, total = plan_rows(recipe, model.config)
+    in_model_dtype = recipe.model_copy(update={"dtype": "float32"})  # the tiny model's, which the run keeps
+    planned_kept = max(kept_states_bytes(compile_plan(in_model_dtype, model.config), budget=2**40))
+    kept_most = [0]
+    add = KeptStates.add
+
+    def add_and_count(self, depth, states):
+        add(self, depth, states)
+        kept_most[0] = max(kept_most[0], self.bytes)
+    monkeypatch.setattr(KeptStates, "add", add_and_count)
     _, report = recipe_engine.apply(recipe, model=model, tokenizer=CharTokenizer(), write=False, progress=False)
+    chooses = any("alternatives" in type(step).model_fields for step in recipe.modifiers)
+    assert kept_most[0] == planned_kept or chooses and kept_most[0] <= planned_kept, \
+        f"kept original states: plan {planned_kept} bytes, run {kept_most[0]}"  # BestOf: an upper bound
     for group in group_steps(recipe.modifiers):
         index = group[0][0]
         planned = rows[index][3].split(" ")[0]

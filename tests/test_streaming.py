@@ -345,7 +345,12 @@ def test_memory_estimate_with_the_activations_on_a_device(tmp_path, capsys, stre
     assert device.device_peak_bytes == activations + max(s.weights_bytes + s.working_bytes
                                                          for s in device.steps)
     for on_host, on_accelerator in zip(host.steps, device.steps):
-        assert on_host.host_bytes - on_accelerator.host_bytes == activations + on_host.working_bytes
+        assert on_host.host_bytes - on_accelerator.host_bytes == \
+            activations + on_host.working_bytes + on_host.kept_states_bytes
+        assert on_accelerator.kept_states_bytes == 0  # kept only when the activations live on the host
+    # the original model's states after each of the 6 layers, kept from FlattenAdjacent through NystromMLP
+    # (target: original reads them): 6 sets of 4 × 32 bf16 hidden states
+    assert [s.kept_states_bytes for s in host.steps] == [6 * 4 * 32 * config.hidden_size * 2] * 3
     assert host.device_peak_bytes is None
 
     model_dir = tmp_path / "model"

@@ -11,7 +11,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, check_scoring_task, check_steps,
-                               heldout_failures, heldout_split, parse_step, register, step_to_dict, steps_passes)
+                               heldout_failures, heldout_split, kept_original_sets, parse_step, register,
+                               step_to_dict, steps_passes)
 
 
 class HeldoutScore(BaseModel):
@@ -293,6 +294,24 @@ class BestOf(Modifier):
             except RecipeError:
                 continue
         return copies + largest
+
+    def kept_original_states(self, shape, windows: int, later_reads: bool) -> int:
+        """The most any alternative keeps of the original model's states (``kept_original_sets`` over its
+        steps, on the shape this step receives): on the fit windows while the alternatives run, on all of them
+        when the chosen one is refitted (an upper bound: the chosen one may keep none)."""
+        if not self.refit:
+            windows = len(heldout_split(windows, 0, self.score.fraction).fit)
+        most = 0
+        for steps in self.alternatives:
+            trial, shapes = copy.deepcopy(shape), []
+            try:
+                for step in steps:
+                    shapes.append(copy.deepcopy(trial))
+                    step.check(trial)
+            except RecipeError:
+                continue  # refused: skipped at run time
+            most = max(most, *kept_original_sets(steps, shapes, windows, later_reads))
+        return most
 
     # -- run -------------------------------------------------------------------------------------
     def _seed(self, calibration_seed: int) -> int:

@@ -378,6 +378,7 @@ class FlattenAdjacent(Modifier):
 
     calibration_passes = 1
     streams = True
+    keeps_original_states = True  # the similarity pass runs as received
     shared_ignores = ("n", "sparsity", "target_layers")  # S / the NLL rounds do not depend on the count
     example = ("FlattenAdjacent<n:2>", "HeadPrune", "NystromMLP")  # merged layers must be pruned back
     needs = ("input cosine similarity of every layer pair",)

@@ -12,6 +12,9 @@
   the copy and the result) or the embedding matrix its passes start with, whichever is larger, and a step that does not
   stream (``Modifier.streams``) the whole model (twice with the original model).
 * working memory: each step's ``working_memory(shape, tokens)`` (statistics and solve buffers).
+* kept original states: from a step whose pass keeps the original model's states for a later step that reads
+  the original (``kept_states_bytes``) through that later step, one set per layer, at most a quarter of the
+  host memory available when the plan is made (the run's budget: ``ReferenceWalk.start_keeping``).
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ from dataclasses import asdict, dataclass
 from ..architectures.shape import ModelShape
 from ..io.data import calibration_windows, load_calibration
 from ..io.models import resolve_model
+from ..recipe.modifier import kept_original_sets
 from ..recipe.schema import Recipe
-from ..system.host_memory import current_rss
+from ..system.host_memory import available_memory, current_rss
 from .compiled import Plan, compile_plan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -68,6 +72,7 @@ class StepMemory:
     working_bytes: int
     whole_model: bool
     host_bytes: int = 0
+    kept_states_bytes: int = 0
 
 
 @dataclass
@@ -91,14 +96,28 @@ class MemoryPlan:
         return memory
 
 
-def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_device: bool = False) -> MemoryPlan:
+def kept_states_bytes(plan: Plan, budget: int) -> list[int]:
+    """Per step, the bytes of the original model's states kept on the host for a step that reads the original
+    model (``recipe_engine.recipe.modifier.kept_original_sets``: one ``seq_len × hidden`` set per window and
+    layer, in the recipe's dtype), at most ``budget`` (the run keeps what fits in a quarter of the available
+    memory: ``ReferenceWalk.start_keeping``). They stay until the last step reading them is done (its walk
+    drops them as it goes deeper, but the heap keeps the peak)."""
+    recipe = plan.recipe
+    one_set = recipe.calibration.seq_len * plan.shapes[0].hidden_size * DTYPE_BYTES[recipe.dtype]
+    return [min(sets * one_set, budget)
+            for sets in kept_original_sets(plan.steps, plan.shapes, recipe.calibration.samples)]
+
+
+def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_device: bool = False,
+                available: int | None = None) -> MemoryPlan:
     """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory, on the
     shape the plan says it receives.
 
     ``on_device``: the run keeps the calibration activations on an accelerator (``calibration.offload``
     resolved false), where the steps' statistics and solves live too. Then the host holds the runtime and
     the weights a step holds (they are read there and moved layer by layer), and ``device_peak_bytes`` is
-    the activations plus the largest step's weights and working memory."""
+    the activations plus the largest step's weights and working memory. ``available``: the host's available
+    memory, which bounds the kept original states (default: ``available_memory()`` now)."""
     recipe = plan.recipe
     width = DTYPE_BYTES[recipe.dtype]
     first = plan.shapes[0]
@@ -126,8 +145,13 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     activations = 4 * tokens * first.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
     runtime = runtime_bytes(recipe) if runtime is None else runtime
     resident = runtime + (0 if on_device else activations)  # on the host through every step
+    if not on_device:  # kept only when the activations live on the host
+        budget = (available_memory() if available is None else available) // 4
+        for step, kept in zip(steps, kept_states_bytes(plan, budget)):
+            step.kept_states_bytes = kept
     for step in steps:  # what the host holds during the step
-        step.host_bytes = resident + step.weights_bytes + (0 if on_device else step.working_bytes)
+        step.host_bytes = resident + step.weights_bytes + step.kept_states_bytes \
+            + (0 if on_device else step.working_bytes)
     host_peak = max(s.host_bytes for s in steps)
     if streamed:  # a streamed run's passes start with the embeddings loaded
         host_peak = max(host_peak, resident + embedding)

@@ -133,9 +133,12 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
         console.print(f"memory estimate: unavailable ({memory['unavailable']})")
         return
     mode = "streamed from disk" if memory["streamed"] else "whole model in memory"
+    kept = max(step["kept_states_bytes"] for step in memory["steps"])
     console.print(f"memory estimate ({mode}): peak host {_gib(memory['host_peak_bytes'])} = runtime "
                   f"{_gib(memory['runtime_bytes'])} + activations {_gib(memory['activations_bytes'])} + the "
-                  f"largest step (model {_gib(memory['model_bytes'])})")
+                  f"largest step (model {_gib(memory['model_bytes'])})"
+                  + (f"; up to {_gib(kept)} of the original model's states kept for a later step that reads "
+                     f"the original model (at most a quarter of the available memory)" if kept else ""))
     if "accelerator" in memory:
         device = memory["accelerator"]
         console.print(f"with the activations on an accelerator (calibration.offload: auto, when they fit in "
@@ -151,4 +154,6 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
     for index, step in enumerate(memory["steps"]):
         note = "  [needs the whole model resident]" if step["whole_model"] and memory["streamed"] else ""
         console.print(f"  step {index} {step['step']}: weights {_gib(step['weights_bytes'])}, working "
-                      f"{_gib(step['working_bytes'])}{note}")
+                      f"{_gib(step['working_bytes'])}"
+                      + (f", kept original states {_gib(step['kept_states_bytes'])}" if step["kept_states_bytes"]
+                         else "") + note)

@@ -58,6 +58,10 @@ class Modifier(StrictParameters):
     #: reference, so a later pass can run the reference's layers instead and keep their states
     #: (``ModifierSession.layer_pass``'s ``as_received``).
     preserves_outputs: ClassVar[bool] = False
+    #: True for steps whose pass runs ``layer_pass(..., as_received=True)``: while the model still stands for
+    #: its reference, that pass keeps the original model's states after every layer for a later step that
+    #: reads the reference (``recipe plan`` counts them: ``estimates.kept_states_bytes``).
+    keeps_original_states: ClassVar[bool] = False
     #: False when the output is no longer a stock checkpoint (``recipe_engine.load_model`` restores it).
     stock_output: ClassVar[bool] = True
     #: Parameters that ``session.shared`` values of this step do not depend on (reused across a sweep).
@@ -104,6 +108,13 @@ class Modifier(StrictParameters):
         buffers), on the shape it receives and ``tokens`` calibration tokens: ``recipe plan``'s estimate."""
         return 0
 
+    def kept_original_states(self, shape: ModelShape, windows: int, later_reads: bool) -> int:
+        """How many one-window, one-layer sets of the original model's states the run keeps on the host while
+        this step runs, when it starts on a model that still stands for its reference (``windows``: the
+        calibration windows of its passes; ``later_reads``: a step after it reads the reference). By default
+        one set per layer and window when ``keeps_original_states`` and a later step reads them."""
+        return len(shape.layers) * windows if self.keeps_original_states and later_reads else 0
+
     def check_calibration(self, calibration: "CalibrationConfig") -> None:
         """Validate against the recipe's calibration settings (e.g. ``propagate``); raise ``self.fail``."""
 
@@ -148,3 +159,23 @@ class LayerModifier(Modifier):
     def finish(self, session: "ModifierSession") -> dict[str, Any]:
         """Called once after every target layer was compressed; returns report entries."""
         return {}
+
+
+def kept_original_sets(steps: list[Modifier], shapes: list[ModelShape], windows: int,
+                       later_reads: bool = False) -> list[int]:
+    """Per step of ``steps`` (run in order on the shapes they receive, from a model that stands for its
+    reference): the one-window, one-layer sets of the original model's states kept while it runs
+    (``Modifier.kept_original_states``), from the step that keeps them through the last step that reads the
+    reference (``later_reads``: a step after these does). As ``Session.begin_group``/``end_group`` decide: only
+    while every step before still ``preserves_outputs``."""
+    kept = [0] * len(steps)
+    stands_for_reference = True
+    for i, (step, shape) in enumerate(zip(steps, shapes)):
+        readers = [j for j in range(i + 1, len(steps)) if steps[j].needs_reference]
+        if stands_for_reference:
+            amount = step.kept_original_states(shape, windows, bool(readers) or later_reads)
+            last = len(steps) - 1 if later_reads else max(readers, default=i)
+            for j in range(i, last + 1):
+                kept[j] = max(kept[j], amount)
+        stands_for_reference &= step.preserves_outputs
+    return kept
