@@ -16,7 +16,7 @@ from recipe_engine.evaluation.generation_tasks import TASKS, Problem
 from recipe_engine.evaluation.run import retained
 from recipe_engine.evaluation.sandbox import Limits
 from recipe_engine.recipe.schema import EvaluateConfig
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, forbid_loading, refused_in_one_line, save_tiny_model, tiny_model
+from tests.helpers import ARCHITECTURES, BYTE_VOCAB, byte_tokenizer, forbid_loading, refused_in_one_line, save_tiny_model, tiny_model
 
 
 def greedy_one_by_one(model, tokenizer, prompt: str, new_tokens: int) -> str:
@@ -37,6 +37,33 @@ def test_batched_left_padded_generation_equals_one_row_greedy():
     batched = generate(model, tokenizer, prompts, ("never-seen",), 12, batch_size=3, device="cpu")
     assert batched == [greedy_one_by_one(model, tokenizer, p, 12) for p in prompts]
     assert tokenizer.padding_side == "right"  # restored
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_rows_leave_the_batch_when_they_stop_and_the_rest_stay_greedy(model_type):
+    """Stop sequences end rows at different steps: each finished row leaves the batch (its KV-cache rows
+    dropped) and every other row's completion is still the one-row greedy one, on every architecture (Gemma 3's
+    sliding window is shorter than the sequences)."""
+    model, tokenizer = tiny_model(model_type, vocab_size=BYTE_VOCAB).eval(), byte_tokenizer()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id  # the reference's (a config's own is a byte)
+    prompts = ["def add(a, b):\n", "x", "The quick brown fox jumps over", "0123456789 abc", "if a:", "zz"]
+    reference = [greedy_one_by_one(model, tokenizer, p, 20) for p in prompts]
+    # one-character stops (no stop can start inside another), met at different steps
+    stop = tuple({text[k] for text in reference for k in (3, 9) if len(text) > k and text[k] != "\ufffd"})
+    batches = []
+    original = type(model.model if hasattr(model, "model") else model).forward
+
+    def counted(self, *args, **kwargs):
+        batches.append((kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).shape[0])
+        return original(self, *args, **kwargs)
+    inner = type(model.model)
+    inner.forward = counted
+    try:
+        batched = generate(model, tokenizer, prompts, stop, 20, batch_size=4, device="cpu")
+    finally:
+        inner.forward = original
+    assert batched == [cut(text, stop) for text in reference]
+    assert any(a > b for a, b in zip(batches, batches[1:]) if b > 0), f"no row left a batch: {batches}"
 
 
 def test_cut_at_the_first_stop_sequence():

@@ -1,8 +1,10 @@
 """Generation tasks: greedy completions of each problem's prompt, scored by what they do.
 
-Batched greedy decoding with the KV cache (``model.generate``, prompts left-padded, longest first); a row stops at
-the first of the task's stop sequences or the end-of-sequence token, the batch when every row has, or after
-``max_new_tokens``; each completion is cut before its first stop sequence. The tasks (``generation_tasks.py``)
+Batched greedy decoding with the KV cache (prompts left-padded, longest first); a row stops at the first of the
+task's stop sequences or the end-of-sequence token, or after ``max_new_tokens``, and leaves the batch at once: its
+rows of the KV cache are dropped (``Cache.batch_select_indices``), so the rows still running are the only ones
+computed (``transformers``' ``generate`` keeps computing finished rows until the whole batch is done, which on a
+CPU costs as much as the running rows). Each completion is cut before its first stop sequence. The tasks (``generation_tasks.py``)
 score a completion: HumanEval by running the prompt, the completion and the task's tests in the sandbox
 (``sandbox.py``), GSM8K by its final number. The headline metric is pass@1 (greedy, one sample) or exact match.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 import torch
 
@@ -20,23 +23,12 @@ from .generation_tasks import TASKS, GenerationTask
 from .sandbox import Limits, isolation
 
 
-class StopOnSequences:
-    """``StoppingCriteria``: a row is done once its generated text contains one of ``stop``; with ``progress``,
-    a line every ``interval_s()`` seconds (tokens generated, rows done) so a long batch shows it is alive."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_width: int, progress=None, label: str = ""):
-        self.tokenizer, self.stop, self.width = tokenizer, stop, prompt_width
-        self.progress, self.label, self.last = progress, label, time.perf_counter()
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.width:], skip_special_tokens=True)
-        done = torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
-        now = time.perf_counter()
-        if self.progress is not None and now - self.last >= interval_s():
-            self.last = now
-            self.progress.log(f"{self.label}: {input_ids.shape[1] - self.width} tokens generated, "
-                              f"{int(done.sum())}/{len(texts)} rows stopped")
-        return done
+def _stopped(tokenizer, stop: tuple[str, ...], rows: list[list[int]]) -> list[bool]:
+    """Whether each row's generated tokens already contain one of ``stop`` in their settled text: trailing
+    replacement characters (a character whose bytes are not all generated yet) are left out, as the next
+    tokens may complete them into something else."""
+    return [any(s in text.rstrip("\ufffd") for s in stop)
+            for text in tokenizer.batch_decode(rows, skip_special_tokens=True)]
 
 
 def cut(text: str, stop: tuple[str, ...]) -> str:
@@ -51,19 +43,70 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids or [])
 
 
+def _forward_options(model) -> tuple[dict, str]:
+    """``logits_to_keep=1`` where the model's forward takes it (the prompt's other positions need no logits),
+    and the name of its KV-cache argument and output (``cache`` in recent transformers, ``past_key_values`` in
+    5.17 and earlier)."""
+    import inspect
+    parameters = inspect.signature(model.forward).parameters
+    return ({"logits_to_keep": 1} if "logits_to_keep" in parameters else {},
+            "cache" if "cache" in parameters else "past_key_values")
+
+
 @torch.no_grad()
+def greedy_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                done: Callable[[list[int], list[list[int]]], list[bool]], eos: list[int],
+                alive: Callable[[int, int], None] | None = None) -> list[list[int]]:
+    """Greedy continuations of a left-padded batch with the KV cache; each row's new tokens (its
+    end-of-sequence token excluded). After every token, ``done(rows, tokens)`` says which of the running
+    ``rows`` (their generated ``tokens``) have finished; a finished row (or one that emitted ``eos``) leaves
+    the batch and its KV-cache rows are dropped. Positions as ``generate``'s: ``cumsum(mask) − 1``.
+    ``alive(tokens_so_far, running)`` is called after each step (progress)."""
+    extra, cache_name = _forward_options(model)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                **extra)
+    cache, last = out[cache_name], positions[:, -1]
+    running = list(range(input_ids.shape[0]))
+    generated: list[list[int]] = [[] for _ in running]
+    nxt = out.logits[:, -1].argmax(-1)
+    eos_set = set(eos)
+    for step in range(max_new_tokens):
+        tokens = nxt.tolist()
+        finished = [t in eos_set for t in tokens]
+        for row, token, end in zip(running, tokens, finished):
+            if not end:
+                generated[row].append(token)
+        open_rows = [i for i, end in enumerate(finished) if not end]
+        if open_rows and step + 1 < max_new_tokens:
+            verdicts = done([running[i] for i in open_rows], [generated[running[i]] for i in open_rows])
+            open_rows = [i for i, end in zip(open_rows, verdicts) if not end]
+        if alive is not None:
+            alive(step + 1, len(open_rows))
+        if not open_rows or step + 1 == max_new_tokens:
+            break
+        if len(open_rows) < len(running):
+            keep = torch.tensor(open_rows, device=nxt.device)
+            cache.batch_select_indices(keep)
+            attention_mask, last, nxt = attention_mask[keep], last[keep], nxt[keep]
+            running = [running[i] for i in open_rows]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(running), 1)], dim=1)
+        last = last + 1
+        out = model(input_ids=nxt[:, None], attention_mask=attention_mask, position_ids=last[:, None],
+                    use_cache=True, **{cache_name: cache}, **extra)
+        cache, nxt = out[cache_name], out.logits[:, -1].argmax(-1)
+    return generated
+
+
 def generate(model, tokenizer, prompts: list[str], stop: tuple[str, ...], max_new_tokens: int, batch_size: int,
              device, progress=None, label: str = "generation") -> list[str]:
-    """Greedy completions of ``prompts`` (in their order), cut at ``stop``."""
-    from transformers import GenerationConfig, StoppingCriteriaList  # deferred: only generation needs them
-
+    """Greedy completions of ``prompts`` (in their order), cut at ``stop``; with ``progress``, a line every
+    ``interval_s()`` seconds (tokens generated, rows still running) so a long batch shows it is alive."""
     eos = _eos_ids(model, tokenizer)
     pad_token, side = tokenizer.pad_token, tokenizer.padding_side
     if pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos or None,
-                              pad_token_id=tokenizer.pad_token_id)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     completions: list[str] = [""] * len(prompts)
@@ -72,11 +115,18 @@ def generate(model, tokenizer, prompts: list[str], stop: tuple[str, ...], max_ne
     try:
         for b, batch in enumerate(progress.track(batches, label) if progress is not None else batches):
             encoded = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True).to(device)
-            width = encoded["input_ids"].shape[1]
-            out = model.generate(**encoded, generation_config=config, stopping_criteria=StoppingCriteriaList(
-                [StopOnSequences(tokenizer, stop, width, progress, f"{label} batch {b + 1}/{len(batches)}")]))
-            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-            for i, text in zip(batch, texts):
+            alive = None
+            if progress is not None:
+                last_line = [time.perf_counter()]
+
+                def alive(tokens: int, running: int, _b=b, _rows=len(batch), _last=last_line) -> None:
+                    if time.perf_counter() - _last[0] >= interval_s():
+                        _last[0] = time.perf_counter()
+                        progress.log(f"{label} batch {_b + 1}/{len(batches)}: {tokens} tokens generated, "
+                                     f"{_rows - running}/{_rows} rows stopped")
+            rows = greedy_rows(model, encoded["input_ids"], encoded["attention_mask"], max_new_tokens,
+                               lambda _rows, tokens: _stopped(tokenizer, stop, tokens), eos, alive)
+            for i, text in zip(batch, tokenizer.batch_decode(rows, skip_special_tokens=True)):
                 completions[i] = cut(text, stop)
     finally:
         tokenizer.pad_token, tokenizer.padding_side = pad_token, side
