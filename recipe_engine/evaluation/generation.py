@@ -55,11 +55,11 @@ def _forward_options(model) -> tuple[dict, str]:
 
 @torch.no_grad()
 def greedy_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                done: Callable[[list[int], list[list[int]]], list[bool]], eos: list[int],
+                done: Callable[[list[list[int]]], list[bool]], eos: list[int],
                 alive: Callable[[int, int], None] | None = None) -> list[list[int]]:
     """Greedy continuations of a left-padded batch with the KV cache; each row's new tokens (its
-    end-of-sequence token excluded). After every token, ``done(rows, tokens)`` says which of the running
-    ``rows`` (their generated ``tokens``) have finished; a finished row (or one that emitted ``eos``) leaves
+    end-of-sequence token excluded). After every token, ``done(tokens)`` says which of the running rows
+    (their generated ``tokens``) have finished; a finished row (or one that emitted ``eos``) leaves
     the batch and its KV-cache rows are dropped. Positions as ``generate``'s: ``cumsum(mask) − 1``.
     ``alive(tokens_so_far, running)`` is called after each step (progress)."""
     extra, cache_name = _forward_options(model)
@@ -79,7 +79,7 @@ def greedy_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ma
                 generated[row].append(token)
         open_rows = [i for i, end in enumerate(finished) if not end]
         if open_rows and step + 1 < max_new_tokens:
-            verdicts = done([running[i] for i in open_rows], [generated[running[i]] for i in open_rows])
+            verdicts = done([generated[running[i]] for i in open_rows])
             open_rows = [i for i, end in zip(open_rows, verdicts) if not end]
         if alive is not None:
             alive(step + 1, len(open_rows))
@@ -125,7 +125,7 @@ def generate(model, tokenizer, prompts: list[str], stop: tuple[str, ...], max_ne
                         progress.log(f"{label} batch {_b + 1}/{len(batches)}: {tokens} tokens generated, "
                                      f"{_rows - running}/{_rows} rows stopped")
             rows = greedy_rows(model, encoded["input_ids"], encoded["attention_mask"], max_new_tokens,
-                               lambda _rows, tokens: _stopped(tokenizer, stop, tokens), eos, alive)
+                               lambda tokens: _stopped(tokenizer, stop, tokens), eos, alive)
             for i, text in zip(batch, tokenizer.batch_decode(rows, skip_special_tokens=True)):
                 completions[i] = cut(text, stop)
     finally:
