@@ -1,7 +1,7 @@
 """GPU acceptance: the whole product on one lent GPU, every figure against its goal.
 
     python benchmarks/gpu_acceptance.py [--device cuda|cpu] [--tiny] --out DIR
-                                        [--legs graphs smollm2 dp stream8b bench w4 moe] [--layers 32]
+                                        [--legs graphs smollm2 dp offload stream8b bench w4 moe] [--layers 32]
                                         [--moe-layers 8] [--work DIR]
                                         [--budget MINUTES] [--bench-repeats 30]
 
@@ -13,6 +13,9 @@ Legs (a failing leg records its error line; the next leg still runs):
             `GPTQ<bits:4,group_size:64>` (recipes/gptq4_smollm2.yaml, 24 evaluation windows): the merged
             layers must equal, and the WikiText-2 PPLs lie within 1 % of, the CPU run committed in
             benchmarks/gpu_acceptance_reference.json (made by `--device cpu --legs smollm2 --write-reference`).
+  offload   the dp leg's recipe on a tiny checkpoint (on any device; 8 × 64 tokens) with `calibration.offload`
+            false and true: identical weights (on a GPU the host-kept activations are loaded a batch ahead
+            on a side copy stream). Seconds; needs only [".gpu/b"].
   dp        a data-parallel launch on one device (torchrun, world size 1: NCCL on a GPU, gloo on CPU) of a
             small FlattenGPT recipe: exits 0, its collectives ran (NCCL_DEBUG lines on a GPU), weights
             identical to the same recipe run in one process.
@@ -75,10 +78,10 @@ prints the rest):
 A detached run's --out lies outside $OUT (the device tool empties $OUT before each call); each call copies
 its files there. On one H200 the stream8b leg took 324 s (checkpoint written, then the recipe) and the
 served bench of both 8B-shaped models was still compiling its decode steps after 136 s: give bench and w4 a
-call of their own. The MoE leg alone (about 3 minutes on one H200):
+call of their own. The MoE leg alone (about 3 minutes on one H200), with the seconds-long offload leg first:
 
     python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out /dev/shm/acc --work /dev/shm/accw \
-        --pack --legs moe --moe-layers 8 --budget 9 --detach --follow 540; cp /dev/shm/acc/*.* $OUT/
+        --pack --legs offload moe --moe-layers 8 --budget 9 --detach --follow 540; cp /dev/shm/acc/*.* $OUT/
 
 (On CPU the same command lines with `--device cpu --tiny` and a local --work rehearse them, as the tests do.)
 
@@ -112,7 +115,7 @@ from gpu_acceptance_moe import leg_moe
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "benchmarks" / "gpu_acceptance_reference.json"
-LEGS = ("graphs", "smollm2", "dp", "stream8b", "bench", "w4", "moe")  # the quick legs first: a long one cannot starve them
+LEGS = ("graphs", "smollm2", "dp", "offload", "stream8b", "bench", "w4", "moe")  # the quick legs first: a long one cannot starve them
 
 #: The goals (one H100, 8B-shaped bf16, 32 layers at 128 × 2048): FlattenGPT steps within 3 minutes (the paper:
 #: 7 on one H800), GPTQ within 2 (llm-compressor: 12), the GPU busy, memory, speed.
@@ -446,37 +449,73 @@ def leg_graphs(args, work: Path) -> tuple[dict, list[dict]]:
 
 
 # -- leg: data-parallel launch ------------------------------------------------------------------------
-def leg_dp(args, work: Path) -> tuple[dict, list[dict]]:
-    from safetensors.torch import load_file
-
+def small_flatten_recipe(args, work: Path, tiny: bool = False) -> dict:
+    """recipes/flatten20_smollm2.yaml on 8 × 256 tokens (``--tiny`` or ``tiny``: a tiny checkpoint, 4 × 64,
+    2 merges)."""
     recipe = load_yaml(ROOT / "recipes" / "flatten20_smollm2.yaml")
     recipe.update(device=args.device, evaluate=None)
     recipe["calibration"].update(samples=8, seq_len=256)
-    if args.tiny:
+    if args.tiny or tiny:
         recipe["model"] = str(tiny_checkpoint(work))
         recipe["calibration"].update(samples=4, seq_len=64, batch_size=2)
         recipe["modifiers"][1]["FlattenAdjacent"]["n"] = 2
+    return recipe
+
+
+def identical_outputs(work: Path, names: tuple[str, str]) -> bool:
+    """The two outputs' tensors are the same, bit for bit (then both outputs are removed)."""
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(work / name / "model.safetensors")) for name in names)
+    identical = a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and bool((a[k] == b[k]).all()) for k in a)
+    for name in names:
+        shutil.rmtree(work / name, ignore_errors=True)
+    return identical
+
+
+def leg_dp(args, work: Path) -> tuple[dict, list[dict]]:
+    recipe = small_flatten_recipe(args, work)
     results = {}
     for mode in ("one_process", "torchrun"):
         variant = {**recipe, "name": f"dp_{mode}", "output": str(work / f"dp_{mode}")}
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] \
             if mode == "torchrun" else None
         results[mode] = apply_recipe(variant, work, timeout=300 if args.tiny else 600, launcher=launcher)
-    a, b = (load_file(str(work / f"dp_{mode}" / "model.safetensors")) for mode in ("one_process", "torchrun"))
-    identical = a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and bool((a[k] == b[k]).all()) for k in a)
     log = results["torchrun"]["log"].read_text(errors="replace")
     nccl_lines = sum("NCCL INFO" in line for line in log.splitlines())
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
     report = results["torchrun"]["report"]
+    identical = identical_outputs(work, ("dp_one_process", "dp_torchrun"))
     figures = {"backend": backend, "ranks": report.ranks, "wall_s": round(results["torchrun"]["wall_s"], 1),
                "one_process_wall_s": round(results["one_process"]["wall_s"], 1), "nccl_log_lines": nccl_lines,
                "identical_weights": identical}
-    for mode in results:
-        shutil.rmtree(work / f"dp_{mode}", ignore_errors=True)
     started = nccl_lines > 0 if backend == "nccl" else True
     return figures, [row("dp", f"torchrun world size 1 ({backend}) starts, ends, writes", 0, "exit code",
                          "0, with the backend's collectives", started),
                      row("dp", "weights equal to the one-process run", identical, "", "identical", identical)]
+
+
+def leg_offload(args, work: Path) -> tuple[dict, list[dict]]:
+    """The small FlattenGPT recipe on the tiny checkpoint (needs no SmolLM2), 8 × 64 tokens in 4 batches, with
+    the activations on the device and on the host (``calibration.offload``), where each batch is loaded ahead on
+    a side copy stream (``execution/activations.py`` ``CopyStream``): identical weights. On CPU both keep
+    them on the host (the leg only runs)."""
+    recipe = small_flatten_recipe(args, work, tiny=True)
+    recipe["calibration"].update(samples=8)
+    walls = {}
+    for offload in (False, True):
+        name = f"offload_{str(offload).lower()}"
+        variant = {**recipe, "name": name, "output": str(work / name),
+                   "calibration": {**recipe["calibration"], "offload": offload}}
+        result = apply_recipe(variant, work, timeout=300 if args.tiny else 600)
+        walls[name] = round(result["wall_s"], 1)
+        activations_on = result["report"].activations_on
+        if offload and activations_on != "cpu":
+            raise LegError(f"offload: true kept the activations on {activations_on}")
+    identical = identical_outputs(work, ("offload_false", "offload_true"))
+    return {**walls, "identical_weights": identical}, [
+        row("offload", "weights with the activations on the host (prefetched) equal those kept on the device",
+            identical, "", "identical", identical)]
 
 
 # -- driver ------------------------------------------------------------------------------------------
@@ -580,6 +619,7 @@ def run(args) -> int:
             "bench": lambda: leg_bench(args, work / "bench", state),
             "w4": lambda: leg_w4(args, work / "w4", state),
             "dp": lambda: leg_dp(args, work / "dp"),
+            "offload": lambda: leg_offload(args, work / "offload"),
             "moe": lambda: leg_moe(args, work / "moe", apply_recipe, device_estimate)}
     for leg in args.legs:
         (work / leg).mkdir(parents=True, exist_ok=True)

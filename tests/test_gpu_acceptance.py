@@ -34,7 +34,8 @@ def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"] and result["tiny"]
     assert {leg: r["status"] for leg, r in result["legs"].items()} == dict.fromkeys(
-        ("graphs", "smollm2", "stream8b", "bench", "dp", "w4", "moe"), "ok"), result["legs"]
+        ("graphs", "smollm2", "stream8b", "bench", "dp", "offload", "w4", "moe"), "ok"), result["legs"]
+    assert result["legs"]["offload"]["figures"]["identical_weights"]
     graphs = result["legs"]["graphs"]["figures"]
     assert graphs["act_order"]["identical"] and graphs["dynamic_groups"]["identical"]
     machine = result["machine"]
