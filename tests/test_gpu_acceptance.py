@@ -147,16 +147,16 @@ def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
         return leg
 
     monkeypatch.setattr(gpu_acceptance, "leg_smollm2", broken)
-    for name in ("graphs", "stream8b", "bench", "dp", "w4", "moe"):
+    for name in ("graphs", "stream8b", "bench", "dp", "offload", "w4", "moe"):
         monkeypatch.setattr(gpu_acceptance, f"leg_{name}", fine(name))
     monkeypatch.setattr(gpu_acceptance, "disk_write_speed", lambda _directory: 1.0)
     assert gpu_acceptance.main(["--device", "cpu", "--out", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
-    assert ran == ["graphs", "smollm2", "dp", "stream8b", "bench", "w4", "moe"]
+    assert ran == ["graphs", "smollm2", "dp", "offload", "stream8b", "bench", "w4", "moe"]
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"]
     assert result["legs"]["smollm2"]["status"] == "error"
     assert result["legs"]["smollm2"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
-    assert [r["met"] for r in result["rows"]] == [True, False, True, True, True, True, True]
+    assert [r["met"] for r in result["rows"]] == [True, False, True, True, True, True, True, True]
     assert result["rows"][1]["error"] == result["legs"]["smollm2"]["error"]
 
 

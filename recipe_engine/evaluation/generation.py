@@ -10,6 +10,7 @@ score a completion: HumanEval by running the prompt, the completion and the task
 """
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from typing import Callable
@@ -47,7 +48,6 @@ def _forward_options(model) -> tuple[dict, str]:
     """``logits_to_keep=1`` where the model's forward takes it (the prompt's other positions need no logits),
     and the name of its KV-cache argument and output (``cache`` in recent transformers, ``past_key_values`` in
     5.17 and earlier)."""
-    import inspect
     parameters = inspect.signature(model.forward).parameters
     return ({"logits_to_keep": 1} if "logits_to_keep" in parameters else {},
             "cache" if "cache" in parameters else "past_key_values")
