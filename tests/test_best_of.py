@@ -474,8 +474,9 @@ def test_best_of_scores_by_a_generation_tasks_heldout_problems():
     for record in report["alternatives"]:
         assert record["problems"] == ["HumanEval/162", "HumanEval/163"] and record["failures"] == [1.0, 1.0]
         assert "window_nlls" not in record
-    assert report["chosen"] == 0 and report["pass_rate"] == 0.0
-    assert "humaneval pass rate 0.0000 on its last 2 problems" in report["headline"]
+    assert report["chosen"] == 0 and report["pass_rate"] == 0.0 and report["tied"] == [1]
+    assert "humaneval pass rate 0.0000 on its last 2 problems, tied with alternative 1: the first listed is " \
+        "kept (score more than 2 problems to tell them apart)" in report["headline"]
     assert model.config.num_hidden_layers == 4
 
 
@@ -489,7 +490,7 @@ def test_best_of_chooses_the_fewest_failures(monkeypatch):
     step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:2>"], ["SLEB<n:2>"]], "refit": False,
                                   "score": {"task": "gsm8k", "problems": 4}}}, 0)
     report = step.apply(make_session(model, random_tokens(8, 32, seed=2)))
-    assert (report["lowest"], report["chosen"], report["pass_rate"]) == (1, 1, 0.75)
+    assert (report["lowest"], report["chosen"], report["pass_rate"], report["tied"]) == (1, 1, 0.75, [])
     assert report["runner_up"]["nats"] == pytest.approx(0.5)  # (1 + 0 + 1 + 0) / 4 more failures
 
 

@@ -343,9 +343,20 @@ class BestOf(Modifier):
             return (line + f", {margin(records[chosen]['margin'])} above the lowest, alternative {lowest} "
                     f"{records[lowest]['steps']}: within {self.score.prefer_earlier_within:g} standard "
                     f"error{'' if self.score.prefer_earlier_within == 1 else 's'} and listed earlier")
+        tied = self._tied(records, chosen)
+        if tied:
+            return line + (f", tied with alternative{'s' if len(tied) > 1 else ''} {', '.join(map(str, tied))}: the "
+                           f"first listed is kept" + (f" (score more than {self.score.problems} problems to tell "
+                                                      f"them apart)" if self.score.task is not None else ""))
         if runner_up is not None:
             line += f", by {margin(runner_up)} over alternative {runner_up['alternative']} {runner_up['steps']}"
         return line
+
+    def _tied(self, records: list[dict[str, Any]], chosen: int) -> list[int]:
+        """The other scored alternatives whose score equals the chosen one's (held-out NLL or failure rate)."""
+        key = "nll" if self.score.task is None else "failure_rate"
+        return [r["alternative"] for r in records
+                if key in r and r["alternative"] != chosen and r[key] == records[chosen][key]]
 
     def _score(self, session, branch, scored, memo: SharedWork, record: dict[str, Any]) -> float:
         """The alternative's score (lower is better), recorded: the score windows' mean NLL, or with
@@ -419,6 +430,7 @@ class BestOf(Modifier):
                           "seed": self._seed(session.config.seed), **split.record()},
                 "alternatives": records, "lowest": lowest, "chosen": chosen,
                 "chosen_steps": describe(self.alternatives[chosen]), "nll": records[chosen].get("nll"),
-                "ppl": records[chosen].get("ppl"), "pass_rate": records[chosen].get("pass_rate"), "runner_up": runner_up, "headline": headline,
+                "ppl": records[chosen].get("ppl"), "pass_rate": records[chosen].get("pass_rate"),
+                "runner_up": runner_up, "tied": self._tied(records, chosen), "headline": headline,
                 "refit": refit, "shared_work": shared,
                 "layers": len(session.layers)}
