@@ -137,6 +137,27 @@ def test_distill_moves_the_compressed_model_toward_the_dense_teacher(tmp_path):
     assert kl_to(dense, recovered, ids) < 0.6 * kl_to(dense, quantized, ids)
 
 
+def test_distill_from_a_model_directory_loads_the_dense_teacher(tmp_path):
+    """From a checkpoint directory the original model is a skeleton read from its files: distillation loads
+    it whole as the teacher, and the result is the in-memory run's (same teacher logits, same training)."""
+    from tests.helpers import byte_tokenizer, save_tiny_model
+
+    text = tmp_path / "train.txt"
+    text.write_text(" ".join(WORDS * 60))
+    source = tmp_path / "dense"
+    dense = save_tiny_model(source)
+    steps = [{"ShortGPT": {"n": 1}},
+             {"LoRARecovery": {"lr": 5e-3, "max_steps": 2, "batch_size": 2, "micro_batch_size": 2, "seq_len": 32,
+                               "dataset": str(text), "distill": True, "top_k": 8}}]
+    from_files, report = recipe_engine.apply({**recipe(tmp_path, steps), "model": str(source)}, write=False,
+                                             progress=False)
+    assert report.steps[1].result["distill"] is True
+    in_memory, _ = recipe_engine.apply(recipe(tmp_path, steps), model=dense, tokenizer=byte_tokenizer(),
+                                       write=False, progress=False)
+    for (name, a), b in zip(from_files.state_dict().items(), in_memory.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_batch_must_be_a_multiple_of_the_micro_batch():
     from recipe_engine.modifiers.lora_recovery import LoRARecovery
 

@@ -1,6 +1,7 @@
 """LoRARecovery: a short LoRA fine-tune of the compressed model, merged back into stock weights."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import random
@@ -247,13 +248,14 @@ class LoRARecovery(Modifier):
                 lr_scheduler_type="linear", optim="adamw_torch", logging_steps=1, save_strategy="no",
                 report_to="none", disable_tqdm=True, remove_unused_columns=False, seed=self.seed,
                 use_cpu=session.device.type == "cpu")
-            teacher = None
-            if self.distill:
-                teacher = session.reference.model.to(args.device).eval().requires_grad_(False)
-            trainer = make_trainer(peft_model, args, examples, teacher, self.top_k)
-            trainer.train()
-            if teacher is not None:
-                teacher.to("cpu")
+            # the dense teacher: from a model source a skeleton read from the files, loaded whole for training
+            reference = session.reference if self.distill else None
+            with reference.resident() if reference is not None else contextlib.nullcontext():
+                teacher = None if reference is None else reference.model.to(args.device).eval().requires_grad_(False)
+                trainer = make_trainer(peft_model, args, examples, teacher, self.top_k)
+                trainer.train()
+                if teacher is not None:
+                    teacher.to("cpu")
         history = [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
         return history, trainer.state.global_step
 
