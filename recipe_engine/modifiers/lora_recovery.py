@@ -140,6 +140,13 @@ def loss_plot(history: list[float], title: str) -> bytes:
     return buffer.getvalue()
 
 
+def _whole(session: ModifierSession) -> contextlib.AbstractContextManager:
+    """Every weight of the session's model in host memory for the block (a no-op in memory)."""
+    model, adapter = session.model, session.adapter
+    return session.placed(*range(len(session.layers)), adapter.embeddings(model), adapter.final_norm(model),
+                          adapter.lm_head(model), on_device=False)
+
+
 @register
 class LoRARecovery(Modifier):
     """Recover quality lost to compression with LoRA on every attention/MLP projection, then merge.
@@ -250,7 +257,7 @@ class LoRARecovery(Modifier):
                 use_cpu=session.device.type == "cpu")
             # the dense teacher: from a model source a skeleton read from the files, loaded whole for training
             reference = session.reference if self.distill else None
-            with reference.resident() if reference is not None else contextlib.nullcontext():
+            with _whole(reference) if reference is not None else contextlib.nullcontext():
                 teacher = None if reference is None else reference.model.to(args.device).eval().requires_grad_(False)
                 trainer = make_trainer(peft_model, args, examples, teacher, self.top_k)
                 trainer.train()
