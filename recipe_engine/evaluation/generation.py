@@ -4,8 +4,8 @@ Batched greedy decoding with the KV cache (prompts left-padded, longest first); 
 task's stop sequences or the end-of-sequence token, or after ``max_new_tokens``, and leaves the batch at once: its
 rows of the KV cache are dropped (``Cache.batch_select_indices``), so the rows still running are the only ones
 computed (``transformers``' ``generate`` keeps computing finished rows until the whole batch is done, which on a
-CPU costs as much as the running rows). Each completion is cut before its first stop sequence. The tasks (``generation_tasks.py``)
-score a completion: HumanEval by running the prompt, the completion and the task's tests in the sandbox
+CPU costs as much as the running rows). Each completion is cut before its first stop sequence. The tasks
+(``generation_tasks.py``) score a completion: HumanEval by running the prompt, the completion and the task's tests in the sandbox
 (``sandbox.py``), GSM8K by its final number. The headline metric is pass@1 (greedy, one sample) or exact match.
 """
 from __future__ import annotations
@@ -115,17 +115,17 @@ def generate(model, tokenizer, prompts: list[str], stop: tuple[str, ...], max_ne
     try:
         for b, batch in enumerate(progress.track(batches, label) if progress is not None else batches):
             encoded = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True).to(device)
-            alive = None
-            if progress is not None:
-                last_line = [time.perf_counter()]
+            last_line = time.perf_counter()
 
-                def alive(tokens: int, running: int, _b=b, _rows=len(batch), _last=last_line) -> None:
-                    if time.perf_counter() - _last[0] >= interval_s():
-                        _last[0] = time.perf_counter()
-                        progress.log(f"{label} batch {_b + 1}/{len(batches)}: {tokens} tokens generated, "
-                                     f"{_rows - running}/{_rows} rows stopped")
+            def alive(tokens: int, running: int) -> None:
+                nonlocal last_line
+                if time.perf_counter() - last_line >= interval_s():
+                    last_line = time.perf_counter()
+                    progress.log(f"{label} batch {b + 1}/{len(batches)}: {tokens} tokens generated, "
+                                 f"{len(batch) - running}/{len(batch)} rows stopped")
             rows = greedy_rows(model, encoded["input_ids"], encoded["attention_mask"], max_new_tokens,
-                               lambda tokens: _stopped(tokenizer, stop, tokens), eos, alive)
+                               lambda tokens: _stopped(tokenizer, stop, tokens), eos,
+                               alive if progress is not None else None)
             for i, text in zip(batch, tokenizer.batch_decode(rows, skip_special_tokens=True)):
                 completions[i] = cut(text, stop)
     finally:

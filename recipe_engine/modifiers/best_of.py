@@ -284,24 +284,13 @@ class BestOf(Modifier):
         embeddings and an untied head) plus the largest working memory of any alternative's step."""
         matrices = 1 if shape.tie_word_embeddings else 2
         copies = 2 * 4 * (_layer_parameters(shape) + matrices * shape.vocab_size * shape.hidden_size)
-        largest = 0
-        for steps in self.alternatives:
-            trial = copy.deepcopy(shape)
-            try:
-                for step in steps:
-                    largest = max(largest, step.working_memory(trial, tokens))
-                    step.check(trial)
-            except RecipeError:
-                continue
+        largest = max((step.working_memory(received, tokens) for steps, shapes in self._received(shape)
+                       for step, received in zip(steps, shapes)), default=0)
         return copies + largest
 
-    def kept_original_states(self, shape, windows: int, later_reads: bool) -> int:
-        """The most any alternative keeps of the original model's states (``kept_original_sets`` over its
-        steps, on the shape this step receives): on the fit windows while the alternatives run, on all of them
-        when the chosen one is refitted (an upper bound: the chosen one may keep none)."""
-        if not self.refit:
-            windows = len(heldout_split(windows, 0, self.score.fraction).fit)
-        most = 0
+    def _received(self, shape) -> list[tuple[list[Modifier], list]]:
+        """Each alternative the architecture does not refuse, with the shape each of its steps receives."""
+        checked = []
         for steps in self.alternatives:
             trial, shapes = copy.deepcopy(shape), []
             try:
@@ -310,8 +299,17 @@ class BestOf(Modifier):
                     step.check(trial)
             except RecipeError:
                 continue  # refused: skipped at run time
-            most = max(most, *kept_original_sets(steps, shapes, windows, later_reads))
-        return most
+            checked.append((steps, shapes))
+        return checked
+
+    def kept_original_states(self, shape, windows: int, later_reads: bool) -> int:
+        """The most any alternative keeps of the original model's states (``kept_original_sets`` over its
+        steps, on the shape this step receives): on the fit windows while the alternatives run, on all of them
+        when the chosen one is refitted (an upper bound: the chosen one may keep none)."""
+        if not self.refit:
+            windows = len(heldout_split(windows, 0, self.score.fraction).fit)
+        return max((max(kept_original_sets(steps, shapes, windows, later_reads))
+                    for steps, shapes in self._received(shape)), default=0)
 
     # -- run -------------------------------------------------------------------------------------
     def _seed(self, calibration_seed: int) -> int:
@@ -329,7 +327,7 @@ class BestOf(Modifier):
         return lowest
 
     def _headline(self, records: list[dict[str, Any]], lowest: int, chosen: int,
-                  runner_up: dict[str, Any] | None) -> str:
+                  runner_up: dict[str, Any] | None, tied: list[int]) -> str:
         """One line: what was chosen, its score and its margin (apply's summary prints it under its table)."""
         def margin(m: dict[str, Any]) -> str:
             error = m["standard_error"]
@@ -343,7 +341,6 @@ class BestOf(Modifier):
             return (line + f", {margin(records[chosen]['margin'])} above the lowest, alternative {lowest} "
                     f"{records[lowest]['steps']}: within {self.score.prefer_earlier_within:g} standard "
                     f"error{'' if self.score.prefer_earlier_within == 1 else 's'} and listed earlier")
-        tied = self._tied(records, chosen)
         if tied:
             return line + (f", tied with alternative{'s' if len(tied) > 1 else ''} {', '.join(map(str, tied))}: the "
                            f"first listed is kept" + (f" (score more than {self.score.problems} problems to tell "
@@ -407,7 +404,8 @@ class BestOf(Modifier):
         lowest, branch = best
         runner_up = paired_margins(records, lowest, "window_nlls" if self.score.task is None else "failures")
         chosen = self._choose(records, lowest)
-        headline = self._headline(records, lowest, chosen, runner_up)
+        tied = self._tied(records, chosen)
+        headline = self._headline(records, lowest, chosen, runner_up, tied)
         session.progress.log(f"BestOf: {headline}")
         if chosen != lowest and not self.refit:  # the chosen one's fit-window model was freed: build it again
             branch = best = None
@@ -431,6 +429,6 @@ class BestOf(Modifier):
                 "alternatives": records, "lowest": lowest, "chosen": chosen,
                 "chosen_steps": describe(self.alternatives[chosen]), "nll": records[chosen].get("nll"),
                 "ppl": records[chosen].get("ppl"), "pass_rate": records[chosen].get("pass_rate"),
-                "runner_up": runner_up, "tied": self._tied(records, chosen), "headline": headline,
+                "runner_up": runner_up, "tied": tied, "headline": headline,
                 "refit": refit, "shared_work": shared,
                 "layers": len(session.layers)}

@@ -108,16 +108,15 @@ def kept_states_bytes(plan: Plan, budget: int) -> list[int]:
             for sets in kept_original_sets(plan.steps, plan.shapes, recipe.calibration.samples)]
 
 
-def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_device: bool = False,
-                available: int | None = None) -> MemoryPlan:
+def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_device: bool = False) -> MemoryPlan:
     """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory, on the
     shape the plan says it receives.
 
     ``on_device``: the run keeps the calibration activations on an accelerator (``calibration.offload``
     resolved false), where the steps' statistics and solves live too. Then the host holds the runtime and
     the weights a step holds (they are read there and moved layer by layer), and ``device_peak_bytes`` is
-    the activations plus the largest step's weights and working memory. ``available``: the host's available
-    memory, which bounds the kept original states (default: ``available_memory()`` now)."""
+    the activations plus the largest step's weights and working memory. The kept original states are bounded
+    by a quarter of the host memory available now."""
     recipe = plan.recipe
     width = DTYPE_BYTES[recipe.dtype]
     first = plan.shapes[0]
@@ -146,7 +145,7 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     runtime = runtime_bytes(recipe) if runtime is None else runtime
     resident = runtime + (0 if on_device else activations)  # on the host through every step
     if not on_device:  # kept only when the activations live on the host
-        budget = (available_memory() if available is None else available) // 4
+        budget = available_memory() // 4
         for step, kept in zip(steps, kept_states_bytes(plan, budget)):
             step.kept_states_bytes = kept
     for step in steps:  # what the host holds during the step
