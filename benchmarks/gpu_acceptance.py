@@ -144,12 +144,14 @@ OUT = Path(".")
 
 
 def apply_recipe(recipe: dict, work: Path, timeout: float, launcher: list[str] | None = None,
-                 trace: bool = False) -> dict:
+                 trace: bool = False, profile: bool = False) -> dict:
     """``recipe apply`` of ``recipe`` in a subprocess (``launcher``: e.g. torchrun's arguments before
     ``-m``); returns its report, wall time, watched peak RSS, log path and its timings log
     (``OUT/timings-NAME.jsonl``, kept). ``trace``: sample the GPU's utilisation while it runs
     (``OUT/gpu-NAME.csv``; ``gpu_busy`` in the result). A run that fails or is stopped raises
-    :class:`LegError` with its timings so far (seconds by phase per step) in ``partial``."""
+    :class:`LegError` with its timings so far (seconds by phase per step) in ``partial``. ``profile``:
+    ``recipe apply --profile WORK/profile-NAME`` (a few layers under torch.profiler; their timings are slower;
+    ``top_operations.txt`` goes into runs.tar.gz)."""
     import yaml
 
     import recipe_engine
@@ -160,6 +162,8 @@ def apply_recipe(recipe: dict, work: Path, timeout: float, launcher: list[str] |
     timings = OUT / f"timings-{recipe['name']}.jsonl"
     command = [*(launcher or [sys.executable]), "-m", "recipe_engine.cli", "apply", str(path), "--force",
                "--quiet", "--no-checkpoints", "--timings", str(timings)]
+    if profile:
+        command += ["--profile", str(work / f"profile-{recipe['name']}")]
     env = engine_env()
     if launcher:
         env["NCCL_DEBUG"] = "INFO"
@@ -218,12 +222,13 @@ def relative_row(leg: str, figure: str, value: float, reference: float) -> dict:
 
 
 # -- leg: SmolLM2 ------------------------------------------------------------------------------------
-def tiny_checkpoint(work: Path) -> Path:
+def tiny_checkpoint(work: Path, tokenizer: str = "smollm2-135m") -> Path:
+    """A tiny random Llama (``TINY_SHAPE``) with ``tokenizer``'s files (an alias, or the carried directory)."""
     import torch
 
     import scale
 
-    return scale.write_synthetic(work / "tiny-llama", TINY_LAYERS, torch.float32, **TINY_SHAPE)
+    return scale.write_synthetic(work / "tiny-llama", TINY_LAYERS, torch.float32, tokenizer=tokenizer, **TINY_SHAPE)
 
 
 def smollm2_recipes(device: str, work: Path, tiny: bool) -> dict[str, dict]:
@@ -456,7 +461,7 @@ def small_flatten_recipe(args, work: Path, tiny: bool = False) -> dict:
     recipe.update(device=args.device, evaluate=None)
     recipe["calibration"].update(samples=8, seq_len=256)
     if args.tiny or tiny:
-        recipe["model"] = str(tiny_checkpoint(work))
+        recipe["model"] = str(tiny_checkpoint(work, args.tokenizer))
         recipe["calibration"].update(samples=4, seq_len=64, batch_size=2)
         recipe["modifiers"][1]["FlattenAdjacent"]["n"] = 2
     return recipe
@@ -574,7 +579,7 @@ def pack_runs(out: Path, work: Path) -> None:
     partial = out / "runs.tar.gz.partial"
     with tarfile.open(partial, "w:gz") as archive:
         archive.add(kept, arcname="runs")
-        for path in sorted([*work.rglob("*.log"), *work.rglob("*.yaml")]):
+        for path in sorted([*work.rglob("*.log"), *work.rglob("*.yaml"), *work.rglob("top_operations.txt")]):
             if kept not in path.parents:
                 archive.add(path, arcname=f"logs/{path.relative_to(work)}")
     os.replace(partial, out / "runs.tar.gz")
@@ -685,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the 8B-shaped checkpoint's tokenizer: a model alias or directory (--carry sets it)")
     parser.add_argument("--bench-repeats", type=int, default=30,
                         help="bench and w4: timed iterations per model and request (30 or more)")
+    parser.add_argument("--profile", action="store_true",
+                        help="moe: profile a few layers of its run (torch.profiler; the top operations by host "
+                             "and device time in runs.tar.gz; those layers' timings are slower)")
     parser.add_argument("--pack", action="store_true",
                         help="timings logs, GPU traces and run logs in one OUT/runs.tar.gz (few files to send back)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session (log: OUT/acceptance.log)")

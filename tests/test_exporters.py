@@ -226,3 +226,19 @@ def test_formats_refuse_what_they_cannot_hold_before_anything_runs(tmp_path, cha
     with pytest.raises(RecipeError, match=message) as error:
         check_against_config(recipe_from_dict(data), tiny_config(), "r.yaml")
     assert "r.yaml" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_packing_moves_to_the_gpu_only_when_the_tensor_and_its_fp64_copies_fit(monkeypatch):
+    from recipe_engine.io.checkpoint_writer import PACK_DEVICE_SHARE, pack_device
+
+    experts = torch.zeros(8, 64, 32, dtype=torch.bfloat16)   # 8 experts of 64 × 32
+    need = experts.numel() * 2 + 6 * 8 * 64 * 32               # the stack, six fp64 copies of one expert
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    free = {"bytes": int(need / PACK_DEVICE_SHARE)}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 10**12))
+    assert pack_device(gpu, experts) == gpu
+    assert pack_device(gpu, experts[0]) == gpu
+    free["bytes"] -= 2
+    assert pack_device(gpu, experts) == cpu
+    assert pack_device(cpu, experts) == cpu
+    assert pack_device(gpu, experts.to("meta")).type == "meta"  # a layout is never moved

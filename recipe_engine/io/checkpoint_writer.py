@@ -115,15 +115,36 @@ def _as_is(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: tensor}
 
 
+#: Share of a GPU's free memory that packing one quantized tensor may take.
+PACK_DEVICE_SHARE = 0.5
+
+
+def pack_device(device: torch.device, tensor: torch.Tensor) -> torch.device:
+    """Where a quantized weight is packed: on the run's GPU when the tensor and the fp64 working copies of its
+    largest linear (weight, expanded scale and zero point, codes, the rounded-back check: 6 × 8 bytes per
+    element) fit in ``PACK_DEVICE_SHARE`` of its free memory, else on the host. The packed tensors are the
+    same bit for bit (integer codes of an fp64 division); a GPU makes the write of an MoE model's thousands of
+    experts take seconds, not minutes of CPU time."""
+    if device.type != "cuda" or tensor.device.type == "meta":
+        return tensor.device
+    linear = tensor.numel() if tensor.dim() <= 2 else tensor[0].numel()
+    need = _nbytes(tensor) + 48 * linear
+    free, _total = torch.cuda.mem_get_info(device)
+    return device if need <= PACK_DEVICE_SHARE * free else torch.device("cpu")
+
+
 def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinear],
-            rename=_as_is) -> dict[str, torch.Tensor]:
+            rename=_as_is, device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
     """The file entries of one state tensor: itself (``rename``: under ``save_pretrained``'s on-disk names), or
     its packed tensors when it is a quantized weight; an MoE layer's stacked experts are split by ``rename``
     into each expert's linears (the Hub's names), their scales and zero points split the same way, and each
-    linear packed."""
+    linear packed. ``device``: the run's device; a quantized weight is packed where ``pack_device`` says."""
     record = quantized.get(name)
     if record is None:
         return rename(name, tensor)
+    on = pack_device(device, tensor)
+    if on.type != "meta":
+        tensor, record = tensor.to(on), replace(record, scale=record.scale.to(on), zero=record.zero.to(on))
     if record.parameter != "weight":
         scales, zeros = rename(name, record.scale), rename(name, record.zero)
         return {key: value for linear, weight in rename(name, tensor).items()
@@ -179,7 +200,7 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
                 unit_values = _unit_values(session, unit)
                 values = {name: unit_values[local] for name, local in names.items()}
             yield {key: tensor for name, value in values.items()
-                   for key, tensor in _stored(name, value, quantized, rename).items()}
+                   for key, tensor in _stored(name, value, quantized, rename, session.device).items()}
             if unit is not None and session.stream is not None and not is_materialized(unit):
                 session.stream.discard_staged(unit)  # written: its staging file is no longer needed
 

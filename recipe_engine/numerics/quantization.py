@@ -80,13 +80,19 @@ class QuantizedLinear:
     parameter: str = "weight"
 
 
-def check_on_grid(name: str, weight: torch.Tensor, record: QuantizedLinear) -> None:
-    """Refuse to pack a weight a later step moved off its grid (e.g. merged LoRA adapters)."""
+def grid_codes(name: str, weight: torch.Tensor, record: QuantizedLinear) -> torch.Tensor:
+    """The integer codes ``clamp(round(w / s) + z, 0, 2^b - 1)`` of a quantized ``weight`` [rows, cols] (fp64, on
+    the weight's device), computed in fp64 (a bf16 weight divided in bf16 can land on the next code). Refuses a
+    weight a later step moved off its grid (e.g. merged LoRA adapters): ``s (q - z)`` rounded to the weight's
+    dtype must give the weight back within 0.05 grid steps."""
     grid, w = record.grid, weight.detach().to(torch.float64)
-    step = grid.expand(record.scale.to(torch.float64), w.shape[1])
+    step = grid.expand(record.scale.to(w.device, torch.float64), w.shape[1])
+    zero = grid.expand(record.zero.to(w.device, torch.float64), w.shape[1])
+    codes = grid.codes(w, step, zero)
     # the grid value as the weight's dtype holds it (bf16 keeps 8 bits: int8 codes times a scale are rounded)
-    fake = grid.fake(w, step, grid.expand(record.zero.to(torch.float64), w.shape[1])).to(weight.dtype)
+    fake = (step * (codes - zero)).to(weight.dtype)
     off = ((w - fake.to(torch.float64)).abs() / step).max()
     if off > 0.05:
         raise RuntimeError(f"{name}: weights are {float(off):.2f} grid steps off their quantization grid; "
                            f"a step after quantization changed them, so they cannot be packed")
+    return codes

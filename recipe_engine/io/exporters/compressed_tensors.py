@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ...numerics.quantization import Grid, QuantizedLinear, check_on_grid
+from ...numerics.quantization import Grid, QuantizedLinear, grid_codes
 from . import Exporter, register
 
 
@@ -55,16 +55,14 @@ class CompressedTensors(Exporter):
         ``pack_to_int32``: what ``PackedQuantizationCompressor.compress`` writes (checked in the tests)."""
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # deferred: imports transformers
 
-        check_on_grid(name, weight, record)
-        grid, columns, offset = record.grid, weight.shape[1], 2 ** (record.grid.bits - 1)
-        scale = grid.expand(record.scale.to(torch.float64), columns)
-        codes = grid.codes(weight.detach().cpu().to(torch.float64), scale,
-                           grid.expand(record.zero.to(torch.float64), columns))
+        grid, offset = record.grid, 2 ** (record.grid.bits - 1)
+        codes = grid_codes(name, weight, record)
         packed = {"weight_packed": pack_to_int32((codes - offset).to(torch.int8), grid.bits),
-                  "weight_scale": record.scale.to(weight.dtype),
+                  "weight_scale": record.scale.to(codes.device, weight.dtype),
                   "weight_shape": torch.tensor(list(weight.shape), dtype=torch.int64)}
         if not grid.sym:
-            packed["weight_zero_point"] = pack_to_int32((record.zero - offset).to(torch.int8), grid.bits, packed_dim=0)
+            zero = (record.zero.to(codes.device) - offset).to(torch.int8)
+            packed["weight_zero_point"] = pack_to_int32(zero, grid.bits, packed_dim=0)
         return packed
 
     def quantization_config(self, grid: Grid, ignore: list[str]) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ...numerics.quantization import Grid, QuantizedLinear, check_on_grid
+from ...numerics.quantization import Grid, QuantizedLinear, grid_codes
 from . import Exporter, register
 
 BITS = (2, 4, 8)
@@ -26,7 +26,7 @@ def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack non-negative codes ``[n, m]`` along dim 0 into int32 ``[n · bits / 32, m]`` (first code lowest)."""
     per_word = 32 // bits
     grouped = codes.to(torch.int64).reshape(-1, per_word, codes.shape[1])
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64).reshape(1, per_word, 1)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=codes.device).reshape(1, per_word, 1)
     words = (grouped << shifts).sum(dim=1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
 
@@ -66,14 +66,11 @@ class GPTQv1(Exporter):
         return {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in shapes.items()}
 
     def pack(self, name: str, weight: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:
-        check_on_grid(name, weight, record)
         grid, (rows, columns) = record.grid, weight.shape
         per_word = 32 // grid.bits
         if columns % per_word or rows % per_word:
             raise RuntimeError(f"{name}: {rows} × {columns} is not a multiple of {per_word} codes per int32 word")
-        scale = grid.expand(record.scale.to(torch.float64), columns)
-        zero = grid.expand(record.zero.to(torch.float64), columns)
-        codes = grid.codes(weight.detach().cpu().to(torch.float64), scale, zero)
+        codes = grid_codes(name, weight, record)
         width = grid.width(columns)
         return {"qweight": pack_words(codes.t().contiguous(), grid.bits),
                 "qzeros": pack_words(record.zero.to(torch.int64) - 1, grid.bits).t().contiguous(),
