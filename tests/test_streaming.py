@@ -339,7 +339,12 @@ def test_memory_estimate_with_the_activations_on_a_device(tmp_path, capsys, stre
     device = estimate(recipe_from_dict(data), config, streamed, runtime=100, on_device=True)
     activations = 4 * 4 * 32 * config.hidden_size * 2 + 3 * 2 * 32 * config.intermediate_size * 4
     assert host.activations_bytes == device.activations_bytes == activations
-    held = max(s.weights_bytes for s in device.steps)
+    held = max(s.weights_bytes + s.read_ahead_bytes for s in device.steps)
+    largest = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).model.layers[0].parameters()) * 2
+    # the next layer, read ahead: of the original model, then of the shape each step receives (merged: wider)
+    assert device.steps[0].read_ahead_bytes == (largest if streamed else 0)
+    assert all((largest < s.read_ahead_bytes <= s.weights_bytes) if streamed else s.read_ahead_bytes == 0
+               for s in device.steps[1:])
     embedding = config.vocab_size * config.hidden_size * 2
     assert device.host_peak_bytes == 100 + (max(held, embedding) if streamed else held)
     assert device.device_peak_bytes == activations + max(s.weights_bytes + s.working_bytes
@@ -558,3 +563,57 @@ def test_only_a_streamed_model_bounds_the_heap(tmp_path, monkeypatch, stream):
                                     checkpoints=False)
     assert report.streamed is (stream == "on")
     assert bool(calls) is (stream == "on")
+
+
+def test_a_pass_reads_each_next_layer_ahead_once_and_never_from_a_stale_home(tmp_path, monkeypatch):
+    """Using layer i on the device starts reading layer i + 1 on a thread; materializing it takes those tensors
+    (each layer read once, the same weights as HF's own load). A read-ahead of a layer that is not used next
+    is dropped, and a layer whose home changed after it was read ahead is read from its new home."""
+    import threading
+
+    from safetensors.torch import save_file
+
+    from recipe_engine.architectures.adapters import adapter_for
+    from recipe_engine.execution.session import Session
+    from recipe_engine.execution.streaming import open_stream
+    from recipe_engine.io.models import load_model
+    from recipe_engine.recipe.schema import CalibrationConfig
+
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    model, tokenizer, source = load_model(str(model_dir), skeleton=True)
+    adapter = adapter_for(model.config)
+    session = Session(model, tokenizer, adapter, random_tokens(vocab=BYTE_VOCAB), CalibrationConfig(batch_size=2),
+                      torch.device("cpu"), stream=open_stream(model, adapter, source.location, tmp_path / "staging"))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    reads, real_read = [], CheckpointReader.read
+
+    def counted(self, names):
+        names = list(names)
+        reads.append((threading.current_thread().name, int(names[0].split(".")[2])))
+        return real_read(self, names)
+
+    monkeypatch.setattr(CheckpointReader, "read", counted)
+    for i in range(6):
+        with session.placed(i):
+            torch.testing.assert_close(session.layers[i].state_dict(), reference.model.layers[i].state_dict(),
+                                       rtol=0, atol=0)
+    assert [layer for _, layer in reads] == [0, 1, 2, 3, 4, 5]
+    assert reads[0][0] == "MainThread" and all(name.startswith("recipe-read-ahead") for name, _ in reads[1:])
+
+    reads.clear()
+    with session.placed(0):   # reads layer 1 ahead ...
+        pass
+    with session.loaded(3):   # ... which is not used next: dropped, layer 3 read here
+        pass
+    with session.placed(1):
+        pass
+    assert [layer for _, layer in reads] == [0, 1, 3, 1, 2]
+
+    layer = session.layers[4]
+    changed = {name: 2 * t for name, t in reference.model.layers[4].state_dict().items()}
+    save_file(changed, str(tmp_path / "layer4.safetensors"))
+    session.stream.read_ahead(layer)
+    session.stream.adopt(layer, tmp_path / "layer4.safetensors", {name: name for name in changed})
+    with session.loaded(4):
+        torch.testing.assert_close(session.layers[4].state_dict(), changed, rtol=0, atol=0)

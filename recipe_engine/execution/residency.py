@@ -58,9 +58,21 @@ class Residency:
     def using(self, *items: int | nn.Module) -> contextlib.AbstractContextManager:
         """Layers (current indices) or modules with real weights on the session device for the block:
         materialized there from disk when streamed, else moved there and back (``on_device``)."""
-        if self.session.stream is None:
+        s = self.session
+        if s.stream is None:
             return self.on_device(*self._modules(items))
-        return self._timed(self.session.stream.loaded(self.units_of(items), self.session.device))
+        after = max((i for i in items if isinstance(i, int)), default=None)
+        following = s.layers[after + 1] if after is not None and after + 1 < len(s.layers) else None
+        return self._reading_ahead(self._timed(s.stream.loaded(self.units_of(items), s.device)), following)
+
+    @contextlib.contextmanager
+    def _reading_ahead(self, block: contextlib.AbstractContextManager, following: nn.Module | None) -> Iterator[None]:
+        """``block``; once its layers are loaded, the layer after them is read from disk while the block
+        computes (a pass goes on to it next: ``WeightStream.read_ahead``)."""
+        with block:
+            if following is not None:
+                self.session.stream.read_ahead(following)
+            yield
 
     @contextlib.contextmanager
     def _timed(self, block: contextlib.AbstractContextManager) -> Iterator[None]:

@@ -16,6 +16,11 @@ returns to meta. A unit built by a step (e.g. a merged layer) has no home until 
 ever silently dropped: a released unit's tensors are held until its file is written (by a thread, behind the
 compute: reading the unit waits for it, and ``run_steps`` drains the write before it returns).
 
+Reading ahead: a layer-sequential pass using layer i asks for layer i + 1 (``read_ahead``); its tensors are read
+from its home by a thread while layer i computes, and materializing it takes them (when its home is still the
+one read; else they are dropped and it is read again). One unit is read ahead at a time, so host memory holds at
+most one unit more.
+
 A run that keeps resume checkpoints (``recipe_engine.execution.resume``) makes its checkpoint directory the staging
 directory and sets ``keep_staged``: a superseded staging file is then left for the checkpoint store, which
 deletes it once no checkpoint names it (the staged files *are* the checkpointed units).
@@ -59,9 +64,8 @@ class StagedFile:
     @property
     def path(self) -> Path:
         """The file, once written: a write still in flight is waited for (its error is raised here)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        if self._pending is not None:  # kept (result() of a done write returns at once): safe from two threads
+            self._pending.result()
         return self._path
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -94,6 +98,9 @@ class WeightStream:
         #: The one staging write behind the compute (``release``), and the thread that writes it.
         self._in_flight: StagedFile | None = None
         self._writer: ThreadPoolExecutor | None = None
+        #: The one unit read ahead (``read_ahead``): the unit (weakly), the home it was read from, the read.
+        self._ahead: tuple[weakref.ref, Home, Future] | None = None
+        self._reader: ThreadPoolExecutor | None = None
         self.bytes_read = self.bytes_staged = 0
         names = {id(m): name for name, m in model.named_modules()}
         covered: set[int] = set()
@@ -117,13 +124,32 @@ class WeightStream:
         home = self._homes.get(unit)
         if home is None:
             raise RuntimeError("a released unit has no home on disk (it was never staged)")
-        values = home.reader.read(home.names.values())
+        values = self._taken_ahead(unit, home) or home.reader.read(home.names.values())
         for name, stored in home.names.items():
             value = values[stored]
             set_module_tensor_to_device(unit, name, device, value=value)
             self.bytes_read += value.numel() * value.element_size()
         self._retie()
         self._loaded[unit] = self._versions(unit)
+
+    def read_ahead(self, unit: nn.Module) -> None:
+        """Start reading a released ``unit``'s tensors from its home on a thread (the next layer of a pass,
+        while this one computes); ``materialize`` takes them. Replaces an earlier read-ahead not yet taken."""
+        if unit in self._loaded or is_materialized(unit) or unit not in self._homes:
+            return
+        if self._ahead is not None and self._ahead[0]() is unit:
+            return
+        home = self._homes[unit]
+        self._reader = self._reader or ThreadPoolExecutor(1, thread_name_prefix="recipe-read-ahead")
+        self._ahead = (weakref.ref(unit), home, self._reader.submit(home.reader.read, list(home.names.values())))
+
+    def _taken_ahead(self, unit: nn.Module, home: Home) -> dict[str, torch.Tensor] | None:
+        """The tensors read ahead for ``unit`` from ``home`` (None: none were, or from another home); a
+        read-ahead of another unit is dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[0]() is not unit or ahead[1] is not home:
+            return None
+        return ahead[2].result()
 
     def release(self, unit: nn.Module) -> None:
         """Return ``unit`` to the meta device; first stage it when it changed since it was loaded or has

@@ -10,7 +10,8 @@
 * weights held: in memory, the whole model; streamed, a layer-scope step holds its largest target layer and
   one original layer (reference), a streaming model-scope step about four layers (a merge: its sources,
   the copy and the result) or the embedding matrix its passes start with, whichever is larger, and a step that does not
-  stream (``Modifier.streams``) the whole model (twice with the original model).
+  stream (``Modifier.streams``) the whole model (twice with the original model); a streamed step's pass also
+  holds the next layer, read from disk while the current one computes (``read_ahead_bytes``).
 * working memory: each step's ``working_memory(shape, tokens)`` (statistics and solve buffers).
 * kept original states: from a step whose pass keeps the original model's states for a later step that reads
   the original (``kept_states_bytes``) through that later step, one set per layer, at most a quarter of the
@@ -73,6 +74,8 @@ class StepMemory:
     whole_model: bool
     host_bytes: int = 0
     kept_states_bytes: int = 0
+    #: A streamed pass's next layer, read into host memory while the current one computes.
+    read_ahead_bytes: int = 0
 
 
 @dataclass
@@ -139,8 +142,9 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
             held = max(4 * largest, embedding)
         else:
             held = shape_bytes(shape, width) + (whole if step.needs_reference else 0)
-        steps.append(StepMemory(step.step_name(), held, step.working_memory(shape, tokens),
-                                not streamed or (step.scope == "model" and not step.streams)))
+        whole_model = not streamed or (step.scope == "model" and not step.streams)
+        steps.append(StepMemory(step.step_name(), held, step.working_memory(shape, tokens), whole_model,
+                                read_ahead_bytes=0 if whole_model else largest))
     activations = 4 * tokens * first.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
     runtime = runtime_bytes(recipe) if runtime is None else runtime
     resident = runtime + (0 if on_device else activations)  # on the host through every step
@@ -149,7 +153,7 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
         for step, kept in zip(steps, kept_states_bytes(plan, budget)):
             step.kept_states_bytes = kept
     for step in steps:  # what the host holds during the step
-        step.host_bytes = resident + step.weights_bytes + step.kept_states_bytes \
+        step.host_bytes = resident + step.weights_bytes + step.read_ahead_bytes + step.kept_states_bytes \
             + (0 if on_device else step.working_bytes)
     host_peak = max(s.host_bytes for s in steps)
     if streamed:  # a streamed run's passes start with the embeddings loaded

@@ -156,4 +156,6 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
         console.print(f"  step {index} {step['step']}: weights {_gib(step['weights_bytes'])}, working "
                       f"{_gib(step['working_bytes'])}"
                       + (f", kept original states {_gib(step['kept_states_bytes'])}" if step["kept_states_bytes"]
+                         else "")
+                      + (f", next layer read ahead {_gib(step['read_ahead_bytes'])}" if step["read_ahead_bytes"]
                          else "") + note)
