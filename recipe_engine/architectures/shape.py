@@ -48,6 +48,8 @@ class ModelShape:
     quantized_by: str | None = None
     #: Whether the run streams its weights (memory estimates: streamed steps may spill to scratch files).
     streamed: bool = False
+    #: Bytes per value of the run's weights and activations (the recipe's ``dtype``; memory estimates).
+    dtype_bytes: int = 4
     #: The result must be a stock checkpoint (the recipe exports it, e.g. to GGUF): a step that chooses between
     #: alternatives (``BestOf``) skips those whose output is not (``Modifier.output_is_stock``).
     stock_only: bool = False
