@@ -14,8 +14,10 @@ Legs (a failing leg records its error line; the next leg still runs):
             layers must equal, and the WikiText-2 PPLs lie within 1 % of, the CPU run committed in
             benchmarks/gpu_acceptance_reference.json (made by `--device cpu --legs smollm2 --write-reference`).
   offload   the dp leg's recipe on a tiny checkpoint (on any device; 8 × 64 tokens) with `calibration.offload`
-            false and true: identical weights (on a GPU the host-kept activations are loaded a batch ahead
-            on a side copy stream). Seconds; needs only [".gpu/b"].
+            false and true, and streamed from disk: identical weights (on a GPU the host-kept activations are
+            loaded a batch ahead on a side copy stream; streamed, the next layer is read ahead by a thread and
+            a changed layer is copied to pinned host memory on a side stream before a thread stages it).
+            Seconds; needs only [".gpu/b"].
   dp        a data-parallel launch on one device (torchrun, world size 1: NCCL on a GPU, gloo on CPU) of a
             small FlattenGPT recipe: exits 0, its collectives ran (NCCL_DEBUG lines on a GPU), weights
             identical to the same recipe run in one process.
@@ -470,12 +472,14 @@ def small_flatten_recipe(args, work: Path, tiny: bool = False) -> dict:
     return recipe
 
 
-def identical_outputs(work: Path, names: tuple[str, str]) -> bool:
-    """The two outputs' tensors are the same, bit for bit (then both outputs are removed)."""
+def identical_outputs(work: Path, names: tuple[str, ...]) -> list[bool]:
+    """For each output after the first: its tensors are the first's, bit for bit (then every output is
+    removed)."""
     from safetensors.torch import load_file
 
-    a, b = (load_file(str(work / name / "model.safetensors")) for name in names)
-    identical = a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and bool((a[k] == b[k]).all()) for k in a)
+    first, *others = (load_file(str(work / name / "model.safetensors")) for name in names)
+    identical = [first.keys() == other.keys() and all(
+        first[k].dtype == other[k].dtype and bool((first[k] == other[k]).all()) for k in first) for other in others]
     for name in names:
         shutil.rmtree(work / name, ignore_errors=True)
     return identical
@@ -493,7 +497,7 @@ def leg_dp(args, work: Path) -> tuple[dict, list[dict]]:
     nccl_lines = sum("NCCL INFO" in line for line in log.splitlines())
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
     report = results["torchrun"]["report"]
-    identical = identical_outputs(work, ("dp_one_process", "dp_torchrun"))
+    (identical,) = identical_outputs(work, ("dp_one_process", "dp_torchrun"))
     figures = {"backend": backend, "ranks": report.ranks, "wall_s": round(results["torchrun"]["wall_s"], 1),
                "one_process_wall_s": round(results["one_process"]["wall_s"], 1), "nccl_log_lines": nccl_lines,
                "identical_weights": identical}
@@ -506,24 +510,30 @@ def leg_dp(args, work: Path) -> tuple[dict, list[dict]]:
 def leg_offload(args, work: Path) -> tuple[dict, list[dict]]:
     """The small FlattenGPT recipe on the tiny checkpoint (needs no SmolLM2), 8 × 64 tokens in 4 batches, with
     the activations on the device and on the host (``calibration.offload``), where each batch is loaded ahead on
-    a side copy stream (``execution/activations.py`` ``CopyStream``): identical weights. On CPU both keep
-    them on the host (the leg only runs)."""
+    a side copy stream (``execution/activations.py`` ``CopyStream``), and streamed from disk (``stream: on``:
+    each next layer read ahead by a thread, each changed layer copied back to the host on a side stream and
+    staged by a thread): identical weights. On CPU the activations stay on the host (the leg only runs)."""
     recipe = small_flatten_recipe(args, work, tiny=True)
     recipe["calibration"].update(samples=8)
     walls = {}
-    for offload in (False, True):
-        name = f"offload_{str(offload).lower()}"
-        variant = {**recipe, "name": name, "output": str(work / name),
-                   "calibration": {**recipe["calibration"], "offload": offload}}
+    variants = {"offload_false": {"offload": False}, "offload_true": {"offload": True},
+                "streamed": {"offload": False, "stream": "on"}}
+    for name, settings in variants.items():
+        variant = {**recipe, "name": name, "output": str(work / name), "stream": settings.get("stream", "off"),
+                   "calibration": {**recipe["calibration"], "offload": settings["offload"]}}
         result = apply_recipe(variant, work, timeout=300 if args.tiny else 600)
         walls[name] = round(result["wall_s"], 1)
         activations_on = result["report"].activations_on
-        if offload and activations_on != "cpu":
+        if settings["offload"] and activations_on != "cpu":
             raise LegError(f"offload: true kept the activations on {activations_on}")
-    identical = identical_outputs(work, ("offload_false", "offload_true"))
-    return {**walls, "identical_weights": identical}, [
+        if name == "streamed" and not result["report"].streamed:
+            raise LegError("stream: on did not stream")
+    identical, streamed = identical_outputs(work, ("offload_false", "offload_true", "streamed"))
+    return {**walls, "identical_weights": identical, "streamed_identical_weights": streamed}, [
         row("offload", "weights with the activations on the host (prefetched) equal those kept on the device",
-            identical, "", "identical", identical)]
+            identical, "", "identical", identical),
+        row("offload", "weights streamed from disk (read ahead, staged through a side stream) equal them too",
+            streamed, "", "identical", streamed)]
 
 
 # -- driver ------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -87,6 +87,39 @@ def _read_paged_in(reader, names: list[str]) -> dict[str, torch.Tensor]:
         if tensor.numel() and tensor.is_contiguous():
             tensor.view(-1)[:: max(1, PAGE_BYTES // tensor.element_size())].sum()
     return values
+
+
+def _host_copies_behind(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+    """Host copies of a released unit's tensors, and what to wait for before they hold the values (None: they
+    already do). A GPU tensor is copied into pinned host memory on a side CUDA stream, ordered after the
+    compute that made it, so the compute stream goes on while the copy runs; the source is recorded on that
+    stream, so the caching allocator does not reuse its memory before the copy is done (the same pattern as
+    the activations' ``CopyStream``). The writer thread waits for the copy's event, then writes the file."""
+    on_gpu = [t for t in tensors.values() if t.is_cuda]
+    if not on_gpu:
+        return {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, None
+    device = on_gpu[0].device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    copies = {}
+    with torch.cuda.stream(side):
+        for name, tensor in tensors.items():
+            source = tensor.detach()
+            if not source.is_cuda:
+                copies[name] = source.contiguous()
+                continue
+            copies[name] = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            copies[name].copy_(source, non_blocking=True)
+            source.record_stream(side)
+        copied = torch.cuda.Event()
+        copied.record(side)
+    return copies, copied
+
+
+def _save_when_copied(copied, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    if copied is not None:
+        copied.synchronize()
+    save_file(tensors, str(path))
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -192,12 +225,13 @@ class WeightStream:
             raise RuntimeError("this weight stream is read-only (no staging directory)")
         self.staging.mkdir(parents=True, exist_ok=True)
         path = self.staging / f"unit-{self._token}-{next(self._staged):05d}.safetensors"
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in _tensors(unit).items()}
         if behind:
             self.drain()
+            tensors, copied = _host_copies_behind(_tensors(unit))
             self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="recipe-staging")
-            staged = self._in_flight = StagedFile(path, self._writer.submit(save_file, tensors, str(path)))
+            staged = self._in_flight = StagedFile(path, self._writer.submit(_save_when_copied, copied, tensors, path))
         else:
+            tensors = {name: t.detach().to("cpu").contiguous() for name, t in _tensors(unit).items()}
             save_file(tensors, str(path))
             staged = StagedFile(path)
         self.bytes_staged += sum(t.numel() * t.element_size() for t in tensors.values())
