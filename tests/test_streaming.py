@@ -136,20 +136,27 @@ def test_streamed_evaluation_matches_in_memory_perplexity(tmp_path):
     assert reports[1].after["perplexity"]["ppl"] != reports[1].before["perplexity"]["ppl"]
 
 
-def test_release_stages_only_changed_units(tmp_path, monkeypatch):
-    model_dir = tmp_path / "model"
-    saved_model(model_dir)
+def streamed_session(tmp_path):
+    """A session on a tiny 6-layer checkpoint streamed from ``tmp_path / "model"`` (staging in
+    ``tmp_path / "staging"``), on CPU; returns it and the checkpoint's directory."""
     from recipe_engine.architectures.adapters import adapter_for
-    from recipe_engine.io.models import load_model
-    from recipe_engine.recipe.schema import CalibrationConfig
     from recipe_engine.execution.session import Session
     from recipe_engine.execution.streaming import open_stream
+    from recipe_engine.io.models import load_model
+    from recipe_engine.recipe.schema import CalibrationConfig
 
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
     model, tokenizer, source = load_model(str(model_dir), skeleton=True)
-    assert not any(is_materialized(layer) for layer in model.model.layers)
     adapter = adapter_for(model.config)
     session = Session(model, tokenizer, adapter, random_tokens(vocab=BYTE_VOCAB), CalibrationConfig(batch_size=2),
                       torch.device("cpu"), stream=open_stream(model, adapter, source.location, tmp_path / "staging"))
+    return session, model_dir
+
+
+def test_release_stages_only_changed_units(tmp_path, monkeypatch):
+    session, model_dir = streamed_session(tmp_path)
+    assert not any(is_materialized(layer) for layer in session.layers)
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     import recipe_engine.execution.streaming as streaming
 
@@ -498,19 +505,9 @@ def test_a_staging_write_behind_the_compute_is_read_whole_or_its_error_raised(tm
     is next read, or where ``drain`` waits for it."""
     import threading
 
-    from recipe_engine.architectures.adapters import adapter_for
-    from recipe_engine.execution.session import Session
-    from recipe_engine.execution.streaming import open_stream
-    from recipe_engine.io.models import load_model
-    from recipe_engine.recipe.schema import CalibrationConfig
     import recipe_engine.execution.streaming as streaming
 
-    model_dir = tmp_path / "model"
-    saved_model(model_dir)
-    model, tokenizer, source = load_model(str(model_dir), skeleton=True)
-    adapter = adapter_for(model.config)
-    session = Session(model, tokenizer, adapter, random_tokens(vocab=BYTE_VOCAB), CalibrationConfig(batch_size=2),
-                      torch.device("cpu"), stream=open_stream(model, adapter, source.location, tmp_path / "staging"))
+    session, _ = streamed_session(tmp_path)
     release, writers = threading.Event(), []
     real_save = streaming.save_file
 
@@ -573,18 +570,7 @@ def test_a_pass_reads_each_next_layer_ahead_once_and_never_from_a_stale_home(tmp
 
     from safetensors.torch import save_file
 
-    from recipe_engine.architectures.adapters import adapter_for
-    from recipe_engine.execution.session import Session
-    from recipe_engine.execution.streaming import open_stream
-    from recipe_engine.io.models import load_model
-    from recipe_engine.recipe.schema import CalibrationConfig
-
-    model_dir = tmp_path / "model"
-    saved_model(model_dir)
-    model, tokenizer, source = load_model(str(model_dir), skeleton=True)
-    adapter = adapter_for(model.config)
-    session = Session(model, tokenizer, adapter, random_tokens(vocab=BYTE_VOCAB), CalibrationConfig(batch_size=2),
-                      torch.device("cpu"), stream=open_stream(model, adapter, source.location, tmp_path / "staging"))
+    session, model_dir = streamed_session(tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     reads, real_read = [], CheckpointReader.read
 
