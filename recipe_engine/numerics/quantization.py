@@ -84,10 +84,17 @@ def grid_codes(name: str, weight: torch.Tensor, record: QuantizedLinear) -> torc
     """The integer codes ``clamp(round(w / s) + z, 0, 2^b - 1)`` of a quantized ``weight`` [rows, cols] (fp64, on
     the weight's device), computed in fp64 (a bf16 weight divided in bf16 can land on the next code). Refuses a
     weight a later step moved off its grid (e.g. merged LoRA adapters): ``s (q - z)`` rounded to the weight's
-    dtype must give the weight back within 0.05 grid steps."""
-    grid, w = record.grid, weight.detach().to(torch.float64)
-    step = grid.expand(record.scale.to(w.device, torch.float64), w.shape[1])
-    zero = grid.expand(record.zero.to(w.device, torch.float64), w.shape[1])
+    dtype must give the weight back within 0.05 grid steps. Each group's scale and zero point broadcast over
+    its columns (a view ``[rows, groups, width]``), not expanded to the weight's size."""
+    grid, (rows, columns) = record.grid, weight.shape
+    width = grid.width(columns)
+    groups = -(-columns // width)
+    w = weight.detach().to(torch.float64)
+    if columns != groups * width:  # a last, partial group: pad it to a whole one (the padding is dropped)
+        w = torch.nn.functional.pad(w, (0, groups * width - columns))
+    w = w.view(rows, groups, width)
+    step = record.scale.to(w.device, torch.float64)[:, :, None]
+    zero = record.zero.to(w.device, torch.float64)[:, :, None]
     codes = grid.codes(w, step, zero)
     # the grid value as the weight's dtype holds it (bf16 keeps 8 bits: int8 codes times a scale are rounded)
     fake = (step * (codes - zero)).to(weight.dtype)
@@ -95,4 +102,4 @@ def grid_codes(name: str, weight: torch.Tensor, record: QuantizedLinear) -> torc
     if off > 0.05:
         raise RuntimeError(f"{name}: weights are {float(off):.2f} grid steps off their quantization grid; "
                            f"a step after quantization changed them, so they cannot be packed")
-    return codes
+    return codes.view(rows, groups * width)[:, :columns]
