@@ -603,3 +603,32 @@ def test_a_pass_reads_each_next_layer_ahead_once_and_never_from_a_stale_home(tmp
     session.stream.adopt(layer, tmp_path / "layer4.safetensors", {name: name for name in changed})
     with session.loaded(4):
         torch.testing.assert_close(session.layers[4].state_dict(), changed, rtol=0, atol=0)
+
+
+def test_a_streamed_whole_model_forward_reads_each_next_unit_ahead(tmp_path, monkeypatch):
+    """Under ``forward_streamed`` each unit's forward reads the next unit ahead (embeddings, layers, norm,
+    head, then the next forward's embeddings): two forwards read every unit once per forward, all but the very
+    first on the read-ahead thread, and the logits equal HF's own forward of the checkpoint."""
+    import threading
+
+    from recipe_engine.execution.streaming import forward_streamed
+
+    session, model_dir = streamed_session(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    threads, real_read = [], CheckpointReader.read
+
+    def counted(self, names):
+        threads.append(threading.current_thread().name)
+        return real_read(self, names)
+
+    monkeypatch.setattr(CheckpointReader, "read", counted)
+    ids = torch.randint(0, BYTE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), forward_streamed(session, torch.device("cpu")):
+        logits = [session.model(input_ids=ids).logits for _ in range(2)]
+    units = len(session.stream_units())
+    assert len(threads) == 2 * units + 1  # the wrap-around read of a third forward's embeddings ...
+    assert session.stream._ahead is None  # ... dropped when the block ends
+    assert threads[0] == "MainThread" and all(name.startswith("recipe-read-ahead") for name in threads[1:])
+    expected = reference(input_ids=ids).logits
+    for got in logits:
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

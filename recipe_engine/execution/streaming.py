@@ -193,6 +193,10 @@ class WeightStream:
         read = self._reader.submit(_read_paged_in, home.reader, list(home.names.values()))
         self._ahead = (weakref.ref(unit), home, read)
 
+    def drop_read_ahead(self) -> None:
+        """Forget a read-ahead not taken (its tensors are freed once its read is done)."""
+        self._ahead = None
+
     def _taken_ahead(self, unit: nn.Module, home: Home) -> dict[str, torch.Tensor] | None:
         """The tensors read ahead for ``unit`` from ``home`` (None: none were, or from another home); a
         read-ahead of another unit is dropped."""
@@ -343,7 +347,8 @@ def forward_streamed(session, device: torch.device) -> Iterator[None]:
     """Whole-model forwards (lm-eval's zero-shot tasks) on a streamed model with one unit resident at a
     time: an accelerate ``ModelHook`` on every unit (and on a tied ``lm_head``, which is the embedding
     matrix) materializes it on ``device`` when its forward starts and releases it when the forward ends —
-    accelerate's offload-hook mechanism (``add_hook_to_module``) with the stream as the weights' home."""
+    accelerate's offload-hook mechanism (``add_hook_to_module``) with the stream as the weights' home — and
+    reads the unit whose forward comes next ahead (``read_ahead``)."""
     # deferred: accelerate (~0.2 s) is needed only when weights stream
     from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
     from accelerate.utils import send_to_device
@@ -351,31 +356,36 @@ def forward_streamed(session, device: torch.device) -> Iterator[None]:
     open_blocks: list[contextlib.AbstractContextManager] = []
 
     class UnitOnDevice(ModelHook):
-        def __init__(self, units: list[nn.Module]):
+        def __init__(self, units: list[nn.Module], following: nn.Module):
             super().__init__()
-            self.units = units
+            self.units, self.following = units, following
 
         def pre_forward(self, module, *args, **kwargs):
             block = session.stream.loaded(self.units, device)
             block.__enter__()
             open_blocks.append(block)
+            session.stream.read_ahead(self.following)  # the unit whose forward comes next
             return send_to_device(args, device), send_to_device(kwargs, device)
 
         def post_forward(self, module, output):
             open_blocks.pop().__exit__(None, None, None)
             return output
 
-    model = session.model
-    head = session.adapter.lm_head(model)
+    model, adapter = session.model, session.adapter
+    head = adapter.lm_head(model)
     units = session.stream_units()
     modules = units + ([head] if head not in units else [])
+    # forward order; after the head comes the next forward's embeddings
+    order = [adapter.embeddings(model), *adapter.layers(model), adapter.final_norm(model), head]
+    following = {id(module): session.units_of([order[(i + 1) % len(order)]])[0] for i, module in enumerate(order)}
     for module in modules:
-        add_hook_to_module(module, UnitOnDevice(session.units_of([module])))
+        add_hook_to_module(module, UnitOnDevice(session.units_of([module]), following[id(module)]))
     try:
         yield
     finally:
         while open_blocks:  # a forward that raised: release what it had loaded
             open_blocks.pop().__exit__(None, None, None)
+        session.stream.drop_read_ahead()  # the next forward's embeddings, read after the last head
         for module in modules:
             remove_hook_from_module(module)
 
