@@ -121,10 +121,10 @@ PACK_DEVICE_SHARE = 0.5
 
 def pack_device(device: torch.device, tensor: torch.Tensor) -> torch.device:
     """Where a quantized weight is packed: on the run's GPU when the tensor and the fp64 working copies of its
-    largest linear (weight, expanded scale and zero point, codes, the rounded-back check: 6 × 8 bytes per
-    element) fit in ``PACK_DEVICE_SHARE`` of its free memory, else on the host. The packed tensors are the
-    same bit for bit (integer codes of an fp64 division); a GPU makes the write of an MoE model's thousands of
-    experts take seconds, not minutes of CPU time."""
+    largest linear (``grid_codes``: the weight, its codes, the rounded-back check and their temporaries, counted
+    as 6 × 8 bytes per element) fit in ``PACK_DEVICE_SHARE`` of its free memory, else on the host. The packed
+    tensors are the same bit for bit (integer codes of an fp64 division); a GPU makes the write of an MoE
+    model's thousands of experts take seconds, not minutes of CPU time."""
     if device.type != "cuda" or tensor.device.type == "meta":
         return tensor.device
     linear = tensor.numel() if tensor.dim() <= 2 else tensor[0].numel()
@@ -142,8 +142,8 @@ def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinea
     record = quantized.get(name)
     if record is None:
         return rename(name, tensor)
-    on = pack_device(device, tensor)
-    if on.type != "meta":
+    if tensor.device.type != "meta":  # a layout is computed where the tensor is
+        on = pack_device(device, tensor)
         tensor, record = tensor.to(on), replace(record, scale=record.scale.to(on), zero=record.zero.to(on))
     if record.parameter != "weight":
         scales, zeros = rename(name, record.scale), rename(name, record.zero)
