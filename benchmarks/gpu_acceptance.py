@@ -39,8 +39,8 @@ Legs (a failing leg records its error line; the next leg still runs):
   w4        stream8b's packed output: checkpoint bytes ≤ 0.31 × dense bf16, batch-1 decode tokens/s with
             PyTorch's int4 kernel ≥ 2.0 × dense.
   moe       GPTQ W4 g128 on every expert of a Qwen3-30B-A3B-shaped checkpoint (`--moe-layers` of its 48):
-            time × 48 / layers ≤ 10 minutes, the GPU ≥ 60 % busy, peak GPU ≤ 1.5 × the plan's estimate
-            (benchmarks/gpu_acceptance_moe.py).
+            time × 48 / layers ≤ 10 minutes, the GPU ≥ 60 % busy (during the pass, and over the whole run at 48
+            layers), peak GPU ≤ 1.5 × the plan's estimate (benchmarks/gpu_acceptance_moe.py).
             bench and w4 in a later call with the same --work (the machine still warm) find the checkpoints
             of an earlier call's stream8b.
 
@@ -181,7 +181,8 @@ def apply_recipe(recipe: dict, work: Path, timeout: float, launcher: list[str] |
     finally:
         busy = stop_trace(sampler)
     return {"report": recipe_engine.load_report(recipe["output"]), "wall_s": wall, "watched_peak_mib": peak,
-            "log": log, "timings": timing_summary(timings), "gpu_busy": busy}
+            "log": log, "timings": timing_summary(timings), "gpu_busy": busy, "timings_path": timings,
+            "trace_path": sampler[2] if sampler else None}
 
 
 def timing_summary(path: Path) -> dict:

@@ -215,6 +215,34 @@ def stop_trace(sampler) -> float | None:
     return round(sum(busy) / len(busy), 3) if busy else None
 
 
+def trace_samples(path: Path) -> list[tuple[float, float]]:
+    """A :func:`gpu_trace`'s samples as ``(unix seconds, utilisation 0–1)`` (``nvidia-smi`` stamps local time)."""
+    from datetime import datetime
+
+    samples = []
+    for line in path.read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 2 and parts[1].replace(".", "", 1).isdigit():
+            try:
+                stamp = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            except ValueError:
+                continue
+            samples.append((stamp, float(parts[1]) / 100))
+    return samples
+
+
+def busy_between(path: Path | None, start: float, end: float) -> tuple[float | None, float]:
+    """The mean utilisation of a trace's samples between the unix times ``start`` and ``end``, and the busy
+    seconds in that window (the mean times its length); ``(None, 0.0)`` without samples there."""
+    if path is None or not path.is_file():
+        return None, 0.0
+    inside = [busy for stamp, busy in trace_samples(path) if start <= stamp <= end]
+    if not inside:
+        return None, 0.0
+    mean = sum(inside) / len(inside)
+    return round(mean, 3), mean * (end - start)
+
+
 def disk_write_speed(directory: Path, mib: int = 256) -> float:
     """MB/s of writing ``mib`` MiB to ``directory`` and syncing it (the machine's disk write-back speed)."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ heads of 128) with ``--layers`` of its 48 layers, and SmolLM2's tokenizer and vo
 151936 only changes the embeddings). Calibration: WikiText-2 validation windows (timing only). The recipe is
 ``GPTQ<bits:4,group_size:128,export:dequantized>`` on every linear and expert; per-layer seconds are the sums
 of ``quantization_log.csv``'s ``seconds`` (the solves and, sequentially, collecting their Hessians), the peak
-is the run's peak RSS, the estimate ``recipe plan --json``'s host peak.
+is the run's peak RSS (its report's high-water mark), the estimate ``recipe plan --json``'s host peak.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import argparse
 import csv
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -52,7 +51,11 @@ def main() -> None:
     started = time.perf_counter()
     subprocess.run([*cli, "apply", str(path), "--force"], check=True)
     wall = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    sys.path.insert(0, str(ROOT))
+    import recipe_engine
+
+    # the run's own high-water mark (its report): a child's ru_maxrss starts at this process's resident size
+    peak = int(recipe_engine.load_report(args.work / "out").peak_memory.rss_mib * 2**20)
     seconds = defaultdict(float)
     with open(args.work / "out" / "quantization_log.csv") as handle:
         rows = list(csv.DictReader(handle))

@@ -263,3 +263,35 @@ def test_grid_codes_equal_each_values_own_division(columns, group):
     moved[3, 5] += record.scale[3, 5 // width].to(torch.bfloat16) * 0.4
     with pytest.raises(RuntimeError, match="off their quantization grid"):
         grid_codes("layer", moved, record)
+
+
+@pytest.mark.parametrize("model_type,chunk_bytes", [("qwen3_moe", 1 << 30), ("qwen3_moe", 1), ("mixtral", 1 << 30)])
+def test_stacked_experts_pack_as_one_matrix_into_each_experts_bytes(monkeypatch, model_type, chunk_bytes):
+    """A stacked experts tensor packed as one matrix (``_packed_experts``: one division, check and host copy per
+    chunk of experts; here all at once, or one expert per chunk) gives every expert linear the names, order and
+    bytes of packing that linear alone on the Hub's name (what ``PackedQuantizationCompressor`` writes, checked
+    above), gate and up split from the fused tensor."""
+    from recipe_engine.io import checkpoint_writer
+    from recipe_engine.io.checkpoint_names import saved_names
+    from recipe_engine.io.checkpoint_writer import _packed, _stored
+    from recipe_engine.numerics.quantization import Grid, QuantizedLinear
+    from recipe_engine.modifiers._quant import rtn
+    from tests.helpers import tiny_model
+
+    monkeypatch.setattr(checkpoint_writer, "HOST_PACK_BYTES", chunk_bytes)
+    model = tiny_model(model_type)
+    rename = saved_names(model)
+    name = next(n for n in model.state_dict() if n.endswith("experts.gate_up_proj"))
+    stacked = model.state_dict()[name]
+    grid = Grid(4, 16, True, scale_dtype=stacked.dtype)
+    parts = [rtn(expert, grid) for expert in stacked]
+    on_grid = torch.stack([p.dequantized for p in parts]).to(stacked.dtype)
+    record = QuantizedLinear(grid, torch.stack([p.scale for p in parts]).float(),
+                             torch.stack([p.zero for p in parts]).to(torch.int16), parameter="gate_up_proj")
+    together = _stored(name, on_grid, {name: record}, rename)
+    scales, zeros = rename(name, record.scale), rename(name, record.zero)
+    alone = {key: value for linear, weight in rename(name, on_grid).items()
+             for key, value in _packed(linear, weight, QuantizedLinear(grid, scales[linear], zeros[linear])).items()}
+    assert list(together) == list(alone) and len(alone) == 3 * 2 * len(stacked)  # gate and up of each expert
+    for key, value in alone.items():
+        assert together[key].dtype == value.dtype and torch.equal(together[key].contiguous(), value), key

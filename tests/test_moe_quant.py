@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -197,22 +198,26 @@ def test_gptq_covers_the_shared_expert(tmp_path):
     assert report.steps[0].result["experts"]["quantized"] == 2 * 5 * 2
 
 
-@pytest.mark.parametrize("model_type,extra", [
-    ("qwen3_moe", "experts:all"), ("qwen2_moe", "experts:all,act_order:false"),
-    ("gpt_oss", "experts:routed,min_expert_tokens:40")])
-def test_experts_batched_equal_one_expert_at_a_time(tmp_path, monkeypatch, model_type, extra):
+@pytest.mark.parametrize("model_type,extra,accelerator", [
+    ("qwen3_moe", "experts:all", False), ("qwen3_moe", "experts:all", True),
+    ("qwen2_moe", "experts:all,act_order:false", False),
+    ("gpt_oss", "experts:routed,min_expert_tokens:40", False)])
+def test_experts_batched_equal_one_expert_at_a_time(tmp_path, monkeypatch, model_type, extra, accelerator):
     """The batched path (several experts' down_proj Grams per pass over the batches, one GPTQ call and one error
-    evaluation per batch of experts with their own Hessians; batched on CPU as on a GPU here) writes the weights
-    and log of the one-at-a-time path (memory budgets of one byte: one expert per pass and per call) bit for
-    bit; ``seconds`` is the call's time shared by its experts (the fallbacks of ``routed`` and the shared
-    expert included)."""
+    evaluation per batch of experts with their own Hessians; batched on CPU as on a GPU here, or with the
+    accelerator's batch sizes: ``accelerator``) writes the weights and log of the one-at-a-time path (memory
+    budgets of one byte and one row: one expert per pass, per call and per stack) bit for bit; ``seconds`` is
+    the call's time shared by its experts (the fallbacks of ``routed`` and the shared expert included)."""
     from recipe_engine.modifiers import _experts
 
     save_tiny_model(tmp_path / "model", model_type, num_hidden_layers=2)
     step = GPTQ.format(extra=extra)
     monkeypatch.setattr(_experts, "CPU_SOLVE_BYTES", _experts.SOLVE_BYTES)  # batched here as on a GPU
+    if accelerator:
+        monkeypatch.setattr(_experts, "on_accelerator", lambda device: True)
     batched, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], name="batched"), progress=False)
-    for budget in ("SOLVE_BYTES", "CPU_SOLVE_BYTES", "HIDDEN_BYTES"):
+    monkeypatch.setattr(_experts, "on_accelerator", lambda device: False)
+    for budget in ("SOLVE_BYTES", "CPU_SOLVE_BYTES", "HIDDEN_BYTES", "STACK_ROWS"):
         monkeypatch.setattr(_experts, budget, 1)
     alone, _ = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step], name="alone"), progress=False)
     expected = alone.model.state_dict()
@@ -225,3 +230,48 @@ def test_experts_batched_equal_one_expert_at_a_time(tmp_path, monkeypatch, model
     assert len(down) >= 2 and len({r["seconds"] for r in down}) == 1  # one call
     if "routed" in extra:
         assert any(r["method"] == "rtn-fallback" for r in rows)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensor operations that hand a value to Python (on a GPU each waits for the queued kernels)."""
+
+    READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "nonzero", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_gptq_layer_reads_the_host_once_per_factorization_and_once_for_its_log(tmp_path, monkeypatch):
+    """A GPTQ layer reads values on the host only to check each factorization and once to settle its log rows,
+    whatever the number of experts, stacks and calls (on a GPU the host then queues the whole layer's solves
+    without waiting); the Hessian every expert's gate/up shares is factored once per layer, not per stack."""
+    from recipe_engine.modifiers import _experts, gptq
+
+    save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=2)
+    monkeypatch.setattr(_experts, "STACK_ROWS", 1)  # a stack per expert: 4 gate/up stacks per layer
+    factorizations, reads, layers = [], HostReads(), []
+    factor = gptq.inverse_hessian_factor
+    monkeypatch.setattr(gptq, "inverse_hessian_factor",
+                        lambda h, damp: factorizations.append(h.shape[0]) or factor(h, damp))
+    compress = gptq.GPTQ.compress_layer
+
+    def counted(self, session, index, stats):
+        before = len(factorizations), reads.count
+        with reads:
+            entry = compress(self, session, index, stats)
+        layers.append((len(factorizations) - before[0], reads.count - before[1]))
+        return entry
+
+    monkeypatch.setattr(gptq.GPTQ, "compress_layer", counted)
+    recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [GPTQ.format(extra="experts:all")]), progress=False)
+    rows = log_rows(tmp_path / "out")
+    gate_up = [r for r in rows if r["layer"] == "0" and r["module"].startswith("mlp.experts.gate_up_proj")]
+    assert len(gate_up) == 4 and len({r["seconds"] for r in gate_up}) == 4  # four stacks: four calls
+    # q/k/v, o_proj, the shared gate/up Hessian once, each expert's down_proj (one per call on CPU)
+    assert layers == [(2 + 1 + 4, 2 + 1 + 4 + 1)] * 2
+    assert all(isinstance(float(r["error"]), float) and float(r["seconds"]) >= 0 for r in rows)

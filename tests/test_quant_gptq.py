@@ -186,3 +186,22 @@ def test_batched_gptq_names_the_hessian_that_is_not_positive_definite():
     grams[2] = -torch.eye(64, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"Hessians \[2\] of the batch"):
         gptq_quantize_batch(weights, grams, Grid(4, 16, True), False, damp=0.01, block_size=64)
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_a_factored_hessian_and_kept_block_programs_give_the_same_weights(act_order):
+    """Hessians factored once (``factor_hessians``, as for the gate/up stacks of a layer's experts) and block
+    programs kept across calls (``BlockPrograms``: one per shape for the run) give each call's result bit for
+    bit: two stacks of rows on one Hessian, the second reusing the first's factor and programs."""
+    from recipe_engine.modifiers.gptq import BlockPrograms, factor_hessians, gptq_quantize_batch
+
+    weights, grams = expert_problems(count=3, cols=96)
+    gram, grid = grams[0], Grid(4, 16, True)
+    factored, programs = factor_hessians(gram[None], act_order, damp=0.01), BlockPrograms()
+    for stack in (weights[:2].reshape(1, 48, 96), weights[2:].reshape(1, 24, 96), weights[:2].reshape(1, 48, 96)):
+        fresh = gptq_quantize_batch(stack, gram[None], grid, act_order, damp=0.01, block_size=64, graphs=True)
+        kept = gptq_quantize_batch(stack, factored, grid, act_order, damp=0.01, block_size=64, graphs=True,
+                                   programs=programs)
+        assert torch.equal(fresh.dequantized, kept.dequantized)
+        assert torch.equal(fresh.scale, kept.scale) and torch.equal(fresh.zero, kept.zero)
+    assert len(programs.programs) == 4  # 48 and 24 rows, blocks of 64 and 32 columns: the third stack built none

@@ -446,6 +446,27 @@ def test_report_records_each_steps_peak_beside_its_estimate(tmp_path):
     assert report.steps[1].estimate_rss_mib == report.steps[2].estimate_rss_mib  # one shared pass
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux only: VmHWM")
+def test_a_run_started_by_a_large_process_reports_its_own_peak_not_its_parents():
+    """Linux carries ``ru_maxrss`` across fork and exec: a process started by one holding 1 GiB reads 1 GiB there
+    before it has allocated anything. The run's peak (``PeakWatch``, the report's ``peak_memory``) is the process's
+    own high-water mark, as ``/proc/self/status`` shows it."""
+    import subprocess
+    import sys
+
+    held = bytearray(1 << 30)
+    held[::4096] = b"\1" * len(held[::4096])  # resident in this process
+    child = ("import resource; from recipe_engine.system.host_memory import PeakWatch, high_water_bytes; "
+             "w = PeakWatch(); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, w.overall_bytes, "
+             "high_water_bytes())")
+    inherited, overall, own = map(int, subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                                                      check=True, cwd=Path(__file__).parents[1]).stdout.split())
+    del held
+    assert inherited >= 1 << 30  # what the kernel's getrusage says
+    assert overall == own or abs(overall - own) < 8 << 20
+    assert own < 256 << 20  # the child's own: the interpreter and the engine's package, no weights
+
+
 @pytest.mark.skipif(not (shared_data() / "piqa").is_dir() and not (shared_data() / "arc").is_dir(),
                     reason="needs shared/data task files")
 def test_streamed_zero_shot_equals_in_memory_with_one_unit_resident(tmp_path, monkeypatch):
@@ -592,8 +613,9 @@ def test_a_pass_reads_each_next_layer_ahead_once_and_never_from_a_stale_home(tmp
         pass
     with session.loaded(3):   # ... which is not used next: dropped, layer 3 read here
         pass
-    with session.placed(1):
+    with session.placed(1):   # reads layer 2 ahead: wait for that read before counting
         pass
+    session.stream._ahead[2].result()
     assert [layer for _, layer in reads] == [0, 1, 3, 1, 2]
 
     layer = session.layers[4]
@@ -603,6 +625,40 @@ def test_a_pass_reads_each_next_layer_ahead_once_and_never_from_a_stale_home(tmp
     session.stream.adopt(layer, tmp_path / "layer4.safetensors", {name: name for name in changed})
     with session.loaded(4):
         torch.testing.assert_close(session.layers[4].state_dict(), changed, rtol=0, atol=0)
+
+
+def test_the_output_writer_reads_each_next_unit_ahead_once(tmp_path, monkeypatch):
+    """Writing a streamed run's output reads each staged unit once, every unit after the first on the read-ahead
+    thread while the one before is packed and written; the output equals the in-memory run's, byte for byte."""
+    import threading
+
+    from recipe_engine.execution import streaming
+
+    model_dir = tmp_path / "model"
+    saved_model(model_dir)
+    steps = ["GPTQ<group_size:32>"]
+    recipe_engine.apply(recipe(tmp_path, model_dir, steps, "off", "in-memory"), progress=False)
+    reads, writing = [], threading.Event()
+    real_read, real_write = streaming.StagedFile.read, streaming.WeightStream.read_unit
+
+    def counted(self, names):
+        names = list(names)
+        if writing.is_set():
+            reads.append((threading.current_thread().name, self.path.name))
+        return real_read(self, names)
+
+    def read_unit(self, unit):
+        writing.set()  # the pass is over: only the writer reads units now
+        return real_write(self, unit)
+
+    monkeypatch.setattr(streaming.StagedFile, "read", counted)
+    monkeypatch.setattr(streaming.WeightStream, "read_unit", read_unit)
+    recipe_engine.apply(recipe(tmp_path, model_dir, steps, "on", "streamed"), progress=False)
+    files = [file for _, file in reads]  # the layers GPTQ changed: staged during the pass
+    assert len(files) == len(set(files)) == AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    assert all(name.startswith("recipe-read-ahead") for name, _ in reads[1:])  # the first: maybe the pass's
+    assert (tmp_path / "streamed/model.safetensors").read_bytes() == \
+        (tmp_path / "in-memory/model.safetensors").read_bytes()
 
 
 def test_a_streamed_whole_model_forward_reads_each_next_unit_ahead(tmp_path, monkeypatch):

@@ -51,6 +51,9 @@ def test_a_streamed_run_records_every_layer_of_every_pass_and_its_phases_add_up(
     # every interval of the run's clock is charged to exactly one record and phase
     charged = sum(sum(r["seconds"].values()) for r in records)
     assert charged == pytest.approx(records[-1]["at_s"], abs=0.01 + 1e-4 * len(records))
+    # the wall clock keeps the run's clock's pace (records line up with an outside monitor's samples)
+    assert all(b["unix_s"] - a["unix_s"] == pytest.approx(b["at_s"] - a["at_s"], abs=0.05)
+               for a, b in zip(records, records[1:]))
     by_step = summarize(records)
     assert by_step["0 FlattenAdjacent"]["compress"] > 0  # the merge itself, outside the pass's forwards
     # a step's records (its layers and its end) hold its wall time

@@ -50,6 +50,9 @@ class ModelShape:
     streamed: bool = False
     #: Bytes per value of the run's weights and activations (the recipe's ``dtype``; memory estimates).
     dtype_bytes: int = 4
+    #: Whether the steps' statistics and solves run on an accelerator (memory estimates: some steps batch
+    #: more work per call there).
+    on_device: bool = False
     #: The result must be a stock checkpoint (the recipe exports it, e.g. to GGUF): a step that chooses between
     #: alternatives (``BestOf``) skips those whose output is not (``Modifier.output_is_stock``).
     stock_only: bool = False

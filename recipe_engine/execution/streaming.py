@@ -283,11 +283,11 @@ class WeightStream:
         self._homes[unit] = Home(self.source if staged is None else StagedFile(staged), dict(names))
 
     def read_unit(self, unit: nn.Module) -> dict[str, torch.Tensor]:
-        """The unit's current tensors (from memory when materialized, else from its home), CPU."""
+        """The unit's current tensors (from memory when materialized, else from its home, or as read ahead), CPU."""
         if is_materialized(unit):
             return {name: t.detach() for name, t in _tensors(unit).items()}
         home = self._homes[unit]
-        values = home.reader.read(home.names.values())
+        values = self._taken_ahead(unit, home) or home.reader.read(home.names.values())
         return {name: values[stored] for name, stored in home.names.items()}
 
     @staticmethod

@@ -7,7 +7,11 @@ output. A record::
     {"step": "1-3 HeadPrune, NystromMLP, GPTQ", "pass": "layer-sequential pass", "layer": 3, "layers": 24,
      "seconds": {"load": 0.41, "forward": 1.92, "compress": 0.87, "write": 0.05, "other": 0.01},
      "by_step": {"shared": {"load": 0.41, "forward": 0.3, ...}, "HeadPrune": {"forward": 0.5, ...}, ...},
-     "bytes_to_device": 201326592, "bytes_to_host": 0, "peak_device_mib": 5321.4, "at_s": 12.8}
+     "bytes_to_device": 201326592, "bytes_to_host": 0, "peak_device_mib": 5321.4, "at_s": 12.8,
+     "unix_s": 1795824000.125}
+
+``at_s``: seconds since the run's clock started; ``unix_s``: the wall clock at the record (to line the log up
+with an outside monitor's samples, e.g. ``nvidia-smi``'s utilisation).
 
 ``bytes_to_device``/``bytes_to_host``: the calibration activations that crossed between host and device
 (``recipe_engine.execution.activations``: hidden states, the layers' keyword arguments, token windows).
@@ -145,6 +149,7 @@ class Timings:
             line["peak_device_mib"] = round(peak / 2**20, 1)
             torch.cuda.reset_peak_memory_stats(self.device)
         line["at_s"] = round(time.perf_counter() - self._started, 3)
+        line["unix_s"] = round(time.time(), 3)
         if self._file is None:
             resumed = self.append and is_timings_log(self.path)
             self._file = self.path.open("a", encoding="utf-8") if resumed else open_fresh(self.path)

@@ -146,11 +146,62 @@ def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinea
         on = pack_device(device, tensor)
         tensor, record = tensor.to(on), replace(record, scale=record.scale.to(on), zero=record.zero.to(on))
     if record.parameter != "weight":
+        if tensor.device.type != "meta" and _packs_by_rows(record):
+            return _packed_experts(name, tensor, record, rename)
         scales, zeros = rename(name, record.scale), rename(name, record.zero)
         return {key: value for linear, weight in rename(name, tensor).items()
                 for key, value in _packed(linear, weight, replace(record, scale=scales[linear],
                                                                   zero=zeros[linear])).items()}
     return _packed(name, tensor, record)
+
+
+def _packs_by_rows(record: QuantizedLinear) -> bool:
+    """Whether the format packs each row of a linear on its own (compressed-tensors with a symmetric grid: codes
+    packed along the columns, no zero points packed along the rows), so the rows of stacked experts can be
+    packed as one matrix."""
+    return record.format == "compressed-tensors" and record.grid.sym
+
+
+#: fp64 working memory of packing one chunk of stacked experts on the host (``pack_device``'s 48 bytes per
+#: element); on a GPU a chunk takes what ``PACK_DEVICE_SHARE`` of its free memory leaves beside the tensor.
+HOST_PACK_BYTES = 1 << 30
+
+
+def experts_per_chunk(tensor: torch.Tensor) -> int:
+    """How many experts of a stacked ``[experts, rows, cols]`` tensor :func:`_packed_experts` packs at once, where
+    the tensor is (at least one)."""
+    per_expert = 48 * tensor[0].numel()
+    budget = HOST_PACK_BYTES
+    if tensor.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(tensor.device)
+        budget = int(PACK_DEVICE_SHARE * free) - _nbytes(tensor)
+    return max(1, min(len(tensor), budget // per_expert))
+
+
+def _packed_experts(name: str, tensor: torch.Tensor, record: QuantizedLinear, rename) -> dict[str, torch.Tensor]:
+    """The packed tensors of every expert of a stacked ``[experts, rows, cols]`` weight, its experts packed a chunk
+    at a time as one ``[chunk · rows, cols]`` matrix (:func:`experts_per_chunk`: one division, on-grid check and
+    copy to the host per chunk; all experts at once on a GPU with room) and then split into each expert's linears
+    by ``rename``: the bytes of packing each linear alone (``tests/test_exporters.py``), without a kernel launch,
+    host read and copy per expert (3 × 128 per Qwen3-30B-A3B layer)."""
+    experts, rows, columns = tensor.shape
+    exporter, chunk, pieces = checkpoint_exporter(record.format), experts_per_chunk(tensor), {}
+    for first in range(0, experts, chunk):
+        part = slice(first, min(first + chunk, experts))
+        count = part.stop - part.start
+        flat = replace(record, scale=record.scale[part].reshape(count * rows, -1),
+                       zero=record.zero[part].reshape(count * rows, -1))
+        for key, value in exporter.pack(name, tensor[part].reshape(count * rows, columns), flat).items():
+            if key != "weight_shape":  # weight_packed, weight_scale: per row
+                pieces.setdefault(key, []).append(value.reshape(count, rows, -1).to("cpu"))
+    parts = {key: rename(name, torch.cat(values)) for key, values in pieces.items()}
+    out = {}
+    for linear, meta in rename(name, tensor.to("meta")).items():
+        base = linear[: -len("weight")]
+        for key in parts:
+            out[base + key] = parts[key][linear]
+        out[base + "weight_shape"] = torch.tensor(list(meta.shape), dtype=torch.int64)
+    return out
 
 
 def _packed(name: str, tensor: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:
@@ -165,7 +216,8 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     """Write the session's model into ``directory`` (weights, config, generation config), one unit at a
     time (``write_safetensors_incrementally``), streamed or in memory, quantized linears packed; returns
     the weight file names. A streamed unit's staging file is deleted once the unit is written (the stream
-    is finished after this), so staging and output never hold the same unit twice on disk."""
+    is finished after this), so staging and output never hold the same unit twice on disk; the next unit is
+    read ahead on a thread while one is packed and written (``WeightStream.read_ahead``)."""
     model = session.model
     state = model.state_dict(keep_vars=True)
     quantized = _quantized_weights(session)
@@ -189,6 +241,9 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, total = {}, 0
 
+    units = [unit for shard in shards for unit, _ in shard if unit is not None]
+    following = dict(zip(units, units[1:]))  # the unit written after each: read ahead while this one is packed
+
     def chunks(shard):
         for unit, names in shard:
             if unit is None:
@@ -197,8 +252,10 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
                         raise RuntimeError(f"{name} is neither streamed nor in memory")
                 values = {name: state[name] for name in names}
             else:
-                unit_values = _unit_values(session, unit)
+                unit_values = _unit_values(session, unit)  # this unit's read ahead is taken first
                 values = {name: unit_values[local] for name, local in names.items()}
+                if session.stream is not None and unit in following:
+                    session.stream.read_ahead(following[unit])
             yield {key: tensor for name, value in values.items()
                    for key, tensor in _stored(name, value, quantized, rename, session.device).items()}
             if unit is not None and session.stream is not None and not is_materialized(unit):

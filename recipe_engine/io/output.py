@@ -5,7 +5,6 @@ import contextlib
 import errno
 import importlib.metadata
 import os
-import resource
 import shutil
 import subprocess
 import tempfile
@@ -17,6 +16,7 @@ from safetensors import SafetensorError
 
 from ..errors import RecipeError
 from ..system.cleanup import MARKER, read_marker, sweep_stale, temporary_directory, write_marker
+from ..system.host_memory import high_water_bytes
 from .report import ReportError, load_report
 from .user_paths import (Target, check_target, check_writable_parent, current_umask, input_problem, link_kind,
                          name_problem, special_kind)
@@ -180,11 +180,11 @@ def git_info(path: str) -> dict[str, object] | None:
 
 def peak_memory(watch=None) -> dict[str, float]:
     """Peak resident set size of this process (MiB; over every phase of ``watch``, a
-    ``host_memory.PeakWatch``, else ``ru_maxrss``) and peak CUDA allocation when a GPU was used."""
+    ``host_memory.PeakWatch``, else the process's high-water mark) and peak CUDA allocation when a GPU was
+    used."""
     if watch is not None:
         watch.start()  # closes the last phase into the overall peak
-    rss = watch.overall_bytes / 2**20 if watch is not None else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = (watch.overall_bytes if watch is not None else high_water_bytes()) / 2**20
     peak = {"rss_mib": rss}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20

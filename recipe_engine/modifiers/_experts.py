@@ -17,31 +17,65 @@ grid instead (``method`` ``rtn-fallback`` in ``quantization_log.csv``, listed in
 Experts whose Hessians differ (``down_proj``; everything under ``routed``) have their Grams taken
 :data:`SOLVE_BYTES` at a time and are solved in batches on an accelerator, one batched GPTQ call each
 (``gptq_quantize_batch``: each expert's result is that of solving it alone; on CPU one expert per call,
-:data:`CPU_SOLVE_BYTES`); their log errors are evaluated together, one host synchronisation per call.
+:data:`CPU_SOLVE_BYTES`); their log errors are evaluated together and read once per layer.
+
+The batch sizes (:func:`budgets`) differ by device. On CPU a sweep is bound by the cache, so batches stay
+small. On an accelerator a sweep's time is its kernels: every column costs about ten kernels whatever the
+number of rows they act on, so the stacks and batches are larger there (8x the rows, 4x the bytes: 22 → 3
+gate/up stacks and 16 → 4 down_proj batches per Qwen3-30B-A3B layer).
 """
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from recipe_engine.api import InputCovariance, Statistic, keep_activations, load_activations
 
-from ._quant import log_row, output_errors, rtn
+from ._quant import Seconds, log_row, output_errors, rtn
 
 #: ``method`` of an expert rounded to nearest because too few tokens reached it.
 FALLBACK = "rtn-fallback"
-#: Rows of experts quantized in one GPTQ call when they share a Hessian (speed: one factorization).
+#: Rows of experts quantized in one GPTQ call when they share a Hessian (their column sweep at once).
 STACK_ROWS = 8192
-#: fp64 working memory of one batched call over experts with their own Hessians (:func:`solve_bytes` each) on
-#: an accelerator, where a call's time is kernel launches; also how many experts' Grams are taken per request.
+#: fp64 working memory of one batched call over experts with their own Hessians (:func:`solve_bytes` each);
+#: also how many experts' Grams are taken per request.
 SOLVE_BYTES = 512 << 20
-#: The same on CPU, where a batch's sweep outgrows the cache (8 experts of 2048 × 768 per call: 1.3x the time of
-#: one at a time, measured): one expert per call.
+#: The batched call's memory on CPU, where a batch's sweep outgrows the cache (8 experts of 2048 × 768 per call:
+#: 1.3x the time of one at a time, measured): one expert per call.
 CPU_SOLVE_BYTES = 0
 #: Memory of the ``down_proj`` inputs ``h`` of one calibration batch computed at once for several experts.
 HIDDEN_BYTES = 256 << 20
+#: :data:`STACK_ROWS` and :data:`SOLVE_BYTES` (both for requests and calls) and :data:`HIDDEN_BYTES` on an
+#: accelerator, where a call's time is its kernel launches (:func:`budgets`).
+ACCELERATOR_STACK_ROWS = 8 * STACK_ROWS
+ACCELERATOR_SOLVE_BYTES = 4 * SOLVE_BYTES
+ACCELERATOR_HIDDEN_BYTES = 4 * HIDDEN_BYTES
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """How many experts go into one piece of work: ``stack_rows`` rows per stack on a shared Hessian,
+    ``request_bytes`` of solve memory per request for Grams, ``call_bytes`` per batched GPTQ call,
+    ``hidden_bytes`` of ``down_proj`` inputs computed at once."""
+
+    stack_rows: int
+    request_bytes: int
+    call_bytes: int
+    hidden_bytes: int
+
+
+def budgets(on_accelerator: bool) -> Budgets:
+    """The batch sizes on CPU or on an accelerator (read from the module's constants when called)."""
+    if on_accelerator:
+        return Budgets(ACCELERATOR_STACK_ROWS, ACCELERATOR_SOLVE_BYTES, ACCELERATOR_SOLVE_BYTES,
+                       ACCELERATOR_HIDDEN_BYTES)
+    return Budgets(STACK_ROWS, SOLVE_BYTES, CPU_SOLVE_BYTES, HIDDEN_BYTES)
+
+
+def on_accelerator(device) -> bool:
+    return torch.device(device).type != "cpu"
 
 
 def solve_bytes(rows: int, columns: int) -> int:
@@ -95,8 +129,8 @@ def expert_gram(captured: MoEInputs, index: int, tensor: str, routed: bool, devi
 def expert_grams(captured: MoEInputs, indices: list[int], tensor: str, routed: bool,
                  device) -> list[InputCovariance]:
     """:func:`expert_gram` of the experts ``indices``; ``down_proj`` over all tokens is taken for several routed
-    experts per pass over the batches (as many as :data:`HIDDEN_BYTES` of ``h`` allow), with the same
-    operations per expert, so the Grams are the one-at-a-time ones bit for bit."""
+    experts per pass over the batches (as many as ``hidden_bytes`` of ``h`` allow, :func:`budgets`), with the
+    same operations per expert, so the Grams are the one-at-a-time ones bit for bit."""
     layout, layer = captured.layout, captured.layer
     together = [i for i in indices if tensor == "down_proj" and not routed and not layout.is_shared(layer, i)]
     grams = {i: expert_gram(captured, i, tensor, routed, device) for i in indices if i not in together}
@@ -104,7 +138,7 @@ def expert_grams(captured: MoEInputs, indices: list[int], tensor: str, routed: b
         down = layout.weight(layer, together[0], "down_proj")
         tokens = max((len(x) for x in captured.inputs), default=1)
         per_expert = tokens * down.shape[1] * (4 * down.element_size() + 4)  # gate/up, act, h, its fp32 copy
-        per_pass = max(1, HIDDEN_BYTES // per_expert)
+        per_pass = max(1, budgets(on_accelerator(device)).hidden_bytes // per_expert)
         for first in range(0, len(together), per_pass):
             grams.update(_down_grams(captured, together[first:first + per_pass], device))
     return [grams[i] for i in indices]
@@ -135,26 +169,35 @@ def _method(gram: InputCovariance | None, min_tokens: int) -> str:
 def quantize_experts(session, layer_index: int, tensor: str,
                      grams: Callable[[list[int]], list[InputCovariance | None]], quantize: Callable | None,
                      grid_of: Callable, min_tokens: int, damp: float | None,
-                     mark: Callable | None = None) -> list[dict]:
+                     mark: Callable | None = None, factor: Callable | None = None) -> list[dict]:
     """Quantize ``tensor`` of every expert of the layer; returns the log rows in expert order (``method`` says
     which fell back). ``mark(module, grid, scale, zero, parameter)``: records the scales and zero points for a
     packing export (``ExpertLayout.quantized_parts``), in expert order.
 
     ``grams(indices)``: the experts' input Grams (None: no calibration, round-to-nearest), asked for as many
-    experts at a time as :data:`SOLVE_BYTES` allow; ``quantize(weights, grams, grid)`` the step's method on a
-    batch ``[E, rows, cols]`` with ``[E, cols, cols]``. Experts whose Gram is one shared object are quantized
-    row-stacked (one Hessian, :data:`STACK_ROWS` rows per call), those with their own Grams batched (on an
-    accelerator one call per request; on CPU :data:`CPU_SOLVE_BYTES`), rounded ones stacked; a row's
-    ``seconds`` is its call's time over the experts in it."""
+    experts at a time as the request budget allows (:func:`budgets`); ``quantize(weights, grams, grid)`` the
+    step's method on a batch ``[E, rows, cols]`` with ``[E, cols, cols]``. Experts whose Gram is one shared
+    object are quantized row-stacked (one Hessian, ``stack_rows`` rows per call), those with their own Grams
+    batched (on an accelerator one call per request; on CPU :data:`CPU_SOLVE_BYTES`), rounded ones stacked; a
+    row's ``seconds`` is its call's time over the experts in it. ``factor(grams)``: the Hessians prepared for
+    ``quantize`` (e.g. factored), done once for a Hessian shared by several stacks. The rows' errors and times
+    are left unread (``_quant.settle_rows``): no call waits for the one before."""
     layout, layer = session.adapter.experts, session.layers[layer_index]
     units, weight = layout.units(layer), layout.weight(layer, 0, tensor)
-    request = max(1, SOLVE_BYTES // solve_bytes(*weight.shape))
-    per_call = request if weight.device.type != "cpu" else max(1, CPU_SOLVE_BYTES // solve_bytes(*weight.shape))
-    rows, pending = [], {}  # call kind → [(index, gram)]
+    budget = budgets(on_accelerator(weight.device))
+    request = max(1, budget.request_bytes // solve_bytes(*weight.shape))
+    per_call = max(1, budget.call_bytes // solve_bytes(*weight.shape))
+    rows, pending, factored = [], {}, {}  # call kind → [(index, gram)]; id(shared gram) → (gram, factored)
 
     def flush(key):
-        rows.extend(_quantize_call(session, layer_index, tensor, pending.pop(key), quantize, grid_of, min_tokens,
-                                   damp))
+        calls = pending.pop(key)
+        shared = None
+        if key[0] == "stack" and factor is not None:
+            gram = calls[0][1]
+            if id(gram) not in factored:
+                factored[id(gram)] = (gram, factor(gram.gram[None]))
+            shared = factored[id(gram)][1]
+        rows.extend(_quantize_call(session, layer_index, tensor, calls, quantize, grid_of, min_tokens, damp, shared))
 
     for first in range(0, units, request):
         indices = list(range(first, min(first + request, units)))
@@ -166,7 +209,7 @@ def quantize_experts(session, layer_index: int, tensor: str,
             key = (method, shape, gram is not None and gram.count > 0) if method != "gptq" \
                 else ("stack", shape, id(gram)) if shared else ("own", shape)
             if key in pending and (len(pending[key]) >= per_call if key[0] == "own"
-                                   else len(pending[key]) * shape[0] >= STACK_ROWS):
+                                   else len(pending[key]) * shape[0] >= budget.stack_rows):
                 flush(key)
             pending.setdefault(key, []).append((index, gram))
         for key in [key for key in pending if key[0] == "own"]:  # their Grams go before the next are taken
@@ -183,12 +226,13 @@ def quantize_experts(session, layer_index: int, tensor: str,
 
 
 def _quantize_call(session, layer_index: int, tensor: str, pending: list, quantize: Callable | None,
-                   grid_of: Callable, min_tokens: int, damp: float | None) -> list[tuple]:
+                   grid_of: Callable, min_tokens: int, damp: float | None, shared=None) -> list[tuple]:
     """One call of :func:`quantize_experts`: the experts of ``pending`` (``(index, gram)``) stacked on one shared
-    Hessian, batched with their own, or rounded to nearest; per expert ``(index, log row, scale, zero, grid)``."""
+    Hessian (``shared``: that Hessian already prepared by ``factor``), batched with their own, or rounded to
+    nearest; per expert ``(index, log row, scale, zero, grid)``."""
     layout, layer = session.adapter.experts, session.layers[layer_index]
-    started = time.perf_counter()
     weights = [layout.weight(layer, index, tensor).detach() for index, _ in pending]
+    seconds = Seconds(weights[0].device)
     grams = [gram for _, gram in pending]
     grid = grid_of(weights[0].dtype)
     method = _method(grams[0], min_tokens)
@@ -197,18 +241,16 @@ def _quantize_call(session, layer_index: int, tensor: str, pending: list, quanti
         result = rtn(torch.cat(weights), grid)
         parts = [list(t.split(split)) for t in (result.dequantized, result.scale, result.zero)]
     elif all(gram is grams[0] for gram in grams):
-        result = quantize(torch.cat(weights)[None], grams[0].gram[None], grid)
+        result = quantize(torch.cat(weights)[None], shared if shared is not None else grams[0].gram[None], grid)
         parts = [list(t[0].split(split)) for t in (result.dequantized, result.scale, result.zero)]
     else:
         result = quantize(torch.stack(weights), torch.stack([g.gram for g in grams]), grid)
         parts = [list(t) for t in (result.dequantized, result.scale, result.zero)]
     quantized, scales, zeros = parts
-    if weights[0].is_cuda:  # the log's seconds are the GPU's work, not its launch
-        torch.cuda.synchronize(weights[0].device)
-    seconds = (time.perf_counter() - started) / len(pending)
+    seconds.stop(len(pending))
     errors = [{}] * len(pending)
-    if grams[0] is not None and grams[0].count:  # in groups of STACK_ROWS / 2 rows (memory: the solve's)
-        errors, group = [], max(1, STACK_ROWS // 2 // split[0])
+    if grams[0] is not None and grams[0].count:  # in groups of half a stack's rows (memory: the solve's)
+        errors, group = [], max(1, budgets(on_accelerator(weights[0].device)).stack_rows // 2 // split[0])
         for part in (slice(first, first + group) for first in range(0, len(pending), group)):
             rounded = rtn(torch.cat(weights[part]), grid).dequantized.split(split[part])
             errors += [{"error": error, "error_rtn": error_rtn} for error, error_rtn in zip(*output_errors(

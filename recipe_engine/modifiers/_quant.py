@@ -5,7 +5,9 @@ rows of the per-linear log (:data:`LOG_FILE`).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
 import torch
 from pydantic import BaseModel, Field, PositiveInt, field_validator
 
@@ -42,15 +44,16 @@ def rtn(weight: torch.Tensor, grid: Grid) -> QuantizedWeight:
 
 def output_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tensor) -> float:
     """Relative layer-output error ``tr(ΔW G ΔWᵀ) / tr(W G Wᵀ)`` for the input gram ``G = Σ x xᵀ``."""
-    return output_errors([weight], [[quantized]], [gram])[0][0]
+    return float(output_errors([weight], [[quantized]], [gram])[0, 0])
 
 
 def output_errors(weights: list[torch.Tensor], candidates: list[list[torch.Tensor]],
-                  grams: list[torch.Tensor]) -> list[list[float]]:
+                  grams: list[torch.Tensor]) -> torch.Tensor:
     """:func:`output_error` of several weights of one shape, each against several candidates (e.g. GPTQ's result
     and round-to-nearest: ``candidates[k][e]`` for weight ``e``), at once: batched products into three fp64
-    buffers the size of the weights, the denominator ``tr(W G Wᵀ)`` once per weight, one host synchronisation;
-    each value is the one computed alone (bit for bit on CPU). Returns ``[candidate][weight]``."""
+    buffers the size of the weights, the denominator ``tr(W G Wᵀ)`` once per weight; each value is the one
+    computed alone (bit for bit on CPU). Returns fp64 ``[candidate, weight]`` on the weights' device, unread
+    (the log reads a layer's values at once: :func:`settle_rows`)."""
     w = torch.empty(len(weights), *weights[0].shape, dtype=torch.float64, device=weights[0].device)
     for row, weight in zip(w, weights):
         row.copy_(weight)
@@ -62,7 +65,7 @@ def output_errors(weights: list[torch.Tensor], candidates: list[list[torch.Tenso
         for row, weight, value in zip(delta, w, quantized):
             torch.sub(weight, value.to(torch.float64), out=row)
         errors.append(torch.matmul(delta, g, out=product).mul_(delta).sum((1, 2)) / denominator)
-    return torch.stack(errors).tolist()
+    return torch.stack(errors)
 
 
 def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -70,10 +73,59 @@ def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
 
 
-def weight_error(weight: torch.Tensor, quantized: torch.Tensor) -> float:
-    """Relative weight error ``‖ΔW‖²_F / ‖W‖²_F`` (the output error for uncorrelated unit inputs, ``G = I``)."""
+def weight_error(weight: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """Relative weight error ``‖ΔW‖²_F / ‖W‖²_F`` (the output error for uncorrelated unit inputs, ``G = I``),
+    a 0-dim fp64 tensor on the weight's device, unread (:func:`settle_rows`)."""
     w = weight.to(torch.float64)
-    return float((w - quantized.to(torch.float64)).square().sum() / w.square().sum())
+    return (w - quantized.to(torch.float64)).square().sum() / w.square().sum()
+
+
+class Seconds:
+    """The time of one call of a step's work, for the log's ``seconds``: the wall clock on CPU; on a GPU the
+    time between two events queued on the current stream around the call (the GPU's work, not its launch),
+    read when the layer's rows are settled instead of synchronising after every call. ``stop(share)``: the
+    call's time divided among ``share`` log rows (the experts solved together)."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.started, self.seconds, self.share = time.perf_counter(), None, 1
+
+    def stop(self, share: int = 1) -> "Seconds":
+        self.share = share
+        if self.events is not None:
+            self.events[1].record()
+        else:
+            self.seconds = time.perf_counter() - self.started
+        return self
+
+    def value(self) -> float:
+        if self.seconds is None:
+            self.events[1].synchronize()
+            self.seconds = self.events[0].elapsed_time(self.events[1]) / 1000
+        return self.seconds / self.share
+
+
+def settle_rows(rows: list[dict]) -> list[dict]:
+    """The log rows of a layer with their deferred values made numbers, in place: every 0-dim tensor (the
+    errors, on the device they were computed on) read with one host transfer per device, every
+    :class:`Seconds` read after that. On a GPU this is the layer's only wait for its quantization work, so the
+    host queues every solve of the layer without waiting for the one before."""
+    deferred: dict[torch.device, list[tuple[dict, str]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, torch.Tensor):
+                deferred.setdefault(value.device, []).append((row, key))
+    for places in deferred.values():
+        values = torch.stack([row[key].to(torch.float64) for row, key in places]).tolist()
+        for (row, key), value in zip(places, values):
+            row[key] = value
+    for row in rows:
+        if isinstance(row.get("seconds"), Seconds):
+            row["seconds"] = row["seconds"].value()
+    return rows
 
 
 #: The per-linear quantization log in the output directory (``session.outputs.add_rows``).
@@ -82,12 +134,13 @@ LOG_FILE = "quantization_log.csv"
 
 def log_row(layer: int, module: str, weight: torch.Tensor, grid: Grid, quantized: torch.Tensor, *, method: str,
             damp: float | None = None, damping: float | None = None, error_rtn: float | None = None,
-            error: float | None = None, tokens: int = 0, seconds: float) -> dict:
+            error: float | None = None, tokens: int = 0, seconds: "float | Seconds") -> dict:
     """One row of :data:`LOG_FILE` (call before the weight ``[out, in]`` is overwritten): ``method`` how it was
     quantized (``gptq``, ``rtn``, or ``rtn-fallback``: an expert with too few calibration tokens),
     ``error_rtn`` and ``error`` the relative layer-output errors (:func:`output_error`) of round-to-nearest
     and of the step's result on the calibration inputs (None without them); ``damping`` the absolute ``λ``
-    added to ``diag H``."""
+    added to ``diag H``. Errors and ``seconds`` may be left unread (tensors, :class:`Seconds`) until the
+    layer's rows are settled (:func:`settle_rows`) before they are logged."""
     rows, columns = weight.shape
     return {"layer": layer, "module": module, "method": method, "rows": rows, "columns": columns,
             "bits": grid.bits, "group_size": grid.width(columns), "sym": grid.sym, "damp": damp,

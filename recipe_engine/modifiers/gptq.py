@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-import time
+import weakref
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, Literal
 
@@ -12,10 +13,9 @@ from pydantic import Field, NonNegativeInt, PositiveInt
 from recipe_engine.api import (InputCovariance, LayerModifier, ModifierSession, StagedLayer, lower_triangular_inverse,
                                position, register)
 
-from ._experts import (FALLBACK, HIDDEN_BYTES, SOLVE_BYTES, STACK_ROWS, MoEInputs, expert_grams, quantize_experts,
-                       solve_bytes)
-from ._quant import (LOG_FILE, Grid, GridParameters, QuantizedWeight, expert_targets, log_row, output_errors,
-                     rtn)
+from ._experts import FALLBACK, MoEInputs, budgets, expert_grams, quantize_experts, solve_bytes
+from ._quant import (LOG_FILE, Grid, GridParameters, QuantizedWeight, Seconds, expert_targets, log_row,
+                     output_errors, rtn, settle_rows)
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -84,7 +84,8 @@ class _BlockGraph:
     copies a block's inputs in, replays it (about ten kernels per column launched as one graph instead of
     one by one from Python) and leaves the results in ``q_out``/``err``/``group_*``. The graph runs the
     same kernels on the same values as the eager call, so the result is identical. Off a GPU (the test
-    suite) ``run`` calls the program directly over the same buffers."""
+    suite) ``run`` calls the program directly over the same buffers. Capturing runs the block eagerly twice
+    (warm-up and capture), so a graph is kept for every later block of its shape (:class:`BlockPrograms`)."""
 
     def __init__(self, count: int, rows: int, n: int, groups: int | None, grid: Grid, sub: int,
                  like: torch.Tensor):
@@ -122,6 +123,51 @@ class _BlockGraph:
             self.program()
 
 
+class BlockPrograms:
+    """The block programs (``_BlockGraph``) of a run, one per shape, kept across GPTQ calls and layers: a
+    layer's sweeps (q/k/v, o, the gate/up stacks and down_proj batches of an MoE layer) have a handful of
+    shapes, each captured once per run instead of once per call (a capture is two eager runs of the block,
+    launched kernel by kernel from Python, while the GPU mostly waits)."""
+
+    def __init__(self):
+        self.programs: dict[tuple, _BlockGraph] = {}
+
+    def get(self, count: int, rows: int, n: int, groups: int | None, grid: Grid, sub: int,
+            like: torch.Tensor) -> _BlockGraph:
+        key = (count, rows, n, groups, grid, sub, like.dtype, like.device)
+        if key not in self.programs:
+            self.programs[key] = _BlockGraph(count, rows, n, groups, grid, sub, like)
+        return self.programs[key]
+
+
+@dataclass
+class FactoredHessians:
+    """What GPTQ's column sweep needs of a batch of ``E`` Hessians ``[E, n, n]`` (:func:`factor_hessians`):
+    ``dead`` [E, n] the inputs never seen, ``order`` [E, n] the order the columns are quantized in, ``factor``
+    [E, n, n] ``U`` of the damped Hessian in that order (:func:`inverse_hessian_factor`). A Hessian shared by
+    several sweeps (the gate/up of every expert of a layer, stacked ``_experts.budgets``' rows at a time) is factored
+    once for all of them."""
+
+    dead: torch.Tensor
+    order: torch.Tensor
+    factor: torch.Tensor
+
+
+@torch.no_grad()
+def factor_hessians(grams: torch.Tensor, act_order: bool, damp: float, device=None) -> FactoredHessians:
+    """:class:`FactoredHessians` of the input Grams ``[E, n, n]`` (in fp64 on ``device``, default theirs): an
+    input never seen (``H_ii = 0``) gets ``H_ii = 1``, as in the reference code; ``act_order`` orders the columns
+    by descending ``H_ii`` (stable), else keeps them in place."""
+    h = grams.detach().to(device=device or grams.device, dtype=torch.float64).clone()
+    count, columns, _ = h.shape
+    dead = torch.diagonal(h, dim1=1, dim2=2) == 0
+    h.diagonal(dim1=1, dim2=2).masked_fill_(dead, 1.0)
+    order = torch.argsort(torch.diagonal(h, dim1=1, dim2=2), dim=1, descending=True, stable=True) if act_order \
+        else torch.arange(columns, device=h.device).expand(count, columns)
+    factor = inverse_hessian_factor(_rows_of(_rows_of(h, order).transpose(1, 2), order), damp)  # H symmetric
+    return FactoredHessians(dead, order, factor)
+
+
 def _rows_of(matrices: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``matrices[e][order[e]]`` for every ``e`` of the batch ([E, n, m] by [E, n]), one gather."""
     return matrices.gather(1, order[:, :, None].expand(-1, -1, matrices.shape[2]))
@@ -129,16 +175,18 @@ def _rows_of(matrices: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_order: bool, damp: float,
-                  block_size: int, graphs: bool | None = None) -> QuantizedWeight:
+                  block_size: int, graphs: bool | None = None,
+                  programs: BlockPrograms | None = None) -> QuantizedWeight:
     """GPTQ of one weight ``[rows, cols]`` with its input Gram ``[cols, cols]``: :func:`gptq_quantize_batch`
     on a batch of one."""
-    result = gptq_quantize_batch(weight[None], gram[None], grid, act_order, damp, block_size, graphs)
+    result = gptq_quantize_batch(weight[None], gram[None], grid, act_order, damp, block_size, graphs, programs)
     return QuantizedWeight(result.dequantized[0], result.scale[0], result.zero[0])
 
 
 @torch.no_grad()
-def gptq_quantize_batch(weights: torch.Tensor, grams: torch.Tensor, grid: Grid, act_order: bool, damp: float,
-                        block_size: int, graphs: bool | None = None) -> QuantizedWeight:
+def gptq_quantize_batch(weights: torch.Tensor, grams: torch.Tensor | FactoredHessians, grid: Grid, act_order: bool,
+                        damp: float, block_size: int, graphs: bool | None = None,
+                        programs: BlockPrograms | None = None) -> QuantizedWeight:
     """GPTQ Algorithm 1 in fp64 on ``E`` weights ``[E, rows, cols]``, each with its own input Gram
     ``[E, cols, cols]``, in one sweep: quantize columns left to right, spreading each column's error
     ``(w - q) / U_ii`` over the remaining columns with row ``i`` of ``U = chol((H + λI)⁻¹)ᵀ``; updates to
@@ -153,15 +201,16 @@ def gptq_quantize_batch(weights: torch.Tensor, grams: torch.Tensor, grid: Grid, 
     ``act_order`` (§4 "act-order") quantizes columns in descending ``H_ii`` order with static groups: every
     group's scale/zero come from the original weights of its contiguous original columns, so the
     checkpoint needs no ``g_idx`` permutation. Per-channel (``group_size`` None) is static as well.
+    ``grams`` may be given factored already (:func:`factor_hessians`, with the same ``act_order`` and ``damp``):
+    a Hessian shared by several calls is factored once.
     ``graphs`` (default: on a CUDA device) runs each block through ``_BlockGraph``, a CUDA graph on a GPU:
     the sweep launches ~10 small kernels per column, which bounds it by Python's launch rate when eager
-    (8B-shaped layers on an H200: ~4 s of a layer's GPTQ).
+    (8B-shaped layers on an H200: ~4 s of a layer's GPTQ); ``programs`` keeps the graphs for later calls.
     """
     w = weights.detach().to(torch.float64).clone()
-    h = grams.detach().to(device=w.device, dtype=torch.float64).clone()
+    hessians = grams if isinstance(grams, FactoredHessians) else factor_hessians(grams, act_order, damp, w.device)
     count, rows, columns = w.shape
-    dead = torch.diagonal(h, dim1=1, dim2=2) == 0
-    h.diagonal(dim1=1, dim2=2).masked_fill_(dead, 1.0)
+    dead, perm, factor = hessians.dead, hessians.order, hessians.factor
     w.masked_fill_(dead[:, None, :], 0.0)
     width = grid.width(columns)
     scale = torch.zeros(count, rows, columns // width, dtype=w.dtype, device=w.device)
@@ -170,14 +219,10 @@ def gptq_quantize_batch(weights: torch.Tensor, grams: torch.Tensor, grid: Grid, 
     if static:
         for g in range(columns // width):
             scale[:, :, g], zero[:, :, g] = grid.params(w[:, :, g * width:(g + 1) * width])
-    perm = torch.argsort(torch.diagonal(h, dim1=1, dim2=2), dim=1, descending=True, stable=True) if act_order \
-        else torch.arange(columns, device=w.device).expand(count, columns)
     # work on the transpose: column j of the (permuted) weight is the contiguous row j (2.3x faster on CPU)
     wt = _rows_of(w.transpose(1, 2), perm).contiguous()
     del w
     group_of = perm // width
-    factor = inverse_hessian_factor(_rows_of(_rows_of(h, perm).transpose(1, 2), perm), damp)  # H symmetric
-    del h
     scale_t, zero_t = scale.transpose(1, 2), zero.transpose(1, 2)  # views: a group's parameters are a row
     block = block_size if static else width * max(1, block_size // width)
     # the lazy batch twice over: rank-1 updates within SUB_BLOCK columns, one product per sub-block for the
@@ -186,7 +231,7 @@ def gptq_quantize_batch(weights: torch.Tensor, grams: torch.Tensor, grid: Grid, 
     # group, so a group starts on a fresh one
     sub = SUB_BLOCK if static else math.gcd(SUB_BLOCK, width)
     graphs = wt.device.type == "cuda" if graphs is None else graphs
-    captured: dict[int, _BlockGraph] = {}
+    programs = programs if programs is not None else BlockPrograms()
     out = torch.empty_like(wt)
     for start in range(0, columns, block):
         end = min(start + block, columns)
@@ -195,9 +240,7 @@ def gptq_quantize_batch(weights: torch.Tensor, grams: torch.Tensor, grid: Grid, 
         column_zero = _rows_of(zero_t, group_of[:, start:end]) if static else zero_t[:, :end - start]
         groups = None if static else (end - start) // width
         if graphs:
-            if end - start not in captured:
-                captured[end - start] = _BlockGraph(count, rows, end - start, groups, grid, sub, wt)
-            program = captured[end - start]
+            program = programs.get(count, rows, end - start, groups, grid, sub, wt)
             program.run(w1, hb, column_scale, column_zero)
             out[:, start:end], err = program.q_out, program.err
             if not static:
@@ -211,6 +254,10 @@ def gptq_quantize_batch(weights: torch.Tensor, grams: torch.Tensor, grid: Grid, 
                            group_zero)
         wt[:, end:] -= factor[:, start:end, end:].transpose(1, 2) @ err
     return QuantizedWeight(_rows_of(out, torch.argsort(perm, dim=1)).transpose(1, 2), scale, zero)
+
+
+#: Each run's :class:`BlockPrograms`, by its session (dropped with it).
+_SESSION_PROGRAMS: "weakref.WeakKeyDictionary[ModifierSession, BlockPrograms]" = weakref.WeakKeyDictionary()
 
 
 @register
@@ -251,17 +298,18 @@ class GPTQ(GridParameters, LayerModifier):
     def working_memory(self, shape, tokens: int) -> int:
         """The fp64 Hessian of the widest input (``down_proj``: the intermediate size), its Cholesky
         inverse and a copy; sequential mode also keeps the block outputs' inputs (o_proj, down_proj) of
-        every calibration token (fp32). Experts: the stacked gate/up of up to ``STACK_ROWS`` rows in fp64
-        (the weight, its transpose, the result and the round-to-nearest copy), or the batched down_proj solve
-        (at most ``SOLVE_BYTES``) with the batch's ``h`` of several experts (at most ``HIDDEN_BYTES``)."""
+        every calibration token (fp32). Experts (batch sizes by device: ``_experts.budgets``): the stacked
+        gate/up of up to ``stack_rows`` rows in fp64 (the weight, its transpose, the result and the
+        round-to-nearest copy), or the batched down_proj solve (at most ``request_bytes``) with the batch's ``h``
+        of several experts (at most ``hidden_bytes``)."""
         widest = max(max(layer.intermediate_size for layer in shape.layers), shape.hidden_size)
         kept = tokens * (shape.hidden_size + widest) * 4 if self.sequential else 0
         experts = 0
         if shape.num_experts:
-            width, count = shape.layers[0].intermediate_size, shape.num_experts
-            batched = min(SOLVE_BYTES, count * solve_bytes(shape.hidden_size, width)) + \
-                min(HIDDEN_BYTES, count * tokens * width * 12)
-            experts = max(4 * STACK_ROWS * shape.hidden_size * 8, batched)
+            width, count, budget = shape.layers[0].intermediate_size, shape.num_experts, budgets(shape.on_device)
+            batched = min(budget.request_bytes, count * solve_bytes(shape.hidden_size, width)) + \
+                min(budget.hidden_bytes, count * tokens * width * 12)
+            experts = max(4 * budget.stack_rows * shape.hidden_size * 8, batched)
         return 3 * widest * widest * 8 + kept + experts
 
     def target_layers(self, session: ModifierSession) -> list[int]:
@@ -289,40 +337,41 @@ class GPTQ(GridParameters, LayerModifier):
         """Linears sharing a Hessian are quantized as one row-stacked matrix: GPTQ treats rows
         independently given ``H`` (same factor, same order, per-row groups), so this equals quantizing
         each alone, with one Cholesky and one column loop per input instead of per linear."""
-        layer, errors, rows = session.layers[layer_index], {}, []
+        layer, rows = session.layers[layer_index], []
         current = session.current_layer
         staged = StagedLayer(session, layer, current.inputs) if self.sequential else None
         for source, targets in self._sources(session).items():
-            started = time.perf_counter()
             linears = [session.adapter.linear(layer, t) for t in targets]
+            stacked = torch.cat([linear.weight.detach() for linear in linears])
+            seconds = Seconds(stacked.device)
             if staged is None:
                 statistic = stats[self._gram(source).key]
             else:  # the groups before this one are quantized already
                 statistic = self._gram(source)
                 staged.inputs_of(source, statistic)
             gram = statistic.gram
-            stacked = torch.cat([linear.weight.detach() for linear in linears])
             grid = self.grid(stacked.dtype)
-            result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size)
-            if stacked.is_cuda:  # the log's seconds are the GPU's work, not its launch
-                torch.cuda.synchronize(stacked.device)
-            seconds = time.perf_counter() - started
+            result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size,
+                                   programs=self._programs(session))
+            seconds.stop()
             split = [linear.out_features for linear in linears]
             rounded = rtn(stacked, grid).dequantized
             pieces = (t.split(split) for t in (result.dequantized, result.scale, result.zero, rounded))
             diagonal = torch.diagonal(gram)  # as gptq_quantize: an input never seen counts 1
-            damping = self.damp * float(torch.where(diagonal == 0, 1.0, diagonal).mean())
+            damping = self.damp * torch.where(diagonal == 0, 1.0, diagonal).mean()
             for target, linear, quantized, scale, zero, rounded in zip(targets, linears, *pieces):
                 path = session.adapter.path(target)
-                (errors[path],), (error_rtn,) = output_errors([linear.weight], [[quantized], [rounded]], [gram])
+                (error,), (error_rtn,) = output_errors([linear.weight], [[quantized], [rounded]], [gram])
                 rows.append(log_row(layer_index, path, linear.weight, grid, quantized, method="gptq",
-                                    damp=self.damp, damping=damping, error_rtn=error_rtn, error=errors[path],
+                                    damp=self.damp, damping=damping, error_rtn=error_rtn, error=error,
                                     tokens=statistic.count, seconds=seconds))
                 with torch.no_grad():
                     linear.weight.copy_(quantized.to(linear.weight.dtype))
                 self.mark(session, linear, grid, scale, zero)
+        linear_rows = len(rows)
         if session.adapter.expert_roles(self.targets):
             rows += self._quantize_experts(session, layer_index, staged)
+        errors = {row["module"]: row["error"] for row in settle_rows(rows)[:linear_rows]}
         session.outputs.add_rows(LOG_FILE, rows, step=self)
         if staged is not None:
             current.provide_outputs(staged.outputs())
@@ -345,12 +394,25 @@ class GPTQ(GridParameters, LayerModifier):
             return statistics
 
         for tensor in adapter.expert_roles(self.targets):
-            rows += quantize_experts(session, layer_index, tensor, partial(grams, tensor), self._gptq, self.grid,
-                                     self.min_expert_tokens, self.damp, partial(self.mark, session))
+            rows += quantize_experts(session, layer_index, tensor, partial(grams, tensor),
+                                     partial(self._gptq, self._programs(session)), self.grid, self.min_expert_tokens,
+                                     self.damp, partial(self.mark, session), factor=self._factor)
         return rows
 
-    def _gptq(self, weights: torch.Tensor, grams: torch.Tensor, grid: Grid) -> QuantizedWeight:
-        return gptq_quantize_batch(weights, grams, grid, self.act_order, self.damp, self.block_size)
+    def _gptq(self, programs: BlockPrograms, weights: torch.Tensor, grams: torch.Tensor | FactoredHessians,
+              grid: Grid) -> QuantizedWeight:
+        return gptq_quantize_batch(weights, grams, grid, self.act_order, self.damp, self.block_size,
+                                   programs=programs)
+
+    def _factor(self, grams: torch.Tensor) -> FactoredHessians:
+        return factor_hessians(grams, self.act_order, self.damp)
+
+    @staticmethod
+    def _programs(session: ModifierSession) -> BlockPrograms:
+        """The run's block programs (captured CUDA graphs), kept while its session lives."""
+        if session not in _SESSION_PROGRAMS:
+            _SESSION_PROGRAMS[session] = BlockPrograms()
+        return _SESSION_PROGRAMS[session]
 
     def check(self, shape) -> None:
         super().check(shape)

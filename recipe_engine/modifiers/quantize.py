@@ -10,7 +10,7 @@ import torch
 from recipe_engine.api import Modifier, ModifierSession, register
 
 from ._experts import quantize_experts
-from ._quant import LOG_FILE, GridParameters, log_row, rtn
+from ._quant import LOG_FILE, GridParameters, log_row, rtn, settle_rows
 
 
 @register
@@ -46,5 +46,5 @@ class Quantize(GridParameters, Modifier):
                                             self.grid, 0, None, partial(self.mark, session))
                     rows += done
                     count += len(done)
-                session.outputs.add_rows(LOG_FILE, rows, step=self)
+                session.outputs.add_rows(LOG_FILE, settle_rows(rows), step=self)
         return {"quantized_linears": count, "export": self.export, "log": LOG_FILE, "format": self.format_line()}

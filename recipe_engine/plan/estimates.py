@@ -132,7 +132,7 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     steps = []
     for step, received in zip(plan.steps, plan.shapes):
         shape = copy.deepcopy(received)
-        shape.streamed, shape.dtype_bytes = streamed, width
+        shape.streamed, shape.dtype_bytes, shape.on_device = streamed, width, on_device
         largest = max(shape.layer_parameters(layer) for layer in shape.layers) * width
         if not streamed:
             held = shape_bytes(shape, width)

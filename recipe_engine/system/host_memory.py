@@ -14,18 +14,31 @@ def current_rss() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
 
 
+def high_water_bytes() -> int:
+    """This process's peak resident memory: Linux's ``VmHWM``, the high-water mark of its own address space.
+    ``getrusage``'s ``ru_maxrss`` is not used where ``VmHWM`` exists: Linux carries it across ``fork`` and
+    ``execve``, so a process started by a large one (a notebook, a benchmark harness that has just written a
+    checkpoint) reports its parent's resident size at the fork as its own peak (a parent holding 3 GiB: a
+    child of 13 MiB reported 3 GiB)."""
+    try:
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return int(line.split()[1]) * 1024
+
+
 class PeakWatch:
     """Peak resident memory per phase of a run (e.g. per step) and overall.
 
-    Linux keeps one high-water mark per process (``VmHWM``), which writing ``5`` to
-    ``/proc/self/clear_refs`` resets; ``start`` resets it, ``stop`` reads it. Where the reset is not
-    allowed, phases report ``None`` and the overall peak is ``getrusage``'s ``ru_maxrss``.
+    Linux keeps one high-water mark per process (``VmHWM``, :func:`high_water_bytes`), which writing ``5``
+    to ``/proc/self/clear_refs`` resets; ``start`` resets it, ``stop`` reads it. Where the reset is not
+    allowed, phases report ``None`` and the overall peak is the high-water mark over the whole process.
     """
 
     CLEAR_REFS = Path("/proc/self/clear_refs")
 
     def __init__(self):
-        self.overall_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.overall_bytes = high_water_bytes()
         self.resets = self.CLEAR_REFS.exists() and self._try_reset()
 
     def _try_reset(self) -> bool:
@@ -35,19 +48,14 @@ class PeakWatch:
         except OSError:
             return False
 
-    @staticmethod
-    def _high_water() -> int:
-        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024
-
     def start(self) -> None:
-        self.overall_bytes = max(self.overall_bytes, self._high_water())
+        self.overall_bytes = max(self.overall_bytes, high_water_bytes())
         if self.resets:
             self._try_reset()
 
     def stop(self) -> int | None:
         """Peak bytes since ``start`` (None where the high-water mark cannot be reset)."""
-        peak = self._high_water()
+        peak = high_water_bytes()
         self.overall_bytes = max(self.overall_bytes, peak)
         return peak if self.resets else None
 
