@@ -275,3 +275,31 @@ def test_gptq_layer_reads_the_host_once_per_factorization_and_once_for_its_log(t
     # q/k/v, o_proj, the shared gate/up Hessian once, each expert's down_proj (one per call on CPU)
     assert layers == [(2 + 1 + 4, 2 + 1 + 4 + 1)] * 2
     assert all(isinstance(float(r["error"]), float) and float(r["seconds"]) >= 0 for r in rows)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama"])
+def test_the_plan_counts_the_block_programs_a_gpu_keeps(tmp_path, monkeypatch, model_type):
+    """On a GPU a GPTQ run keeps one block program (its static buffers) per sweep shape for the whole run; here
+    the sweeps go through the same buffers on CPU with the GPU's batch sizes, and the buffers the run kept are
+    at most ``recipe plan``'s ``kept_programs_bytes`` for the shape, and at least half of it (it counts two
+    shapes where a stack or batch may have one)."""
+    from recipe_engine.architectures.shape import ModelShape
+    from recipe_engine.modifiers import _experts, gptq
+    from recipe_engine.recipe.schema import parse_step
+
+    model = save_tiny_model(tmp_path / "model", model_type, num_hidden_layers=2)
+    monkeypatch.setattr(_experts, "on_accelerator", lambda device: True)
+    sweep, kept = gptq.gptq_quantize_batch, []
+    monkeypatch.setattr(gptq, "gptq_quantize_batch", lambda *a, **k: sweep(*a[:6], True, *a[7:], **k))
+    get = gptq.BlockPrograms.get
+    monkeypatch.setattr(gptq.BlockPrograms, "get", lambda self, *a: kept.append(self) or get(self, *a))
+    step = GPTQ.format(extra="experts:all") if model_type == "qwen3_moe" else "GPTQ<group_size:16,export:dequantized>"
+    recipe_engine.apply(recipe(tmp_path, tmp_path / "model", [step]), progress=False)
+    assert len({id(programs) for programs in kept}) == 1  # one set for the run
+    measured = sum(t.numel() * t.element_size() for program in kept[0].programs.values()
+                   for t in (program.w1, program.hb, program.q_out, program.err, program.column_scale,
+                             program.column_zero, program.group_scale, program.group_zero) if t is not None)
+    shape = ModelShape.from_config(model.config)
+    shape.on_device = True
+    planned = parse_step(step, 0).kept_programs_bytes(shape)
+    assert measured <= planned <= 2 * measured

@@ -301,7 +301,8 @@ class GPTQ(GridParameters, LayerModifier):
         every calibration token (fp32). Experts (batch sizes by device: ``_experts.budgets``): the stacked
         gate/up of up to ``stack_rows`` rows in fp64 (the weight, its transpose, the result and the
         round-to-nearest copy), or the batched down_proj solve (at most ``request_bytes``) with the batch's ``h``
-        of several experts (at most ``hidden_bytes``)."""
+        of several experts (at most ``hidden_bytes``). On a GPU, the block programs kept for the run
+        (:meth:`kept_programs_bytes`)."""
         widest = max(max(layer.intermediate_size for layer in shape.layers), shape.hidden_size)
         kept = tokens * (shape.hidden_size + widest) * 4 if self.sequential else 0
         experts = 0
@@ -310,7 +311,30 @@ class GPTQ(GridParameters, LayerModifier):
             batched = min(budget.request_bytes, count * solve_bytes(shape.hidden_size, width)) + \
                 min(budget.hidden_bytes, count * tokens * width * 12)
             experts = max(4 * budget.stack_rows * shape.hidden_size * 8, batched)
-        return 3 * widest * widest * 8 + kept + experts
+        return 3 * widest * widest * 8 + kept + experts + self.kept_programs_bytes(shape)
+
+    def kept_programs_bytes(self, shape) -> int:
+        """On a GPU, the static buffers of the block programs kept for the run (:class:`BlockPrograms`): per sweep
+        shape, five fp64 ``block × rows`` matrices and a ``block × block`` factor block for each weight of the
+        batch; one shape for q/k/v and one for o_proj, on an MoE layer two gate/up stacks and two down_proj
+        batches (a full one and the last), on a dense one gate/up and down_proj."""
+        if not shape.on_device:
+            return 0
+
+        def program(count: int, rows: int, columns: int) -> int:
+            n = min(self.block_size, columns)
+            return count * 8 * (5 * n * rows + n * n)
+
+        hidden, attention = shape.hidden_size, shape.num_heads * shape.head_dim
+        total = program(1, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim, hidden) + \
+            program(1, hidden, attention)
+        if shape.num_experts:
+            width, count, budget = shape.layers[0].intermediate_size, shape.num_experts, budgets(True)
+            stacked = min(count, -(-budget.stack_rows // (2 * width)))  # a stack closes once it holds stack_rows
+            per_call = min(count, max(1, budget.call_bytes // solve_bytes(hidden, width)))
+            return total + 2 * program(1, stacked * 2 * width, hidden) + 2 * program(per_call, hidden, width)
+        widest = max(layer.intermediate_size for layer in shape.layers)
+        return total + program(1, 2 * widest, hidden) + program(1, hidden, widest)
 
     def target_layers(self, session: ModifierSession) -> list[int]:
         return list(range(len(session.layers)))
