@@ -210,8 +210,8 @@ def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list
             row("moe", f"GPU busy over the whole run extrapolated to 48 layers ({label})", whole_busy_48, "",
                 f">= {GOAL_GPU_BUSY}", whole_busy_48 >= GOAL_GPU_BUSY if on_gpu and whole_busy_48 is not None
                 else None),
-            row("moe", "peak host memory: watched / the report's / the plan's estimate / a bare process that used "
-                f"{args.device} (torch, a Cholesky and a matmul)", " / ".join(str(figures[k]) for k in (
+            row("moe", f"peak host GiB: watched, report, plan; a bare process on {args.device}",
+                " / ".join(str(figures[k]) for k in (
                     "peak_host_gib", "report_peak_host_gib", "host_estimate_gib", "bare_runtime_host_gib")), "GiB",
                 "recorded (no goal)", None),
             row("moe", "peak GPU memory / plan's estimate", round(gpu_mib * 2**20 / estimate["bytes"], 3)
