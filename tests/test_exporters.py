@@ -265,12 +265,13 @@ def test_grid_codes_equal_each_values_own_division(columns, group):
         grid_codes("layer", moved, record)
 
 
-@pytest.mark.parametrize("model_type,chunk_bytes", [("qwen3_moe", 1 << 30), ("qwen3_moe", 1), ("mixtral", 1 << 30)])
-def test_stacked_experts_pack_as_one_matrix_into_each_experts_bytes(monkeypatch, model_type, chunk_bytes):
+@pytest.mark.parametrize("model_type,per_chunk", [("qwen3_moe", None), ("qwen3_moe", 1), ("qwen3_moe", 3),
+                                                   ("mixtral", None)])
+def test_stacked_experts_pack_as_one_matrix_into_each_experts_bytes(monkeypatch, model_type, per_chunk):
     """A stacked experts tensor packed as one matrix (``_packed_experts``: one division, check and host copy per
-    chunk of experts; here all at once, or one expert per chunk) gives every expert linear the names, order and
-    bytes of packing that linear alone on the Hub's name (what ``PackedQuantizationCompressor`` writes, checked
-    above), gate and up split from the fused tensor."""
+    chunk of experts; here all at once, one expert per chunk, or three with a shorter last chunk) gives every
+    expert linear the names, order and bytes of packing that linear alone on the Hub's name (what
+    ``PackedQuantizationCompressor`` writes, checked above), gate and up split from the fused tensor."""
     from recipe_engine.io import checkpoint_writer
     from recipe_engine.io.checkpoint_names import saved_names
     from recipe_engine.io.checkpoint_writer import _packed, _stored
@@ -278,11 +279,13 @@ def test_stacked_experts_pack_as_one_matrix_into_each_experts_bytes(monkeypatch,
     from recipe_engine.modifiers._quant import rtn
     from tests.helpers import tiny_model
 
-    monkeypatch.setattr(checkpoint_writer, "HOST_PACK_BYTES", chunk_bytes)
     model = tiny_model(model_type)
     rename = saved_names(model)
     name = next(n for n in model.state_dict() if n.endswith("experts.gate_up_proj"))
     stacked = model.state_dict()[name]
+    if per_chunk is not None:  # pack_device's 48 bytes of fp64 work per element
+        monkeypatch.setattr(checkpoint_writer, "HOST_PACK_BYTES", per_chunk * 48 * stacked[0].numel())
+        assert checkpoint_writer.experts_per_chunk(stacked) == per_chunk < len(stacked)
     grid = Grid(4, 16, True, scale_dtype=stacked.dtype)
     parts = [rtn(expert, grid) for expert in stacked]
     on_grid = torch.stack([p.dequantized for p in parts]).to(stacked.dtype)

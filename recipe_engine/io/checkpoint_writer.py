@@ -162,9 +162,11 @@ def _packs_by_rows(record: QuantizedLinear) -> bool:
     return record.format == "compressed-tensors" and record.grid.sym
 
 
-#: fp64 working memory of packing one chunk of stacked experts on the host (``pack_device``'s 48 bytes per
-#: element); on a GPU a chunk takes what ``PACK_DEVICE_SHARE`` of its free memory leaves beside the tensor.
+#: fp64 working memory of packing one chunk of stacked experts (``pack_device``'s 48 bytes per element), on the
+#: host and on a GPU (there also at most what ``PACK_DEVICE_SHARE`` of its free memory leaves beside the tensor:
+#: below a GPTQ pass's own working memory on an MoE model, so the write does not raise the run's peak).
 HOST_PACK_BYTES = 1 << 30
+DEVICE_PACK_BYTES = 4 << 30
 
 
 def experts_per_chunk(tensor: torch.Tensor) -> int:
@@ -174,14 +176,15 @@ def experts_per_chunk(tensor: torch.Tensor) -> int:
     budget = HOST_PACK_BYTES
     if tensor.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(tensor.device)
-        budget = int(PACK_DEVICE_SHARE * free) - _nbytes(tensor)
+        budget = min(DEVICE_PACK_BYTES, int(PACK_DEVICE_SHARE * free) - _nbytes(tensor))
     return max(1, min(len(tensor), budget // per_expert))
 
 
 def _packed_experts(name: str, tensor: torch.Tensor, record: QuantizedLinear, rename) -> dict[str, torch.Tensor]:
     """The packed tensors of every expert of a stacked ``[experts, rows, cols]`` weight, its experts packed a chunk
     at a time as one ``[chunk · rows, cols]`` matrix (:func:`experts_per_chunk`: one division, on-grid check and
-    copy to the host per chunk; all experts at once on a GPU with room) and then split into each expert's linears
+    copy to the host per chunk: 19 and 10 chunks on the host, 5 and 3 on a GPU, for Qwen3-30B-A3B's gate/up
+    and down_proj) and then split into each expert's linears
     by ``rename``: the bytes of packing each linear alone (``tests/test_exporters.py``), without a kernel launch,
     host read and copy per expert (3 × 128 per Qwen3-30B-A3B layer)."""
     experts, rows, columns = tensor.shape
