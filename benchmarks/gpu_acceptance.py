@@ -156,7 +156,8 @@ def apply_recipe(recipe: dict, work: Path, timeout: float, launcher: list[str] |
     (``OUT/gpu-NAME.csv``; ``gpu_busy`` in the result). A run that fails or is stopped raises
     :class:`LegError` with its timings so far (seconds by phase per step) in ``partial``. ``profile``:
     ``recipe apply --profile WORK/profile-NAME`` (a few layers under torch.profiler; their timings are slower;
-    ``top_operations.txt`` goes into runs.tar.gz)."""
+    ``top_operations.txt`` and ``gaps.txt``, the GPU's idle gaps by phase and host operation from
+    ``benchmarks/gpu_gaps.py``, go into runs.tar.gz)."""
     import yaml
 
     import recipe_engine
@@ -180,6 +181,12 @@ def apply_recipe(recipe: dict, work: Path, timeout: float, launcher: list[str] |
         raise
     finally:
         busy = stop_trace(sampler)
+    if profile and (work / f"profile-{recipe['name']}" / "trace.json").is_file():
+        from gpu_gaps import format_summary, gap_summary
+
+        profiled = work / f"profile-{recipe['name']}"
+        trace = json.loads((profiled / "trace.json").read_text())
+        (profiled / "gaps.txt").write_text(format_summary(gap_summary(trace)))
     return {"report": recipe_engine.load_report(recipe["output"]), "wall_s": wall, "watched_peak_mib": peak,
             "log": log, "timings": timing_summary(timings), "gpu_busy": busy, "timings_path": timings,
             "trace_path": sampler[2] if sampler else None}
@@ -593,7 +600,8 @@ def pack_runs(out: Path, work: Path) -> None:
     partial = out / "runs.tar.gz.partial"
     with tarfile.open(partial, "w:gz") as archive:
         archive.add(kept, arcname="runs")
-        for path in sorted([*work.rglob("*.log"), *work.rglob("*.yaml"), *work.rglob("top_operations.txt")]):
+        for path in sorted([*work.rglob("*.log"), *work.rglob("*.yaml"), *work.rglob("top_operations.txt"),
+                           *work.rglob("gaps.txt")]):
             if kept not in path.parents:
                 archive.add(path, arcname=f"logs/{path.relative_to(work)}")
     os.replace(partial, out / "runs.tar.gz")

@@ -266,3 +266,30 @@ def test_smollm2_leg_judges_against_the_committed_cpu_reference(tmp_path, monkey
     met = leg(off)
     assert met["GPTQ W4 g64 WikiText-2 PPL"] is False and met["FlattenGPT merged layers"] is False
     assert met["FlattenGPT WikiText-2 PPL"] is True
+
+
+def test_gpu_gaps_charges_each_idle_gap_to_its_phase_and_host_operation():
+    """``benchmarks/gpu_gaps.py`` on a hand-built trace: kernels (two overlapping) busy 0-10, 12-20 (a copy), 20-30
+    and 80-100 µs; phases ``compress`` 0-50 and ``write`` 50-100 on the engine's thread, a host read at 30-80
+    and an operation on another thread that must not be charged. Busy 48 of 100 µs; the gaps 10-12 (2 µs, too short
+    to name an operation) and 30-80 (50 µs, in ``compress``, charged to the read)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_gaps import format_summary, gap_summary
+
+    def span(cat, name, start, end, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": end - start, "tid": tid}
+
+    trace = {"traceEvents": [
+        span("kernel", "k1", 0, 6), span("kernel", "k2", 4, 10), span("gpu_memcpy", "copy", 12, 20),
+        span("kernel", "k3", 20, 30), span("kernel", "k4", 80, 100),
+        span("user_annotation", "phase:compress", 0, 50), span("user_annotation", "phase:write", 50, 100),
+        span("cpu_op", "aten::_local_scalar_dense", 30, 80), span("cpu_op", "aten::copy_", 5, 95, tid=2)]}
+    summary = gap_summary(trace)
+    assert round(summary["busy_s"] * 1e6, 6) == 48 and round(summary["window_s"] * 1e6, 6) == 100
+    assert summary["busy_share"] == 0.48
+    assert {k: round(v * 1e6, 6) for k, v in summary["idle_by_phase_s"].items()} == {"compress": 52}
+    assert {k: round(v * 1e6, 6) for k, v in summary["idle_by_operation_s"].items()} == \
+        {"aten::_local_scalar_dense": 50}
+    assert summary["longest_gaps"][0]["ms"] * 1e3 == 50 and summary["longest_gaps"][0]["phase"] == "compress"
+    assert "48.0%" in format_summary(summary)
+    assert gap_summary({"traceEvents": [span("cpu_op", "aten::mm", 0, 5)]}) == {"device_events": 0}

@@ -230,9 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "appends to it); an existing file is replaced only when it is a timings log (or empty); "
                         "never an input, a link, a device, FIFO or socket, nor inside the output or --profile")
     p.add_argument("--profile", metavar="DIR",
-                   help="write a torch.profiler trace of a few layers (DIR/trace.json) and the top operations "
-                        "by host and device time (DIR/top_operations.txt); DIR is new, empty or an earlier "
-                        "--profile directory (its marker), never an input, a link, nor inside the output")
+                   help="write a torch.profiler trace of a few layers (DIR/trace.json, the engine's phases marked "
+                        "phase:NAME) and the top operations by host and device time (DIR/top_operations.txt); DIR "
+                        "is new, empty or an earlier --profile directory (its marker), never an input, a link, nor "
+                        "inside the output")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("show", help="print the canonical resolved recipe")
