@@ -207,11 +207,7 @@ def stop_trace(sampler) -> float | None:
     process.terminate()
     process.wait()
     handle.close()
-    busy = []
-    for line in path.read_text().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 2 and parts[1].replace(".", "", 1).isdigit():
-            busy.append(float(parts[1]) / 100)
+    busy = [utilisation for _, utilisation in trace_samples(path)]
     return round(sum(busy) / len(busy), 3) if busy else None
 
 

@@ -6,11 +6,11 @@ Hessians equal ``XᵀX`` computed by hand from the MoE block's inputs; an expert
 fused experts is refused in one line (the other families' packed experts: ``test_moe_export.py``)."""
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -232,25 +232,14 @@ def test_experts_batched_equal_one_expert_at_a_time(tmp_path, monkeypatch, model
         assert any(r["method"] == "rtn-fallback" for r in rows)
 
 
-class HostReads(TorchFunctionMode):
-    """Counts the tensor operations that hand a value to Python (on a GPU each waits for the queued kernels)."""
-
-    READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "nonzero", "equal"}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += getattr(func, "__name__", "") in self.READS
-        return func(*args, **(kwargs or {}))
-
-
 def test_gptq_layer_reads_the_host_once_per_factorization_and_once_for_its_log(tmp_path, monkeypatch):
     """A GPTQ layer reads values on the host only to check each factorization and once to settle its log rows,
     whatever the number of experts, stacks and calls (on a GPU the host then queues the whole layer's solves
     without waiting); the Hessian every expert's gate/up shares is factored once per layer, not per stack."""
     from recipe_engine.modifiers import _experts, gptq
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gptq_host_work import HostReads  # what benchmarks/gptq_host_work.py counts
 
     save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=2)
     monkeypatch.setattr(_experts, "STACK_ROWS", 1)  # a stack per expert: 4 gate/up stacks per layer
@@ -261,10 +250,10 @@ def test_gptq_layer_reads_the_host_once_per_factorization_and_once_for_its_log(t
     compress = gptq.GPTQ.compress_layer
 
     def counted(self, session, index, stats):
-        before = len(factorizations), reads.count
+        before = len(factorizations), sum(reads.counts.values())
         with reads:
             entry = compress(self, session, index, stats)
-        layers.append((len(factorizations) - before[0], reads.count - before[1]))
+        layers.append((len(factorizations) - before[0], sum(reads.counts.values()) - before[1]))
         return entry
 
     monkeypatch.setattr(gptq.GPTQ, "compress_layer", counted)
