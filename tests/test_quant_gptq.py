@@ -1,4 +1,6 @@
 """GPTQ against an independent fp64 reference (OBS elimination form, no Cholesky, no blocks) and RTN."""
+import math
+
 import pytest
 import torch
 
@@ -205,3 +207,18 @@ def test_a_factored_hessian_and_kept_block_programs_give_the_same_weights(act_or
         assert torch.equal(fresh.dequantized, kept.dequantized)
         assert torch.equal(fresh.scale, kept.scale) and torch.equal(fresh.zero, kept.zero)
     assert len(programs.programs) == 4  # 48 and 24 rows, blocks of 64 and 32 columns: the third stack built none
+
+
+def test_factored_hessians_carry_the_logged_damping():
+    """``FactoredHessians.damping`` (the ``damping`` column of quantization_log.csv) is ``damp · mean(diag H)``
+    with an input never seen counted as 1, per Hessian of the batch, as written out by hand here."""
+    from recipe_engine.modifiers.gptq import factor_hessians
+
+    grams = torch.stack([correlated_problem(8, 32, seed=seed)[1] for seed in (1, 2)])
+    grams[1][5, :] = 0.0
+    grams[1][:, 5] = 0.0  # input 5 of the second Hessian never seen
+    factored = factor_hessians(grams, act_order=True, damp=0.05)
+    for gram, damping in zip(grams, factored.damping):
+        diagonal = [float(gram[i, i]) or 1.0 for i in range(32)]
+        assert math.isclose(float(damping), 0.05 * sum(diagonal) / 32, rel_tol=1e-12)
+    assert factored.dead[1].tolist() == [i == 5 for i in range(32)] and not factored.dead[0].any()

@@ -144,13 +144,15 @@ class BlockPrograms:
 class FactoredHessians:
     """What GPTQ's column sweep needs of a batch of ``E`` Hessians ``[E, n, n]`` (:func:`factor_hessians`):
     ``dead`` [E, n] the inputs never seen, ``order`` [E, n] the order the columns are quantized in, ``factor``
-    [E, n, n] ``U`` of the damped Hessian in that order (:func:`inverse_hessian_factor`). A Hessian shared by
+    [E, n, n] ``U`` of the damped Hessian in that order (:func:`inverse_hessian_factor`), ``damping`` [E] the
+    absolute ``λ = damp · mean(diag H)`` it added (logged; an input never seen counts 1). A Hessian shared by
     several sweeps (the gate/up of every expert of a layer, stacked ``_experts.budgets``' rows at a time) is factored
     once for all of them."""
 
     dead: torch.Tensor
     order: torch.Tensor
     factor: torch.Tensor
+    damping: torch.Tensor
 
 
 @torch.no_grad()
@@ -164,8 +166,9 @@ def factor_hessians(grams: torch.Tensor, act_order: bool, damp: float, device=No
     h.diagonal(dim1=1, dim2=2).masked_fill_(dead, 1.0)
     order = torch.argsort(torch.diagonal(h, dim1=1, dim2=2), dim=1, descending=True, stable=True) if act_order \
         else torch.arange(columns, device=h.device).expand(count, columns)
+    damping = damp * torch.diagonal(h, dim1=1, dim2=2).mean(-1)
     factor = inverse_hessian_factor(_rows_of(_rows_of(h, order).transpose(1, 2), order), damp)  # H symmetric
-    return FactoredHessians(dead, order, factor)
+    return FactoredHessians(dead, order, factor, damping)
 
 
 def _rows_of(matrices: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -174,12 +177,13 @@ def _rows_of(matrices: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, grid: Grid, act_order: bool, damp: float,
-                  block_size: int, graphs: bool | None = None,
+def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor | FactoredHessians, grid: Grid, act_order: bool,
+                  damp: float, block_size: int, graphs: bool | None = None,
                   programs: BlockPrograms | None = None) -> QuantizedWeight:
-    """GPTQ of one weight ``[rows, cols]`` with its input Gram ``[cols, cols]``: :func:`gptq_quantize_batch`
-    on a batch of one."""
-    result = gptq_quantize_batch(weight[None], gram[None], grid, act_order, damp, block_size, graphs, programs)
+    """GPTQ of one weight ``[rows, cols]`` with its input Gram ``[cols, cols]`` (or that Gram factored already, a
+    batch of one): :func:`gptq_quantize_batch` on a batch of one."""
+    grams = gram if isinstance(gram, FactoredHessians) else gram[None]
+    result = gptq_quantize_batch(weight[None], grams, grid, act_order, damp, block_size, graphs, programs)
     return QuantizedWeight(result.dequantized[0], result.scale[0], result.zero[0])
 
 
@@ -375,14 +379,14 @@ class GPTQ(GridParameters, LayerModifier):
                 staged.inputs_of(source, statistic)
             gram = statistic.gram
             grid = self.grid(stacked.dtype)
-            result = gptq_quantize(stacked, gram, grid, self.act_order, self.damp, self.block_size,
+            factored = self._factor(gram[None])
+            result = gptq_quantize(stacked, factored, grid, self.act_order, self.damp, self.block_size,
                                    programs=self._programs(session))
             seconds.stop()
             split = [linear.out_features for linear in linears]
             rounded = rtn(stacked, grid).dequantized
             pieces = (t.split(split) for t in (result.dequantized, result.scale, result.zero, rounded))
-            diagonal = torch.diagonal(gram)  # as gptq_quantize: an input never seen counts 1
-            damping = self.damp * torch.where(diagonal == 0, 1.0, diagonal).mean()
+            damping = factored.damping[0]
             for target, linear, quantized, scale, zero, rounded in zip(targets, linears, *pieces):
                 path = session.adapter.path(target)
                 (error,), (error_rtn,) = output_errors([linear.weight], [[quantized], [rounded]], [gram])
