@@ -293,3 +293,25 @@ def test_gpu_gaps_charges_each_idle_gap_to_its_phase_and_host_operation():
     assert summary["longest_gaps"][0]["ms"] * 1e3 == 50 and summary["longest_gaps"][0]["phase"] == "compress"
     assert "48.0%" in format_summary(summary)
     assert gap_summary({"traceEvents": [span("cpu_op", "aten::mm", 0, 5)]}) == {"device_events": 0}
+
+
+def test_host_work_counts_each_launch_once_and_a_block_program_as_one_replay():
+    """``benchmarks/gptq_host_work.py``'s ``Launches``: an operation that runs a kernel counts once (a product, a
+    copy, a reduction), a view, an allocation and a host read count nothing, and a block program's run counts
+    once as a graph replay, whatever it holds."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gptq_host_work import Launches
+
+    a = torch.arange(16.0).reshape(4, 4)
+    launches = Launches()
+    program = launches.program(lambda: (a + 1) * 2 - a.exp())
+    with launches:
+        b = a @ a
+        views = b.t(), b[1:], b.diagonal(), b.view(16)
+        copy = b.clone()
+        total = float(b.sum())
+        torch.empty(3)
+        program()
+        program()
+    assert dict(launches.counts) == {"mm": 1, "clone": 1, "sum": 1, "graph replay": 2}
+    assert total == float((a @ a).sum()) and len(views) == 4 and torch.equal(copy, b)
