@@ -108,7 +108,10 @@ class _BlockGraph:
                 self.program()
             torch.cuda.current_stream(like.device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # thread_local: only this thread's capture-unsafe CUDA calls invalidate the capture ("global", the
+            # default: any thread's); a streamed run's staging thread may meanwhile wait on a copy's event and
+            # free its pinned buffers (``streaming._save_when_copied``); torch.compile captures its CUDA graphs so too
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.program()
 
     def run(self, w1, hb, column_scale, column_zero) -> None:
