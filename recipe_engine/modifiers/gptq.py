@@ -382,7 +382,7 @@ class GPTQ(GridParameters, LayerModifier):
                 staged.inputs_of(source, statistic)
             gram = statistic.gram
             grid = self.grid(stacked.dtype)
-            factored = self._factor(gram[None])
+            factored = factor_hessians(gram[None], self.act_order, self.damp, stacked.device)
             result = gptq_quantize(stacked, factored, grid, self.act_order, self.damp, self.block_size,
                                    programs=self._programs(session))
             seconds.stop()
