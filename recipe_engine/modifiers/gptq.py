@@ -386,10 +386,10 @@ class GPTQ(GridParameters, LayerModifier):
             result = gptq_quantize(stacked, factored, grid, self.act_order, self.damp, self.block_size,
                                    programs=self._programs(session))
             seconds.stop()
+            damping, factored = factored.damping[0], None  # the n × n factor is not kept through the errors
             split = [linear.out_features for linear in linears]
             rounded = rtn(stacked, grid).dequantized
             pieces = (t.split(split) for t in (result.dequantized, result.scale, result.zero, rounded))
-            damping = factored.damping[0]
             for target, linear, quantized, scale, zero, rounded in zip(targets, linears, *pieces):
                 path = session.adapter.path(target)
                 (error,), (error_rtn,) = output_errors([linear.weight], [[quantized], [rounded]], [gram])
