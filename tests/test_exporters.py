@@ -283,8 +283,9 @@ def test_stacked_experts_pack_as_one_matrix_into_each_experts_bytes(monkeypatch,
     rename = saved_names(model)
     name = next(n for n in model.state_dict() if n.endswith("experts.gate_up_proj"))
     stacked = model.state_dict()[name]
-    if per_chunk is not None:  # pack_device's 48 bytes of fp64 work per element
-        monkeypatch.setattr(checkpoint_writer, "HOST_PACK_BYTES", per_chunk * 48 * stacked[0].numel())
+    if per_chunk is not None:  # a budget of exactly per_chunk experts' fp64 work
+        monkeypatch.setattr(checkpoint_writer, "HOST_PACK_BYTES",
+                            per_chunk * checkpoint_writer.PACK_BYTES_PER_ELEMENT * stacked[0].numel())
         assert checkpoint_writer.experts_per_chunk(stacked) == per_chunk < len(stacked)
     grid = Grid(4, 16, True, scale_dtype=stacked.dtype)
     parts = [rtn(expert, grid) for expert in stacked]

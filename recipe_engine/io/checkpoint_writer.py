@@ -117,18 +117,20 @@ def _as_is(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
 
 #: Share of a GPU's free memory that packing one quantized tensor may take.
 PACK_DEVICE_SHARE = 0.5
+#: fp64 working memory of packing, per element of the weight packed at once (``grid_codes``: the weight, its
+#: codes, the rounded-back check and their temporaries, counted as 6 × 8 bytes).
+PACK_BYTES_PER_ELEMENT = 6 * 8
 
 
 def pack_device(device: torch.device, tensor: torch.Tensor) -> torch.device:
     """Where a quantized weight is packed: on the run's GPU when the tensor and the fp64 working copies of its
-    largest linear (``grid_codes``: the weight, its codes, the rounded-back check and their temporaries, counted
-    as 6 × 8 bytes per element) fit in ``PACK_DEVICE_SHARE`` of its free memory, else on the host. The packed
-    tensors are the same bit for bit (integer codes of an fp64 division); a GPU makes the write of an MoE
-    model's thousands of experts take seconds, not minutes of CPU time."""
+    largest linear (:data:`PACK_BYTES_PER_ELEMENT`) fit in ``PACK_DEVICE_SHARE`` of its free memory, else on the
+    host. The packed tensors are the same bit for bit (integer codes of an fp64 division); a GPU makes the write
+    of an MoE model's thousands of experts take seconds, not minutes of CPU time."""
     if device.type != "cuda" or tensor.device.type == "meta":
         return tensor.device
     linear = tensor.numel() if tensor.dim() <= 2 else tensor[0].numel()
-    need = _nbytes(tensor) + 48 * linear
+    need = _nbytes(tensor) + PACK_BYTES_PER_ELEMENT * linear
     free, _total = torch.cuda.mem_get_info(device)
     return device if need <= PACK_DEVICE_SHARE * free else torch.device("cpu")
 
@@ -162,7 +164,7 @@ def _packs_by_rows(record: QuantizedLinear) -> bool:
     return record.format == "compressed-tensors" and record.grid.sym
 
 
-#: fp64 working memory of packing one chunk of stacked experts (``pack_device``'s 48 bytes per element), on the
+#: fp64 working memory of packing one chunk of stacked experts (:data:`PACK_BYTES_PER_ELEMENT`), on the
 #: host and on a GPU (there also at most what ``PACK_DEVICE_SHARE`` of its free memory leaves beside the tensor:
 #: below a GPTQ pass's own working memory on an MoE model, so the write does not raise the run's peak).
 HOST_PACK_BYTES = 1 << 30
@@ -172,7 +174,7 @@ DEVICE_PACK_BYTES = 4 << 30
 def experts_per_chunk(tensor: torch.Tensor) -> int:
     """How many experts of a stacked ``[experts, rows, cols]`` tensor :func:`_packed_experts` packs at once, where
     the tensor is (at least one)."""
-    per_expert = 48 * tensor[0].numel()
+    per_expert = PACK_BYTES_PER_ELEMENT * tensor[0].numel()
     budget = HOST_PACK_BYTES
     if tensor.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(tensor.device)

@@ -382,7 +382,7 @@ class GPTQ(GridParameters, LayerModifier):
                 staged.inputs_of(source, statistic)
             gram = statistic.gram
             grid = self.grid(stacked.dtype)
-            factored = factor_hessians(gram[None], self.act_order, self.damp, stacked.device)
+            factored = self._factor(gram[None], stacked.device)
             result = gptq_quantize(stacked, factored, grid, self.act_order, self.damp, self.block_size,
                                    programs=self._programs(session))
             seconds.stop()
@@ -435,8 +435,8 @@ class GPTQ(GridParameters, LayerModifier):
         return gptq_quantize_batch(weights, grams, grid, self.act_order, self.damp, self.block_size,
                                    programs=programs)
 
-    def _factor(self, grams: torch.Tensor) -> FactoredHessians:
-        return factor_hessians(grams, self.act_order, self.damp)
+    def _factor(self, grams: torch.Tensor, device=None) -> FactoredHessians:
+        return factor_hessians(grams, self.act_order, self.damp, device)
 
     @staticmethod
     def _programs(session: ModifierSession) -> BlockPrograms:
