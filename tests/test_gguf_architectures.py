@@ -85,6 +85,24 @@ def test_transformers_reads_back_the_same_logits(tmp_path, arch, kind, tolerance
     assert relative_error(model, read_back(tmp_path / "m.gguf")) < tolerance
 
 
+@pytest.mark.parametrize("arch,head_dim", [("qwen3", 16), ("qwen3", 32), ("qwen2_moe", 32)])
+def test_a_gguf_source_keeps_its_head_width(tmp_path, monkeypatch, arch, head_dim):
+    """transformers' GGUF reader does not map ``attention.key_length`` for Qwen3, Qwen2-MoE (nor Qwen2, Phi-3):
+    it builds Qwen3 with its default head width 128 and the others with hidden / heads (64 / 4 = 16 here), so
+    the engine's source path (``load_model`` of a ``.gguf``) takes the width from the file. The model it builds
+    computes the exported model's logits (f32), where transformers' own reading of the file fails."""
+    from recipe_engine.io.models import load_model
+
+    monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
+    model, directory = saved(tmp_path, arch, head_dim=head_dim, **({"norm_topk_prob": False} if arch == "qwen2_moe" else {}))
+    export_gguf(directory, tmp_path / "m.gguf", "f32", name="tiny")
+    with pytest.raises(Exception, match="size mismatch|mismatched"):
+        read_back(tmp_path / "m.gguf")
+    loaded, _, _ = load_model(str(tmp_path / "m.gguf"))
+    assert loaded.config.head_dim == head_dim
+    assert relative_error(model, loaded.eval()) < 1e-6
+
+
 def test_gemma3_file_holds_what_llama_cpp_reads(tmp_path):
     """A Gemma 3 with what transformers' reader ignores set away from its defaults: sliding window 8 on layers
     0, 1, 3 (full attention on 2), sliding rope base 20000, final logit soft-cap 30, query_pre_attn_scalar =

@@ -46,6 +46,7 @@ def test_gptq_on_every_expert_streamed_equals_in_memory_and_reloads_stock(tmp_pa
     assert {int(r["hessian_tokens"]) for r in experts} == {4 * 32}  # every expert saw every token
     assert sum(float(r["error"]) for r in experts) < sum(float(r["error_rtn"]) for r in experts)
     assert report.steps[0].result["experts"]["fallback"]["count"] == 0
+    assert report.steps[0].result["headline"] == "16 of 16 expert tensors by GPTQ (all calibration)"
     tokens = random_tokens(vocab=BYTE_VOCAB)
     with torch.no_grad():
         expected = result(tokens).logits
@@ -134,6 +135,13 @@ def test_an_unrouted_expert_falls_back_to_rtn_and_says_so(tmp_path):
     info = report.steps[0].result["experts"]["fallback"]
     assert info["count"] == len(fallback) and info["method"].startswith("round-to-nearest")
     assert "model.layers.1.mlp.experts.down_proj[3]" in info["tensors"]
+    # said under the summary table and in the model card, not only in the log and report.json
+    total = report.steps[0].result["experts"]["quantized"]
+    assert total == 2 * 4 * 2
+    headline = f"{total - len(fallback)} of {total} expert tensors by GPTQ (routed calibration); {len(fallback)} rounded"
+    assert report.steps[0].result["headline"].startswith(headline)
+    assert "fewer than 1 routed tokens" in report.steps[0].result["headline"]
+    assert f"step 0 GPTQ: {headline}" in (tmp_path / "out/README.md").read_text()
     saved = json.loads((tmp_path / "out/report.json").read_text())
     assert "mlp.experts.gate_up_proj[3]" in json.dumps(saved)
     layout = adapter_for(original.config).experts

@@ -264,7 +264,8 @@ GGUF_KEY_BYTES = 2**20
 
 
 def gguf_problem(gguf: Path, exc: BaseException) -> str:
-    """One line on why transformers could not read ``gguf``: not GGUF at all, empty, or cut short."""
+    """One line on why transformers could not read ``gguf``: not GGUF at all, empty, cut short (the ``gguf``
+    package's reader fails on it too), or a whole file that transformers cannot build a model from."""
     size = gguf.stat().st_size
     with open(gguf, "rb") as handle:
         magic = handle.read(4)
@@ -272,8 +273,12 @@ def gguf_problem(gguf: Path, exc: BaseException) -> str:
         return f"{gguf}: empty file, not a GGUF model"
     if magic != b"GGUF":
         return f"{gguf}: not a GGUF file (starts with {magic!r}, not b'GGUF')"
-    detail = (str(exc).splitlines() or [""])[0][:200]
-    return f"{gguf}: truncated or corrupt GGUF file ({size:,} bytes): {type(exc).__name__}: {detail}"
+    detail = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    try:
+        _gguf_fields(gguf)
+    except Exception:  # the reader raises ValueError, struct.error, IndexError, ... on a damaged file
+        return f"{gguf}: truncated or corrupt GGUF file ({size:,} bytes): {detail}"
+    return f"{gguf}: transformers cannot build a model from this GGUF file (read whole, {size:,} bytes): {detail}"
 
 
 def gguf_config(gguf: Path):
@@ -291,7 +296,7 @@ def gguf_config(gguf: Path):
         fields = _gguf_fields(gguf)
     except Exception as exc:  # transformers' GGUF reader raises ValueError, struct.error, KeyError, ...
         raise SourceError(gguf_problem(gguf, exc)) from None
-    return _moe_widths(config, fields, gguf)
+    return _widths_left_out(config, fields, gguf)
 
 
 def _gguf_fields(gguf: Path) -> dict:
@@ -301,10 +306,12 @@ def _gguf_fields(gguf: Path) -> dict:
     return {key: field.contents() for key, field in gguf_files.GGUFReader(str(gguf)).fields.items()}
 
 
-def _moe_widths(config, fields: dict, gguf: Path):
-    """``config`` with the mixture-of-experts widths transformers' GGUF reader leaves out, from the file's
-    llama.cpp keys (``GGUF_MOE_WIDTHS``); a file with experts that it reads as a dense model (llama.cpp's llama
-    with experts: Mixtral) is one line."""
+def _widths_left_out(config, fields: dict, gguf: Path):
+    """``config`` with the widths transformers' GGUF reader leaves out, from the file's llama.cpp keys: the
+    mixture-of-experts widths (``GGUF_MOE_WIDTHS``) and the head width ``attention.key_length`` where it is not
+    ``hidden / heads`` (Qwen3: 128 against 1024 / 16 on Qwen3-0.6B; the reader maps it for Llama and Qwen3-MoE,
+    not for Qwen3, Qwen2, Qwen2-MoE or Phi-3, and those models would be built with the wrong shapes). A file with
+    experts that it reads as a dense model (llama.cpp's llama with experts: Mixtral) is one line."""
     arch = fields.get("general.architecture")
     values = {key[len(arch) + 1:]: value for key, value in fields.items() if key.startswith(f"{arch}.")}
     if "expert_count" in values and not any(hasattr(config, name) for name in (*GGUF_MOE_WIDTHS, "num_local_experts")):
@@ -314,6 +321,9 @@ def _moe_widths(config, fields: dict, gguf: Path):
     for name, key in GGUF_MOE_WIDTHS.items():
         if key in values and hasattr(config, name):
             setattr(config, name, int(values[key]))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if "attention.key_length" in values and int(values["attention.key_length"]) != head_dim:
+        config.head_dim = int(values["attention.key_length"])
     return config
 
 

@@ -461,8 +461,20 @@ class GPTQ(GridParameters, LayerModifier):
             fallbacks = [f"model.layers.{row['layer']}.{row['module']}" for row in
                          session.outputs.rows(LOG_FILE, step=self) if row["method"] == FALLBACK]
             experts = sum(adapter.experts.units(layer) for layer in session.layers)
-            result["experts"] = {"calibration": self.experts, "quantized": experts * len(adapter.expert_roles(
-                self.targets)), "min_expert_tokens": self.min_expert_tokens,
-                "fallback": {"method": "round-to-nearest on the same grid", "count": len(fallbacks),
-                             "tensors": fallbacks}}
+            quantized = experts * len(adapter.expert_roles(self.targets))
+            result["experts"] = {"calibration": self.experts, "quantized": quantized,
+                                 "min_expert_tokens": self.min_expert_tokens,
+                                 "fallback": {"method": "round-to-nearest on the same grid",
+                                              "count": len(fallbacks), "tensors": fallbacks}}
+            result["headline"] = self._experts_headline(quantized, len(fallbacks))
         return result
+
+    def _experts_headline(self, quantized: int, fallbacks: int) -> str:
+        """The step's line under the summary table and in the model card: how many expert tensors GPTQ
+        solved and how many fell back to rounding (too few calibration tokens reached them)."""
+        tokens = "routed" if self.experts == "routed" else "calibration"
+        line = f"{quantized - fallbacks} of {quantized} expert tensors by GPTQ ({self.experts} calibration)"
+        if not fallbacks:
+            return line
+        return (f"{line}; {fallbacks} rounded to nearest on the same grid, having fewer than "
+                f"{self.min_expert_tokens} {tokens} tokens (method {FALLBACK} in {LOG_FILE}, listed in report.json)")
