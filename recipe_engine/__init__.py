@@ -1,5 +1,5 @@
 """recipe: a declarative YAML recipe engine for composable compression of HF decoder LLMs."""
-from .errors import QualityGateError, RecipeError
+from .errors import OutOfMemory, QualityGateError, RecipeError
 
 # The package's face loads on first use (PEP 562): ``import recipe_engine.cli`` or ``recipe_engine.errors``
 # must not import torch, so that the ``recipe`` command handles Ctrl-C before the engine's imports.
@@ -33,4 +33,4 @@ def load_model(directory: str, dtype: str = "float32"):
 
 
 __all__ = ["apply", "load_model", "load_report", "register", "Modifier", "LayerModifier", "Report",
-           "FORMAT_VERSION", "RecipeError", "QualityGateError"]
+           "FORMAT_VERSION", "RecipeError", "QualityGateError", "OutOfMemory"]

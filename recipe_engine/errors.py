@@ -59,6 +59,42 @@ class QualityGateError(Exception):
     exit_code = 3
 
 
+class OutOfMemory(Exception):
+    """A command needed more GPU or host memory than it found (exit code 4): one line saying which, where it
+    was (``recipe apply``: the progress display's step, pass and layer), torch's own words and what to do. An
+    ``apply`` run keeps its resume checkpoints (``resumable``), as the kernel's OOM killer would leave them:
+    ``--resume`` continues from the last one once memory is free. The failed allocation is the ``__cause__``."""
+
+    exit_code = 4
+
+    def __init__(self, memory: str, detail: str, where: str | None = None, advice: str = "nothing was written",
+                 resumable: bool = False):
+        self.memory, self.detail, self.where, self.resumable = memory, detail, where, resumable
+        at = f" during {where}" if where else ""
+        super().__init__(one_line(f"out of {memory} memory{at}: {detail}; {advice}"))
+
+
+#: How torch words a failed host allocation (a ``RuntimeError``; a failed GPU one is ``torch.OutOfMemoryError``).
+HOST_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"
+
+
+def memory_kind(exc: BaseException) -> str | None:
+    """``"GPU"`` or ``"host"`` when ``exc`` is a failed allocation (torch's ``OutOfMemoryError``, its host
+    allocator's ``RuntimeError``, Python's ``MemoryError``), else None. By name: this module imports no torch."""
+    if type(exc).__name__ == "OutOfMemoryError" and type(exc).__module__.startswith("torch"):
+        return "GPU"
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and HOST_ALLOCATION_FAILED in str(exc)):
+        return "host"
+    return None
+
+
+def allocation_detail(exc: BaseException) -> str:
+    """torch's first sentence or two of a failed allocation (how much it tried, what was free), one line."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    text = text.split(" If reserved but unallocated")[0]
+    return one_line(text[:300]).rstrip(". ") or type(exc).__name__
+
+
 def library_reason(exc: BaseException) -> str:
     """The innermost cause of a library's exception, as one line (huggingface_hub's
     ``StrictDataclassClassValidationError`` wraps transformers' own ``ValueError``: its first line is only

@@ -329,6 +329,27 @@ def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
 
 
 @pytest.mark.parametrize("streamed", [False, True])
+def test_device_estimate_counts_an_in_memory_evaluation(tmp_path, streamed):
+    """``evaluate: perplexity`` on an in-memory model moves the whole model to the device (``evaluate_model``):
+    the device peak is at least those weights (HF's parameter count) and one window's logits (model dtype,
+    their fp32 copy, fp32 log-softmax); a streamed evaluation keeps one layer there, so it adds nothing."""
+    from recipe_engine.plan.estimates import estimate
+    from recipe_engine.recipe.schema import recipe_from_dict
+    from tests.helpers import tiny_config
+
+    config = tiny_config("llama", num_hidden_layers=6)
+    data = {**recipe(tmp_path, tmp_path, ["ShortGPT<n:2>"], "on", "m"), "dtype": "bfloat16",
+            "evaluate": {"perplexity": {"dataset": str(tmp_path / "cal.txt"), "seq_len": 64}}}
+    plan = estimate(recipe_from_dict(data), config, streamed, runtime=100, on_device=True)
+    whole = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()) * 2
+    logits = 64 * config.vocab_size * (2 + 4 + 4)
+    assert plan.evaluation_device_bytes == (0 if streamed else whole + logits)
+    assert plan.device_peak_bytes == max(plan.activations_bytes + max(
+        s.device_weights_bytes + s.working_bytes for s in plan.steps), plan.evaluation_device_bytes)
+    assert (plan.device_peak_bytes >= whole + logits) != streamed
+
+
+@pytest.mark.parametrize("streamed", [False, True])
 def test_memory_estimate_with_the_activations_on_a_device(tmp_path, capsys, streamed):
     """With the activations on an accelerator the host holds the runtime and the weights a step holds (a
     streamed run: at least the embedding), and the device the activations (4 sets of the calibration
@@ -354,7 +375,12 @@ def test_memory_estimate_with_the_activations_on_a_device(tmp_path, capsys, stre
                for s in device.steps[1:])
     embedding = config.vocab_size * config.hidden_size * 2
     assert device.host_peak_bytes == 100 + (max(held, embedding) if streamed else held)
-    assert device.device_peak_bytes == activations + max(s.weights_bytes + s.working_bytes
+    # on the device, in memory as streamed: the layers in use, not the whole model (the run moves them there)
+    as_streamed = estimate(recipe_from_dict(data), config, True, runtime=100, on_device=True)
+    assert [s.device_weights_bytes for s in device.steps] == [s.weights_bytes for s in as_streamed.steps]
+    if not streamed:  # the layer-scope steps hold a layer or two there, the host the whole model
+        assert all(s.device_weights_bytes <= 2 * largest * 1.5 < s.weights_bytes for s in device.steps[1:])
+    assert device.device_peak_bytes == activations + max(s.device_weights_bytes + s.working_bytes
                                                          for s in device.steps)
     for on_host, on_accelerator in zip(host.steps, device.steps):
         assert on_host.host_bytes - on_accelerator.host_bytes == \

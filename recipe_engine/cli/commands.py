@@ -12,7 +12,7 @@ from typing import Callable
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import QualityGateError, RecipeError, one_line
+from ..errors import OutOfMemory, QualityGateError, RecipeError, allocation_detail, memory_kind, one_line
 from ..execution.distributed import DistributedError
 from ..execution.resume import DEFAULT_CHECKPOINT_BUDGET
 from ..io.card import check_card_target, write_card
@@ -320,4 +320,13 @@ def run(argv: list[str] | None = None) -> int:
     except QualityGateError as exc:
         say(f"error: {one_line(str(exc))}")
         return QualityGateError.exit_code
+    except OutOfMemory as exc:
+        say(f"error: {exc}")
+        return OutOfMemory.exit_code
+    except Exception as exc:  # a failed allocation outside apply's run (eval, bench, export): one line too
+        memory = memory_kind(exc)
+        if memory is None:
+            raise
+        say(f"error: {OutOfMemory(memory, allocation_detail(exc))}")
+        return OutOfMemory.exit_code
 

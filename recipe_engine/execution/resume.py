@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ..errors import RecipeError
+from ..errors import OutOfMemory, RecipeError
 from ..io.report import RunReport
 from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
@@ -372,6 +372,11 @@ class Checkpoints:
     def bytes_written(self) -> int:
         return self.files.bytes_written
 
+    @property
+    def resumable(self) -> bool:
+        """Whether a run could go on from these checkpoints (this process writes them and one is complete)."""
+        return self.writer and (self.directory / MANIFEST).is_file()
+
     def discard(self) -> None:
         if not self.writer:
             return
@@ -382,11 +387,21 @@ class Checkpoints:
 @contextlib.contextmanager
 def discard_on_error(owned: list) -> Iterator[None]:
     """Remove the checkpoints in ``owned`` (appended once a run adopted them) when the block raises: an
-    exception or a handled signal leaves nothing behind; only a hard kill leaves checkpoints to resume."""
+    exception or a handled signal leaves nothing behind; a hard kill, and running out of memory
+    (``OutOfMemory`` saying ``resumable``: the OOM killer's SIGKILL would have left them too), leave
+    checkpoints to resume."""
     try:
         yield
-    except BaseException:
-        for checkpoints in owned:
-            if checkpoints is not None:
-                checkpoints.discard()
+    except OutOfMemory as exc:
+        if not exc.resumable:
+            _discard(owned)
         raise
+    except BaseException:
+        _discard(owned)
+        raise
+
+
+def _discard(owned: list) -> None:
+    for checkpoints in owned:
+        if checkpoints is not None:
+            checkpoints.discard()

@@ -76,6 +76,10 @@ class StepMemory:
     kept_states_bytes: int = 0
     #: A streamed pass's next layer, read into host memory while the current one computes.
     read_ahead_bytes: int = 0
+    #: The weights on the accelerator during the step: what a streamed run materializes (the layers in use;
+    #: a model-scope step that does not stream, the whole model), in memory too, where the run moves those
+    #: layers there and back (``Residency.using``).
+    device_weights_bytes: int = 0
 
 
 @dataclass
@@ -89,8 +93,11 @@ class MemoryPlan:
     model_bytes: int
     steps: list[StepMemory]
     host_peak_bytes: int
-    #: With the activations on the device: its peak (the activations and the largest step); else None.
+    #: With the activations on the device: its peak (the activations and the largest step, or an in-memory
+    #: evaluation's whole model, whichever is larger); else None.
     device_peak_bytes: int | None = None
+    #: An in-memory run's ``evaluate: perplexity`` on the device: the whole model and one window's logits.
+    evaluation_device_bytes: int = 0
 
     def to_dict(self) -> dict:
         memory = asdict(self)
@@ -134,17 +141,16 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
         shape = copy.deepcopy(received)
         shape.streamed, shape.dtype_bytes, shape.on_device = streamed, width, on_device
         largest = max(shape.layer_parameters(layer) for layer in shape.layers) * width
-        if not streamed:
-            held = shape_bytes(shape, width)
-        elif step.scope == "layer":
-            held = largest + (shape.layer_parameters(shape.layers[0]) * width if step.needs_reference else 0)
+        if step.scope == "layer":
+            in_use = largest + (shape.layer_parameters(shape.layers[0]) * width if step.needs_reference else 0)
         elif step.streams:  # its passes start with the embeddings loaded beside its buffers
-            held = max(4 * largest, embedding)
+            in_use = max(4 * largest, embedding)
         else:
-            held = shape_bytes(shape, width) + (whole if step.needs_reference else 0)
+            in_use = shape_bytes(shape, width) + (whole if step.needs_reference else 0)
+        held = in_use if streamed else shape_bytes(shape, width)
         whole_model = not streamed or (step.scope == "model" and not step.streams)
         steps.append(StepMemory(step.step_name(), held, step.working_memory(shape, tokens), whole_model,
-                                read_ahead_bytes=0 if whole_model else largest))
+                                read_ahead_bytes=0 if whole_model else largest, device_weights_bytes=in_use))
     activations = 4 * tokens * first.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
     runtime = runtime_bytes(recipe) if runtime is None else runtime
     resident = runtime + (0 if on_device else activations)  # on the host through every step
@@ -158,8 +164,14 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     host_peak = max(s.host_bytes for s in steps)
     if streamed:  # a streamed run's passes start with the embeddings loaded
         host_peak = max(host_peak, resident + embedding)
-    device_peak = activations + max(s.weights_bytes + s.working_bytes for s in steps) if on_device else None
-    return MemoryPlan(streamed, on_device, runtime, activations, whole, steps, host_peak, device_peak)
+    evaluation = 0
+    if recipe.evaluate is not None and recipe.evaluate.perplexity is not None and not streamed:
+        # evaluate_model moves the whole model there; one window's logits, their fp32 copy and log-softmax
+        evaluation = whole + recipe.evaluate.perplexity.seq_len * first.vocab_size * (width + 8)
+    device_peak = None
+    if on_device:
+        device_peak = max(activations + max(s.device_weights_bytes + s.working_bytes for s in steps), evaluation)
+    return MemoryPlan(streamed, on_device, runtime, activations, whole, steps, host_peak, device_peak, evaluation)
 
 
 def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None,

@@ -68,6 +68,11 @@ class Progress:
         self.interval = interval_s() if interval is None else interval
         self._rich: RichProgress | None = None
         self._phase: str | None = None
+        #: The loops being tracked, outermost first: ``[description, item k of, total]`` (``where``), and the
+        #: innermost one left before its end since the run last moved on (an exception closes the loops it
+        #: unwinds, innermost first).
+        self._loops: list[list] = []
+        self._left: list | None = None
         self._last = time.perf_counter()  # the first line after one interval: a short command prints none
 
     def __enter__(self) -> "Progress":
@@ -82,7 +87,32 @@ class Progress:
             self._rich.__exit__(*exc)
             self._rich = None
 
+    def where(self) -> str | None:
+        """Where the run is, as the plain lines say it: ``[phase] description k/N``, of the innermost loop an
+        exception left (the loop's position when it was closed early), else of the innermost loop being
+        tracked; None before any phase or loop."""
+        loop = self._left or (self._loops[-1] if self._loops else None)
+        parts = [f"[{self._phase}]" if self._phase else "", f"{loop[0]} {loop[1]}/{loop[2]}" if loop else ""]
+        return " ".join(part for part in parts if part) or None
+
     def track(self, items: Iterable[T], description: str) -> Iterator[T]:
+        """``items`` with a bar (or plain lines), their position kept for :meth:`where`."""
+        items = list(items)
+        position = [description, 0, len(items)]
+        self._loops.append(position)
+        self._left, finished = None, False
+        try:
+            for item in self._displayed(items, description):
+                position[1] += 1
+                self._left = None  # the run moved on
+                yield item
+            finished = True
+        finally:
+            self._loops = [loop for loop in self._loops if loop is not position]
+            if not finished and self._left is None:
+                self._left = list(position)
+
+    def _displayed(self, items: list[T], description: str) -> Iterator[T]:
         """``items`` with a bar (or plain lines). The display is held locally: a generator closed after the
         display ended (a signal unwinds the ``with Progress`` block before the garbage collector closes the
         generator) removes its task from the display it was added to, not from ``None``."""
@@ -116,7 +146,7 @@ class Progress:
 
     def phase(self, label: str) -> None:
         """Log ``label`` (a step, an evaluation) and name the plain lines after it by it."""
-        self._phase = label
+        self._phase, self._left = label, None
         self.log(label)
 
     def log(self, message: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..architectures.adapters import adapter_for, count_parameters
-from ..errors import QualityGateError, RecipeError
+from ..errors import OutOfMemory, QualityGateError, RecipeError, allocation_detail, memory_kind
 from ..evaluation import evaluate_session, retained
 from ..execution.distributed import Parallel, launched
 from ..execution.resume import Checkpoints, discard_on_error
@@ -164,8 +164,9 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     report = RunReport(recipe=_recipe_record(loaded), packages=package_versions(), device=str(parallel.device),
                        dtype=recipe.dtype, streamed=plan.streamed, rank=parallel.rank, ranks=parallel.world)
     owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
-    with discard_on_error(owned), _workspace(recipe.output, writing, force) as workdir, \
-            Progress(enabled=progress and parallel.rank == 0) as bar:
+    bar = Progress(enabled=progress and parallel.rank == 0)
+    with discard_on_error(owned), _out_of_memory_named(bar, owned), \
+            _workspace(recipe.output, writing, force) as workdir, bar:
         run = _execute(plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
                        keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings,
                        profile=profile)
@@ -183,6 +184,25 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     if run.gate:
         raise QualityGateError(run.gate)
     return model, final
+
+
+@contextlib.contextmanager
+def _out_of_memory_named(bar: Progress, owned: list) -> Iterator[None]:
+    """A failed allocation in the block becomes ``OutOfMemory``: where the run was (``Progress.where``), torch's
+    words, and whether the checkpoints in ``owned`` let ``--resume`` go on (``discard_on_error`` keeps them)."""
+    try:
+        yield
+    except Exception as exc:
+        memory = memory_kind(exc)
+        if memory is None:
+            raise
+        resumable = any(checkpoints is not None and checkpoints.resumable for checkpoints in owned)
+        less = ("a smaller calibration.batch_size or calibration.offload: true (activations on the host)"
+                if memory == "GPU" else "a smaller calibration.batch_size or stream: on (one layer in memory at a time)")
+        fragments = " (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation)" if memory == "GPU" else ""
+        advice = (f"the resume checkpoints are kept: once memory is free, rerun with --resume{fragments}; or start "
+                  f"over needing less: {less}" if resumable else f"nothing was written; to need less: {less}")
+        raise OutOfMemory(memory, allocation_detail(exc), bar.where(), advice, resumable) from exc
 
 
 @dataclass
