@@ -133,3 +133,21 @@ def test_out_of_gpu_memory_in_eval_is_one_line(recipe_file, tmp_path, capsys, mo
         "error: out of GPU memory: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
         "79.19 GiB of which 1.20 GiB is free; nothing was written"), err
     assert not (tmp_path / "eval.json").exists()
+
+
+def test_out_of_memory_while_evaluating_says_stream(recipe_file, tmp_path, capsys, monkeypatch):
+    """An in-memory evaluation moves the whole model to the device: the advice is to stream it."""
+    import recipe_engine.workflows.runner as runner
+
+    def evaluate_session(*_args, **_kwargs):
+        raise torch.OutOfMemoryError(GPU_MESSAGE)
+
+    monkeypatch.setattr(runner, "evaluate_session", evaluate_session)
+    code = apply(recipe_file, tmp_path / "out", "--set",
+                 f"evaluate={{perplexity: {{dataset: {recipe_file.parent / 'cal.txt'}, seq_len: 32}}}}")
+    err = capsys.readouterr().err.strip()
+    assert code == 4 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: out of GPU memory during [evaluating the model before compression]: CUDA"), err
+    assert err.endswith("nothing was written; to need less: stream: on (evaluates one layer at a time) or a "
+                        "shorter evaluate.perplexity.seq_len"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

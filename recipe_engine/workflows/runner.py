@@ -197,12 +197,17 @@ def _out_of_memory_named(bar: Progress, owned: list) -> Iterator[None]:
         if memory is None:
             raise
         resumable = any(checkpoints is not None and checkpoints.resumable for checkpoints in owned)
-        less = ("a smaller calibration.batch_size or calibration.offload: true (activations on the host)"
-                if memory == "GPU" else "a smaller calibration.batch_size or stream: on (one layer in memory at a time)")
+        where = bar.where()
+        if where is not None and where.startswith("[evaluating"):  # evaluate_model: the whole model there
+            less = "stream: on (evaluates one layer at a time) or a shorter evaluate.perplexity.seq_len"
+        elif memory == "GPU":
+            less = "a smaller calibration.batch_size or calibration.offload: true (activations on the host)"
+        else:
+            less = "a smaller calibration.batch_size or stream: on (one layer in memory at a time)"
         fragments = " (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation)" if memory == "GPU" else ""
         advice = (f"the resume checkpoints are kept: once memory is free, rerun with --resume{fragments}; or start "
                   f"over needing less: {less}" if resumable else f"nothing was written; to need less: {less}")
-        raise OutOfMemory(memory, allocation_detail(exc), bar.where(), advice, resumable) from exc
+        raise OutOfMemory(memory, allocation_detail(exc), where, advice, resumable) from exc
 
 
 @dataclass
