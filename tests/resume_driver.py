@@ -11,7 +11,8 @@ runs ``then`` (a list of cases, e.g. the ``--resume`` run; ``touch``: a file who
 first) in order. ``env``: environment of the child (``RECIPE_TEST_AUTO_STREAMS=yes|no`` fixes what
 ``stream: auto`` decides). A resumed child records what restoring left in memory (``NAME.restored.json``). The pause points are two test steps in the recipes, active only when the child's
 ``RECIPE_TEST_PAUSE`` names them: ``PauseStep`` (model-scope, between steps) and ``PauseInPass`` (inside a
-shared pass, in ``compress_layer`` of layer 2, after layers 0-1 are finished), plus ``writing``
+shared pass, in ``compress_layer`` of layer 2, after layers 0-1 are finished; with ``out of memory on rank R``
+it raises torch's ``OutOfMemoryError`` there instead, on rank R of a data-parallel run), plus ``writing``
 (``save_pretrained`` or the engine's ``write_checkpoint`` has written the checkpoint files into the
 temporary output directory).
 """
@@ -64,6 +65,9 @@ class PauseInPass(LayerModifier):
     def compress_layer(self, session, layer_index, stats):
         if os.environ.get("RECIPE_TEST_PAUSE") == "pass" and layer_index == 2:
             pause(Path(os.environ["RECIPE_TEST_READY"]))
+        if os.environ.get("RECIPE_TEST_PAUSE") == f"out of memory on rank {os.environ.get('RANK', '0')}" \
+                and layer_index == 2:  # a failed GPU allocation there (no pause: the run ends by itself)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
         return {}
 
 

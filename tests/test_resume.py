@@ -225,7 +225,9 @@ def dp_runs(tmp_path_factory):
         job("streamed_kill_step", "streamed_step", *STREAMED, pause="step")], kill="streamed_kill_step")
     codes["third"] = launch(base, "third", [job("streamed_resume_step", "streamed_step", "--resume", *STREAMED),
                                             job("kill_writing", "writing", pause="writing")], kill="kill_writing")
-    codes["fourth"] = launch(base, "fourth", [job("resume_writing", "writing", "--resume")])
+    codes["fourth"] = launch(base, "fourth", [job("resume_writing", "writing", "--resume"),
+                                              job("oom_rank1", "oom", pause="out of memory on rank 1"),
+                                              job("resume_oom", "oom", "--resume")])
     (base / "codes.json").write_text(json.dumps(codes))
     return base
 
@@ -251,6 +253,24 @@ def test_a_killed_data_parallel_run_resumes_on_every_rank_to_the_same_bytes(dp_r
         reference = json.loads((dp_runs / "out" / "reference" / "report.json").read_text())
         assert report["calibration_layer_runs"] < reference["calibration_layer_runs"]
     assert not resume_directory(str(out)).exists()  # removed once the output is in place
+
+
+def test_a_rank_out_of_memory_keeps_rank_0s_checkpoints_and_the_run_resumes(dp_runs):
+    """Rank 1 runs out of GPU memory in the pass (layer 2): it says so in one line (exit 4), rank 0 stops at its
+    next collective (exit 1) naming it and keeps the checkpoints, and ``--resume`` on both ranks goes on after
+    layer 1 to the uninterrupted run's bytes."""
+    assert dp_rc(dp_runs, "oom_rank1") == [1, 4]
+    rank0, rank1 = ([line for line in (dp_runs / f"oom_rank1.rank{r}.err").read_text().splitlines()
+                     if line.startswith("error")] for r in range(2))
+    assert len(rank1) == 1 and rank1[0].startswith(
+        "error: out of GPU memory during [step 3: HeadPrune, NystromMLP, PauseInPass, GPTQ] layer-sequential pass "
+        "3/4: CUDA out of memory. Tried to allocate 2.00 GiB; the resume checkpoints are kept"), rank1
+    assert len(rank0) == 1 and rank0[0].startswith("error: rank 0: stopped because rank 1 failed: OutOfMemory: out "
+                                                   "of GPU memory during"), rank0
+    assert dp_rc(dp_runs, "resume_oom") == [0, 0], (dp_runs / "resume_oom.rank0.err").read_text()
+    out = dp_runs / "out" / "oom"
+    assert sha256(out / "model.safetensors") == sha256(dp_runs / "out" / "reference" / "model.safetensors")
+    assert json.loads((out / "report.json").read_text())["resumed"] == {"group": 3, "layer": 1}
 
 
 def test_a_data_parallel_resume_refuses_a_changed_recipe_on_every_rank(dp_runs):

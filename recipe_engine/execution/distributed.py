@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..errors import one_line
+from ..errors import OutOfMemory, one_line
 
 
 class DistributedError(Exception):
@@ -52,7 +52,12 @@ class DistributedError(Exception):
 
 
 class RankFailed(DistributedError):
-    """Another rank raised; this one stopped at its next collective."""
+    """Another rank raised; this one stopped at its next collective. ``out_of_memory``: that rank ran out of
+    memory (``OutOfMemory``), so rank 0 keeps the resume checkpoints as that rank says (``discard_on_error``)."""
+
+    def __init__(self, message: str, out_of_memory: bool = False):
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
 
 
 class RanksDiverged(DistributedError):
@@ -92,7 +97,8 @@ class Parallel:
         self._stopped = True
         if failure is None:
             failed = [r for r in range(self.world) if flags[r]]
-            raise RankFailed(f"rank {self.rank}: stopped because rank {failed[0]} failed: {messages[failed[0]]}")
+            raise RankFailed(f"rank {self.rank}: stopped because rank {failed[0]} failed: {messages[failed[0]]}",
+                             out_of_memory=str(messages[failed[0]]).startswith(f"{OutOfMemory.__name__}: "))
 
     def abort(self, exc: BaseException) -> None:
         """Tell the other ranks that this one failed (they stop at their next collective)."""

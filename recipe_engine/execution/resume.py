@@ -35,6 +35,7 @@ from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack
 from .activations import Activations
+from .distributed import RankFailed
 from .checkpoint_files import CheckpointFiles
 from .pass_state import PassState, SavedPass
 from .streaming import StagedFile
@@ -52,6 +53,11 @@ DEFAULT_CHECKPOINT_BUDGET = 0.1
 def resume_directory(output: str) -> Path:
     target = Path(output).expanduser()
     return target.parent / f".{target.name}.resume"
+
+
+def resume_manifest(output: str) -> Path:
+    """The manifest of ``output``'s checkpoints (there once one is complete)."""
+    return resume_directory(output) / MANIFEST
 
 
 class Checkpoints:
@@ -374,8 +380,8 @@ class Checkpoints:
 
     @property
     def resumable(self) -> bool:
-        """Whether a run could go on from these checkpoints (this process writes them and one is complete)."""
-        return self.writer and (self.directory / MANIFEST).is_file()
+        """Whether a run could go on from these checkpoints (one is complete; data-parallel: rank 0's)."""
+        return (self.directory / MANIFEST).is_file()
 
     def discard(self) -> None:
         if not self.writer:
@@ -388,20 +394,19 @@ class Checkpoints:
 def discard_on_error(owned: list) -> Iterator[None]:
     """Remove the checkpoints in ``owned`` (appended once a run adopted them) when the block raises: an
     exception or a handled signal leaves nothing behind; a hard kill, and running out of memory
-    (``OutOfMemory`` saying ``resumable``: the OOM killer's SIGKILL would have left them too), leave
-    checkpoints to resume."""
+    (``OutOfMemory`` saying ``resumable``, or data-parallel another rank's: the OOM killer's SIGKILL would
+    have left them too), leave checkpoints to resume."""
     try:
         yield
-    except OutOfMemory as exc:
-        if not exc.resumable:
-            _discard(owned)
+    except (OutOfMemory, RankFailed) as exc:
+        _discard(owned, keep_resumable=isinstance(exc, OutOfMemory) or exc.out_of_memory)
         raise
     except BaseException:
         _discard(owned)
         raise
 
 
-def _discard(owned: list) -> None:
+def _discard(owned: list, keep_resumable: bool = False) -> None:
     for checkpoints in owned:
-        if checkpoints is not None:
+        if checkpoints is not None and not (keep_resumable and checkpoints.resumable):
             checkpoints.discard()

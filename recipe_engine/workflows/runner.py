@@ -14,7 +14,7 @@ from ..architectures.adapters import adapter_for, count_parameters
 from ..errors import OutOfMemory, QualityGateError, RecipeError, allocation_detail, memory_kind
 from ..evaluation import evaluate_session, retained
 from ..execution.distributed import Parallel, launched
-from ..execution.resume import Checkpoints, discard_on_error
+from ..execution.resume import Checkpoints, discard_on_error, resume_manifest
 from ..execution.unit_files import model_fingerprint
 from ..execution.outputs import RunOutputs
 from ..execution.placement import largest_layer_bytes, offload_activations
@@ -165,7 +165,10 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
                        dtype=recipe.dtype, streamed=plan.streamed, rank=parallel.rank, ranks=parallel.world)
     owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
     bar = Progress(enabled=progress and parallel.rank == 0)
-    with discard_on_error(owned), _out_of_memory_named(bar, owned), \
+    # a rank other than 0 of a data-parallel run keeps no checkpoints of its own: rank 0's directory says
+    resumable = lambda: any(c is not None and c.resumable for c in owned) or (  # noqa: E731
+        parallel.rank > 0 and bool(write and keep_checkpoints) and resume_manifest(recipe.output).is_file())
+    with discard_on_error(owned), _out_of_memory_named(bar, resumable), \
             _workspace(recipe.output, writing, force) as workdir, bar:
         run = _execute(plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
                        keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings,
@@ -187,17 +190,16 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
 
 
 @contextlib.contextmanager
-def _out_of_memory_named(bar: Progress, owned: list) -> Iterator[None]:
+def _out_of_memory_named(bar: Progress, resumable: Callable[[], bool]) -> Iterator[None]:
     """A failed allocation in the block becomes ``OutOfMemory``: where the run was (``Progress.where``), torch's
-    words, and whether the checkpoints in ``owned`` let ``--resume`` go on (``discard_on_error`` keeps them)."""
+    words, and whether the run's checkpoints let ``--resume`` go on (``discard_on_error`` keeps them)."""
     try:
         yield
     except Exception as exc:
         memory = memory_kind(exc)
         if memory is None:
             raise
-        resumable = any(checkpoints is not None and checkpoints.resumable for checkpoints in owned)
-        where = bar.where()
+        resumable, where = resumable(), bar.where()
         if where is not None and where.startswith("[evaluating"):  # evaluate_model: the whole model there
             less = "stream: on (evaluates one layer at a time) or a shorter evaluate.perplexity.seq_len"
         elif memory == "GPU":
