@@ -79,7 +79,7 @@ def test_top_k_kl_student_over_top_k_is_kl_of_both_renormalised():
     assert float(top_k_kl(student, teacher, mask, 4, "vocabulary")) != pytest.approx(float(kl[mask].mean()))
 
 
-def test_lora_recovery_lowers_loss_and_merges_to_stock_checkpoint(tmp_path):
+def test_lora_recovery_lowers_loss_and_merges_to_stock_checkpoint(tmp_path, capfd):
     path, records = alpaca_file(tmp_path)
     model, tokenizer = tiny_model(), CharTokenizer()
     before = response_nll(model, records, tokenizer)
@@ -87,6 +87,10 @@ def test_lora_recovery_lowers_loss_and_merges_to_stock_checkpoint(tmp_path):
     step = {"LoRARecovery": {"r": 8, "alpha": 16, "lr": 1e-2, "max_steps": 8, "batch_size": 4,
                              "micro_batch_size": 4, "seq_len": 256, "dataset": str(path), "save_adapter": True}}
     out, report = recipe_engine.apply(recipe(tmp_path, [step]), model=model, tokenizer=tokenizer, progress=False)
+    written = capfd.readouterr()
+    # the trainer's steps go to the run's progress display (disabled here): transformers' own PrinterCallback
+    # would print a dict per step on standard output
+    assert "'loss'" not in written.out + written.err and "train_runtime" not in written.out + written.err
     result = report.steps[0].result
     assert result["steps"] == 8 and len(result["loss_history"]) == 8 and result["format"] == "alpaca"
     after = response_nll(out, records, tokenizer)
@@ -180,7 +184,7 @@ def test_training_memory_estimate_covers_what_autograd_saves(model_type):
     model = tiny_model(model_type).train()
     estimate = step.working_memory(ModelShape.from_config(model.config), tokens=0)
     adapter = adapter_for(model.config)
-    modules = [adapter.path(role).rsplit(".", 1)[-1] for role in adapter.module_roles(step.targets, experts=True)]
+    modules = [adapter.path(role).rsplit(".", 1)[-1] for role in adapter.module_roles(step.projections(model_type))]
     adapted = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=modules, task_type="CAUSAL_LM"))
     ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     storages: dict[int, int] = {}

@@ -162,6 +162,19 @@ def test_an_unhandled_moe_feature_is_refused_at_validation_naming_it(tmp_path, c
     assert err.startswith("error: ") and phrase in err and "\n" not in err
 
 
+@pytest.mark.parametrize("model_type", MOE_ARCHITECTURES)
+def test_lora_on_the_expert_roles_is_refused_at_validation(tmp_path, capsys, model_type):
+    save_tiny_model(tmp_path / "model", model_type, num_hidden_layers=2)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(tmp_path, tmp_path / "model", ["LoRARecovery<targets:[q_proj,down_proj]>"])))
+    capsys.readouterr()
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path}: step 0 (LoRARecovery): field 'targets': {model_type}'s MLP is a mixture of "
+                          f"experts"), err
+    assert "\n" not in err
+
+
 def test_depth20_auto_on_gpt_oss_skips_the_refused_merges_and_writes_a_stock_checkpoint(tmp_path):
     """The shipped auto recipe on a tiny gpt-oss (sliding/global layers, attention sinks, expert biases): the
     alternatives that merge layers are skipped with their reason, the winner reloads with stock
@@ -289,12 +302,24 @@ def test_gptq_on_the_attention_of_an_moe_model_reloads_with_its_logits(tmp_path,
         torch.testing.assert_close(reloaded(tokens).logits, result(tokens).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_lora_recovery_on_the_attention_of_an_moe_model_merges_into_a_stock_checkpoint(tmp_path):
-    save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=3)
-    steps = ["ShortGPT<n:1>", "LoRARecovery<targets:[q_proj,k_proj,v_proj,o_proj],max_steps:2,batch_size:2,"
-             "micro_batch_size:2>"]
+@pytest.mark.parametrize("targets", ["targets:[q_proj,k_proj,v_proj,o_proj],", ""], ids=["named", "default"])
+def test_lora_recovery_on_the_attention_of_an_moe_model_merges_into_a_stock_checkpoint(tmp_path, targets):
+    """Named, or by default (every linear the model has: the attention's, as peft's ``all-linear``), the
+    attention linears get adapters and merge; the expert tensors are left as they were."""
+    model = save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=3)
+    steps = ["ShortGPT<n:1>", f"LoRARecovery<{targets}max_steps:2,batch_size:2,micro_batch_size:2,lr:0.01>"]
     result, report = recipe_engine.apply(recipe(tmp_path, tmp_path / "model", steps), progress=False)
     assert report.stock_checkpoint
+    assert report.steps[1].result["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    removed = {origin for block in report.steps[0].result["removed"] for origin in block}
+    kept = [index for index in range(3) if index not in removed]
+    assert len(kept) == len(result.model.layers) == 2
+    for layer, index in zip(result.model.layers, kept):  # attention trained and merged, experts untouched
+        original = model.model.layers[index]
+        assert not any("lora" in name for name, _ in layer.named_parameters())
+        assert not torch.equal(layer.self_attn.q_proj.weight, original.self_attn.q_proj.weight)
+        assert torch.equal(layer.mlp.experts.down_proj, original.mlp.experts.down_proj)
+        assert torch.equal(layer.mlp.experts.gate_up_proj, original.mlp.experts.gate_up_proj)
     tokens = random_tokens(vocab=BYTE_VOCAB)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():

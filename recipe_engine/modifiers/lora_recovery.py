@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from recipe_engine.api import (UNFUSED_ROLES, Modifier, ModifierSession, RecipeError, check_text, load_text, register,
+from recipe_engine.api import (ADAPTERS, UNFUSED_ROLES, Modifier, ModifierSession, RecipeError, check_text, load_text, register,
                                roles_problem, tokenize, top_k_kl)
 
 PROJECTIONS = UNFUSED_ROLES  # roles; a fused Phi-3 qkv/gate_up linear gets one adapter when all its members are targets
@@ -123,6 +123,30 @@ def make_trainer(model, args, examples, teacher=None, top_k: int = 0):
     return trainer
 
 
+def shown_as_progress(trainer, progress) -> None:
+    """The trainer's optimizer steps on the run's progress display (a bar, or plain lines at its interval,
+    naming the step for an error's one line), instead of the dict of every log that transformers'
+    ``PrinterCallback`` prints on standard output (``disable_tqdm``), even under ``--quiet``."""
+    # deferred: as Trainer above
+    from transformers import PrinterCallback, TrainerCallback
+
+    class OptimizerSteps(TrainerCallback):
+        steps = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.steps = progress.track(range(state.max_steps), "LoRA optimizer steps")
+            next(self.steps, None)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            next(self.steps, None)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.steps.close()
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(OptimizerSteps())
+
+
 def loss_plot(history: list[float], title: str) -> bytes:
     """PNG of the training loss per optimizer step (matplotlib Agg, no pyplot state)."""
     # deferred: matplotlib is needed only to draw a plot
@@ -181,8 +205,10 @@ class LoRARecovery(Modifier):
     max_samples: PositiveInt | None = Field(None, description="use only the first N shuffled examples")
     distill: bool = Field(False, description="train on the dense model's top-k logits instead of labels")
     top_k: PositiveInt = Field(64, description="teacher tokens per position kept for distillation")
-    targets: list[Literal[PROJECTIONS]] = Field(list(PROJECTIONS), min_length=1,  # type: ignore[valid-type]
-                                                description="projections that get adapters")
+    targets: list[Literal[PROJECTIONS]] | None = Field(  # type: ignore[valid-type]
+        None, min_length=1, description="projections that get adapters (default: every linear projection the "
+        "architecture has: all 7, or on a mixture-of-experts model the attention's 4, its experts being 3-D "
+        "tensors, not linears)")
     save_adapter: bool = Field(False, description="also write the adapter to lora_adapter/ in the output")
     seed: int = Field(0, description="seed of shuffling, LoRA init and dropout")
 
@@ -202,6 +228,14 @@ class LoRARecovery(Modifier):
         except RecipeError as exc:
             raise self.fail(exc.detail, field="dataset") from None
 
+    def projections(self, model_type: str) -> list[str]:
+        """``targets``, or by default every projection that is a linear on ``model_type`` (peft's
+        ``all-linear``: a mixture-of-experts MLP's expert tensors are not linears)."""
+        if self.targets is not None:
+            return list(self.targets)
+        moe = model_type in ADAPTERS and ADAPTERS[model_type].experts is not None
+        return [role for role in PROJECTIONS if not (moe and role in ("gate_proj", "up_proj", "down_proj"))]
+
     def working_memory(self, shape, tokens: int) -> int:
         """Training's peak beyond the weights, for one micro-batch of ``T = micro_batch_size × seq_len`` tokens:
         autograd's saved activations through every layer, ``T (8 h + 6 I + 1.5 q + 2 r a)`` values per layer
@@ -210,7 +244,8 @@ class LoRARecovery(Modifier):
         architectures in the tests; an MoE layer counts 8 experts' widths per token), the fp32 logits four
         times (the logits, their shifted copy, the log-softmax, its gradient; with ``distill`` the teacher's
         logits once more), and the adapters' fp32 weights, gradients and two AdamW moments."""
-        h, d, r, adapted = shape.hidden_size, shape.head_dim, self.r, len(self.targets)
+        targets = self.projections(shape.model_type)
+        h, d, r, adapted = shape.hidden_size, shape.head_dim, self.r, len(targets)
         step_tokens = self.micro_batch_size * self.seq_len
         saved = adapters = 0
         for layer in shape.layers:
@@ -219,12 +254,12 @@ class LoRARecovery(Modifier):
             saved += 8 * h + 6 * mlp + 1.5 * q + 2 * r * adapted
             sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
                      "gate_proj": h + width, "up_proj": h + width, "down_proj": width + h}
-            adapters += r * sum(sizes[role] for role in self.targets)
+            adapters += r * sum(sizes[role] for role in targets)
         logits = (5 if self.distill else 4) * step_tokens * shape.vocab_size * 4
         return int(step_tokens * saved * shape.dtype_bytes + logits + 16 * adapters)
 
     def check(self, shape) -> None:
-        problem = roles_problem(shape.model_type, self.targets)
+        problem = roles_problem(shape.model_type, self.projections(shape.model_type))
         if problem:
             raise self.fail(problem, field="targets")
 
@@ -245,7 +280,8 @@ class LoRARecovery(Modifier):
         home = next(model.parameters()).device
         trainable = {name: param.requires_grad for name, param in model.named_parameters()}
         torch.manual_seed(self.seed)
-        modules = [session.adapter.path(role).rsplit(".", 1)[-1] for role in session.adapter.module_roles(self.targets)]
+        targets = self.projections(session.model.config.model_type)
+        modules = [session.adapter.path(role).rsplit(".", 1)[-1] for role in session.adapter.module_roles(targets)]
         config = LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                             target_modules=modules, task_type="CAUSAL_LM")
         peft_model = get_peft_model(model, config)
@@ -262,7 +298,7 @@ class LoRARecovery(Modifier):
         session.outputs.add_artifact("lora_recovery_loss.png", loss_plot(history, f"LoRARecovery ({kind})"))
         return {"format": kind, "examples": len(examples), "steps": steps, "processes": processes,
                 "loss_history": history, "loss_first": history[0], "loss_last": history[-1],
-                "distill": self.distill, "wall_s": time.perf_counter() - start}
+                "distill": self.distill, "targets": targets, "wall_s": time.perf_counter() - start}
 
     def _train(self, session: ModifierSession, peft_model, examples, processes: int) -> tuple[list[float], int]:
         # deferred: as Trainer above
@@ -281,6 +317,7 @@ class LoRARecovery(Modifier):
             with _whole(reference) if reference is not None else contextlib.nullcontext():
                 teacher = None if reference is None else reference.model.to(args.device).eval().requires_grad_(False)
                 trainer = make_trainer(peft_model, args, examples, teacher, self.top_k)
+                shown_as_progress(trainer, session.progress)
                 trainer.train()
                 if teacher is not None:
                     teacher.to("cpu")
