@@ -91,6 +91,29 @@ def test_interrupted_sweep_keeps_rows_and_rerun_skips_them(recipes, tmp_path, mo
     assert main([*argv[:-2], "--eval-limit", "2"]) == 0 and len(counted) == 4  # other evaluation: all again
 
 
+def test_a_sweep_out_of_memory_keeps_its_rows_in_one_line(recipes, tmp_path, monkeypatch, capsys):
+    """A variant that runs out of GPU memory ends the sweep with one line (exit 4); the rows finished before it
+    stay in sweep.json, as after a signal."""
+    import torch
+
+    real_apply, calls = sweep_module.apply, []
+
+    def out_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real_apply(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_module, "apply", out_of_memory)
+    out = tmp_path / "sweep"
+    argv = ["sweep", recipes[1], "--vary", "n=1,2", "--output", str(out), "--quiet", "--eval-limit", "1"]
+    assert main(argv) == 4
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: out of GPU memory: CUDA out of memory. Tried to allocate 2.00 GiB; 2 finished rows kept "
+                   f"in {out}/sweep.json (rerun to continue)"), err
+    assert [r["recipe"] for r in json.loads((out / "sweep.json").read_text())["rows"]] == ["dense", "short"]
+
+
 def test_sleb_rounds_are_shared_across_n(recipes, tmp_path):
     """n=3 first, then n=1 and n=2 reuse its rounds (greedy prefix); each equals a plain run."""
     sweep = Sweep(recipes[2:], ["n=3,1,2"], str(tmp_path / "sweep"), eval_limit=2)

@@ -178,6 +178,15 @@ def cmd_sweep(args) -> int:
         print(f"interrupted by {signal.Signals(signum).name}; {len(sweep.rows)} finished rows kept in "
               f"{args.output}/{SWEEP_FILE} (rerun to continue)", file=sys.stderr)
         return 128 + signum
+    except Exception as exc:  # out of memory in one variant: the finished rows stay, as for a signal
+        memory = exc.memory if isinstance(exc, OutOfMemory) else memory_kind(exc)
+        if memory is None:
+            raise
+        detail = exc.detail if isinstance(exc, OutOfMemory) else allocation_detail(exc)
+        where = f" during {exc.where}" if isinstance(exc, OutOfMemory) and exc.where else ""
+        say(f"error: {one_line(f'out of {memory} memory{where}: {detail}; {len(sweep.rows)} finished rows kept in')} "
+            f"{one_line(args.output)}/{SWEEP_FILE} (rerun to continue)")
+        return OutOfMemory.exit_code
     with after_output(f"{args.output}/{SWEEP_FILE} is complete"):
         _print_sweep(sweep, rows, args.output)
     return 0
