@@ -79,3 +79,45 @@ def test_wikitext2_text_is_hf_rows_joined_by_blank_lines():
     assert len(rows) == 4358 and rows[0] == "" and rows[1] == " = Robert Boulter = \n"
     assert text == "\n\n".join(rows)
     assert text.startswith("\n\n = Robert Boulter = \n\n\n\n\n Robert Boulter is an English film")
+
+
+PEAK_SCRIPT = """
+import sys, torch
+from tests.helpers import tiny_model
+from recipe_engine.evaluation.perplexity import window_nll
+from recipe_engine.system.host_memory import PeakWatch, current_rss
+torch.set_num_threads(1)
+for name in ("float32", "bfloat16"):
+    model = tiny_model("llama", vocab_size=65536, num_hidden_layers=1).to(getattr(torch, name))
+    ids = torch.randint(0, 65536, (1, 512), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        window_nll(model, ids[:, :16], torch.device("cpu"))  # allocator and kernels warmed up
+        watch = PeakWatch(); watch.start(); base = current_rss()
+        window_nll(model, ids, torch.device("cpu"))
+    print(name, watch.stop() - base)
+"""
+
+
+def test_the_plans_evaluation_term_is_a_windows_measured_peak():
+    """``recipe plan`` counts one perplexity window as ``seq_len × vocab × 8`` bytes; a fresh process's resident
+    peak (``VmHWM``, reset before the window) rises by that much, fp32 and bf16, within 10 %."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from recipe_engine.plan.estimates import evaluation_logits_bytes
+    from recipe_engine.recipe.schema import recipe_from_dict
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for line in run.stdout.split("\n"):
+        if not line.strip():
+            continue
+        name, measured = line.split()
+        recipe = recipe_from_dict({"version": 1, "name": "p", "model": "m", "output": "o", "dtype": name,
+                                   "modifiers": ["FuseNorm"], "evaluate": {"perplexity": {"seq_len": 512}}})
+        estimate = evaluation_logits_bytes(recipe, 65536)
+        assert 0.9 * estimate <= int(measured) <= 1.1 * estimate, (name, measured, estimate)

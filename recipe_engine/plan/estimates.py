@@ -16,6 +16,9 @@
 * kept original states: from a step whose pass keeps the original model's states for a later step that reads
   the original (``kept_states_bytes``) through that later step, one set per layer, at most a quarter of the
   host memory available when the plan is made (the run's budget: ``ReferenceWalk.start_keeping``).
+* evaluation (``evaluate: perplexity``): the model and one window's logits (``evaluation_logits_bytes``), on the
+  device when the activations are there (an in-memory model moves there whole), else on the host; the peak
+  is the larger of the steps' and the evaluation's.
 """
 from __future__ import annotations
 
@@ -164,14 +167,25 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     host_peak = max(s.host_bytes for s in steps)
     if streamed:  # a streamed run's passes start with the embeddings loaded
         host_peak = max(host_peak, resident + embedding)
-    evaluation = 0
-    if recipe.evaluate is not None and recipe.evaluate.perplexity is not None and not streamed:
-        # evaluate_model moves the whole model there; one window's logits, their fp32 copy and log-softmax
-        evaluation = whole + recipe.evaluate.perplexity.seq_len * first.vocab_size * (width + 8)
+    logits = evaluation_logits_bytes(recipe, first.vocab_size)
+    evaluation = whole + logits if logits and not streamed else 0  # evaluate_model: the whole model there
     device_peak = None
     if on_device:
         device_peak = max(activations + max(s.device_weights_bytes + s.working_bytes for s in steps), evaluation)
+    elif logits:  # the evaluation on the host: the model held as by the steps, and one window's logits
+        held = whole if not streamed else max(max(s.device_weights_bytes for s in steps), embedding)
+        host_peak = max(host_peak, runtime + held + logits)
     return MemoryPlan(streamed, on_device, runtime, activations, whole, steps, host_peak, device_peak, evaluation)
+
+
+def evaluation_logits_bytes(recipe: Recipe, vocab_size: int) -> int:
+    """The transient of ``evaluate: perplexity``'s one window (``perplexity.window_nll``): its logits in fp32 (a
+    bf16 model's are copied, the copy outlives them) and the fp32 log-softmax ``cross_entropy`` makes of them,
+    8 bytes per position and word (0 without a perplexity evaluation). At 2048 tokens of a 151,936-word
+    vocabulary (Qwen2.5), 2.5 GB."""
+    if recipe.evaluate is None or recipe.evaluate.perplexity is None:
+        return 0
+    return recipe.evaluate.perplexity.seq_len * vocab_size * 8
 
 
 def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None,
