@@ -348,6 +348,15 @@ def test_device_estimate_counts_an_in_memory_evaluation(tmp_path, streamed):
     assert plan.device_peak_bytes == max(plan.activations_bytes + max(
         s.device_weights_bytes + s.working_bytes for s in plan.steps), plan.evaluation_device_bytes)
     assert (plan.device_peak_bytes >= whole + logits) != streamed
+    # the activations on the host: the evaluation there, the model as the steps hold it (streamed: the embedding
+    # at least) and the window; here it is the host peak, which recipe plan says
+    host = estimate(recipe_from_dict(data), config, streamed, runtime=100)
+    held = max(config.vocab_size * config.hidden_size * 2, max(s.device_weights_bytes for s in host.steps)) \
+        if streamed else whole
+    assert host.evaluation_window_bytes == logits and host.evaluation_host_bytes == 100 + held + logits
+    assert host.host_peak_bytes == max(max(s.host_bytes for s in host.steps), host.evaluation_host_bytes,
+                                       100 + host.activations_bytes + config.vocab_size * config.hidden_size * 2
+                                       if streamed else 0)
 
 
 @pytest.mark.parametrize("streamed", [False, True])

@@ -101,6 +101,10 @@ class MemoryPlan:
     device_peak_bytes: int | None = None
     #: An in-memory run's ``evaluate: perplexity`` on the device: the whole model and one window's logits.
     evaluation_device_bytes: int = 0
+    #: ``evaluate: perplexity`` on the host (activations there): the runtime, the model held and one window.
+    evaluation_host_bytes: int = 0
+    #: One perplexity window's logits (``evaluation_logits_bytes``), wherever the evaluation runs.
+    evaluation_window_bytes: int = 0
 
     def to_dict(self) -> dict:
         memory = asdict(self)
@@ -172,10 +176,13 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     device_peak = None
     if on_device:
         device_peak = max(activations + max(s.device_weights_bytes + s.working_bytes for s in steps), evaluation)
-    elif logits:  # the evaluation on the host: the model held as by the steps, and one window's logits
-        held = whole if not streamed else max(max(s.device_weights_bytes for s in steps), embedding)
-        host_peak = max(host_peak, runtime + held + logits)
-    return MemoryPlan(streamed, on_device, runtime, activations, whole, steps, host_peak, device_peak, evaluation)
+    evaluation_host = 0
+    if logits and not on_device:  # the evaluation on the host: the model held as by the steps, one window
+        evaluation_host = runtime + (whole if not streamed else max(max(s.device_weights_bytes for s in steps),
+                                                                     embedding)) + logits
+        host_peak = max(host_peak, evaluation_host)
+    return MemoryPlan(streamed, on_device, runtime, activations, whole, steps, host_peak, device_peak, evaluation,
+                      evaluation_host, logits)
 
 
 def evaluation_logits_bytes(recipe: Recipe, vocab_size: int) -> int:

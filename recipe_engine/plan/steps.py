@@ -135,9 +135,14 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
         return
     mode = "streamed from disk" if memory["streamed"] else "whole model in memory"
     kept = max(step["kept_states_bytes"] for step in memory["steps"])
-    console.print(f"memory estimate ({mode}): peak host {_gib(memory['host_peak_bytes'])} = runtime "
-                  f"{_gib(memory['runtime_bytes'])} + activations {_gib(memory['activations_bytes'])} + the "
-                  f"largest step (model {_gib(memory['model_bytes'])})"
+    evaluation = memory.get("evaluation_host_bytes", 0) == memory["host_peak_bytes"]
+    window = memory.get("evaluation_window_bytes", 0)
+    parts = (f"the evaluation: runtime {_gib(memory['runtime_bytes'])} + the model "
+             f"{_gib(memory['host_peak_bytes'] - memory['runtime_bytes'] - window)} + one perplexity window's "
+             f"logits {_gib(window)}" if evaluation else
+             f"runtime {_gib(memory['runtime_bytes'])} + activations {_gib(memory['activations_bytes'])} + the "
+             f"largest step (model {_gib(memory['model_bytes'])})")
+    console.print(f"memory estimate ({mode}): peak host {_gib(memory['host_peak_bytes'])} = {parts}"
                   + (f"; up to {_gib(kept)} of the original model's states kept for a later step that reads "
                      f"the original model (at most a quarter of the available memory)" if kept else ""))
     if "accelerator" in memory:
