@@ -87,6 +87,22 @@ def test_every_modifier_streamed_equals_in_memory(tmp_path, name):
         torch.testing.assert_close(a, b, rtol=0, atol=0.05 if trained else 0.0)
 
 
+@pytest.mark.parametrize("stored, run", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_a_streamed_run_in_another_dtype_than_its_checkpoint_writes_the_in_memory_bytes(tmp_path, stored, run):
+    """The recipe's dtype differs from the checkpoint's: the units no step changed (here the embeddings, the
+    final norm, lm_head and the kept layers) are written in the run's dtype, as in memory (the writer reads
+    them from the source file; they were copied in its dtype and the write failed)."""
+    model_dir = tmp_path / "model"
+    saved_model(model_dir).to(getattr(torch, stored)).save_pretrained(model_dir, max_shard_size="40KB")
+    outputs = []
+    for stream in ("off", "on"):
+        data = {**recipe(tmp_path, model_dir, ["ShortGPT<n:2>"], stream, f"out-{stream}"), "dtype": run}
+        recipe_engine.apply(data, progress=False)
+        outputs.append(tmp_path / f"out-{stream}")
+    assert_same_weights(*outputs)
+    assert {t.dtype for t in weights(outputs[1]).values()} == {getattr(torch, run)}
+
+
 def test_nll_selection_streamed_equals_in_memory(tmp_path):
     """FlattenAdjacent's NLL search runs its candidates from layers loaded one at a time: same merges."""
     model_dir = tmp_path / "model"

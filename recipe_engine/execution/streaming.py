@@ -283,12 +283,15 @@ class WeightStream:
         self._homes[unit] = Home(self.source if staged is None else StagedFile(staged), dict(names))
 
     def read_unit(self, unit: nn.Module) -> dict[str, torch.Tensor]:
-        """The unit's current tensors (from memory when materialized, else from its home, or as read ahead), CPU."""
+        """The unit's current tensors (from memory when materialized, else from its home, or as read ahead), CPU,
+        in the model's dtypes: a source checkpoint stored in another dtype than the run's (a bf16 checkpoint
+        run in fp32) is cast as ``materialize`` casts it (accelerate casts to the parameter's dtype)."""
         if is_materialized(unit):
             return {name: t.detach() for name, t in _tensors(unit).items()}
         home = self._homes[unit]
         values = self._taken_ahead(unit, home) or home.reader.read(home.names.values())
-        return {name: values[stored] for name, stored in home.names.items()}
+        current = _tensors(unit)
+        return {name: values[stored].to(current[name].dtype) for name, stored in home.names.items()}
 
     @staticmethod
     def _versions(unit: nn.Module) -> dict[str, tuple[int, int]]:
