@@ -190,6 +190,14 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 SYNTHETIC_LAYERS = [["pkg.low"], ["pkg.high", "pkg"]]
 
 
+def test_the_pass_modules_stay_short():
+    """Each module of ``recipe_engine/execution`` (the pass, its activations, streaming, resume) holds one concern
+    in at most 400 lines."""
+    long = {path.name: n for path in sorted((ROOT / PACKAGE / "execution").glob("*.py"))
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, long
+
+
 def test_checker_sees_an_upward_import(tmp_path):
     root = _package(tmp_path, {"__init__.py": "", "low/__init__.py": "", "low/a.py": "from ..high import b\n",
                                "high/__init__.py": "", "high/b.py": "x = 1\n"})

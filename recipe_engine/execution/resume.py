@@ -14,7 +14,6 @@ after a crash") describes the format and each guarantee in full.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
@@ -23,19 +22,18 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ..errors import OutOfMemory, RecipeError
+from ..errors import RecipeError
 from ..io.report import RunReport
 from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack
 from .activations import Activations
-from .distributed import RankFailed
 from .checkpoint_files import CheckpointFiles
 from .pass_state import PassState, SavedPass
 from .streaming import StagedFile
@@ -53,11 +51,6 @@ DEFAULT_CHECKPOINT_BUDGET = 0.1
 def resume_directory(output: str) -> Path:
     target = Path(output).expanduser()
     return target.parent / f".{target.name}.resume"
-
-
-def resume_manifest(output: str) -> Path:
-    """The manifest of ``output``'s checkpoints (there once one is complete)."""
-    return resume_directory(output) / MANIFEST
 
 
 class Checkpoints:
@@ -388,25 +381,3 @@ class Checkpoints:
             return
         shutil.rmtree(self.directory, ignore_errors=True)
         untrack(self.directory)
-
-
-@contextlib.contextmanager
-def discard_on_error(owned: list) -> Iterator[None]:
-    """Remove the checkpoints in ``owned`` (appended once a run adopted them) when the block raises: an
-    exception or a handled signal leaves nothing behind; a hard kill, and running out of memory
-    (``OutOfMemory`` saying ``resumable``, or data-parallel another rank's: the OOM killer's SIGKILL would
-    have left them too), leave checkpoints to resume."""
-    try:
-        yield
-    except (OutOfMemory, RankFailed) as exc:
-        _discard(owned, keep_resumable=isinstance(exc, OutOfMemory) or exc.out_of_memory)
-        raise
-    except BaseException:
-        _discard(owned)
-        raise
-
-
-def _discard(owned: list, keep_resumable: bool = False) -> None:
-    for checkpoints in owned:
-        if checkpoints is not None and not (keep_resumable and checkpoints.resumable):
-            checkpoints.discard()

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..architectures.adapters import adapter_for, count_parameters
-from ..errors import OutOfMemory, QualityGateError, RecipeError, allocation_detail, memory_kind
+from ..errors import QualityGateError, RecipeError
 from ..evaluation import evaluate_session, retained
 from ..execution.distributed import Parallel, launched
-from ..execution.resume import Checkpoints, discard_on_error, resume_manifest
+from ..execution.failures import discard_on_error, out_of_memory_named
+from ..execution.resume import MANIFEST, Checkpoints, resume_directory
 from ..execution.unit_files import model_fingerprint
 from ..execution.outputs import RunOutputs
 from ..execution.placement import largest_layer_bytes, offload_activations
@@ -167,8 +168,8 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     bar = Progress(enabled=progress and parallel.rank == 0)
     # a rank other than 0 of a data-parallel run keeps no checkpoints of its own: rank 0's directory says
     resumable = lambda: any(c is not None and c.resumable for c in owned) or (  # noqa: E731
-        parallel.rank > 0 and bool(write and keep_checkpoints) and resume_manifest(recipe.output).is_file())
-    with discard_on_error(owned), _out_of_memory_named(bar, resumable), \
+        parallel.rank > 0 and bool(write and keep_checkpoints) and (resume_directory(recipe.output) / MANIFEST).is_file())
+    with discard_on_error(owned), out_of_memory_named(bar, resumable), \
             _workspace(recipe.output, writing, force) as workdir, bar:
         run = _execute(plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
                        keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings,
@@ -187,29 +188,6 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     if run.gate:
         raise QualityGateError(run.gate)
     return model, final
-
-
-@contextlib.contextmanager
-def _out_of_memory_named(bar: Progress, resumable: Callable[[], bool]) -> Iterator[None]:
-    """A failed allocation in the block becomes ``OutOfMemory``: where the run was (``Progress.where``), torch's
-    words, and whether the run's checkpoints let ``--resume`` go on (``discard_on_error`` keeps them)."""
-    try:
-        yield
-    except Exception as exc:
-        memory = memory_kind(exc)
-        if memory is None:
-            raise
-        resumable, where = resumable(), bar.where()
-        if where is not None and where.startswith("[evaluating"):  # evaluate_model: the whole model there
-            less = "stream: on (evaluates one layer at a time) or a shorter evaluate.perplexity.seq_len"
-        elif memory == "GPU":
-            less = "a smaller calibration.batch_size or calibration.offload: true (activations on the host)"
-        else:
-            less = "a smaller calibration.batch_size or stream: on (one layer in memory at a time)"
-        fragments = " (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation)" if memory == "GPU" else ""
-        advice = (f"the resume checkpoints are kept: once memory is free, rerun with --resume{fragments}; or start "
-                  f"over needing less: {less}" if resumable else f"nothing was written; to need less: {less}")
-        raise OutOfMemory(memory, allocation_detail(exc), where, advice, resumable) from exc
 
 
 @dataclass
