@@ -135,6 +135,10 @@ def test_flattengpt_streamed_equals_in_memory_across_architectures(tmp_path, mod
     (memory, streamed), report = run_both(tmp_path, model_dir, steps)
     assert_same_weights(memory, streamed)
     assert report.stream.bytes_staged > 0
+    # the model's size before, as HF counts it (a tied lm_head once), streamed as in memory
+    counted = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    for directory in (memory, streamed):
+        assert json.loads((directory / "report.json").read_text())["before"]["parameters"] == counted
 
 
 def test_streamed_evaluation_matches_in_memory_perplexity(tmp_path):
