@@ -54,14 +54,14 @@ from .numerics.ops import fold_norm_into, top_k_kl
 from .numerics.quantization import Grid
 from .plan.steps import steps_passes
 from .recipe.budget import LayerBudget, budget_field
-from .recipe.modifier import LayerModifier, Modifier, kept_original_sets
+from .recipe.modifier import LayerModifier, Modifier, calibration_nll_bytes, kept_original_sets
 from .recipe.registry import register
 from .recipe.schema import parse_step, step_to_dict
 from .recipe.split import SCORE_FRACTION, WindowSplit, heldout_split
 from .recipe.validate import check_steps
 
 __all__ = ["check_scoring_task", "heldout_failures", "kept_original_sets", "LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
-           "SCORE_FRACTION", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear", "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
+           "SCORE_FRACTION", "calibration_nll_bytes", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear", "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
            "ModifierSession", "Activations", "keep_activations", "load_activations", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
            "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",

@@ -106,6 +106,7 @@ def test_the_plans_evaluation_term_is_a_windows_measured_peak():
     import sys
     from pathlib import Path
 
+    from recipe_engine.architectures.shape import ModelShape
     from recipe_engine.plan.estimates import evaluation_logits_bytes
     from recipe_engine.recipe.schema import recipe_from_dict
 
@@ -119,5 +120,49 @@ def test_the_plans_evaluation_term_is_a_windows_measured_peak():
         name, measured = line.split()
         recipe = recipe_from_dict({"version": 1, "name": "p", "model": "m", "output": "o", "dtype": name,
                                    "modifiers": ["FuseNorm"], "evaluate": {"perplexity": {"seq_len": 512}}})
-        estimate = evaluation_logits_bytes(recipe, 65536)
+        shape = ModelShape.from_config(tiny_model("llama", vocab_size=65536, num_hidden_layers=1).config)
+        estimate = evaluation_logits_bytes(recipe, shape)  # in memory: one window at a time
+        assert 0.9 * estimate <= int(measured) <= 1.1 * estimate, (name, measured, estimate)
+
+
+NLL_PEAK_SCRIPT = """
+import torch
+from tests.baselines_helpers import make_session
+from tests.helpers import tiny_model
+from recipe_engine.system.host_memory import PeakWatch, current_rss
+torch.set_num_threads(1)
+for name in ("float32", "bfloat16"):
+    model = tiny_model("llama", vocab_size=65536, num_hidden_layers=1).to(getattr(torch, name))
+    tokens = torch.randint(0, 65536, (4, 256), generator=torch.Generator().manual_seed(0))
+    session = make_session(model, tokens, batch_size=4)
+    finals = session.capture_inputs()  # the last layer's inputs stand in for its outputs: same shapes
+    session.final_nll(finals)  # allocator warmed up
+    watch = PeakWatch(); watch.start(); base = current_rss()
+    session.final_nll(finals)
+    print(name, watch.stop() - base)
+"""
+
+
+def test_a_calibration_nlls_estimate_is_its_measured_peak():
+    """``calibration_nll_bytes`` (a batch's logits in the model dtype, one window's in fp32 and its
+    log-softmax) against a fresh process's rise of its resident peak over ``final_nll`` of a batch of 4
+    windows, fp32 and bf16, within 10 % (``final_nll`` takes one window at a time past the lm_head: a whole
+    batch in fp32 and log-softmax was 2.5x this in bf16)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from recipe_engine.architectures.shape import ModelShape
+    from recipe_engine.recipe.modifier import calibration_nll_bytes
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", NLL_PEAK_SCRIPT], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for line in filter(str.strip, run.stdout.split("\n")):
+        name, measured = line.split()
+        shape = ModelShape.from_config(tiny_model("llama", vocab_size=65536, num_hidden_layers=1).config)
+        shape.dtype_bytes, shape.calibration_batch = (4 if name == "float32" else 2), 4
+        estimate = calibration_nll_bytes(shape, 4, 256)
         assert 0.9 * estimate <= int(measured) <= 1.1 * estimate, (name, measured, estimate)

@@ -353,7 +353,8 @@ def test_device_estimate_counts_an_in_memory_evaluation(tmp_path, streamed):
     """``evaluate: perplexity`` on an in-memory model moves the whole model to the device (``evaluate_model``):
     the device peak is at least those weights (HF's parameter count) and one window's logits (fp32, and their
     fp32 log-softmax: tests/test_perplexity.py measures it); a streamed evaluation keeps one layer there, so it
-    adds nothing."""
+    adds no model there, and computes its NLL a batch at a time (2 windows' bf16 logits, one window's fp32
+    copy, contiguous copy and log-softmax)."""
     from recipe_engine.plan.estimates import estimate
     from recipe_engine.recipe.schema import recipe_from_dict
     from tests.helpers import tiny_config
@@ -363,7 +364,7 @@ def test_device_estimate_counts_an_in_memory_evaluation(tmp_path, streamed):
             "evaluate": {"perplexity": {"dataset": str(tmp_path / "cal.txt"), "seq_len": 64}}}
     plan = estimate(recipe_from_dict(data), config, streamed, runtime=100, on_device=True)
     whole = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()) * 2
-    logits = 64 * config.vocab_size * 8
+    logits = 64 * config.vocab_size * ((2 * 2 + 12) if streamed else 8)
     assert plan.evaluation_device_bytes == (0 if streamed else whole + logits)
     assert plan.device_peak_bytes == max(plan.activations_bytes + max(
         s.device_weights_bytes + s.working_bytes for s in plan.steps), plan.evaluation_device_bytes)

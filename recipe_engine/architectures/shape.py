@@ -53,6 +53,10 @@ class ModelShape:
     #: Whether the steps' statistics and solves run on an accelerator (memory estimates: some steps batch
     #: more work per call there).
     on_device: bool = False
+    #: Windows per calibration batch and tokens per window (memory estimates: a calibration NLL computes a
+    #: batch's logits at once, ``recipe.modifier.calibration_nll_bytes``).
+    calibration_batch: int = 4
+    calibration_seq_len: int = 2048
     #: The result must be a stock checkpoint (the recipe exports it, e.g. to GGUF): a step that chooses between
     #: alternatives (``BestOf``) skips those whose output is not (``Modifier.output_is_stock``).
     stock_only: bool = False

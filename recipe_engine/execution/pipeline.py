@@ -250,7 +250,10 @@ class LayerPipeline:
     def final_nll(self, finals: Activations, per_window: bool = False) -> float | list[float]:
         """Token-weighted mean next-token NLL of the calibration windows given the last decoder layer's
         outputs ``finals``: final norm, ``lm_head``, cross-entropy in fp32, summed per window in fp64.
-        ``per_window``: each window's mean NLL, in window order."""
+        ``per_window``: each window's mean NLL, in window order. The ``lm_head`` product runs per batch; its
+        logits go to fp32 and through the log-softmax one window at a time, so a batch of B windows holds its
+        logits once in the model dtype and one window's twice in fp32, not B windows' three times (the
+        same values: each window's rows are computed as in the batch)."""
         s = self.session
         sums = torch.zeros(s.calibration.shape[0], dtype=torch.float64)
         norm, head = s.adapter.final_norm(s.model), s.adapter.lm_head(s.model)
@@ -261,10 +264,12 @@ class LayerPipeline:
         own = list(share if share is not None else range(len(finals)))
         with s.using(norm, head):
             for k, hidden, window in zip(own, finals.on(s.device, own), finals.windows_on(s.device, own)):
-                logits = head(norm(hidden)).float()
-                loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), window[:, 1:],
-                                                         reduction="none")
-                sums[ends[k]:ends[k + 1]] = loss.sum(dim=1).double().cpu()
+                logits = head(norm(hidden))
+                for row in range(logits.shape[0]):
+                    loss = torch.nn.functional.cross_entropy(logits[row:row + 1, :-1].float().transpose(1, 2),
+                                                             window[row:row + 1, 1:], reduction="none")
+                    sums[ends[k] + row] = loss.sum(dim=1).double().cpu()[0]
+                del logits
         if share is not None:
             sums = torch.tensor(s.parallel.sum(sums.tolist()), dtype=torch.float64)
         tokens = s.calibration.shape[1] - 1

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
-from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, check_scoring_task, check_steps,
+from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, calibration_nll_bytes, check_scoring_task, check_steps,
                                heldout_failures, heldout_split, kept_original_sets, parse_step, register,
                                step_to_dict, steps_passes)
 
@@ -281,12 +281,14 @@ class BestOf(Modifier):
 
     def working_memory(self, shape, tokens: int) -> int:
         """Two fp32 copies of the model (the running alternative and the best so far: decoder layers,
-        embeddings and an untied head) plus the largest working memory of any alternative's step."""
+        embeddings and an untied head) plus the largest working memory of any alternative's step, or of the
+        score windows' calibration NLL (``calibration_nll_bytes``) if larger."""
         matrices = 1 if shape.tie_word_embeddings else 2
         copies = 2 * 4 * (_layer_parameters(shape) + matrices * shape.vocab_size * shape.hidden_size)
         largest = max((step.working_memory(received, tokens) for steps, shapes in self._received(shape)
                        for step, received in zip(steps, shapes)), default=0)
-        return copies + largest
+        scoring = calibration_nll_bytes(shape, shape.calibration_batch, shape.calibration_seq_len)
+        return copies + max(largest, scoring)
 
     def _received(self, shape) -> list[tuple[list[Modifier], list]]:
         """Each alternative the architecture does not refuse, with the shape each of its steps receives."""

@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 
 from recipe_engine.api import (ADAPTERS, Activations, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier, ModifierSession,
-                               budget_field, heldout_split, install_linear, register)
+                               budget_field, calibration_nll_bytes, heldout_split, install_linear, register)
 
 from ._depth import check_search_window
 from .head_prune import HeadPrune
@@ -466,7 +466,10 @@ class FlattenAdjacent(Modifier):
             pruning = (merges * widest * 4 + 8 * (2 * shape.intermediate_size) ** 2
                        if self.candidates == "pruned" else 0)
             kept = 2 if self.fits_on_other_windows else 1  # heldout: block inputs over fit and score windows
-            return 4 * (kept * shape.num_layers * probe_tokens * shape.hidden_size + (merges + 1) * widest) + pruning
+            nll = calibration_nll_bytes(shape, self.search_samples or SEARCH_SAMPLES,
+                                        self.search_length or min(SEARCH_LENGTH, shape.calibration_seq_len))
+            return (4 * (kept * shape.num_layers * probe_tokens * shape.hidden_size + (merges + 1) * widest)
+                    + pruning + nll)
         sampled = min(self.similarity_tokens, tokens)
         if shape.streamed:
             return (sampled + shape.num_layers * min(256, sampled)) * shape.hidden_size * 4

@@ -6,7 +6,8 @@ from typing import Any
 
 from pydantic import Field
 
-from recipe_engine.api import LayerBudget, Modifier, ModifierSession, budget_field, register, remove_layers
+from recipe_engine.api import (LayerBudget, Modifier, ModifierSession, budget_field, calibration_nll_bytes, register,
+                               remove_layers)
 
 from ._depth import check_search_window, drop_symbolic, require_uniform
 
@@ -33,6 +34,11 @@ class SLEB(Modifier):
     search_samples: int | None = Field(None, ge=1, description="calibration windows scored, the first ones "
                                                                "(None: all)")
     search_length: int | None = Field(None, ge=2, description="tokens scored per window, its start (None: all)")
+
+    def working_memory(self, shape, tokens: int) -> int:
+        """Each probe's calibration NLL over the scored windows (``calibration_nll_bytes``)."""
+        return calibration_nll_bytes(shape, self.search_samples or shape.calibration_batch,
+                                     self.search_length or shape.calibration_seq_len)
 
     def passes(self, shape) -> int:
         """Round r scores every remaining block but the first and last: ``Σ_{r<n} (layers − 2 − r)``."""

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from ..architectures.shape import ModelShape
 from ..io.data import calibration_windows, load_calibration
 from ..io.models import resolve_model
-from ..recipe.modifier import kept_original_sets
+from ..recipe.modifier import calibration_nll_bytes, kept_original_sets
 from ..recipe.schema import Recipe
 from ..system.host_memory import available_memory, current_rss
 from .compiled import Plan, compile_plan
@@ -145,8 +145,7 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     whole = shape_bytes(first, width)
     steps = []
     for step, received in zip(plan.steps, plan.shapes):
-        shape = copy.deepcopy(received)
-        shape.streamed, shape.dtype_bytes, shape.on_device = streamed, width, on_device
+        shape = steps_shape(received, recipe, streamed, on_device)
         largest = max(shape.layer_parameters(layer) for layer in shape.layers) * width
         if step.scope == "layer":
             in_use = largest + (shape.layer_parameters(shape.layers[0]) * width if step.needs_reference else 0)
@@ -171,7 +170,7 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     host_peak = max(s.host_bytes for s in steps)
     if streamed:  # a streamed run's passes start with the embeddings loaded
         host_peak = max(host_peak, resident + embedding)
-    logits = evaluation_logits_bytes(recipe, first.vocab_size)
+    logits = evaluation_logits_bytes(recipe, steps_shape(first, recipe, streamed))
     evaluation = whole + logits if logits and not streamed else 0  # evaluate_model: the whole model there
     device_peak = None
     if on_device:
@@ -185,14 +184,27 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
                       evaluation_host, logits)
 
 
-def evaluation_logits_bytes(recipe: Recipe, vocab_size: int) -> int:
-    """The transient of ``evaluate: perplexity``'s one window (``perplexity.window_nll``): its logits in fp32 (a
-    bf16 model's are copied, the copy outlives them) and the fp32 log-softmax ``cross_entropy`` makes of them,
-    8 bytes per position and word (0 without a perplexity evaluation). At 2048 tokens of a 151,936-word
-    vocabulary (Qwen2.5), 2.5 GB."""
+def steps_shape(shape: ModelShape, recipe: Recipe, streamed: bool, on_device: bool = False) -> ModelShape:
+    """A copy of ``shape`` with the run's facts a step's memory estimate reads (streamed, dtype, device,
+    calibration batch)."""
+    shape = copy.deepcopy(shape)
+    shape.streamed, shape.dtype_bytes, shape.on_device = streamed, DTYPE_BYTES[recipe.dtype], on_device
+    shape.calibration_batch, shape.calibration_seq_len = recipe.calibration.batch_size, recipe.calibration.seq_len
+    return shape
+
+
+def evaluation_logits_bytes(recipe: Recipe, shape: ModelShape) -> int:
+    """The transient of ``evaluate: perplexity`` (0 without one). In memory, one window at a time
+    (``perplexity.window_nll``): its logits in fp32 (a bf16 model's are copied, the copy outlives them) and
+    the fp32 log-softmax ``cross_entropy`` makes of them, 8 bytes per position and word (2.5 GB at 2048
+    tokens of a 151,936-word vocabulary). Streamed, a calibration NLL over the windows in batches
+    (``calibration_nll_bytes``)."""
     if recipe.evaluate is None or recipe.evaluate.perplexity is None:
         return 0
-    return recipe.evaluate.perplexity.seq_len * vocab_size * 8
+    ppl = recipe.evaluate.perplexity
+    if shape.streamed:
+        return calibration_nll_bytes(shape, ppl.limit or shape.calibration_batch, ppl.seq_len)
+    return ppl.seq_len * shape.vocab_size * 8
 
 
 def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None,
