@@ -70,8 +70,19 @@ class OutOfMemory(Exception):
     def __init__(self, memory: str, detail: str, where: str | None = None, advice: str = "nothing was written",
                  resumable: bool = False):
         self.memory, self.detail, self.where, self.resumable = memory, detail, where, resumable
-        at = f" during {where}" if where else ""
-        super().__init__(one_line(f"out of {memory} memory{at}: {detail}; {advice}"))
+        super().__init__(one_line(f"{self.what()}; {advice}"))
+
+    def what(self) -> str:
+        """``out of GPU memory during [step 1: GPTQ] layer-sequential pass 3/4: CUDA out of memory. ...``"""
+        return one_line(f"out of {self.memory} memory{f' during {self.where}' if self.where else ''}: {self.detail}")
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "OutOfMemory | None":
+        """``exc`` itself, or the failed allocation it is as an ``OutOfMemory``; None for any other exception."""
+        if isinstance(exc, cls):
+            return exc
+        memory = memory_kind(exc)
+        return None if memory is None else cls(memory, allocation_detail(exc))
 
 
 #: How torch words a failed host allocation (a ``RuntimeError``; a failed GPU one is ``torch.OutOfMemoryError``).

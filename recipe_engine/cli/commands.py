@@ -12,7 +12,7 @@ from typing import Callable
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import OutOfMemory, QualityGateError, RecipeError, allocation_detail, memory_kind, one_line
+from ..errors import OutOfMemory, QualityGateError, RecipeError, one_line
 from ..execution.distributed import DistributedError
 from ..execution.resume import DEFAULT_CHECKPOINT_BUDGET
 from ..io.card import check_card_target, write_card
@@ -179,13 +179,11 @@ def cmd_sweep(args) -> int:
               f"{args.output}/{SWEEP_FILE} (rerun to continue)", file=sys.stderr)
         return 128 + signum
     except Exception as exc:  # out of memory in one variant: the finished rows stay, as for a signal
-        memory = exc.memory if isinstance(exc, OutOfMemory) else memory_kind(exc)
-        if memory is None:
+        failed = OutOfMemory.of(exc)
+        if failed is None:
             raise
-        detail = exc.detail if isinstance(exc, OutOfMemory) else allocation_detail(exc)
-        where = f" during {exc.where}" if isinstance(exc, OutOfMemory) and exc.where else ""
-        say(f"error: {one_line(f'out of {memory} memory{where}: {detail}; {len(sweep.rows)} finished rows kept in')} "
-            f"{one_line(args.output)}/{SWEEP_FILE} (rerun to continue)")
+        say(f"error: {failed.what()}; {len(sweep.rows)} finished rows kept in {one_line(args.output)}/{SWEEP_FILE} "
+            f"(rerun to continue)")
         return OutOfMemory.exit_code
     with after_output(f"{args.output}/{SWEEP_FILE} is complete"):
         _print_sweep(sweep, rows, args.output)
@@ -329,13 +327,10 @@ def run(argv: list[str] | None = None) -> int:
     except QualityGateError as exc:
         say(f"error: {one_line(str(exc))}")
         return QualityGateError.exit_code
-    except OutOfMemory as exc:
-        say(f"error: {exc}")
-        return OutOfMemory.exit_code
-    except Exception as exc:  # a failed allocation outside apply's run (eval, bench, export): one line too
-        memory = memory_kind(exc)
-        if memory is None:
+    except Exception as exc:  # a failed allocation: apply's names where it was; eval, bench, export: one line too
+        failed = OutOfMemory.of(exc)
+        if failed is None:
             raise
-        say(f"error: {OutOfMemory(memory, allocation_detail(exc))}")
+        say(f"error: {failed}")
         return OutOfMemory.exit_code
 

@@ -1,0 +1,82 @@
+"""`recipe plan`'s host memory estimate against the peak a run measures, on real models.
+
+Each case is one `recipe apply` in its own process (the peak is that process's own `VmHWM`); the table reads
+both figures from the run's report.json (`peak_memory.rss_mib`, `peak_memory.estimate_rss_mib`, the estimate
+`apply` makes in its own process), per step too.
+
+    python benchmarks/plan_memory.py [--cases sleb_qwen smollm2_streamed smollm2_memory] [--work DIR]
+
+Cases:
+  sleb_qwen         SLEB<n:1> on Qwen2.5-0.5B (fp32, in memory), 4 × 512 WikiText-2 tokens, batch 4: its 24
+                    probes each compute a calibration NLL over a 151,936-word vocabulary
+  smollm2_streamed  ShortGPT<n:6> on SmolLM2-135M streamed in bf16, 8 × 512 tokens, perplexity on 2 windows
+                    of 1024 (evaluated streamed, layer by layer)
+  smollm2_memory    the same in memory
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CAL = ["--set", "calibration.dataset=wikitext2", "--set", "calibration.split=validation"]
+CASES = {
+    "sleb_qwen": ("recipes/sleb20_qwen2.5.yaml", [*CAL, "--set", "calibration.samples=4", "--set",
+                                                  "calibration.seq_len=512", "--set", "calibration.batch_size=4",
+                                                  "--set", "modifiers.0.n=1", "--set", "evaluate=null"]),
+    "smollm2_streamed": ("recipes/shortgpt_smollm2.yaml", [*CAL, "--set", "stream='on'", "--set", "dtype=bfloat16",
+                                                           "--set", "calibration.samples=8",
+                                                           "--set", "evaluate.perplexity.limit=2"]),
+    "smollm2_memory": ("recipes/shortgpt_smollm2.yaml", [*CAL, "--set", "stream='off'", "--set", "dtype=bfloat16",
+                                                         "--set", "calibration.samples=8",
+                                                         "--set", "evaluate.perplexity.limit=2"]),
+}
+
+
+def run_case(name: str, work: Path) -> dict:
+    recipe, overrides = CASES[name]
+    output = work / name
+    command = [sys.executable, "-m", "recipe_engine.cli", "apply", str(ROOT / recipe), "--output", str(output),
+               "--force", "--quiet", *overrides]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    report = json.loads((output / "report.json").read_text())
+    memory = report["peak_memory"]
+    return {"case": name, "peak_gib": memory["rss_mib"] / 1024, "plan_gib": memory["estimate_rss_mib"] / 1024,
+            "steps": [{"step": s["modifier"], "peak_gib": (s["peak_rss_mib"] or 0) / 1024,
+                       "plan_gib": (s.get("estimate_rss_mib") or 0) / 1024} for s in report["steps"]]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--work", default=None, help="where the outputs go (default: a temporary directory)")
+    parser.add_argument("--json", default="benchmarks/results/raw/plan_memory.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(args.work or scratch)
+        rows = [run_case(name, work) for name in args.cases]
+    print(f"{'case':18} {'peak GiB':>9} {'plan GiB':>9} {'peak/plan':>9}")
+    for row in rows:
+        print(f"{row['case']:18} {row['peak_gib']:9.2f} {row['plan_gib']:9.2f} {row['peak_gib'] / row['plan_gib']:9.2f}")
+        for step in row["steps"]:
+            print(f"  step {step['step']:13} {step['peak_gib']:9.2f} {step['plan_gib']:9.2f}")
+    path = ROOT / args.json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"date": date.today().isoformat(), "machine": platform.platform(),
+                                "threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
