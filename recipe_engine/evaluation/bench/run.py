@@ -48,7 +48,9 @@ def bytes_read_per_token(location: str, dtype: torch.dtype) -> int | None:
     """Bytes of weights one decode step reads, as loaded: every tensor of the checkpoint's ``*.safetensors``
     (floating ones at ``dtype``'s size, packed integers as stored) except the input embeddings, a gather of
     one row per token, which count once, as the output head, when the head is tied to them (not stored).
-    The ratio of two models' bytes is the memory-bound limit of their decode tokens/s (None: no local files)."""
+    The ratio of two models' bytes is the memory-bound limit of their decode tokens/s (None: no local files).
+    A mixture-of-experts checkpoint counts every expert: what a large batch reads (a batch-1 step reads only
+    the routed ones)."""
     from safetensors import safe_open  # deferred: only the command that reports it reads the headers
 
     sizes = {}
