@@ -265,11 +265,11 @@ class LayerPipeline:
         with s.using(norm, head):
             for k, hidden, window in zip(own, finals.on(s.device, own), finals.windows_on(s.device, own)):
                 logits = head(norm(hidden))
-                for row in range(logits.shape[0]):
-                    loss = torch.nn.functional.cross_entropy(logits[row:row + 1, :-1].float().transpose(1, 2),
-                                                             window[row:row + 1, 1:], reduction="none")
-                    sums[ends[k] + row] = loss.sum(dim=1).double().cpu()[0]
+                rows = [torch.nn.functional.cross_entropy(logits[row:row + 1, :-1].float().transpose(1, 2),
+                                                          window[row:row + 1, 1:], reduction="none").sum(dim=1)
+                        for row in range(logits.shape[0])]
                 del logits
+                sums[ends[k]:ends[k + 1]] = torch.cat(rows).double().cpu()  # one host read per batch
         if share is not None:
             sums = torch.tensor(s.parallel.sum(sums.tolist()), dtype=torch.float64)
         tokens = s.calibration.shape[1] - 1
