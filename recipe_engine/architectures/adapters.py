@@ -37,6 +37,8 @@ from .gguf_layout import (GGUF_EXPERT_TENSORS, GGUF_LAYER_TENSORS, GGUFLayout, g
 LINEAR_ROLES = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "qkv_proj": 0, "o_proj": 1,
                 "gate_proj": 2, "up_proj": 2, "gate_up_proj": 2, "down_proj": 3}
 UNFUSED_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The MLP's roles: on a mixture-of-experts architecture they name expert tensors, not linears.
+MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
 FUSED_ROLES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 #: Key of the per-layer-type keyword arguments inside a captured layer-kwargs dict (``layer_kwargs``).
 LAYER_TYPE_KWARGS = "_recipe_layer_type_kwargs"
@@ -144,7 +146,7 @@ class ArchitectureAdapter:
         MoE architecture the MLP roles name expert tensors, not linears: with ``experts`` (a step that handles
         them, :meth:`expert_roles`) they are left out here, otherwise they are an error."""
         wanted = set(roles)
-        mlp = sorted(wanted & {"gate_proj", "up_proj", "down_proj"})
+        mlp = sorted(wanted & set(MLP_ROLES))
         if self.experts is not None and mlp and experts:
             self.expert_roles(roles)
             wanted -= set(mlp)
@@ -162,6 +164,11 @@ class ArchitectureAdapter:
             if picked:
                 chosen.append(role)
         return chosen
+
+    def linear_roles(self, roles: list[str] | tuple[str, ...]) -> list[str]:
+        """The roles among ``roles`` (unfused names) that name linears here: all of them, less the MLP's on a
+        mixture-of-experts architecture (its expert tensors)."""
+        return [role for role in roles if self.experts is None or role not in MLP_ROLES]
 
     def expert_roles(self, roles: list[str] | tuple[str, ...]) -> list[str]:
         """The expert tensors (``gate_up_proj``, ``down_proj``) that ``roles`` select on an MoE architecture, in

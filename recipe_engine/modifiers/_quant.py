@@ -162,7 +162,7 @@ def linear_path(model_type: str, role: str) -> str:
     if model_type not in ADAPTERS:
         raise RecipeError(f"unsupported architecture '{model_type}'; supported: {', '.join(sorted(ADAPTERS))}")
     adapter = ADAPTERS[model_type]
-    if adapter.experts is not None and role in ("gate_proj", "up_proj", "down_proj"):
+    if role not in adapter.linear_roles([role]):  # an MoE MLP role: its expert tensor
         return f"{adapter.experts.path}.{'down_proj' if role == 'down_proj' else 'gate_up_proj'}"
     return adapter.path(next((f for f, members in adapter.fused.items() if role in members), role))
 

@@ -233,8 +233,7 @@ class LoRARecovery(Modifier):
         ``all-linear``: a mixture-of-experts MLP's expert tensors are not linears)."""
         if self.targets is not None:
             return list(self.targets)
-        moe = model_type in ADAPTERS and ADAPTERS[model_type].experts is not None
-        return [role for role in PROJECTIONS if not (moe and role in ("gate_proj", "up_proj", "down_proj"))]
+        return ADAPTERS[model_type].linear_roles(PROJECTIONS) if model_type in ADAPTERS else list(PROJECTIONS)
 
     def working_memory(self, shape, tokens: int) -> int:
         """Training's peak beyond the weights, for one micro-batch of ``T = micro_batch_size × seq_len`` tokens:
