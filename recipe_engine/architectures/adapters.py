@@ -486,12 +486,5 @@ def roles_problem(model_type: str, roles: list[str], experts: bool = False) -> s
 
 @torch.no_grad()
 def count_parameters(model: nn.Module) -> int:
-    """Unique parameters, tied embeddings counted once: also in a streamed run's meta skeleton, whose lm_head
-    is tied to the embedding matrix only once its weight stream opens (``streaming.open_stream``)."""
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "get_output_embeddings"):
-        embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-        if head is not None and head.weight is not embeddings.weight and head.weight.shape == embeddings.weight.shape:
-            total -= head.weight.numel()
-    return total
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

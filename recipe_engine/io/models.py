@@ -560,6 +560,7 @@ def skeleton_model(location: str, dtype: torch.dtype) -> nn.Module:
         del config.quantization_config
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # a tied lm_head is the embedding matrix from the start, as from_pretrained makes it
     if (Path(location) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(location)
     return model.eval()
