@@ -5,6 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 stamp=.venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 [ -f "$stamp" ] && exit 0
+# A fresh .venv takes about 3.1 GB (torch, transformers, the model and text packages); pip keeps no
+# cache (it would double that), and a disk with less room is said in one line before anything is installed.
+export PIP_NO_CACHE_DIR=1
+need_kb=$((3500 * 1024))
+[ -d .venv ] && need_kb=$((need_kb - $(du -sk .venv | cut -f1)))
+free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+if [ "$need_kb" -gt "$free_kb" ]; then
+  echo "error: setup needs about $((need_kb / 1024)) MB free for .venv in $(pwd); the disk has $((free_kb / 1024)) MB" >&2
+  exit 1
+fi
 python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip >/dev/null
