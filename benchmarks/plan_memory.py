@@ -4,7 +4,7 @@ Each case is one `recipe apply` in its own process (the peak is that process's o
 both figures from the run's report.json (`peak_memory.rss_mib`, `peak_memory.estimate_rss_mib`, the estimate
 `apply` makes in its own process), per step too.
 
-    python benchmarks/plan_memory.py [--cases sleb_qwen smollm2_streamed smollm2_memory] [--work DIR]
+    python benchmarks/plan_memory.py [--cases sleb_qwen smollm2_streamed smollm2_memory flatten_memory] [--work DIR]
 
 Cases:
   sleb_qwen         SLEB<n:1> on Qwen2.5-0.5B (fp32, in memory), 4 × 512 WikiText-2 tokens, batch 4: its 24
@@ -12,6 +12,9 @@ Cases:
   smollm2_streamed  ShortGPT<n:6> on SmolLM2-135M streamed in bf16, 8 × 512 tokens, perplexity on 2 windows
                     of 1024 (evaluated streamed, layer by layer)
   smollm2_memory    the same in memory
+  flatten_memory    FlattenGPT (recipes/flatten20_smollm2.yaml: FuseNorm, FlattenAdjacent<n:6>, HeadPrune,
+                    NystromMLP) on SmolLM2-135M in memory, fp32, 8 × 512 tokens: FuseNorm changes every layer in
+                    place, then the merges and prunes replace 12 layers and the merged ones' linears
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ CASES = {
     "smollm2_memory": ("recipes/shortgpt_smollm2.yaml", [*CAL, "--set", "stream='off'", "--set", "dtype=bfloat16",
                                                          "--set", "calibration.samples=8",
                                                          "--set", "evaluate.perplexity.limit=2"]),
+    "flatten_memory": ("recipes/flatten20_smollm2.yaml", [*CAL, "--set", "calibration.samples=8",
+                                                          "--set", "evaluate=null"]),
 }
 
 

@@ -143,3 +143,45 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path):
     changed[-1] ^= 1
     copy.write_bytes(bytes(changed))
     assert gguf_cache_dir(copy) != gguf_cache_dir(first)
+
+
+def _mapped(path) -> bool:
+    """Whether this process maps ``path`` (``/proc/self/maps``), read independently of the engine."""
+    import os
+    from pathlib import Path
+
+    target = os.path.realpath(path)
+    return any(line.split(maxsplit=5)[-1] == target for line in Path("/proc/self/maps").read_text().splitlines()
+               if len(line.split(maxsplit=5)) == 6)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_loaded_model_owns_its_weights_so_a_replaced_layer_is_freed(tmp_path, sharded):
+    """transformers keeps same-dtype tensors as views of its copy-on-write mapping of the safetensors files; a
+    weight changed in place (FuseNorm) then dropped with its layer (a merge) stayed in that mapping for the run.
+    load_model leaves no mapping of the files, the same logits as HF's own load, and tied weights tied."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import save_tiny_model
+
+    save_tiny_model(tmp_path, tie_word_embeddings=True, max_shard_size="40KB" if sharded else None)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) > 1 if sharded else len(files) == 1
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert any(_mapped(f) for f in files)  # what the engine undoes: HF's load is a view of the mapped files
+    ids = torch.arange(24)[None]
+    with torch.no_grad():
+        expected = theirs(ids).logits
+    del theirs
+    gc.collect()
+
+    model, _, _ = models.load_model(str(tmp_path))
+    assert not any(_mapped(f) for f in files)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)  # owned memory: editable, freed with the layer
+    assert not any(_mapped(f) for f in files)

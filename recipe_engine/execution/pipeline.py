@@ -23,6 +23,7 @@ from torch import nn
 
 from ..architectures.adapters import LAYER_TYPE_KWARGS
 from ..recipe.modifier import LayerModifier
+from ..system.host_memory import trim_heap
 from .activations import Activations, keep, load
 from .distributed import module_digest
 from .modifier_session import CurrentLayer
@@ -342,6 +343,7 @@ class LayerPipeline:
 
     def _layer_done(self, state: PassState, index: int, last: int, checkpoints) -> None:
         state.next_layer, state.reference = index + 1, self.walk.states
+        trim_heap()  # the layer's statistics, solves and replaced weights are freed: give their pages back
         if checkpoints is not None:
             checkpoints.layer_done(self.session, index, state)
         self.session.timings.record(**{"pass": PASS, "layer": index, "layers": last + 1})
