@@ -145,43 +145,73 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path):
     assert gguf_cache_dir(copy) != gguf_cache_dir(first)
 
 
+
 def _mapped(path) -> bool:
     """Whether this process maps ``path`` (``/proc/self/maps``), read independently of the engine."""
     import os
     from pathlib import Path
 
     target = os.path.realpath(path)
-    return any(line.split(maxsplit=5)[-1] == target for line in Path("/proc/self/maps").read_text().splitlines()
-               if len(line.split(maxsplit=5)) == 6)
+    return any(len(fields) == 6 and fields[5] == target
+               for fields in (line.split(maxsplit=5) for line in Path("/proc/self/maps").read_text().splitlines()))
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_a_loaded_model_owns_its_weights_so_a_replaced_layer_is_freed(tmp_path, sharded):
+def test_owned_weights_leave_no_view_of_the_mapped_checkpoint(tmp_path, sharded):
     """transformers keeps same-dtype tensors as views of its copy-on-write mapping of the safetensors files; a
     weight changed in place (FuseNorm) then dropped with its layer (a merge) stayed in that mapping for the run.
-    load_model leaves no mapping of the files, the same logits as HF's own load, and tied weights tied."""
+    After ``own_mapped_weights`` no mapping of the files is left, the logits are HF's own load's, tied weights
+    stay tied, and every byte of the files' tensors was moved."""
     import gc
 
     import torch
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    from recipe_engine.system.host_memory import own_mapped_weights
     from tests.helpers import save_tiny_model
 
     save_tiny_model(tmp_path, tie_word_embeddings=True, max_shard_size="40KB" if sharded else None)
     files = sorted(tmp_path.glob("*.safetensors"))
     assert len(files) > 1 if sharded else len(files) == 1
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    assert any(_mapped(f) for f in files)  # what the engine undoes: HF's load is a view of the mapped files
+    stored = 0
+    for file in files:
+        with safe_open(str(file), "pt") as handle:
+            stored += sum(handle.get_tensor(k).nbytes for k in handle.keys())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert any(_mapped(f) for f in files)  # what is undone: HF's load is a view of the mapped files
     ids = torch.arange(24)[None]
     with torch.no_grad():
-        expected = theirs(ids).logits
-    del theirs
+        expected = model(ids).logits
+    assert own_mapped_weights(model) == stored
     gc.collect()
-
-    model, _, _ = models.load_model(str(tmp_path))
     assert not any(_mapped(f) for f in files)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected)
-        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)  # owned memory: editable, freed with the layer
-    assert not any(_mapped(f) for f in files)
+    assert own_mapped_weights(model) == 0  # nothing left to move
+
+
+@pytest.mark.parametrize("stream", ["off", "on"])
+def test_apply_owns_an_in_memory_model_it_loads(tmp_path, monkeypatch, stream):
+    """``recipe apply`` gives the model it loads in memory its own weights before any step (no view of the
+    checkpoint left); a streamed skeleton has none to own."""
+    import recipe_engine
+    from recipe_engine.workflows import runner
+    from tests.helpers import save_tiny_model
+
+    save_tiny_model(tmp_path / "model")
+    own, checked = runner.own_mapped_weights, []
+
+    def own_then_check(model):
+        moved = own(model)
+        checked.append((moved > 0, any(_mapped(f) for f in (tmp_path / "model").glob("*.safetensors"))))
+        return moved
+
+    monkeypatch.setattr(runner, "own_mapped_weights", own_then_check)
+    (tmp_path / "cal.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    recipe_engine.apply({"version": 1, "name": "own", "model": str(tmp_path / "model"),
+                         "output": str(tmp_path / "out"), "stream": stream,
+                         "calibration": {"dataset": str(tmp_path / "cal.txt"), "samples": 2, "seq_len": 16},
+                         "modifiers": ["FuseNorm", {"ShortGPT": {"n": 1}}]}, progress=False)
+    assert checked == ([] if stream == "on" else [(True, False)])

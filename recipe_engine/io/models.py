@@ -24,7 +24,7 @@ from ..architectures.gguf_layout import GGUF_MOE_WIDTHS
 from ..errors import SourceError, reading
 from ..suggest import did_you_mean
 from ..system.cleanup import MARKER, sweep_stale, temporary_directory
-from ..system.host_memory import available_memory, own_mapped_weights
+from ..system.host_memory import available_memory
 from .checkpoint_reader import CheckpointReader, check_checkpoint, check_safetensors, has_weights
 from .data import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
 from .extras import EXTRAS_JSON, restore_extras
@@ -449,7 +449,6 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     if problems:  # transformers would have initialized the missing ones at random
         raise SourceError(f"model '{spec}': the weights in {source.location} do not match its config.json: "
                           f"{'; '.join(problems)}")
-    own_mapped_weights(model)  # nothing stays a view of the mapped file (a layer a step replaces is freed)
     model.eval()
     restore_extras(model, source.location)
     return model, tokenizer, source
@@ -476,7 +475,6 @@ def packed_model(location: str, dtype: torch.dtype, spec: str) -> nn.Module:
     empty = [name for name, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]
     if empty:
         raise SourceError(f"model '{spec}': {len(empty)} tensor(s) missing from {location}: {', '.join(empty[:3])}")
-    own_mapped_weights(model)  # the tensors read as stored are views of the mapped file
     restore_extras(model, location)
     return model.eval()
 

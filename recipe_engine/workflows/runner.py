@@ -41,7 +41,7 @@ from ..plan.preflight import check_device, located, preflight_apply
 from ..recipe.files import LoadedRecipe, load_recipe
 from ..recipe.schema import Recipe, dump_recipe, recipe_from_dict
 from ..system.cleanup import track, untrack
-from ..system.host_memory import PeakWatch, current_rss
+from ..system.host_memory import PeakWatch, current_rss, own_mapped_weights
 from ..system.progress import Progress
 
 
@@ -215,6 +215,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
     if model is None:
         bar.phase(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
         model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
+        if not streamed and not parallel.active:  # ranks on one host share the files' unchanged pages instead
+            own_mapped_weights(model)  # a layer a step changes in place and then replaces is freed with it
         report.model = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
                                       license=source_license(source), gguf=gguf_origin(source),
                                       base_model=hub_origin(source.spec, source.kind, source.location))
