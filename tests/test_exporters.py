@@ -194,6 +194,37 @@ def test_a_packed_output_is_a_later_recipes_model_streamed_or_not(tmp_path):
 
 
 @pytest.mark.parametrize("export", ["compressed-tensors", "gptq"])
+def test_a_later_recipe_says_its_packed_source_was_written_unpacked(tmp_path, export):
+    """Reading a packed source dequantized is recorded (``model.packed``: format, bits, groups, from its
+    quantization_config); when no step quantizes, the run says in one note, under the summary and in the
+    card, that the output is unpacked; a recipe that quantizes again writes it packed and says nothing."""
+    from recipe_engine.cli.summary import print_summary
+    from rich.console import Console
+
+    _, directory = saved(tmp_path)
+    recipe_engine.apply(recipe(tmp_path, directory, [f"GPTQ<group_size:32,export:{export}>"]), progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    bits, group = (config["bits"], config["group_size"]) if export == "gptq" else \
+        (config["config_groups"]["group_0"]["weights"]["num_bits"], config["config_groups"]["group_0"]["weights"]["group_size"])
+    recipe_engine.apply(recipe(tmp_path, tmp_path / "out", ["ShortGPT<n:1>"], "later"), progress=False)
+    report = recipe_engine.load_report(tmp_path / "later")
+    assert report.model.packed == f"{export}, {bits}-bit, groups of {group}" == f"{export}, 4-bit, groups of 32"
+    (note,) = report.notes
+    assert "no step quantized, so the output is written unpacked in float32" in note
+    assert "quantization_config" not in json.loads((tmp_path / "later" / "config.json").read_text())
+    assert f"- note: {note}" in (tmp_path / "later" / "README.md").read_text()
+    console = Console(record=True, width=400)
+    print_summary(report, console)
+    assert f"note: {note}" in console.export_text()
+
+    recipe_engine.apply(recipe(tmp_path, tmp_path / "out", ["ShortGPT<n:1>", "Quantize<group_size:32>"], "again"),
+                        progress=False)
+    again = recipe_engine.load_report(tmp_path / "again")
+    assert again.model.packed == report.model.packed and again.notes == []
+    assert "quantization_config" in json.loads((tmp_path / "again" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("export", ["compressed-tensors", "gptq"])
 def test_gguf_of_a_packed_output_equals_the_gguf_of_its_dequantized_form(tmp_path, export):
     import gguf
 

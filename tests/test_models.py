@@ -145,23 +145,35 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path):
     assert gguf_cache_dir(copy) != gguf_cache_dir(first)
 
 
-
-def _mapped(path) -> bool:
-    """Whether this process maps ``path`` (``/proc/self/maps``), read independently of the engine."""
+def _mappings(paths) -> list[tuple[int, int]]:
+    """Address ranges where this process maps any of ``paths`` (``/proc/self/maps``), read independently of the
+    engine."""
     import os
     from pathlib import Path
 
-    target = os.path.realpath(path)
-    return any(len(fields) == 6 and fields[5] == target
-               for fields in (line.split(maxsplit=5) for line in Path("/proc/self/maps").read_text().splitlines()))
+    targets = {os.path.realpath(p) for p in paths}
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] in targets:
+            ranges.append(tuple(int(a, 16) for a in fields[0].split("-")))
+    return ranges
+
+
+def _mapped_tensors(module, paths) -> list[str]:
+    """The parameters and buffers of ``module`` whose memory lies in a mapping of ``paths``."""
+    ranges = _mappings(paths)
+    return [name for name, t in [*module.named_parameters(), *module.named_buffers()]
+            if any(low <= t.untyped_storage().data_ptr() < high for low, high in ranges)]
 
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_owned_weights_leave_no_view_of_the_mapped_checkpoint(tmp_path, sharded):
     """transformers keeps same-dtype tensors as views of its copy-on-write mapping of the safetensors files; a
     weight changed in place (FuseNorm) then dropped with its layer (a merge) stayed in that mapping for the run.
-    After ``own_mapped_weights`` no mapping of the files is left, the logits are HF's own load's, tied weights
-    stay tied, and every byte of the files' tensors was moved."""
+    After ``own_mapped_weights`` over the whole model no mapping of the files is left (over the layers: no layer
+    tensor in one), the logits are HF's own load's, tied weights stay tied, and every byte of the files'
+    tensors was moved."""
     import gc
 
     import torch
@@ -174,38 +186,43 @@ def test_owned_weights_leave_no_view_of_the_mapped_checkpoint(tmp_path, sharded)
     save_tiny_model(tmp_path, tie_word_embeddings=True, max_shard_size="40KB" if sharded else None)
     files = sorted(tmp_path.glob("*.safetensors"))
     assert len(files) > 1 if sharded else len(files) == 1
-    stored = 0
+    stored = layers = 0
     for file in files:
         with safe_open(str(file), "pt") as handle:
             stored += sum(handle.get_tensor(k).nbytes for k in handle.keys())
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    assert any(_mapped(f) for f in files)  # what is undone: HF's load is a view of the mapped files
+            layers += sum(handle.get_tensor(k).nbytes for k in handle.keys() if ".layers." in k)
     ids = torch.arange(24)[None]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     with torch.no_grad():
         expected = model(ids).logits
-    assert own_mapped_weights(model) == stored
+    assert _mapped_tensors(model.model.layers, files)  # what is undone: HF's load is a view of the mapped files
+    assert own_mapped_weights(model.model.layers) == layers
+    assert not _mapped_tensors(model.model.layers, files) and _mapped_tensors(model.model.embed_tokens, files)
+    assert own_mapped_weights([model]) == stored - layers
     gc.collect()
-    assert not any(_mapped(f) for f in files)
+    assert not _mappings(files)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected)
-    assert own_mapped_weights(model) == 0  # nothing left to move
+    assert own_mapped_weights([model]) == 0  # nothing left to move
 
 
 @pytest.mark.parametrize("stream", ["off", "on"])
-def test_apply_owns_an_in_memory_model_it_loads(tmp_path, monkeypatch, stream):
-    """``recipe apply`` gives the model it loads in memory its own weights before any step (no view of the
-    checkpoint left); a streamed skeleton has none to own."""
+def test_apply_owns_the_layers_of_an_in_memory_model_it_loads(tmp_path, monkeypatch, stream):
+    """``recipe apply`` gives the decoder layers of the model it loads in memory their own memory before any
+    step (no layer tensor left in a mapping of the checkpoint); a streamed skeleton has none to own."""
     import recipe_engine
     from recipe_engine.workflows import runner
     from tests.helpers import save_tiny_model
 
     save_tiny_model(tmp_path / "model")
+    files = list((tmp_path / "model").glob("*.safetensors"))
     own, checked = runner.own_mapped_weights, []
 
-    def own_then_check(model):
-        moved = own(model)
-        checked.append((moved > 0, any(_mapped(f) for f in (tmp_path / "model").glob("*.safetensors"))))
+    def own_then_check(layers):
+        layers = list(layers)
+        moved = own(layers)
+        checked.append((moved > 0, [n for layer in layers for n in _mapped_tensors(layer, files)]))
         return moved
 
     monkeypatch.setattr(runner, "own_mapped_weights", own_then_check)
@@ -214,4 +231,4 @@ def test_apply_owns_an_in_memory_model_it_loads(tmp_path, monkeypatch, stream):
                          "output": str(tmp_path / "out"), "stream": stream,
                          "calibration": {"dataset": str(tmp_path / "cal.txt"), "samples": 2, "seq_len": 16},
                          "modifiers": ["FuseNorm", {"ShortGPT": {"n": 1}}]}, progress=False)
-    assert checked == ([] if stream == "on" else [(True, False)])
+    assert checked == ([] if stream == "on" else [(True, [])])

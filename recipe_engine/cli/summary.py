@@ -64,6 +64,8 @@ def print_summary(report: Report, console: Console) -> None:
     for step in steps:  # a step's own one-line account of what it chose, under the table (too long for a cell)
         if step.result.get("headline"):
             console.print(escape(f"step {step.index} {step.modifier}: {step.result['headline']}"), soft_wrap=True)
+    for note in report.notes:
+        console.print(escape(f"note: {note}"), soft_wrap=True)
 
 
 def _same_pass(step: StepRecord, following: StepRecord | None) -> bool:

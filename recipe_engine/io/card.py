@@ -163,6 +163,7 @@ def _steps(report: Report, directory: Path) -> list[str]:
         if step.result.get("log") and (directory / step.result["log"]).is_file():
             notes.append(f"- step {step.index} {step.modifier} logged each layer in [`{step.result['log']}`]"
                          f"({step.result['log']})")
+    notes += [f"- note: {md(note)}" for note in report.notes]
     return lines + ([""] + notes if notes else [])
 
 

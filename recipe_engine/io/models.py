@@ -26,6 +26,7 @@ from ..suggest import did_you_mean
 from ..system.cleanup import MARKER, sweep_stale, temporary_directory
 from ..system.host_memory import available_memory
 from .checkpoint_reader import CheckpointReader, check_checkpoint, check_safetensors, has_weights
+from .exporters import packed_reader
 from .data import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
 from .extras import EXTRAS_JSON, restore_extras
 from .output import is_recipe_output, space_problem
@@ -458,6 +459,14 @@ def is_packed(location: str) -> bool:
     """A local checkpoint whose ``config.json`` has a ``quantization_config`` (packed weights)."""
     config = Path(location) / "config.json"
     return config.is_file() and bool(json.loads(config.read_text()).get("quantization_config"))
+
+
+def packed_description(location: str) -> str | None:
+    """How a local checkpoint's weights are packed (``compressed-tensors, 4-bit, groups of 64``), else None."""
+    if not is_packed(location):
+        return None
+    qconfig = json.loads((Path(location) / "config.json").read_text())["quantization_config"]
+    return packed_reader(qconfig).describe(qconfig)
 
 
 def packed_model(location: str, dtype: torch.dtype, spec: str) -> nn.Module:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,6 +54,8 @@ class ModelRecord(_Section):
     gguf: str | None = Field(None, description="the GGUF file the weights were converted from, if any")
     base_model: str | None = Field(None, description="the hub id the source comes from (a hub source, a builtin "
                                                      "alias's, an output's own base_model); None when unknown")
+    packed: str | None = Field(None, description="how the source's weights are packed (format, bits, groups), "
+                                                 "read dequantized; None when they are not")
 
 
 class DataRecord(_Section):
@@ -163,6 +165,9 @@ class Report(_Section):
     export: ExportRecord | None = None
     weights_sha256: str | None = Field(None, description="weights_fingerprint of the written output (format < 2: "
                                                          "absent)")
+    notes: list[str] = Field(default_factory=list, description="what the run did that its user would not "
+                                                               "assume, one sentence each (printed under the "
+                                                               "summary and in the model card)")
 
     @classmethod
     def from_data(cls, data: Any, origin: str = "report") -> "Report":
@@ -231,6 +236,7 @@ class RunReport:
     resumed: dict[str, Any] | None = None
     export: ExportRecord | None = None
     weights_sha256: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     def to_report(self) -> Report:
         """The finished report (a section never set is left out, as pydantic then requires or defaults it)."""

@@ -112,10 +112,10 @@ def _file_mappings(suffix: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def own_mapped_weights(model, suffix: str = ".safetensors") -> int:
-    """Give every parameter and buffer of ``model`` that lies in a memory-mapped checkpoint file (transformers'
-    ``from_pretrained`` maps safetensors files and keeps tensors of the same dtype as views of the mapping)
-    memory of its own, and drop the mapped pages as each is copied; returns the bytes moved.
+def own_mapped_weights(modules, suffix: str = ".safetensors") -> int:
+    """Give every parameter and buffer of ``modules`` that lies in a memory-mapped checkpoint file
+    (transformers' ``from_pretrained`` maps safetensors files and keeps tensors of the same dtype as views of
+    the mapping) memory of its own, and drop the mapped pages as each is copied; returns the bytes moved.
 
     Why: such a mapping is copy-on-write and lives as long as any tensor viewing it. A step that changes a
     weight in place (FuseNorm, GPTQ) turns its pages into anonymous copies inside the mapping; when a later
@@ -124,14 +124,16 @@ def own_mapped_weights(model, suffix: str = ".safetensors") -> int:
     ``malloc_trim`` cannot return). Owned tensors are freed like any other. The copy is tensor by tensor and
     each source range is dropped after it (``madvise(MADV_DONTNEED)``: unchanged file pages, re-read from the
     file if anything still looked), so the resident peak grows by the largest tensor, not by the model.
-    Identity is kept (``Parameter.data`` is replaced), so tied weights stay tied."""
+    Identity is kept (``Parameter.data`` is replaced), so tied weights stay tied. The engine passes the decoder
+    layers, the units steps replace: the embeddings and head stay mapped, resident only as far as they are read
+    (a run that never computes logits reads one embedding row per token)."""
     import torch  # deferred: nothing else here needs torch
 
     mappings = _file_mappings(suffix)
     if not mappings:
         return 0
     moved = 0
-    for module in model.modules():
+    for module in (inner for outer in modules for inner in outer.modules()):
         for slots in (module._parameters, module._buffers):
             for name, tensor in list(slots.items()):
                 if tensor is None:

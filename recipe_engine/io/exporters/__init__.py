@@ -75,6 +75,15 @@ class Exporter:
         """One linear's weight ``[rows, columns]`` in ``dtype`` from its packed tensors (by suffix)."""
         raise NotImplementedError
 
+    def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:
+        """The grid's bits and group size (None: one group per row) that ``quantization_config`` records."""
+        raise NotImplementedError
+
+    def describe(self, quantization_config: dict) -> str:
+        """One phrase for a checkpoint this format wrote: ``compressed-tensors, 4-bit, groups of 64``."""
+        bits, group = self.bits_and_group(quantization_config)
+        return f"{self.name}, {bits}-bit, " + (f"groups of {group}" if group else "one group per row")
+
     # -- file formats ------------------------------------------------------------------------------
     def write_file(self, directory: Path, output: Path, kind: str, *, force: bool = False, name: str | None = None,
                    origin: str | None = None, progress=None) -> dict:

@@ -80,6 +80,10 @@ class CompressedTensors(Exporter):
         (group,) = quantization_config["config_groups"].values()
         return shapes["weight_scale"][0], shapes["weight_packed"][1] * 32 // group["weights"]["num_bits"]
 
+    def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:
+        (group,) = quantization_config["config_groups"].values()
+        return group["weights"]["num_bits"], group["weights"].get("group_size")
+
     def dequantize(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int], quantization_config: dict,
                    dtype: torch.dtype) -> torch.Tensor:
         """``s (q - z)`` in fp32 (exact: ≤ 24 significant bits), then ``dtype``."""

@@ -89,6 +89,10 @@ class GPTQv1(Exporter):
     def weight_shape(self, shapes: dict[str, tuple[int, ...]], quantization_config: dict) -> tuple[int, int]:
         return shapes["scales"][1], shapes["g_idx"][0]
 
+    def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:
+        group = quantization_config.get("group_size", -1)
+        return quantization_config["bits"], None if group in (None, -1) else group
+
     def dequantize(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int], quantization_config: dict,
                    dtype: torch.dtype) -> torch.Tensor:
         """``scales[g_idx] · (q − (unpack(qzeros) + 1)[g_idx])`` in fp32 (exact), then ``dtype``."""
