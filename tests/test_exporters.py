@@ -194,12 +194,15 @@ def test_a_packed_output_is_a_later_recipes_model_streamed_or_not(tmp_path):
 
 
 @pytest.mark.parametrize("export", ["compressed-tensors", "gptq"])
-def test_a_later_recipe_says_its_packed_source_was_written_unpacked(tmp_path, export):
+def test_a_later_recipe_says_its_packed_source_was_written_unpacked(tmp_path, capsys, export):
     """Reading a packed source dequantized is recorded (``model.packed``: format, bits, groups, from its
     quantization_config); when no step quantizes, the run says in one note, under the summary and in the
     card, that the output is unpacked; a recipe that quantizes again writes it packed and says nothing."""
-    from recipe_engine.cli.summary import print_summary
+    import yaml
     from rich.console import Console
+
+    from recipe_engine.cli import main
+    from recipe_engine.cli.summary import print_summary
 
     _, directory = saved(tmp_path)
     recipe_engine.apply(recipe(tmp_path, directory, [f"GPTQ<group_size:32,export:{export}>"]), progress=False)
@@ -210,12 +213,18 @@ def test_a_later_recipe_says_its_packed_source_was_written_unpacked(tmp_path, ex
     report = recipe_engine.load_report(tmp_path / "later")
     assert report.model.packed == f"{export}, {bits}-bit, groups of {group}" == f"{export}, 4-bit, groups of 32"
     (note,) = report.notes
-    assert "no step quantized, so the output is written unpacked in float32" in note
+    assert "no step quantizes, so the output is written unpacked in float32" in note
     assert "quantization_config" not in json.loads((tmp_path / "later" / "config.json").read_text())
     assert f"- note: {note}" in (tmp_path / "later" / "README.md").read_text()
     console = Console(record=True, width=400)
     print_summary(report, console)
     assert f"note: {note}" in console.export_text()
+    for steps, said in ((["ShortGPT<n:1>"], True), (["ShortGPT<n:1>", "Quantize<group_size:32>"], False)):
+        plan = tmp_path / "plan.yaml"  # recipe plan says it before anything runs
+        plan.write_text(yaml.safe_dump(recipe(tmp_path, tmp_path / "out", steps, "unused")))
+        capsys.readouterr()
+        assert main(["plan", str(plan)]) == 0
+        assert ("note: the source's weights are packed" in " ".join(capsys.readouterr().out.split())) == said
 
     recipe_engine.apply(recipe(tmp_path, tmp_path / "out", ["ShortGPT<n:1>", "Quantize<group_size:32>"], "again"),
                         progress=False)

@@ -10,7 +10,7 @@ from ..architectures.shape import ModelShape
 from ..errors import RecipeError
 from ..execution.placement import DEVICE_SHARE
 from ..execution.steps import group_steps
-from ..io.models import exceeds_memory, load_config
+from ..io.models import exceeds_memory, load_config, local_packed_description, unpacked_output_note
 from ..recipe.schema import Recipe
 from .compiled import Passes, Plan, compile_plan
 from .estimates import plan_memory
@@ -129,6 +129,9 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
     console.print(table)
     console.print(f"total calibration passes: {format_passes(total)}"
                   + (f" (unavailable: {problem})" if total is None else ""))
+    packed = local_packed_description(recipe.model)
+    if packed and not any(step.quantizes for step in recipe.modifiers):
+        console.print(f"note: {unpacked_output_note(packed, recipe.dtype)}")
     memory = memory_plan(recipe, plan, problem)
     if "unavailable" in memory:
         console.print(f"memory estimate: unavailable ({memory['unavailable']})")

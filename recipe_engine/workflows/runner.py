@@ -28,7 +28,7 @@ from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..io.extras import save_extras
 from ..io.exporters import file_export
-from ..io.models import gguf_origin, load_model, packed_description
+from ..io.models import gguf_origin, load_model, packed_description, unpacked_output_note
 from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
 from ..io.output_lock import output_lock
 from ..io.user_paths import Target, check_targets, is_timings_log, marked
@@ -222,7 +222,9 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
                                       base_model=hub_origin(source.spec, source.kind, source.location),
                                       packed=packed_description(source.location))
         if report.model.packed:
-            bar.log(f"the source's weights are packed ({report.model.packed}): read dequantized")
+            bar.log(unpacked_output_note(report.model.packed, recipe.dtype)
+                    if not any(step.quantizes for step in recipe.modifiers) else
+                    f"the source's weights are packed ({report.model.packed}): read dequantized")
     else:
         source = None
         report.model = ModelRecord(spec=recipe.model, kind="in-memory")
@@ -264,10 +266,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
     # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
     report.stock_checkpoint = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
     if report.model.packed and not outputs.quantized:
-        report.notes.append(f"the source's weights are packed ({report.model.packed}) and were read dequantized; "
-                            f"no step quantized, so the output is written unpacked in {recipe.dtype} (the weights "
-                            f"no step changed keep the source's grid values): end the recipe with GPTQ or "
-                            f"Quantize to pack it again (each rounds anew)")
+        report.notes.append(unpacked_output_note(report.model.packed, recipe.dtype))
     gate = None
     if recipe.evaluate is not None:
         bar.phase("evaluating the compressed model")
