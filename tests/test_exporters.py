@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 import recipe_engine
 from recipe_engine.io.exporters import checkpoint_exporter, checkpoint_formats, exporters, file_formats
@@ -176,8 +177,8 @@ def test_two_gptq_steps_log_their_rows_apart(tmp_path):
 
 
 def test_a_packed_output_is_a_later_recipes_model_streamed_or_not(tmp_path):
-    """A later recipe reads the packed output dequantized (in memory and streamed from its files) and writes
-    a plain checkpoint; both ways give the same model."""
+    """A later recipe reads the packed output dequantized (in memory and streamed from its files) and, quantizing
+    nothing, writes it packed again; both ways give the same model."""
     _, directory = saved(tmp_path)
     out, _ = recipe_engine.apply(recipe(tmp_path, directory, ["GPTQ<group_size:32>"]), progress=False)
     ids = random_tokens(2, 16, vocab=VOCAB)
@@ -185,7 +186,7 @@ def test_a_packed_output_is_a_later_recipes_model_streamed_or_not(tmp_path):
     for stream in ("on", "off"):
         recipe_engine.apply(recipe(tmp_path, tmp_path / "out", ["ShortGPT<n:1>"], f"later-{stream}", stream=stream),
                             progress=False)
-        assert "quantization_config" not in json.loads((tmp_path / f"later-{stream}" / "config.json").read_text())
+        assert "quantization_config" in json.loads((tmp_path / f"later-{stream}" / "config.json").read_text())
         reloaded, _, _ = load_model(str(tmp_path / f"later-{stream}"))
         assert reloaded.config.num_hidden_layers == out.config.num_hidden_layers - 1
         with torch.no_grad():
@@ -193,44 +194,121 @@ def test_a_packed_output_is_a_later_recipes_model_streamed_or_not(tmp_path):
     torch.testing.assert_close(logits["on"], logits["off"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("export", ["compressed-tensors", "gptq"])
-def test_a_later_recipe_says_its_packed_source_was_written_unpacked(tmp_path, capsys, export):
-    """Reading a packed source dequantized is recorded (``model.packed``: format, bits, groups, from its
-    quantization_config); when no step quantizes, the run says in one note, under the summary and in the
-    card, that the output is unpacked; a recipe that quantizes again writes it packed and says nothing."""
-    import yaml
-    from rich.console import Console
-
-    from recipe_engine.cli import main
-    from recipe_engine.cli.summary import print_summary
-
+def packed_source(tmp_path, export):
+    """A tiny model quantized by GPTQ into ``export`` (the source of a later recipe), and its config's
+    ``quantization_config``."""
     _, directory = saved(tmp_path)
     recipe_engine.apply(recipe(tmp_path, directory, [f"GPTQ<group_size:32,export:{export}>"]), progress=False)
-    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
-    bits, group = (config["bits"], config["group_size"]) if export == "gptq" else \
-        (config["config_groups"]["group_0"]["weights"]["num_bits"], config["config_groups"]["group_0"]["weights"]["group_size"])
-    recipe_engine.apply(recipe(tmp_path, tmp_path / "out", ["ShortGPT<n:1>"], "later"), progress=False)
-    report = recipe_engine.load_report(tmp_path / "later")
-    assert report.model.packed == f"{export}, {bits}-bit, groups of {group}" == f"{export}, 4-bit, groups of 32"
+    return tmp_path / "out", json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+
+
+def stored(directory) -> dict[str, torch.Tensor]:
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def source_name(name: str, origin: list[list[int]]) -> str:
+    """The source tensor an output tensor came from: layer ``i`` of the output is the source's ``origin[i]``."""
+    if not name.startswith("model.layers."):
+        return name
+    index = int(name.split(".")[2])
+    return name.replace(f"model.layers.{index}.", f"model.layers.{origin[index][0]}.", 1)
+
+
+@pytest.mark.parametrize("export", ["compressed-tensors", "gptq"])
+def test_a_later_recipe_that_quantizes_nothing_writes_its_packed_source_packed_again(tmp_path, capsys, export):
+    """A recipe that only drops layers of a packed source writes the layers it keeps packed again, every tensor
+    byte for byte the source's (the source's grids carried: ``CheckpointReader.quantization_records``), with the
+    source's quantization_config, in memory and streamed alike; nothing to note. ``recipe plan`` says what
+    will happen before anything runs; a recipe with a quantizing step decides the output's grid itself."""
+    import yaml
+
+    from recipe_engine.cli import main
+
+    source, qconfig = packed_source(tmp_path, export)
+    original = stored(source)
+    for stream in ("off", "on"):
+        recipe_engine.apply(recipe(tmp_path, source, ["ShortGPT<n:1>"], f"later-{stream}", stream=stream),
+                            progress=False)
+        report = recipe_engine.load_report(tmp_path / f"later-{stream}")
+        assert report.model.packed == f"{export}, 4-bit, groups of 32" and report.notes == []
+        assert json.loads((tmp_path / f"later-{stream}" / "config.json").read_text())["quantization_config"] == qconfig
+        written = stored(tmp_path / f"later-{stream}")
+        assert len(written) == len(original) - sum(k.startswith(f"model.layers.{report.after.layers}.")
+                                                   for k in original)  # one layer fewer
+        origin = report.after.layer_origin
+        assert all(torch.equal(tensor, original[source_name(k, origin)]) for k, tensor in written.items())
+    assert (tmp_path / "later-on" / "model.safetensors").read_bytes() == \
+        (tmp_path / "later-off" / "model.safetensors").read_bytes()
+
+    for steps, said in ((["ShortGPT<n:1>"], True), (["ShortGPT<n:1>", "Quantize<group_size:32>"], False)):
+        plan = tmp_path / "plan.yaml"
+        plan.write_text(yaml.safe_dump(recipe(tmp_path, source, steps, "unused")))
+        capsys.readouterr()
+        assert main(["plan", str(plan)]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert ("note: the source's weights are packed" in out) == said
+        assert ("the linears no step changes are written packed again on their source grids" in out) == said
+    recipe_engine.apply(recipe(tmp_path, source, ["ShortGPT<n:1>", "Quantize<group_size:32>"], "again"),
+                        progress=False)
+    assert recipe_engine.load_report(tmp_path / "again").notes == []
+    again = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
+    assert again["quant_method"] == "compressed-tensors"  # Quantize's default export, not the source's
+
+
+def test_linears_a_step_changes_are_written_unpacked_beside_the_packed_ones(tmp_path):
+    """FuseNorm scales q/k/v and gate/up of every layer: those leave their grids and are written in the model
+    dtype, named in quantization_config's ignore; o_proj and down_proj stay packed, byte for byte. Plain
+    transformers (with compressed-tensors) computes the engine's logits; streamed equals in memory; the note
+    says how many of each, under the summary and in the card."""
+    from rich.console import Console
+
+    from recipe_engine.cli.summary import print_summary
+
+    source, _ = packed_source(tmp_path, "compressed-tensors")
+    original = stored(source)
+    for stream in ("off", "on"):
+        recipe_engine.apply(recipe(tmp_path, source, ["FuseNorm", "ShortGPT<n:1>"], f"later-{stream}",
+                                   stream=stream), progress=False)
+    out = tmp_path / "later-off"
+    assert (tmp_path / "later-on" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    report = recipe_engine.load_report(out)
+    layers = report.after.layers
+    changed = {f"model.layers.{i}.{p}" for i in range(layers)
+               for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert set(config["ignore"]) == changed | {"lm_head"}
+    written = stored(out)
+    kept = {k.rsplit(".", 1)[0] for k in written if k.endswith(".weight_packed")}
+    assert kept == {f"model.layers.{i}.{p}" for i in range(layers) for p in ("self_attn.o_proj", "mlp.down_proj")}
+    assert all(torch.equal(written[k], original[source_name(k, report.after.layer_origin)])
+               for k in written if k.rsplit(".", 1)[0] in kept)
     (note,) = report.notes
-    assert "no step quantizes, so the output is written unpacked in float32" in note
-    assert "quantization_config" not in json.loads((tmp_path / "later" / "config.json").read_text())
-    assert f"- note: {note}" in (tmp_path / "later" / "README.md").read_text()
+    assert note == (f"the source's weights are packed (compressed-tensors, 4-bit, groups of 32); {2 * layers} linears "
+                    f"are written packed again on their source grids, the {5 * layers} linears a step changed "
+                    f"unpacked in float32 (listed in quantization_config's ignore)")
+    assert f"- note: {note}" in (out / "README.md").read_text()
     console = Console(record=True, width=400)
     print_summary(report, console)
     assert f"note: {note}" in console.export_text()
-    for steps, said in ((["ShortGPT<n:1>"], True), (["ShortGPT<n:1>", "Quantize<group_size:32>"], False)):
-        plan = tmp_path / "plan.yaml"  # recipe plan says it before anything runs
-        plan.write_text(yaml.safe_dump(recipe(tmp_path, tmp_path / "out", steps, "unused")))
-        capsys.readouterr()
-        assert main(["plan", str(plan)]) == 0
-        assert ("note: the source's weights are packed" in " ".join(capsys.readouterr().out.split())) == said
+    ids = random_tokens(2, 16, vocab=VOCAB)
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+        ours = load_model(str(out))[0](ids).logits
+    assert torch.equal(theirs, ours)
 
-    recipe_engine.apply(recipe(tmp_path, tmp_path / "out", ["ShortGPT<n:1>", "Quantize<group_size:32>"], "again"),
-                        progress=False)
-    again = recipe_engine.load_report(tmp_path / "again")
-    assert again.model.packed == report.model.packed and again.notes == []
-    assert "quantization_config" in json.loads((tmp_path / "again" / "config.json").read_text())
+
+def test_a_gptq_source_changed_by_a_step_is_written_unpacked_and_says_why(tmp_path):
+    """GPTQ v1 has no list of linears left out: when a step changes some linears, none is packed again."""
+    source, _ = packed_source(tmp_path, "gptq")
+    recipe_engine.apply(recipe(tmp_path, source, ["FuseNorm", "ShortGPT<n:1>"], "later"), progress=False)
+    assert "quantization_config" not in json.loads((tmp_path / "later" / "config.json").read_text())
+    (note,) = recipe_engine.load_report(tmp_path / "later").notes
+    layers = recipe_engine.load_report(tmp_path / "later").after.layers
+    assert note == (f"the source's weights are packed (gptq, 4-bit, groups of 32) and were read dequantized; no step "
+                    f"quantized and none of its linears is packed again (the {5 * layers} linears a step changed; the "
+                    f"format cannot leave them out beside packed ones), so the output is written unpacked in float32: "
+                    f"end the recipe with GPTQ or Quantize to pack it (each rounds anew)")
 
 
 @pytest.mark.parametrize("export", ["compressed-tensors", "gptq"])
@@ -339,3 +417,28 @@ def test_stacked_experts_pack_as_one_matrix_into_each_experts_bytes(monkeypatch,
     assert list(together) == list(alone) and len(alone) == 3 * 2 * len(stacked)  # gate and up of each expert
     for key, value in alone.items():
         assert together[key].dtype == value.dtype and torch.equal(together[key].contiguous(), value), key
+
+
+@pytest.mark.parametrize("stream", ["off", "on"])
+def test_a_packed_source_run_resumed_after_running_out_of_memory_writes_the_same_bytes(tmp_path, monkeypatch,
+                                                                                        stream):
+    """The carried grids go into the resume checkpoints with the model (those of a layer ShortGPT dropped go
+    with it): out of memory in the step after ShortGPT, ``--resume`` writes the uninterrupted run's bytes."""
+    import yaml
+
+    from recipe_engine.cli import main
+    from recipe_engine.modifiers.fuse_norm import FuseNorm
+
+    source, _ = packed_source(tmp_path, "compressed-tensors")
+    file = tmp_path / "later.yaml"
+    file.write_text(yaml.safe_dump(recipe(tmp_path, source, ["ShortGPT<n:1>", "FuseNorm"], "unused", stream=stream)))
+    run = lambda output, *extra: main(["apply", str(file), "--output", str(tmp_path / output), "--quiet", *extra])
+    assert run("reference") == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(FuseNorm, "apply", lambda self, session: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+        assert run("resumed") == 4
+    assert run("resumed", "--resume") == 0
+    assert recipe_engine.load_report(tmp_path / "resumed").resumed is not None
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == \
+        (tmp_path / "reference" / "model.safetensors").read_bytes()
+    assert "ignore" in json.loads((tmp_path / "resumed" / "config.json").read_text())["quantization_config"]

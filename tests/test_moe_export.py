@@ -119,6 +119,14 @@ def test_a_later_recipe_reads_packed_experts_in_memory_and_streamed(tmp_path):
     experts = first.model.layers[1].mlp.experts
     assert torch.equal(a["model.layers.1.block_sparse_moe.experts.2.w2.weight"], experts.down_proj[2])
     assert torch.equal(a["model.layers.1.block_sparse_moe.experts.3.w3.weight"], experts.gate_up_proj[3].chunk(2)[1])
+    # nothing is packed again (the experts are fused in memory; an output packs every expert or none): said so
+    assert "quantization_config" not in json.loads((tmp_path / "memory" / "config.json").read_text())
+    (note,) = recipe_engine.load_report(tmp_path / "memory").notes
+    assert note.startswith("the source's weights are packed (compressed-tensors, 4-bit, groups of 16) and were read "
+                           "dequantized; no step quantized, and the engine holds a mixture-of-experts model's experts "
+                           "as fused 3-D tensors") and note.endswith("so the output is written unpacked in float32: "
+                                                                    "end the recipe with GPTQ or Quantize to pack it "
+                                                                    "(each rounds anew)")
 
 
 @pytest.mark.parametrize("model,step,message", [

@@ -311,8 +311,9 @@ class Checkpoints:
         records stored by an earlier checkpoint keep their file, new ones go to one new file (so a pass that
         quantizes layer by layer writes each record once)."""
         names = {id(m): name for name, m in session.model.named_modules()}
-        pending = [(module, record) for module, record in session.outputs.quantized.items()
-                   if id(record) not in self._quantized_files]
+        # a record of a linear a step removed since (a packed source's layer ShortGPT dropped) goes with it
+        present = {key: record for key, record in session.outputs.quantized.items() if id(key[0]) in names}
+        pending = [(module, record) for module, record in present.items() if id(record) not in self._quantized_files]
         if pending:
             tensors = {}
             for k, (_, record) in enumerate(pending):
@@ -321,7 +322,7 @@ class Checkpoints:
             for k, (_, record) in enumerate(pending):
                 self._quantized_files[id(record)] = (name, str(k), record)
         entries = []
-        for (module, _), record in session.outputs.quantized.items():
+        for (module, _), record in present.items():
             file, key, _ = self._quantized_files[id(record)]
             grid = record.grid
             dtype = str(grid.scale_dtype).removeprefix("torch.") if grid.scale_dtype else None

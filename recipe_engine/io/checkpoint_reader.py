@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..errors import RecipeError, SourceError, library_reason, reading
+from ..numerics.quantization import QuantizedLinear
 from .checkpoint_names import converted_names, converted_shapes
 from .exporters import packed_reader
 
@@ -75,16 +76,36 @@ class CheckpointReader:
                 tensors[name] = self.converted[name].build(self._read)
         return {name: tensors[name] for name in names}
 
-    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Stored tensors by name, and packed linears' weights dequantized from their parts."""
-        stored = [n for n in names if n not in self.packed]
-        stored += [part for n in names if n in self.packed for part in self.packed[n].values()]
+    def quantization_records(self) -> dict[str, QuantizedLinear]:
+        """Each packed linear's grid, scale and zero point, by its logical weight name (``<linear>.weight``), as
+        a quantizing step records them, so that a later run can write the weights no step changes packed again,
+        byte for byte; a linear whose format's layout says more than a record holds is left out."""
+        qconfig = self.config.get("quantization_config") or {}
+        records = {}
+        for name, parts in self.packed.items():
+            tensors = self._stored(list(parts.values()))
+            by_suffix = {suffix: tensors[part] for suffix, part in parts.items()}
+            shape = self.format.weight_shape({s: tuple(t.shape) for s, t in by_suffix.items()}, qconfig)
+            record = self.format.record(by_suffix, shape, qconfig)
+            if record is not None:
+                records[name] = record
+        return records
+
+    def _stored(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Tensors as stored, by name."""
         tensors: dict[str, torch.Tensor] = {}
-        by_file = itertools.groupby(sorted(stored, key=lambda n: str(self.files[n])), key=lambda n: self.files[n])
+        by_file = itertools.groupby(sorted(names, key=lambda n: str(self.files[n])), key=lambda n: self.files[n])
         for path, group in by_file:
             with reading(str(path)), safe_open(str(path), "pt") as handle:
                 for name in group:
                     tensors[name] = handle.get_tensor(name)
+        return tensors
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Stored tensors by name, and packed linears' weights dequantized from their parts."""
+        stored = [n for n in names if n not in self.packed]
+        stored += [part for n in names if n in self.packed for part in self.packed[n].values()]
+        tensors = self._stored(stored)
         dtype = checkpoint_dtype(self.config)
         for name in names:
             if name in self.packed:

@@ -469,13 +469,6 @@ def packed_description(location: str) -> str | None:
     return packed_reader(qconfig).describe(qconfig)
 
 
-def unpacked_output_note(packed: str, dtype: str) -> str:
-    """What a recipe that quantizes nothing does with a packed source (``packed_description``)."""
-    return (f"the source's weights are packed ({packed}) and are read dequantized; no step quantizes, so the output "
-            f"is written unpacked in {dtype} (the weights no step changes keep the source's grid values): end the "
-            f"recipe with GPTQ or Quantize to pack it again (each rounds anew)")
-
-
 def local_packed_description(spec: str) -> str | None:
     """``packed_description`` of a local model directory named by ``spec`` (None for any other source: a hub
     model is not fetched to say it)."""

@@ -80,26 +80,40 @@ class QuantizedLinear:
     parameter: str = "weight"
 
 
+def _grid_values(weight: torch.Tensor, record: QuantizedLinear):
+    """``(w, step, codes, fake)`` of ``weight`` on ``record``'s grid, as views ``[rows, groups, width]`` in fp64
+    (a last, partial group padded to a whole one); ``fake`` is the grid value as the weight's dtype holds it."""
+    grid, (rows, columns) = record.grid, weight.shape
+    width = grid.width(columns)
+    groups = -(-columns // width)
+    w = weight.detach().to(torch.float64)
+    if columns != groups * width:  # the padding is dropped by the callers
+        w = torch.nn.functional.pad(w, (0, groups * width - columns))
+    w = w.view(rows, groups, width)
+    step = record.scale.to(w.device, torch.float64)[:, :, None]
+    zero = record.zero.to(w.device, torch.float64)[:, :, None]
+    codes = grid.codes(w, step, zero)
+    # bf16 keeps 8 bits: int8 codes times a scale are rounded
+    return w, step, codes, (step * (codes - zero)).to(weight.dtype).to(torch.float64)
+
+
+def on_grid(weight: torch.Tensor, record: QuantizedLinear) -> bool:
+    """Whether ``weight`` is exactly ``s (q - z)`` of ``record``'s grid, as its dtype holds it (a packed source's
+    weight no step changed; any change, however small, is off the grid)."""
+    w, _, _, fake = _grid_values(weight, record)
+    return bool(torch.equal(w, fake))
+
+
 def grid_codes(name: str, weight: torch.Tensor, record: QuantizedLinear) -> torch.Tensor:
     """The integer codes ``clamp(round(w / s) + z, 0, 2^b - 1)`` of a quantized ``weight`` [rows, cols] (fp64, on
     the weight's device), computed in fp64 (a bf16 weight divided in bf16 can land on the next code). Refuses a
     weight a later step moved off its grid (e.g. merged LoRA adapters): ``s (q - z)`` rounded to the weight's
     dtype must give the weight back within 0.05 grid steps. Each group's scale and zero point broadcast over
     its columns (a view ``[rows, groups, width]``), not expanded to the weight's size."""
-    grid, (rows, columns) = record.grid, weight.shape
-    width = grid.width(columns)
-    groups = -(-columns // width)
-    w = weight.detach().to(torch.float64)
-    if columns != groups * width:  # a last, partial group: pad it to a whole one (the padding is dropped)
-        w = torch.nn.functional.pad(w, (0, groups * width - columns))
-    w = w.view(rows, groups, width)
-    step = record.scale.to(w.device, torch.float64)[:, :, None]
-    zero = record.zero.to(w.device, torch.float64)[:, :, None]
-    codes = grid.codes(w, step, zero)
-    # the grid value as the weight's dtype holds it (bf16 keeps 8 bits: int8 codes times a scale are rounded)
-    fake = (step * (codes - zero)).to(weight.dtype)
-    off = ((w - fake.to(torch.float64)).abs() / step).max()
+    rows, columns = weight.shape
+    w, step, codes, fake = _grid_values(weight, record)
+    off = ((w - fake).abs() / step).max()
     if off > 0.05:
         raise RuntimeError(f"{name}: weights are {float(off):.2f} grid steps off their quantization grid; "
                            f"a step after quantization changed them, so they cannot be packed")
-    return codes.view(rows, groups * width)[:, :columns]
+    return codes.view(rows, -1)[:, :columns]

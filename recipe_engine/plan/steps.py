@@ -8,9 +8,10 @@ from rich.table import Table
 
 from ..architectures.shape import ModelShape
 from ..errors import RecipeError
+from ..execution.packed_source import plan_note
 from ..execution.placement import DEVICE_SHARE
 from ..execution.steps import group_steps
-from ..io.models import exceeds_memory, load_config, local_packed_description, unpacked_output_note
+from ..io.models import exceeds_memory, load_config, local_packed_description
 from ..recipe.schema import Recipe
 from .compiled import Passes, Plan, compile_plan
 from .estimates import plan_memory
@@ -131,7 +132,8 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
                   + (f" (unavailable: {problem})" if total is None else ""))
     packed = local_packed_description(recipe.model)
     if packed and not any(step.quantizes for step in recipe.modifiers):
-        console.print(f"note: {unpacked_output_note(packed, recipe.dtype)}")
+        experts = plan.shapes[0].num_experts > 0 if plan is not None and plan.shapes else False
+        console.print(f"note: {plan_note(packed, recipe.dtype, experts)}")
     memory = memory_plan(recipe, plan, problem)
     if "unavailable" in memory:
         console.print(f"memory estimate: unavailable ({memory['unavailable']})")

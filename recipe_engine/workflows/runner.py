@@ -18,6 +18,7 @@ from ..execution.failures import discard_on_error, out_of_memory_named
 from ..execution.resume import MANIFEST, Checkpoints, resume_directory
 from ..execution.unit_files import model_fingerprint
 from ..execution.outputs import RunOutputs
+from ..execution.packed_source import carry_source_grids, drop_changed_grids, output_note, plan_note
 from ..execution.placement import largest_layer_bytes, offload_activations
 from ..execution.session import Session
 from ..execution.steps import run_steps
@@ -28,7 +29,8 @@ from ..io.checkpoint_writer import write_checkpoint
 from ..io.data import calibration_windows, fingerprint, load_calibration
 from ..io.extras import save_extras
 from ..io.exporters import file_export
-from ..io.models import gguf_origin, load_model, packed_description, unpacked_output_note
+from ..io.checkpoint_reader import CheckpointReader
+from ..io.models import gguf_origin, load_model, packed_description
 from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
 from ..io.output_lock import output_lock
 from ..io.user_paths import Target, check_targets, is_timings_log, marked
@@ -222,7 +224,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
                                       base_model=hub_origin(source.spec, source.kind, source.location),
                                       packed=packed_description(source.location))
         if report.model.packed:
-            bar.log(unpacked_output_note(report.model.packed, recipe.dtype)
+            bar.log(plan_note(report.model.packed, recipe.dtype, adapter_for(model.config).experts is not None)
                     if not any(step.quantizes for step in recipe.modifiers) else
                     f"the source's weights are packed ({report.model.packed}): read dequantized")
     else:
@@ -252,6 +254,9 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
                       reference_loader=_reference_loader(recipe, model, source, lambda: session),
                       stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock,
                       matches_reference=True, stock_only=recipe.export is not None)
+    uncarried = None  # a packed source's linears no step changes are written packed again (``packed_source``)
+    if report.model.packed and not any(step.quantizes for step in recipe.modifiers):
+        uncarried = carry_source_grids(session, stream.source if stream else CheckpointReader(source.location, model))
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
     if recipe.evaluate is not None and report.evaluation is None:  # a resumed run has it
@@ -265,8 +270,11 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
                                 layer_origin=[list(o) for o in session.layer_origin])
     # a step that may add a non-stock extra (declared) and did not (e.g. a choice that kept a stock model)
     report.stock_checkpoint = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
-    if report.model.packed and not outputs.quantized:
-        report.notes.append(unpacked_output_note(report.model.packed, recipe.dtype))
+    if uncarried is not None:
+        changed, cleared = drop_changed_grids(session)
+        note = output_note(report.model.packed, recipe.dtype, len(outputs.quantized), changed,
+                                  left=uncarried, cleared=cleared)
+        report.notes += [note] if note else []
     gate = None
     if recipe.evaluate is not None:
         bar.phase("evaluating the compressed model")

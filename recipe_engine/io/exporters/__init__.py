@@ -35,6 +35,8 @@ class Exporter:
     packs: ClassVar[bool] = False
     #: Packs the experts of an MoE layer too (each expert's projections as linears, under the Hub's names).
     packs_experts: ClassVar[bool] = False
+    #: A checkpoint may leave linears unquantized beside packed ones (named in its ``quantization_config``).
+    leaves_linears_out: ClassVar[bool] = False
     #: The tensors that replace ``<linear>.weight`` of a packed linear.
     suffixes: ClassVar[tuple[str, ...]] = ()
     #: File formats: the accepted ``type`` values (the first is the default) and the default file name.
@@ -74,6 +76,13 @@ class Exporter:
                    dtype: torch.dtype) -> torch.Tensor:
         """One linear's weight ``[rows, columns]`` in ``dtype`` from its packed tensors (by suffix)."""
         raise NotImplementedError
+
+    def record(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+               quantization_config: dict) -> QuantizedLinear | None:
+        """The grid, scale and zero point of one packed linear (its tensors by suffix), as a quantizing step
+        records them (so the writer packs the same bytes again); None where this format's layout says more
+        than a record holds."""
+        return None
 
     def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:
         """The grid's bits and group size (None: one group per row) that ``quantization_config`` records."""

@@ -29,6 +29,7 @@ class CompressedTensors(Exporter):
     checkpoint = True
     packs = True
     packs_experts = True  # transformers dequantizes them at load; vLLM and SGLang read them as fused-MoE weights
+    leaves_linears_out = True  # quantization_config's ignore
     suffixes = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
     def grid_problem(self, bits: int, sym: bool) -> str | None:
@@ -79,6 +80,23 @@ class CompressedTensors(Exporter):
     def weight_shape(self, shapes: dict[str, tuple[int, ...]], quantization_config: dict) -> tuple[int, int]:
         (group,) = quantization_config["config_groups"].values()
         return shapes["weight_scale"][0], shapes["weight_packed"][1] * 32 // group["weights"]["num_bits"]
+
+    def record(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+               quantization_config: dict) -> QuantizedLinear:
+        """Signed codes and zero points back on the unsigned grid (``+ 2^(b-1)``); a symmetric grid's zero
+        point is ``2^(b-1)``; the scale's stored dtype is the grid's ``scale_dtype``."""
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # deferred: as above
+
+        (group,) = quantization_config["config_groups"].values()
+        args = group["weights"]
+        bits, stored = args["num_bits"], tensors["weight_scale"]
+        grid = Grid(bits, args.get("group_size"), args["symmetric"], stored.dtype)
+        offset = 2 ** (bits - 1)
+        if "weight_zero_point" in tensors:
+            zero = unpack_from_int32(tensors["weight_zero_point"], bits, stored.shape, packed_dim=0) + offset
+        else:
+            zero = torch.full(stored.shape, offset)
+        return QuantizedLinear(grid, stored.to(torch.float32), zero.to(torch.int16), self.name)
 
     def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:
         (group,) = quantization_config["config_groups"].values()

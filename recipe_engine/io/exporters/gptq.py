@@ -89,6 +89,19 @@ class GPTQv1(Exporter):
     def weight_shape(self, shapes: dict[str, tuple[int, ...]], quantization_config: dict) -> tuple[int, int]:
         return shapes["scales"][1], shapes["g_idx"][0]
 
+    def record(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+               quantization_config: dict) -> QuantizedLinear | None:
+        """Scales and zero points (``unpack(qzeros) + 1``) as ``[rows, groups]``; None when ``g_idx`` is not
+        consecutive groups (act-order checkpoints that reorder groups)."""
+        bits, group = self.bits_and_group(quantization_config)
+        width = group or shape[1]
+        if not torch.equal(tensors["g_idx"].long(), torch.arange(shape[1]) // width):
+            return None
+        zero = unpack_words(tensors["qzeros"].t(), bits).t()[:, : shape[0]] + 1
+        grid = Grid(bits, group, bool(quantization_config.get("sym", True)), tensors["scales"].dtype)
+        return QuantizedLinear(grid, tensors["scales"].t().to(torch.float32).contiguous(),
+                               zero.t().to(torch.int16).contiguous(), self.name)
+
     def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:
         group = quantization_config.get("group_size", -1)
         return quantization_config["bits"], None if group in (None, -1) else group

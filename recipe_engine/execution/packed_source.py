@@ -1,0 +1,111 @@
+"""A packed source through a run that quantizes nothing: the linears no step changes are written packed again.
+
+A packed checkpoint (``recipe_engine.io.exporters``) is read dequantized, ``s (q - z)`` in the model dtype. When no
+step of the recipe quantizes, the source's own records (grid, scale, zero point per linear,
+``CheckpointReader.quantization_records``) are put on the run's outputs before the steps, as a quantizing step
+would record them; the writer then packs those linears into the same bytes. Before the write, a record goes
+with the layer a step removed, and with a weight a step changed (not exactly on its grid any more, ``on_grid``):
+that linear is written in the model dtype, in the ``ignore`` list of the checkpoint's ``quantization_config``
+(a format without such a list, GPTQ v1, then writes every linear unpacked). A step that quantizes decides the
+output's quantization itself, so nothing is carried then.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..io.exporters import checkpoint_exporter
+from ..numerics.quantization import on_grid
+
+
+def carry_source_grids(session, reader) -> set[str]:
+    """Record each packed linear of ``reader`` (the source checkpoint) that the model holds as a linear on
+    ``session.outputs``; returns what was not carried: ``"experts"`` (a mixture-of-experts model: nothing is
+    carried, its experts being fused into 3-D tensors at load, and the writer packs either every expert or
+    none), ``"layout"`` (a packed layout a record cannot hold, e.g. GPTQ v1 groups reordered by act-order)."""
+    if session.adapter.experts is not None:  # its experts are 3-D tensors; an output packs all of them or none
+        return {"experts"}
+    modules = dict(session.model.named_modules())
+    records = reader.quantization_records()
+    left = set()
+    for name in reader.packed:
+        module = modules.get(name.removesuffix(".weight"))
+        if not isinstance(module, nn.Linear) or name not in records:
+            left.add("layout")
+        else:
+            session.outputs.restore_quantized(module, records[name])
+    return left
+
+
+def drop_changed_grids(session) -> tuple[int, bool]:
+    """Forget the records of linears no longer in the model, and of those whose weight a step changed; returns
+    ``(changed, cleared)``: how many a step changed, and whether every record was forgotten because their format
+    cannot leave a linear out. A streamed unit still at home in the source is unchanged by construction; one a
+    step changed is read from its staging file."""
+    quantized = session.outputs.quantized
+    present = {module for module in session.model.modules()}
+    units = {}
+    if session.stream is not None:
+        units = {module: (unit, prefix) for unit in session.stream_units()
+                 for prefix, module in unit.named_modules()}
+    changed = 0
+    for key in list(quantized):
+        module, parameter = key
+        if module not in present:
+            del quantized[key]
+            continue
+        weight = _current(session, module, parameter, units)
+        if weight is not None and not on_grid(weight, quantized[key]):
+            format_ = quantized.pop(key).format
+            changed += 1
+    cleared = bool(changed and quantized) and not checkpoint_exporter(format_).leaves_linears_out
+    if cleared:
+        quantized.clear()
+    return changed, cleared
+
+
+def _current(session, module: nn.Module, parameter: str, units: dict):
+    """The weight as it is now; None for a streamed unit whose home is still the source."""
+    tensor = getattr(module, parameter)
+    if tensor.device.type != "meta":
+        return tensor.detach()
+    unit, prefix = units[module]
+    home = session.stream.home(unit)
+    if home.reader is session.stream.source:
+        return None
+    name = f"{prefix}.{parameter}" if prefix else parameter
+    return home.reader.read([home.names[name]])[home.names[name]]
+
+
+#: What a packed source's linears not carried were (``carry_source_grids``), as the notes say it.
+UNCARRIED = {"experts": "the engine holds a mixture-of-experts model's experts as fused 3-D tensors, not the "
+                        "per-expert linears its packed files hold",
+             "layout": "the linears whose packed layout the engine does not write (groups reordered by act-order)"}
+REPACK = "end the recipe with GPTQ or Quantize to pack it (each rounds anew)"
+
+
+def plan_note(packed: str, dtype: str, experts: bool) -> str:
+    """What a recipe that quantizes nothing will do with a source packed as ``packed`` (``packed_description``);
+    ``experts``: a mixture-of-experts model."""
+    read = f"the source's weights are packed ({packed}) and are read dequantized; no step quantizes"
+    if experts:
+        return f"{read}, and {UNCARRIED['experts']}, so the output is written unpacked in {dtype}: {REPACK}"
+    return (f"{read}, so the linears no step changes are written packed again on their source grids, and those a "
+            f"step changes unpacked in {dtype}")
+
+
+def output_note(packed: str, dtype: str, kept: int, changed: int, left: set[str], cleared: bool) -> str | None:
+    """What a run that quantized nothing wrote of its packed source: ``kept`` linears packed again, the ``changed``
+    ones and those ``left`` uncarried (``UNCARRIED``) unpacked; ``cleared``: the format cannot leave a linear
+    out, so none was packed again. None when every linear left is packed again (what its user assumes)."""
+    if not changed and not left:
+        return None
+    read = f"the source's weights are packed ({packed}) and were read dequantized; no step quantized"
+    if "experts" in left:
+        return f"{read}, and {UNCARRIED['experts']}, so the output is written unpacked in {dtype}: {REPACK}"
+    unpacked = " and ".join([f"the {changed} linears a step changed"] * bool(changed) + [UNCARRIED[k] for k in sorted(left)])
+    if kept:
+        return (f"the source's weights are packed ({packed}); {kept} linears are written packed again on their "
+                f"source grids, {unpacked} unpacked in {dtype} (listed in quantization_config's ignore)")
+    why = "; the format cannot leave them out beside packed ones" if cleared else ""
+    return (f"{read} and none of its linears is packed again ({unpacked}{why}), so the output is written unpacked "
+            f"in {dtype}: {REPACK}")
