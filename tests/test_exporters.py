@@ -442,3 +442,20 @@ def test_a_packed_source_run_resumed_after_running_out_of_memory_writes_the_same
     assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == \
         (tmp_path / "reference" / "model.safetensors").read_bytes()
     assert "ignore" in json.loads((tmp_path / "resumed" / "config.json").read_text())["quantization_config"]
+
+
+def test_a_packed_source_run_in_another_dtype_is_written_unpacked_and_says_why(tmp_path):
+    """compressed-tensors stores scales in the model dtype: an fp32 source's scales rounded to bf16 would pack
+    weights other than the run's, so a bf16 run packs nothing again, says why, and writes the run's weights."""
+    source, _ = packed_source(tmp_path, "compressed-tensors")
+    recipe_engine.apply(recipe(tmp_path, source, ["ShortGPT<n:1>"], "later", dtype="bfloat16"), progress=False)
+    assert "quantization_config" not in json.loads((tmp_path / "later" / "config.json").read_text())
+    (note,) = recipe_engine.load_report(tmp_path / "later").notes
+    assert note == ("the source's weights are packed (compressed-tensors, 4-bit, groups of 32) and were read "
+                    "dequantized; no step quantized and none of its linears is packed again (the linears whose scales "
+                    "the format would store in the run's dtype, not the source's), so the output is written unpacked "
+                    "in bfloat16: end the recipe with GPTQ or Quantize to pack it (each rounds anew)")
+    weights = load_model(str(source), "bfloat16")[0].state_dict()
+    report = recipe_engine.load_report(tmp_path / "later")
+    for name, tensor in stored(tmp_path / "later").items():
+        assert torch.equal(tensor, weights[source_name(name, report.after.layer_origin)]), name

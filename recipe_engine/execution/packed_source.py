@@ -21,16 +21,21 @@ def carry_source_grids(session, reader) -> set[str]:
     """Record each packed linear of ``reader`` (the source checkpoint) that the model holds as a linear on
     ``session.outputs``; returns what was not carried: ``"experts"`` (a mixture-of-experts model: nothing is
     carried, its experts being fused into 3-D tensors at load, and the writer packs either every expert or
-    none), ``"layout"`` (a packed layout a record cannot hold, e.g. GPTQ v1 groups reordered by act-order)."""
+    none), ``"layout"`` (a packed layout a record cannot hold, e.g. GPTQ v1 groups reordered by act-order),
+    ``"scales"`` (the format stores scales in the model dtype, and this run's is not the source's: the scales
+    would be rounded, and the packed weights would not be the run's)."""
     if session.adapter.experts is not None:  # its experts are 3-D tensors; an output packs all of them or none
         return {"experts"}
     modules = dict(session.model.named_modules())
     records = reader.quantization_records()
+    stored_as = reader.format.scale_dtype(session.model.dtype)
     left = set()
     for name in reader.packed:
         module = modules.get(name.removesuffix(".weight"))
         if not isinstance(module, nn.Linear) or name not in records:
             left.add("layout")
+        elif records[name].grid.scale_dtype != stored_as:
+            left.add("scales")
         else:
             session.outputs.restore_quantized(module, records[name])
     return left
@@ -79,7 +84,8 @@ def _current(session, module: nn.Module, parameter: str, units: dict):
 #: What a packed source's linears not carried were (``carry_source_grids``), as the notes say it.
 UNCARRIED = {"experts": "the engine holds a mixture-of-experts model's experts as fused 3-D tensors, not the "
                         "per-expert linears its packed files hold",
-             "layout": "the linears whose packed layout the engine does not write (groups reordered by act-order)"}
+             "layout": "the linears whose packed layout the engine does not write (groups reordered by act-order)",
+             "scales": "the linears whose scales the format would store in the run's dtype, not the source's"}
 REPACK = "end the recipe with GPTQ or Quantize to pack it (each rounds anew)"
 
 
