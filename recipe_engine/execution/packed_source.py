@@ -95,8 +95,8 @@ def plan_note(packed: str, dtype: str, experts: bool) -> str:
     read = f"the source's weights are packed ({packed}) and are read dequantized; no step quantizes"
     if experts:
         return f"{read}, and {UNCARRIED['experts']}, so the output is written unpacked in {dtype}: {REPACK}"
-    return (f"{read}, so the linears no step changes are written packed again on their source grids, and those a "
-            f"step changes unpacked in {dtype}")
+    return (f"{read}, so the linears no step changes are written packed again on their source grids (in the dtype "
+            f"the source stores its scales in), and those a step changes unpacked in {dtype}")
 
 
 def output_note(packed: str, dtype: str, kept: int, changed: int, left: set[str], cleared: bool) -> str | None:
