@@ -10,8 +10,10 @@ import contextlib
 import hashlib
 import importlib.util
 import io
+import itertools
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from ..architectures.gguf_layout import GGUF_MOE_WIDTHS
 from ..errors import SourceError, reading
 from ..suggest import did_you_mean
 from ..system.cleanup import MARKER, sweep_stale, temporary_directory
-from ..system.host_memory import available_memory
+from ..system.host_memory import available_memory, trim_heap
 from .checkpoint_reader import CheckpointReader, check_checkpoint, check_safetensors, has_weights
 from .exporters import packed_reader
 from .data import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
@@ -484,9 +486,14 @@ def packed_model(location: str, dtype: torch.dtype, spec: str) -> nn.Module:
     check_checkpoint(Path(location), model.config, spec)
     reader = CheckpointReader(location, model)  # with the model: packed experts under the Hub's names fused
     wanted = [name for name in model.state_dict() if name in reader]
-    state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-             for name, tensor in reader.read(wanted).items()}
-    model.load_state_dict(state, strict=False, assign=True)
+    # a decoder layer at a time (the rest in one part): a linear's dequantizing copies are freed before the
+    # next layer's are made, and the freed heap goes back after, so the peak is the model and one layer's
+    by_layer = itertools.groupby(wanted, key=lambda name: re.match(r"(.*\.layers\.\d+\.)?", name).group(0))
+    for _, names in by_layer:
+        state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                 for name, tensor in reader.read(list(names)).items()}
+        model.load_state_dict(state, strict=False, assign=True)
+    trim_heap()
     model.tie_weights()
     empty = [name for name, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]
     if empty:
