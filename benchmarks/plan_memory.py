@@ -15,6 +15,9 @@ Cases:
   flatten_memory    FlattenGPT (recipes/flatten20_smollm2.yaml: FuseNorm, FlattenAdjacent<n:6>, HeadPrune,
                     NystromMLP) on SmolLM2-135M in memory, fp32, 8 × 512 tokens: FuseNorm changes every layer in
                     place, then the merges and prunes replace 12 layers and the merged ones' linears
+  packed_memory     ShortGPT<n:6> in memory, fp32, 8 × 512 tokens, on a packed source: SmolLM2-135M quantized
+                    first by recipes/gptq4_smollm2.yaml (W4, groups of 64; 4 × 128 tokens, in the work directory);
+                    the row also gives the output's size
 """
 from __future__ import annotations
 
@@ -42,21 +45,37 @@ CASES = {
                                                          "--set", "evaluate.perplexity.limit=2"]),
     "flatten_memory": ("recipes/flatten20_smollm2.yaml", [*CAL, "--set", "calibration.samples=8",
                                                           "--set", "evaluate=null"]),
+    "packed_memory": ("recipes/shortgpt_smollm2.yaml", [*CAL, "--set", "stream='off'", "--set", "calibration.samples=8",
+                                                        "--set", "evaluate=null", "--set", "model={packed}"]),
 }
+#: The packed source of ``packed_memory``: the GPTQ recipe's output, made once in the work directory.
+PACKED_SOURCE = ("recipes/gptq4_smollm2.yaml", [*CAL, "--set", "calibration.samples=4", "--set", "calibration.seq_len=128",
+                                                "--set", "evaluate=null"])
+
+
+def apply(recipe: str, output: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "recipe_engine.cli", "apply", str(ROOT / recipe), "--output", str(output),
+               "--force", "--quiet", *overrides]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def run_case(name: str, work: Path) -> dict:
     recipe, overrides = CASES[name]
+    if any("{packed}" in o for o in overrides):
+        packed = work / "packed_source"
+        if not (packed / "report.json").is_file():
+            made = apply(*PACKED_SOURCE[:1], packed, PACKED_SOURCE[1])
+            if made.returncode != 0:
+                return {"case": name, "error": f"the packed source: exit {made.returncode}"}
+        overrides = [o.replace("{packed}", str(packed)) for o in overrides]
     output = work / name
-    command = [sys.executable, "-m", "recipe_engine.cli", "apply", str(ROOT / recipe), "--output", str(output),
-               "--force", "--quiet", *overrides]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = apply(recipe, output, overrides)
     if done.returncode != 0:  # recorded: an engine that fails a case says so in the table
         return {"case": name, "error": f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1]}"}
     report = json.loads((output / "report.json").read_text())
     memory = report["peak_memory"]
     return {"case": name, "peak_gib": memory["rss_mib"] / 1024, "plan_gib": memory["estimate_rss_mib"] / 1024,
+            "output_mib": sum(f.stat().st_size for f in output.glob("*.safetensors")) / 2**20,
             "steps": [{"step": s["modifier"], "peak_gib": (s["peak_rss_mib"] or 0) / 1024,
                        "plan_gib": (s.get("estimate_rss_mib") or 0) / 1024} for s in report["steps"]]}
 
@@ -75,7 +94,8 @@ def main() -> int:
         if "error" in row:
             print(f"{row['case']:18} {row['error']}")
             continue
-        print(f"{row['case']:18} {row['peak_gib']:9.2f} {row['plan_gib']:9.2f} {row['peak_gib'] / row['plan_gib']:9.2f}")
+        print(f"{row['case']:18} {row['peak_gib']:9.2f} {row['plan_gib']:9.2f} {row['peak_gib'] / row['plan_gib']:9.2f}"
+              f"   output {row['output_mib']:.0f} MiB")
         for step in row["steps"]:
             print(f"  step {step['step']:13} {step['peak_gib']:9.2f} {step['plan_gib']:9.2f}")
     path = ROOT / args.json
