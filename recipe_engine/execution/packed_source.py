@@ -47,7 +47,7 @@ def drop_changed_grids(session) -> tuple[int, bool]:
     cannot leave a linear out. A streamed unit still at home in the source is unchanged by construction; one a
     step changed is read from its staging file."""
     quantized = session.outputs.quantized
-    present = {module for module in session.model.modules()}
+    present = set(session.model.modules())
     units = {}
     if session.stream is not None:
         units = {module: (unit, prefix) for unit in session.stream_units()

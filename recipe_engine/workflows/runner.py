@@ -211,22 +211,23 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
              timings: Path | None = None, profile: Path | None = None) -> Executed:
     """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``."""
     recipe, cal, streamed = plan.recipe, plan.recipe.calibration, plan.streamed
+    quantizes = any(step.quantizes for step in recipe.modifiers)
     watch = PeakWatch()
     # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
     before_weights = current_rss() if model is None else 0
     if model is None:
         bar.phase(f"loading {recipe.model}" + (" (streamed from disk)" if streamed else ""))
         model, tokenizer, source = load_model(recipe.model, recipe.dtype, skeleton=streamed)
+        loaded = adapter_for(model.config)
         if not streamed and not parallel.active:  # ranks on one host share the files' unchanged pages instead
-            own_mapped_weights(adapter_for(model.config).layers(model))  # a replaced layer is freed with it
+            own_mapped_weights(loaded.layers(model))  # a layer a step replaces is freed with it
         report.model = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
                                       license=source_license(source), gguf=gguf_origin(source),
                                       base_model=hub_origin(source.spec, source.kind, source.location),
                                       packed=packed_description(source.location))
         if report.model.packed:
-            bar.log(plan_note(report.model.packed, recipe.dtype, adapter_for(model.config).experts is not None)
-                    if not any(step.quantizes for step in recipe.modifiers) else
-                    f"the source's weights are packed ({report.model.packed}): read dequantized")
+            bar.log(f"the source's weights are packed ({report.model.packed}): read dequantized" if quantizes
+                    else plan_note(report.model.packed, recipe.dtype, loaded.experts is not None))
     else:
         source = None
         report.model = ModelRecord(spec=recipe.model, kind="in-memory")
@@ -255,7 +256,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
                       stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock,
                       matches_reference=True, stock_only=recipe.export is not None)
     uncarried = None  # a packed source's linears no step changes are written packed again (``packed_source``)
-    if report.model.packed and not any(step.quantizes for step in recipe.modifiers):
+    if report.model.packed and not quantizes:
         uncarried = carry_source_grids(session, stream.source if stream else CheckpointReader(source.location, model))
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
@@ -272,8 +273,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
     report.stock_checkpoint = all(step.stock_output for step in recipe.modifiers) or not outputs.extras
     if uncarried is not None:
         changed, cleared = drop_changed_grids(session)
-        note = output_note(report.model.packed, recipe.dtype, len(outputs.quantized), changed,
-                                  left=uncarried, cleared=cleared)
+        note = output_note(report.model.packed, recipe.dtype, len(outputs.quantized), changed, left=uncarried,
+                           cleared=cleared)
         report.notes += [note] if note else []
     gate = None
     if recipe.evaluate is not None:
