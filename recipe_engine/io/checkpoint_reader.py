@@ -81,12 +81,14 @@ class CheckpointReader:
         a quantizing step records them, so that a later run can write the weights no step changes packed again,
         byte for byte; a linear whose format's layout says more than a record holds is left out."""
         qconfig = self.config.get("quantization_config") or {}
+        shapes = checkpoint_shapes(self.directory)  # headers: the packed weights themselves are not read
+        tensors = self._stored([part for parts in self.packed.values() for suffix, part in parts.items()
+                                if suffix in self.format.record_parts])
         records = {}
         for name, parts in self.packed.items():
-            tensors = self._stored(list(parts.values()))
-            by_suffix = {suffix: tensors[part] for suffix, part in parts.items()}
-            shape = self.format.weight_shape({s: tuple(t.shape) for s, t in by_suffix.items()}, qconfig)
-            record = self.format.record(by_suffix, shape, qconfig)
+            shape = self.format.weight_shape({suffix: shapes[part] for suffix, part in parts.items()}, qconfig)
+            record = self.format.record({suffix: tensors[part] for suffix, part in parts.items() if part in tensors},
+                                        shape, qconfig)
             if record is not None:
                 records[name] = record
         return records

@@ -39,6 +39,8 @@ class Exporter:
     leaves_linears_out: ClassVar[bool] = False
     #: The tensors that replace ``<linear>.weight`` of a packed linear.
     suffixes: ClassVar[tuple[str, ...]] = ()
+    #: Those of :attr:`suffixes` that :meth:`record` reads (not the packed codes).
+    record_parts: ClassVar[tuple[str, ...]] = ()
     #: File formats: the accepted ``type`` values (the first is the default) and the default file name.
     types: ClassVar[tuple[str, ...]] = ()
     default_file: ClassVar[str] = ""
@@ -79,9 +81,9 @@ class Exporter:
 
     def record(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
                quantization_config: dict) -> QuantizedLinear | None:
-        """The grid, scale and zero point of one packed linear (its tensors by suffix), as a quantizing step
-        records them (so the writer packs the same bytes again); None where this format's layout says more
-        than a record holds."""
+        """The grid, scale and zero point of one packed linear (its :attr:`record_parts` by suffix; ``shape``: its
+        weight's), as a quantizing step records them (so the writer packs the same bytes again); None where this
+        format's layout says more than a record holds."""
         return None
 
     def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:

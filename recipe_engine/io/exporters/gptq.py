@@ -46,6 +46,7 @@ class GPTQv1(Exporter):
     checkpoint = True
     packs = True
     suffixes = ("qweight", "qzeros", "scales", "g_idx")
+    record_parts = ("qzeros", "scales", "g_idx")
 
     def grid_problem(self, bits: int, sym: bool) -> str | None:
         if bits not in BITS:
