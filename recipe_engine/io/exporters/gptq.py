@@ -39,6 +39,11 @@ def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(-1, words.shape[1])
 
 
+def _zero_points(qzeros: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """The grid's zero points ``[groups, rows]`` from ``qzeros`` (stored minus one, packed along the rows)."""
+    return unpack_words(qzeros.t(), bits).t()[:, :rows] + 1
+
+
 @register
 class GPTQv1(Exporter):
     name = "gptq"
@@ -98,7 +103,7 @@ class GPTQv1(Exporter):
         width = group or shape[1]
         if not torch.equal(tensors["g_idx"].long(), torch.arange(shape[1]) // width):
             return None
-        zero = unpack_words(tensors["qzeros"].t(), bits).t()[:, : shape[0]] + 1
+        zero = _zero_points(tensors["qzeros"], bits, shape[0])
         grid = Grid(bits, group, bool(quantization_config.get("sym", True)), tensors["scales"].dtype)
         return QuantizedLinear(grid, tensors["scales"].t().to(torch.float32).contiguous(),
                                zero.t().to(torch.int16).contiguous(), self.name)
@@ -112,7 +117,7 @@ class GPTQv1(Exporter):
         """``scales[g_idx] · (q − (unpack(qzeros) + 1)[g_idx])`` in fp32 (exact), then ``dtype``."""
         bits = quantization_config["bits"]
         codes = unpack_words(tensors["qweight"], bits)[: shape[1]]                 # [columns, rows]
-        zeros = unpack_words(tensors["qzeros"].t(), bits).t()[:, : shape[0]] + 1    # [groups, rows]
+        zeros = _zero_points(tensors["qzeros"], bits, shape[0])                     # [groups, rows]
         g_idx = tensors["g_idx"].long()
         scales = tensors["scales"].to(torch.float32)
         weight = scales[g_idx] * (codes - zeros[g_idx]).to(torch.float32)
