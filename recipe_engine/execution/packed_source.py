@@ -45,10 +45,10 @@ def drop_changed_grids(session) -> tuple[int, bool]:
     """Forget the records of linears no longer in the model, and of those whose weight a step changed; returns
     ``(changed, cleared)``: how many a step changed, and whether every record was forgotten because their format
     cannot leave a linear out. A streamed unit still at home in the source is unchanged by construction; one a
-    step changed is read from its staging file."""
+    step changed is read once, as the writer reads it (``WeightStream.read_unit``)."""
     quantized = session.outputs.quantized
     present = set(session.model.modules())
-    units = {}
+    units, read = {}, {}
     if session.stream is not None:
         units = {module: (unit, prefix) for unit in session.stream_units()
                  for prefix, module in unit.named_modules()}
@@ -58,7 +58,7 @@ def drop_changed_grids(session) -> tuple[int, bool]:
         if module not in present:
             del quantized[key]
             continue
-        weight = _current(session, module, parameter, units)
+        weight = _current(session, module, parameter, units, read)
         if weight is not None and not on_grid(weight, quantized[key]):
             format_ = quantized.pop(key).format
             changed += 1
@@ -68,17 +68,19 @@ def drop_changed_grids(session) -> tuple[int, bool]:
     return changed, cleared
 
 
-def _current(session, module: nn.Module, parameter: str, units: dict):
-    """The weight as it is now; None for a streamed unit whose home is still the source."""
+def _current(session, module: nn.Module, parameter: str, units: dict, read: dict):
+    """The weight as it is now; None for a streamed unit whose home is still the source (``read``: the units
+    read so far)."""
     tensor = getattr(module, parameter)
     if tensor.device.type != "meta":
         return tensor.detach()
     unit, prefix = units[module]
-    home = session.stream.home(unit)
-    if home.reader is session.stream.source:
+    if session.stream.home(unit).reader is session.stream.source:
         return None
-    name = f"{prefix}.{parameter}" if prefix else parameter
-    return home.reader.read([home.names[name]])[home.names[name]]
+    if unit not in read:
+        read.clear()  # one unit held at a time (the records come unit by unit, in checkpoint order)
+        read[unit] = session.stream.read_unit(unit)
+    return read[unit][f"{prefix}.{parameter}" if prefix else parameter]
 
 
 #: What a packed source's linears not carried were (``carry_source_grids``), as the notes say it.
