@@ -343,7 +343,8 @@ class LayerPipeline:
 
     def _layer_done(self, state: PassState, index: int, last: int, checkpoints) -> None:
         state.next_layer, state.reference = index + 1, self.walk.states
-        trim_heap()  # the layer's statistics, solves and replaced weights are freed: give their pages back
+        if self.session.stream is None:  # a streamed layer's release gives them back already (``WeightStream.loaded``)
+            trim_heap()  # the layer's statistics, solves and replaced weights are freed: give their pages back
         if checkpoints is not None:
             checkpoints.layer_done(self.session, index, state)
         self.session.timings.record(**{"pass": PASS, "layer": index, "layers": last + 1})
