@@ -465,17 +465,16 @@ def is_packed(location: str) -> bool:
 
 def packed_description(location: str) -> str | None:
     """How a local checkpoint's weights are packed (``compressed-tensors, 4-bit, groups of 64``), else None."""
-    if not is_packed(location):
-        return None
-    qconfig = json.loads((Path(location) / "config.json").read_text())["quantization_config"]
-    return packed_reader(qconfig).describe(qconfig)
+    config = Path(location) / "config.json"
+    qconfig = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    return packed_reader(qconfig).describe(qconfig) if qconfig else None
 
 
 def local_packed_description(spec: str) -> str | None:
     """``packed_description`` of a local model directory named by ``spec`` (None for any other source: a hub
     model is not fetched to say it)."""
     path = Path(spec).expanduser()
-    return packed_description(str(path)) if path.is_dir() and (path / "config.json").is_file() else None
+    return packed_description(str(path)) if path.is_dir() else None
 
 
 def packed_model(location: str, dtype: torch.dtype, spec: str) -> nn.Module:
