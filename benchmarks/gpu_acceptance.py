@@ -85,8 +85,10 @@ call of their own. The MoE leg alone (about 3 minutes on one H200), with the sec
     python3 benchmarks/gpu_acceptance.py --carry .gpu --device cuda --out /dev/shm/acc --work /dev/shm/accw \
         --pack --legs offload moe --moe-layers 8 --budget 9 --detach --follow 540; cp /dev/shm/acc/*.* $OUT/
 
-(On one H200 that call took 198 s: offload 54 s, moe 127 s. `--profile` adds a torch.profiler table of a few
-of the moe run's layers to runs.tar.gz; give it a call of its own, about 150 s.)
+(On one H200 that call took 163 s: offload 70 s, moe 78 s. `--profile` adds a torch.profiler table of a few
+of the moe run's layers to runs.tar.gz; give it a call of its own, about 150 s. `--sample-host PY_SPY` (py-spy's
+static binary copied into the carried directory) samples every run's threads, the host's view: about 25 %
+slower, about 125 s for `--legs moe`.)
 
 (On CPU the same command lines with `--device cpu --tiny` and a local --work rehearse them, as the tests do.)
 
@@ -140,10 +142,8 @@ OUT = Path(".")
 # -- runs --------------------------------------------------------------------------------------------
 
 
-#: time.monotonic() by which every run must have ended (``--budget``); set by ``run``
-#: The 8B-shaped checkpoint's tokenizer: SmolLM2's (an alias, or the carried files' directory)
-#: Where the result, the logs, the timings logs and the GPU trace go (``--out``); set by ``run``
-OUT = Path(".")
+#: py-spy's executable (``--sample-host``): every ``recipe apply`` run is sampled by it; None: not sampled
+HOST_SAMPLER: str | None = None
 
 
 
@@ -170,6 +170,10 @@ def apply_recipe(recipe: dict, work: Path, timeout: float, launcher: list[str] |
                "--quiet", "--no-checkpoints", "--timings", str(timings)]
     if profile:
         command += ["--profile", str(work / f"profile-{recipe['name']}")]
+    samples = OUT / f"host-{recipe['name']}.txt"
+    if HOST_SAMPLER is not None:  # wall time by thread and frame (--idle), for host_samples.py
+        command = [HOST_SAMPLER, "record", "-r", "50", "--idle", "--threads", "--format", "raw", "-o",
+                   str(samples.with_suffix(".raw")), "--", *command]
     env = engine_env()
     if launcher:
         env["NCCL_DEBUG"] = "INFO"
@@ -181,6 +185,11 @@ def apply_recipe(recipe: dict, work: Path, timeout: float, launcher: list[str] |
         raise
     finally:
         busy = stop_trace(sampler)
+    if HOST_SAMPLER is not None and samples.with_suffix(".raw").is_file():
+        from host_samples import breakdown, read_samples
+
+        samples.write_text(breakdown(read_samples(samples.with_suffix(".raw")), 50,
+                                     ["cmd_apply", "write_checkpoint", "run_layer"], 40))
     if profile and (work / f"profile-{recipe['name']}" / "trace.json").is_file():
         from gpu_gaps import format_summary, gap_summary
 
@@ -595,7 +604,7 @@ def pack_runs(out: Path, work: Path) -> None:
 
     kept = work / "runs"
     kept.mkdir(parents=True, exist_ok=True)
-    for path in [*out.glob("timings-*.jsonl"), *out.glob("gpu-*.csv")]:
+    for path in [*out.glob("timings-*.jsonl"), *out.glob("gpu-*.csv"), *out.glob("host-*.*")]:
         shutil.move(path, kept / path.name)
     partial = out / "runs.tar.gz.partial"
     with tarfile.open(partial, "w:gz") as archive:
@@ -617,7 +626,8 @@ def default_work(out: Path, tiny: bool) -> Path:
 
 
 def run(args) -> int:
-    global OUT
+    global OUT, HOST_SAMPLER
+    HOST_SAMPLER = args.sample_host
     carry.DEADLINE = time.monotonic() + 60 * args.budget
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -715,6 +725,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="moe: profile a few layers of its run (torch.profiler; the top operations by host "
                              "and device time in runs.tar.gz; those layers' timings are slower)")
+    parser.add_argument("--sample-host", metavar="PY_SPY",
+                        help="run every recipe apply under this py-spy executable (wall time by thread and frame; "
+                             "OUT/host-NAME.txt, summarized by benchmarks/host_samples.py; peak RSS is then py-spy's)")
     parser.add_argument("--pack", action="store_true",
                         help="timings logs, GPU traces and run logs in one OUT/runs.tar.gz (few files to send back)")
     parser.add_argument("--detach", action="store_true", help="run in a new process session (log: OUT/acceptance.log)")

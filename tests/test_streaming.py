@@ -1,6 +1,7 @@
 """Streamed sessions (``stream: on``): the model is a meta-device skeleton whose layers are read from the
 checkpoint on disk and staged when changed. The streamed run must write exactly the weights of the
 in-memory run (``stream: off``) for every registered modifier, on sharded and single-file sources."""
+import hashlib
 import json
 import os
 import signal
@@ -201,9 +202,14 @@ def test_release_stages_only_changed_units(tmp_path, monkeypatch):
     assert len(list((tmp_path / "staging").iterdir())) == 1  # the obsolete staged state was deleted
     out = tmp_path / "written"
     out.mkdir()
-    files = write_checkpoint(session, out, max_shard_bytes=30_000)
+    digest = hashlib.sha256()
+    files = write_checkpoint(session, out, max_shard_bytes=30_000, digest=digest)
     assert not list((tmp_path / "staging").iterdir())  # each staged unit deleted once written
     assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
+    reread = hashlib.sha256()  # the fingerprint hashed while writing = the files read back in name order
+    for path in sorted(out.glob("*.safetensors")):
+        reread.update(path.name.encode() + b"\0" + path.read_bytes())
+    assert [p.name for p in sorted(out.glob("*.safetensors"))] == files and digest.hexdigest() == reread.hexdigest()
     written = AutoModelForCausalLM.from_pretrained(out).eval()
     assert torch.equal(written.model.layers[0].mlp.up_proj.weight, 2 * reference.model.layers[0].mlp.up_proj.weight)
     assert torch.equal(written.model.layers[3].self_attn.q_proj.weight,
@@ -298,26 +304,65 @@ def test_weight_change_after_quantizing_is_a_validation_error(tmp_path, steps, m
                              "r.yaml")
 
 
-def test_incremental_safetensors_writer_matches_the_library(tmp_path):
+@pytest.mark.parametrize("behind", [0, 1 << 30])
+def test_incremental_safetensors_writer_matches_the_library(tmp_path, monkeypatch, behind):
+    """The library reads what it wrote, whether each tensor waits for the last to be written (``behind``: 0) or
+    many wait on the writing thread; the digest is the file's sha256."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from recipe_engine.io import checkpoint_writer
     from recipe_engine.io.checkpoint_writer import write_safetensors_incrementally
+
+    monkeypatch.setattr(checkpoint_writer, "WRITE_BEHIND_BYTES", behind)
 
     generator = torch.Generator().manual_seed(0)
     tensors = {"b.weight": torch.randn(3, 5, generator=generator).to(torch.bfloat16),
                "a.bias": torch.randn(7, generator=generator), "c.ids": torch.arange(6, dtype=torch.int64).view(2, 3),
                "d.half": torch.randn(1, generator=generator).to(torch.float16)}
     layout = {name: t.to("meta") for name, t in tensors.items()}
+    digest = hashlib.sha256()
     write_safetensors_incrementally(tmp_path / "ours.safetensors", layout,
-                                    ({name: t} for name, t in tensors.items()))
+                                    ({name: t} for name, t in tensors.items()), digest)
     save_file(tensors, str(tmp_path / "lib.safetensors"), metadata={"format": "pt"})
+    assert digest.hexdigest() == hashlib.sha256((tmp_path / "ours.safetensors").read_bytes()).hexdigest()
     for file in ("ours", "lib"):
         with safe_open(str(tmp_path / f"{file}.safetensors"), "pt") as handle:
             assert handle.metadata() == {"format": "pt"}
             assert all(torch.equal(handle.get_tensor(n), t) for n, t in tensors.items())
     with pytest.raises(RuntimeError, match="got a.bias .*, expected b.weight"):
         write_safetensors_incrementally(tmp_path / "bad.safetensors", layout, iter([{"a.bias": tensors["a.bias"]}]))
+
+
+def test_a_failed_write_behind_the_packing_is_raised(tmp_path, monkeypatch):
+    """A write that fails on the writing thread (here: the disk full at the second tensor) ends the file's
+    writing with that error, not with a file that looks complete."""
+    from recipe_engine.io.checkpoint_writer import write_safetensors_incrementally
+
+    tensors = {f"t{i}.weight": torch.full((64,), float(i)) for i in range(4)}
+    real_open, writes = open, []
+
+    class DiskFull:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def write(self, data):
+            writes.append(len(data))
+            if len(writes) == 3:  # header, t0, then t1
+                raise OSError(28, "No space left on device")
+            return self.handle.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+    monkeypatch.setattr("builtins.open", lambda *a, **k: DiskFull(real_open(*a, **k)))
+    with pytest.raises(OSError, match="No space left"):
+        write_safetensors_incrementally(tmp_path / "x.safetensors", {n: t.to("meta") for n, t in tensors.items()},
+                                        ({n: t} for n, t in tensors.items()))
+    assert len(writes) == 3  # nothing written after the failure
 
 
 @pytest.mark.parametrize("model_type, tied", [("llama", False), ("qwen2", True)])

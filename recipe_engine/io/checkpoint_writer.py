@@ -15,6 +15,8 @@ its packed tensors (``<name>.weight_packed``, ``weight_scale``, ...) in place of
 from __future__ import annotations
 
 import json
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,13 +64,67 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor], chunks) -> int:
+#: Bytes handed to the file-writing thread and not yet written, at most (beyond one tensor): the next unit is
+#: packed while the last one's bytes are written and hashed.
+WRITE_BEHIND_BYTES = 1 << 30
+
+
+class _WrittenBehind:
+    """A file written, and hashed into ``digest`` (None: not hashed), by one thread behind the caller, in the
+    order the buffers are handed over (:meth:`put`); at most :data:`WRITE_BEHIND_BYTES` wait. File writes
+    and sha256 release the GIL, so the caller's next unit is read and packed meanwhile."""
+
+    def __init__(self, handle, digest):
+        self._handle, self._digest = handle, digest
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="recipe-output-writer")
+        self._pending: deque[tuple[Future, int]] = deque()
+        self._bytes = 0
+        self._failed = False
+
+    def _write(self, data) -> None:
+        if self._failed:  # nothing after a failed write: the caller raises its error
+            return
+        try:
+            self._handle.write(data)
+        except BaseException:
+            self._failed = True
+            raise
+        if self._digest is not None:
+            self._digest.update(data)
+
+    def put(self, tensor: torch.Tensor | bytes) -> None:
+        """Write ``tensor``'s bytes (a host tensor, kept alive until written) or ``bytes`` next."""
+        data = tensor if isinstance(tensor, bytes) else tensor.reshape(-1).view(torch.uint8).numpy().data
+        while self._pending and self._bytes > WRITE_BEHIND_BYTES:
+            self._wait_oldest()
+        self._pending.append((self._thread.submit(self._write, data), len(data)))
+        self._bytes += len(data)
+
+    def _wait_oldest(self) -> None:
+        done, size = self._pending.popleft()
+        self._bytes -= size
+        done.result()  # a failed write raises here
+
+    def finish(self) -> None:
+        """Wait for every write (raising the first failure); the thread ends either way."""
+        try:
+            while self._pending:
+                self._wait_oldest()
+        finally:
+            for future, _ in self._pending:
+                future.cancel()
+            self._thread.shutdown(wait=True)
+
+
+def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor], chunks, digest=None) -> int:
     """A safetensors file whose tensors arrive in ``chunks`` (an iterable of ``{name: tensor}``) and are
-    written as they come, so at most one chunk is in memory. ``layout`` (meta tensors allowed) fixes the
-    header: names in file order with dtype and shape; every chunk tensor must match it. The file format:
-    an 8-byte little-endian header length, the JSON header (``__metadata__`` plus ``dtype``, ``shape`` and
-    contiguous ``data_offsets`` per tensor, space-padded to 8 bytes), then the raw little-endian data.
-    ``safetensors.torch.save_file`` needs every tensor at once; the files are byte-compatible."""
+    written as they come, so at most one chunk (and :data:`WRITE_BEHIND_BYTES` being written) is in memory.
+    ``layout`` (meta tensors allowed) fixes the header: names in file order with dtype and shape; every
+    chunk tensor must match it. The file format: an 8-byte little-endian header length, the JSON header
+    (``__metadata__`` plus ``dtype``, ``shape`` and contiguous ``data_offsets`` per tensor, space-padded to
+    8 bytes), then the raw little-endian data. ``safetensors.torch.save_file`` needs every tensor at once;
+    the files are byte-compatible. ``digest`` (a ``hashlib`` object): updated with the file's bytes as they
+    are written, by the thread writing them."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, tensor in layout.items():
@@ -80,15 +136,18 @@ def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor],
     text += b" " * (-len(text) % 8)
     expected = iter(layout.items())
     with open(path, "wb") as handle:
-        handle.write(len(text).to_bytes(8, "little"))
-        handle.write(text)
-        for chunk in chunks:
-            for name, tensor in chunk.items():
-                want, spec = next(expected)
-                if name != want or tensor.dtype != spec.dtype or tensor.shape != spec.shape:
-                    raise RuntimeError(f"{path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype}, "
-                                       f"expected {want} {tuple(spec.shape)} {spec.dtype}")
-                handle.write(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+        behind = _WrittenBehind(handle, digest)
+        try:
+            behind.put(len(text).to_bytes(8, "little") + text)
+            for chunk in chunks:
+                for name, tensor in chunk.items():
+                    want, spec = next(expected)
+                    if name != want or tensor.dtype != spec.dtype or tensor.shape != spec.shape:
+                        raise RuntimeError(f"{path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype}, "
+                                           f"expected {want} {tuple(spec.shape)} {spec.dtype}")
+                    behind.put(tensor.detach().to("cpu").contiguous())
+        finally:
+            behind.finish()
     if next(expected, None) is not None:
         raise RuntimeError(f"{path.name}: fewer tensors written than its header lists")
     return offset
@@ -217,12 +276,14 @@ def _packed(name: str, tensor: torch.Tensor, record: QuantizedLinear) -> dict[st
     return {prefix + key: value for key, value in exporter.pack(name[: -len(".weight")], tensor, record).items()}
 
 
-def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES, digest=None) -> list[str]:
     """Write the session's model into ``directory`` (weights, config, generation config), one unit at a
     time (``write_safetensors_incrementally``), streamed or in memory, quantized linears packed; returns
-    the weight file names. A streamed unit's staging file is deleted once the unit is written (the stream
-    is finished after this), so staging and output never hold the same unit twice on disk; the next unit is
-    read ahead on a thread while one is packed and written (``WeightStream.read_ahead``)."""
+    the weight file names (in name order). A streamed unit's staging file is deleted once the unit is written
+    (the stream is finished after this), so staging and output never hold the same unit twice on disk; the
+    next unit is read ahead on a thread while one is packed, and the last one's bytes are written on another.
+    ``digest`` (a ``hashlib`` object): updated as ``report.weights_fingerprint`` reads the files (each name, a
+    NUL, its bytes), while they are written: the fingerprint without reading the output again."""
     model = session.model
     state = model.state_dict(keep_vars=True)
     quantized = _quantized_weights(session)
@@ -266,9 +327,12 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
             if unit is not None and session.stream is not None and not is_materialized(unit):
                 session.stream.discard_staged(unit)  # written: its staging file is no longer needed
 
+    assert files == sorted(files), files  # written in the fingerprint's order
     for file, shard in zip(files, shards):
         layout = {key: meta for _, names in shard for name in names for key, meta in layout_of[name].items()}
-        total += write_safetensors_incrementally(directory / file, layout, chunks(shard))
+        if digest is not None:
+            digest.update(file.encode() + b"\0")
+        total += write_safetensors_incrementally(directory / file, layout, chunks(shard), digest)
         weight_map.update({name: file for name in layout})
     if len(files) > 1:
         (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},

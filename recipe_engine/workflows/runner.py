@@ -387,10 +387,12 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
            tmp: Path) -> Report:
     """The output files, into the workspace that ``apply`` renames into place; staging data is removed.
     Returns the report as written."""
+    written = hashlib.sha256()  # the weights' fingerprint, hashed as the engine's writer writes them
     if session.streamed or outputs.quantized:
-        write_checkpoint(session, tmp)
+        files = write_checkpoint(session, tmp, digest=written)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
+        files = None
     shutil.rmtree(tmp / STAGING, ignore_errors=True)
     for filename, data in outputs.artifacts.items():
         (tmp / filename).parent.mkdir(exist_ok=True)
@@ -403,7 +405,9 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
         exporter, kind, file = file_export(recipe.export.format, recipe.export.type, recipe.export.file)
         exported = exporter.write_file(tmp, tmp / file, kind, name=recipe.name, origin=report.model.gguf)
         report.export = ExportRecord(**{**exported, "file": file})
-    report.weights_sha256 = weights_fingerprint(tmp)  # what `recipe card --eval` matches records against
+    # what `recipe card --eval` matches records against: hashed while written when those are all the weights
+    hashed = files is not None and sorted(p.name for p in tmp.glob("*.safetensors")) == files
+    report.weights_sha256 = written.hexdigest() if hashed else weights_fingerprint(tmp)
     final = report.to_report()
     if final.evaluation is not None and final.evaluation.quality_gate == "failed":
         (tmp / "QUALITY_GATE_FAILED").write_text("see report.json evaluation.retained\n")
