@@ -44,7 +44,7 @@ def out_of_memory_named(progress: Progress, resumable: Callable[[], bool]) -> It
         if memory is None:
             raise
         kept, where = resumable(), progress.where()
-        if where is not None and where.startswith("[evaluating"):  # evaluate_model: the whole model there
+        if progress.evaluating:  # evaluate_model: the whole model there
             less = "stream: on (evaluates one layer at a time) or a shorter evaluate.perplexity.seq_len"
         elif memory == "GPU":
             less = "a smaller calibration.batch_size or calibration.offload: true (activations on the host)"

@@ -91,12 +91,22 @@ UNCARRIED = {"experts": "the engine holds a mixture-of-experts model's experts a
 REPACK = "end the recipe with GPTQ or Quantize to pack it (each rounds anew)"
 
 
+def _read_note(packed: str, done: bool) -> str:
+    """The notes' opening: the source is packed and read dequantized (``done``: said after the run)."""
+    verbs = ("were", "quantized") if done else ("are", "quantizes")
+    return f"the source's weights are packed ({packed}) and {verbs[0]} read dequantized; no step {verbs[1]}"
+
+
+def _experts_note(packed: str, dtype: str, done: bool) -> str:
+    return f"{_read_note(packed, done)}, and {UNCARRIED['experts']}, so the output is written unpacked in {dtype}: {REPACK}"
+
+
 def plan_note(packed: str, dtype: str, experts: bool) -> str:
     """What a recipe that quantizes nothing will do with a source packed as ``packed`` (``packed_description``);
     ``experts``: a mixture-of-experts model."""
-    read = f"the source's weights are packed ({packed}) and are read dequantized; no step quantizes"
+    read = _read_note(packed, done=False)
     if experts:
-        return f"{read}, and {UNCARRIED['experts']}, so the output is written unpacked in {dtype}: {REPACK}"
+        return _experts_note(packed, dtype, done=False)
     return (f"{read}, so the linears no step changes are written packed again on their source grids (in the dtype "
             f"the source stores its scales in), and those a step changes unpacked in {dtype}")
 
@@ -107,9 +117,9 @@ def output_note(packed: str, dtype: str, kept: int, changed: int, left: set[str]
     out, so none was packed again. None when every linear left is packed again (what its user assumes)."""
     if not changed and not left:
         return None
-    read = f"the source's weights are packed ({packed}) and were read dequantized; no step quantized"
+    read = _read_note(packed, done=True)
     if "experts" in left:
-        return f"{read}, and {UNCARRIED['experts']}, so the output is written unpacked in {dtype}: {REPACK}"
+        return _experts_note(packed, dtype, done=True)
     unpacked = " and ".join([f"the {changed} linears a step changed"] * bool(changed) + [UNCARRIED[k] for k in sorted(left)])
     if kept:
         return (f"the source's weights are packed ({packed}); {kept} linears are written packed again on their "

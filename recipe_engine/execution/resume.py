@@ -53,6 +53,12 @@ def resume_directory(output: str) -> Path:
     return target.parent / f".{target.name}.resume"
 
 
+def has_checkpoint(output: str) -> bool:
+    """Whether the output ``output`` has a complete resume checkpoint (a data-parallel rank other than 0 asks:
+    rank 0 writes it)."""
+    return (resume_directory(output) / MANIFEST).is_file()
+
+
 class Checkpoints:
     """The resume directory of one run (see the module docstring); ``run_layer_modifiers`` checkpoints inside passes."""
 

@@ -131,7 +131,7 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
     console.print(f"total calibration passes: {format_passes(total)}"
                   + (f" (unavailable: {problem})" if total is None else ""))
     packed = local_packed_description(recipe.model)
-    if packed and not any(step.quantizes for step in recipe.modifiers):
+    if packed and not recipe.quantizes:
         experts = plan.shapes[0].num_experts > 0 if plan is not None and plan.shapes else False
         console.print(f"note: {plan_note(packed, recipe.dtype, experts)}")
     memory = memory_plan(recipe, plan, problem)

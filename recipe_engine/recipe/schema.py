@@ -138,6 +138,11 @@ class Recipe(StrictModel):
             raise ValueError("expected a list of steps")
         return [v if isinstance(v, Modifier) else parse_step(v, i) for i, v in enumerate(value)]
 
+    @property
+    def quantizes(self) -> bool:
+        """Whether a step quantizes (then a packed source is only read dequantized: ``packed_source``)."""
+        return any(step.quantizes for step in self.modifiers)
+
 
 _COMPACT = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:<(.*)>)?\s*$", re.S)
 

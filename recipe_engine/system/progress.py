@@ -68,6 +68,8 @@ class Progress:
         self.interval = interval_s() if interval is None else interval
         self._rich: RichProgress | None = None
         self._phase: str | None = None
+        #: Whether the current phase evaluates a whole model (``phase(..., evaluating=True)``).
+        self.evaluating = False
         #: The loops being tracked, outermost first: ``[description, item k of, total]`` (``where``), and the
         #: innermost one left before its end since the run last moved on (an exception closes the loops it
         #: unwinds, innermost first).
@@ -144,9 +146,10 @@ class Progress:
                 self._write(f"{phase}{description} {done}/{len(items)}, elapsed {duration(elapsed)}, "
                             f"~{duration(left)} left")
 
-    def phase(self, label: str) -> None:
-        """Log ``label`` (a step, an evaluation) and name the plain lines after it by it."""
-        self._phase, self._left = label, None
+    def phase(self, label: str, evaluating: bool = False) -> None:
+        """Log ``label`` (a step, an evaluation) and name the plain lines after it by it. ``evaluating``: the
+        phase evaluates a whole model (:attr:`evaluating`, for the advice when memory runs out)."""
+        self._phase, self._left, self.evaluating = label, None, evaluating
         self.log(label)
 
     def log(self, message: str) -> None:

@@ -15,7 +15,7 @@ from ..errors import QualityGateError, RecipeError
 from ..evaluation import evaluate_session, retained
 from ..execution.distributed import Parallel, launched
 from ..execution.failures import discard_on_error, out_of_memory_named
-from ..execution.resume import MANIFEST, Checkpoints, resume_directory
+from ..execution.resume import Checkpoints, has_checkpoint
 from ..execution.unit_files import model_fingerprint
 from ..execution.outputs import RunOutputs
 from ..execution.packed_source import carry_source_grids, drop_changed_grids, output_note, plan_note
@@ -170,7 +170,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     bar = Progress(enabled=progress and parallel.rank == 0)
     # a rank other than 0 of a data-parallel run keeps no checkpoints of its own: rank 0's directory says
     resumable = lambda: any(c is not None and c.resumable for c in owned) or (  # noqa: E731
-        parallel.rank > 0 and bool(write and keep_checkpoints) and (resume_directory(recipe.output) / MANIFEST).is_file())
+        parallel.rank > 0 and bool(write and keep_checkpoints) and has_checkpoint(recipe.output))
     with discard_on_error(owned), out_of_memory_named(bar, resumable), \
             _workspace(recipe.output, writing, force) as workdir, bar:
         run = _execute(plan, texts, parallel, model, tokenizer, report, bar, workdir, owned, resume=resume,
@@ -211,7 +211,6 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
              timings: Path | None = None, profile: Path | None = None) -> Executed:
     """Load the model (unless passed in memory), calibrate, run the plan's steps, evaluate; fills ``report``."""
     recipe, cal, streamed = plan.recipe, plan.recipe.calibration, plan.streamed
-    quantizes = any(step.quantizes for step in recipe.modifiers)
     watch = PeakWatch()
     # the runtime's floor when this run loads the model: its lazily mapped weights are not all resident yet
     before_weights = current_rss() if model is None else 0
@@ -226,7 +225,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
                                       base_model=hub_origin(source.spec, source.kind, source.location),
                                       packed=packed_description(source.location))
         if report.model.packed:
-            bar.log(f"the source's weights are packed ({report.model.packed}): read dequantized" if quantizes
+            bar.log(f"the source's weights are packed ({report.model.packed}): read dequantized" if recipe.quantizes
                     else plan_note(report.model.packed, recipe.dtype, loaded.experts is not None))
     else:
         source = None
@@ -256,12 +255,12 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
                       stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock,
                       matches_reference=True, stock_only=recipe.export is not None)
     uncarried = None  # a packed source's linears no step changes are written packed again (``packed_source``)
-    if report.model.packed and not quantizes:
+    if report.model.packed and not recipe.quantizes:
         uncarried = carry_source_grids(session, stream.source if stream else CheckpointReader(source.location, model))
     checkpoints = _checkpoints(recipe, report, source, resume, keep_checkpoints, session, file)
     owned.append(checkpoints)
     if recipe.evaluate is not None and report.evaluation is None:  # a resumed run has it
-        bar.phase("evaluating the model before compression")
+        bar.phase("evaluating the model before compression", evaluating=True)
         report.evaluation = {"before": evaluate_session(session, recipe.evaluate, bar)}
         session.timings.record(event="evaluation before")
     with profiled(session.timings, profile):
@@ -278,7 +277,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
         report.notes += [note] if note else []
     gate = None
     if recipe.evaluate is not None:
-        bar.phase("evaluating the compressed model")
+        bar.phase("evaluating the compressed model", evaluating=True)
         after = evaluate_session(session, recipe.evaluate, bar)
         session.timings.record(event="evaluation after")
         report.evaluation.update(after=after, retained=retained(report.evaluation["before"], after))

@@ -196,7 +196,7 @@ class Sweep:
     def _evaluate(self, model, tokenizer, evaluation, device, label: str) -> dict:
         """``evaluate_model`` with its own progress display (``apply`` holds one while it compresses)."""
         with Progress(enabled=self.progress) as bar:
-            bar.phase(label)
+            bar.phase(label, evaluating=True)
             return evaluate_model(model, tokenizer, evaluation, device, bar)
 
     def _add(self, row: dict[str, Any], done: set[tuple]) -> None:
