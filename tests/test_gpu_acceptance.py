@@ -295,6 +295,30 @@ def test_gpu_gaps_charges_each_idle_gap_to_its_phase_and_host_operation():
     assert gap_summary({"traceEvents": [span("cpu_op", "aten::mm", 0, 5)]}) == {"device_events": 0}
 
 
+def test_host_samples_charge_wall_time_to_threads_and_to_the_frames_under_a_phase(tmp_path):
+    """``benchmarks/host_samples.py`` on py-spy's raw lines: seconds = samples / rate per thread (the first
+    frame), and under a frame only the samples through it, each frame below counted once per sample (inclusive),
+    checked against the counts written here."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from host_samples import breakdown, read_samples, summarize
+
+    raw = tmp_path / "samples.txt"
+    raw.write_text("thread (1): MainThread;cmd_apply (c.py:1);write_checkpoint (w.py:2);pack (p.py:3) 30\n"
+                   "thread (1): MainThread;cmd_apply (c.py:1);write_checkpoint (w.py:2);write (w.py:9) 20\n"
+                   "thread (1): MainThread;cmd_apply (c.py:1);run_layer (r.py:5) 40\n"
+                   "thread (2): recipe-output-writer;_write (w.py:40);pack (p.py:3) 10\n"
+                   "malformed line without a count\n")
+    samples = read_samples(raw)
+    assert len(samples) == 4
+    text = summarize(samples, 10, "write_checkpoint", 5)
+    assert "    9.00  thread (1): MainThread" in text and "    1.00  thread (2): recipe-output-writer" in text
+    assert "under 'write_checkpoint': 5.00 s" in text
+    assert "    3.00  pack (p.py:3)" in text and "    2.00  write (w.py:9)" in text  # not the other thread's pack
+    both = breakdown(samples, 10, ["cmd_apply", "run_layer"], 5)
+    assert both.count("seconds by thread") == 1 and "under 'cmd_apply': 9.00 s" in both \
+        and "under 'run_layer': 4.00 s" in both
+
+
 def test_host_work_counts_each_launch_once_and_a_block_program_as_one_replay():
     """``benchmarks/gptq_host_work.py``'s ``Launches``: an operation that runs a kernel counts once (a product, a
     copy, a reduction), a view, an allocation and a host read count nothing, and a block program's run counts

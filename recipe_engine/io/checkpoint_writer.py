@@ -65,8 +65,9 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
 
 
 #: Bytes handed to the file-writing thread and not yet written, at most (beyond one tensor): the next unit is
-#: packed while the last one's bytes are written and hashed.
-WRITE_BEHIND_BYTES = 1 << 30
+#: packed while the last one's bytes are written and hashed. Host memory while writing is then a unit, the next
+#: one read ahead and this: below a pass's (a layer, the next read ahead, the calibration activations).
+WRITE_BEHIND_BYTES = 512 << 20
 
 
 class _WrittenBehind:

@@ -1,0 +1,87 @@
+"""How long `recipe apply` takes to write its output, for one or more engines side by side.
+
+A streamed `ShortGPT<n:1>` of a synthetic bf16 Qwen3-MoE checkpoint with Qwen3-30B-A3B's layer shape
+(benchmarks/gpu_acceptance_moe.py's writer; `--layers` of them, SmolLM2's vocabulary) writes every kept layer and
+the unquantized embeddings and head from the source: the run's `output written` record in its timings log
+(`write` seconds: the files written and `report.json`'s `weights_sha256` made), interleaved engine by engine,
+`--repeats` times. Each engine is a repository root (this one by default; an older commit in a `git worktree`).
+
+    python benchmarks/output_write.py [--engines . /tmp/before] [--layers 3] [--repeats 3] [--work DIR]
+                                      [--output-dir /dev/shm] [--json FILE]
+
+Prints a table (median and each run's seconds per engine, the output's bytes and sha256: the engines must write
+the same bytes) and writes the rows as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def write_seconds(engine: Path, recipe: Path, timings: Path) -> float:
+    """One `recipe apply` of ``recipe`` by the engine at ``engine``; the `write` seconds of its output."""
+    env = {**os.environ, "PYTHONPATH": str(engine)}
+    subprocess.run([sys.executable, "-m", "recipe_engine.cli", "apply", str(recipe), "--quiet", "--force",
+                    "--no-checkpoints", "--timings", str(timings)], cwd=engine, env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    records = [json.loads(line) for line in timings.read_text().splitlines() if line.strip()]
+    (written,) = [r for r in records if r.get("event") == "output written"]
+    return written["seconds"]["write"]
+
+
+def main() -> int:
+    import yaml
+
+    from gpu_acceptance_moe import QWEN3_30B_A3B, write_moe_checkpoint
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", nargs="+", type=Path, default=[ROOT])
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/recipe-output-write"))
+    parser.add_argument("--output-dir", type=Path, default=Path("/dev/shm"),
+                        help="where the outputs are written (memory: the write's own cost, not the disk's)")
+    parser.add_argument("--tokenizer", default=str(ROOT / ".gpu" / "b" / "tokenizer"))
+    parser.add_argument("--json", type=Path, default=Path("output_write.json"))
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    model = write_moe_checkpoint(args.work / f"qwen3-30b-a3b-{args.layers}-bf16", args.layers, "cpu", args.tokenizer,
+                                 QWEN3_30B_A3B)
+    output = args.output_dir / "recipe-output-write"
+    recipe = args.work / "write.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "version": 1, "name": "output-write", "model": str(model), "dtype": "bfloat16", "device": "cpu",
+        "stream": "on", "calibration": {"dataset": "wikipedia-sample", "samples": 2, "seq_len": 64, "batch_size": 2},
+        "modifiers": [{"ShortGPT": {"n": 1}}], "output": str(output)}, sort_keys=False))
+    rows = {str(engine): {"seconds": []} for engine in args.engines}
+    for _ in range(args.repeats):
+        for engine in args.engines:
+            row = rows[str(engine)]
+            row["seconds"].append(round(write_seconds(engine.resolve(), recipe, args.work / "timings.jsonl"), 2))
+            report = json.loads((output / "report.json").read_text())
+            row["sha256"] = report["weights_sha256"]
+            row["bytes"] = sum(p.stat().st_size for p in output.glob("*.safetensors"))
+            shutil.rmtree(output)
+    print(f"{'engine':40s} {'median s':>9s}  runs (s)              bytes          sha256")
+    for engine, row in rows.items():
+        row["median_s"] = statistics.median(row["seconds"])
+        print(f"{engine:40s} {row['median_s']:9.2f}  {str(row['seconds']):20s}  {row['bytes']:,}  {row['sha256'][:12]}")
+    args.json.write_text(json.dumps({"date": date.today().isoformat(), "machine": platform.platform(),
+                                     "threads": os.environ.get("OMP_NUM_THREADS"), "layers": args.layers,
+                                     "rows": rows}, indent=1) + "\n")
+    return 0 if len({row["sha256"] for row in rows.values()}) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
