@@ -6,7 +6,7 @@ the unquantized embeddings and head from the source: the run's `output written` 
 (`write` seconds: the files written and `report.json`'s `weights_sha256` made), interleaved engine by engine,
 `--repeats` times. Each engine is a repository root (this one by default; an older commit in a `git worktree`).
 
-    python benchmarks/output_write.py [--engines . /tmp/before] [--layers 3] [--repeats 3] [--work DIR]
+    python benchmarks/output_write.py [--engines . ../before] [--layers 3] [--repeats 3] [--work DIR]
                                       [--output-dir /dev/shm] [--json FILE]
 
 Prints a table (median and each run's seconds per engine, the output's bytes and sha256: the engines must write
