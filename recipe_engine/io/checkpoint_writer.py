@@ -71,14 +71,17 @@ WRITE_BEHIND_BYTES = 512 << 20
 
 
 class _WrittenBehind:
-    """A file written, and hashed into ``digest`` (None: not hashed), by one thread behind the caller, in the
-    order the buffers are handed over (:meth:`put`); at most :data:`WRITE_BEHIND_BYTES` wait. File writes
-    and sha256 release the GIL, so the caller's next unit is read and packed meanwhile."""
+    """A file written by one thread and hashed into ``digest`` (None: not hashed) by another, both behind the
+    caller and in the order the buffers are handed over (:meth:`put`); at most :data:`WRITE_BEHIND_BYTES` wait.
+    File writes and sha256 release the GIL, so the caller's next unit is read and packed meanwhile, and the
+    write and the hash of a buffer run side by side (on a lent H200 the output's sha256 read back took as long
+    as writing it)."""
 
     def __init__(self, handle, digest):
         self._handle, self._digest = handle, digest
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="recipe-output-writer")
-        self._pending: deque[tuple[Future, int]] = deque()
+        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"recipe-output-{role}")
+                         for role in ("writer", "hasher")[: 1 + (digest is not None)]]
+        self._pending: deque[tuple[list[Future], int]] = deque()
         self._bytes = 0
         self._failed = False
 
@@ -90,31 +93,33 @@ class _WrittenBehind:
         except BaseException:
             self._failed = True
             raise
-        if self._digest is not None:
-            self._digest.update(data)
 
     def put(self, tensor: torch.Tensor | bytes) -> None:
-        """Write ``tensor``'s bytes (a host tensor, kept alive until written) or ``bytes`` next."""
+        """Write ``tensor``'s bytes (a host tensor, kept alive until written and hashed) or ``bytes`` next."""
         data = tensor if isinstance(tensor, bytes) else tensor.reshape(-1).view(torch.uint8).numpy().data
         while self._pending and self._bytes > WRITE_BEHIND_BYTES:
             self._wait_oldest()
-        self._pending.append((self._thread.submit(self._write, data), len(data)))
+        work = [self._write] + ([self._digest.update] if self._digest is not None else [])
+        self._pending.append(([thread.submit(job, data) for thread, job in zip(self._threads, work)], len(data)))
         self._bytes += len(data)
 
     def _wait_oldest(self) -> None:
         done, size = self._pending.popleft()
         self._bytes -= size
-        done.result()  # a failed write raises here
+        for future in done:
+            future.result()  # a failed write raises here
 
     def finish(self) -> None:
-        """Wait for every write (raising the first failure); the thread ends either way."""
+        """Wait for every write and hash (raising the first failure); the threads end either way."""
         try:
             while self._pending:
                 self._wait_oldest()
         finally:
-            for future, _ in self._pending:
-                future.cancel()
-            self._thread.shutdown(wait=True)
+            for futures, _ in self._pending:
+                for future in futures:
+                    future.cancel()
+            for thread in self._threads:
+                thread.shutdown(wait=True)
 
 
 def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor], chunks, digest=None) -> int:
