@@ -182,7 +182,8 @@ def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list
                "log_rows": len(log), "peak_gpu_mib": gpu_mib, "gpu_estimate_mib": round(estimate["bytes"] / 2**20, 1),
                "peak_host_gib": round((result["watched_peak_mib"] or report.peak_memory.rss_mib) / 1024, 3),
                "timings": result["timings"], "gpu_busy": busy, "device": report.device}
-    write_s = result["timings"].get("seconds_by_step", {}).get("", {}).get("write", 0.0)
+    output = result["timings"].get("seconds_by_step", {}).get("", {})  # the output's units read, packed, written
+    write_s = sum(output.get(phase, 0.0) for phase in ("read", "pack", "write"))
     whole_run = result["wall_s"] + (gptq_s + shared + write_s) * (scale_up - 1)
     figures.update(output_write_s=round(write_s, 1), whole_run_48_layers_s=round(whole_run, 1))
     pass_busy, whole_busy_48 = pass_busy_figures(result, gptq_s + shared, whole_run, scale_up)

@@ -3,7 +3,8 @@
 A streamed `ShortGPT<n:1>` of a synthetic bf16 Qwen3-MoE checkpoint with Qwen3-30B-A3B's layer shape
 (benchmarks/gpu_acceptance_moe.py's writer; `--layers` of them, SmolLM2's vocabulary) writes every kept layer and
 the unquantized embeddings and head from the source: the run's `output written` record in its timings log
-(`write` seconds: the files written and `report.json`'s `weights_sha256` made), interleaved engine by engine,
+(its `read`, `pack` and `write` seconds: the units read, packed, the files written and `report.json`'s
+`weights_sha256` made), interleaved engine by engine,
 `--repeats` times. Each engine is a repository root (this one by default; an older commit in a `git worktree`).
 
     python benchmarks/output_write.py [--engines . ../before] [--layers 3] [--repeats 3] [--work DIR]
@@ -37,7 +38,7 @@ def write_seconds(engine: Path, recipe: Path, timings: Path) -> float:
                    stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in timings.read_text().splitlines() if line.strip()]
     (written,) = [r for r in records if r.get("event") == "output written"]
-    return written["seconds"]["write"]
+    return sum(written["seconds"].get(phase, 0.0) for phase in ("read", "pack", "write"))
 
 
 def main() -> int:

@@ -48,6 +48,8 @@ def test_a_streamed_run_records_every_layer_of_every_pass_and_its_phases_add_up(
     events = [r for r in records if r.get("event") == "step"]
     assert [r["step"] for r in events] == ["0 FlattenAdjacent", "1-3 HeadPrune, NystromMLP, GPTQ"]
     assert records[-1]["event"] == "output written"
+    # the output's record: units read back from staging or the source, packed, and the rest of the write
+    assert {"read", "pack", "write"} <= set(records[-1]["seconds"]) and records[-1]["seconds"]["pack"] > 0
     # every interval of the run's clock is charged to exactly one record and phase
     charged = sum(sum(r["seconds"].values()) for r in records)
     assert charged == pytest.approx(records[-1]["at_s"], abs=0.01 + 1e-4 * len(records))

@@ -151,7 +151,7 @@ def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor],
                     if name != want or tensor.dtype != spec.dtype or tensor.shape != spec.shape:
                         raise RuntimeError(f"{path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype}, "
                                            f"expected {want} {tuple(spec.shape)} {spec.dtype}")
-                    behind.put(tensor.detach().to("cpu").contiguous())
+                    behind.put(tensor.detach().to("cpu").contiguous())  # a no-op for write_checkpoint's
         finally:
             behind.finish()
     if next(expected, None) is not None:
@@ -316,6 +316,8 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     units = [unit for shard in shards for unit, _ in shard if unit is not None]
     following = dict(zip(units, units[1:]))  # the unit written after each: read ahead while this one is packed
 
+    clock = session.timings  # the output's record: ``read`` and ``pack`` inside the runner's ``write``
+
     def chunks(shard):
         for unit, names in shard:
             if unit is None:
@@ -324,12 +326,15 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
                         raise RuntimeError(f"{name} is neither streamed nor in memory")
                 values = {name: state[name] for name in names}
             else:
-                unit_values = _unit_values(session, unit)  # this unit's read ahead is taken first
+                with clock.phase("read"):
+                    unit_values = _unit_values(session, unit)  # this unit's read ahead is taken first
                 values = {name: unit_values[local] for name, local in names.items()}
                 if session.stream is not None and unit in following:
                     session.stream.read_ahead(following[unit])
-            yield {key: tensor for name, value in values.items()
-                   for key, tensor in _stored(name, value, quantized, rename, session.device).items()}
+            with clock.phase("pack"):
+                stored = {key: tensor.detach().to("cpu").contiguous() for name, value in values.items()
+                          for key, tensor in _stored(name, value, quantized, rename, session.device).items()}
+            yield stored
             if unit is not None and session.stream is not None and not is_materialized(unit):
                 session.stream.discard_staged(unit)  # written: its staging file is no longer needed
 
