@@ -90,6 +90,10 @@ of the moe run's layers to runs.tar.gz; give it a call of its own, about 150 s. 
 static binary copied into the carried directory) samples every run's threads, the host's view: about 25 %
 slower, about 125 s for `--legs moe`.)
 
+Two engines on one machine (timings compare only on the same machine): `git archive COMMIT recipe_engine | tar -x -C
+.gpu/b/engine-old` here, then in one call `--legs moe --keep-work --engine .gpu/b/engine-old --out /dev/shm/accA`
+followed by `--legs offload moe --out /dev/shm/accB` (same --work: the checkpoint is written once).
+
 (On CPU the same command lines with `--device cpu --tiny` and a local --work rehearse them, as the tests do.)
 
 `--pack` leaves OUT with gpu_acceptance.json and runs.tar.gz (every run's timings log, GPU trace, log and
@@ -628,6 +632,10 @@ def default_work(out: Path, tiny: bool) -> Path:
 def run(args) -> int:
     global OUT, HOST_SAMPLER
     HOST_SAMPLER = args.sample_host
+    if args.engine:
+        if not (Path(args.engine) / "recipe_engine" / "cli" / "__main__.py").is_file():
+            raise SystemExit(f"error: --engine {args.engine}: no recipe_engine package there")
+        carry.ENGINE = Path(args.engine).resolve()
     carry.DEADLINE = time.monotonic() + 60 * args.budget
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -645,7 +653,7 @@ def run(args) -> int:
                         "invocations_apart": serving.GOAL_REPEATABLE, "w4_bytes": serving.GOAL_W4_BYTES,
                         "w4_decode": serving.GOAL_W4_DECODE},
               "legs": {}, "rows": [], "complete": False}
-    result["machine"].update(work=str(work), disk_write_mb_s={str(out): disk_write_speed(out),
+    result["machine"].update(engine=str(carry.ENGINE), work=str(work), disk_write_mb_s={str(out): disk_write_speed(out),
                                                               str(work): disk_write_speed(work)})
     print(f"[{time.strftime('%H:%M:%S')}] write speed (MB/s, synced): {result['machine']['disk_write_mb_s']}",
           flush=True)
@@ -725,6 +733,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="moe: profile a few layers of its run (torch.profiler; the top operations by host "
                              "and device time in runs.tar.gz; those layers' timings are slower)")
+    parser.add_argument("--engine", metavar="DIR",
+                        help="run every recipe apply with the recipe_engine package in DIR (e.g. `git archive COMMIT "
+                             "recipe_engine | tar -x -C DIR`), this harness otherwise: two engines on one machine")
     parser.add_argument("--sample-host", metavar="PY_SPY",
                         help="run every recipe apply under this py-spy executable (wall time by thread and frame; "
                              "OUT/host-NAME.txt, summarized by benchmarks/host_samples.py; peak RSS is then py-spy's)")

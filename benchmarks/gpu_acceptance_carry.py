@@ -106,8 +106,8 @@ def prepare_carry(directory: Path) -> None:
     print(f"{directory}: a {sizes['a']:.1f} MiB, b {sizes['b']:.1f} MiB, g {sizes['g']:.1f} MiB, the working "
           f"tree {tree:.1f} MiB (a call carries b, or b and g, or a, beside the tree: 64 MiB at most)")
     if max(sizes["a"], sizes["b"] + sizes["g"]) + tree > 64:
-        raise SystemExit(f"error: a part and the working tree exceed the 64 MiB a call carries; make the "
-                         f"tree smaller (untracked files travel too) or lower PART_BYTES")
+        raise SystemExit("error: a part and the working tree exceed the 64 MiB a call carries; make the "
+                         "tree smaller (untracked files travel too) or lower PART_BYTES")
 
 
 def unpack_carry(directory: Path) -> str:
@@ -149,8 +149,13 @@ class LegError(Exception):
     """A leg's one-line failure."""
 
 
+#: The repository root whose ``recipe_engine`` every run uses (``--engine``; this one by default): an older
+#: engine's package beside this harness, for an A/B on one lent machine.
+ENGINE = ROOT
+
+
 def engine_env() -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ENGINE), os.environ.get("PYTHONPATH")) if p)}
     return {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                        "MASTER_PORT")}
 
@@ -170,7 +175,8 @@ def run_logged(command: list[str], log: Path, timeout: float, env: dict | None =
         raise LegError("no time left of --budget")
     with log.open("w") as out:
         start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env or engine_env())
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ENGINE,  # -m finds it first
+                                   env=env or engine_env())
         peak: dict = {}
         stop = threading.Event()
         threading.Thread(target=scale._watch_rss, args=(process.pid, peak, stop), daemon=True).start()

@@ -295,6 +295,26 @@ def test_gpu_gaps_charges_each_idle_gap_to_its_phase_and_host_operation():
     assert gap_summary({"traceEvents": [span("cpu_op", "aten::mm", 0, 5)]}) == {"device_events": 0}
 
 
+def test_runs_use_the_engine_named_by_engine(tmp_path, monkeypatch):
+    """``--engine DIR``: a run's ``python -m recipe_engine.cli`` is DIR's package, not this checkout's (here a
+    package that only prints where it is), and the default is this checkout's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_acceptance_carry as carry
+
+    fake = tmp_path / "engine" / "recipe_engine" / "cli"
+    fake.mkdir(parents=True)
+    (fake.parent / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text("import recipe_engine; print('engine at', recipe_engine.__file__)\n")
+    command = [sys.executable, "-m", "recipe_engine.cli"]
+    monkeypatch.setattr(carry, "ENGINE", tmp_path / "engine")
+    carry.run_logged(command, tmp_path / "other.log", 60)
+    assert (tmp_path / "other.log").read_text().strip() == f"engine at {fake.parent / '__init__.py'}"
+    monkeypatch.setattr(carry, "ENGINE", ROOT)
+    carry.run_logged([*command, "--version"], tmp_path / "this.log", 60)
+    assert "engine at" not in (tmp_path / "this.log").read_text()
+
+
 def test_host_samples_charge_wall_time_to_threads_and_to_the_frames_under_a_phase(tmp_path):
     """``benchmarks/host_samples.py`` on py-spy's raw lines: seconds = samples / rate per thread (the first
     frame), and under a frame only the samples through it, each frame below counted once per sample (inclusive),
