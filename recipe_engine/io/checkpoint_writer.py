@@ -64,7 +64,7 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-#: Bytes handed to the file-writing thread and not yet written, at most (beyond one tensor): the next unit is
+#: Bytes handed to the writing threads and not yet written, at most (beyond one tensor): the next unit is
 #: packed while the last one's bytes are written and hashed. Host memory while writing is then a unit, the next
 #: one read ahead and this: below a pass's (a layer, the next read ahead, the calibration activations).
 WRITE_BEHIND_BYTES = 512 << 20
@@ -129,8 +129,8 @@ def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor],
     chunk tensor must match it. The file format: an 8-byte little-endian header length, the JSON header
     (``__metadata__`` plus ``dtype``, ``shape`` and contiguous ``data_offsets`` per tensor, space-padded to
     8 bytes), then the raw little-endian data. ``safetensors.torch.save_file`` needs every tensor at once;
-    the files are byte-compatible. ``digest`` (a ``hashlib`` object): updated with the file's bytes as they
-    are written, by the thread writing them."""
+    the files are byte-compatible. ``digest`` (a ``hashlib`` object): updated with the file's bytes in file
+    order while they are written, by a thread beside the one writing them (:class:`_WrittenBehind`)."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, tensor in layout.items():
