@@ -40,6 +40,12 @@ TINY_MOE_LAYERS = 2
 GOAL_MOE_48_LAYERS_S = 10 * 60
 
 
+def output_write_s(seconds: dict) -> float:
+    """The output's write from its timings record's phases: units read, packed and written (an engine before the
+    split has only ``write``)."""
+    return sum(seconds.get(phase, 0.0) for phase in ("read", "pack", "write"))
+
+
 def write_moe_checkpoint(directory: Path, layers: int, device: str, tokenizer: str, shape: dict) -> Path:
     """A Qwen3-MoE checkpoint of ``shape`` with ``layers`` decoder layers, random weights (std 0.02, seed 0)
     drawn on ``device``; written into a temporary directory renamed into place, skipped when complete."""
@@ -182,8 +188,7 @@ def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list
                "log_rows": len(log), "peak_gpu_mib": gpu_mib, "gpu_estimate_mib": round(estimate["bytes"] / 2**20, 1),
                "peak_host_gib": round((result["watched_peak_mib"] or report.peak_memory.rss_mib) / 1024, 3),
                "timings": result["timings"], "gpu_busy": busy, "device": report.device}
-    output = result["timings"].get("seconds_by_step", {}).get("", {})  # the output's units read, packed, written
-    write_s = sum(output.get(phase, 0.0) for phase in ("read", "pack", "write"))
+    write_s = output_write_s(result["timings"].get("seconds_by_step", {}).get("", {}))
     whole_run = result["wall_s"] + (gptq_s + shared + write_s) * (scale_up - 1)
     figures.update(output_write_s=round(write_s, 1), whole_run_48_layers_s=round(whole_run, 1))
     pass_busy, whole_busy_48 = pass_busy_figures(result, gptq_s + shared, whole_run, scale_up)

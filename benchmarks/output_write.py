@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from gpu_acceptance_moe import QWEN3_30B_A3B, output_write_s, write_moe_checkpoint  # noqa: E402 (the path above)
+
 
 def write_seconds(engine: Path, recipe: Path, timings: Path) -> float:
     """One `recipe apply` of ``recipe`` by the engine at ``engine``; the `write` seconds of its output."""
@@ -38,13 +40,11 @@ def write_seconds(engine: Path, recipe: Path, timings: Path) -> float:
                    stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in timings.read_text().splitlines() if line.strip()]
     (written,) = [r for r in records if r.get("event") == "output written"]
-    return sum(written["seconds"].get(phase, 0.0) for phase in ("read", "pack", "write"))
+    return output_write_s(written["seconds"])
 
 
 def main() -> int:
     import yaml
-
-    from gpu_acceptance_moe import QWEN3_30B_A3B, write_moe_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", nargs="+", type=Path, default=[ROOT])

@@ -60,9 +60,11 @@ def drop_changed_grids(session) -> tuple[int, bool]:
             continue
         weight = _current(session, module, parameter, units, read)
         if weight is not None and not on_grid(weight, quantized[key]):
-            format_ = quantized.pop(key).format
+            del quantized[key]
             changed += 1
-    cleared = bool(changed and quantized) and not checkpoint_exporter(format_).leaves_linears_out
+    # the records left are the source's, all of one format: can it leave the changed linears out?
+    cleared = bool(changed and quantized) \
+        and not checkpoint_exporter(next(iter(quantized.values())).format).leaves_linears_out
     if cleared:
         quantized.clear()
     return changed, cleared

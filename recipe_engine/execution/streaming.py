@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..io.checkpoint_reader import CheckpointReader, is_materialized
-from ..system.host_memory import release_freed_memory_eagerly, trim_heap
+from ..system.host_memory import PAGE_BYTES, release_freed_memory_eagerly, trim_heap
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,6 @@ class StagedFile:
         with safe_open(str(self.path), "pt") as handle:
             return {name: handle.get_tensor(name) for name in names}
 
-
-#: Bytes of a page: touching one value per page reads a memory-mapped tensor's pages from disk.
-PAGE_BYTES = 4096
 
 
 def _read_paged_in(reader, names: list[str]) -> dict[str, torch.Tensor]:

@@ -78,9 +78,11 @@ class _WrittenBehind:
     as writing it)."""
 
     def __init__(self, handle, digest):
-        self._handle, self._digest = handle, digest
-        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"recipe-output-{role}")
-                         for role in ("writer", "hasher")[: 1 + (digest is not None)]]
+        self._handle = handle
+        #: (thread, what it does with each buffer): the file's writer, and the hasher when there is a digest
+        hasher = [("hasher", digest.update)] if digest is not None else []
+        self._jobs = [(ThreadPoolExecutor(1, thread_name_prefix=f"recipe-output-{role}"), job)
+                      for role, job in [("writer", self._write), *hasher]]
         self._pending: deque[tuple[list[Future], int]] = deque()
         self._bytes = 0
         self._failed = False
@@ -99,8 +101,7 @@ class _WrittenBehind:
         data = tensor if isinstance(tensor, bytes) else tensor.reshape(-1).view(torch.uint8).numpy().data
         while self._pending and self._bytes > WRITE_BEHIND_BYTES:
             self._wait_oldest()
-        work = [self._write] + ([self._digest.update] if self._digest is not None else [])
-        self._pending.append(([thread.submit(job, data) for thread, job in zip(self._threads, work)], len(data)))
+        self._pending.append(([thread.submit(job, data) for thread, job in self._jobs], len(data)))
         self._bytes += len(data)
 
     def _wait_oldest(self) -> None:
@@ -118,7 +119,7 @@ class _WrittenBehind:
             for futures, _ in self._pending:
                 for future in futures:
                     future.cancel()
-            for thread in self._threads:
+            for thread, _ in self._jobs:
                 thread.shutdown(wait=True)
 
 

@@ -457,16 +457,20 @@ def load_model(spec: str, dtype: str = "float32", skeleton: bool = False):
     return model, tokenizer, source
 
 
+def _quantization_config(location: str) -> dict | None:
+    """The ``quantization_config`` of a local checkpoint's ``config.json`` (None: none, or no such file)."""
+    config = Path(location) / "config.json"
+    return json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+
+
 def is_packed(location: str) -> bool:
     """A local checkpoint whose ``config.json`` has a ``quantization_config`` (packed weights)."""
-    config = Path(location) / "config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("quantization_config"))
+    return bool(_quantization_config(location))
 
 
 def packed_description(location: str) -> str | None:
     """How a local checkpoint's weights are packed (``compressed-tensors, 4-bit, groups of 64``), else None."""
-    config = Path(location) / "config.json"
-    qconfig = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    qconfig = _quantization_config(location)
     return packed_reader(qconfig).describe(qconfig) if qconfig else None
 
 

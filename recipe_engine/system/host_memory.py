@@ -94,6 +94,7 @@ def trim_heap() -> bool:
 
 #: Linux's ``MADV_DONTNEED``: drop a range's pages from this process (a private file mapping re-reads the file).
 MADV_DONTNEED = 4
+#: Bytes of a page (the unit ``madvise`` drops, and a memory-mapped tensor's pages are read from disk in).
 PAGE_BYTES = 4096
 
 
