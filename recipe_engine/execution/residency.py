@@ -71,7 +71,7 @@ class Residency:
         computes (a pass goes on to it next: ``WeightStream.read_ahead``)."""
         with block:
             if following is not None:
-                self.session.stream.read_ahead(following)
+                self.session.stream.read_ahead(following, self.session.device)
             yield
 
     @contextlib.contextmanager

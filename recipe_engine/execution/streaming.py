@@ -74,12 +74,17 @@ class StagedFile:
 
 
 
-def _read_paged_in(reader, names: list[str]) -> dict[str, torch.Tensor]:
+def _read_paged_in(reader, names: list[str], pinned: bool = False) -> dict[str, torch.Tensor]:
     """``reader.read(names)`` with every page of the tensors read in: a checkpoint's tensors are memory-mapped
     views whose pages the disk delivers only when first touched, so one value per page is summed here (on the
     read-ahead thread) and the materializing copy later runs at memory speed. Adds no memory of its own: the
-    pages are the file's, in the page cache."""
+    pages are the file's, in the page cache. ``pinned`` (a unit bound for a GPU): the tensors are copied into
+    page-locked host memory instead (torch's caching host allocator: the next unit reuses the blocks), so the
+    copy to the device runs at the bus's speed, not through the driver's pageable staging (1.2 GB: ~0.25 s →
+    ~0.05 s on an H200); the host then holds the unit once more than the page cache does."""
     values = reader.read(names)
+    if pinned:
+        return {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for name, t in values.items()}
     for tensor in values.values():
         if tensor.numel() and tensor.is_contiguous():
             tensor.view(-1)[:: max(1, PAGE_BYTES // tensor.element_size())].sum()
@@ -178,16 +183,17 @@ class WeightStream:
         self._retie()
         self._loaded[unit] = self._versions(unit)
 
-    def read_ahead(self, unit: nn.Module) -> None:
+    def read_ahead(self, unit: nn.Module, device: torch.device = torch.device("cpu")) -> None:
         """Start reading a released ``unit``'s tensors from its home on a thread (the next layer of a pass,
-        while this one computes); ``materialize`` takes them. Replaces an earlier read-ahead not yet taken."""
+        while this one computes); ``materialize`` takes them. Replaces an earlier read-ahead not yet taken.
+        ``device``: where they go next (a GPU: read into pinned host memory, ``_read_paged_in``)."""
         if unit in self._loaded or is_materialized(unit) or unit not in self._homes:
             return
         if self._ahead is not None and self._ahead[0]() is unit:
             return
         home = self._homes[unit]
         self._reader = self._reader or ThreadPoolExecutor(1, thread_name_prefix="recipe-read-ahead")
-        read = self._reader.submit(_read_paged_in, home.reader, list(home.names.values()))
+        read = self._reader.submit(_read_paged_in, home.reader, list(home.names.values()), device.type == "cuda")
         self._ahead = (weakref.ref(unit), home, read)
 
     def drop_read_ahead(self) -> None:
@@ -364,7 +370,7 @@ def forward_streamed(session, device: torch.device) -> Iterator[None]:
             block = session.stream.loaded(self.units, device)
             block.__enter__()
             open_blocks.append(block)
-            session.stream.read_ahead(self.following)  # the unit whose forward comes next
+            session.stream.read_ahead(self.following, device)  # the unit whose forward comes next
             return send_to_device(args, device), send_to_device(kwargs, device)
 
         def post_forward(self, module, output):

@@ -331,7 +331,7 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
                     unit_values = _unit_values(session, unit)  # this unit's read ahead is taken first
                 values = {name: unit_values[local] for name, local in names.items()}
                 if session.stream is not None and unit in following:
-                    session.stream.read_ahead(following[unit])
+                    session.stream.read_ahead(following[unit], session.device)  # packed there
             with clock.phase("pack"):
                 stored = {key: tensor.detach().to("cpu").contiguous() for name, value in values.items()
                           for key, tensor in _stored(name, value, quantized, rename, session.device).items()}
