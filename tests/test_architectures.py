@@ -208,3 +208,19 @@ def test_shape_takes_qkv_biases_from_the_adapter():
         config = AutoConfig.for_model(model_type, num_hidden_layers=2)
         assert ModelShape.from_config(config).qkv_bias == adapter.qkv_bias, model_type
     assert ModelShape.from_config(AutoConfig.for_model("llama", num_hidden_layers=2, attention_bias=True)).qkv_bias
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_layer_tensors_are_the_tensors_hf_builds(model_type):
+    """``ModelShape.layer_tensors`` (the plan's pinned host copies round each tensor up on its own) lists a
+    decoder layer's tensors as transformers builds them: the same element counts, tensor by tensor (a fused
+    projection, Phi-3's qkv and gate/up, is one tensor there and counted as its parts here: the same total)."""
+    config = tiny_config(model_type, num_hidden_layers=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    built = sorted(t.numel() for t in model.model.layers[0].state_dict().values())
+    shape = ModelShape.from_config(config)
+    counted = sorted(shape.layer_tensors(shape.layers[0]))
+    assert sum(counted) == sum(built) == shape.layer_parameters(shape.layers[0])
+    if model_type != "phi3":
+        assert counted == built

@@ -426,6 +426,37 @@ def test_device_estimate_counts_an_in_memory_evaluation(tmp_path, streamed):
 
 
 @pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_memory_estimate_on_a_cuda_gpu_counts_its_runtime_and_pinned_copies(tmp_path, streamed, model_type):
+    """On a CUDA GPU the host also holds the runtime's own share and, in a streamed pass, two page-locked copies
+    of the largest layer (read ahead, on its way to staging), each tensor rounded up to a power of two: the
+    difference to the same plan without the GPU, checked against the tensors HF builds for a layer."""
+    import math
+
+    from recipe_engine.plan.estimates import ACCELERATOR_RUNTIME_BYTES, estimate, unmeasured_accelerator_runtime
+    from recipe_engine.recipe.schema import recipe_from_dict
+    from tests.helpers import tiny_config
+
+    config = tiny_config(model_type, num_hidden_layers=4)
+    data = {**recipe(tmp_path, tmp_path, ["GPTQ<group_size:16>"], "on", "m"), "dtype": "bfloat16"}
+    for on_device in (False, True):
+        plain = estimate(recipe_from_dict(data), config, streamed, runtime=100, on_device=on_device)
+        on_gpu = estimate(recipe_from_dict(data), config, streamed, runtime=100, on_device=on_device,
+                          accelerator=True)
+        with torch.device("meta"):
+            layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+        pinned = sum(2 ** math.ceil(math.log2(t.numel() * 2)) for t in layer.state_dict().values())
+        assert on_gpu.accelerator_runtime_bytes == ACCELERATOR_RUNTIME_BYTES and plain.accelerator_runtime_bytes == 0
+        assert [s.pinned_bytes for s in on_gpu.steps] == [2 * pinned if streamed else 0]
+        assert on_gpu.steps[0].host_bytes - plain.steps[0].host_bytes == \
+            ACCELERATOR_RUNTIME_BYTES + (2 * pinned if streamed else 0)
+        assert on_gpu.host_peak_bytes > plain.host_peak_bytes and on_gpu.device_peak_bytes == plain.device_peak_bytes
+    assert unmeasured_accelerator_runtime(torch.device("cpu")) == 0
+    if not torch.cuda.is_available():  # a process that has not started CUDA: its measured runtime lacks it
+        assert unmeasured_accelerator_runtime(torch.device("cuda")) == ACCELERATOR_RUNTIME_BYTES
+
+
+@pytest.mark.parametrize("streamed", [False, True])
 def test_memory_estimate_with_the_activations_on_a_device(tmp_path, capsys, streamed):
     """With the activations on an accelerator the host holds the runtime and the weights a step holds (a
     streamed run: at least the embedding), and the device the activations (4 sets of the calibration

@@ -62,13 +62,18 @@ class ExpertLayout:
         down = self.experts(layer).down_proj
         return down.shape[1] if self.transposed else down.shape[2]
 
+    def mlp_tensors(self, hidden: int, width: int, experts: int, shared: int = 0) -> list[int]:
+        """Elements of each tensor of one MoE MLP: the fused gate/up and down of every expert, the router, the
+        biases, and a shared expert of width ``shared`` (gate, up, down) with its gate."""
+        tensors = [experts * 2 * width * hidden, experts * hidden * width, experts * hidden]
+        tensors += [experts] if self.router_bias else []
+        tensors += [experts * 2 * width, experts * hidden] if self.biases else []
+        tensors += [hidden * shared] * 3 + [hidden] if shared else []
+        return tensors
+
     def mlp_parameters(self, hidden: int, width: int, experts: int, shared: int = 0) -> int:
-        """Parameters of one MoE MLP: every expert's gate, up and down, the router, the biases, and a shared
-        expert of width ``shared`` with its gate."""
-        biases = experts * (2 * width + hidden) if self.biases else 0
-        shared_expert = 3 * hidden * shared + hidden if shared else 0
-        return (experts * 3 * hidden * width + experts * hidden + (experts if self.router_bias else 0) + biases
-                + shared_expert)
+        """Parameters of one MoE MLP (:meth:`mlp_tensors`)."""
+        return sum(self.mlp_tensors(hidden, width, experts, shared))
 
     @torch.no_grad()
     def fold_output(self, layer: nn.Module, transform: torch.Tensor) -> None:

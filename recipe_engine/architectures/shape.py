@@ -96,22 +96,31 @@ class ModelShape:
                 if [(layer.num_heads, layer.num_kv_heads, layer.intermediate_size)[k] for k in picked]
                 != [standard[k] for k in picked]]
 
-    def layer_parameters(self, layer: LayerShape) -> int:
-        """Parameters of one decoder layer of these widths (q/k/v biases counted when present; an MoE layer:
-        every expert, the router and their biases; per-head q/k norms, attention sinks and the ``o_proj`` bias
-        where present)."""
+    def layer_tensors(self, layer: LayerShape) -> list[int]:
+        """Elements of each tensor of one decoder layer of these widths: q, k, v, o (and q/k/v biases when
+        present), attention sinks and the ``o_proj`` bias where present, the MLP's gate, up and down (an MoE
+        layer: ``ExpertLayout.mlp_tensors``) and the layer's norms (the adapter's: per-head q/k norms, Gemma 3's
+        four around attention and MLP; else two)."""
         h, d = self.hidden_size, self.head_dim
         adapter = ADAPTERS.get(self.model_type)
-        attention = (2 * layer.num_heads + 2 * layer.num_kv_heads) * d * h
-        biases = (layer.num_heads + 2 * layer.num_kv_heads) * d if self.qkv_bias else 0
+        tensors = [layer.num_heads * d * h, layer.num_kv_heads * d * h, layer.num_kv_heads * d * h,
+                   h * layer.num_heads * d]
+        if self.qkv_bias:
+            tensors += [layer.num_heads * d, layer.num_kv_heads * d, layer.num_kv_heads * d]
         if adapter is not None:
-            biases += len(adapter.head_norms) * d + (layer.num_heads + h if adapter.attention_sinks else 0)
+            tensors += [layer.num_heads, h] if adapter.attention_sinks else []
         if adapter is not None and adapter.experts is not None and self.num_experts:
-            mlp = adapter.experts.mlp_parameters(h, layer.intermediate_size, self.num_experts,
-                                                 self.shared_expert_size)
+            tensors += adapter.experts.mlp_tensors(h, layer.intermediate_size, self.num_experts,
+                                                   self.shared_expert_size)
         else:
-            mlp = 3 * h * layer.intermediate_size
-        return attention + biases + mlp + 2 * h
+            tensors += [h * layer.intermediate_size] * 3
+        if adapter is None:
+            return tensors + [h, h]
+        return tensors + [d if role in adapter.head_norms else h for role in adapter.norms]
+
+    def layer_parameters(self, layer: LayerShape) -> int:
+        """Parameters of one decoder layer of these widths (:meth:`layer_tensors`)."""
+        return sum(self.layer_tensors(layer))
 
 
 def _has_qkv_bias(config) -> bool:

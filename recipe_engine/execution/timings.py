@@ -7,8 +7,12 @@ output. A record::
     {"step": "1-3 HeadPrune, NystromMLP, GPTQ", "pass": "layer-sequential pass", "layer": 3, "layers": 24,
      "seconds": {"load": 0.41, "forward": 1.92, "compress": 0.87, "write": 0.05, "other": 0.01},
      "by_step": {"shared": {"load": 0.41, "forward": 0.3, ...}, "HeadPrune": {"forward": 0.5, ...}, ...},
-     "bytes_to_device": 201326592, "bytes_to_host": 0, "peak_device_mib": 5321.4, "at_s": 12.8,
-     "unix_s": 1795824000.125}
+     "bytes_to_device": 201326592, "bytes_to_host": 0, "peak_device_mib": 5321.4, "host_rss_mib": 6120.3,
+     "host_high_water_mib": 7310.9, "at_s": 12.8, "unix_s": 1795824000.125}
+
+``host_rss_mib``: the process's resident memory at the record; ``host_high_water_mib``: its peak since the
+running step started (Linux's ``VmHWM``, which the report's per-step peaks reset at each step): the first
+record that reaches a step's peak says which layer or phase set it.
 
 ``at_s``: seconds since the run's clock started; ``unix_s``: the wall clock at the record (to line the log up
 with an outside monitor's samples, e.g. ``nvidia-smi``'s utilisation).
@@ -38,6 +42,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from ..system.host_memory import current_rss, high_water_bytes
 
 from ..io.user_paths import is_timings_log, open_fresh, replace_text
 from ..system.cleanup import write_marker
@@ -151,6 +157,8 @@ class Timings:
             self._device_peak = max(self._device_peak, peak)
             line["peak_device_mib"] = round(peak / 2**20, 1)
             torch.cuda.reset_peak_memory_stats(self.device)
+        line["host_rss_mib"] = round(current_rss() / 2**20, 1)
+        line["host_high_water_mib"] = round(high_water_bytes() / 2**20, 1)
         line["at_s"] = round(time.perf_counter() - self._started, 3)
         line["unix_s"] = round(time.time(), 3)
         if self._file is None:

@@ -13,6 +13,10 @@
   stream (``Modifier.streams``) the whole model (twice with the original model); a streamed step's pass also
   holds the next layer, read from disk while the current one computes (``read_ahead_bytes``).
 * working memory: each step's ``working_memory(shape, tokens)`` (statistics and solve buffers).
+* on a CUDA GPU (``accelerator``): the runtime's own host memory (:data:`ACCELERATOR_RUNTIME_BYTES`: the CUDA
+  context, its libraries and handles) and, in a streamed pass, two page-locked copies of the largest layer:
+  the next layer read ahead for the device and a changed layer on its way to staging, each tensor rounded
+  up to a power of two by torch's caching host allocator (``pinned_bytes``).
 * kept original states: from a step whose pass keeps the original model's states for a later step that reads
   the original (``kept_states_bytes``) through that later step, one set per layer, at most a quarter of the
   host memory available when the plan is made (the run's budget: ``ReferenceWalk.start_keeping``).
@@ -25,6 +29,8 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass
 
+import torch
+
 from ..architectures.shape import ModelShape
 from ..io.data import calibration_windows, load_calibration
 from ..io.models import resolve_model
@@ -34,6 +40,23 @@ from ..system.host_memory import available_memory, current_rss
 from .compiled import Plan, compile_plan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+#: Host memory a CUDA GPU's runtime adds to a process: a bare process that imported torch and ran a Cholesky
+#: and a matmul on one H200 (torch 2.11, CUDA 13) was resident at 0.85 GiB (``benchmarks/gpu_acceptance_moe
+#: .bare_runtime_host_gib``); counted whole, though the planning process's runtime already holds torch's import.
+ACCELERATOR_RUNTIME_BYTES = int(0.85 * 2**30)
+
+
+def unmeasured_accelerator_runtime(device) -> int:
+    """:data:`ACCELERATOR_RUNTIME_BYTES` on a CUDA ``device`` whose runtime this process has not started yet (a
+    runtime measured now lacks it), else 0."""
+    return ACCELERATOR_RUNTIME_BYTES if device.type == "cuda" and not torch.cuda.is_initialized() else 0
+
+
+def pinned_bytes(sizes) -> int:
+    """Page-locked host bytes of tensors of ``sizes`` bytes each: torch's caching host allocator
+    (``pin_memory=True``) rounds every block up to a power of two (a Qwen3-30B-A3B layer: 1.25 GB, pinned 1.65 GB)."""
+    return sum(1 << (size - 1).bit_length() for size in sizes if size > 0)
 
 
 def runtime_bytes(recipe: Recipe) -> int:
@@ -79,6 +102,9 @@ class StepMemory:
     kept_states_bytes: int = 0
     #: A streamed pass's next layer, read into host memory while the current one computes.
     read_ahead_bytes: int = 0
+    #: On a CUDA GPU, a streamed pass's page-locked host copies: the next layer read ahead for the device and
+    #: a changed layer on its way to staging (:func:`pinned_bytes` of the largest layer, twice).
+    pinned_bytes: int = 0
     #: The weights on the accelerator during the step: what a streamed run materializes (the layers in use;
     #: a model-scope step that does not stream, the whole model), in memory too, where the run moves those
     #: layers there and back (``Residency.using``).
@@ -105,6 +131,9 @@ class MemoryPlan:
     evaluation_host_bytes: int = 0
     #: One perplexity window's logits (``evaluation_logits_bytes``), wherever the evaluation runs.
     evaluation_window_bytes: int = 0
+    #: On a CUDA GPU, the runtime's own host memory (:data:`ACCELERATOR_RUNTIME_BYTES`; 0 when the measured
+    #: runtime already holds it), resident through every step beside ``runtime_bytes``.
+    accelerator_runtime_bytes: int = 0
 
     def to_dict(self) -> dict:
         memory = asdict(self)
@@ -125,7 +154,8 @@ def kept_states_bytes(plan: Plan, budget: int) -> list[int]:
             for sets in kept_original_sets(plan.steps, plan.shapes, recipe.calibration.samples)]
 
 
-def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_device: bool = False) -> MemoryPlan:
+def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_device: bool = False,
+                accelerator: bool = False, accelerator_runtime: int = ACCELERATOR_RUNTIME_BYTES) -> MemoryPlan:
     """Peak host bytes and their parts; ``steps`` lists each step's weights and working memory, on the
     shape the plan says it receives.
 
@@ -133,7 +163,9 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     resolved false), where the steps' statistics and solves live too. Then the host holds the runtime and
     the weights a step holds (they are read there and moved layer by layer), and ``device_peak_bytes`` is
     the activations plus the largest step's weights and working memory. The kept original states are bounded
-    by a quarter of the host memory available now."""
+    by a quarter of the host memory available now. ``accelerator``: the layers compute on a CUDA GPU (with the
+    activations there or not): the host also holds ``accelerator_runtime`` and a streamed pass's page-locked
+    copies (``StepMemory.pinned_bytes``)."""
     recipe = plan.recipe
     width = DTYPE_BYTES[recipe.dtype]
     first = plan.shapes[0]
@@ -147,6 +179,7 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
     for step, received in zip(plan.steps, plan.shapes):
         shape = steps_shape(received, recipe, streamed, on_device)
         largest = max(shape.layer_parameters(layer) for layer in shape.layers) * width
+        pinned = max(pinned_bytes(n * width for n in shape.layer_tensors(layer)) for layer in shape.layers)
         if step.scope == "layer":
             in_use = largest + (shape.layer_parameters(shape.layers[0]) * width if step.needs_reference else 0)
         elif step.streams:  # its passes start with the embeddings loaded beside its buffers
@@ -156,16 +189,19 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
         held = in_use if streamed else shape_bytes(shape, width)
         whole_model = not streamed or (step.scope == "model" and not step.streams)
         steps.append(StepMemory(step.step_name(), held, step.working_memory(shape, tokens), whole_model,
-                                read_ahead_bytes=0 if whole_model else largest, device_weights_bytes=in_use))
+                                read_ahead_bytes=0 if whole_model else largest, device_weights_bytes=in_use,
+                                pinned_bytes=2 * pinned if accelerator and not whole_model else 0))
     activations = 4 * tokens * first.hidden_size * width + 3 * cal.batch_size * cal.seq_len * intermediate * 4
     runtime = runtime_bytes(recipe) if runtime is None else runtime
-    resident = runtime + (0 if on_device else activations)  # on the host through every step
+    accelerator_runtime = accelerator_runtime if accelerator else 0
+    resident = runtime + accelerator_runtime + (0 if on_device else activations)  # through every step
     if not on_device:  # kept only when the activations live on the host
         budget = available_memory() // 4
         for step, kept in zip(steps, kept_states_bytes(plan, budget)):
             step.kept_states_bytes = kept
     for step in steps:  # what the host holds during the step
-        step.host_bytes = resident + step.weights_bytes + step.read_ahead_bytes + step.kept_states_bytes \
+        step.host_bytes = resident + step.weights_bytes + step.read_ahead_bytes + step.pinned_bytes \
+            + step.kept_states_bytes \
             + (0 if on_device else step.working_bytes)
     host_peak = max(s.host_bytes for s in steps)
     if streamed:  # a streamed run's passes start with the embeddings loaded
@@ -177,11 +213,11 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
         device_peak = max(activations + max(s.device_weights_bytes + s.working_bytes for s in steps), evaluation)
     evaluation_host = 0
     if logits and not on_device:  # the evaluation on the host: the model held as by the steps, one window
-        evaluation_host = runtime + (whole if not streamed else max(max(s.device_weights_bytes for s in steps),
+        evaluation_host = runtime + accelerator_runtime + (whole if not streamed else max(max(s.device_weights_bytes for s in steps),
                                                                      embedding)) + logits
         host_peak = max(host_peak, evaluation_host)
     return MemoryPlan(streamed, on_device, runtime, activations, whole, steps, host_peak, device_peak, evaluation,
-                      evaluation_host, logits)
+                      evaluation_host, logits, accelerator_runtime)
 
 
 def steps_shape(shape: ModelShape, recipe: Recipe, streamed: bool, on_device: bool = False) -> ModelShape:
@@ -208,6 +244,6 @@ def evaluation_logits_bytes(recipe: Recipe, shape: ModelShape) -> int:
 
 
 def estimate(recipe: Recipe, config, streamed: bool, runtime: int | None = None,
-             on_device: bool = False) -> MemoryPlan:
+             on_device: bool = False, accelerator: bool = False) -> MemoryPlan:
     """:func:`plan_memory` of the recipe compiled against ``config``."""
-    return plan_memory(compile_plan(recipe, config), streamed, runtime, on_device)
+    return plan_memory(compile_plan(recipe, config), streamed, runtime, on_device, accelerator)

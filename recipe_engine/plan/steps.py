@@ -91,9 +91,11 @@ def memory_plan(recipe: Recipe, plan: Plan | None = None, problem: str | None = 
         return {"unavailable": exc.detail}
     memory = estimate.to_dict()
     if recipe.device != "cpu" and recipe.calibration.offload is not True:  # an accelerator may hold them
-        on_device = plan_memory(plan, streamed, estimate.runtime_bytes, on_device=True)
+        on_device = plan_memory(plan, streamed, estimate.runtime_bytes, on_device=True, accelerator=True)
         memory["accelerator"] = {"device_peak_bytes": on_device.device_peak_bytes,
                                  "host_peak_bytes": on_device.host_peak_bytes,
+                                 "accelerator_runtime_bytes": on_device.accelerator_runtime_bytes,
+                                 "pinned_bytes": max(step.pinned_bytes for step in on_device.steps),
                                  "evaluation_device_bytes": on_device.evaluation_device_bytes}
     return memory
 
@@ -154,7 +156,10 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
         device = memory["accelerator"]
         console.print(f"with the activations on an accelerator (calibration.offload: auto, when they fit in "
                       f"{DEVICE_SHARE:.0%} of its free memory; statistics and solves there too): peak device "
-                      f"{_gib(device['device_peak_bytes'])}, peak host {_gib(device['host_peak_bytes'])}"
+                      f"{_gib(device['device_peak_bytes'])}, peak host {_gib(device['host_peak_bytes'])} (on a CUDA "
+                      f"GPU: its runtime {_gib(device['accelerator_runtime_bytes'])}"
+                      + (f", page-locked copies of two layers {_gib(device['pinned_bytes'])}" if device["pinned_bytes"]
+                         else "") + ")"
                       + ("; the peak is the in-memory evaluation, which moves the whole model there (stream: on "
                          "evaluates a layer at a time)" if device["evaluation_device_bytes"] == device[
                              "device_peak_bytes"] else ""))

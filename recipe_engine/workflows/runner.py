@@ -38,7 +38,7 @@ from ..io.report import Checkpoints as CheckpointsRecord
 from ..io.report import (DataRecord, ExportRecord, ModelRecord, ModelSize, PeakMemory, RecipeRecord, Report,
                          RunReport, StreamRecord, weights_fingerprint)
 from ..plan.compiled import Plan
-from ..plan.estimates import plan_memory
+from ..plan.estimates import plan_memory, unmeasured_accelerator_runtime
 from ..plan.preflight import check_device, located, preflight_apply
 from ..recipe.files import LoadedRecipe, load_recipe
 from ..recipe.schema import Recipe, dump_recipe, recipe_from_dict
@@ -233,7 +233,9 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
     windows, tokens_available = calibration_windows(tokenizer, texts, cal)
     resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
                                               {id(t): t for t in model.state_dict().values()}.values())
-    memory = plan_memory(plan, streamed, max(current_rss() - resident_weights, before_weights))
+    on_cuda = parallel.device.type == "cuda"  # page-locked copies, and the runtime's host share once measured
+    memory = plan_memory(plan, streamed, max(current_rss() - resident_weights, before_weights), accelerator=on_cuda,
+                         accelerator_runtime=unmeasured_accelerator_runtime(parallel.device))
     report.data = DataRecord(dataset=cal.dataset, origin="; ".join(text.origin for text, _ in texts),
                                 tokens_available=tokens_available, samples=cal.samples, seq_len=cal.seq_len,
                                 seed=cal.seed, fingerprint=fingerprint(windows))
@@ -243,7 +245,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
     if cal.offload == "auto" and parallel.device.type != "cpu":
         bar.log(f"calibration activations kept on {'the host' if offload else parallel.device} (offload: auto)")
     if not offload and parallel.device.type != "cpu":  # the activations, statistics and solves on the device
-        memory = plan_memory(plan, streamed, memory.runtime_bytes, on_device=True)
+        memory = plan_memory(plan, streamed, memory.runtime_bytes, on_device=True, accelerator=on_cuda,
+                             accelerator_runtime=memory.accelerator_runtime_bytes)
     report.activations_on = "cpu" if offload else str(parallel.device)
     stream = open_stream(model, adapter, source.location, workdir / STAGING) if streamed else None
     outputs = RunOutputs()
