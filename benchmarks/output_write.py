@@ -10,12 +10,13 @@ the unquantized embeddings and head from the source: the run's `output written` 
     python benchmarks/output_write.py [--engines . ../before] [--layers 3] [--repeats 3] [--work DIR]
                                       [--output-dir /dev/shm] [--json FILE]
 
-Prints a table (median and each run's seconds per engine, the output's bytes and sha256: the engines must write
-the same bytes) and writes the rows as JSON.
+Prints a table (median and each run's seconds per engine, the output's bytes and their sha256, read after each
+run: the engines must write the same bytes) and writes the rows as JSON.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -41,6 +42,18 @@ def write_seconds(engine: Path, recipe: Path, timings: Path) -> float:
     records = [json.loads(line) for line in timings.read_text().splitlines() if line.strip()]
     (written,) = [r for r in records if r.get("event") == "output written"]
     return output_write_s(written["seconds"])
+
+
+def files_sha256(directory: Path) -> str:
+    """sha256 over the ``*.safetensors`` files in name order (each name, a NUL, its bytes), read after the run:
+    whether two engines wrote the same bytes."""
+    sha = hashlib.sha256()
+    for path in sorted(directory.glob("*.safetensors")):
+        sha.update(path.name.encode() + b"\0")
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                sha.update(block)
+    return sha.hexdigest()
 
 
 def main() -> int:
@@ -70,8 +83,7 @@ def main() -> int:
         for engine in args.engines:
             row = rows[str(engine)]
             row["seconds"].append(round(write_seconds(engine.resolve(), recipe, args.work / "timings.jsonl"), 2))
-            report = json.loads((output / "report.json").read_text())
-            row["sha256"] = report["weights_sha256"]
+            row["sha256"] = files_sha256(output)  # the same bytes (report.json's fingerprint differs by engine)
             row["bytes"] = sum(p.stat().st_size for p in output.glob("*.safetensors"))
             shutil.rmtree(output)
     print(f"{'engine':40s} {'median s':>9s}  runs (s)              bytes          sha256")

@@ -301,3 +301,27 @@ def spawn_two_ranks(jobs_file):
     driver = Path(__file__).with_name("dp_driver.py")
     return [subprocess.Popen([sys.executable, str(driver), str(jobs_file)],
                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+
+
+def reference_fingerprint(directory) -> str:
+    """``report.weights_fingerprint`` as its definition reads, written plainly (whole files read, one thread):
+    sha256 over the ``*.safetensors`` files in name order, each as its name, a NUL and the sha256 of its header
+    (with the length before it), of each tensor's bytes in file order and of any bytes after the last."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    outer = hashlib.sha256()
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        data = path.read_bytes()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + length])
+        base = 8 + length
+        ends = [base]
+        outer.update(path.name.encode() + b"\0" + hashlib.sha256(data[:base]).digest())
+        for start, end in sorted(entry["data_offsets"] for key, entry in header.items() if key != "__metadata__"):
+            outer.update(hashlib.sha256(data[base + start:base + end]).digest())
+            ends.append(base + end)
+        if ends[-1] < len(data):
+            outer.update(hashlib.sha256(data[ends[-1]:]).digest())
+    return outer.hexdigest()

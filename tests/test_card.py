@@ -180,15 +180,12 @@ def no_machine_path(text: str, *paths) -> None:
         assert str(path) not in text
 
 
-def test_weights_fingerprint_is_the_sha256_of_the_written_safetensors(outputs):
-    import hashlib
+def test_weights_fingerprint_is_the_sha256_of_the_written_safetensors_segments(outputs):
+    from tests.helpers import reference_fingerprint
 
     for name in ("quant", "patch"):
         files = sorted((outputs / name).glob("*.safetensors"))
-        sha = hashlib.sha256()
-        for path in files:
-            sha.update(path.name.encode() + b"\0" + path.read_bytes())
-        assert load_report(outputs / name).weights_sha256 == sha.hexdigest()
+        assert load_report(outputs / name).weights_sha256 == reference_fingerprint(outputs / name)
     assert [p.name for p in files] == ["model.safetensors", "recipe_extras.safetensors"]  # extras count too
 
 
@@ -385,3 +382,27 @@ def test_an_output_written_before_the_fingerprint_is_fingerprinted_from_its_file
     assert load_report(out).weights_sha256 is None
     assert main(["card", str(out), "--eval", str(layered[2].parent / "short2.json")]) == 0
     assert main(["card", str(out), "--eval", str(layered[2].parent / "short3.json")]) == 2
+
+
+def test_a_whole_file_fingerprint_of_an_older_engine_is_dropped_or_named(layered, tmp_path, capsys):
+    """A format-2 report's weights_sha256 hashed the whole files: it is dropped on reading (the card fingerprints
+    the files now), and an eval record holding that older fingerprint is refused with the remedy, not as a
+    record of other weights."""
+    import hashlib
+
+    out = tmp_path / "older"
+    shutil.copytree(layered[2], out)
+    whole = hashlib.sha256()
+    for path in sorted(out.glob("*.safetensors")):
+        whole.update(path.name.encode() + b"\0" + path.read_bytes())
+    report = json.loads((out / "report.json").read_text())
+    (out / "report.json").write_text(json.dumps({**report, "format_version": 2, "weights_sha256": whole.hexdigest()}))
+    assert load_report(out).weights_sha256 is None
+    assert main(["card", str(out), "--eval", str(layered[2].parent / "short2.json")]) == 0
+    record = json.loads((layered[2].parent / "short2.json").read_text())
+    record["model"]["weights_sha256"] = whole.hexdigest()
+    (tmp_path / "older.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["card", str(out), "--eval", str(tmp_path / "older.json")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "older `recipe eval`" in error[0] and "rerun `recipe eval" in error[0], error

@@ -1,5 +1,4 @@
 """``recipe eval`` on tiny saved models, and the recipe ``evaluate:`` block with its gate."""
-import hashlib
 import json
 from pathlib import Path
 from importlib.metadata import version
@@ -13,7 +12,7 @@ from recipe_engine.errors import QualityGateError
 from recipe_engine.evaluation import perplexity
 from recipe_engine.recipe.modifier import Modifier
 from recipe_engine.recipe.schema import recipe_from_dict
-from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, shared_data, tiny_model
+from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, reference_fingerprint, shared_data, tiny_model
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 6  # 480 bytes
 
@@ -42,7 +41,7 @@ def test_eval_cli_writes_json_record(saved, tmp_path, capsys):
                  "--json", str(out)])
     assert code == 0
     record = json.loads(out.read_text())
-    weights = hashlib.sha256(b"model.safetensors\0" + (dense / "model.safetensors").read_bytes()).hexdigest()
+    weights = reference_fingerprint(dense)
     assert record["model"] == {"spec": str(dense), "location": str(dense), "recipe_sha256": "ab" * 32,
                                "resolved_sha256": report["recipe"]["resolved_sha256"], "weights_sha256": weights}
     ppl = record["perplexity"]

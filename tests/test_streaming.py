@@ -20,7 +20,9 @@ from recipe_engine.io.checkpoint_writer import write_checkpoint
 from recipe_engine.errors import RecipeError
 from recipe_engine.recipe.registry import REGISTRY
 from recipe_engine.io.checkpoint_reader import CheckpointReader, is_materialized
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, save_tiny_model, shared_data, tiny_model
+from recipe_engine.io.report import WeightsFingerprint, weights_fingerprint
+from tests.helpers import (BYTE_VOCAB, byte_tokenizer, random_tokens, reference_fingerprint, save_tiny_model,
+                           shared_data, tiny_model)
 
 TEXT = "Streaming calibration text, repeated so that there are enough tokens for every window. " * 200
 
@@ -202,14 +204,13 @@ def test_release_stages_only_changed_units(tmp_path, monkeypatch):
     assert len(list((tmp_path / "staging").iterdir())) == 1  # the obsolete staged state was deleted
     out = tmp_path / "written"
     out.mkdir()
-    digest = hashlib.sha256()
-    files = write_checkpoint(session, out, max_shard_bytes=30_000, digest=digest)
+    fingerprint = WeightsFingerprint()
+    files = write_checkpoint(session, out, max_shard_bytes=30_000, fingerprint=fingerprint)
     assert not list((tmp_path / "staging").iterdir())  # each staged unit deleted once written
     assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
-    reread = hashlib.sha256()  # the fingerprint hashed while writing = the files read back in name order
-    for path in sorted(out.glob("*.safetensors")):
-        reread.update(path.name.encode() + b"\0" + path.read_bytes())
-    assert [p.name for p in sorted(out.glob("*.safetensors"))] == files and digest.hexdigest() == reread.hexdigest()
+    # the fingerprint hashed while writing = the files read back, by the definition and by the engine's reader
+    assert [p.name for p in sorted(out.glob("*.safetensors"))] == files
+    assert fingerprint.hexdigest() == reference_fingerprint(out) == weights_fingerprint(out)
     written = AutoModelForCausalLM.from_pretrained(out).eval()
     assert torch.equal(written.model.layers[0].mlp.up_proj.weight, 2 * reference.model.layers[0].mlp.up_proj.weight)
     assert torch.equal(written.model.layers[3].self_attn.q_proj.weight,
@@ -304,10 +305,11 @@ def test_weight_change_after_quantizing_is_a_validation_error(tmp_path, steps, m
                              "r.yaml")
 
 
-@pytest.mark.parametrize("behind", [0, 1 << 30])
-def test_incremental_safetensors_writer_matches_the_library(tmp_path, monkeypatch, behind):
+@pytest.mark.parametrize("behind, batch", [(0, 0), (1 << 30, 1 << 30), (0, 40)])
+def test_incremental_safetensors_writer_matches_the_library(tmp_path, monkeypatch, behind, batch):
     """The library reads what it wrote, whether each tensor waits for the last to be written (``behind``: 0) or
-    many wait on the writing thread; the digest is the file's sha256."""
+    many wait on the writing threads, handed over one at a time (``batch``: 0), all at once or a few; the
+    digests are the sha256 of the file's header (with its length) and of each tensor's bytes, in file order."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -315,17 +317,24 @@ def test_incremental_safetensors_writer_matches_the_library(tmp_path, monkeypatc
     from recipe_engine.io.checkpoint_writer import write_safetensors_incrementally
 
     monkeypatch.setattr(checkpoint_writer, "WRITE_BEHIND_BYTES", behind)
+    monkeypatch.setattr(checkpoint_writer, "HASH_BATCH_BYTES", batch)
 
     generator = torch.Generator().manual_seed(0)
     tensors = {"b.weight": torch.randn(3, 5, generator=generator).to(torch.bfloat16),
                "a.bias": torch.randn(7, generator=generator), "c.ids": torch.arange(6, dtype=torch.int64).view(2, 3),
                "d.half": torch.randn(1, generator=generator).to(torch.float16)}
     layout = {name: t.to("meta") for name, t in tensors.items()}
-    digest = hashlib.sha256()
+    digests = []
     write_safetensors_incrementally(tmp_path / "ours.safetensors", layout,
-                                    ({name: t} for name, t in tensors.items()), digest)
+                                    ({name: t} for name, t in tensors.items()), digests)
     save_file(tensors, str(tmp_path / "lib.safetensors"), metadata={"format": "pt"})
-    assert digest.hexdigest() == hashlib.sha256((tmp_path / "ours.safetensors").read_bytes()).hexdigest()
+    data = (tmp_path / "ours.safetensors").read_bytes()
+    base = 8 + int.from_bytes(data[:8], "little")
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    bounds = [base + sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    assert bounds[-1] == len(data)
+    assert digests == [hashlib.sha256(data[:base]).digest()] + [hashlib.sha256(data[a:b]).digest()
+                                                               for a, b in zip(bounds, bounds[1:])]
     for file in ("ours", "lib"):
         with safe_open(str(tmp_path / f"{file}.safetensors"), "pt") as handle:
             assert handle.metadata() == {"format": "pt"}

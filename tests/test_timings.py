@@ -56,12 +56,9 @@ def test_a_streamed_run_records_every_layer_of_every_pass_and_its_phases_add_up(
     # the wall clock keeps the run's clock's pace (records line up with an outside monitor's samples)
     assert all(b["unix_s"] - a["unix_s"] == pytest.approx(b["at_s"] - a["at_s"], abs=0.05)
                for a, b in zip(records, records[1:]))
-    # host memory at each record, within the process's resident range: a tiny model's run holds well over the
-    # interpreter's 10 MiB and below this process's own peak (the run is in it); the high-water mark of a step
-    # never goes down within it
-    own_peak = int(next(l for l in Path("/proc/self/status").read_text().splitlines()
-                        if l.startswith("VmHWM")).split()[1]) / 1024
-    assert all(10 < r["host_rss_mib"] <= r["host_high_water_mib"] + 0.1 <= own_peak + 0.2 for r in records)
+    # host memory at each record: a run holds well over the interpreter's 10 MiB, at most its high-water mark,
+    # which never goes down within a step (the report's per-step peaks reset it between steps)
+    assert all(10 < r["host_rss_mib"] <= r["host_high_water_mib"] + 0.1 for r in records)
     for step in {r["step"] for r in records if r["step"]}:
         marks = [r["host_high_water_mib"] for r in records if r["step"] == step]
         assert marks == sorted(marks), step

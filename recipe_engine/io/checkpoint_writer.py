@@ -26,6 +26,7 @@ from ..numerics.quantization import QuantizedLinear
 from .checkpoint_names import saved_names
 from .exporters import checkpoint_exporter
 from .checkpoint_reader import INDEX_FILE, SINGLE_FILE, is_materialized
+from .report import HASH_BATCH_BYTES, HASH_THREADS, WeightsFingerprint, segment_digests
 
 #: Default shard size (``save_pretrained``'s "5GB"); the writer holds one unit, not one shard, in memory.
 MAX_SHARD_BYTES = 5 * 10**9
@@ -64,34 +65,40 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-#: Bytes handed to the writing threads and not yet written, at most (beyond one tensor): the next unit is
+#: Bytes handed to the writing threads and not yet written, at most (beyond one batch): the next unit is
 #: packed while the last one's bytes are written and hashed. Host memory while writing is then a unit, the next
 #: one read ahead and this: below a pass's (a layer, the next read ahead, the calibration activations).
 WRITE_BEHIND_BYTES = 512 << 20
 
 
 class _WrittenBehind:
-    """A file written by one thread and hashed into ``digest`` (None: not hashed) by another, both behind the
-    caller and in the order the buffers are handed over (:meth:`put`); at most :data:`WRITE_BEHIND_BYTES` wait.
-    File writes and sha256 release the GIL, so the caller's next unit is read and packed meanwhile, and the
-    write and the hash of a buffer run side by side (on a lent H200 the output's sha256 read back took as long
-    as writing it)."""
+    """A file written by one thread and, when ``digests`` is a list, each buffer's sha256 appended to it in
+    order (``report.WeightsFingerprint``'s segments), hashed on :data:`report.HASH_THREADS` threads; all behind
+    the caller, in the order the buffers are handed over (:meth:`put`). Buffers go to the threads in batches
+    (``report.in_batches``' size: a packed MoE layer is thousands of small tensors, and a hand-over each cost
+    more than their bytes); at most :data:`WRITE_BEHIND_BYTES` wait. File writes and sha256 release the GIL, so
+    the caller's next unit is read and packed meanwhile (on a lent H200 one sha256 over the output ran at
+    1.2 GB/s, and was the write's last step)."""
 
-    def __init__(self, handle, digest):
+    def __init__(self, handle, digests: list | None):
         self._handle = handle
-        #: (thread, what it does with each buffer): the file's writer, and the hasher when there is a digest
-        hasher = [("hasher", digest.update)] if digest is not None else []
-        self._jobs = [(ThreadPoolExecutor(1, thread_name_prefix=f"recipe-output-{role}"), job)
-                      for role, job in [("writer", self._write), *hasher]]
+        self._digests = digests
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="recipe-output-writer")
+        self._hashers = None if digests is None else ThreadPoolExecutor(HASH_THREADS,
+                                                                        thread_name_prefix="recipe-output-hasher")
+        self._batch: list = []
+        self._batch_bytes = 0
         self._pending: deque[tuple[list[Future], int]] = deque()
+        self._hashed: list[Future] = []
         self._bytes = 0
         self._failed = False
 
-    def _write(self, data) -> None:
+    def _write(self, buffers) -> None:
         if self._failed:  # nothing after a failed write: the caller raises its error
             return
         try:
-            self._handle.write(data)
+            for data in buffers:
+                self._handle.write(data)
         except BaseException:
             self._failed = True
             raise
@@ -99,10 +106,22 @@ class _WrittenBehind:
     def put(self, tensor: torch.Tensor | bytes) -> None:
         """Write ``tensor``'s bytes (a host tensor, kept alive until written and hashed) or ``bytes`` next."""
         data = tensor if isinstance(tensor, bytes) else tensor.reshape(-1).view(torch.uint8).numpy().data
+        if self._batch and self._batch_bytes + len(data) > HASH_BATCH_BYTES:
+            self._hand_over()
+        self._batch.append(data)
+        self._batch_bytes += len(data)
+
+    def _hand_over(self) -> None:
         while self._pending and self._bytes > WRITE_BEHIND_BYTES:
             self._wait_oldest()
-        self._pending.append(([thread.submit(job, data) for thread, job in self._jobs], len(data)))
-        self._bytes += len(data)
+        batch, size = self._batch, self._batch_bytes
+        self._batch, self._batch_bytes = [], 0
+        futures = [self._writer.submit(self._write, batch)]
+        if self._hashers is not None:
+            futures.append(self._hashers.submit(segment_digests, batch))
+            self._hashed.append(futures[-1])
+        self._pending.append((futures, size))
+        self._bytes += size
 
     def _wait_oldest(self) -> None:
         done, size = self._pending.popleft()
@@ -111,27 +130,35 @@ class _WrittenBehind:
             future.result()  # a failed write raises here
 
     def finish(self) -> None:
-        """Wait for every write and hash (raising the first failure); the threads end either way."""
+        """Wait for every write and hash (raising the first failure), the digests appended in order; the
+        threads end either way."""
         try:
+            if self._batch:
+                self._hand_over()
             while self._pending:
                 self._wait_oldest()
+            if self._digests is not None:
+                self._digests.extend(digest for future in self._hashed for digest in future.result())
         finally:
             for futures, _ in self._pending:
                 for future in futures:
                     future.cancel()
-            for thread, _ in self._jobs:
-                thread.shutdown(wait=True)
+            for pool in (self._writer, self._hashers):
+                if pool is not None:
+                    pool.shutdown(wait=True)
 
 
-def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor], chunks, digest=None) -> int:
+def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor], chunks,
+                                    digests: list | None = None) -> int:
     """A safetensors file whose tensors arrive in ``chunks`` (an iterable of ``{name: tensor}``) and are
     written as they come, so at most one chunk (and :data:`WRITE_BEHIND_BYTES` being written) is in memory.
     ``layout`` (meta tensors allowed) fixes the header: names in file order with dtype and shape; every
     chunk tensor must match it. The file format: an 8-byte little-endian header length, the JSON header
     (``__metadata__`` plus ``dtype``, ``shape`` and contiguous ``data_offsets`` per tensor, space-padded to
     8 bytes), then the raw little-endian data. ``safetensors.torch.save_file`` needs every tensor at once;
-    the files are byte-compatible. ``digest`` (a ``hashlib`` object): updated with the file's bytes in file
-    order while they are written, by a thread beside the one writing them (:class:`_WrittenBehind`)."""
+    the files are byte-compatible. ``digests`` (a list): the sha256 of each of the file's segments
+    (``report.safetensors_segments``: the header with its length, then each tensor) appended in file order,
+    hashed while they are written (:class:`_WrittenBehind`)."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, tensor in layout.items():
@@ -143,7 +170,7 @@ def write_safetensors_incrementally(path: Path, layout: dict[str, torch.Tensor],
     text += b" " * (-len(text) % 8)
     expected = iter(layout.items())
     with open(path, "wb") as handle:
-        behind = _WrittenBehind(handle, digest)
+        behind = _WrittenBehind(handle, digests)
         try:
             behind.put(len(text).to_bytes(8, "little") + text)
             for chunk in chunks:
@@ -283,14 +310,15 @@ def _packed(name: str, tensor: torch.Tensor, record: QuantizedLinear) -> dict[st
     return {prefix + key: value for key, value in exporter.pack(name[: -len(".weight")], tensor, record).items()}
 
 
-def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES, digest=None) -> list[str]:
+def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES,
+                     fingerprint: WeightsFingerprint | None = None) -> list[str]:
     """Write the session's model into ``directory`` (weights, config, generation config), one unit at a
     time (``write_safetensors_incrementally``), streamed or in memory, quantized linears packed; returns
     the weight file names (in name order). A streamed unit's staging file is deleted once the unit is written
     (the stream is finished after this), so staging and output never hold the same unit twice on disk; the
     next unit is read ahead on a thread while one is packed, and the last one's bytes are written on another.
-    ``digest`` (a ``hashlib`` object): updated as ``report.weights_fingerprint`` reads the files (each name, a
-    NUL, its bytes), while they are written: the fingerprint without reading the output again."""
+    ``fingerprint``: each file added as ``report.weights_fingerprint`` reads it back (its name and its segments'
+    sha256), hashed while it is written: the fingerprint without reading the output again."""
     model = session.model
     state = model.state_dict(keep_vars=True)
     quantized = _quantized_weights(session)
@@ -342,9 +370,10 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     assert files == sorted(files), files  # written in the fingerprint's order
     for file, shard in zip(files, shards):
         layout = {key: meta for _, names in shard for name in names for key, meta in layout_of[name].items()}
-        if digest is not None:
-            digest.update(file.encode() + b"\0")
-        total += write_safetensors_incrementally(directory / file, layout, chunks(shard), digest)
+        digests = None if fingerprint is None else []
+        total += write_safetensors_incrementally(directory / file, layout, chunks(shard), digests)
+        if fingerprint is not None:
+            fingerprint.add_file(file, digests)
         weight_map.update({name: file for name in layout})
     if len(files) > 1:
         (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},

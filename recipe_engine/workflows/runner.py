@@ -36,7 +36,7 @@ from ..io.output_lock import output_lock
 from ..io.user_paths import Target, check_targets, is_timings_log, marked
 from ..io.report import Checkpoints as CheckpointsRecord
 from ..io.report import (DataRecord, ExportRecord, ModelRecord, ModelSize, PeakMemory, RecipeRecord, Report,
-                         RunReport, StreamRecord, weights_fingerprint)
+                         RunReport, StreamRecord, WeightsFingerprint, weights_fingerprint)
 from ..plan.compiled import Plan
 from ..plan.estimates import plan_memory, unmeasured_accelerator_runtime
 from ..plan.preflight import check_device, located, preflight_apply
@@ -389,9 +389,9 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
            tmp: Path) -> Report:
     """The output files, into the workspace that ``apply`` renames into place; staging data is removed.
     Returns the report as written."""
-    written = hashlib.sha256()  # the weights' fingerprint, hashed as the engine's writer writes them
+    written = WeightsFingerprint()  # hashed as the engine's writer writes the files
     if session.streamed or outputs.quantized:
-        files = write_checkpoint(session, tmp, digest=written)
+        files = write_checkpoint(session, tmp, fingerprint=written)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
         files = None
