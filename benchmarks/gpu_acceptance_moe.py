@@ -8,7 +8,8 @@
         over the whole run extrapolated to 48 layers; the 8-layer run's own mean is recorded), peak GPU memory
         ≤ 1.5 × the plan's estimate.
         The whole run (loading, the pass, the packed output written) is projected to 48 layers the same way
-        and held to the same 10 minutes: packing thousands of experts is the writer's work, on the GPU when
+        (the write by its decoder layers' share of the output's bytes: the embeddings and head are written once,
+        ``layer_bytes_share``) and held to the same 10 minutes: packing thousands of experts is the writer's work, on the GPU when
         there is one. Also recorded: every expert's method in ``quantization_log.csv`` (none left
         unquantized), and that stacked experts and a linear packed on the device (``checkpoint_writer``'s
         ``pack_device``) equal those packed on the host, bit for bit, in every packing format.
@@ -20,6 +21,7 @@ original's 151936 only changes the embeddings). ``--tiny``: 2 layers of a 8-expe
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import subprocess
 import sys
@@ -118,24 +120,52 @@ def packed_on_device_equal_host(device: str) -> bool:
     return True
 
 
-def bare_runtime_host_gib(device: str) -> float:
-    """Resident host memory (GiB) of a fresh process that imported torch and ran a Cholesky and a matmul on
-    ``device``: the accelerator runtime's share of a run's host memory (its libraries and context), which
-    ``recipe plan``'s runtime figure, taken on the host without the accelerator, does not hold."""
-    code = ("import torch, pathlib; d = torch.device(%r); x = torch.randn(256, 256, device=d, dtype=torch.float64); "
+def bare_runtime_host_gib(device: str, compute: bool = True) -> float:
+    """Resident host memory (GiB) of a fresh process that imported torch and (``compute``) ran a Cholesky and a
+    matmul on ``device``: the accelerator runtime's share of a run's host memory (its libraries and context)
+    is the difference between the two, which ``recipe plan`` counts as ``ACCELERATOR_RUNTIME_BYTES``."""
+    work = ("d = torch.device(%r); x = torch.randn(256, 256, device=d, dtype=torch.float64); "
             "torch.linalg.cholesky(x @ x.T + 256 * torch.eye(256, device=d, dtype=torch.float64)); "
-            "(x.float() @ x.float()).sum().item(); print(next(l for l in pathlib.Path('/proc/self/status')"
-            ".read_text().splitlines() if l.startswith('VmRSS')).split()[1])" % device)
+            "(x.float() @ x.float()).sum().item(); " % device) if compute else ""
+    code = ("import torch, pathlib; " + work + "print(next(l for l in pathlib.Path('/proc/self/status')"
+            ".read_text().splitlines() if l.startswith('VmRSS')).split()[1])")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return round(int(run.stdout.split()[-1]) / 2**20, 3)
+
+
+def layer_bytes_share(directory: Path) -> float:
+    """The decoder layers' share of a checkpoint's tensor bytes (names with ``.layers.``; from the safetensors
+    headers): the part of its write that grows with the layers (the embeddings and head are written once)."""
+    layers = total = 0
+    for path in directory.glob("*.safetensors"):
+        with open(path, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                size = entry["data_offsets"][1] - entry["data_offsets"][0]
+                total += size
+                layers += size if ".layers." in name else 0
+    return layers / total if total else 1.0
+
+
+def host_high_water_gib(timings_path: Path) -> dict[str, float]:
+    """The run's host high-water mark (GiB) by part, from the timings log: the layer-sequential pass (its layer
+    records) and the output's write (the ``output written`` record): which of the two set the peak."""
+    from recipe_engine.execution.timings import read_timings
+
+    records = read_timings(timings_path) if timings_path.is_file() else []
+    parts = {"pass": [r for r in records if "layer" in r], "write": [r for r in records
+                                                                      if r.get("event") == "output written"]}
+    return {part: round(max(r["host_high_water_mib"] for r in found) / 1024, 3)
+            for part, found in parts.items() if found and all("host_high_water_mib" in r for r in found)}
 
 
 def pass_busy_figures(result: dict, pass_s: float, whole_run_s: float,
                       scale_up: float) -> tuple[float | None, float | None]:
     """The GPU's utilisation during the run's layer-sequential pass (from the start of its first layer record
     to its last, by the timings log's wall clock, ``unix_s``) and over the whole run extrapolated to 48 layers:
-    the run's busy seconds plus ``scale_up - 1`` more passes (at the pass's utilisation) and output writes
-    (idle), over the extrapolated wall ``whole_run_s``."""
+    the run's busy seconds plus ``scale_up - 1`` more passes (at the pass's utilisation) and the layers' part
+    of the output's write (idle), over the extrapolated wall ``whole_run_s``."""
     from recipe_engine.execution.timings import read_timings
 
     if result.get("trace_path") is None or not Path(result["timings_path"]).is_file():
@@ -189,14 +219,18 @@ def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list
                "peak_host_gib": round((result["watched_peak_mib"] or report.peak_memory.rss_mib) / 1024, 3),
                "timings": result["timings"], "gpu_busy": busy, "device": report.device}
     write_s = output_write_s(result["timings"].get("seconds_by_step", {}).get("", {}))
-    whole_run = result["wall_s"] + (gptq_s + shared + write_s) * (scale_up - 1)
-    figures.update(output_write_s=round(write_s, 1), whole_run_48_layers_s=round(whole_run, 1))
+    share = layer_bytes_share(Path(recipe["output"]))
+    whole_run = result["wall_s"] + (gptq_s + shared + write_s * share) * (scale_up - 1)
+    figures.update(output_write_s=round(write_s, 1), output_layer_share=round(share, 3),
+                   whole_run_48_layers_s=round(whole_run, 1))
     pass_busy, whole_busy_48 = pass_busy_figures(result, gptq_s + shared, whole_run, scale_up)
     figures.update(pass_gpu_busy=pass_busy, whole_run_48_layers_gpu_busy=whole_busy_48)
     alike = packed_on_device_equal_host(args.device)
     figures.update(report_peak_host_gib=round(report.peak_memory.rss_mib / 1024, 3),
                    host_estimate_gib=round(report.peak_memory.estimate_rss_mib / 1024, 3),
-                   bare_runtime_host_gib=bare_runtime_host_gib(args.device))
+                   bare_runtime_host_gib=bare_runtime_host_gib(args.device),
+                   bare_import_host_gib=bare_runtime_host_gib(args.device, compute=False),
+                   host_high_water_gib=host_high_water_gib(Path(result["timings_path"])))
     label = f"48 layers, {layers} x {scale_up:g}" if scale_up != 1 else f"{layers} layers"
     if not args.keep_work:  # ~20 GB in /dev/shm: the later legs' checkpoints need the room
         shutil.rmtree(recipe["output"], ignore_errors=True)
@@ -216,10 +250,12 @@ def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list
             row("moe", f"GPU busy over the whole run extrapolated to 48 layers ({label})", whole_busy_48, "",
                 f">= {GOAL_GPU_BUSY}", whole_busy_48 >= GOAL_GPU_BUSY if on_gpu and whole_busy_48 is not None
                 else None),
-            row("moe", f"peak host GiB: watched, report, plan; a bare process on {args.device}",
-                " / ".join(str(figures[k]) for k in (
-                    "peak_host_gib", "report_peak_host_gib", "host_estimate_gib", "bare_runtime_host_gib")), "GiB",
-                "recorded (no goal)", None),
+            row("moe", f"peak host GiB: watched, report, plan; the pass's, the write's; a bare process on "
+                f"{args.device}, importing torch only",
+                " / ".join(str(figures[k]) for k in ("peak_host_gib", "report_peak_host_gib", "host_estimate_gib"))
+                + "; " + " / ".join(str(figures["host_high_water_gib"].get(k)) for k in ("pass", "write"))
+                + "; " + " / ".join(str(figures[k]) for k in ("bare_runtime_host_gib", "bare_import_host_gib")),
+                "GiB", "recorded (no goal)", None),
             row("moe", "peak GPU memory / plan's estimate", round(gpu_mib * 2**20 / estimate["bytes"], 3)
                 if gpu_mib else None, "x", f"<= {GOAL_GPU_OVER_ESTIMATE}",
                 gpu_mib * 2**20 <= GOAL_GPU_OVER_ESTIMATE * estimate["bytes"] if gpu_mib else None),
