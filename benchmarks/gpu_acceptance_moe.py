@@ -7,9 +7,10 @@
         the shared pass) × 48 ≤ 10 minutes on one GPU, the GPU ≥ 60 % busy (during the layer-sequential pass, and
         over the whole run extrapolated to 48 layers; the 8-layer run's own mean is recorded), peak GPU memory
         ≤ 1.5 × the plan's estimate.
-        The whole run (loading, the pass, the packed output written) is projected to 48 layers the same way
-        (the write by its decoder layers' share of the output's bytes: the embeddings and head are written once,
-        ``layer_bytes_share``) and held to the same 10 minutes: packing thousands of experts is the writer's work, on the GPU when
+        The whole run (loading, the pass, the packed output written) is projected to 48 layers by what grows
+        with them (``pass_figures``: the added layers at the pace and utilisation of a layer after the first, and
+        the write by its decoder layers' share of the output's bytes, ``layer_bytes_share``; start-up, the first
+        layer's warm-up and the embeddings' and head's write happen once) and held to the same 10 minutes: packing thousands of experts is the writer's work, on the GPU when
         there is one. Also recorded: every expert's method in ``quantization_log.csv`` (none left
         unquantized), and that stacked experts and a linear packed on the device (``checkpoint_writer``'s
         ``pack_device``) equal those packed on the host, bit for bit, in every packing format.
@@ -160,26 +161,44 @@ def host_high_water_gib(timings_path: Path) -> dict[str, float]:
             for part, found in parts.items() if found and all("host_high_water_mib" in r for r in found)}
 
 
-def pass_busy_figures(result: dict, pass_s: float, whole_run_s: float,
-                      scale_up: float) -> tuple[float | None, float | None]:
-    """The GPU's utilisation during the run's layer-sequential pass (from the start of its first layer record
-    to its last, by the timings log's wall clock, ``unix_s``) and over the whole run extrapolated to 48 layers:
-    the run's busy seconds plus ``scale_up - 1`` more passes (at the pass's utilisation) and the layers' part
-    of the output's write (idle), over the extrapolated wall ``whole_run_s``."""
+def pass_figures(result: dict, total_layers: int, write_s: float, write_share: float) -> dict:
+    """The run's layer-sequential pass and the whole run extrapolated to ``total_layers``, from the timings log
+    (its wall clock, ``unix_s``) and the GPU trace:
+
+    - ``pass_gpu_busy``: utilisation from the first layer's start to the last layer's end;
+    - ``steady_layer_s``, ``steady_gpu_busy``: a layer after the first (from the first layer's end to the last's:
+      the first also starts the GPU's libraries and captures the block programs, once a run) and its utilisation;
+    - ``whole_run_s``: the run's wall plus the layers it lacks at the steady pace and their part of the output's
+      write (the write × ``write_share``, the decoder layers' share of its bytes, per run of the measured size;
+      the embeddings and head are written once); ``whole_run_gpu_busy``: the run's busy seconds plus the added
+      layers' at the steady utilisation (the added write idle), over ``whole_run_s``.
+
+    A figure that cannot be made (no trace, one layer) is None."""
     from recipe_engine.execution.timings import read_timings
 
-    if result.get("trace_path") is None or not Path(result["timings_path"]).is_file():
-        return None, None
-    layers = [r for r in read_timings(Path(result["timings_path"])) if "layer" in r and "unix_s" in r]
+    figures = dict.fromkeys(("pass_gpu_busy", "steady_layer_s", "steady_gpu_busy", "whole_run_s",
+                             "whole_run_gpu_busy"))
+    path = Path(result["timings_path"])
+    layers = [r for r in read_timings(path) if "layer" in r and "unix_s" in r] if path.is_file() else []
     if not layers:
-        return None, None
+        return figures
+    added = total_layers - len(layers)
     start = layers[0]["unix_s"] - sum(layers[0]["seconds"].values())
-    pass_busy, _ = busy_between(result["trace_path"], start, layers[-1]["unix_s"])
-    run_busy = result["gpu_busy"]
-    if pass_busy is None or run_busy is None:
-        return pass_busy, None
-    busy_s = run_busy * result["wall_s"] + pass_busy * pass_s * (scale_up - 1)
-    return pass_busy, round(busy_s / whole_run_s, 3)
+    figures["pass_gpu_busy"], _ = busy_between(result.get("trace_path"), start, layers[-1]["unix_s"])
+    if len(layers) > 1:
+        figures["steady_layer_s"] = (layers[-1]["unix_s"] - layers[0]["unix_s"]) / (len(layers) - 1)
+        figures["steady_gpu_busy"], _ = busy_between(result.get("trace_path"), layers[0]["unix_s"],
+                                                     layers[-1]["unix_s"])
+    if added and figures["steady_layer_s"] is None:
+        return figures
+    added_s = added * (figures["steady_layer_s"] or 0.0)
+    figures["whole_run_s"] = result["wall_s"] + added_s + write_s * write_share * added / len(layers)
+    if result["gpu_busy"] is not None and (figures["steady_gpu_busy"] is not None or not added):
+        busy_s = result["gpu_busy"] * result["wall_s"] + (figures["steady_gpu_busy"] or 0.0) * added_s
+        figures["whole_run_gpu_busy"] = round(busy_s / figures["whole_run_s"], 3)
+    for key in ("steady_layer_s", "whole_run_s"):
+        figures[key] = None if figures[key] is None else round(figures[key], 2)
+    return figures
 
 
 def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list[dict]]:
@@ -220,11 +239,13 @@ def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list
                "timings": result["timings"], "gpu_busy": busy, "device": report.device}
     write_s = output_write_s(result["timings"].get("seconds_by_step", {}).get("", {}))
     share = layer_bytes_share(Path(recipe["output"]))
-    whole_run = result["wall_s"] + (gptq_s + shared + write_s * share) * (scale_up - 1)
+    passed = pass_figures(result, round(layers * scale_up), write_s, share)
+    whole_run, pass_busy, whole_busy_48 = (passed["whole_run_s"], passed["pass_gpu_busy"],
+                                           passed["whole_run_gpu_busy"])
     figures.update(output_write_s=round(write_s, 1), output_layer_share=round(share, 3),
-                   whole_run_48_layers_s=round(whole_run, 1))
-    pass_busy, whole_busy_48 = pass_busy_figures(result, gptq_s + shared, whole_run, scale_up)
-    figures.update(pass_gpu_busy=pass_busy, whole_run_48_layers_gpu_busy=whole_busy_48)
+                   whole_run_48_layers_s=whole_run, pass_gpu_busy=pass_busy,
+                   steady_layer_s=passed["steady_layer_s"], steady_gpu_busy=passed["steady_gpu_busy"],
+                   whole_run_48_layers_gpu_busy=whole_busy_48)
     alike = packed_on_device_equal_host(args.device)
     figures.update(report_peak_host_gib=round(report.peak_memory.rss_mib / 1024, 3),
                    host_estimate_gib=round(report.peak_memory.estimate_rss_mib / 1024, 3),
@@ -239,14 +260,17 @@ def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list
     rows = [row("moe", f"GPTQ W4 g128 on every expert, Qwen3-30B-A3B-shaped, {label}", round(whole, 1), "s",
                 f"<= {GOAL_MOE_48_LAYERS_S} (one GPU)", whole <= GOAL_MOE_48_LAYERS_S if on_gpu else None,
                 measured_s=round(gptq_s + shared, 1)),
-            row("moe", f"whole run: loading, the pass, the packed output written ({label})", round(whole_run, 1),
-                "s", f"<= {GOAL_MOE_48_LAYERS_S} (one GPU)", whole_run <= GOAL_MOE_48_LAYERS_S if on_gpu else None,
+            row("moe", f"whole run: loading, the pass, the packed output written ({label}; the added layers at "
+                f"the steady pace)", whole_run, "s", f"<= {GOAL_MOE_48_LAYERS_S} (one GPU)",
+                whole_run <= GOAL_MOE_48_LAYERS_S if on_gpu and whole_run is not None else None,
                 measured_s=round(result["wall_s"], 1), output_write_s=round(write_s, 1)),
             row("moe", "GPU busy (nvidia-smi utilisation, mean over the apply run)", busy, "", "recorded (no goal)",
                 None),
             row("moe", "GPU busy during the layer-sequential pass (its layers, from the timings log's clock)",
                 pass_busy, "", f">= {GOAL_GPU_BUSY}",
                 pass_busy >= GOAL_GPU_BUSY if on_gpu and pass_busy is not None else None),
+            row("moe", "GPU busy in a layer after the first (the steady pace), and its seconds",
+                f"{passed['steady_gpu_busy']} / {passed['steady_layer_s']}", "", "recorded (no goal)", None),
             row("moe", f"GPU busy over the whole run extrapolated to 48 layers ({label})", whole_busy_48, "",
                 f">= {GOAL_GPU_BUSY}", whole_busy_48 >= GOAL_GPU_BUSY if on_gpu and whole_busy_48 is not None
                 else None),
