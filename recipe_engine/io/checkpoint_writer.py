@@ -75,8 +75,8 @@ class _WrittenBehind:
     """A file written by one thread and, when ``digests`` is a list, each buffer's sha256 appended to it in
     order (``report.WeightsFingerprint``'s segments), hashed on :data:`report.HASH_THREADS` threads; all behind
     the caller, in the order the buffers are handed over (:meth:`put`). Buffers go to the threads in batches
-    (``report.in_batches``' size: a packed MoE layer is thousands of small tensors, and a hand-over each cost
-    more than their bytes); at most :data:`WRITE_BEHIND_BYTES` wait. File writes and sha256 release the GIL, so
+    (of :data:`report.HASH_BATCH_BYTES`: a packed MoE layer is thousands of small tensors, and a hand-over each
+    cost more than their bytes); at most :data:`WRITE_BEHIND_BYTES` wait. File writes and sha256 release the GIL, so
     the caller's next unit is read and packed meanwhile (on a lent H200 one sha256 over the output ran at
     1.2 GB/s, and was the write's last step)."""
 
