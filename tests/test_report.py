@@ -114,3 +114,21 @@ def test_force_replaces_a_format0_output_only_as_a_recipe_output(tmp_path):
     assert not is_recipe_output(tmp_path / "old")  # no recipe.yaml beside it
     (tmp_path / "old" / "recipe.yaml").write_text("version: 1\n")
     assert is_recipe_output(tmp_path / "old")
+
+
+def test_weights_fingerprint_of_files_that_are_not_safetensors_hashes_each_whole(tmp_path):
+    """A weight file whose bytes do not parse as safetensors (too short, a header length past the end, not JSON,
+    an empty file) is one segment: sha256 over its name, a NUL and the sha256 of all its bytes."""
+    import hashlib
+
+    from recipe_engine.io.report import weights_fingerprint
+
+    contents = {"a.safetensors": b"", "b.safetensors": b"short", "c.safetensors": (10**6).to_bytes(8, "little"),
+                "d.safetensors": (4).to_bytes(8, "little") + b"{not"}
+    for name, data in contents.items():
+        (tmp_path / name).write_bytes(data)
+    outer = hashlib.sha256()
+    for name in sorted(contents):
+        outer.update(name.encode() + b"\0" + hashlib.sha256(contents[name]).digest())
+    assert weights_fingerprint(tmp_path) == outer.hexdigest()
+    assert weights_fingerprint(tmp_path / "none") is None

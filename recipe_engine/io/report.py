@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -282,32 +281,32 @@ def segment_digests(buffers) -> list[bytes]:
 HASH_BATCH_BYTES = 16 << 20
 
 
-def in_batches(buffers) -> list[list]:
-    """``buffers`` in order, grouped into consecutive runs of about :data:`HASH_BATCH_BYTES` (a larger buffer
-    alone)."""
-    batches, size = [[]], 0
-    for buffer in buffers:
-        if batches[-1] and size + len(buffer) > HASH_BATCH_BYTES:
+def in_batches(items, size=len) -> list[list]:
+    """``items`` in order, grouped into consecutive runs of about :data:`HASH_BATCH_BYTES` by ``size`` (a larger
+    item alone)."""
+    batches, total = [[]], 0
+    for item in items:
+        if batches[-1] and total + size(item) > HASH_BATCH_BYTES:
             batches.append([])
-            size = 0
-        batches[-1].append(buffer)
-        size += len(buffer)
+            total = 0
+        batches[-1].append(item)
+        total += size(item)
     return batches if batches[-1] else []
 
 
-def safetensors_segments(data) -> list[tuple[int, int]]:
-    """``(start, end)`` byte ranges of a safetensors file's segments, in file order: the 8-byte header length
-    with the header, each tensor's bytes (by ``data_offsets``, empty ones too), and any bytes after the last
-    tensor. Bytes that do not parse as a safetensors header are one segment, the whole file."""
-    size = len(data)
+def safetensors_segments(read, size: int) -> list[tuple[int, int]]:
+    """``(start, end)`` byte ranges of a safetensors file of ``size`` bytes (``read(offset, n)``: its bytes) in
+    file order: the 8-byte header length with the header, each tensor's bytes (by ``data_offsets``, empty ones
+    too), and any bytes after the last tensor. Bytes that do not parse as a safetensors header are one segment,
+    the whole file."""
     whole = [(0, size)]
     if size < 8:
         return whole
-    length = int.from_bytes(data[:8], "little")
+    length = int.from_bytes(read(0, 8), "little")
     if length > size - 8:
         return whole
     try:
-        header = json.loads(bytes(data[8:8 + length]))
+        header = json.loads(read(8, length))
         ranges = sorted(tuple(int(v) for v in entry["data_offsets"]) for key, entry in header.items()
                         if key != "__metadata__")
     except (ValueError, TypeError, KeyError, AttributeError):
@@ -322,27 +321,41 @@ def safetensors_segments(data) -> list[tuple[int, int]]:
     return segments + ([(at, size)] if at < size else [])
 
 
+#: Bytes one read of :func:`weights_fingerprint` asks for.
+READ_BYTES = 16 << 20
+
+
+def _ranges_digests(descriptor: int, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """The sha256 of each ``(start, end)`` byte range of an open file, read by position (``os.pread``, which
+    releases the GIL) :data:`READ_BYTES` at a time."""
+    digests = []
+    for start, end in ranges:
+        sha = hashlib.sha256()
+        for offset in range(start, end, READ_BYTES):
+            sha.update(os.pread(descriptor, min(READ_BYTES, end - offset), offset))
+        digests.append(sha.digest())
+    return digests
+
+
 def weights_fingerprint(directory: str | Path) -> str | None:
-    """:class:`WeightsFingerprint` of a checkpoint directory's ``*.safetensors`` files, read back (memory-
-    mapped, segments hashed on :data:`HASH_THREADS` threads): the same weights give the same value wherever
-    the directory lies; None when it holds none."""
+    """:class:`WeightsFingerprint` of a checkpoint directory's ``*.safetensors`` files, read back (segments read
+    by position and hashed on :data:`HASH_THREADS` threads; the files are not mapped, so this process's resident
+    memory holds only the reads in flight): the same weights give the same value wherever the directory lies;
+    None when it holds none."""
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         return None
     fingerprint = WeightsFingerprint()
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="recipe-fingerprint") as pool:
         for path in files:
-            with open(path, "rb") as handle:
-                if os.fstat(handle.fileno()).st_size == 0:  # mmap cannot map it
-                    fingerprint.add_file(path.name, segment_digests([b""]))
-                    continue
-                with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-                    parts = [view[start:end] for start, end in safetensors_segments(view)]
-                    try:
-                        fingerprint.add_file(path.name, [digest for digests in pool.map(segment_digests,
-                                                                                        in_batches(parts))
-                                                         for digest in digests])
-                    finally:
-                        for part in parts:
-                            part.release()
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                read = lambda offset, n: os.pread(descriptor, n, offset)  # noqa: E731
+                segments = safetensors_segments(read, os.fstat(descriptor).st_size)
+                batches = in_batches(segments, size=lambda segment: segment[1] - segment[0])
+                fingerprint.add_file(path.name, [digest for digests in
+                                                 pool.map(lambda batch: _ranges_digests(descriptor, batch), batches)
+                                                 for digest in digests])
+            finally:
+                os.close(descriptor)
     return fingerprint.hexdigest()
