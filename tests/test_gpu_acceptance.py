@@ -359,3 +359,42 @@ def test_host_work_counts_each_launch_once_and_a_block_program_as_one_replay():
         program()
     assert dict(launches.counts) == {"mm": 1, "clone": 1, "sum": 1, "graph replay": 2}
     assert total == float((a @ a).sum()) and len(views) == 4 and torch.equal(copy, b)
+
+
+def test_the_whole_run_is_extrapolated_by_what_grows_with_the_layers(tmp_path):
+    """``gpu_acceptance_moe.pass_figures`` on a made-up run: 3 layers (the first slow, warming up; then 2 s
+    each), a trace 20 % busy in the first layer and 90 % after, a 40 s run 50 % busy, a 4 s write of which the
+    layers are 75 %. Extrapolated to 9 layers: the 6 added layers at 2 s and 90 %, the write's layer part
+    twice more; by hand, not by the code's formula. The written layer share comes from the safetensors headers."""
+    from datetime import datetime
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from safetensors.torch import save_file
+
+    from gpu_acceptance_moe import layer_bytes_share, pass_figures
+
+    t0 = 1_800_000_000.0
+    ends = [t0 + 5, t0 + 7, t0 + 9]  # layer 0: t0 .. t0+5 (warm-up); layers 1, 2: 2 s each
+    records = [{"step": "0 GPTQ", "pass": "layer-sequential pass", "layer": i, "layers": 3,
+                "seconds": {"compress": end - (ends[i - 1] if i else t0)}, "unix_s": end} for i, end in enumerate(ends)]
+    (tmp_path / "timings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = []
+    for k in range(0, 91):  # a sample every 0.1 s from t0 to t0 + 9
+        stamp = t0 + k / 10
+        busy = 20 if stamp < t0 + 5 else 90
+        lines.append(f"{datetime.fromtimestamp(stamp).strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}, {busy}, 0, 0")
+    (tmp_path / "trace.csv").write_text("\n".join(lines) + "\n")
+    result = {"wall_s": 40.0, "gpu_busy": 0.5, "trace_path": tmp_path / "trace.csv",
+              "timings_path": tmp_path / "timings.jsonl"}
+    figures = pass_figures(result, 9, write_s=4.0, write_share=0.75)
+    pass_busy = (50 * 0.2 + 41 * 0.9) / 91  # the samples from t0 to t0 + 9
+    assert figures["pass_gpu_busy"] == round(pass_busy, 3)
+    assert figures["steady_layer_s"] == 2.0 and figures["steady_gpu_busy"] == 0.9
+    whole = 40.0 + 6 * 2.0 + 4.0 * 0.75 * 6 / 3
+    assert figures["whole_run_s"] == round(whole, 2)
+    assert figures["whole_run_gpu_busy"] == round((0.5 * 40.0 + 0.9 * 12.0) / whole, 3)
+    assert pass_figures(result, 3, 4.0, 0.75)["whole_run_s"] == 40.0  # nothing added: the run itself
+
+    save_file({"model.embed_tokens.weight": torch.zeros(100, dtype=torch.bfloat16),
+               "model.layers.0.mlp.weight": torch.zeros(300, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    assert layer_bytes_share(tmp_path) == 0.75
