@@ -16,7 +16,6 @@ run: the engines must write the same bytes) and writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -32,6 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_acceptance_moe import QWEN3_30B_A3B, output_write_s, write_moe_checkpoint  # noqa: E402 (the path above)
 
+from recipe_engine.io.report import whole_files_sha256  # noqa: E402
+
 
 def write_seconds(engine: Path, recipe: Path, timings: Path) -> float:
     """One `recipe apply` of ``recipe`` by the engine at ``engine``; the `write` seconds of its output."""
@@ -42,18 +43,6 @@ def write_seconds(engine: Path, recipe: Path, timings: Path) -> float:
     records = [json.loads(line) for line in timings.read_text().splitlines() if line.strip()]
     (written,) = [r for r in records if r.get("event") == "output written"]
     return output_write_s(written["seconds"])
-
-
-def files_sha256(directory: Path) -> str:
-    """sha256 over the ``*.safetensors`` files in name order (each name, a NUL, its bytes), read after the run:
-    whether two engines wrote the same bytes."""
-    sha = hashlib.sha256()
-    for path in sorted(directory.glob("*.safetensors")):
-        sha.update(path.name.encode() + b"\0")
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 24), b""):
-                sha.update(block)
-    return sha.hexdigest()
 
 
 def main() -> int:
@@ -83,7 +72,7 @@ def main() -> int:
         for engine in args.engines:
             row = rows[str(engine)]
             row["seconds"].append(round(write_seconds(engine.resolve(), recipe, args.work / "timings.jsonl"), 2))
-            row["sha256"] = files_sha256(output)  # the same bytes (report.json's fingerprint differs by engine)
+            row["sha256"] = whole_files_sha256(output)  # the same bytes (report.json's fingerprint differs by engine)
             row["bytes"] = sum(p.stat().st_size for p in output.glob("*.safetensors"))
             shutil.rmtree(output)
     print(f"{'engine':40s} {'median s':>9s}  runs (s)              bytes          sha256")

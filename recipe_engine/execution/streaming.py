@@ -73,7 +73,6 @@ class StagedFile:
             return {name: handle.get_tensor(name) for name in names}
 
 
-
 def _read_paged_in(reader, names: list[str], pinned: bool = False) -> dict[str, torch.Tensor]:
     """``reader.read(names)`` with every page of the tensors read in: a checkpoint's tensors are memory-mapped
     views whose pages the disk delivers only when first touched, so one value per page is summed here (on the

@@ -88,8 +88,8 @@ class _WrittenBehind:
                                                                         thread_name_prefix="recipe-output-hasher")
         self._batch: list = []
         self._batch_bytes = 0
-        self._pending: deque[tuple[list[Future], int]] = deque()
-        self._hashed: list[Future] = []
+        #: (the batch's write, its hash or None, its bytes), in order
+        self._pending: deque[tuple[Future, Future | None, int]] = deque()
         self._bytes = 0
         self._failed = False
 
@@ -116,33 +116,30 @@ class _WrittenBehind:
             self._wait_oldest()
         batch, size = self._batch, self._batch_bytes
         self._batch, self._batch_bytes = [], 0
-        futures = [self._writer.submit(self._write, batch)]
-        if self._hashers is not None:
-            futures.append(self._hashers.submit(segment_digests, batch))
-            self._hashed.append(futures[-1])
-        self._pending.append((futures, size))
+        hashed = None if self._hashers is None else self._hashers.submit(segment_digests, batch)
+        self._pending.append((self._writer.submit(self._write, batch), hashed, size))
         self._bytes += size
 
     def _wait_oldest(self) -> None:
-        done, size = self._pending.popleft()
+        written, hashed, size = self._pending.popleft()
         self._bytes -= size
-        for future in done:
-            future.result()  # a failed write raises here
+        written.result()  # a failed write raises here
+        if hashed is not None:
+            self._digests.extend(hashed.result())  # in file order: the batches are waited for in order
 
     def finish(self) -> None:
-        """Wait for every write and hash (raising the first failure), the digests appended in order; the
-        threads end either way."""
+        """Wait for every write and hash (raising the first failure; the digests are appended as their batches
+        are waited for); the threads end either way."""
         try:
             if self._batch:
                 self._hand_over()
             while self._pending:
                 self._wait_oldest()
-            if self._digests is not None:
-                self._digests.extend(digest for future in self._hashed for digest in future.result())
         finally:
-            for futures, _ in self._pending:
-                for future in futures:
-                    future.cancel()
+            for written, hashed, _ in self._pending:
+                for future in (written, hashed):
+                    if future is not None:
+                        future.cancel()
             for pool in (self._writer, self._hashers):
                 if pool is not None:
                     pool.shutdown(wait=True)

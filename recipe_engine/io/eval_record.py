@@ -2,7 +2,6 @@
 for the output they measured (the same weights and the same resolved recipe)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -12,7 +11,7 @@ from typing import Any
 
 from ..errors import RecipeError
 from .output import special_kind
-from .report import Report, weights_fingerprint
+from .report import Report, weights_fingerprint, whole_files_sha256
 
 #: The largest record read (a real one is a few KiB).
 MAX_RECORD_BYTES = 16 << 20
@@ -83,21 +82,6 @@ def _check_values(path: str, record: dict) -> None:
         _text(path, record["date"], "date")
 
 
-def _whole_files_sha256(directory: str | Path) -> str | None:
-    """The weights fingerprint ``recipe eval`` recorded before it hashed segments: sha256 over the
-    ``*.safetensors`` files in name order, each name, a NUL and its bytes (to recognize such a record)."""
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        return None
-    sha = hashlib.sha256()
-    for file in files:
-        sha.update(file.name.encode() + b"\0")
-        with open(file, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 24), b""):
-                sha.update(block)
-    return sha.hexdigest()
-
-
 def read_evaluation(path: str, report: Report, directory: str | Path) -> dict:
     """A ``recipe eval --json`` record of the output in ``directory`` (whose report is ``report``): refused
     when it measured other weights (``weights_sha256``; an output written before the report recorded it is
@@ -112,7 +96,7 @@ def read_evaluation(path: str, report: Report, directory: str | Path) -> dict:
         raise RecipeError(f"--eval {path}: records no weights fingerprint (an older `recipe eval`); rerun "
                           f"`recipe eval {directory} --json FILE` and pass that file")
     expected = report.weights_sha256 or weights_fingerprint(directory)
-    if measured != expected and measured == _whole_files_sha256(directory):
+    if measured != expected and measured == whole_files_sha256(directory):
         raise RecipeError(f"--eval {path}: records the weights fingerprint of an older `recipe eval` (sha256 of "
                           f"the whole files); rerun `recipe eval {directory} --json FILE` and pass that file")
     if measured != expected:

@@ -337,6 +337,22 @@ def _ranges_digests(descriptor: int, ranges: list[tuple[int, int]]) -> list[byte
     return digests
 
 
+def whole_files_sha256(directory: str | Path) -> str | None:
+    """sha256 over a directory's ``*.safetensors`` files in name order, each name, a NUL and all its bytes, on
+    one thread: the fingerprint ``recipe eval`` recorded before :class:`WeightsFingerprint` (to recognize such a
+    record), and whether two writers wrote the same bytes; None when it holds none."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return None
+    sha = hashlib.sha256()
+    for file in files:
+        sha.update(file.name.encode() + b"\0")
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(READ_BYTES), b""):
+                sha.update(block)
+    return sha.hexdigest()
+
+
 def weights_fingerprint(directory: str | Path) -> str | None:
     """:class:`WeightsFingerprint` of a checkpoint directory's ``*.safetensors`` files, read back (segments read
     by position and hashed on :data:`HASH_THREADS` threads; the files are not mapped, so this process's resident

@@ -213,8 +213,8 @@ def plan_memory(plan: Plan, streamed: bool, runtime: int | None = None, on_devic
         device_peak = max(activations + max(s.device_weights_bytes + s.working_bytes for s in steps), evaluation)
     evaluation_host = 0
     if logits and not on_device:  # the evaluation on the host: the model held as by the steps, one window
-        evaluation_host = runtime + accelerator_runtime + (whole if not streamed else max(max(s.device_weights_bytes for s in steps),
-                                                                     embedding)) + logits
+        held = whole if not streamed else max(max(s.device_weights_bytes for s in steps), embedding)
+        evaluation_host = runtime + accelerator_runtime + held + logits
         host_peak = max(host_peak, evaluation_host)
     return MemoryPlan(streamed, on_device, runtime, activations, whole, steps, host_peak, device_peak, evaluation,
                       evaluation_host, logits, accelerator_runtime)
