@@ -6,7 +6,7 @@ import torch
 
 from recipe_engine.io import data
 from recipe_engine.errors import SourceError
-from tests.helpers import shared_data
+from tests.helpers import have_smollm2, shared_data
 
 
 def test_wikipedia_sample_strips_doc_tags_and_splits():
@@ -130,3 +130,46 @@ def test_mixed_calibration_shares_windows_among_sources_in_order():
     single = CalibrationConfig(dataset="wikipedia-sample", samples=3, seq_len=64, split="train")
     alone, _ = data.calibration_windows(ByteTokenizer(), data.load_calibration(single), single)
     assert torch.equal(windows[:3], alone)  # a source draws the same windows alone or in a mix
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from recipe_engine.io.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m").location)
+
+
+def _called(tokenizer, text: str) -> list[int]:
+    """The ids of the tokenizer called as transformers documents it: the reference ``tokenize`` must equal."""
+    return tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
+SPECIAL_TEXT = " = Title = \n<|im_start|>user\nHello,   world!\t2024 ünïcödé<|im_end|>\n\n" * 3
+
+
+@pytest.mark.skipif(not (have_smollm2() and (shared_data() / "wikitext-2-raw").is_dir()),
+                    reason="needs the SmolLM2 package and ../shared/data")
+def test_tokenize_equals_the_tokenizer_called_on_real_text(smollm2_tokenizer):
+    text = data.load_text("wikitext2", "validation").text[:200_000] + SPECIAL_TEXT
+    assert data._fast_ids(smollm2_tokenizer, text) is not None  # the backend path is the one checked
+    assert data.tokenize(smollm2_tokenizer, text).tolist() == _called(smollm2_tokenizer, text)
+
+
+@pytest.mark.skipif(not have_smollm2(), reason="needs the SmolLM2 package")
+def test_tokenize_calls_the_tokenizer_when_its_backend_would_differ(smollm2_tokenizer):
+    """A backend set to truncate (a tokenizer.json may carry it) or a tokenizer that splits special tokens:
+    the tokenizer is called, and the whole text's ids come back as it gives them."""
+    import copy
+
+    truncating = copy.deepcopy(smollm2_tokenizer)
+    truncating.backend_tokenizer.enable_truncation(max_length=8)
+    assert data._fast_ids(truncating, SPECIAL_TEXT) is None
+    assert data.tokenize(truncating, SPECIAL_TEXT).tolist() == _called(smollm2_tokenizer, SPECIAL_TEXT)
+    splitting = copy.deepcopy(smollm2_tokenizer)
+    splitting.split_special_tokens = True
+    assert data._fast_ids(splitting, SPECIAL_TEXT) is None
+    split_ids = data.tokenize(splitting, SPECIAL_TEXT).tolist()
+    assert split_ids == _called(splitting, SPECIAL_TEXT)
+    assert split_ids != _called(smollm2_tokenizer, SPECIAL_TEXT)  # the special tokens did split
