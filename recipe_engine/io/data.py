@@ -402,12 +402,13 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
 
 def _fast_ids(tokenizer, text: str) -> list[int] | None:
     """The ids of ``text`` from a fast tokenizer's backend without offsets, or None where that does not apply:
-    no ``tokenizers`` backend, one too old for ``encode_batch_fast``, one set to truncate or pad, or one whose
-    special-token splitting differs from the tokenizer's (``split_special_tokens``, which a call sets first)."""
+    no ``tokenizers`` backend, one too old for ``encode_batch_fast`` or ``encode_special_tokens``, one set to
+    truncate or pad, or one whose special-token splitting differs from the tokenizer's (``split_special_tokens``,
+    which a call sets first)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast") or backend.truncation or backend.padding:
         return None
-    if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+    if getattr(backend, "encode_special_tokens", None) != bool(getattr(tokenizer, "split_special_tokens", False)):
         return None
     return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
