@@ -824,6 +824,7 @@ def test_a_streamed_whole_model_forward_reads_each_next_unit_ahead(tmp_path, mon
     with torch.no_grad(), forward_streamed(session, torch.device("cpu")):
         logits = [session.model(input_ids=ids).logits for _ in range(2)]
     units = len(session.stream_units())
+    session.stream._reader.submit(lambda: None).result()  # one reader thread: the reads queued before are done
     assert len(threads) == 2 * units + 1  # the wrap-around read of a third forward's embeddings ...
     assert session.stream._ahead is None  # ... dropped when the block ends
     assert threads[0] == "MainThread" and all(name.startswith("recipe-read-ahead") for name in threads[1:])
