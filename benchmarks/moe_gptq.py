@@ -62,9 +62,10 @@ def main() -> None:
     anonymous, file_backed, timeline = 0, 0, []
     while child.poll() is None:
         status = memory_status(child.pid)
-        timeline.append([round(time.time(), 2), status.get("RssAnon", 0) >> 20, status.get("RssFile", 0) >> 20])
-        if status.get("RssAnon", 0) > anonymous:
-            anonymous, file_backed = status["RssAnon"], status.get("RssFile", 0)
+        now_anonymous, now_file_backed = status.get("RssAnon", 0), status.get("RssFile", 0)
+        timeline.append([round(time.time(), 2), now_anonymous >> 20, now_file_backed >> 20])
+        if now_anonymous > anonymous:
+            anonymous, file_backed = now_anonymous, now_file_backed
         time.sleep(0.2)
     (args.work / "host_memory.json").write_text(json.dumps({"columns": ["unix_s", "anon_mib", "file_mib"],
                                                             "samples": timeline}))
@@ -93,7 +94,8 @@ def main() -> None:
         "peak_host_bytes": int(report.peak_memory.rss_mib * 2**20),
         "peak_anonymous_bytes": anonymous, "file_backed_at_peak_bytes": file_backed,
         "plan_host_bytes": plan["memory"]["host_peak_bytes"],
-        "run_plan_host_bytes": int(report.peak_memory.estimate_rss_mib * 2**20) if report.peak_memory.estimate_rss_mib else None,
+        "run_plan_host_bytes": (int(report.peak_memory.estimate_rss_mib * 2**20)
+                                if report.peak_memory.estimate_rss_mib else None),
         "rows": len(rows), "threads": os.environ.get("OMP_NUM_THREADS")}, indent=1))
 
 
@@ -105,6 +107,7 @@ def memory_status(pid: int) -> dict[str, int]:
         return {}
     return {key: int(value.split()[0]) * 1024 for key, value in (line.split(":", 1) for line in lines)
             if value.strip().endswith("kB")}
+
 
 if __name__ == "__main__":
     main()

@@ -7,9 +7,9 @@ For each shipped model's tokenizer and each local text (WikiText-2 validation an
 code samples' train splits): the ids of ``recipe_engine.io.data.tokenize`` (a fast tokenizer's backend,
 ``encode_batch_fast``: no character offsets) against the tokenizer called as transformers documents it
 (``tokenizer(text, add_special_tokens=False)["input_ids"]``), which must be equal; and for each way, its
-transient: the process's high-water mark while it runs (``VmHWM``, reset before by writing 5 to
-``/proc/self/clear_refs``) above the resident size before it, with the freed heap given back in between, and its seconds.
-Printed as JSON, one row per tokenizer and text.
+transient: the process's high-water mark while it runs (``host_memory.PeakWatch``: ``VmHWM``, reset before)
+above the resident size before it, with the freed heap given back in between; and its seconds. Printed as
+JSON, one row per tokenizer and text.
 """
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ TEXTS = [("wikitext2", "validation"), ("wikitext2", "test"), ("wikipedia-sample"
 def transient(call) -> tuple[object, int, float]:
     """``call()``'s result, the bytes the process's high-water mark rose above its resident size before, and
     its seconds."""
-    from recipe_engine.system.host_memory import current_rss, high_water_bytes, trim_heap
+    from recipe_engine.system.host_memory import PeakWatch, current_rss, trim_heap
 
     trim_heap()
-    Path("/proc/self/clear_refs").write_text("5")
+    watch = PeakWatch()
+    watch.start()
     before, started = current_rss(), time.perf_counter()
     result = call()
-    return result, high_water_bytes() - before, time.perf_counter() - started
+    return result, watch.stop() - before, time.perf_counter() - started
 
 
 def main() -> None:
