@@ -1,8 +1,17 @@
 """compressed-tensors ``pack-quantized``: what llm-compressor writes and vLLM, SGLang and transformers (with
 the ``compressed-tensors`` package) load. Per quantized linear: ``weight_packed`` (int32, ``32 / b`` codes
 per word along the input dimension, signed codes offset by ``2^(b-1)``), ``weight_scale`` ``[rows, groups]``
-in the model dtype, ``weight_zero_point`` (asymmetric grids; signed, packed along rows) and ``weight_shape``.
-Packing and the ``quantization_config`` come from the ``compressed-tensors`` library itself."""
+in the model dtype, ``weight_zero_point`` (asymmetric grids; signed, packed along rows: int32
+``[ceil(rows · b / 32), groups]``, what the library's compressor writes and vLLM reads) and ``weight_shape``.
+Packing and the ``quantization_config`` come from the ``compressed-tensors`` library itself.
+
+An asymmetric grid's ``quantization_config`` also carries ``dequantize: true``, a loading option transformers
+reads from it (vLLM, SGLang and compressed-tensors ignore the key). transformers' default route (5.24 with
+compressed-tensors 0.20) builds each linear's ``weight_zero_point`` on the meta device, where the compressor
+leaves it unpacked (``[rows, groups]`` int8), so it refuses the packed zero point of every asymmetric
+pack-quantized checkpoint, compressed-tensors' own included, as a size mismatch; its ``dequantize`` route runs the
+library's ``PackedQuantizationCompressor.decompress`` on the file's tensors instead, the weights the engine reads
+bit for bit (tests/test_asym_packed.py)."""
 from __future__ import annotations
 
 import math
@@ -72,7 +81,8 @@ class CompressedTensors(Exporter):
 
         config = QuantizationConfig(config_groups={"group_0": scheme(grid)}, format="pack-quantized",
                                     quantization_status="compressed", ignore=sorted(ignore))
-        return config.model_dump(mode="json", exclude_none=True)
+        dumped = config.model_dump(mode="json", exclude_none=True)
+        return dumped if grid.sym else {**dumped, "dequantize": True}  # see the module docstring
 
     def reads(self, quantization_config: dict) -> bool:
         return quantization_config.get("quant_method") == "compressed-tensors" \
