@@ -159,3 +159,15 @@ def test_command_line_mistakes_are_one_line(write_recipe, model_dir, capsys, arg
     recipe = write_recipe()
     argv = [a.replace("{model}", str(model_dir)).replace("{recipe}", recipe) for a in argv]
     refused(capsys, argv, fragment)
+
+
+def test_a_gguf_file_that_cannot_be_read_is_one_line(tmp_path):
+    """An unreadable GGUF (here a directory by that name; as another user, a root-owned 0600 cache file) is a
+    SourceError naming it, not a traceback."""
+    from recipe_engine.errors import SourceError
+    from recipe_engine.io.models import gguf_cache_dir
+
+    unreadable = tmp_path / "model.gguf"
+    unreadable.mkdir()
+    with pytest.raises(SourceError, match=f"cannot read the GGUF file {unreadable}"):
+        gguf_cache_dir(unreadable)

@@ -253,12 +253,15 @@ def gguf_cache_dir(gguf: Path) -> Path:
     """Where the converted checkpoint of ``gguf`` lives, keyed by content: its size and the sha256 of its
     first and last MiB (the header with every tensor's metadata, and the end of the data). A path or mtime
     key made one 0.5 GB copy per fresh install of the same package (six SmolLM2 copies were found)."""
-    size = gguf.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(gguf, "rb") as handle:
-        digest.update(handle.read(GGUF_KEY_BYTES))
-        handle.seek(max(0, size - GGUF_KEY_BYTES))
-        digest.update(handle.read(GGUF_KEY_BYTES))
+    try:
+        size = gguf.stat().st_size
+        digest = hashlib.sha256(str(size).encode())
+        with open(gguf, "rb") as handle:
+            digest.update(handle.read(GGUF_KEY_BYTES))
+            handle.seek(max(0, size - GGUF_KEY_BYTES))
+            digest.update(handle.read(GGUF_KEY_BYTES))
+    except OSError as exc:
+        raise SourceError(f"cannot read the GGUF file {gguf}: {exc.strerror}") from None
     return cache_root() / "gguf" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
