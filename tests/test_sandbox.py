@@ -311,6 +311,8 @@ def test_no_process_of_the_program_outlives_the_engine(tmp_path, how):
     while sandbox_processes() - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sandbox_processes() - before == set()
+    run_program("pass")  # sweeps the program's directory that an engine killed outright left
+    assert list(Path(tempfile.gettempdir()).glob(".recipe-sandbox.tmp-*")) == []
 
 
 def test_an_unknown_mode_name_is_refused(monkeypatch):

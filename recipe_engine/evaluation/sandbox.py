@@ -32,7 +32,6 @@ import json
 import os
 import random
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RecipeError
+from ..system.cleanup import sweep_stale, temporary_directory
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 LAUNCH_FAILED = 125
@@ -252,7 +252,15 @@ def run_program(source: str, limits: Limits = Limits()) -> Outcome:
 
 
 def _run(mode: str, source: str, limits: Limits) -> Outcome:
-    home = Path(tempfile.mkdtemp(prefix="recipe-sandbox-"))  # 0700, the engine's own: program, output files
+    """The program's own directory: ``$TMPDIR/.recipe-sandbox.tmp-XXXX``, marked and removed on exit; one left by
+    an engine that was killed outright is swept by the next run."""
+    sweep_stale(Path(tempfile.gettempdir()), "recipe-sandbox", note=lambda line: None)
+    with temporary_directory(Path(tempfile.gettempdir()), "recipe-sandbox", "sandbox") as home:
+        home.chmod(0o700)  # the engine's own: the program, its output files
+        return _run_in(home, mode, source, limits)
+
+
+def _run_in(home: Path, mode: str, source: str, limits: Limits) -> Outcome:
     groups = make_cgroups(limits)
     nonce = secrets.token_hex(16).encode()
     nonce_read, nonce_write = os.pipe()
@@ -310,4 +318,3 @@ def _run(mode: str, source: str, limits: Limits) -> Outcome:
             if fd >= 0:
                 os.close(fd)
         remove_cgroups(groups)
-        shutil.rmtree(home, ignore_errors=True)
