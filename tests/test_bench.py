@@ -197,11 +197,185 @@ def test_bench_cli_refuses_what_the_int4_kernel_cannot_time(tmp_path, capsys):
 def test_bytes_read_per_token_leave_out_the_embedding_gather(tmp_path, tied):
     from recipe_engine.evaluation.bench import bytes_read_per_token
 
-    model = tiny_model(vocab_size=BYTE_VOCAB, num_hidden_layers=2, tie_word_embeddings=tied)
-    model.save_pretrained(tmp_path)
-    read = [p for n, p in model.named_parameters() if tied or "embed_tokens" not in n]  # a tied head: once
-    assert bytes_read_per_token(str(tmp_path), torch.bfloat16) == 2 * sum(p.numel() for p in read)
-    assert bytes_read_per_token(str(tmp_path), torch.float32) == 4 * sum(p.numel() for p in read)
+    for dtype, width in ((torch.bfloat16, 2), (torch.float32, 4)):
+        model = tiny_model(vocab_size=BYTE_VOCAB, num_hidden_layers=2, tie_word_embeddings=tied).to(dtype)
+        read = [p for n, p in model.named_parameters() if tied or "embed_tokens" not in n]  # a tied head: once
+        assert bytes_read_per_token(model) == width * sum(p.numel() for p in read)
+
+
+# -- packed outputs: the dense model's parameters, the bytes as held -----------------------------------------
+def dense_figures(config) -> tuple[list[tuple[int, int]], int]:
+    """Each decoder linear's (rows, columns) and the dense model's parameter count, from the config alone."""
+    h, heads, kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_layer = [(heads * d, h), (kv * d, h), (kv * d, h), (h, heads * d),
+                 (config.intermediate_size, h), (config.intermediate_size, h), (h, config.intermediate_size)]
+    linears = per_layer * config.num_hidden_layers
+    norms = (2 * config.num_hidden_layers + 1) * h
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return linears, sum(r * c for r, c in linears) + norms + embeddings
+
+
+@pytest.fixture(scope="module")
+def gptq_outputs(tmp_path_factory):
+    """A tiny dense model and GPTQ's outputs of it: the packed default (compressed-tensors int4, groups of 32)
+    and ``export: gptq`` (GPTQ v1)."""
+    import recipe_engine
+    from tests.helpers import save_tiny_model
+
+    root = tmp_path_factory.mktemp("gptq")
+    save_tiny_model(root / "dense", num_hidden_layers=2, hidden_size=128, intermediate_size=256)
+    (root / "calibration.txt").write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    for name, export in (("packed", ""), ("gptq", ",export:gptq")):
+        recipe_engine.apply(dict(version=1, name=f"bench-{name}", model=str(root / "dense"), device="cpu",
+                                 output=str(root / name), modifiers=[f"GPTQ<group_size:32{export}>"],
+                                 calibration=dict(dataset=str(root / "calibration.txt"), samples=4, seq_len=32,
+                                                  batch_size=2)), progress=False)
+    return root
+
+
+def test_bench_counts_packed_linears_as_the_dense_parameters_and_the_bytes_as_held(gptq_outputs, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    root, out = gptq_outputs, tmp_path / "bench.json"
+    assert main(["bench", str(root / "packed"), str(root / "gptq"), *SMALL, "--repeats", "1",
+                 "--json", str(out)]) == 0
+    packed, gptq = json.loads(out.read_text())["models"]
+    config = AutoConfig.from_pretrained(root / "dense")
+    linears, parameters = dense_figures(config)
+    assert packed["parameters"] == gptq["parameters"] == parameters
+    h, norms = config.hidden_size, (2 * config.num_hidden_layers + 1) * config.hidden_size
+    head = config.vocab_size * h  # untied: the head is read, the embedding gathered
+    # int4 kernel: two codes a byte, a scale and a zero per group of 32 and row, fp32; norms and head in fp32
+    int4 = sum(r * c // 2 + r * (c // 32) * 2 * 4 for r, c in linears) + 4 * (norms + head)
+    assert packed["weights"] == "int4 (packed)" and packed["bytes_per_token"] == int4
+    # GPTQ v1 runs dequantized: every weight in fp32, as the dense model's
+    assert gptq["weights"] == "float32 (dequantized)" and gptq["packed"] == "gptq, 4-bit, groups of 32"
+    assert gptq["bytes_per_token"] == 4 * (sum(r * c for r, c in linears) + norms + head)
+    text = capsys.readouterr().out
+    assert f"timed dequantized to float32: {root / 'gptq'} (gptq, 4-bit, groups of 32)" in text
+    assert gptq["checkpoint_bytes"] < gptq["bytes_per_token"] / 2  # the file is packed, the held weights not
+
+
+@pytest.mark.parametrize("name", ["dense", "packed", "gptq"])
+def test_the_planned_weights_are_the_weights_bench_holds(gptq_outputs, name):
+    """The memory check's weights, from the config and headers before loading, are what the loaded model holds."""
+    from recipe_engine.cli.bench import load_for_bench
+    from recipe_engine.evaluation.bench import packed_config, planned_weight_bytes
+    from recipe_engine.evaluation.bench.run import held_weights
+    from recipe_engine.io.models import load_config
+
+    location = str(gptq_outputs / name)
+    for dtype in ("float32", "bfloat16"):
+        model, _, _ = load_for_bench(location, dtype, torch.device("cpu"))
+        planned = planned_weight_bytes(load_config(location), location, getattr(torch, dtype),
+                                       packed_config(location) is not None)
+        assert planned == sum(held_weights(model).values()), (name, dtype)
+
+
+# -- refusals before loading ----------------------------------------------------------------------------------
+def test_bench_refuses_deepseek_v3_before_loading_as_validate_does(tmp_path, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from tests.helpers import forbid_loading, refused_in_one_line
+
+    config = DeepseekV3Config(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                              kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                              v_head_dim=12, max_position_embeddings=256)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ds")
+    byte_tokenizer().save_pretrained(tmp_path / "ds")
+    capsys.readouterr()  # the save's progress bar
+    forbid_loading(monkeypatch, "bench loaded a model it refuses")
+    refused_in_one_line(capsys, main, ["bench", str(tmp_path / "ds"), *SMALL],
+                        f"error: {tmp_path / 'ds'}: unsupported architecture 'deepseek_v3': DeepSeek's multi-head "
+                        f"latent attention (MLA: compressed q/kv projections) is not handled yet")
+
+
+def least_need(config, shapes_: list[tuple[int, int, int]], width: int = 4) -> int:
+    """What the docs promise a bench of one dense fp32 model needs at least, from the config alone: the
+    weights, the KV cache (every position but the last new token's), the float32 logits of one step, the token
+    ids and one hidden state."""
+    _, parameters = dense_figures(config)
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * width
+    return max(parameters * width + kv_per_token * b * (p + g - 1) + b * config.vocab_size * 4 + b * (p + g) * 8
+               + b * p * config.hidden_size * width for b, p, g in shapes_)
+
+
+@pytest.mark.parametrize("mode", ["served", "eager"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gpt_oss", "qwen3_moe"])
+def test_the_kv_cache_estimate_is_what_generate_allocates(model_type, mode):
+    """The estimate's KV cache equals the bytes of the cache transformers' ``generate`` fills: 11 + 6 − 1
+    positions (the last new token is never fed back); Gemma 3's and gpt-oss's sliding-window layers only their
+    window of 8 (the static cache) or 7 (the dynamic one)."""
+    from recipe_engine.evaluation.bench import request_memory
+    from recipe_engine.evaluation.bench.generate import generate_options, greedy
+    from tests.helpers import tiny_config
+
+    model = tiny_model(model_type, vocab_size=BYTE_VOCAB, num_hidden_layers=3)
+    shape, device = Shape("throughput", 3, 11, 6), torch.device("cpu")
+    options = {**generate_options(mode == "served", False, device), "return_dict_in_generate": True}
+    cache = greedy(model, prompt_ids(BYTE_VOCAB, shape, device), shape.gen_tokens, options).past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    config = tiny_config(model_type, vocab_size=BYTE_VOCAB, num_hidden_layers=3)
+    assert request_memory(config, shape, 0, torch.float32, mode == "served").kv_cache == held > 0
+
+
+def test_bench_refuses_a_batch_memory_cannot_hold_before_loading(pair, capsys, monkeypatch):
+    from recipe_engine.evaluation.bench import memory
+
+    from tests.helpers import forbid_loading, tiny_config
+
+    config = tiny_config(vocab_size=BYTE_VOCAB)
+    monkeypatch.setattr(memory, "available_memory", lambda: 64 * 2**30)
+    forbid_loading(monkeypatch, "bench loaded a model whose requests cannot fit")
+    assert main(["bench", str(pair[0]), "--batch", "100000000", "--prefill-tokens", "200", "--device", "cpu"]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    kv = 2 * 4 * 2 * 16 * 100_000_000 * (64 + 32 - 1) * 4
+    assert len(err) == 1 and err[0].startswith(
+        "error: out of host memory: the throughput request (--batch 100000000, --prompt-tokens 64, --gen-tokens 32) "
+        f"needs at least {least_need(config, [(100_000_000, 64, 32)]) / 2**30:,.2f} GiB: KV cache "
+        f"{kv / 2**30:,.2f} GiB (2 × 4 layers × 2 KV heads × head dim 16 × batch 100000000 × 95 positions × 4 "
+        f"bytes)"), err
+    assert err[0].endswith("64.00 GiB is available (MemAvailable of this host); nothing was loaded; give a smaller "
+                           "--batch or --prompt-tokens or --gen-tokens"), err
+
+
+def test_bench_runs_what_memory_holds_and_refuses_a_byte_less(pair, capsys, monkeypatch):
+    from recipe_engine.evaluation.bench import memory
+
+    from tests.helpers import tiny_config
+
+    need = least_need(tiny_config(vocab_size=BYTE_VOCAB), [(2, 4, 3), (1, 16, 3)])  # SMALL's two requests
+    monkeypatch.setattr(memory, "available_memory", lambda: need - 1)
+    assert main(["bench", str(pair[0]), *SMALL, "--repeats", "1"]) == 4
+    assert "error: out of host memory: the latency request (--prefill-tokens 16, --gen-tokens 3)" in \
+        capsys.readouterr().err
+    monkeypatch.setattr(memory, "available_memory", lambda: need)
+    assert main(["bench", str(pair[0]), *SMALL, "--repeats", "1"]) == 0
+
+
+@pytest.mark.parametrize("option, value, accepted", [
+    ("--warmup", "-1", "a non-negative integer, got -1"), ("--warmup", "x", "a non-negative integer, got 'x'"),
+    ("--repeats", "0", "a positive integer, got 0"), ("--batch", "0", "a positive integer, got 0"),
+    ("--prompt-tokens", "0", "a positive integer, got 0"), ("--gen-tokens", "-2", "a positive integer, got -2"),
+    ("--prefill-tokens", "0", "a positive integer, got 0")])
+def test_bench_integer_options_say_what_they_accept(pair, capsys, option, value, accepted):
+    from tests.helpers import refused_in_one_line
+
+    refused_in_one_line(capsys, main, ["bench", str(pair[0]), option, value],
+                        f"error: recipe bench: argument {option}: expected {accepted}")
+
+
+def test_bench_integer_options_accept_their_least_values(pair, tmp_path):
+    """Each option's message is true: the least value it names runs (0 warm-up runs, 1 of everything else)."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(pair[0]), "--batch", "1", "--prompt-tokens", "1", "--gen-tokens", "1",
+                 "--prefill-tokens", "1", "--warmup", "0", "--repeats", "1", "--device", "cpu",
+                 "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert (record["warmup"], record["repeats"]) == (0, 1)
+    assert [r["batch"] + r["prompt_tokens"] + r["gen_tokens"] for r in record["requests"]] == [3, 3]
 
 
 def test_bench_cli_refuses_a_request_the_mode_lacks(pair, capsys):

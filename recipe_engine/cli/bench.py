@@ -8,11 +8,12 @@ from importlib.metadata import version
 from rich.markup import escape
 from rich.table import Table
 
+from ..architectures.adapters import adapter_for
 from ..errors import RecipeError
-from ..evaluation.bench import (MODES, BenchPlan, bench, bytes_read_per_token, check_packed, load_packed,
-                                packed_config, protocol_note, ratios, shapes)
-from ..io.models import DTYPES, checkpoint_bytes, load_model, resolve_model
-from ..plan.preflight import check_device, check_model, check_seq_len
+from ..evaluation.bench import (MODES, BenchPlan, bench, check_memory, check_packed, load_packed, packed_config,
+                                planned_weight_bytes, protocol_note, ratios, shapes)
+from ..io.models import DTYPES, checkpoint_bytes, load_model, packed_description, resolve_model
+from ..plan.preflight import check_device, check_model, check_seq_len, located
 from ..recipe.schema import Recipe
 from ..system.progress import Console
 from .evaluate import JSON_HELP, check_json_path, model_record, non_negative_int, positive_int, write_json
@@ -90,12 +91,43 @@ def bench_table(names: list[str], runs: list[dict], ratio: dict | None) -> Table
 
 
 def load_for_bench(spec: str, dtype: str, device):
-    """(model, location, weights): a packed int4 checkpoint with the int4 kernel's linears, else as loaded."""
+    """(model, location, weights): a packed int4 checkpoint with the int4 kernel's linears; any other packed
+    checkpoint dequantized to ``dtype`` (``weights`` says so); else as loaded."""
     location = resolve_model(spec).location
     if packed_config(location) is not None:
         return load_packed(location, DTYPES[dtype], device), location, "int4 (packed)"
     model, _, source = load_model(spec, dtype)
-    return model, source.location, dtype
+    return model, source.location, f"{dtype} (dequantized)" if packed_description(source.location) else dtype
+
+
+def dequantized_line(names: list[str], runs: list[dict], dtype: str) -> str | None:
+    """The line naming the packed checkpoints timed dequantized, whose size rows are then those of the
+    dequantized weights (None: none is)."""
+    which = [f"{name} ({run['packed']})" for name, run in zip(names, runs) if run["packed"]
+             and run["weights"] != "int4 (packed)"]
+    return (f"timed dequantized to {dtype}: {'; '.join(which)} (the packed kernel takes compressed-"
+            f"tensors int4 only); weight bytes read per token count the dequantized weights held, not the "
+            f"packed file's") if which else None
+
+
+def preflight(args, device, used) -> None:
+    """What ``cmd_bench`` checks of each model before loading any: its config and architecture (the check of
+    ``recipe validate``), its longest request against the context, a packed checkpoint against the int4
+    kernel, and every request's memory against what is free (``OutOfMemory``, exit 4)."""
+    configs, weights = [], []
+    for spec in args.dirs:
+        config = check_model(spec)
+        located(lambda: adapter_for(config), spec)
+        check_seq_len(max(s.prompt_tokens + s.gen_tokens for s in used), config, None,
+                      option=f"{spec}: the longest request's prompt + new tokens (--prefill-tokens / "
+                             f"--prompt-tokens + --gen-tokens): ")
+        location = resolve_model(spec).location
+        packed = packed_config(location)
+        if packed is not None:
+            check_packed(spec, packed, device, args.dtype, location)
+        configs.append(config)
+        weights.append(planned_weight_bytes(config, location, DTYPES[args.dtype], packed is not None))
+    check_memory(configs, weights, used, DTYPES[args.dtype], device, args.mode == "served")
 
 
 def cmd_bench(args) -> int:
@@ -112,21 +144,13 @@ def cmd_bench(args) -> int:
             raise RecipeError(f"--requests {' '.join(unknown)}: the {args.mode} mode times "
                               f"{' and '.join(s.name for s in used)}")
         used = tuple(s for s in used if s.name in args.requests)
-    for spec in args.dirs:
-        config = check_model(spec)
-        check_seq_len(max(s.prompt_tokens + s.gen_tokens for s in used), config, None,
-                      option=f"{spec}: the longest request's prompt + new tokens (--prefill-tokens / "
-                             f"--prompt-tokens + --gen-tokens): ")
-        location = resolve_model(spec).location
-        packed = packed_config(location)
-        if packed is not None:
-            check_packed(spec, packed, device, args.dtype, location)
+    preflight(args, device, used)
     loaded = [load_for_bench(spec, args.dtype, device) for spec in args.dirs]
     plan = BenchPlan(args.mode, used, args.warmup, args.repeats, compiled, device)
     runs = bench([m for m, _, _ in loaded], plan)
     for run, spec, (_, location, weights) in zip(runs, args.dirs, loaded):
         run.update(model=model_record(spec, location), checkpoint_bytes=checkpoint_bytes(location), weights=weights,
-                   bytes_per_token=bytes_read_per_token(location, DTYPES[args.dtype]))
+                   packed=packed_description(location))
     ratio = ratios(runs[0], runs[1]) if len(runs) == 2 else None
     note = protocol_note(args.mode, used, device.type, compiled, args.repeats)
     out.print(bench_table(args.dirs, runs, ratio))
@@ -136,7 +160,8 @@ def cmd_bench(args) -> int:
               f"decode step {'compiled' if compiled else 'not compiled'}); {sizes}; median and p90 of "
               f"{args.repeats} interleaved iterations after {args.warmup} warm-up; {device}, {args.dtype}",
               markup=False, highlight=False, soft_wrap=True)
-    for line in (limit_line(ratio), unmeasured(runs, device), f"note: {note}" if note else None):
+    for line in (dequantized_line(args.dirs, runs, args.dtype), limit_line(ratio), unmeasured(runs, device),
+                 f"note: {note}" if note else None):
         if line:
             out.print(line, markup=False, highlight=False, soft_wrap=True)
     write_json(args.json, {"models": runs, "ratio_b_over_a": ratio, "protocol_note": note, "mode": args.mode,
@@ -155,7 +180,9 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                         "shapes and batch-1 latency; eager: eager generate and one prefill forward")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="compile the served decode step (auto: on a GPU only; on CPU compiling takes minutes)")
-    p.add_argument("--batch", type=positive_int, help="first request's batch (paper 64; CPU default 8)")
+    p.add_argument("--batch", type=positive_int,
+                   help="first request's batch (paper 64; CPU default 8); every request's memory is checked against "
+                        "what is free before loading (exit 4)")
     p.add_argument("--prompt-tokens", type=positive_int,
                    help="first request's prompt length (served: paper 64; eager: 1)")
     p.add_argument("--gen-tokens", type=positive_int, help="new tokens per request (paper 128; CPU default 32)")
@@ -163,8 +190,9 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    help="second request's prompt length (paper 2048; CPU default 256 served, 512 eager)")
     p.add_argument("--requests", nargs="+", choices=["throughput", "latency", "generation", "prefill"],
                    help="time only these requests (served: throughput latency; eager: generation prefill)")
-    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed runs per model and request")
-    p.add_argument("--repeats", type=positive_int, default=30, help="timed iterations per model and request")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed runs per model and request (0 or more)")
+    p.add_argument("--repeats", type=positive_int, default=30,
+                   help="timed iterations per model and request (1 or more)")
     p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
     p.add_argument("--device", default=Recipe.model_fields["device"].default)
     p.add_argument("--json", metavar="PATH", help=JSON_HELP)

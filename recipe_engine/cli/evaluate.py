@@ -71,20 +71,25 @@ def model_record(spec: str, location: str, weights: bool = False) -> dict:
     return record
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1 (a bad value is argparse's one-line error, exit 2)."""
+def integer_at_least(text: str, least: int, accepted: str) -> int:
+    """``text`` as an integer ≥ ``least``; else argparse's one-line error (exit 2) saying what is ``accepted``."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {accepted}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    return integer_at_least(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer ≥ 0."""
-    return 0 if text.strip() == "0" else positive_int(text)
+    return integer_at_least(text, 0, "a non-negative integer")
 
 
 def write_json(path: str | None, record: dict) -> None:

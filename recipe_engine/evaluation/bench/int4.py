@@ -44,6 +44,12 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
     return (q * scale.float().unsqueeze(-1)).view(rows, columns)
 
 
+def held_int4_bytes(rows: int, columns: int, groups: int, dtype: torch.dtype) -> int:
+    """Bytes an :class:`Int4Linear` of a ``rows × columns`` weight in ``groups`` groups per row holds: the int4
+    codes (two a byte, on CPU and CUDA alike) and a scale and a zero per group and row in ``dtype``."""
+    return rows * columns // 2 + groups * rows * 2 * torch.empty(0, dtype=dtype).element_size()
+
+
 class Int4Linear(nn.Module):
     """``y = x Wᵀ + b`` with ``W`` held in PyTorch's int4 packed layout for ``device`` (the layout differs
     between CPU and CUDA, so the module is built where it runs; its buffers stay out of the state dict)."""
@@ -83,6 +89,11 @@ class Int4Linear(nn.Module):
                                                            self.scale_and_zeros)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    @property
+    def weight_elements(self) -> int:
+        """The weight's logical size, rows × columns (its parameters, though held packed as buffers)."""
+        return self.out_features * self.in_features
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"

@@ -5,18 +5,18 @@ reported are the median and the p90 (the slow tail) of its seconds, tokens/s = b
 (at the median and at the p90 time), the time to the first token and the decode tokens/s after it
 (batch × (new − 1) / decode seconds), the peak device memory (the model's weights plus the most any run
 allocated beyond what was allocated before it) and, on a GPU, its mean utilisation over the decode windows.
-Ratios are B relative to A (> 1: B is faster; latency as A/B). Size: parameters and ``*.safetensors`` bytes.
+Ratios are B relative to A (> 1: B is faster; latency as A/B). Size: parameters (a packed linear's rows ×
+columns), the ``*.safetensors`` bytes and the weight bytes held, which one decode step reads.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from ...architectures.adapters import count_parameters
 from .generate import generate_options, time_request
+from .int4 import Int4Linear
 from .protocol import Shape
 from .timing import BusySampler, alternate, spread
 
@@ -39,34 +39,32 @@ def weight_bytes(model) -> int:
     return sum(seen.values())
 
 
-#: bytes per element of safetensors' dtypes
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-               "I8": 1, "U8": 1, "BOOL": 1}
+def held_weights(model) -> dict[int, int]:
+    """Bytes of each weight tensor the model holds as benchmarked, by storage (tied tensors once): its
+    parameters at their dtype, and each :class:`Int4Linear`'s packed codes and scales and zeros."""
+    packed = [t for m in model.modules() if isinstance(m, Int4Linear) for t in m.buffers()]
+    return {t.data_ptr(): t.numel() * t.element_size() for t in (*model.parameters(), *packed)}
 
 
-def bytes_read_per_token(location: str, dtype: torch.dtype) -> int | None:
-    """Bytes of weights one decode step reads, as loaded: every tensor of the checkpoint's ``*.safetensors``
-    (floating ones at ``dtype``'s size, packed integers as stored) except the input embeddings, a gather of
-    one row per token, which count once, as the output head, when the head is tied to them (not stored).
-    The ratio of two models' bytes is the memory-bound limit of their decode tokens/s (None: no local files).
-    A mixture-of-experts checkpoint counts every expert: what a large batch reads (a batch-1 step reads only
-    the routed ones)."""
-    from safetensors import safe_open  # deferred: only the command that reports it reads the headers
+def logical_parameters(model) -> int:
+    """Parameters as the dense model counts them (tied embeddings once): an :class:`Int4Linear`'s weight as
+    its rows × columns, though it is held packed."""
+    return count_parameters(model) + sum(m.weight_elements for m in model.modules() if isinstance(m, Int4Linear))
 
-    sizes = {}
-    for path in sorted(Path(location).glob("*.safetensors")):
-        with safe_open(str(path), "pt") as handle:
-            for key in handle.keys():
-                piece = handle.get_slice(key)
-                stored = piece.get_dtype()
-                width = torch.empty(0, dtype=dtype).element_size() if stored.startswith(("F", "BF")) \
-                    else DTYPE_BYTES[stored]
-                sizes[key] = math.prod(piece.get_shape()) * width
-    if not sizes:
-        return None
-    if any(key.endswith("lm_head.weight") for key in sizes):
-        return sum(v for k, v in sizes.items() if not k.endswith("embed_tokens.weight"))
-    return sum(sizes.values())
+
+def bytes_read_per_token(model) -> int:
+    """Bytes of weights one decode step reads, as the model holds them while benchmarked (:func:`held_weights`:
+    a packed 4-bit linear's codes, scales and zeros; a checkpoint loaded dequantized, its dequantized
+    weights), except the input embeddings, a gather of one row per token, which count once, as the output
+    head, when the head is tied to them. The ratio of two models' bytes is the memory-bound limit of their
+    decode tokens/s. A mixture-of-experts model counts every expert: what a large batch reads (a batch-1
+    step reads only the routed ones)."""
+    held = held_weights(model)
+    embedding = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    if head is None or head.data_ptr() != embedding.data_ptr():
+        held.pop(embedding.data_ptr(), None)
+    return sum(held.values())
 
 
 def peak_measure(measure, device: torch.device, peaks: dict):
@@ -99,13 +97,14 @@ def summarize(shape: Shape, runs: list[dict], busy: float | None) -> dict:
 
 
 def bench(models: list, plan: BenchPlan) -> list[dict]:
-    """Per model: parameters, layers, weight bytes, peak device memory and one record per shape; the models
-    are moved to the plan's device."""
+    """Per model: parameters (:func:`logical_parameters`), layers, weight bytes, weight bytes read per token,
+    peak device memory and one record per shape; the models are moved to the plan's device."""
     for model in models:
         model.to(plan.device).eval()
     options = generate_options(plan.mode == "served", plan.compiled, plan.device)
-    records = [{"parameters": count_parameters(m), "layers": m.config.num_hidden_layers,
-                "weight_bytes": weight_bytes(m), "requests": {}} for m in models]
+    records = [{"parameters": logical_parameters(m), "layers": m.config.num_hidden_layers,
+                "weight_bytes": weight_bytes(m), "bytes_per_token": bytes_read_per_token(m), "requests": {}}
+               for m in models]
     peaks: dict = {}
     for shape in plan.shapes:
         measure = peak_measure(lambda m: time_request(m, shape, plan.device, options), plan.device, peaks)
