@@ -118,6 +118,24 @@ def test_killed_then_resumed_equals_an_uninterrupted_run(runs, mode, point, reac
     assert leftovers == []  # checkpoints removed after success; the killed run's temporary dir swept
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("point", ["step", "pass", "writing"])
+def test_a_resumed_run_writes_the_uninterrupted_runs_config_json(runs, mode, point):
+    """config.json (and generation_config.json) byte for byte, whichever checkpoint the run resumed from (the
+    config restored from the manifest; ``writing``: killed after the configs were written once). The steps
+    change the config (layers, heads, intermediate size, tied embeddings, the packed format's
+    quantization_config), so restoring has to set values; a value set from the manifest's JSON where no step
+    changed it (``id2label``, whose int keys JSON makes strings) gave config.json a block the reference lacks."""
+    assert rc(runs, f"{mode}_resume_{point}") == 0, (runs / f"{mode}_resume_{point}.err").read_text()
+    reference, resumed = runs / "out" / f"{mode}_reference", runs / "out" / f"{mode}_{point}"
+    source = json.loads((runs / "model" / "config.json").read_text())
+    config = json.loads((reference / "config.json").read_text())
+    assert config["num_hidden_layers"] < source["num_hidden_layers"] and "quantization_config" in config
+    assert "id2label" not in config
+    for name in ("config.json", "generation_config.json"):
+        assert (resumed / name).read_bytes() == (reference / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("point", ["step", "pass", "writing"])
 def test_a_streamed_checkpoint_is_the_staged_units_and_restores_nothing_into_memory(runs, point):
     """The killed streamed run staged its changed units in the checkpoint directory (no second copy, no

@@ -40,7 +40,7 @@ from .streaming import StagedFile
 from .unit_files import file_sha256, fill_module, meta_tensors, parameters_of
 
 MANIFEST = "manifest.json"
-KIND, VERSION = "recipe-resume", 4
+KIND, VERSION = "recipe-resume", 5
 #: The share of a run's time its resume checkpoints may take (``--checkpoint-budget``): a pass skips a
 #: layer's checkpoint while the work since the last checkpoint is shorter than ``(1 − b) / b`` times what
 #: that checkpoint cost. A layer's activations are what a pass checkpoint writes (an 8B model at 128 × 2048
@@ -51,6 +51,17 @@ DEFAULT_CHECKPOINT_BUDGET = 0.1
 def resume_directory(output: str) -> Path:
     target = Path(output).expanduser()
     return target.parent / f".{target.name}.resume"
+
+
+def restore_config(config, saved: dict[str, Any], text: str) -> None:
+    """Set the config values the steps changed, compared as the manifest holds them (JSON: setting every value
+    would give ``id2label`` string keys, and config.json a block the uninterrupted run's lacks); the config must
+    then write ``text``, the checkpointed config's config.json."""
+    now = json.loads(json.dumps(config.to_dict(), default=str))
+    for key in [key for key, value in saved.items() if key not in now or now[key] != value]:
+        setattr(config, key, saved[key])
+    if config.to_json_string() != text:
+        raise RuntimeError("the restored model config would write another config.json than the checkpointed one")
 
 
 def has_checkpoint(output: str) -> bool:
@@ -179,9 +190,7 @@ class Checkpoints:
                 self._adopt(stream, unit, home)
         else:
             fill_module(session.model, load_file(str(self.directory / state["rest"])))
-        for key, value in state["config"].items():
-            if getattr(session.model.config, key, None) != value:
-                setattr(session.model.config, key, value)
+        restore_config(session.model.config, state["config"], state["config_json"])
         extras = load_file(str(self.directory / state["extras"])) if state["extras"] else {}
         for i, entry in enumerate(state["extra_entries"]):
             own = {k[len(f"{i}."):]: v for k, v in extras.items() if k.startswith(f"{i}.")}
@@ -357,6 +366,7 @@ class Checkpoints:
         manifest = {"type": KIND, "version": VERSION, "owner": process_identity(), "identity": self.identity,
                     "reached": reached, "streamed": session.stream is not None,
                     "layers": layers, "rest": rest, "config": session.model.config.to_dict(),
+                    "config_json": session.model.config.to_json_string(),  # config.json's text
                     "extras": extras_name, "extra_entries": [{"modifier": e["modifier"], "config": e["config"]}
                                                              for e in session.outputs.extras],
                     "artifacts": artifacts, "quantized": quantized,
