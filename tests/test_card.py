@@ -2,6 +2,7 @@
 tool and the source's license; its body lists the steps and the perplexities report.json records; `recipe
 card` rewrites it from the report and adds later `recipe eval` records of the same output."""
 import json
+import math
 import os
 import re
 import shutil
@@ -321,6 +322,14 @@ def test_a_record_of_the_same_recipe_file_with_other_overrides_is_refused(layere
     assert f"| {ppl:.2f} (cal.txt, 2 × 16 tokens) |" in card(two).text
 
 
+def record_variant(good: dict, path: Path, change) -> str:
+    """``good`` (a record) changed by ``change``, written to ``path``."""
+    record = json.loads(json.dumps(good))
+    change(record)
+    path.write_text(json.dumps(record))
+    return str(path)
+
+
 def test_an_eval_record_is_bounded_validated_and_escaped(layered, tmp_path, capsys):
     out = layered[2]
     good = json.loads((out.parent / "short2.json").read_text())
@@ -334,13 +343,7 @@ def test_an_eval_record_is_bounded_validated_and_escaped(layered, tmp_path, caps
     refused(capsys, ["card", str(out), "--eval", str(tmp_path / "fifo")], "a FIFO")
     refused(capsys, ["card", str(out), "--eval", str(big)], str(big), "at most")
 
-    def variant(name, change):
-        record = json.loads(json.dumps(good))
-        change(record)
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(record))
-        return str(path)
-
+    variant = lambda name, change: record_variant(good, tmp_path / f"{name}.json", change)
     zero = {"tasks": {"arc_easy": {"metric": "acc", "value": 0.5}}, "average": 0.5}
     cases = {"perplexity.ppl": [lambda r: r["perplexity"].pop("ppl"), lambda r: r["perplexity"].update(ppl="abc"),
                                 lambda r: r["perplexity"].update(ppl=float("nan")),
@@ -406,3 +409,49 @@ def test_a_whole_file_fingerprint_of_an_older_engine_is_dropped_or_named(layered
     assert main(["card", str(out), "--eval", str(tmp_path / "older.json")]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "older `recipe eval`" in error[0] and "rerun `recipe eval" in error[0], error
+
+
+def test_an_eval_record_whose_figures_disagree_is_refused(layered, tmp_path, capsys):
+    """``recipe card --eval`` checks a record's figures against each other before showing them: ppl = exp(nll)
+    (relative 1e-6), accuracies, pass rates and averages in [0, 1], an average the mean of its tasks, passed ≤
+    samples and value = passed / samples. One line names the file and the field; nothing is written. A record
+    at the edges (shares 0 and 1, ppl off by 1e-8) is shown."""
+    out = layered[2]
+    good = json.loads((out.parent / "short2.json").read_text())
+    ppl = good["perplexity"]
+    assert ppl["ppl"] == math.exp(ppl["nll"])  # what `recipe eval` wrote: the reference the check holds it to
+    zero = {"tasks": {"arc_easy": {"metric": "acc_norm", "value": 0.25, "acc": 0.5, "acc_norm": 0.25, "samples": 8},
+                      "piqa": {"metric": "acc", "value": 0.75, "acc": 0.75, "samples": 8}}, "average": 0.5}
+    generation = {"tasks": {"humaneval": {"metric": "pass@1", "value": 17 / 24, "passed": 17, "samples": 24}},
+                  "average": 17 / 24}
+    good = {**good, "zero_shot": zero, "generation": generation}
+    task = lambda part, name, **values: lambda r: r[part]["tasks"][name].update(values)
+    cases = [("perplexity.ppl", lambda r: r["perplexity"].update(ppl=3.14, nll=math.log(48176)), "48176"),
+             ("perplexity.ppl", lambda r: r["perplexity"].update(ppl=ppl["ppl"] * (1 + 2e-6)), "is not exp("),
+             ("perplexity.ppl", lambda r: r["perplexity"].update(nll=800.0), "beyond a float"),
+             ("perplexity.nll", lambda r: r["perplexity"].pop("nll"), "missing"),
+             ("perplexity.nll", lambda r: r["perplexity"].update(nll=-0.5, ppl=math.exp(-0.5)), "negative"),
+             ("zero_shot.tasks.arc_easy.value", task("zero_shot", "arc_easy", value=1.25), "not a share"),
+             ("zero_shot.tasks.piqa.acc", task("zero_shot", "piqa", acc=-0.01), "not a share"),
+             ("zero_shot.tasks.arc_easy.acc_norm", task("zero_shot", "arc_easy", acc_norm=2), "not a share"),
+             ("zero_shot.average", lambda r: r["zero_shot"].update(average=0.6), "not the mean"),
+             ("zero_shot.average", lambda r: r["zero_shot"].update(average=-0.5), "not a share"),
+             ("generation.tasks.humaneval.value", task("generation", "humaneval", value=0.5), "17/24"),
+             ("generation.tasks.humaneval.passed", task("generation", "humaneval", passed=25), "25 passed of 24"),
+             ("generation.tasks.humaneval.passed", task("generation", "humaneval", passed=-1), "integer ≥ 0"),
+             ("generation.tasks.humaneval.samples", task("generation", "humaneval", samples=0), "integer ≥ 1"),
+             ("generation.tasks.humaneval.samples", task("generation", "humaneval", samples=24.0), "integer ≥ 1"),
+             ("generation.average", lambda r: r["generation"].update(average=0.5), "not the mean")]
+    before = snapshot(out)
+    for i, (field, change, why) in enumerate(cases):
+        path = record_variant(good, tmp_path / f"{i}.json", change)
+        typed = why in ("missing", "integer ≥ 0", "integer ≥ 1")  # a wrong type; else figures that disagree
+        remedy = () if typed else ("rerun `recipe eval",)
+        refused(capsys, ["card", str(out), "--eval", path], f"--eval {path}: field {field}: ", why, *remedy)
+        assert snapshot(out) == before and not list(out.parent.glob(f".{out.name}*")), field
+    edges = lambda r: (r["perplexity"].update(ppl=ppl["ppl"] * (1 + 1e-8)),
+                       task("zero_shot", "arc_easy", value=0.0, acc=0.0, acc_norm=0.0)(r),
+                       task("zero_shot", "piqa", value=1.0, acc=1.0)(r),
+                       task("generation", "humaneval", value=1.0, passed=24)(r), r["generation"].update(average=1.0))
+    assert main(["card", str(out), "--eval", record_variant(good, tmp_path / "edges.json", edges)]) == 0
+    assert "| humaneval pass@1 1.0000 |" in card(out).text

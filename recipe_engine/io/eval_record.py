@@ -15,6 +15,12 @@ from .report import Report, weights_fingerprint, whole_files_sha256
 
 #: The largest record read (a real one is a few KiB).
 MAX_RECORD_BYTES = 16 << 20
+#: ``perplexity.ppl`` is ``exp(perplexity.nll)`` within this relative tolerance (compared as ``|ln ppl − nll|``,
+#: which no nll overflows); ``recipe eval`` computes the one from the other, so they agree to the last bit.
+PPL_TOLERANCE = 1e-6
+#: A share computed from counts (``value`` = ``passed / samples``, an ``average`` = the mean of its tasks'
+#: values) agrees within this absolute tolerance (the float rounding of a mean of a few shares).
+SHARE_TOLERANCE = 1e-9
 
 
 def _read_bounded(path: str) -> Any:
@@ -82,11 +88,63 @@ def _check_values(path: str, record: dict) -> None:
         _text(path, record["date"], "date")
 
 
+def _count(path: str, value: Any, field: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise RecipeError(f"--eval {path}: field {field}: {json.dumps(value)[:40]} is not an integer ≥ {least}")
+    return value
+
+
+def _check_consistency(path: str, record: dict, directory: str | Path) -> None:
+    """The figures agree with each other (after ``_check_values``): ppl = exp(nll) (:data:`PPL_TOLERANCE`), every
+    accuracy, pass rate and average a share in [0, 1], an average the mean of its tasks' values, and where a task
+    counts them, passed ≤ samples and value = passed / samples (:data:`SHARE_TOLERANCE`). A record failing one
+    was changed or damaged after `recipe eval` wrote it."""
+    def bad(field: str, why: str) -> RecipeError:
+        return RecipeError(f"--eval {path}: field {field}: {why}; not what `recipe eval` writes (a changed or "
+                           f"damaged record): rerun `recipe eval {directory} --json FILE`")
+
+    def share(value: float, field: str) -> None:
+        if not 0 <= value <= 1:
+            raise bad(field, f"{value:g} is not a share in [0, 1]")
+
+    ppl = record.get("perplexity")
+    if ppl is not None:
+        nll = _number(path, ppl.get("nll"), "perplexity.nll")
+        if nll < 0:
+            raise bad("perplexity.nll", f"{nll:g} is negative (a mean negative log-likelihood is at least 0)")
+        if ppl["ppl"] <= 0 or abs(math.log(ppl["ppl"]) - nll) > PPL_TOLERANCE:
+            exp = f"{math.exp(nll):.6g}" if nll < 700 else "beyond a float"
+            raise bad("perplexity.ppl", f"{ppl['ppl']:g} is not exp(perplexity.nll) = exp({nll:g}) = {exp}")
+    for part in ("zero_shot", "generation"):
+        if record.get(part) is None:
+            continue
+        tasks = record[part]["tasks"]
+        for task, result in tasks.items():
+            name = f"{part}.tasks.{task}"
+            for key in ("value", "acc", "acc_norm"):
+                if key in result:
+                    share(_number(path, result[key], f"{name}.{key}"), f"{name}.{key}")
+            if "passed" in result:
+                samples = _count(path, result.get("samples"), f"{name}.samples", 1)
+                passed = _count(path, result["passed"], f"{name}.passed", 0)
+                if passed > samples:
+                    raise bad(f"{name}.passed", f"{passed} passed of {samples} samples")
+                if abs(result["value"] - passed / samples) > SHARE_TOLERANCE:
+                    raise bad(f"{name}.value", f"{result['value']:g} is not passed / samples = {passed}/{samples}")
+        share(record[part]["average"], f"{part}.average")
+        if not tasks:
+            raise bad(f"{part}.tasks", "no task (the average of nothing)")
+        mean = sum(result["value"] for result in tasks.values()) / len(tasks)
+        if abs(record[part]["average"] - mean) > SHARE_TOLERANCE:
+            raise bad(f"{part}.average", f"{record[part]['average']:g} is not the mean of its tasks' values "
+                                         f"({mean:g})")
+
+
 def read_evaluation(path: str, report: Report, directory: str | Path) -> dict:
     """A ``recipe eval --json`` record of the output in ``directory`` (whose report is ``report``): refused
     when it measured other weights (``weights_sha256``; an output written before the report recorded it is
     fingerprinted now) or another resolved recipe, when it predates the fingerprint, or when a value it
-    holds is not what ``recipe eval`` writes."""
+    holds is not what ``recipe eval`` writes (``_check_values``) or its figures disagree (``_check_consistency``)."""
     record = _read_bounded(path)
     if not isinstance(record, dict) or not isinstance(record.get("model"), dict):
         raise RecipeError(f"--eval {path}: expected the JSON object `recipe eval --json` writes")
@@ -108,4 +166,5 @@ def read_evaluation(path: str, report: Report, directory: str | Path) -> dict:
                           f"{str(model.get('resolved_sha256'))[:12]}…, this output's "
                           f"{report.recipe.resolved_sha256[:12]}…)")
     _check_values(path, record)
+    _check_consistency(path, record, directory)
     return record
