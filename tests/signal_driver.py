@@ -1,4 +1,5 @@
-"""Subprocess driver for tests/test_signals.py: runs ``recipe apply`` cases that stall at one point each.
+"""Subprocess driver for tests/test_signals.py: runs CLI cases (``recipe apply``, ``recipe export``) that stall at
+one point each.
 
 ``python tests/signal_driver.py CASES.json``
 
@@ -11,8 +12,9 @@ driver writes each child's exit code to ``NAME.rc``.
 POINT is where the run stalls: ``loading`` (before the weights are read), ``converting`` (a GGUF model
 being dequantized into the cache, after the tokenizer was saved there), ``pass`` (inside the shared
 layer-sequential pass, in a layer step's ``compress_layer``), ``evaluating`` (in the perplexity of the
-``evaluate:`` block, with its progress bar running) or ``writing`` (after the checkpoint files are
-written into the temporary output directory, before the rename). STALL is ``python`` (an interruptible
+``evaluate:`` block, with its progress bar running), ``writing`` (after the checkpoint files are
+written into the temporary output directory, before the rename) or ``exporting`` (a ``recipe export`` to GGUF,
+at its first tensor: the header is in its temporary file). STALL is ``python`` (an interruptible
 ``time.sleep``) or ``native`` (one long torch call that does not return to Python for ~30 s, like a large
 solve). ``NAME.ready`` is created when the stall begins, so the test knows when to send its signal.
 """
@@ -84,6 +86,17 @@ def install(point: str, kind: str, ready: Path) -> None:
             stall(kind, ready)
 
         transformers.PreTrainedModel.save_pretrained = save_pretrained
+
+    elif point == "exporting":
+        from recipe_engine.io import gguf_export
+
+        encoding = gguf_export._encoding
+
+        def stalled_encoding(*args, **kwargs):
+            stall(kind, ready)
+            return encoding(*args, **kwargs)
+
+        gguf_export._encoding = stalled_encoding
 
     class StallInPass(LayerModifier):
         """Stalls in ``compress_layer`` of layer 1 when POINT is ``pass``; otherwise changes nothing."""

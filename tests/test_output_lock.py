@@ -1,5 +1,6 @@
 """One writer per output: a second run aimed at a live run's output is refused in one line naming the live
-process, whose temporary files and resume checkpoints stay untouched; the lock of a killed run is taken over.
+process, whose temporary files and resume checkpoints stay untouched; the lock of a killed run (or a killed
+``recipe export``) is taken over and removed.
 
 Real processes: the live run is a child of tests/signal_driver.py stalled inside its layer pass (its
 ``.out.resume`` checkpoints exist by then); the second run is this test process calling the CLI's ``main``.
@@ -111,18 +112,25 @@ def test_second_run_on_a_live_output_is_refused_and_leaves_its_checkpoints(tmp_p
 
 @pytest.fixture(scope="module")
 def signalled(tmp_path_factory, model_dir):
-    """Two runs in one driver (its imports paid once): ``killed`` gets SIGKILL inside its layer pass,
-    ``eval`` SIGTERM inside the dense model's perplexity (progress bars on). Returns
+    """Three runs in one driver (its imports paid once): ``killed`` gets SIGKILL inside its layer pass,
+    ``eval`` SIGTERM inside the dense model's perplexity (progress bars on), ``export`` (``recipe export`` of a
+    GGUF-exportable model to ``out/m.gguf``) SIGKILL while it writes the tensors. Returns
     ``{name: (work directory, exit code, stderr)}``."""
+    from tests.test_gguf_export import saved
+
     root = tmp_path_factory.mktemp("signalled")
-    works = {"killed": work_dir(root, model_dir, "killed"), "eval": work_dir(root, model_dir, "eval", evaluate=True)}
+    works = {"killed": work_dir(root, model_dir, "killed"), "eval": work_dir(root, model_dir, "eval", evaluate=True),
+             "export": root / "export"}
+    saved(works["export"])  # export/model, with a BPE vocabulary (GGUF export refuses the byte tokenizer)
     cases = [{"name": "killed", "point": "pass", "stall": "python", "cwd": str(works["killed"]),
               "argv": ["apply", str(works["killed"] / "r.yaml"), "--quiet", "--device", "cpu"], "env": {}},
              {"name": "eval", "point": "evaluating", "stall": "python", "cwd": str(works["eval"]),
-              "argv": ["apply", str(works["eval"] / "r.yaml"), "--device", "cpu"], "env": {}}]
+              "argv": ["apply", str(works["eval"] / "r.yaml"), "--device", "cpu"], "env": {}},
+             {"name": "export", "point": "exporting", "stall": "python", "cwd": str(works["export"]), "env": {},
+              "argv": ["export", "model", "--format", "gguf", "--output", "out/m.gguf"]}]
     driver, base = start_signal_driver(root, cases)
     try:
-        for name, sig in (("killed", signal.SIGKILL), ("eval", signal.SIGTERM)):
+        for name, sig in (("killed", signal.SIGKILL), ("eval", signal.SIGTERM), ("export", signal.SIGKILL)):
             os.kill(wait_ready(driver, base, name), sig)
         driver.communicate(timeout=120)
     finally:
@@ -141,6 +149,25 @@ def test_lock_of_a_killed_run_is_taken_over(signalled, capsys, stall_step):
     err = capsys.readouterr().err
     assert "removing the checkpoints of an interrupted run" in err and "left by an interrupted run" in err
     assert listing(work) == ["cal.txt", "out", "r.yaml"]
+
+
+def test_lock_of_a_killed_export_is_taken_over(signalled, capsys):
+    """SIGKILL inside a GGUF export leaves its lock file and its temporary beside the target (a killed process
+    removes nothing; the kernel released its flock); the next export of that target is not blocked: it takes
+    the lock over, removes the temporary, writes the bytes of an export never interrupted, and leaves no lock."""
+    work, code, _ = signalled["export"]
+    assert code == -signal.SIGKILL
+    target = work / "out" / "m.gguf"
+    left = listing(target.parent)
+    assert len(left) == 2 and left[0] == ".m.gguf.lock" and left[1].startswith(".m.gguf.tmp-"), left
+    capsys.readouterr()
+    assert main(["export", str(work / "model"), "--format", "gguf", "--output", str(target)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: removed {target.parent / left[1]}, left by an interrupted export" in err, err
+    assert listing(target.parent) == ["m.gguf"]
+    reference = work / "reference" / "m.gguf"  # an export never interrupted
+    assert main(["export", str(work / "model"), "--format", "gguf", "--output", str(reference)]) == 0
+    assert target.read_bytes() == reference.read_bytes() and listing(reference.parent) == ["m.gguf"]
 
 
 def test_sigterm_during_evaluation_is_one_line(signalled):
