@@ -21,6 +21,9 @@ modifiers.
   order of a submodule), :class:`StagedLayer` (a layer run piecewise).
 * Solves (fp64): ridge leverage scores, ridge compensation and refits, reconstruction and refit errors,
   held-out ridge scale, :func:`set_linear_weight`, :func:`submatrix`.
+* Pruning method code several steps share: the KV groups to keep (:func:`group_channels`,
+  :func:`eq12_group_scores`, :func:`best_groups_by_error`, :func:`greedy_group_elimination`) and a layer's
+  ``down_proj`` refitted towards target hidden states (:func:`target_moments`, :func:`refit_down_proj`).
 * Transforms: :func:`rotation` (Hadamard / orthogonal), :class:`Grid` (the quantization grid),
   :func:`fold_norm_into` (norm folding), :func:`top_k_kl` (top-k distillation loss).
 * Generation: :func:`heldout_failures` (a generation task's last problems, one loss per problem: 1 − passed),
@@ -44,9 +47,11 @@ from .execution.outputs import RunOutputs
 from .execution.session import remove_layers
 from .execution.staged import StagedLayer
 from .execution.stats import InputCovariance, Statistic, position
+from .execution.target_refit import refit_down_proj, target_moments
 from .io.data import check_text, load_text, tokenize
 from .io.exporters import checkpoint_exporter, checkpoint_formats
 from .numerics.hadamard import rotation
+from .numerics.head_groups import best_groups_by_error, eq12_group_scores, greedy_group_elimination, group_channels
 from .numerics.linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, reconstruction_error,
                               refit_error, ridge_compensation, ridge_leverage_scores, ridge_refit, set_linear_weight,
                               submatrix)
@@ -67,4 +72,5 @@ __all__ = ["check_scoring_task", "heldout_failures", "kept_original_sets", "Laye
            "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
            "refit_error", "register",
            "ridge_compensation", "ridge_leverage_scores", "ridge_refit", "rotation", "set_linear_weight",
-           "submatrix", "tokenize", "top_k_kl"]
+           "submatrix", "tokenize", "top_k_kl", "best_groups_by_error", "eq12_group_scores",
+           "greedy_group_elimination", "group_channels", "refit_down_proj", "target_moments"]

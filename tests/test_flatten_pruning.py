@@ -264,7 +264,7 @@ def test_fallback_keeps_the_candidate_with_least_refitted_error(model_type, edit
 def test_greedy_group_elimination_equals_scoring_every_candidate(seed, ridge):
     """The downdated greedy (one inverse, OBS updates) makes the same choices as re-solving and scoring
     each candidate with reconstruction_error, on 10 groups of 3 correlated channels down to 3."""
-    from recipe_engine.modifiers.head_prune import greedy_group_elimination
+    from recipe_engine.api import greedy_group_elimination
     from recipe_engine.numerics.linalg import reconstruction_error
 
     generator = torch.Generator().manual_seed(seed)
