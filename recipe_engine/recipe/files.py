@@ -6,15 +6,18 @@ import hashlib
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel
 
 from ..errors import RecipeError
 from ..suggest import did_you_mean
 from ..system.file_kinds import special_kind_of
-from .schema import (MAX_YAML_BYTES, CalibrationConfig, EvaluateConfig, PerplexityConfig, Recipe, load_yaml,
-                     parse_compact, recipe_from_dict, recipe_to_dict, safe_load, yaml_problem)
+from .registry import REGISTRY
+from .schema import (MAX_YAML_BYTES, Recipe, load_yaml, parse_compact, recipe_from_dict, recipe_to_dict, safe_load,
+                     yaml_problem)
 
 
 def yaml_scalar(value: str) -> str:
@@ -99,7 +102,11 @@ def decode_text(data: bytes, name: str) -> str:
 def apply_override(data: dict[str, Any], assignment: str, file: str) -> None:
     """Apply ``dotted.path=value`` to the raw recipe mapping (value parsed as YAML).
 
-    Steps are addressed by index: ``modifiers.2.lambda_scale=5`` sets a parameter of step 2.
+    Steps are addressed by index: ``modifiers.2.lambda_scale=5`` sets a parameter of step 2, and
+    ``modifiers.0.score.task=humaneval`` a field of a parameter that is itself a group of fields (BestOf's
+    ``score``: its other fields keep the recipe's values, or their defaults). Outside the steps the paths are
+    :func:`override_paths`. An unknown parameter or field, at any depth, is refused by validation (one line
+    with a "did you mean"), as in the recipe file.
     """
     path, sep, raw = assignment.partition("=")
     if not sep or not path:
@@ -110,7 +117,7 @@ def apply_override(data: dict[str, Any], assignment: str, file: str) -> None:
         raise RecipeError(f"override {assignment!r}: value is not valid YAML: {yaml_problem(exc)}",
                           file=file) from None
     keys = path.split(".")
-    if keys[0] == "modifiers" and len(keys) == 3:
+    if keys[0] == "modifiers" and len(keys) >= 3:
         steps = data.get("modifiers")
         steps = steps if isinstance(steps, list) else []
         try:
@@ -133,7 +140,11 @@ def apply_override(data: dict[str, Any], assignment: str, file: str) -> None:
         except RecipeError as exc:
             raise exc.located(file=file, step=index) from None
         params = dict(params or {})
-        params[keys[2]] = value
+        try:
+            _set_parameter(params, keys[2:], value, name, f"modifiers.{index}")
+        except RecipeError as exc:
+            raise RecipeError(f"override {assignment!r}: {exc.detail}", file=file, step=index,
+                              modifier=str(name)) from None
         steps[index] = {name: params}
         return
     known = override_paths()
@@ -148,12 +159,50 @@ def apply_override(data: dict[str, Any], assignment: str, file: str) -> None:
     node[keys[-1]] = value
 
 
+def _set_parameter(params: dict[str, Any], keys: list[str], value: Any, name: Any, step: str) -> None:
+    """Set ``keys`` (``["n"]``, or ``["score", "task"]`` down a group of fields) in one step's parameters.
+
+    Only a field whose type is a pydantic model (``X`` or ``X | None``) is descended into; its mapping is
+    copied (or started) so the fields not named keep their values. A name the modifier does not have is set
+    as given, for validation to refuse with its suggestions."""
+    try:
+        model: type[BaseModel] | None = REGISTRY.get(str(name))
+    except RecipeError:  # an unknown modifier: validation names it
+        model = None
+    node = params
+    for depth, key in enumerate(keys[:-1]):
+        field = model.model_fields.get(key) if model is not None else None
+        inner = _nested_model(field.annotation) if field is not None else None
+        where = ".".join(keys[:depth + 1])
+        if field is not None and inner is None:
+            raise RecipeError(f"parameter '{where}' is not a group of fields: set it whole "
+                              f"({step}.{where}=VALUE)")
+        child = node.get(key)
+        if child is not None and not isinstance(child, dict):
+            raise RecipeError(f"parameter '{where}' is {child!r} in the recipe, not a mapping of fields")
+        node[key] = dict(child or {})
+        node, model = node[key], inner
+    node[keys[-1]] = value
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (``X`` or ``X | None``), or None for a value or a list."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel)), None)
+
+
 def override_paths() -> list[str]:
-    """Every dotted path ``--set`` accepts outside ``modifiers.INDEX.PARAMETER``."""
-    models = {"": Recipe, "calibration": CalibrationConfig, "evaluate": EvaluateConfig,
-              "evaluate.perplexity": PerplexityConfig}
-    return [f"{parent}.{name}" if parent else name for parent, model in models.items()
-            for name in model.model_fields]
+    """Every dotted path ``--set`` accepts outside ``modifiers.INDEX.…``: each field of the recipe and, down
+    any field that is a group of fields (``calibration``, ``evaluate.perplexity``, ``export``), each of its."""
+    def walk(model: type[BaseModel], prefix: str) -> list[str]:
+        paths = []
+        for name, field in model.model_fields.items():
+            paths.append(prefix + name)
+            inner = _nested_model(field.annotation)
+            if inner is not None:
+                paths += walk(inner, f"{prefix}{name}.")
+        return paths
+    return walk(Recipe, "")
 
 
 def load_recipe(spec: str, overrides: list[str] | None = None) -> LoadedRecipe:
