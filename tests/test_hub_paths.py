@@ -115,8 +115,40 @@ def test_an_unreachable_hub_is_one_line_before_load_dataset(name, monkeypatch):
     message = str(caught.value)
     assert "\n" not in message and "the HF hub (127.0.0.1) cannot be reached" in message
     if name == "wikitext2":
-        assert "$RECIPE_DATA_DIR has no wikitext-2-raw/ files" in message
+        assert message.startswith("dataset 'wikitext2' split 'test': $RECIPE_DATA_DIR is not set, so it is read "
+                                  "from the HF hub (wikitext, wikitext-2-raw-v1), and the HF hub (127.0.0.1) cannot")
     assert "did you mean" not in message  # a builtin is not a misspelling of itself
+
+
+def test_a_wikitext2_split_missing_from_the_data_directory_says_which_and_where_from(tmp_path, model_dir, capsys,
+                                                                                    monkeypatch):
+    """``$RECIPE_DATA_DIR`` with WikiText-2's test split only: the test split is read there; the train split
+    is said to be missing from it (the directory and the splits it has named) and read from the hub, by
+    ``load_text``, ``recipe validate`` (one line, exit 2) and ``recipe plan`` (its memory estimate)."""
+    (tmp_path / "data" / "wikitext-2-raw").mkdir(parents=True)
+    (tmp_path / "data" / "wikitext-2-raw" / "wiki.test.raw").write_text("".join(ROWS))
+    monkeypatch.setenv("RECIPE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    assert data.load_text("wikitext2", "test").origin == str(tmp_path / "data" / "wikitext-2-raw" / "wiki.test.raw")
+    missing = (f"dataset 'wikitext2' split 'train': not in $RECIPE_DATA_DIR ({tmp_path}/data/wikitext-2-raw has test "
+               f"only, no wiki.train.raw), so it is read from the HF hub (wikitext, wikitext-2-raw-v1), and the HF "
+               f"hub (127.0.0.1) cannot be reached")
+    with pytest.raises(SourceError) as caught:
+        data.load_text("wikitext2", "train")
+    assert str(caught.value).startswith(missing)
+    recipe = write_recipe(tmp_path, model_dir, "wikitext2",
+                          calibration={"dataset": "wikitext2", "split": "train", "samples": 4, "seq_len": 32})
+    capsys.readouterr()
+    assert main(["validate", recipe]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {recipe}: {missing}"), err
+    assert main(["plan", recipe]) == 0
+    printed = "".join(capsys.readouterr().out.split())  # the console wraps long lines, a path anywhere
+    assert "".join(f"memory estimate: unavailable ({missing}".split()) in printed
+    # no wikitext-2-raw/ there at all
+    (tmp_path / "data" / "wikitext-2-raw" / "wiki.test.raw").unlink()
+    with pytest.raises(SourceError, match=r"^dataset 'wikitext2' split 'test': not in \$RECIPE_DATA_DIR \(no "):
+        data.load_text("wikitext2", "test")
 
 
 def write_recipe(tmp_path, model, dataset, **changes) -> str:
@@ -323,9 +355,9 @@ def test_plan_and_validate_of_a_shipped_recipe_from_outside_the_repository(tmp_p
 
     unreachable = {"HF_ENDPOINT": "http://127.0.0.1:9"}
     assert_one_line_error(cli(["validate", recipe], work, unreachable),
-                          "dataset 'wikitext2' is read from the HF hub (wikitext, wikitext-2-raw-v1) when "
-                          "$RECIPE_DATA_DIR has no wikitext-2-raw/ files, and the HF hub (127.0.0.1) cannot be "
-                          "reached")
+                          "dataset 'wikitext2' split 'validation': $RECIPE_DATA_DIR is not set, so it is read from "
+                          "the HF hub (wikitext, wikitext-2-raw-v1), and the HF hub (127.0.0.1) cannot be reached")
     run = cli(["plan", recipe], work, unreachable)
     assert run.returncode == 0 and run.stderr == "", run.stderr
-    assert "memory estimate: unavailable (dataset 'wikitext2' is read from the HF hub" in " ".join(run.stdout.split())
+    assert ("memory estimate: unavailable (dataset 'wikitext2' split 'validation': $RECIPE_DATA_DIR is not set, so it "
+            "is read from the HF hub") in " ".join(run.stdout.split())

@@ -109,7 +109,7 @@ HUB_BUILTINS = {"wikitext2": ("wikitext", {"name": "wikitext-2-raw-v1"}),
 def _hf_rows(source: str, dataset: str, split: str, field: str, **load_kwargs) -> list[str]:
     """Rows of ``field`` of HF dataset ``dataset`` (``datasets.load_dataset(dataset, split=split,
     **load_kwargs)``), read for the recipe's source name ``source``; any failure is one line."""
-    require_hub(source)
+    require_hub(source, split=split)
     try:
         # deferred: datasets takes about a second to import; only hub and on-disk datasets need it
         import datasets
@@ -132,8 +132,9 @@ def offline_mode(*variables: str) -> bool:
                for v in variables or ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-def require_hub(name: str, timeout_s: float = 3.0) -> None:
-    """Fail in seconds, not after ``datasets``' retries, when the HF hub cannot be reached.
+def require_hub(name: str, timeout_s: float = 3.0, *, split: str | None = None) -> None:
+    """Fail in seconds, not after ``datasets``' retries, when the HF hub cannot be reached; the message says
+    why source ``name`` (its ``split``, when given) is read from the hub.
 
     In HF offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) nothing is probed: ``datasets``
     reads its cache without retrying.
@@ -142,17 +143,33 @@ def require_hub(name: str, timeout_s: float = 3.0) -> None:
         return
     problem = hub_unreachable(timeout_s)
     if problem:
-        raise SourceError(f"{_hub_source_phrase(name)}, and {problem}")
+        raise SourceError(f"{_hub_source_phrase(name, split)}, and {problem}")
 
 
-def _hub_source_phrase(name: str) -> str:
+def _hub_source_phrase(name: str, split: str | None = None) -> str:
     """What a hub source is, for a message: a builtin read from the hub, or a name that is nothing local."""
+    if name == "wikitext2" and split is not None:
+        return (f"dataset 'wikitext2' split '{split}': {_missing_wikitext(split)}, so it is read from the HF hub "
+                f"(wikitext, wikitext-2-raw-v1)")
     if name == "wikitext2":
         return (f"dataset 'wikitext2' is read from the HF hub (wikitext, wikitext-2-raw-v1) when "
                 f"${DATA_DIR_VARIABLE} has no wikitext-2-raw/ files")
     if name == "c4":
         return "dataset 'c4' is read from the HF hub (allenai/c4)"
     return f"dataset '{name}' is not a builtin ({', '.join(BUILTIN_TEXT)}) or a local path"
+
+
+def _missing_wikitext(split: str) -> str:
+    """Why WikiText-2's ``split`` is not read locally: no data directory, or which files it has instead."""
+    root = data_dir()
+    if root is None:
+        return f"${DATA_DIR_VARIABLE} is not set"
+    folder = root / "wikitext-2-raw"
+    have = [s for s in ("train", "validation", "test") if local_wikitext(s) is not None]
+    if not have:
+        return f"not in ${DATA_DIR_VARIABLE} (no {folder}/wiki.*.raw)"
+    return (f"not in ${DATA_DIR_VARIABLE} ({folder} has {', '.join(have)} only, no "
+            f"{WIKITEXT_SPLITS.get(split, split)})")
 
 
 def hub_unreachable(timeout_s: float = 3.0) -> str | None:
@@ -256,7 +273,7 @@ def check_text(name: str, split: str, text_field: str, tokens: int) -> str | Non
     (``sample_windows``). Returns None when fully checked, else one line on what could not be checked
     (a hub source in HF offline mode: the hub is not asked)."""
     if source_kind(name, split) == "hub":
-        require_hub(name)
+        require_hub(name, split=split)
         if offline_mode():
             return f"dataset '{name}' (HF hub) not checked: HF offline mode is set"
         if name not in BUILTIN_TEXT:
