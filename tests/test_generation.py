@@ -83,8 +83,10 @@ def test_gsm8k_scoring_reads_the_last_stated_answer():
 
 def test_code_execution_needs_the_opt_in(monkeypatch):
     monkeypatch.delenv("RECIPE_ALLOW_CODE_EVAL", raising=False)
-    with pytest.raises(RecipeError, match="--allow-code-execution"):
-        check_generation(EvaluateConfig(tasks=["humaneval"]))
+    with pytest.raises(RecipeError, match="set evaluate.allow_code_execution: true in the recipe"):
+        check_generation(EvaluateConfig(tasks=["humaneval"]))  # a recipe's opt-in (tests/test_code_execution_opt_in.py)
+    with pytest.raises(RecipeError, match="pass --allow-code-execution, or RECIPE_ALLOW_CODE_EVAL=1"):
+        check_generation(EvaluateConfig(tasks=["humaneval"]), "--allow-code-execution")  # recipe eval's
     check_generation(EvaluateConfig(tasks=["gsm8k"]))  # runs no code
     check_generation(EvaluateConfig(tasks=["humaneval"], allow_code_execution=True))
     monkeypatch.setenv("RECIPE_ALLOW_CODE_EVAL", "1")

@@ -166,17 +166,21 @@ def code_execution_allowed(config) -> bool:
     return config.allow_code_execution or os.environ.get(CODE_EVAL_ENV, "").strip() == "1"
 
 
-def check_generation(config) -> None:
+def check_generation(config, option: str | None = None) -> None:
     """Before any model is loaded: each generation task's rows are installed, and a task that executes
-    model-written code has the opt-in."""
+    model-written code has the opt-in. The message names the opt-in the command takes: ``option``, a flag of
+    its own (``recipe eval``'s ``--allow-code-execution``), or with none the recipe's
+    ``evaluate.allow_code_execution`` (``apply``, ``validate``, ``sweep``: in the file or by ``--set``);
+    ``$RECIPE_ALLOW_CODE_EVAL=1`` in either case."""
     names = generation_tasks(list(config.tasks))
     for name in names:
         TASKS[name].path()
     executing = [n for n in names if TASKS[n].executes_code]
     if executing and not code_execution_allowed(config):
-        raise RecipeError(f"task {', '.join(executing)} executes model-written code: pass --allow-code-execution "
-                          f"(recipe: evaluate.allow_code_execution: true; or {CODE_EVAL_ENV}=1) to run it in the "
-                          f"sandbox (docs/evaluation.md)")
+        way = (f"pass {option}" if option else "set evaluate.allow_code_execution: true in the recipe (or "
+                                               "--set evaluate.allow_code_execution=true)")
+        raise RecipeError(f"task {', '.join(executing)} executes model-written code: {way}, or {CODE_EVAL_ENV}=1, "
+                          f"to run it in the sandbox (docs/evaluation.md)")
 
 
 def heldout_failures(model, tokenizer, name: str, count: int, max_new_tokens: int, batch_size: int,
@@ -190,14 +194,17 @@ def heldout_failures(model, tokenizer, name: str, count: int, max_new_tokens: in
     return [p.id for p in chosen], [0.0 if task.score(p, c, Limits()) else 1.0 for p, c in zip(chosen, completions)]
 
 
-def check_scoring_task(name: str, allowed: bool) -> None:
-    """A task a step scores by: a generation task, installed, with the opt-in when it executes code."""
+def check_scoring_task(name: str, allowed: bool, field: str = "allow_code_execution") -> None:
+    """A task a step scores by: a generation task, installed, with the opt-in when it executes code: the
+    step's parameter ``field`` (its path in the step, ``score.allow_code_execution``; in the recipe or by
+    ``--set modifiers.<step>.FIELD=true``) or ``$RECIPE_ALLOW_CODE_EVAL=1``."""
     if name not in TASKS:
         raise RecipeError(f"no generation task '{name}' (generation tasks: {', '.join(TASKS)})")
     TASKS[name].path()
     if TASKS[name].executes_code and not allowed and os.environ.get(CODE_EVAL_ENV, "").strip() != "1":
-        raise RecipeError(f"task {name} executes model-written code: set allow_code_execution: true here (or "
-                          f"{CODE_EVAL_ENV}=1) to run it in the sandbox (docs/evaluation.md)")
+        raise RecipeError(f"task {name} executes model-written code: set {field}: true in this step (or --set "
+                          f"modifiers.<step>.{field}=true), or {CODE_EVAL_ENV}=1, to run it in the sandbox "
+                          f"(docs/evaluation.md)")
 
 
 def generation_tasks(names: list[str]) -> list[str]:

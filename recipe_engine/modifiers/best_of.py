@@ -224,7 +224,7 @@ class BestOf(Modifier):
     def check_sources(self) -> None:
         if self.score.task is not None:
             try:
-                check_scoring_task(self.score.task, self.score.allow_code_execution)
+                check_scoring_task(self.score.task, self.score.allow_code_execution, "score.allow_code_execution")
             except RecipeError as exc:
                 raise self.fail(exc.detail, field="score.task") from None
         for a, steps in enumerate(self.alternatives):

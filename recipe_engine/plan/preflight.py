@@ -66,14 +66,16 @@ def check_evaluation(config, file: str | None = None, fields: dict[str, str] | N
     """An ``evaluate:`` block (``schema.EvaluateConfig``; None: nothing) can run: every zero-shot task has a
     config (did-you-mean for a near miss) and its rows can be read, and one of the perplexity text sources
     is available and holds at least one window. ``fields`` name the recipe fields in the message (None for
-    command-line options, whose message names the value); ``unchecked`` collects what could not be checked
-    here (``data.check_text``'s notes)."""
+    command-line options, whose message names the value, and whose opt-in to run model-written code is
+    ``recipe eval``'s ``--allow-code-execution``); ``unchecked`` collects what could not be checked here
+    (``data.check_text``'s notes)."""
     if config is None:
         return
 
     fields = fields or {}
     located(lambda: check_tasks(list(config.tasks), config.task_data), file, fields.get("tasks"))
-    located(lambda: check_generation(config), file, fields.get("tasks"))
+    option = None if fields else "--allow-code-execution"  # a recipe's opt-in is its field (or --set)
+    located(lambda: check_generation(config, option), file, fields.get("tasks"))
     if config.perplexity is not None:
         located(lambda: check_perplexity_text(config.perplexity, unchecked), file, fields.get("dataset"))
 
