@@ -105,3 +105,25 @@ def test_a_step_scored_by_humaneval_names_its_own_opt_in_and_it_works(way, tmp_p
     capsys.readouterr()
     assert main(argv) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.startswith(f"{tmp_path / 'r.yaml'}: ok (llama, 4 → 3 layers)")
+
+
+def test_no_sandbox_for_this_user_is_one_line_before_loading(monkeypatch):
+    """Where the kernel refuses user namespaces (a non-root user) and the weaker mode was not asked for by
+    name, the pre-flight stops with the sandbox's one line, before any model loads."""
+    from recipe_engine.errors import RecipeError
+    from recipe_engine.evaluation import generation, sandbox
+
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(sandbox, "_probe", lambda mode: "unshare: Operation not permitted")
+    monkeypatch.delenv(sandbox.MODE_ENV, raising=False)
+    sandbox.isolation.cache_clear()
+    try:
+        with pytest.raises(RecipeError, match="needs user namespaces, which this system refuses .*RECIPE_SANDBOX="
+                                              "audit-hook"):
+            generation.check_scoring_task("humaneval", True)
+        monkeypatch.setenv(sandbox.MODE_ENV, "audit-hook")
+        sandbox.isolation.cache_clear()
+        generation.check_scoring_task("humaneval", True)
+        assert sandbox.isolation() == "audit-hook"
+    finally:
+        sandbox.isolation.cache_clear()

@@ -181,6 +181,8 @@ def check_generation(config, option: str | None = None) -> None:
                                                "--set evaluate.allow_code_execution=true)")
         raise RecipeError(f"task {', '.join(executing)} executes model-written code: {way}, or {CODE_EVAL_ENV}=1, "
                           f"to run it in the sandbox (docs/evaluation.md)")
+    if executing:
+        isolation()  # no sandbox mode this user can run (and none asked for by name): one line, before loading
 
 
 def heldout_failures(model, tokenizer, name: str, count: int, max_new_tokens: int, batch_size: int,
@@ -205,6 +207,8 @@ def check_scoring_task(name: str, allowed: bool, field: str = "allow_code_execut
         raise RecipeError(f"task {name} executes model-written code: set {field}: true in this step (or --set "
                           f"modifiers.<step>.{field}=true), or {CODE_EVAL_ENV}=1, to run it in the sandbox "
                           f"(docs/evaluation.md)")
+    if TASKS[name].executes_code:
+        isolation()
 
 
 def generation_tasks(names: list[str]) -> list[str]:
