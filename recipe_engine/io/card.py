@@ -239,7 +239,16 @@ def _calibration(report: Report) -> list[str]:
     return [f"- source: {md(', '.join(public(name) for name in names))} (read from `{code('; '.join(origins))}`)",
             f"- {data.samples} windows × {data.seq_len} tokens, sampled with seed {data.seed} "
             f"({data.tokens_available:,} tokens available)",
-            f"- fingerprint (sha256 of the windows' int64 token ids): `{data.fingerprint}`"]
+            f"- fingerprint (sha256 of the windows' int64 token ids): `{data.fingerprint}`",
+            *_self_generated(data.generated)]
+
+
+def _self_generated(generated: dict | None) -> list[str]:
+    if not generated:
+        return []
+    how = "greedy" if generated["temperature"] == 0 else f"sampled at temperature {generated['temperature']}"
+    return [f"- written by the dense model itself: each window's first {generated['prompt_tokens']} tokens from the "
+            f"source as a prompt, the other {generated['new_tokens']} generated ({how}, seed {generated['seed']})"]
 
 
 def _packed(directory: Path) -> str | None:

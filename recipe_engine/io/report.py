@@ -69,6 +69,9 @@ class DataRecord(_Section):
     seq_len: int
     seed: int
     fingerprint: str = Field(description="sha256 of the calibration windows' int64 token ids")
+    generated: dict | None = Field(None, description="calibration.generate: how the model wrote its own windows "
+                                                     "(prompt and new tokens, temperature, seed, cache hit or "
+                                                     "written, the cache key, seconds)")
 
 
 class ModelSize(_Section):

@@ -189,6 +189,9 @@ def preflight_apply(recipe: Recipe, file: str | None, config=None, *, write: boo
     if writing:  # a model from disk keeps resume checkpoints unless told not to
         check_free_space(plan, file, resume_checkpoints=not in_memory and keep_checkpoints)
     streamed = located(lambda: decide_streaming(recipe, in_memory, write), file)
+    if streamed and recipe.calibration.generate is not None:
+        raise RecipeError("the model cannot write its calibration windows while streamed from disk (set stream: "
+                          "off, or drop calibration.generate)", file=file, field="calibration.generate")
     refusing = next(((i, step) for i, step in enumerate(plan.steps) if streamed and step.refuses_streaming), None)
     if refusing is not None:
         raise RecipeError(f"cannot run streamed: {refusing[1].refuses_streaming} (set stream: off)", file=file,

@@ -27,6 +27,18 @@ class StrictModel(StrictParameters):
     model_config = ConfigDict(extra="forbid", validate_default=True)  # allow_inf_nan=False: StrictParameters
 
 
+class SelfGenerationConfig(StrictModel):
+    """Calibrate on the dense model's own completions: each window keeps its first ``prompt_tokens`` tokens of
+    the source as a prompt and the model writes the rest (Williams et al., arXiv 2410.17170)."""
+
+    prompt_tokens: PositiveInt = Field(64, description="tokens of each window kept from the source as its prompt; "
+                                                       "the model generates the window's other seq_len − "
+                                                       "prompt_tokens tokens")
+    temperature: float = Field(1.0, ge=0, le=10, description="sampling temperature (0: greedy); sampled with the "
+                                                             "calibration seed")
+    batch_size: PositiveInt = Field(16, description="prompts completed together (KV cache)")
+
+
 class CalibrationConfig(StrictModel):
     """Calibration text and how the session runs over it."""
 
@@ -46,6 +58,9 @@ class CalibrationConfig(StrictModel):
         "auto", description="keep activations on CPU between layers (true), on the device (false), or (auto) "
                             "on the device when recipe plan's activation and working-memory estimate fits in "
                             "80 % of its free memory, else on CPU")
+    generate: SelfGenerationConfig | None = Field(
+        None, description="calibrate on the model's own completions of the windows' first tokens (cached by "
+                          "fingerprint under $RECIPE_CACHE; recorded in report.json and the card)")
 
     @field_validator("dataset")
     @classmethod
@@ -59,6 +74,13 @@ class CalibrationConfig(StrictModel):
         if len(self.sources) > self.samples:
             raise ValueError(f"{len(self.sources)} sources in 'dataset' need samples >= {len(self.sources)} "
                              f"(got {self.samples})")
+        return self
+
+    @model_validator(mode="after")
+    def _room_to_generate(self) -> "CalibrationConfig":
+        if self.generate is not None and self.generate.prompt_tokens >= self.seq_len:
+            raise ValueError(f"generate.prompt_tokens ({self.generate.prompt_tokens}) must be below seq_len "
+                             f"({self.seq_len}): the model writes the rest of each window")
         return self
 
     @property

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 from ..architectures.adapters import adapter_for, count_parameters
 from ..errors import QualityGateError, RecipeError
 from ..evaluation import evaluate_session, retained
+from ..evaluation.self_generated import self_generated_windows
 from ..execution.distributed import Parallel, launched
 from ..execution.failures import discard_on_error, out_of_memory_named
 from ..execution.resume import Checkpoints, has_checkpoint
@@ -231,6 +232,10 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
         source = None
         report.model = ModelRecord(spec=recipe.model, kind="in-memory")
     windows, tokens_available = calibration_windows(tokenizer, texts, cal)
+    generated = None
+    if cal.generate is not None:  # the dense model writes its own calibration text, before any step runs
+        bar.phase("the model writing its calibration windows")
+        windows, generated = self_generated_windows(model, tokenizer, windows, cal.generate, cal.seed, bar)
     resident_weights = 0 if streamed else sum(t.numel() * t.element_size() for t in
                                               {id(t): t for t in model.state_dict().values()}.values())
     on_cuda = parallel.device.type == "cuda"  # page-locked copies, and the runtime's host share once measured
@@ -238,7 +243,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
                          accelerator_runtime=unmeasured_accelerator_runtime(parallel.device))
     report.data = DataRecord(dataset=cal.dataset, origin="; ".join(text.origin for text, _ in texts),
                                 tokens_available=tokens_available, samples=cal.samples, seq_len=cal.seq_len,
-                                seed=cal.seed, fingerprint=fingerprint(windows))
+                                seed=cal.seed, fingerprint=fingerprint(windows), generated=generated)
     report.before = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers)
     adapter = adapter_for(model.config)
     offload = offload_activations(cal.offload, parallel.device, memory, largest_layer_bytes(adapter.layers(model)))
