@@ -22,10 +22,10 @@ REFUSED = {(name, "gemma3_text"): "post-attention/post-feedforward norms"
            for name in ("FlattenAdjacent", "HeadPrune", "NystromMLP")}  # their examples start with FlattenAdjacent
 REFUSED["ReplaceMe", "gemma3_text"] = "normalizes the MLP output"  # no exact fold through the post-MLP norm
 #: Mixture-of-experts MLPs: no merge of two layers' experts, no single down_proj to prune (the examples of HeadPrune
-#: and NystromMLP start with FlattenAdjacent). LoRARecovery's default targets are the linears the model has: the
-#: attention's (naming the expert roles is refused: tests/test_moe.py).
+#: and NystromMLP start with FlattenAdjacent; WidthPrune cuts every layer's down_proj). LoRARecovery's default
+#: targets are the linears the model has: the attention's (naming the expert roles is refused: tests/test_moe.py).
 REFUSED.update({(name, moe): "mixture of" for moe in MOE_ARCHITECTURES
-                for name in ("FlattenAdjacent", "HeadPrune", "NystromMLP", "LaCo")})
+                for name in ("FlattenAdjacent", "HeadPrune", "NystromMLP", "LaCo", "WidthPrune")})
 #: Quantizing steps cover every expert, packed by their examples' default export, except gpt-oss's fused experts
 #: (tests/test_moe_quant.py runs them with export: dequantized).
 REFUSED.update({(name, "gpt_oss"): "cannot store gpt_oss's experts" for name in ("GPTQ", "Quantize")})
