@@ -21,7 +21,8 @@ TEXT = "Plan and run count the same calibration passes, on a tiny model of the s
 TINY_PARAMS = {"GPTQ": {"group_size": 16}, "LaCo": {"samples": 2}, "SLEB": {"n": 1},  # SLEB: time (28 passes)
                "ReplaceMe": {"ridge": 1e-3},  # 32 calibration tokens for a 32-wide MLP output: MᵀM near singular
                "LoRARecovery": {"dataset": None, "max_steps": 1, "batch_size": 2, "micro_batch_size": 2,
-                                "seq_len": 16, "save_adapter": False}}
+                                "seq_len": 16, "save_adapter": False},
+               "WidthPrune": {"intermediate_size": 24}}  # below the tiny MLP's 48
 
 
 #: The same for steps inside a step's alternatives (BestOf), which must keep their sizes equal.
