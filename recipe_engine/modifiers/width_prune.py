@@ -154,7 +154,7 @@ class WidthPrune(LayerModifier):
             session.run_layer(layer, session.current_layer.inputs, hooks=[statistic])
         gram, down = statistic.gram, adapter.linear(layer, "down_proj")
         keep = torch.arange(gram.shape[0], device=gram.device)
-        if width < gram.shape[0]:  # all kept (mlp_keep rounds to 1): nothing to choose or compensate
+        if width < gram.shape[0]:  # else every channel is kept (mlp_keep rounds to all): nothing to compensate
             ridge = self.lambda_scale * mean_eigenvalue(gram)
             score = ridge_leverage_scores(gram, ridge)
             keep = score.topk(width).indices.sort().values
