@@ -16,7 +16,8 @@ modifiers.
   Calibration activations travel as :class:`Activations` (per batch: hidden states, layer keyword arguments,
   token windows; iterate for the stored hidden states, ``on(device)`` for them on a device).
   The symbolic shape :class:`ModelShape` / :class:`LayerShape`, :func:`adapter_for`, the architectures'
-  role maps (:data:`ADAPTERS`, :data:`UNFUSED_ROLES`, :func:`roles_problem`, :func:`replace_linear`, :func:`install_linear`).
+  role maps (:data:`ADAPTERS`, :data:`UNFUSED_ROLES`, :func:`roles_problem`, :func:`replace_linear`,
+  :func:`install_linear`).
 * Statistics: :class:`Statistic`, :class:`InputCovariance` (fp64 input Grams), :func:`position` (dataflow
   order of a submodule), :class:`StagedLayer` (a layer run piecewise).
 * Solves (fp64): ridge leverage scores, ridge compensation and refits, reconstruction and refit errors,
@@ -28,8 +29,8 @@ modifiers.
   :func:`fold_norm_into` (norm folding), :func:`top_k_kl` (top-k distillation loss).
 * Generation: :func:`heldout_failures` (a generation task's last problems, one loss per problem: 1 − passed),
   :func:`check_scoring_task` (the task exists, its rows are installed, the opt-in to execute code).
-* Data: :func:`load_text`, :func:`check_text` (a source's pre-flight), :func:`tokenize`; the fit / score split of the calibration windows
-  (:func:`heldout_split`, :class:`WindowSplit`).
+* Data: :func:`load_text`, :func:`check_text` (a source's pre-flight), :func:`tokenize`; the fit / score split
+  of the calibration windows (:func:`heldout_split`, :class:`WindowSplit`).
 * Budgets: :data:`LayerBudget` / :func:`budget_field` (a count or a percentage of the model's layers,
   resolved by the engine before a step sees it).
 * Steps inside a step (a combinator): :func:`parse_step`, :func:`step_to_dict`, :func:`check_steps` (the
@@ -65,9 +66,12 @@ from .recipe.schema import parse_step, step_to_dict
 from .recipe.split import SCORE_FRACTION, WindowSplit, heldout_split
 from .recipe.validate import check_steps
 
-__all__ = ["check_scoring_task", "heldout_failures", "kept_original_sets", "LayerBudget", "budget_field", "SharedWork", "steps_passes", "parse_step", "step_to_dict",
-           "SCORE_FRACTION", "calibration_nll_bytes", "WindowSplit", "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear", "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier", "LayerShape", "ModelShape", "Modifier", "RecipeError",
-           "ModifierSession", "Activations", "keep_activations", "load_activations", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
+__all__ = ["check_scoring_task", "heldout_failures", "kept_original_sets", "LayerBudget", "budget_field", "SharedWork",
+           "steps_passes", "parse_step", "step_to_dict", "SCORE_FRACTION", "calibration_nll_bytes", "WindowSplit",
+           "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear",
+           "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier",
+           "LayerShape", "ModelShape", "Modifier", "RecipeError", "ModifierSession", "Activations", "keep_activations",
+           "load_activations", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
            "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
            "refit_error", "register",

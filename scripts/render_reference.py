@@ -57,7 +57,8 @@ def render_modifiers() -> str:
              "and sets any of these fields, in the compact form (`ShortGPT<n:6>`) or the mapping form "
              "(`ShortGPT: {n: 6}`); an unknown field is an error with a \"did you mean\". "
              "Scope `layer`: the step runs inside the shared layer-by-layer calibration pass; `model`: it sees "
-             "the whole model. How each method works and what its options measured: the [method pages](../methods/index.md).", ""]
+             "the whole model. How each method works and what its options measured: the "
+             "[method pages](../methods/index.md).", ""]
     for cls in REGISTRY.classes():
         name = cls.step_name()
         lines += [f"## {name}", "", f"`{cls.scope}` scope. {_cell(_first_paragraph(cls))}", ""]

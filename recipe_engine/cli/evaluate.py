@@ -14,7 +14,6 @@ from rich.table import Table
 
 from ..errors import RecipeError
 from ..evaluation.run import evaluate_session, evaluation_session, retained
-from ..io.models import load_model
 from ..io.user_paths import Target, check_targets, is_json_record, replace_text
 from ..io.report import REPORT_FILE, load_report, weights_fingerprint
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
@@ -224,7 +223,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="output directory, HF dir, .gguf, hub id or builtin alias")
     p.add_argument("--dataset", action="append", help="perplexity text source(s); first available is used "
                                                       f"({_default(PerplexityConfig, 'dataset')})")
-    p.add_argument("--seq-len", type=positive_int, help=f"perplexity window length ({_default(PerplexityConfig, 'seq_len')})")
+    p.add_argument("--seq-len", type=positive_int,
+                   help=f"perplexity window length ({_default(PerplexityConfig, 'seq_len')})")
     p.add_argument("--limit", type=positive_int, help="evaluate only the first N perplexity windows (CPU)")
     p.add_argument("--no-ppl", action="store_true", help="skip perplexity")
     p.add_argument("--tasks", nargs="*", help="zero-shot tasks, e.g. arc_easy arc_challenge piqa hellaswag winogrande; "

@@ -5,8 +5,9 @@ task's stop sequences or the end-of-sequence token, or after ``max_new_tokens``,
 rows of the KV cache are dropped (``Cache.batch_select_indices``), so the rows still running are the only ones
 computed (``transformers``' ``generate`` keeps computing finished rows until the whole batch is done, which on a
 CPU costs as much as the running rows). Each completion is cut before its first stop sequence. The tasks
-(``generation_tasks.py``) score a completion: HumanEval by running the prompt, the completion and the task's tests in the sandbox
-(``sandbox.py``), GSM8K by its final number. The headline metric is pass@1 (greedy, one sample) or exact match.
+(``generation_tasks.py``) score a completion: HumanEval by running the prompt, the completion and the task's tests
+in the sandbox (``sandbox.py``), GSM8K by its final number. The headline metric is pass@1 (greedy, one sample) or
+exact match.
 """
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ class DistributedError(Exception):
 
 class RankFailed(DistributedError):
     """Another rank raised; this one stopped at its next collective. ``out_of_memory``: that rank ran out of
-    memory (``OutOfMemory``), so rank 0 keeps the resume checkpoints as that rank says (``failures.discard_on_error``)."""
+    memory (``OutOfMemory``), so rank 0 keeps the resume checkpoints as that rank says
+    (``failures.discard_on_error``)."""
 
     def __init__(self, message: str, out_of_memory: bool = False):
         super().__init__(message)

@@ -50,7 +50,8 @@ def out_of_memory_named(progress: Progress, resumable: Callable[[], bool]) -> It
             less = "a smaller calibration.batch_size or calibration.offload: true (activations on the host)"
         else:
             less = "a smaller calibration.batch_size or stream: on (one layer in memory at a time)"
-        fragments = " (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation)" if memory == "GPU" else ""
+        fragments = (" (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation)" if memory == "GPU"
+                     else "")
         advice = (f"the resume checkpoints are kept: once memory is free, rerun with --resume{fragments}; or start "
                   f"over needing less: {less}" if kept else f"nothing was written; to need less: {less}")
         raise OutOfMemory(memory, allocation_detail(exc), where, advice, kept) from exc

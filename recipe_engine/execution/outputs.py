@@ -126,4 +126,5 @@ class RunOutputs:
     def adopt(self, branch: "RunOutputs") -> None:
         """Take a branch's outputs (``ModifierSession.adopt``); the branch started from a copy of these
         (:meth:`copy_for`), so its extras, files and quantization records replace them."""
-        self.extras, self._artifacts, self.quantized = list(branch.extras), dict(branch._artifacts), dict(branch.quantized)
+        self.extras, self._artifacts, self.quantized = (list(branch.extras), dict(branch._artifacts),
+                                                        dict(branch.quantized))

@@ -100,7 +100,8 @@ def _read_note(packed: str, done: bool) -> str:
 
 
 def _experts_note(packed: str, dtype: str, done: bool) -> str:
-    return f"{_read_note(packed, done)}, and {UNCARRIED['experts']}, so the output is written unpacked in {dtype}: {REPACK}"
+    return (f"{_read_note(packed, done)}, and {UNCARRIED['experts']}, so the output is written unpacked in {dtype}: "
+            f"{REPACK}")
 
 
 def plan_note(packed: str, dtype: str, experts: bool) -> str:
@@ -122,7 +123,8 @@ def output_note(packed: str, dtype: str, kept: int, changed: int, left: set[str]
     read = _read_note(packed, done=True)
     if "experts" in left:
         return _experts_note(packed, dtype, done=True)
-    unpacked = " and ".join([f"the {changed} linears a step changed"] * bool(changed) + [UNCARRIED[k] for k in sorted(left)])
+    unpacked = " and ".join([f"the {changed} linears a step changed"] * bool(changed)
+                            + [UNCARRIED[k] for k in sorted(left)])
     if kept:
         return (f"the source's weights are packed ({packed}); {kept} linears are written packed again on their "
                 f"source grids, {unpacked} unpacked in {dtype} (listed in quantization_config's ignore)")

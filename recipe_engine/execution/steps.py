@@ -33,7 +33,8 @@ def group_steps(steps: list[Modifier]) -> list[list[tuple[int, Modifier]]]:
 
 
 def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None = None,
-              plan: MemoryPlan | None = None, checkpoints=None, report: RunReport | None = None) -> list[dict[str, Any]]:
+              plan: MemoryPlan | None = None, checkpoints=None,
+              report: RunReport | None = None) -> list[dict[str, Any]]:
     """Run the steps (consecutive layer steps share one pass); each record has the step's own wall time,
     and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate. With
     ``checkpoints``, finished groups of an interrupted run are skipped and each group (and each layer of a

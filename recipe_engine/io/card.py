@@ -315,7 +315,8 @@ def _eval_results(report: Report, evaluations: list[dict]):
             results.append(EvalResult(task_type="text-generation", dataset_type=dataset,
                                       dataset_name=dataset, metric_type="perplexity",
                                       metric_value=round(ppl["ppl"], 4)))
-        tasks = {**(record.get("zero_shot") or {}).get("tasks", {}), **(record.get("generation") or {}).get("tasks", {})}
+        tasks = {**(record.get("zero_shot") or {}).get("tasks", {}),
+                 **(record.get("generation") or {}).get("tasks", {})}
         for task, result in tasks.items():
             task, metric = " ".join(task.split()), " ".join(result["metric"].split())
             results.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,

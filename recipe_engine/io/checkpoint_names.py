@@ -35,7 +35,7 @@ class Converted:
     def build(self, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> torch.Tensor:
         """The in-memory tensor from the on-disk ones ``read`` returns (meta tensors give its shape)."""
         # deferred: transformers' loading module is imported only for checkpoints it converts
-        from transformers.core_model_loading import Concatenate, MergeModulelist
+        from transformers.core_model_loading import MergeModulelist
 
         tensors = read(self.names)
         state: list = [[tensors[name] for name in group] for group in self.sources]

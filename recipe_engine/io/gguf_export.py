@@ -2,8 +2,9 @@
 
 Reads the directory (``config.json``, safetensors weights, the tokenizer) and, for a model converted from a
 GGUF file, that file's metadata, and writes one GGUF file with the ``gguf`` package's writer: architecture
-metadata, the vocabulary (``gguf_vocabulary``) and the weights under llama.cpp's tensor names. Tensors are streamed: tensor infos
-first (sizes from the shapes), then the data one tensor at a time, into a temporary sibling renamed into place.
+metadata, the vocabulary (``gguf_vocabulary``) and the weights under llama.cpp's tensor names. Tensors are
+streamed: tensor infos first (sizes from the shapes), then the data one tensor at a time, into a temporary sibling
+renamed into place.
 A packed checkpoint (``recipe_engine.io.exporters``) is read through ``CheckpointReader``, which dequantizes
 each packed linear into the checkpoint's dtype as it is read.
 
@@ -16,7 +17,8 @@ q/k rows are reordered from HF's rotate-half layout to GGML's adjacent-pair rope
 a tied ``lm_head`` is not written (llama.cpp and transformers reuse ``token_embd``); a mixture-of-experts
 layer's experts are read stacked (``CheckpointReader`` with the model: per-expert tensors, packed or not) and
 written as ``ffn_{gate,up,down}_exps`` ``[experts, rows, columns]``, gate and up apart, with the router as
-``ffn_gate_inp`` and the ``expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length`` keys. Refused in one line:
+``ffn_gate_inp`` and the ``expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length`` keys. Refused in
+one line:
 anything GGUF or the architecture's llama.cpp graph cannot express — recipe extras (LinearPatch),
 tensors that disagree with the config (missing, extra, of another shape:
 non-uniform layers), rope scaling, sliding windows where the graph attends fully, unknown tokenizers.
@@ -179,7 +181,8 @@ def gguf_tensor(tensor: torch.Tensor, role: str, adapter, config) -> torch.Tenso
     shared expert's gate ``Linear(hidden, 1)`` as its vector."""
     if adapter.gguf.rope_adjacent_pairs and role in ("q_proj", "k_proj"):
         heads = config.num_attention_heads
-        return permute_rope(tensor, heads if role == "q_proj" else getattr(config, "num_key_value_heads", None) or heads)
+        return permute_rope(tensor,
+                            heads if role == "q_proj" else getattr(config, "num_key_value_heads", None) or heads)
     if adapter.norm_offset and (role in adapter.norms or role == "final_norm"):
         return tensor.float() + adapter.norm_offset
     if role in EXPERT_HALVES:
@@ -284,7 +287,8 @@ def _export(directory: Path, output: Path, kind: str, name: str | None, origin: 
         for gguf_name, _, shape, qtype, _ in plan:
             if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 dtype = np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16
-                writer.add_tensor_info(gguf_name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+                writer.add_tensor_info(gguf_name, shape, np.dtype(dtype),
+                                       int(np.prod(shape)) * np.dtype(dtype).itemsize)
             else:
                 byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
                 writer.add_tensor_info(gguf_name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype)

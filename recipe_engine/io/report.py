@@ -369,7 +369,7 @@ def weights_fingerprint(directory: str | Path) -> str | None:
         for path in files:
             descriptor = os.open(path, os.O_RDONLY)
             try:
-                read = lambda offset, n: os.pread(descriptor, n, offset)  # noqa: E731
+                read = lambda offset, n: os.pread(descriptor, n, offset)
                 segments = safetensors_segments(read, os.fstat(descriptor).st_size)
                 batches = in_batches(segments, size=lambda segment: segment[1] - segment[0])
                 fingerprint.add_file(path.name, [digest for digests in

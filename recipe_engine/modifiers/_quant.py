@@ -184,8 +184,8 @@ def packed_experts_problem(model_type: str, tensors: list[str], export: str, sym
         return (f"export {export} cannot store {model_type}'s experts: {layout.packed_problem}; use export: "
                 f"dequantized", "export")
     if len(tensors) < 2:
-        return (f"packed experts need gate_proj, up_proj and down_proj targeted together (vLLM loads an MoE "
-                f"layer's experts with one scheme); add the missing ones, or use export: dequantized", "targets")
+        return ("packed experts need gate_proj, up_proj and down_proj targeted together (vLLM loads an MoE "
+                "layer's experts with one scheme); add the missing ones, or use export: dequantized", "targets")
     if not sym:
         return ("packed experts need sym: true (vLLM's MoE kernels take symmetric weights only; transformers "
                 "dequantizes packed experts without zero points); use sym: true, or export: dequantized", "sym")

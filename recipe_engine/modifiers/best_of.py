@@ -10,9 +10,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
-from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, calibration_nll_bytes, check_scoring_task, check_steps,
-                               heldout_failures, heldout_split, kept_original_sets, parse_step, register,
-                               step_to_dict, steps_passes)
+from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, calibration_nll_bytes,
+                               check_scoring_task, check_steps, heldout_failures, heldout_split, kept_original_sets,
+                               parse_step, register, step_to_dict, steps_passes)
 
 
 class HeldoutScore(BaseModel):
@@ -247,8 +247,8 @@ class BestOf(Modifier):
                     step.check_calibration(fit)
                 except RecipeError as exc:
                     raise self.fail(f"alternative {a}, step {i} ({step.step_name()}) on the {len(split.fit)} fit "
-                                    f"windows: {exc.detail}", field=f"alternatives.{a}.{i}.{exc.field or ''}".rstrip(".")
-                                    ) from None
+                                    f"windows: {exc.detail}",
+                                    field=f"alternatives.{a}.{i}.{exc.field or ''}".rstrip(".")) from None
 
     def passes(self, shape) -> tuple[int, int]:
         """Each alternative's own passes on the fit windows, plus one pass per alternative to score it. Fewest:
@@ -338,7 +338,8 @@ class BestOf(Modifier):
 
         line = (f"chose alternative {chosen} {records[chosen]['steps']}, score-window NLL {records[chosen]['nll']:.4f}"
                 if self.score.task is None else f"chose alternative {chosen} {records[chosen]['steps']}, "
-                f"{self.score.task} pass rate {records[chosen]['pass_rate']:.4f} on its last {self.score.problems} problems")
+                f"{self.score.task} pass rate {records[chosen]['pass_rate']:.4f} "
+                f"on its last {self.score.problems} problems")
         if chosen != lowest:
             return (line + f", {margin(records[chosen]['margin'])} above the lowest, alternative {lowest} "
                     f"{records[lowest]['steps']}: within {self.score.prefer_earlier_within:g} standard "

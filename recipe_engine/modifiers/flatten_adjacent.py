@@ -11,8 +11,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from recipe_engine.api import (ADAPTERS, Activations, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier, ModifierSession,
-                               budget_field, calibration_nll_bytes, heldout_split, install_linear, register)
+from recipe_engine.api import (ADAPTERS, Activations, SCORE_FRACTION, LayerBudget, LayerShape, ModelShape, Modifier,
+                               ModifierSession, budget_field, calibration_nll_bytes, heldout_split, install_linear,
+                               register)
 
 from ._depth import check_search_window
 from .head_prune import HeadPrune

@@ -101,7 +101,8 @@ class LaCo(Modifier):
     combine: int = Field(4, ge=1, alias="C", description="C: layers combined per merge (the base and C−1 after it)")
     lowest: int = Field(1, ge=0, alias="L", description="L: lowest merge base layer (0-based)")
     top: int | None = Field(None, ge=1, alias="H", description="H: merging stays below this layer (0-based, "
-                                                                "exclusive); null: all layers (the paper's H = layer count)")
+                                                                "exclusive); null: all layers "
+                                                                "(the paper's H = layer count)")
     interval: int = Field(2, ge=1, alias="I", description="I: minimum interval between two merge bases")
     threshold: float = Field(0.65, ge=-1, le=1, alias="T", description="T: similarity threshold (lower merges more)")
     target_layers: LayerBudget | None = budget_field(None, "search T for this many layers instead")
@@ -130,7 +131,8 @@ class LaCo(Modifier):
         if top > shape.num_layers:
             raise self.fail(f"H={self.top} exceeds the {shape.num_layers} layers at this step", field="top")
         if top - self.combine < self.lowest:
-            raise self.fail(f"nothing to merge: H − C = {top - self.combine} is below L = {self.lowest}", field="combine")
+            raise self.fail(f"nothing to merge: H − C = {top - self.combine} is below L = {self.lowest}",
+                            field="combine")
         if self.target_layers is not None and "threshold" in self.model_fields_set:
             raise self.fail("give T or target_layers, not both (T is searched for target_layers)", field="threshold")
         require_uniform(self, shape)
@@ -143,8 +145,8 @@ class LaCo(Modifier):
             layers[base: base + k + 1] = [replace(span[0], origin=tuple(i for s in span for i in s.origin))]
             base -= self.interval
         if self.target_layers is not None and len(layers) != self.target_layers:
-            raise self.fail(f"target_layers={self.target_layers} is out of reach: with C={self.combine}, L={self.lowest}, "
-                            f"H={top}, I={self.interval} at most {shape.num_layers - len(layers)} of "
+            raise self.fail(f"target_layers={self.target_layers} is out of reach: with C={self.combine}, "
+                            f"L={self.lowest}, H={top}, I={self.interval} at most {shape.num_layers - len(layers)} of "
                             f"{shape.num_layers} layers merge away", field="target_layers")
         shape.layers = layers
 

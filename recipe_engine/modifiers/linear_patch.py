@@ -11,8 +11,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from recipe_engine.api import (Activations, LayerBudget, Modifier, ModifierSession, budget_field, register, remove_layers, rotation,
-                               top_k_kl)
+from recipe_engine.api import (Activations, LayerBudget, Modifier, ModifierSession, budget_field, register,
+                               remove_layers, rotation, top_k_kl)
 
 from ._depth import drop_symbolic, extra_adapter, require_uniform, span_scores, token_mask
 

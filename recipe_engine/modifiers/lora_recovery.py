@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from recipe_engine.api import (ADAPTERS, UNFUSED_ROLES, Modifier, ModifierSession, RecipeError, check_text, load_text, register,
-                               roles_problem, tokenize, top_k_kl)
+from recipe_engine.api import (ADAPTERS, UNFUSED_ROLES, Modifier, ModifierSession, RecipeError, check_text, load_text,
+                               register, roles_problem, tokenize, top_k_kl)
 
 PROJECTIONS = UNFUSED_ROLES  # roles; a fused Phi-3 qkv/gate_up linear gets one adapter when all its members are targets
 ADAPTER_DIR = "lora_adapter"

@@ -17,15 +17,16 @@ from recipe_engine.api import (InputCovariance, LayerModifier, ModelShape, Modif
 class NystromMLP(LayerModifier):
     """Keep the ``intermediate_size`` channels with the highest ridge leverage and refit ``down_proj``.
 
-    ``G = Σ_t σ_tᵀ σ_t`` (each batch's product in fp32, summed in fp64; as GPTQ's Hessian) is the Gram of the activation entering ``down_proj``
-    (``σ = up(x) ⊙ act(gate(x))``), ``λ = lambda_scale × trace(G)/n`` (Appendix C.2: 10 × the mean
-    eigenvalue), leverage ``s_i = [G (G + λI)⁻¹]_ii`` (``criterion: energy`` ranks by ``G_ii ‖W_:,i‖²``
-    instead, :func:`channel_energy`). The top channels ``K`` (ascending order) are kept:
-    gate/up keep rows ``K``; with ``W = down_proj.weight`` (out × in) the kept columns become
+    ``G = Σ_t σ_tᵀ σ_t`` (each batch's product in fp32, summed in fp64; as GPTQ's Hessian) is the Gram of the
+    activation entering ``down_proj`` (``σ = up(x) ⊙ act(gate(x))``), ``λ = lambda_scale × trace(G)/n``
+    (Appendix C.2: 10 × the mean eigenvalue), leverage ``s_i = [G (G + λI)⁻¹]_ii`` (``criterion: energy``
+    ranks by ``G_ii ‖W_:,i‖²`` instead, :func:`channel_energy`). The top channels ``K`` (ascending order) are
+    kept: gate/up keep rows ``K``; with ``W = down_proj.weight`` (out × in) the kept columns become
     ``W'_K = W_K + W_D G_DK (G_KK + λI)⁻¹`` (Theorem 3.1 in torch orientation; Algorithm 3 line 4 adds
     the update to the full ``W_D`` — a dimension slip — it belongs to the kept rows of the paper's
-    ``W_D``, i.e. the kept columns here; ``compensate: false`` keeps ``W_K``). ``compensation_scale`` sets the λ of this refit separately
-    (``None``: the leverage λ). Layers: ``layers`` if given, else every layer with a wider MLP than the config.
+    ``W_D``, i.e. the kept columns here; ``compensate: false`` keeps ``W_K``). ``compensation_scale`` sets the λ
+    of this refit separately (``None``: the leverage λ). Layers: ``layers`` if given, else every layer with a
+    wider MLP than the config.
     """
 
     layers: list[int] | None = Field(None, description="layer indices to prune (default: the merged layers)")

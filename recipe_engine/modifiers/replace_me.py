@@ -240,10 +240,11 @@ class ReplaceMe(Modifier):
     plain drop ``T = I``; 0: the paper's plain least squares); ``objective: cosine`` minimises
     ``1 − mean cos(M T, L − Y)`` with Adam (``adam``). ``fold: down_proj``: ``down_proj``'s weight ``W``
     becomes ``Tᵀ W`` (stock; on a mixture-of-experts layer every expert's down projection, and a shared
-    expert's: the MLP output is a gate-weighted sum of them, so the fold is exact). ``fold: hook``: ``M`` is what the layer adds to the residual stream (on Gemma 3
-    the normalized MLP output) and ``T`` is applied to it by a forward hook, saved as a recipe extra (not
-    stock; the layers are pinned as after LinearPatch). ``fold: auto``: down_proj where the architecture
-    allows it, else the hook (the report's ``fold`` says which).
+    expert's: the MLP output is a gate-weighted sum of them, so the fold is exact). ``fold: hook``: ``M`` is what
+    the layer adds to the residual stream (on Gemma 3 the normalized MLP output) and ``T`` is applied to it by a
+    forward hook, saved as a recipe extra (not stock; the layers are pinned as after LinearPatch).
+    ``fold: auto``: down_proj where the architecture allows it, else the hook (the report's ``fold`` says
+    which).
     Deviations, measured on SmolLM2 (docs/methods/replaceme.md): the distance averages over every calibration token
     (``distance_tokens: all``; the authors' code: the last token of each sample), and statistics leave out the
     first ``skip_first`` positions of each window (the attention sink's massive hidden state dominates a

@@ -264,9 +264,12 @@ def _align(a: list[str], b: list[str]) -> list[tuple[str, int, int]]:
     ops, i, j = [], 0, 0
     while i < n or j < m:
         if i < n and j < m and a[i] == b[j]:
-            ops.append(("kept", i, j)); i += 1; j += 1
+            ops.append(("kept", i, j))
+            i, j = i + 1, j + 1
         elif j < m and (i == n or table[i][j + 1] >= table[i + 1][j]):
-            ops.append(("added", i, j)); j += 1
+            ops.append(("added", i, j))
+            j += 1
         else:
-            ops.append(("removed", i, j)); i += 1
+            ops.append(("removed", i, j))
+            i += 1
     return ops

@@ -140,7 +140,8 @@ class Recipe(StrictModel):
     version: Literal[1] = Field(description="recipe format version")
     name: str
     description: str = ""
-    model: str = Field(description="HF id, local HF dir, .gguf file, or builtin alias (smollm2-135m, qwen2.5-0.5b, gemma3-270m)")
+    model: str = Field(description="HF id, local HF dir, .gguf file, or builtin alias (smollm2-135m, qwen2.5-0.5b, "
+                                   "gemma3-270m)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:i")
     stream: Literal["auto", "on", "off"] = Field(

@@ -21,7 +21,7 @@ def high_water_bytes() -> int:
     checkpoint) reports its parent's resident size at the fork as its own peak (a parent holding 3 GiB: a
     child of 13 MiB reported 3 GiB)."""
     try:
-        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
+        line = next(row for row in Path("/proc/self/status").read_text().splitlines() if row.startswith("VmHWM:"))
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return int(line.split()[1]) * 1024

@@ -170,7 +170,7 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
     owned: list = []  # this run's resume checkpoints: removed on an exception or a handled signal
     bar = Progress(enabled=progress and parallel.rank == 0)
     # a rank other than 0 of a data-parallel run keeps no checkpoints of its own: rank 0's directory says
-    resumable = lambda: any(c is not None and c.resumable for c in owned) or (  # noqa: E731
+    resumable = lambda: any(c is not None and c.resumable for c in owned) or (
         parallel.rank > 0 and bool(write and keep_checkpoints) and has_checkpoint(recipe.output))
     with discard_on_error(owned), out_of_memory_named(bar, resumable), \
             _workspace(recipe.output, writing, force) as workdir, bar:

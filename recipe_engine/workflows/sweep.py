@@ -131,7 +131,8 @@ class Sweep:
         return self.memos.setdefault(key, SharedWork())
 
     def run(self) -> list[dict[str, Any]]:
-        planned = [(spec, params, recipe) for spec in self.specs for params, recipe in variants(spec, self.vary, self.overrides)]
+        planned = [(spec, params, recipe) for spec in self.specs
+                   for params, recipe in variants(spec, self.vary, self.overrides)]
         self.check(planned)
         with output_lock(self.output):
             return self._run(planned)

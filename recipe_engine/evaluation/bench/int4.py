@@ -61,8 +61,8 @@ class Int4Linear(nn.Module):
         fits = self.out_features % 8 == 0 and self.in_features % (INNER_K_TILES * 16) == 0 if device.type == "cuda" \
             else self.out_features % 16 == 0
         if not fits:
-            raise SourceError(f"a {self.out_features} x {self.in_features} weight: PyTorch's int4 kernel on {device.type} "
-                              f"takes rows in multiples of {8 if device.type == 'cuda' else 16}"
+            raise SourceError(f"a {self.out_features} x {self.in_features} weight: PyTorch's int4 kernel on "
+                              f"{device.type} takes rows in multiples of {8 if device.type == 'cuda' else 16}"
                               + (f" and columns in multiples of {INNER_K_TILES * 16}" if device.type == "cuda" else ""))
         self.group_size = self.in_features // scale.shape[1]
         zeros = -(zero_point.float() * scale.float()) if zero_point is not None else torch.zeros_like(scale.float())

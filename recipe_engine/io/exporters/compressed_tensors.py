@@ -64,7 +64,8 @@ class CompressedTensors(Exporter):
         """Codes from the weight in fp64 (a bf16 weight divided in bf16 can land on the next code), moved to
         the signed compressed-tensors grid (``q - 2^(b-1)``, zero points likewise), packed by the library's
         ``pack_to_int32``: what ``PackedQuantizationCompressor.compress`` writes (checked in the tests)."""
-        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # deferred: imports transformers
+        # deferred: imports transformers
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
         grid, offset = record.grid, 2 ** (record.grid.bits - 1)
         codes = grid_codes(name, weight, record)
