@@ -10,8 +10,9 @@ both (code stays held out); seed 0. SLEB's ~n × layers
 calibration-NLL passes use 8 × 128 tokens of the same source. Perplexity (``--evals``): WikiText-2 test
 (first 24 windows × 1024), the C4 sample (``c4.utf8``, 16 × 1024) and the code sample (``code.utf8``,
 16 × 1024; Qwen2.5-Coder is a code model); ``--windows`` changes the counts (the default is the model's
-committed tables' windows: 16 8 8 for Qwen2.5-0.5B on a 2-core CPU). Each method runs through ``recipe_engine.apply(recipe,
-write=False)`` on a fresh copy of the dense model; "compress s" is the sum of the steps' wall times.
+committed tables' windows: 16 8 8 for Qwen2.5-0.5B on a 2-core CPU). Each method runs through
+``recipe_engine.apply(recipe, write=False)`` on a fresh copy of the dense model; "compress s" is the sum of the
+steps' wall times.
 
 Run: nice -n 10 python benchmarks/compare_methods.py --model qwen2.5-0.5b [--calibration wikipedia]
      [--n 5] [--only NAME ...] [--task-limit 200]
@@ -65,8 +66,10 @@ LABELS = {"FlattenGPT": "FlattenGPT (ours)", "ShortGPT+LinearPatch": "ShortGPT +
           "BestOf ReplaceMe splits": "ReplaceMe then FlattenGPT, the split chosen by held-out NLL",
           "FlattenGPT+LinearPatch": "FlattenGPT + LinearPatch", "LaCo": "LaCo (C = 4)", "LaCo C=2": "LaCo (C = 2)",
           "GPTQ W4": "GPTQ W4 g64", "SLEB 2×128": "SLEB, 2 × 128 calibration",
-          "FlattenGPT+LoRA alpaca": "FlattenGPT + LoRA (Alpaca)", "FlattenGPT+LoRA distill": "FlattenGPT + LoRA (distill)",
-          "FlattenGPT +cv+fallback": "FlattenGPT, cross-validated λ_t", "FlattenGPT energy": "FlattenGPT, energy channels",
+          "FlattenGPT+LoRA alpaca": "FlattenGPT + LoRA (Alpaca)",
+          "FlattenGPT+LoRA distill": "FlattenGPT + LoRA (distill)",
+          "FlattenGPT +cv+fallback": "FlattenGPT, cross-validated λ_t",
+          "FlattenGPT energy": "FlattenGPT, energy channels",
           "FlattenGPT nll": "FlattenGPT, merges by NLL",
           "FlattenGPT nll merged": "FlattenGPT, merges by NLL (unpruned candidates)",
           "FlattenGPT nll+drops": "FlattenGPT, merges by NLL or drops"}
@@ -200,7 +203,8 @@ def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict
             model, report = recipe_engine.apply(recipe, model=copy.deepcopy(dense), tokenizer=tokenizer,
                                                 write=False, progress=False)
         except RecipeError as exc:  # refused at validation for this architecture: a row saying why
-            return {"method": name, "n": args.n, "calibration": args.calibration, "refused": f"{exc.modifier}: {exc.detail}",
+            return {"method": name, "n": args.n, "calibration": args.calibration,
+                    "refused": f"{exc.modifier}: {exc.detail}",
                     "eval_windows": {key: args.windows[key] for key in args.evals},
                     "layers": dense.config.num_hidden_layers, "params_pct": 100.0, "ppl": {},
                     "compress_s": 0.0, "calibration_config": calibration, "modifiers": steps, "steps": []}

@@ -85,7 +85,8 @@ def main() -> None:
         "recipe": str(RECIPE.relative_to(ROOT)), "calibration": f"{args.samples}x{args.seq_len} wikitext2 validation",
         "ranks": args.ranks, "threads_per_process": 1, "wall_s": {"single": single, "parallel": parallel},
         "wall_ratio": parallel / single, "cpu_s": {"single": single_cpu, "parallel_all_ranks": parallel_cpu},
-        "cpu_ratio_per_rank": parallel_cpu / args.ranks / single_cpu, "ppl": ppl, "ppl_relative_diff": abs(ppl["parallel"] / ppl["single"] - 1),
+        "cpu_ratio_per_rank": parallel_cpu / args.ranks / single_cpu, "ppl": ppl,
+        "ppl_relative_diff": abs(ppl["parallel"] / ppl["single"] - 1),
         "max_relative_weight_diff": worst, "same_layer_origin": reports["single"].after.layer_origin
         == reports["parallel"].after.layer_origin,
         "layer_batches": {n: r.calibration_layer_batches for n, r in reports.items()},
@@ -95,7 +96,8 @@ def main() -> None:
     }
     print(f"{'run':<28}{'wall s':>9}{'CPU s':>9}{'PPL':>10}")
     print(f"{'1 process x 1 thread':<28}{single:>9.1f}{single_cpu:>9.1f}{ppl['single']:>10.3f}")
-    print(f"{f'torchrun {args.ranks} ranks x 1 thread':<28}{parallel:>9.1f}{parallel_cpu:>9.1f}{ppl['parallel']:>10.3f}")
+    print(f"{f'torchrun {args.ranks} ranks x 1 thread':<28}{parallel:>9.1f}{parallel_cpu:>9.1f}"
+          f"{ppl['parallel']:>10.3f}")
     print(f"the 1-process run wrote resume checkpoints for {record['single_checkpoint_s']:.1f} s "
           f"(data-parallel runs keep none)")
     print(f"CPU s: 1 process {single_cpu:.1f}, {args.ranks} ranks together {parallel_cpu:.1f} "

@@ -11,8 +11,8 @@ the variants below replace *every* pair at once; perplexity is measured on a few
 * ``+heads nocomp``: the same groups, o_proj sliced without refit;
 * ``+heads eq12``: the groups chosen by Eq. 12 instead (with the refit);
 * ``+mlp``: merged + NystromMLP (leverage λ = 10 × mean eig, Theorem 3.1 refit), attention wide;
-  ``+mlp nocomp``: no refit; ``+mlp energy``: channels by output energy ``G_ii ‖W_:,i‖²`` (± refit); ``+mlp weights``: by the
-  data-free weight norms ``‖W_gate[i]‖ ‖W_up[i]‖ ‖W_down[:, i]‖``;
+  ``+mlp nocomp``: no refit; ``+mlp energy``: channels by output energy ``G_ii ‖W_:,i‖²`` (± refit);
+  ``+mlp weights``: by the data-free weight norms ``‖W_gate[i]‖ ‖W_up[i]‖ ‖W_down[:, i]‖``;
 * ``+heads+mlp``: both (NystromMLP ``target: merged``);
 * ``+heads+mlp+target λ``: then the down_proj refit towards the dense output of the pair (``target:
   original``/``serial`` coincide here) with λ_t = λ × mean eig.
@@ -24,7 +24,6 @@ Run: nice -n 10 python benchmarks/flatten_diagnosis.py [--model qwen2.5-0.5b] [-
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import time
@@ -34,7 +33,6 @@ import torch
 
 from recipe_engine.modifiers.flatten_adjacent import merge_layers
 from recipe_engine.modifiers.head_prune import best_groups_by_error, eq12_group_scores, group_channels
-from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.io.data import load_text, sample_windows, tokenize
 from recipe_engine.evaluation.perplexity import make_windows
 from recipe_engine.numerics.linalg import mean_eigenvalue, ridge_compensation, ridge_leverage_scores, set_linear_weight
@@ -278,7 +276,8 @@ def main() -> None:
               + f"  {row['seconds']:.0f}s", flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"flatten_diagnosis_{args.model}_s{args.samples}{args.tag}.json").write_text(json.dumps(
-            {"pairs": args.pairs, "samples": args.samples, "calibration": args.calibration, "windows": args.windows, "rows": rows}, indent=2))
+            {"pairs": args.pairs, "samples": args.samples, "calibration": args.calibration, "windows": args.windows,
+             "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def main() -> None:
         print(f"{name:24s} layers {row['layers']:3d}  params {row['parameters'] / 1e6:6.1f}M  "
               f"disk {row['disk_mib']:7.1f} MiB  PPL {row['ppl']:8.2f}  compress {row['compress_s']:7.1f} s",
               flush=True)
-    print("\n| model | layers | parameters | safetensors MiB | WikiText-2 PPL | compress s |\n|---|---|---|---|---|---|")
+    print("\n| model | layers | parameters | safetensors MiB | WikiText-2 PPL | compress s |\n"
+          "|---|---|---|---|---|---|")
     for row in results["rows"]:
         print(f"| {row['row']} | {row['layers']} | {row['parameters'] / 1e6:.1f}M | {row['disk_mib']:.1f} | "
               f"{row['ppl']:.2f} | {row['compress_s']:.0f} |")

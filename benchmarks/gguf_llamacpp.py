@@ -8,7 +8,8 @@ Phi-3), random norm gains so the norm conventions matter; ``gemma`` — Gemma-3-
 validation); ``depth20`` — the output of ``recipes/depth20_auto.yaml`` (no evaluation) on each shipped model:
 SmolLM2-135M and Qwen2.5-0.5B as the recipe stands, Gemma-3-270M with ``export: {format: gguf}`` (its plain
 output keeps ReplaceMe's map as a hook beside the checkpoint, which GGUF cannot hold: export refuses it in one
-line; with the export the recipe chooses among the alternatives GGUF can hold), each chosen method recorded. Each model is written as an HF directory (``recipe apply`` for the compressed ones), exported
+line; with the export the recipe chooses among the alternatives GGUF can hold), each chosen method recorded.
+Each model is written as an HF directory (``recipe apply`` for the compressed ones), exported
 with ``recipe export --format gguf`` (f32 and f16; ``--types q8_0`` where llama.cpp's quantized kernels run),
 and read by two programs we did not write: llama.cpp through ``llama-cpp-python`` (its own loader and graph;
 the same token ids go in) and transformers (``gguf_file=``). Reported per model and type: top-1 agreement of
@@ -96,7 +97,8 @@ def build_tiny(out: Path, tokenizer) -> dict[str, Path]:
         if (directory / "config.json").is_file():
             continue
         torch.manual_seed(0)
-        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **{**TINY, **TINY_EXTRA.get(model_type, {})})
+        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer),
+                                      **{**TINY, **TINY_EXTRA.get(model_type, {})})
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -170,7 +172,8 @@ def table_row(name: str, kind: str, row: dict) -> dict:
     cells = {"id": f"{name} {kind}", "model": LABELS.get(name, name.replace("tiny_", "tiny random ")), "type": kind,
              "top1": agree, "mean": f"{row['mean_kl_nats']:.1e}", "max": f"{row['max_kl_nats']:.1e}",
              "llama": f"{row['llamacpp_rel_logit_error']:.1e}",
-             "hf": "0" if row["transformers_readback_rel_error"] == 0 else f"{row['transformers_readback_rel_error']:.1e}",
+             "hf": ("0" if row["transformers_readback_rel_error"] == 0
+                    else f"{row['transformers_readback_rel_error']:.1e}"),
              "mib": f"{row['gguf_mib']:.1f}"}
     if not name.startswith(tuple(RECIPES) + ("dense_30",)):
         cells["tokens"] = "same" if row["tokenizer_agrees"] else "differ"

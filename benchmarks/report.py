@@ -276,7 +276,8 @@ def cost_table(data: dict) -> list[str]:
         body.append(cells + [letters.mark(row, first_only=True)])
     intro = ("\"compress s\" is the sum of the recipe steps' wall times (calibration capture included), measured "
              "under the load given per run: compare it within one run. Peak RSS is the whole process's.")
-    return [f"### {data['section']}: cost", "", intro, "", *run_table(header, body, letters), *notes_block(data.get("cost_notes", [])), *letters.block()]
+    return [f"### {data['section']}: cost", "", intro, "", *run_table(header, body, letters),
+            *notes_block(data.get("cost_notes", [])), *letters.block()]
 
 
 def sweep_rows(data: dict) -> list[dict]:
@@ -318,7 +319,8 @@ def sweep_table(data: dict, image: str | None) -> list[str]:
                 marks += [m for r in hit for m in letters.mark(r, first_only=True).split(", ")]
             body.append(cells + [", ".join(dict.fromkeys(marks))])
     what = " / ".join(f"{METRICS.get(k, k)} PPL" for k in metric_keys(data.get("sweep", [])))
-    out = [f"### {data['section']}: quality against budget", "", f"n = layers removed; cells: {what} (as far as measured).", ""]
+    out = [f"### {data['section']}: quality against budget", "",
+           f"n = layers removed; cells: {what} (as far as measured).", ""]
     out += protocol_lines(data, protocols_in(rows, declared))
     if image:
         out += [f"![{data['section']}: perplexity against parameters, one line per method]({image})", ""]

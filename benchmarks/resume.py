@@ -74,7 +74,8 @@ def main() -> None:
     load_after = load()
 
     full_sha, resumed_sha = sha256(base / "full" / "model.safetensors"), sha256(base / "resumed" / "model.safetensors")
-    record = {"recipe": str(RECIPE.relative_to(ROOT)), "calibration": f"{args.samples}x{args.seq_len} wikitext2 validation",
+    record = {"recipe": str(RECIPE.relative_to(ROOT)),
+              "calibration": f"{args.samples}x{args.seq_len} wikitext2 validation",
               "full_s": full, "killed_after_s": args.kill_at * full, "resumed_s": resumed,
               "resumed_ratio": resumed / full, "killed_at": manifest["reached"], "checkpoint_bytes": stored,
               "sha256": {"full": full_sha, "resumed": resumed_sha}, "identical": full_sha == resumed_sha,

@@ -280,7 +280,7 @@ def git_repository(directory):
     import subprocess
 
     directory.mkdir()
-    git = lambda *a: subprocess.run(["git", *a], cwd=directory, check=True, capture_output=True)  # noqa: E731
+    git = lambda *a: subprocess.run(["git", *a], cwd=directory, check=True, capture_output=True)
     git("init", "-q")
     git("config", "user.email", "t@example.com")
     git("config", "user.name", "t")

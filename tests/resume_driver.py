@@ -9,12 +9,12 @@ Imports torch, transformers and the engine once, then forks one child per run (e
 there (``NAME.ready`` appears), the driver SIGKILLs it, records what it left (``NAME.checkpoint.json``), then
 runs ``then`` (a list of cases, e.g. the ``--resume`` run; ``touch``: a file whose modification time is changed
 first) in order. ``env``: environment of the child (``RECIPE_TEST_AUTO_STREAMS=yes|no`` fixes what
-``stream: auto`` decides). A resumed child records what restoring left in memory (``NAME.restored.json``). The pause points are two test steps in the recipes, active only when the child's
-``RECIPE_TEST_PAUSE`` names them: ``PauseStep`` (model-scope, between steps) and ``PauseInPass`` (inside a
-shared pass, in ``compress_layer`` of layer 2, after layers 0-1 are finished; with ``out of memory on rank R``
-it raises torch's ``OutOfMemoryError`` there instead, on rank R of a data-parallel run), plus ``writing``
-(``save_pretrained`` or the engine's ``write_checkpoint`` has written the checkpoint files into the
-temporary output directory).
+``stream: auto`` decides). A resumed child records what restoring left in memory (``NAME.restored.json``). The
+pause points are two test steps in the recipes, active only when the child's ``RECIPE_TEST_PAUSE`` names them:
+``PauseStep`` (model-scope, between steps) and ``PauseInPass`` (inside a shared pass, in ``compress_layer`` of
+layer 2, after layers 0-1 are finished; with ``out of memory on rank R`` it raises torch's ``OutOfMemoryError``
+there instead, on rank R of a data-parallel run), plus ``writing`` (``save_pretrained`` or the engine's
+``write_checkpoint`` has written the checkpoint files into the temporary output directory).
 """
 from __future__ import annotations
 

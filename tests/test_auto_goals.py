@@ -43,7 +43,8 @@ def test_ratios_and_verdicts_match_a_hand_computation():
     assert main["best"] == best == "ReplaceMe"
     auto_mean = statistics.geometric_mean([29, 52, 8.0])
     assert abs(main["ratio"] - auto_mean / means[best]) < 1e-12
-    assert abs(main["per_source"]["code"][0] - 8.0 / 7.5) < 1e-12 and main["per_source"]["code"][1] == "SLEB + LinearPatch"
+    assert abs(main["per_source"]["code"][0] - 8.0 / 7.5) < 1e-12
+    assert main["per_source"]["code"][1] == "SLEB + LinearPatch"
     assert main["zero_shot"] == (0.39, 0.40)          # 0.39 ≥ 0.40 − 0.015: within one standard error
     assert main["missing"] == []                      # FlattenGPT refused, not missing
     assert main["never_worse"] == (auto_mean <= means[best] and 8.0 / 7.5 <= 1.10)
@@ -61,5 +62,6 @@ def test_identical_rows_on_other_windows_stand_for_the_auto_recipe():
     results = {r["n"]: r for r in auto_goals.compare("toy", model_file())}
     swept = results[4]
     assert swept["alias"] == "ReplaceMe" and swept["best"] == "SLEB"
-    assert abs(swept["ratio"] - statistics.geometric_mean([70, 100, 30]) / statistics.geometric_mean([80, 90, 20])) < 1e-12
+    assert abs(swept["ratio"]
+               - statistics.geometric_mean([70, 100, 30]) / statistics.geometric_mean([80, 90, 20])) < 1e-12
     assert set(swept["missing"]) == {"ShortGPT", "ShortGPT + LinearPatch", "SLEB + LinearPatch", "FlattenGPT"}

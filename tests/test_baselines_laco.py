@@ -48,7 +48,8 @@ def test_accept_all_follows_algorithm_1_and_similarity_matches_reference():
     assert [m["origin"] for m in report["merges"]] == [[5, 6, 7], [3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7]]
     assert session.layer_origin == [(0,), (1, 2, 3, 4, 5, 6, 7)] and model.config.num_hidden_layers == 2
     first = copy.deepcopy(dense)
-    first.model.layers = torch.nn.ModuleList(list(first.model.layers[:5]) + [rdsc_merge(list(dense.model.layers), 5, 2)])
+    first.model.layers = torch.nn.ModuleList(list(first.model.layers[:5])
+                                             + [rdsc_merge(list(dense.model.layers), 5, 2)])
     expected = torch.nn.functional.cosine_similarity(_final_hidden(first, tokens[:2]),
                                                      _final_hidden(dense, tokens[:2]), dim=1).mean()
     assert report["merges"][0]["similarity"] == pytest.approx(float(expected), rel=1e-6)

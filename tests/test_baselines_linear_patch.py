@@ -56,9 +56,9 @@ def test_select_contiguous_removes_the_most_similar_block():
     inputs, outputs = layer_io(copy.deepcopy(model), tokens)
     states = inputs + [outputs[-1]]
     n = 2
-    expected = {l: torch.nn.functional.cosine_similarity(states[l].flatten(1).double(),
-                                                         states[l + n].flatten(1).double(), dim=1).mean().item()
-                for l in range(6 - n + 1)}
+    expected = {layer: torch.nn.functional.cosine_similarity(states[layer].flatten(1).double(),
+                                                             states[layer + n].flatten(1).double(), dim=1).mean().item()
+                for layer in range(6 - n + 1)}
     session = make_session(model, tokens)
     assert contiguous_scores(session, n) == pytest.approx(expected, rel=1e-6)
     report = LinearPatch(select="contiguous", n=n).apply(session)

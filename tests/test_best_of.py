@@ -237,8 +237,8 @@ def test_best_of_frees_each_losing_copy_before_the_next_alternative_copies_the_m
     import weakref
 
     model = tiny_model(num_hidden_layers=5, seed=1)
-    step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"], ["ShortGPT<n:1>", "LinearPatch"]]}},
-                      0)
+    step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"],
+                                                   ["ShortGPT<n:1>", "LinearPatch"]]}}, 0)
     copies, alive_at_copy = [], []
     real_branch = Session.branch
 
@@ -391,7 +391,8 @@ def test_percent_budget_validates_and_runs_like_the_count(tmp_path, name):
     counted = [s.replace("20%", "2") for s in steps]
     assert shape.num_layers == check_against_config(recipe_from_dict(recipe(tmp_path, counted)), config).num_layers == 8
     if name in ("SLEB", "ShortGPT"):
-        _, report = recipe_engine.apply(recipe(tmp_path, steps), model=tiny_model(num_hidden_layers=10, vocab_size=BYTE_VOCAB),
+        _, report = recipe_engine.apply(recipe(tmp_path, steps),
+                                        model=tiny_model(num_hidden_layers=10, vocab_size=BYTE_VOCAB),
                                         tokenizer=byte_tokenizer(), progress=False, write=False)
         assert report.steps[0].params["n"] == 2 and report.after.layers == 8
     tiny = tiny_config(num_hidden_layers=3)
@@ -438,7 +439,8 @@ def test_depth20_auto_validates_on_every_shipped_model_config():
         # Gemma 3 ReplaceMe<fold: auto> (a hook there; folded into down_proj elsewhere)
         exported = check_against_config(load_recipe(str(path), [f"model={model}", "export={format: gguf}"]).recipe,
                                         config)
-        stock = [note.split(": ")[1].split(" would")[0] for note in exported.notes if "would leave a checkpoint that is not stock" in note]
+        stock = [note.split(": ")[1].split(" would")[0] for note in exported.notes
+                 if "would leave a checkpoint that is not stock" in note]
         assert stock == ["LinearPatch", "LinearPatch"] + (["ReplaceMe"] if model == "gemma3-270m" else [])
         assert len(exported.notes) == len(skipped) + len(stock)
 

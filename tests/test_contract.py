@@ -13,7 +13,8 @@ import recipe_engine
 from recipe_engine.recipe.registry import REGISTRY
 from recipe_engine.recipe.schema import dump_recipe, recipe_from_dict
 from recipe_engine.errors import RecipeError
-from tests.helpers import ARCHITECTURES, BYTE_VOCAB, MOE_ARCHITECTURES, CharTokenizer, byte_tokenizer, random_tokens, tiny_model
+from tests.helpers import (ARCHITECTURES, BYTE_VOCAB, MOE_ARCHITECTURES, CharTokenizer, byte_tokenizer, random_tokens,
+                           tiny_model)
 
 TEXT = "Calibration text for the contract tests, repeated to have enough tokens. " * 300
 NAMES = REGISTRY.names()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -96,7 +95,8 @@ def test_two_ranks_equal_one_process(launch, name):
         assert (launch / f"{name}.rank{rank}.rc").read_text() == "0"
     dp, single = load_file(dp_dir / "model.safetensors"), load_file(single_dir / "model.safetensors")
     assert dp.keys() == single.keys()
-    worst = max(float((dp[k].double() - single[k].double()).abs().max() / single[k].double().abs().max().clamp_min(1e-30))
+    worst = max(float((dp[k].double() - single[k].double()).abs().max()
+                      / single[k].double().abs().max().clamp_min(1e-30))
                 for k in single)
     assert worst <= 1e-6
     dp_report, single_report = recipe_engine.load_report(dp_dir), recipe_engine.load_report(single_dir)

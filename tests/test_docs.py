@@ -109,8 +109,8 @@ def test_guide_example_modifier_equals_hf_without_those_layers(tmp_path, drop_la
 
 def test_guide_example_modifier_refuses_a_missing_layer_in_one_line(tmp_path, drop_layers):
     with pytest.raises(RecipeError) as caught:
-        recipe_engine.apply(recipe(tmp_path, [{"DropLayers": {"layers": [6]}}]), model=tiny_model("llama", num_hidden_layers=6),
-                            tokenizer=CharTokenizer(), progress=False)
+        recipe_engine.apply(recipe(tmp_path, [{"DropLayers": {"layers": [6]}}]),
+                            model=tiny_model("llama", num_hidden_layers=6), tokenizer=CharTokenizer(), progress=False)
     message = str(caught.value)
     assert "\n" not in message and "DropLayers" in message and "'layers'" in message and "[6] do not exist" in message
     assert not (tmp_path / "out").exists()

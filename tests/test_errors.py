@@ -73,8 +73,8 @@ def test_unsupported_architecture(tmp_path, capsys):
     path = recipe_file(tmp_path, {**GOOD, "model": str(model_dir), "output": str(tmp_path / "out")})
     code, err = run_cli(capsys, "validate", str(path))
     assert code == 2
-    assert err == (f"error: {path}: unsupported architecture 'gpt2'; supported: gemma3_text, gpt_oss, llama, mistral, mixtral, "
-                   f"phi3, qwen2, qwen2_moe, qwen3, qwen3_moe")
+    assert err == (f"error: {path}: unsupported architecture 'gpt2'; supported: gemma3_text, gpt_oss, llama, mistral, "
+                   f"mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe")
 
 
 def test_missing_recipe_file(capsys):

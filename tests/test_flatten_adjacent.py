@@ -69,7 +69,8 @@ def test_merged_layer_is_the_parallel_sum(model_type, count):
     assert merged.mlp.down_proj.in_features == count * 96
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     if model_type == "qwen2":
-        torch.testing.assert_close(merged.self_attn.k_proj.bias, torch.cat([o.self_attn.k_proj.bias for o in originals]))
+        torch.testing.assert_close(merged.self_attn.k_proj.bias,
+                                   torch.cat([o.self_attn.k_proj.bias for o in originals]))
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])

@@ -28,8 +28,8 @@ def small_text(tmp_path):
 def test_flatten_recipe_writes_a_stock_homogeneous_checkpoint(tmp_path, model_type):
     model = tiny_model(model_type, num_hidden_layers=6)
     out = tmp_path / "out"
-    model, report = recipe_engine.apply(flatten_recipe(out, dataset=small_text(tmp_path)), model=model, tokenizer=CharTokenizer(),
-                                        write=True, progress=False)
+    model, report = recipe_engine.apply(flatten_recipe(out, dataset=small_text(tmp_path)), model=model,
+                                        tokenizer=CharTokenizer(), write=True, progress=False)
     config = model.config
     assert config.num_hidden_layers == 4 == len(model.model.layers)
     for layer in model.model.layers:
@@ -50,11 +50,12 @@ def test_flatten_recipe_writes_a_stock_homogeneous_checkpoint(tmp_path, model_ty
 
 def test_flatten_without_pruning_is_rejected_before_loading(tmp_path):
     with pytest.raises(RecipeError, match="wider than the config"):
-        recipe_engine.apply(flatten_recipe(tmp_path / "o", STEPS[:3], dataset=small_text(tmp_path)), model=tiny_model(num_hidden_layers=6),
-                            tokenizer=CharTokenizer(), write=False, progress=False)
+        recipe_engine.apply(flatten_recipe(tmp_path / "o", STEPS[:3], dataset=small_text(tmp_path)),
+                            model=tiny_model(num_hidden_layers=6), tokenizer=CharTokenizer(), write=False,
+                            progress=False)
     with pytest.raises(RecipeError, match="no layer has more heads than the config"):
-        recipe_engine.apply(flatten_recipe(tmp_path / "o", ["HeadPrune"], dataset=small_text(tmp_path)), model=tiny_model(),
-                            tokenizer=CharTokenizer(), write=False, progress=False)
+        recipe_engine.apply(flatten_recipe(tmp_path / "o", ["HeadPrune"], dataset=small_text(tmp_path)),
+                            model=tiny_model(), tokenizer=CharTokenizer(), write=False, progress=False)
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ from recipe_engine.evaluation.generation_tasks import TASKS, Problem
 from recipe_engine.evaluation.run import retained
 from recipe_engine.evaluation.sandbox import Limits
 from recipe_engine.recipe.schema import EvaluateConfig
-from tests.helpers import ARCHITECTURES, BYTE_VOCAB, byte_tokenizer, forbid_loading, refused_in_one_line, save_tiny_model, tiny_model
+from tests.helpers import (ARCHITECTURES, BYTE_VOCAB, byte_tokenizer, forbid_loading, refused_in_one_line,
+                           save_tiny_model, tiny_model)
 
 
 def greedy_one_by_one(model, tokenizer, prompt: str, new_tokens: int) -> str:

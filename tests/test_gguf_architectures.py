@@ -94,7 +94,8 @@ def test_a_gguf_source_keeps_its_head_width(tmp_path, monkeypatch, arch, head_di
     from recipe_engine.io.models import load_model
 
     monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
-    model, directory = saved(tmp_path, arch, head_dim=head_dim, **({"norm_topk_prob": False} if arch == "qwen2_moe" else {}))
+    model, directory = saved(tmp_path, arch, head_dim=head_dim,
+                             **({"norm_topk_prob": False} if arch == "qwen2_moe" else {}))
     export_gguf(directory, tmp_path / "m.gguf", "f32", name="tiny")
     with pytest.raises(Exception, match="size mismatch|mismatched"):
         read_back(tmp_path / "m.gguf")

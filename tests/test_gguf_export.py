@@ -98,7 +98,8 @@ def test_refusals_are_one_line(tmp_path):
         export_gguf(directory, tmp_path / "a.gguf")
     (directory / "recipe_extras.json").unlink()
     config = json.loads((directory / "config.json").read_text())
-    for change, message in (({"quantization_config": {"quant_method": "compressed-tensors"}}, "not one the engine reads"),
+    for change, message in (({"quantization_config": {"quant_method": "compressed-tensors"}},
+                             "not one the engine reads"),
                             ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
                              "rope scaling"),
                             ({"intermediate_size": 80}, "do not match its config.json .*: mis-shaped 12 tensor")):

@@ -396,5 +396,6 @@ def test_the_whole_run_is_extrapolated_by_what_grows_with_the_layers(tmp_path):
     assert pass_figures(result, 3, 4.0, 0.75)["whole_run_s"] == 40.0  # nothing added: the run itself
 
     save_file({"model.embed_tokens.weight": torch.zeros(100, dtype=torch.bfloat16),
-               "model.layers.0.mlp.weight": torch.zeros(300, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+               "model.layers.0.mlp.weight": torch.zeros(300, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
     assert layer_bytes_share(tmp_path) == 0.75

@@ -25,8 +25,8 @@ from recipe_engine.errors import SourceError
 from recipe_engine.io.checkpoint_reader import CheckpointReader
 from recipe_engine.io.models import load_config, skeleton_model
 from recipe_engine.plan.estimates import shape_bytes
-from tests.helpers import (MOE_ARCHITECTURES, BYTE_VOCAB, CharTokenizer, random_tokens, save_tiny_model, spawn_two_ranks,
-                           tiny_config, tiny_model)
+from tests.helpers import (MOE_ARCHITECTURES, BYTE_VOCAB, CharTokenizer, random_tokens, save_tiny_model,
+                           spawn_two_ranks, tiny_config, tiny_model)
 from tests.test_distributed import assert_same_choices
 
 TEXT = "Mixture-of-experts calibration text, repeated so that every window is full of tokens. " * 200

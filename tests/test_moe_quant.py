@@ -138,7 +138,8 @@ def test_an_unrouted_expert_falls_back_to_rtn_and_says_so(tmp_path):
     # said under the summary table and in the model card, not only in the log and report.json
     total = report.steps[0].result["experts"]["quantized"]
     assert total == 2 * 4 * 2
-    headline = f"{total - len(fallback)} of {total} expert tensors by GPTQ (routed calibration); {len(fallback)} rounded"
+    headline = (f"{total - len(fallback)} of {total} expert tensors by GPTQ (routed calibration); "
+                f"{len(fallback)} rounded")
     assert report.steps[0].result["headline"].startswith(headline)
     assert "fewer than 1 routed tokens" in report.steps[0].result["headline"]
     assert f"step 0 GPTQ: {headline}" in (tmp_path / "out/README.md").read_text()

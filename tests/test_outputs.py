@@ -1,4 +1,5 @@
-"""RunOutputs: a CSV log in the output, appended call by call, carried by branches like any file; files drawn when wanted."""
+"""RunOutputs: a CSV log in the output, appended call by call, carried by branches like any file; files drawn when
+wanted."""
 import csv
 import io
 

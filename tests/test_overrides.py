@@ -86,7 +86,8 @@ def landed(resolved: dict, path: str):
 
 @pytest.mark.parametrize("where, recipe, sets, model", EXAMPLES, ids=[f"{e[0]} {' '.join(e[2])}" for e in EXAMPLES])
 def test_every_documented_override_lands_in_the_resolved_recipe(where, recipe, sets, model, capsys):
-    argv = ["show", str(ROOT / recipe), *(a for s in sets for a in ("--set", s))] + (["--model", model] if model else [])
+    argv = (["show", str(ROOT / recipe), *(a for s in sets for a in ("--set", s))]
+            + (["--model", model] if model else []))
     capsys.readouterr()
     code = main(argv)
     printed = capsys.readouterr()
@@ -130,7 +131,8 @@ def test_a_field_of_a_group_is_set_and_the_groups_other_fields_stay(tmp_path):
     ("modifiers.1.scor.task=humaneval", ("step 1 (BestOf): field 'scor': unknown field; did you mean 'score'?",)),
     ("modifiers.1.refit.x=1", ("step 1 (BestOf): override 'modifiers.1.refit.x=1': parameter 'refit' is not a group "
                                "of fields: set it whole (modifiers.1.refit=VALUE)",)),
-    ("export.formt=gguf", ("override 'export.formt=gguf': unknown path 'export.formt'; did you mean 'export.format'?",)),
+    ("export.formt=gguf", ("override 'export.formt=gguf': unknown path 'export.formt'; did you mean "
+                           "'export.format'?",)),
 ])
 def test_a_misspelled_path_at_any_depth_is_one_line(tmp_path, capsys, assignment, fragments):
     path = write(tmp_path)

@@ -100,13 +100,13 @@ def mutate(data: dict, kind: str, *args) -> bytes:
         return yaml.safe_dump(data, sort_keys=False, allow_unicode=True).encode()
     text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
     if kind == "duplicate":
-        line = next(l for l in text.splitlines() if l.strip().startswith(f"{args[0]}:"))
+        line = next(row for row in text.splitlines() if row.strip().startswith(f"{args[0]}:"))
         indent = line[: len(line) - len(line.lstrip())]
         return (text + f"{indent}{args[0]}: 1\n" if not indent else
                 text.replace(line + "\n", line + "\n" + f"{indent}{args[0]}: 7\n", 1)).encode()
     if kind == "tag":
-        lines = [f"{l.split(':')[0]}: {args[1]}" if l.strip().startswith(f"{args[0]}:") else l
-                 for l in text.splitlines()]
+        lines = [f"{row.split(':')[0]}: {args[1]}" if row.strip().startswith(f"{args[0]}:") else row
+                 for row in text.splitlines()]
         return "\n".join(lines).encode()
     if kind == "encoding":
         return ("# café naïve\n" + text).encode(args[0])

@@ -50,7 +50,8 @@ BAD = {
                         "modifiers.0.n=9"],
               "--output": ["{work}/cal.txt", "/proc/x", "{work}/cal.txt/o", "", "{model}", "{work}/" + "o" * 245],
               "--model": ["", " "]},
-    "sweep": {"--tasks": ["arc_esay", "hellaswga"], "--eval-limit": ["0", "-1"], "--output": ["{work}/cal.txt", "/proc/x"],
+    "sweep": {"--tasks": ["arc_esay", "hellaswga"], "--eval-limit": ["0", "-1"],
+              "--output": ["{work}/cal.txt", "/proc/x"],
               "--set": ["device=mps", "device=cuda", "calibration.samples=0", "calibration.seq_len=257"],
               "--vary": ["n=1,9", "q=1", "n", "modifiers.0.n=1,2"]},
     "export": {"--type": ["q4", ""], "--output": ["{work}", "/proc/x.gguf", "{work}/cal.txt/x.gguf", "",
@@ -95,7 +96,8 @@ def base_argv(command: str, work: Path, tiny: Path, exportable: Path) -> list[st
             "apply": ["apply", str(recipe), "--quiet"],
             "sweep": ["sweep", str(recipe), "--vary", "n=1", "--output", str(work / "sw")],
             "export": ["export", str(exportable), "--format", "gguf", "--output", str(work / "m.gguf")],
-            "eval": ["eval", str(tiny)], "bench": ["bench", str(tiny), "--prefill-tokens", "64", "--gen-tokens", "4"]}[command]
+            "eval": ["eval", str(tiny)],
+            "bench": ["bench", str(tiny), "--prefill-tokens", "64", "--gen-tokens", "4"]}[command]
 
 
 @st.composite

@@ -213,8 +213,8 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
         for target in group:
             linear = layer.get_submodule(target)
             with torch.no_grad():
-                quantized = gptq_quantize(linear.weight, gram, Grid(4, 16, True, torch.float32), act_order=True, damp=0.01,
-                                          block_size=128)
+                quantized = gptq_quantize(linear.weight, gram, Grid(4, 16, True, torch.float32), act_order=True,
+                                          damp=0.01, block_size=128)
                 linear.weight.copy_(quantized.dequantized)
     model, one_pass = tiny_model(), tiny_model()
     # sequential, act_order: the defaults; the reference's scales rounded to the model dtype, as every format

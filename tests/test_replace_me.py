@@ -113,13 +113,13 @@ def test_map_is_lstsq_and_the_fold_is_the_explicit_replaced_model(model_type, sk
     dense = copy.deepcopy(model)
     report = ReplaceMe(n=2, skip_first=skip_first).apply(make_session(model, tokens))
     start = report["start"]
-    m, y, l = seam_rows(dense, tokens, start, 2, skip_first)
+    m, y, target = seam_rows(dense, tokens, start, 2, skip_first)
     assert report["fit"]["tokens"] == 8 * (32 - skip_first) == m.shape[0]
-    transform = torch.linalg.lstsq(m, l - y).solution
+    transform = torch.linalg.lstsq(m, target - y).solution
     # the fit's residual from the moments equals the residual of the lstsq solution
-    assert report["fit"]["fit_error"] == pytest.approx(float((m @ transform + y - l).pow(2).sum()) / m.shape[0],
+    assert report["fit"]["fit_error"] == pytest.approx(float((m @ transform + y - target).pow(2).sum()) / m.shape[0],
                                                        rel=1e-6)
-    assert report["fit"]["drop_error"] == pytest.approx(float((m + y - l).pow(2).sum()) / m.shape[0], rel=1e-6)
+    assert report["fit"]["drop_error"] == pytest.approx(float((m + y - target).pow(2).sum()) / m.shape[0], rel=1e-6)
     assert report["fit"]["relative"] < 1
     # the folded down_proj is Tᵀ W with T from lstsq
     down = dense.model.layers[start - 1].mlp.down_proj.weight.double()
@@ -145,8 +145,8 @@ def branch_rows(model, tokens, start: int, n: int, branch: str, skip_first: int 
         model(tokens)
     for handle in handles:
         handle.remove()
-    m, h, l = (got[key][:, skip_first:].reshape(-1, got[key].shape[-1]).double() for key in ("M", "H", "L"))
-    return m, h - m, l
+    m, h, target = (got[key][:, skip_first:].reshape(-1, got[key].shape[-1]).double() for key in ("M", "H", "L"))
+    return m, h - m, target
 
 
 def identity_block(model, layers: list[int]):
@@ -170,9 +170,9 @@ def test_hook_fold_is_the_explicit_replaced_model(model_type, branch):
     report = ReplaceMe(n=2, fold="hook").apply(make_session(model, tokens))
     start = report["start"]
     assert report["fold"] == "hook" and report["map_on"] == branch
-    m, y, l = branch_rows(dense, tokens, start, 2, branch)
-    transform = torch.linalg.lstsq(m, l - y).solution
-    assert report["fit"]["fit_error"] == pytest.approx(float((m @ transform + y - l).pow(2).sum()) / m.shape[0],
+    m, y, target = branch_rows(dense, tokens, start, 2, branch)
+    transform = torch.linalg.lstsq(m, target - y).solution
+    assert report["fit"]["fit_error"] == pytest.approx(float((m @ transform + y - target).pow(2).sum()) / m.shape[0],
                                                        rel=1e-6)
     assert report["fit"]["relative"] < 1
     reference = identity_block(dense, list(range(start, start + 2)))
@@ -195,11 +195,11 @@ def test_ridge_shrinks_towards_the_plain_drop():
     dense = copy.deepcopy(model)
     report = ReplaceMe(n=1, ridge=0.5).apply(make_session(model, tokens))
     start, lam = report["start"], report["fit"]["ridge"]
-    m, y, l = seam_rows(dense, tokens, start, 1)
+    m, y, target = seam_rows(dense, tokens, start, 1)
     assert lam == pytest.approx(0.5 * float(torch.diagonal(m.T @ m).mean()))
     eye = torch.eye(m.shape[1], dtype=torch.float64)
     transform = torch.linalg.lstsq(torch.cat([m, math.sqrt(lam) * eye]),
-                                   torch.cat([l - y, math.sqrt(lam) * eye])).solution
+                                   torch.cat([target - y, math.sqrt(lam) * eye])).solution
     down = dense.model.layers[start - 1].mlp.down_proj.weight.double()
     torch.testing.assert_close(model.model.layers[start - 1].mlp.down_proj.weight.double(),
                                transform.T @ down, rtol=1e-5, atol=1e-6)
@@ -217,11 +217,11 @@ def test_cosine_objective_lowers_the_cosine_loss_and_is_seeded():
         assert torch.equal(a, b)
     # the reported cosine loss is the one of the folded model's MLP output against the target
     start = report["start"]
-    m, y, l = seam_rows(model, tokens, start, 2)
+    m, y, target = seam_rows(model, tokens, start, 2)
     folded = first.model.layers[start - 1].mlp.down_proj.weight.detach().double()
     original = model.model.layers[start - 1].mlp.down_proj.weight.detach().double()
     transform = torch.linalg.lstsq(original.T, folded.T).solution
-    loss = 1 - torch.nn.functional.cosine_similarity(m @ transform, l - y, dim=-1).mean()
+    loss = 1 - torch.nn.functional.cosine_similarity(m @ transform, target - y, dim=-1).mean()
     assert float(loss) == pytest.approx(fit["cosine_loss"], rel=1e-4)
 
 

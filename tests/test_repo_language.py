@@ -71,4 +71,5 @@ def test_no_tracked_file_names_tracker_items_or_numbered_rounds_of_work():
                  if WORK_WORDS.search(line)]
         if WORK_WORDS.search(relative):
             hits.append(f"{relative}: file name")
-    assert not hits, f"{len(hits)} lines name a tracker item or a numbered session/round of work:\n" + "\n".join(hits[:60])
+    assert not hits, (f"{len(hits)} lines name a tracker item or a numbered session/round of work:\n"
+                      + "\n".join(hits[:60]))

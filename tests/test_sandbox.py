@@ -205,7 +205,8 @@ def test_the_memory_limit_covers_every_process_of_the_program():
     source = ("import os, time\nheld = 0\nfor _ in range(3):\n    try:\n        pid = os.fork()\n"
               "    except OSError as e:\n        print('fork refused', e)\n        break\n    if pid == 0:\n"
               "        block = bytearray(200 << 20)\n        for i in range(0, len(block), 4096):\n"
-              "            block[i] = 1\n        print('held', flush=True)\n        time.sleep(3)\n        os._exit(0)\n"
+              "            block[i] = 1\n        print('held', flush=True)\n"
+              "        time.sleep(3)\n        os._exit(0)\n"
               "time.sleep(4)\n")
     outcome = run_program(source, Limits(memory_bytes=256 << 20, wall_s=15, processes=8))
     assert outcome.stdout.count("held") < 2, outcome
@@ -295,7 +296,8 @@ def sandbox_processes() -> set[int]:
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "term", "kill"])
 def test_no_process_of_the_program_outlives_the_engine(tmp_path, how):
     before = sandbox_processes()
-    driver = ("import sys, time\nsys.path.insert(0, %r)\nfrom recipe_engine.evaluation.sandbox import Limits, run_program\n"
+    driver = ("import sys, time\nsys.path.insert(0, %r)\n"
+              "from recipe_engine.evaluation.sandbox import Limits, run_program\n"
               "print('engine', flush=True)\nrun_program('import os, time\\ntry:\\n    os.fork()\\nexcept OSError:\\n"
               "    pass\\ntime.sleep(60)', Limits(wall_s=60, cpu_s=60))\n" % str(REPO))
     engine = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
@@ -327,7 +329,8 @@ def test_an_unknown_mode_name_is_refused(monkeypatch):
 
 AUDIT_ESCAPES = {
     "the guard's helper is not in the program's globals": "_inside = lambda p: True\nopen('/tmp/../%s/x', 'w')",
-    "a write through dir_fd": "import os\nfd = os.open('%s', os.O_RDONLY)\nos.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+    "a write through dir_fd": ("import os\nfd = os.open('%s', os.O_RDONLY)\n"
+                               "os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=fd)"),
     "a delete through dir_fd": "import os\nos.remove('canary', dir_fd=os.open('%s', os.O_RDONLY))",
     "a hard link": "import os\nos.link('%s/canary', 'mine')",
     "a directory": "import os\nos.mkdir('%s/new')",

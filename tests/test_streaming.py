@@ -377,7 +377,8 @@ def test_a_failed_write_behind_the_packing_is_raised(tmp_path, monkeypatch):
 @pytest.mark.parametrize("model_type, tied", [("llama", False), ("qwen2", True)])
 def test_memory_estimate_terms_match_the_model(tmp_path, model_type, tied):
     """The estimate's model size equals the parameters HF builds (× dtype bytes); NystromMLP's working memory
-    is its fp64 Gram of the merged width (factored in place) and the refit's kept-width system; the streamed peak is far below the in-memory one."""
+    is its fp64 Gram of the merged width (factored in place) and the refit's kept-width system; the streamed peak
+    is far below the in-memory one."""
     from recipe_engine.plan.estimates import estimate
     from recipe_engine.recipe.schema import recipe_from_dict
     from tests.helpers import tiny_config
@@ -511,7 +512,8 @@ def test_memory_estimate_with_the_activations_on_a_device(tmp_path, capsys, stre
     saved_model(model_dir)
     for where, shown in (("cuda", True), ("cpu", False)):
         path = tmp_path / f"{where}.yaml"
-        path.write_text(yaml.safe_dump({**recipe(tmp_path, model_dir, ["FlattenAdjacent<n:2>"], "off", where), "device": where}))
+        path.write_text(yaml.safe_dump({**recipe(tmp_path, model_dir, ["FlattenAdjacent<n:2>"], "off", where),
+                                        "device": where}))
         assert main(["plan", str(path), "--json"]) == 0
         memory = json.loads(capsys.readouterr().out)["memory"]
         assert ("accelerator" in memory) == shown

@@ -139,7 +139,8 @@ def test_kept_kv_groups_and_o_proj_are_the_brute_force_ridge_best():
         torch.testing.assert_close(layer.self_attn.o_proj.weight.double(), fits[best][0], rtol=1e-4, atol=1e-5)
         kv = torch.arange(best * HEAD_DIM, (best + 1) * HEAD_DIM)
         for name, rows in (("q_proj", channels(best)), ("k_proj", kv), ("v_proj", kv)):
-            torch.testing.assert_close(getattr(layer.self_attn, name).weight, getattr(source.self_attn, name).weight[rows])
+            torch.testing.assert_close(getattr(layer.self_attn, name).weight,
+                                       getattr(source.self_attn, name).weight[rows])
             torch.testing.assert_close(getattr(layer.self_attn, name).bias, getattr(source.self_attn, name).bias[rows])
         for name in ("gate_proj", "up_proj", "down_proj"):
             assert torch.equal(getattr(layer.mlp, name).weight, getattr(source.mlp, name).weight)
@@ -160,7 +161,8 @@ def test_output_is_a_stock_checkpoint_with_the_engines_logits(tmp_path):
     torch.manual_seed(0)
     config = Qwen2Config(**{k: v for k, v in TINY.items() if k != "head_dim"})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    result, report = recipe_engine.apply(calibration_recipe(tmp_path, ["WidthPrune<kv_groups_keep:1,intermediate_size:40>"]),
+    result, report = recipe_engine.apply(calibration_recipe(tmp_path,
+                                                            ["WidthPrune<kv_groups_keep:1,intermediate_size:40>"]),
                                          model=model, tokenizer=CharTokenizer(), progress=False)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens = random_tokens()
@@ -170,8 +172,10 @@ def test_output_is_a_stock_checkpoint_with_the_engines_logits(tmp_path):
     assert (saved["intermediate_size"], saved["num_attention_heads"], saved["num_key_value_heads"],
             saved["head_dim"]) == (40, 2, 1, HEAD_DIM)
     shapes = {name: tuple(p.shape) for name, p in reloaded.model.layers[3].named_parameters()}
-    assert shapes["self_attn.q_proj.weight"] == (2 * HEAD_DIM, HIDDEN) and shapes["self_attn.k_proj.bias"] == (HEAD_DIM,)
-    assert shapes["self_attn.o_proj.weight"] == (HIDDEN, 2 * HEAD_DIM) and shapes["mlp.down_proj.weight"] == (HIDDEN, 40)
+    assert shapes["self_attn.q_proj.weight"] == (2 * HEAD_DIM, HIDDEN)
+    assert shapes["self_attn.k_proj.bias"] == (HEAD_DIM,)
+    assert shapes["self_attn.o_proj.weight"] == (HIDDEN, 2 * HEAD_DIM)
+    assert shapes["mlp.down_proj.weight"] == (HIDDEN, 40)
     assert report.stock_checkpoint and report.after.parameters == sum(p.numel() for p in reloaded.parameters())
 
 
