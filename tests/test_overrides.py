@@ -45,7 +45,7 @@ def examples() -> list[tuple[str, str, list[str], str | None]]:
     found = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         for line, command in commands(page.read_text(encoding="utf-8")):
-            if "--set" not in command:
+            if "--set" not in command or command.startswith("error:"):  # a quoted error message is no example
                 continue
             words = shlex.split(command, comments=True)
             sets = [value for flag, value in zip(words, words[1:]) if flag == "--set" and not PLACEHOLDER.search(value)]
