@@ -26,6 +26,7 @@ CONTEXT = {
     "modifiers.2.lambda_scale=5": "recipes/flatten20_smollm2.yaml",            # its step 2 is HeadPrune
     "modifiers.1.n=4": "recipes/flatten20_smollm2.yaml",                       # getting started's recipe
     "calibration.samples=64": "recipes/flatten20_smollm2.yaml",
+    "evaluate.allow_code_execution=true": "recipes/flatten20_smollm2.yaml",  # errors.md: the opt-in of apply
 }
 
 
