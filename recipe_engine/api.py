@@ -28,6 +28,8 @@ modifiers.
 * Transforms: :func:`rotation` (Hadamard / orthogonal), :class:`Grid` (the quantization grid),
   :func:`fold_norm_into` (norm folding), :func:`top_k_kl` (top-k distillation loss).
 * Generation: :func:`heldout_failures` (a generation task's last problems, one loss per problem: 1 − passed),
+  :func:`heldout_reference` and :func:`heldout_agreement` (a candidate's NLL of the original model's
+  completions of them, one forward per problem),
   :func:`check_scoring_task` (the task exists, its rows are installed, the opt-in to execute code).
 * Data: :func:`load_text`, :func:`check_text` (a source's pre-flight), :func:`tokenize`; the fit / score split
   of the calibration windows (:func:`heldout_split`, :class:`WindowSplit`).
@@ -40,6 +42,7 @@ modifiers.
 from .architectures.adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, install_linear, replace_linear, roles_problem
 from .architectures.shape import LayerShape, ModelShape
 from .errors import RecipeError
+from .evaluation.agreement import heldout_agreement, heldout_reference
 from .evaluation.generation import check_scoring_task, heldout_failures
 from .execution.activations import Activations, keep as keep_activations, load as load_activations
 from .execution.memo import SharedWork
@@ -66,7 +69,8 @@ from .recipe.schema import parse_step, step_to_dict
 from .recipe.split import SCORE_FRACTION, WindowSplit, heldout_split
 from .recipe.validate import check_steps
 
-__all__ = ["check_scoring_task", "heldout_failures", "kept_original_sets", "LayerBudget", "budget_field", "SharedWork",
+__all__ = ["check_scoring_task", "heldout_failures", "heldout_agreement", "heldout_reference", "kept_original_sets",
+           "LayerBudget", "budget_field", "SharedWork",
            "steps_passes", "parse_step", "step_to_dict", "SCORE_FRACTION", "calibration_nll_bytes", "WindowSplit",
            "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear",
            "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier",

@@ -23,7 +23,7 @@ from recipe_engine.architectures.shape import ModelShape
 from recipe_engine.recipe.split import heldout_split
 from recipe_engine.plan.preflight import check_against_config
 from tests.baselines_helpers import make_session
-from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, tiny_config, tiny_model
+from tests.helpers import BYTE_VOCAB, byte_tokenizer, random_tokens, run_pass, tiny_config, tiny_model
 
 
 # -- the split ---------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def pruned_candidate_nll(original, blocks, fit_tokens, score_tokens) -> float:
     session.set_layers([merge_layers([layers[i] for i in b], session.adapter) if len(b) > 1 else layers[b[0]]
                         for b in blocks], [tuple(b) for b in blocks], [b[0] for b in blocks])
     if any(len(b) > 1 for b in blocks):
-        session.run_layer_modifiers([HeadPrune(), NystromMLP(criterion="energy", target="merged")])
+        run_pass(session, [HeadPrune(), NystromMLP(criterion="energy", target="merged")])
     with torch.no_grad():
         return float(model(score_tokens, labels=score_tokens).loss)
 
@@ -506,3 +506,30 @@ def test_best_of_scoring_by_humaneval_needs_the_opt_in(monkeypatch):
     with pytest.raises(RecipeError, match="no generation task 'humaneva'"):
         parse_step({"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"]],
                                "score": {"task": "humaneva"}}}, 0).check_sources()
+
+
+def test_best_of_scores_by_agreement_with_the_original_models_completions(monkeypatch):
+    """``score.by: agreement``: the original model writes the held-out problems' completions once; each
+    alternative's score is its NLL of them (recomputed here on the kept model), nothing is executed (no opt-in),
+    and the lowest wins."""
+    from recipe_engine.evaluation.agreement import completion_scores, heldout_reference
+    from recipe_engine.modifiers import best_of
+
+    monkeypatch.delenv("RECIPE_ALLOW_CODE_EVAL", raising=False)
+    model, tokenizer = tiny_model(vocab_size=BYTE_VOCAB, num_hidden_layers=6, seed=1), byte_tokenizer()
+    reference = heldout_reference(copy.deepcopy(model), tokenizer, "humaneval", 2, 6, 8, "cpu")
+    generated = []
+    monkeypatch.setattr(best_of, "heldout_reference", lambda *a, **k: generated.append(1) or reference)
+    step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:2>"], ["SLEB<n:2>"]], "refit": False, "score": {
+        "task": "humaneval", "by": "agreement", "problems": 2, "max_new_tokens": 6}}}, 0)
+    step.check_sources()  # no opt-in needed: nothing runs
+    session = make_session(model, random_tokens(8, 32, vocab=BYTE_VOCAB, seed=2), tokenizer=tokenizer)
+    report = step.apply(session)
+    assert generated == [1]
+    scores = [record["agreement_nll"] for record in report["alternatives"]]
+    assert report["lowest"] == report["chosen"] == scores.index(min(scores))
+    for record in report["alternatives"]:
+        assert record["problems"] == ["HumanEval/162", "HumanEval/163"] and len(record["problem_nlls"]) == 2
+    kept = completion_scores(session.model, tokenizer, reference, "cpu")
+    assert kept["nll"] == pytest.approx(min(scores), rel=1e-6)
+    assert f"NLL {min(scores):.4f} of the original model's completions of the last 2 humaneval" in report["headline"]

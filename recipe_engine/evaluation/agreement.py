@@ -98,3 +98,21 @@ def completion_scores(model, tokenizer, completions: list[tuple[str, str, str]],
     return {"nll": math.fsum(total_nll) / total_tokens, "token_agreement": total_agree / total_tokens,
             "tokens": total_tokens, "problems": len(completions), "seconds": time.perf_counter() - start,
             "per_problem": per_problem}
+
+
+def heldout_reference(model, tokenizer, name: str, count: int, max_new_tokens: int, batch_size: int, device,
+                      progress=None) -> list[tuple[str, str, str]]:
+    """The reference ``model``'s completions of the task's last ``count`` problems (held out from an evaluation
+    of its first ones), for scoring candidates by :func:`heldout_agreement`."""
+    return reference_completions(model, tokenizer, name, TASKS[name].problems()[-count:], max_new_tokens,
+                                 batch_size, device, progress)
+
+
+def heldout_agreement(model, tokenizer, completions: list[tuple[str, str, str]], device,
+                      progress=None) -> tuple[dict, list[float]]:
+    """The candidate's agreement record (:func:`completion_scores`) and one loss per problem with tokens: its
+    mean NLL of that problem's reference completion (lower is better)."""
+    scores = completion_scores(model, tokenizer, completions, device, progress, "held-out agreement")
+    losses = [scores["per_problem"][pid]["nll"] for pid, _, _ in completions
+              if scores["per_problem"][pid]["tokens"]]
+    return scores, losses

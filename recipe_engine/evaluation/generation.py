@@ -197,13 +197,16 @@ def heldout_failures(model, tokenizer, name: str, count: int, max_new_tokens: in
     return [p.id for p in chosen], [0.0 if task.score(p, c, Limits()) else 1.0 for p, c in zip(chosen, completions)]
 
 
-def check_scoring_task(name: str, allowed: bool, field: str = "allow_code_execution") -> None:
-    """A task a step scores by: a generation task, installed, with the opt-in when it executes code: the
-    step's parameter ``field`` (its path in the step, ``score.allow_code_execution``; in the recipe or by
-    ``--set modifiers.<step>.FIELD=true``) or ``$RECIPE_ALLOW_CODE_EVAL=1``."""
+def check_scoring_task(name: str, allowed: bool, field: str = "allow_code_execution", executes: bool = True) -> None:
+    """A task a step scores by: a generation task, installed, with the opt-in when it executes code (and the
+    score runs it: ``executes``): the step's parameter ``field`` (its path in the step,
+    ``score.allow_code_execution``; in the recipe or by ``--set modifiers.<step>.FIELD=true``) or
+    ``$RECIPE_ALLOW_CODE_EVAL=1``."""
     if name not in TASKS:
         raise RecipeError(f"no generation task '{name}' (generation tasks: {', '.join(TASKS)})")
     TASKS[name].path()
+    if not executes:
+        return
     if TASKS[name].executes_code and not allowed and os.environ.get(CODE_EVAL_ENV, "").strip() != "1":
         raise RecipeError(f"task {name} executes model-written code: set {field}: true in this step (or --set "
                           f"modifiers.<step>.{field}=true), or {CODE_EVAL_ENV}=1, to run it in the sandbox "

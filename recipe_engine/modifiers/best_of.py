@@ -11,8 +11,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, calibration_nll_bytes,
-                               check_scoring_task, check_steps, heldout_failures, heldout_split, kept_original_sets,
-                               parse_step, register, step_to_dict, steps_passes)
+                               check_scoring_task, check_steps, heldout_agreement, heldout_failures, heldout_reference,
+                               heldout_split, kept_original_sets, parse_step, register, step_to_dict, steps_passes)
 
 
 class HeldoutScore(BaseModel):
@@ -29,12 +29,24 @@ class HeldoutScore(BaseModel):
         0.0, ge=0, description="choose the first listed alternative whose score is within this many paired "
                                "standard errors of the lowest (1: the one-standard-error rule, alternatives "
                                "listed from the least fitted); 0: the lowest score")
-    task: str | None = Field(None, description="a generation task (humaneval, gsm8k): score by the failures on "
-                                               "its last `problems` problems instead of the score windows' NLL")
+    task: str | None = Field(None, description="a generation task (humaneval, gsm8k): score on its last "
+                                               "`problems` problems (see `by`) instead of the score windows' NLL")
+    by: Literal["pass", "agreement"] = Field("pass", description=(
+        "task: pass (each alternative generates; its failures, code run in the sandbox) or agreement (the "
+        "original model generates once; each alternative's NLL of those completions, one forward per problem, "
+        "nothing run)"))
     problems: int = Field(20, ge=2, description="task: how many of its last problems score each alternative")
     max_new_tokens: int = Field(300, ge=1, description="task: tokens generated per problem at most")
     allow_code_execution: bool = Field(False, description="task: run model-written code (humaneval) in the "
                                                           "sandbox (or RECIPE_ALLOW_CODE_EVAL=1)")
+
+    @property
+    def measure(self) -> tuple[str, str, str]:
+        """The record keys of the score and of its per-unit losses, and the score's unit."""
+        if self.task is None:
+            return "nll", "window_nlls", "nats"
+        return ("failure_rate", "failures", "failure rate") if self.by == "pass" else \
+            ("agreement_nll", "problem_nlls", "nats")
 
 
 def describe(steps: list[Modifier]) -> str:
@@ -224,7 +236,8 @@ class BestOf(Modifier):
     def check_sources(self) -> None:
         if self.score.task is not None:
             try:
-                check_scoring_task(self.score.task, self.score.allow_code_execution, "score.allow_code_execution")
+                check_scoring_task(self.score.task, self.score.allow_code_execution, "score.allow_code_execution",
+                                   executes=self.score.by == "pass")
             except RecipeError as exc:
                 raise self.fail(exc.detail, field="score.task") from None
         for a, steps in enumerate(self.alternatives):
@@ -333,13 +346,18 @@ class BestOf(Modifier):
         """One line: what was chosen, its score and its margin (apply's summary prints it under its table)."""
         def margin(m: dict[str, Any]) -> str:
             error = m["standard_error"]
-            unit = "nats" if self.score.task is None else "failure rate"
+            unit = self.score.measure[2]
             return f"{m['nats']:.4f} {unit}" + ("" if error is None else f" (paired standard error {error:.4f})")
 
-        line = (f"chose alternative {chosen} {records[chosen]['steps']}, score-window NLL {records[chosen]['nll']:.4f}"
-                if self.score.task is None else f"chose alternative {chosen} {records[chosen]['steps']}, "
-                f"{self.score.task} pass rate {records[chosen]['pass_rate']:.4f} "
-                f"on its last {self.score.problems} problems")
+        line = f"chose alternative {chosen} {records[chosen]['steps']}, "
+        if self.score.task is None:
+            line += f"score-window NLL {records[chosen]['nll']:.4f}"
+        elif self.score.by == "pass":
+            line += (f"{self.score.task} pass rate {records[chosen]['pass_rate']:.4f} on its last "
+                     f"{self.score.problems} problems")
+        else:
+            line += (f"NLL {records[chosen]['agreement_nll']:.4f} of the original model's completions of the last "
+                     f"{self.score.problems} {self.score.task} problems")
         if chosen != lowest:
             return (line + f", {margin(records[chosen]['margin'])} above the lowest, alternative {lowest} "
                     f"{records[lowest]['steps']}: within {self.score.prefer_earlier_within:g} standard "
@@ -354,13 +372,25 @@ class BestOf(Modifier):
 
     def _tied(self, records: list[dict[str, Any]], chosen: int) -> list[int]:
         """The other scored alternatives whose score equals the chosen one's (held-out NLL or failure rate)."""
-        key = "nll" if self.score.task is None else "failure_rate"
+        key = self.score.measure[0]
         return [r["alternative"] for r in records
                 if key in r and r["alternative"] != chosen and r[key] == records[chosen][key]]
 
-    def _score(self, session, branch, scored, memo: SharedWork, record: dict[str, Any]) -> float:
+    def _reference(self, session) -> list[tuple[str, str, str]] | None:
+        """``score.by: agreement``: the original model's completions of the held-out problems, generated once."""
+        if self.score.task is None or self.score.by != "agreement":
+            return None
+        session.model.to(session.device)
+        try:
+            return heldout_reference(session.model, session.tokenizer, self.score.task, self.score.problems,
+                                     self.score.max_new_tokens, 8, session.device, session.progress)
+        finally:
+            session.model.to(session.storage)
+
+    def _score(self, session, branch, scored, memo: SharedWork, record: dict[str, Any], reference) -> float:
         """The alternative's score (lower is better), recorded: the score windows' mean NLL, or with
-        ``score.task`` its failure rate on the task's last ``problems`` problems (greedy, as ``recipe eval``)."""
+        ``score.task`` its failure rate on the task's last ``problems`` problems (greedy, as ``recipe eval``),
+        or (``by: agreement``) its mean NLL of the original model's completions of them."""
         if self.score.task is None:
             windows = branch.branch(scored, copy=False, memo=memo).calibration_nll(per_window=True)
             nll = math.fsum(windows) / len(windows)
@@ -368,6 +398,12 @@ class BestOf(Modifier):
             return nll
         branch.model.to(session.device)
         try:
+            if reference is not None:
+                scores, losses = heldout_agreement(branch.model, branch.tokenizer, reference, session.device,
+                                                   session.progress)
+                record.update(agreement_nll=scores["nll"], token_agreement=scores["token_agreement"],
+                              problem_nlls=losses, problems=[pid for pid, _, _ in reference])
+                return scores["nll"]
             ids, failures = heldout_failures(branch.model, branch.tokenizer, self.score.task, self.score.problems,
                                              self.score.max_new_tokens, 8, session.device, session.progress)
         finally:
@@ -384,6 +420,7 @@ class BestOf(Modifier):
         records: list[dict[str, Any]] = []
         best, best_nll = None, math.inf
         repeats = self._repeats()
+        reference = self._reference(session)
         for a, steps in enumerate(self.alternatives):
             record: dict[str, Any] = {"alternative": a, "steps": describe(steps)}
             records.append(record)
@@ -397,7 +434,7 @@ class BestOf(Modifier):
             session.progress.log(f"BestOf: alternative {a} {describe(steps)} on {len(split.fit)} fit windows")
             branch = session.branch(fit, steps, memo=fit_memo)
             record["records"] = branch.records
-            nll = self._score(session, branch, scored, score_memo, record)
+            nll = self._score(session, branch, scored, score_memo, record, reference)
             record.update(wall_s=time.perf_counter() - started, calibration_passes=session.passes.value - passes,
                           layers=len(branch.layers))
             if nll < best_nll:
@@ -405,7 +442,7 @@ class BestOf(Modifier):
             branch = None  # a losing copy is freed before the next alternative copies the model
             gc.collect()  # a session's hooks and closures can form reference cycles: free the copy now
         lowest, branch = best
-        runner_up = paired_margins(records, lowest, "window_nlls" if self.score.task is None else "failures")
+        runner_up = paired_margins(records, lowest, self.score.measure[1])
         chosen = self._choose(records, lowest)
         tied = self._tied(records, chosen)
         headline = self._headline(records, lowest, chosen, runner_up, tied)
@@ -432,6 +469,7 @@ class BestOf(Modifier):
                 "alternatives": records, "lowest": lowest, "chosen": chosen,
                 "chosen_steps": describe(self.alternatives[chosen]), "nll": records[chosen].get("nll"),
                 "ppl": records[chosen].get("ppl"), "pass_rate": records[chosen].get("pass_rate"),
+                "agreement_nll": records[chosen].get("agreement_nll"),
                 "runner_up": runner_up, "tied": tied, "headline": headline,
                 "refit": refit, "shared_work": shared,
                 "layers": len(session.layers)}
