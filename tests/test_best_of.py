@@ -533,3 +533,46 @@ def test_best_of_scores_by_agreement_with_the_original_models_completions(monkey
     kept = completion_scores(session.model, tokenizer, reference, "cpu")
     assert kept["nll"] == pytest.approx(min(scores), rel=1e-6)
     assert f"NLL {min(scores):.4f} of the original model's completions of the last 2 humaneval" in report["headline"]
+
+
+def decoder_parameters(model) -> int:
+    """Parameters of the decoder layers, counted on the model itself (the budget's independent reference)."""
+    return sum(p.numel() for p in model.model.layers.parameters())
+
+
+def test_a_budget_refuses_what_is_over_it_and_lets_sizes_differ(tmp_path):
+    """``budget.parameters: 70%`` on six layers: one layer cut (83 %) is refused with its figures, two layers
+    cut and a width cut (different shapes) both run; each alternative's recorded size equals the parameters
+    of the model it leaves, counted on the model."""
+    model = tiny_model(num_hidden_layers=6, vocab_size=BYTE_VOCAB)
+    before = decoder_parameters(model)
+    alternatives = [["ShortGPT<n:1>"], ["ShortGPT<n:2>"], ["WidthPrune<intermediate_size:48,kv_groups_keep:1>"]]
+    steps = [{"BestOf": {"budget": {"parameters": "70%"}, "alternatives": alternatives, "refit": False}}]
+    kept, report = recipe_engine.apply(recipe(tmp_path, steps), model=model, tokenizer=byte_tokenizer(),
+                                       write=False, progress=False)
+    result = report.steps[0].result
+    refused = result["alternatives"][0]["refused"]
+    assert refused.startswith("over the budget: ") and "(83.33 %)" in refused and "(70%)" in refused
+    assert result["budget"] == {"parameters": "70%"}
+    for record in result["alternatives"][1:]:
+        assert record["bits_per_weight"] == 32.0 and record["share_of_parameters"] <= 0.7
+    chosen = result["alternatives"][result["chosen"]]
+    assert chosen["decoder_parameters"] == decoder_parameters(kept)
+    assert chosen["share_of_parameters"] == pytest.approx(decoder_parameters(kept) / before)
+    sizes = {r["decoder_parameters"] for r in result["alternatives"][1:]}
+    assert len(sizes) == 2  # different shapes, allowed under a budget
+
+
+def test_a_step_after_a_budgeted_choice_of_different_shapes_is_refused(tmp_path):
+    steps = [{"BestOf": {"budget": {"parameters": "70%"}, "alternatives": [
+        ["ShortGPT<n:2>"], ["WidthPrune<intermediate_size:48,kv_groups_keep:1>"]]}}, "GPTQ<bits:4,group_size:16>"]
+    config = tiny_config(num_hidden_layers=6, vocab_size=BYTE_VOCAB)
+    with pytest.raises(RecipeError, match="comes after BestOf .under its budget., whose alternatives leave models "
+                                          "of different sizes") as caught:
+        check_against_config(recipe_from_dict(recipe(tmp_path, steps)), config)
+    assert "\n" not in str(caught.value) and "step 1" in str(caught.value)
+    for wrong, why in [("120%", "parameter count or a percentage"), ("0", "parameter count or a percentage"),
+                       ("x%", "parameter count or a percentage"), (True, "got the boolean true")]:
+        with pytest.raises(RecipeError, match=why):
+            parse_step({"BestOf": {"budget": {"parameters": wrong}, "alternatives": [["ShortGPT<n:1>"],
+                                                                                       ["SLEB<n:1>"]]}}, 0)

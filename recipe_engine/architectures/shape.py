@@ -46,6 +46,12 @@ class ModelShape:
     pinned: str | None = None
     #: The step that quantized the weights (``Modifier.quantizes``); a later weight change is an error.
     quantized_by: str | None = None
+    #: A step that chooses at run time between alternatives leaving different shapes (``BestOf`` under a
+    #: budget); no step may follow it, as its shape is not known before the run.
+    chosen_by: str | None = None
+    #: Average stored bits per weight of the decoder's linears once a quantizing step has run (codes, scales and
+    #: zero points as written); None: unquantized (the dtype's bits).
+    linear_bits: float | None = None
     #: Whether the run streams its weights (memory estimates: streamed steps may spill to scratch files).
     streamed: bool = False
     #: Bytes per value of the run's weights and activations (the recipe's ``dtype``; memory estimates).

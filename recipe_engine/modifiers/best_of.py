@@ -49,6 +49,59 @@ class HeldoutScore(BaseModel):
             ("agreement_nll", "problem_nlls", "nats")
 
 
+class SizeBudget(BaseModel):
+    """The size every alternative must fit: an alternative over it is refused (``refused``), with its figures.
+    With a budget the alternatives may leave different shapes (depth, width, bits), so no step may follow."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    parameters: int | str | None = Field(None, description=(
+        "decoder-layer parameters at most: a count, or a percentage of those of the model the step receives "
+        "(80%: the size of a 20 % depth cut)"))
+    bits_per_weight: float | None = Field(None, gt=0, le=32, description=(
+        "average stored bits per weight of the decoder's linears at most: codes, scales and zero points as "
+        "written; an unquantized weight counts its dtype's bits"))
+
+    @field_validator("parameters")
+    @classmethod
+    def _count_or_percent(cls, value: int | str | None) -> int | str | None:
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            return value
+        if isinstance(value, str) and value.endswith("%") and _positive_float(value[:-1]) \
+                and float(value[:-1]) <= 100:
+            return value
+        raise ValueError(f"expected a parameter count or a percentage such as 80%, got {value!r}")
+
+    def parameter_limit(self, received: int) -> int | None:
+        if isinstance(self.parameters, str):
+            return math.floor(float(self.parameters[:-1]) / 100 * received)
+        return self.parameters
+
+    def sizes(self, received, final) -> dict[str, Any]:
+        """The alternative's decoder-layer parameters, their share of the received model's and its bits/weight."""
+        parameters, before = _layer_parameters(final), _layer_parameters(received)
+        bits = final.linear_bits if final.linear_bits is not None else 8.0 * final.dtype_bytes
+        return {"decoder_parameters": parameters, "share_of_parameters": parameters / before, "bits_per_weight": bits}
+
+    def problem(self, received, final) -> str | None:
+        """Why ``final`` (an alternative's shape) is over the budget, or None."""
+        sizes, limit = self.sizes(received, final), self.parameter_limit(_layer_parameters(received))
+        over = []
+        if limit is not None and sizes["decoder_parameters"] > limit:
+            over.append(f"{sizes['decoder_parameters']:,} decoder-layer parameters "
+                        f"({100 * sizes['share_of_parameters']:.2f} %) > {limit:,} ({self.parameters})")
+        if self.bits_per_weight is not None and sizes["bits_per_weight"] > self.bits_per_weight + 1e-9:
+            over.append(f"{sizes['bits_per_weight']:.3f} bits per weight > {self.bits_per_weight:g}")
+        return f"over the budget: {'; '.join(over)}" if over else None
+
+
+def _positive_float(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
 def describe(steps: list[Modifier]) -> str:
     """``[SLEB<n:6>, LinearPatch]``: an alternative in the compact step syntax (non-default parameters)."""
     def one(step: Modifier) -> str:
@@ -137,6 +190,9 @@ class BestOf(Modifier):
                                                                  "validation: skip it (reason recorded) or fail")
     refit: bool = Field(True, description="run the chosen alternative again on all calibration windows (the "
                                           "score windows only choose); false keeps its fit-window model")
+    budget: SizeBudget | None = Field(None, description=(
+        "the size every alternative must fit (decoder parameters, bits per weight); over it: refused. With a "
+        "budget the alternatives may differ in size (depth, width, bits) and the step must be the last"))
 
     example = ("BestOf<alternatives:[[ShortGPT<n:1>],[SLEB<n:1>]]>",)
 
@@ -190,12 +246,20 @@ class BestOf(Modifier):
                     raise self.fail(f"alternative {a} {describe(steps)}: {exc}", field=f"alternatives.{a}") from None
                 outcomes.append((None, str(exc)))
                 continue
+            over = self.budget.problem(shape, trial) if self.budget is not None else None
+            if over is not None:
+                if self.refused == "fail":
+                    raise self.fail(f"alternative {a} {describe(steps)}: {over}", field=f"alternatives.{a}")
+                outcomes.append((None, over))
+                continue
             outcomes.append((trial, None))
         if all(final is None for final, _ in outcomes):
             raise self.fail("every alternative is refused: " + "; ".join(
                 f"alternative {a}: {why}" for a, (_, why) in enumerate(outcomes)), field="alternatives")
         first = next(a for a, (final, _) in enumerate(outcomes) if final is not None)
         reference = outcomes[first][0]
+        if self.budget is not None:  # sizes may differ: the budget bounds them
+            return outcomes
         for a, (final, _) in enumerate(outcomes):
             if final is not None and (final.num_layers, _layer_parameters(final)) != \
                     (reference.num_layers, _layer_parameters(reference)):
@@ -227,6 +291,11 @@ class BestOf(Modifier):
         outcomes = self._outcomes(shape)
         final = next(final for final, _ in outcomes if final is not None)
         shape.layers, shape.pinned, shape.quantized_by = final.layers, final.pinned, final.quantized_by
+        shape.linear_bits = final.linear_bits
+        finals = [final for final, _ in outcomes if final is not None]
+        if self.budget is not None and any((f.layers, f.linear_bits) != (final.layers, final.linear_bits)
+                                           for f in finals):
+            shape.chosen_by = f"{self.step_name()} (under its budget)"
         shape.notes.extend(f"{self.step_name()} skips alternative {a} {describe(self.alternatives[a])}: {why}"
                            for a, (final, why) in enumerate(outcomes) if final is None)
         shape.notes.extend(f"{self.step_name()} runs alternative {a} {describe(self.alternatives[a])} once: the same "
@@ -427,6 +496,8 @@ class BestOf(Modifier):
             if outcomes[a][1] is not None:
                 record["refused"] = outcomes[a][1]
                 continue
+            if self.budget is not None:
+                record.update(self.budget.sizes(session.shape, outcomes[a][0]))
             if a in repeats:
                 record["same_as"] = repeats[a]  # its model and score would be the earlier one's
                 continue
@@ -472,4 +543,5 @@ class BestOf(Modifier):
                 "agreement_nll": records[chosen].get("agreement_nll"),
                 "runner_up": runner_up, "tied": tied, "headline": headline,
                 "refit": refit, "shared_work": shared,
+                "budget": self.budget.model_dump(mode="json", exclude_none=True) if self.budget else None,
                 "layers": len(session.layers)}

@@ -20,6 +20,9 @@ def check_steps(steps: list, shape: ModelShape, calibration=None, file: str | No
             received.append(copy.deepcopy(shape))
         pinned, origins = shape.pinned, [layer.origin for layer in shape.layers]
         try:
+            if shape.chosen_by:
+                raise step.fail(f"comes after {shape.chosen_by}, whose alternatives leave models of different sizes "
+                                f"(chosen at run time); put this step at the end of each alternative")
             if shape.quantized_by and step.changes_weights:
                 raise step.fail(f"changes weights that {shape.quantized_by} quantized (their grid would be lost); "
                                 f"put it before that step")
