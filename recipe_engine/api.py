@@ -39,7 +39,8 @@ modifiers.
   recipe's validation rules on a shape), :func:`steps_passes`, ``ModifierSession.branch`` / ``adopt`` /
   ``shape``, :class:`SharedWork` (work shared between branches over the same windows).
 """
-from .architectures.adapters import ADAPTERS, UNFUSED_ROLES, adapter_for, install_linear, replace_linear, roles_problem
+from .architectures.adapters import (ADAPTERS, FUSED_ROLES, UNFUSED_ROLES, adapter_for, install_linear, replace_linear,
+                                     roles_problem)
 from .architectures.shape import LayerShape, ModelShape
 from .errors import RecipeError
 from .evaluation.agreement import heldout_agreement, heldout_reference
@@ -72,8 +73,9 @@ from .recipe.validate import check_steps
 __all__ = ["check_scoring_task", "heldout_failures", "heldout_agreement", "heldout_reference", "kept_original_sets",
            "LayerBudget", "budget_field", "SharedWork",
            "steps_passes", "parse_step", "step_to_dict", "SCORE_FRACTION", "calibration_nll_bytes", "WindowSplit",
-           "heldout_split", "check_steps", "ADAPTERS", "UNFUSED_ROLES", "install_linear", "replace_linear",
-           "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance", "LayerModifier",
+           "heldout_split", "check_steps", "ADAPTERS", "FUSED_ROLES", "UNFUSED_ROLES", "install_linear",
+           "replace_linear", "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance",
+           "LayerModifier",
            "LayerShape", "ModelShape", "Modifier", "RecipeError", "ModifierSession", "Activations", "keep_activations",
            "load_activations", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",

@@ -127,5 +127,5 @@ def test_without_the_hint_transformers_default_route_refuses_the_packed_zero_poi
 
 def test_a_symmetric_grids_config_is_unchanged():
     exporter = checkpoint_exporter("compressed-tensors")
-    assert "dequantize" not in exporter.quantization_config(Grid(4, 32, True, torch.float32), ["lm_head"])
-    assert exporter.quantization_config(Grid(8, None, False, torch.float32), [])["dequantize"] is True
+    assert "dequantize" not in exporter.quantization_config({"a": Grid(4, 32, True, torch.float32)}, ["lm_head"])
+    assert exporter.quantization_config({"a": Grid(8, None, False, torch.float32)}, [])["dequantize"] is True

@@ -52,11 +52,11 @@ def test_every_packing_format_reads_back_the_quantized_weight_bit_for_bit(name, 
     layout = exporter.layout(fake, record)
     assert list(packed) == list(layout) and set(packed) <= set(exporter.suffixes)
     assert all(packed[k].shape == layout[k].shape and packed[k].dtype == layout[k].dtype for k in layout)
-    qconfig = json.loads(json.dumps(exporter.quantization_config(grid, ["lm_head"])))
+    qconfig = json.loads(json.dumps(exporter.quantization_config({"layer": grid}, ["lm_head"])))
     assert exporter.reads(qconfig)
-    shape = exporter.weight_shape({k: tuple(t.shape) for k, t in packed.items()}, qconfig)
+    shape = exporter.weight_shape("layer.weight", {k: tuple(t.shape) for k, t in packed.items()}, qconfig)
     assert shape == tuple(weight.shape)
-    assert torch.equal(exporter.dequantize(packed, shape, qconfig, dtype), fake)
+    assert torch.equal(exporter.dequantize("layer.weight", packed, shape, qconfig, dtype), fake)
     share = bits / (8 * fake.element_size()) + 0.15  # the codes plus scales (and zero points)
     assert sum(t.numel() * t.element_size() for t in packed.values()) < share * fake.numel() * fake.element_size()
 
@@ -88,7 +88,7 @@ def test_gptq_v1_unpacks_as_the_published_reference(bits, group):
     reference = reference_gptq_v1_dequantize(packed["qweight"], packed["qzeros"], packed["scales"],
                                              packed["g_idx"], bits)
     assert torch.equal(reference.t(), fake)
-    config = exporter.quantization_config(grid, [])
+    config = exporter.quantization_config({"layer": grid}, [])
     assert config == {**config, "quant_method": "gptq", "bits": bits, "group_size": group or -1,
                       "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
 

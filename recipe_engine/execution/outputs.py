@@ -97,19 +97,17 @@ class RunOutputs:
         """Record that ``linear``'s weight (or its tensor ``parameter``: an MoE layer's stacked experts, scale and
         zero ``[experts, rows, groups]``) lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and
         ``zero`` (codes ``0 … 2^b − 1``): the checkpoint stores it packed in ``format`` (a checkpoint
-        format of ``recipe_engine.io.exporters``). One grid and format per checkpoint (validation refuses a
-        second quantizing step)."""
+        format of ``recipe_engine.io.exporters``). One format per checkpoint; each linear has its own grid (a
+        step's ``overrides``)."""
         self.restore_quantized(linear, QuantizedLinear(grid, scale.detach().to("cpu", torch.float32),
                                                        zero.detach().to("cpu", torch.int16), format, parameter))
 
     def restore_quantized(self, linear: nn.Module, record: QuantizedLinear) -> None:
         """Record ``linear``'s quantization (of ``record.parameter``) as given (a resumed run's record, kept as
         the same object)."""
-        other = next((kept for kept in self.quantized.values()
-                      if (kept.grid, kept.format) != (record.grid, record.format)), None)
+        other = next((kept for kept in self.quantized.values() if kept.format != record.format), None)
         if other is not None:
-            raise RuntimeError(f"one quantization grid and format per checkpoint: {record.grid} ({record.format}) "
-                               f"after {other.grid} ({other.format})")
+            raise RuntimeError(f"one checkpoint format per checkpoint: {record.format} after {other.format}")
         self.quantized[(linear, record.parameter)] = record
 
     def copy_for(self, copies: dict[int, Any]) -> "RunOutputs":

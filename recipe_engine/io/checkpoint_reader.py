@@ -86,9 +86,10 @@ class CheckpointReader:
                                 if suffix in self.format.record_parts])
         records = {}
         for name, parts in self.packed.items():
-            shape = self.format.weight_shape({suffix: shapes[part] for suffix, part in parts.items()}, qconfig)
-            record = self.format.record({suffix: tensors[part] for suffix, part in parts.items() if part in tensors},
-                                        shape, qconfig)
+            shape = self.format.weight_shape(name, {suffix: shapes[part] for suffix, part in parts.items()},
+                                             qconfig)
+            record = self.format.record(name, {suffix: tensors[part] for suffix, part in parts.items()
+                                               if part in tensors}, shape, qconfig)
             if record is not None:
                 records[name] = record
         return records
@@ -112,9 +113,9 @@ class CheckpointReader:
         for name in names:
             if name in self.packed:
                 parts = {suffix: tensors.pop(part) for suffix, part in self.packed[name].items()}
-                shape = self.format.weight_shape({suffix: tuple(t.shape) for suffix, t in parts.items()},
+                shape = self.format.weight_shape(name, {suffix: tuple(t.shape) for suffix, t in parts.items()},
                                                  self.config["quantization_config"])
-                tensors[name] = self.format.dequantize(parts, shape, self.config["quantization_config"], dtype)
+                tensors[name] = self.format.dequantize(name, parts, shape, self.config["quantization_config"], dtype)
         return {name: tensors[name] for name in names}
 
 
@@ -244,7 +245,7 @@ def logical_shapes(shapes: dict[str, tuple[int, ...]], config) -> dict[str, tupl
     hidden = {stored for parts in packed.values() for stored in parts.values()}
     logical = {name: shape for name, shape in shapes.items() if name not in hidden}
     for name, parts in packed.items():
-        logical[name] = tuple(exporter.weight_shape({s: shapes[n] for s, n in parts.items()}, qconfig))
+        logical[name] = tuple(exporter.weight_shape(name, {s: shapes[n] for s, n in parts.items()}, qconfig))
     return logical
 
 

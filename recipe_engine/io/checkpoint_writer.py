@@ -395,9 +395,12 @@ def _unquantized(session, quantized: dict[str, QuantizedLinear], rename) -> list
 def _save_configs(session, directory: Path, quantized: dict[str, QuantizedLinear], rename=_as_is) -> None:
     model = session.model
     if quantized:
-        (grid, format_), *_ = {(record.grid, record.format) for record in quantized.values()}
+        state = model.state_dict(keep_vars=True)
+        grids = {stored[: -len(".weight")]: quantized[name].grid for name in state if name in quantized
+                 for stored in rename(name, state[name].to("meta"))}  # in model order; an MoE layer's experts: each
         ignore = _unquantized(session, quantized, rename)
-        model.config.quantization_config = checkpoint_exporter(format_).quantization_config(grid, ignore)
+        format_ = next(iter(quantized.values())).format  # one per checkpoint (RunOutputs.restore_quantized)
+        model.config.quantization_config = checkpoint_exporter(format_).quantization_config(grids, ignore)
     try:
         model.config.save_pretrained(directory)
     finally:

@@ -1,7 +1,7 @@
 """Helpers every quantizing step (``GPTQ``, ``Quantize``) uses (private: not a modifier module): which
 linears a step targets, the ``group_size`` check against a symbolic shape, round-to-nearest on the engine's
-grid (``recipe_engine.numerics.quantization.Grid``), the relative layer-output error used in reports and the
-rows of the per-linear log (:data:`LOG_FILE`).
+grid (``recipe_engine.numerics.quantization.Grid``), the relative layer-output error used in reports, the
+rows of the per-linear log (:data:`LOG_FILE`), and the grids of some linears set apart (:class:`Override`).
 """
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, Field, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
-from recipe_engine.api import (ADAPTERS, UNFUSED_ROLES, Grid, ModelShape, RecipeError, checkpoint_exporter,
-                               checkpoint_formats, roles_problem)
+from recipe_engine.api import (ADAPTERS, FUSED_ROLES, UNFUSED_ROLES, Grid, ModelShape, RecipeError,
+                               checkpoint_exporter, checkpoint_formats, roles_problem)
 
 #: Target roles (``recipe_engine.architectures.adapters``); a fused linear (Phi-3 ``qkv_proj``) is targeted by
 #: all its members.
@@ -202,15 +202,16 @@ def known_targets(targets: list[str]) -> list[str]:
     return roles
 
 
-def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None) -> tuple[str, str] | None:
+def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None,
+                 layers: list[int] | None = None) -> tuple[str, str] | None:
     """``(message, field)`` for the first configuration error against ``shape``: a target whose input
-    width ``group_size`` does not divide (named by layer)."""
+    width ``group_size`` does not divide (named by layer; ``layers``: only these, default all)."""
     problem = roles_problem(shape.model_type, targets, experts=True)
     if problem:
         return problem, "targets"
     if group_size is None:
         return None
-    for layer in range(shape.num_layers):
+    for layer in range(shape.num_layers) if layers is None else layers:
         for target in targets:
             width = input_width(shape, layer, target)
             if width % group_size:
@@ -218,6 +219,54 @@ def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None) 
                 hint = f"; divisors of {width}: {', '.join(map(str, divisors))}" if divisors else ""
                 return (f"group_size {group_size} does not divide the input width {width} of "
                         f"model.layers.{layer}.{linear_path(shape.model_type, target)}{hint}", "group_size")
+    return None
+
+
+class Override(BaseModel):
+    """Another grid for some linears of some decoder layers (an entry of ``GridParameters.overrides``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layers: list[int] = Field(min_length=1, description=(
+        "decoder layer indices as the step receives them (negative: from the end, -1 the last)"))
+    targets: list[str] | None = Field(None, min_length=1, description="roles (null: all the step's targets)")
+    bits: int = Field(ge=2, le=8, description="integer bits per weight")
+    group_size: PositiveInt | None = Field(None, description="input columns sharing one scale (null: the step's)")
+    sym: bool | None = Field(None, description="symmetric grid (null: the step's)")
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else known_targets(value)
+
+
+def override_problem(entry: Override, step_targets: list[str], shape: ModelShape) -> tuple[str, str] | None:
+    """``(message, field)``: why ``entry`` cannot apply on ``shape`` to a step targeting ``step_targets`` (the
+    field inside the entry), or None."""
+    count = shape.num_layers
+    outside = [layer for layer in entry.layers if not -count <= layer < count]
+    if outside:
+        return (f"layer {outside[0]} is out of range: the step receives {count} decoder layers (0 … {count - 1}, "
+                f"or -{count} … -1)", "layers")
+    targets = entry.targets or step_targets
+    foreign = [t for t in targets if t not in step_targets]
+    if foreign:
+        return f"targets {foreign} are not among the step's targets {step_targets}", "targets"
+    experts = [t for t in targets if expert_targets(shape.model_type, [t])]
+    if experts:
+        return (f"{shape.model_type}'s {', '.join(experts)} are mixture-of-experts expert tensors, which take the "
+                f"step's grid; an override may target the attention linears", "targets")
+    for fused, members in FUSED_ROLES.items():
+        shared = [m for m in members if m in step_targets]
+        named = [m for m in shared if m in targets]
+        if named and len(named) < len(shared):
+            return (f"{', '.join(named)} without {', '.join(m for m in shared if m not in named)}: linears reading "
+                    f"one input take one grid (GPTQ solves them as one matrix, vLLM serves them as one {fused})",
+                    "targets")
+    if entry.group_size is not None:
+        problem = grid_problem(shape, targets, entry.group_size, [layer % count for layer in entry.layers])
+        if problem:
+            return problem[0], "group_size"
     return None
 
 
@@ -234,6 +283,9 @@ class GridParameters(BaseModel):
     export: str = Field("compressed-tensors", description=(
         "checkpoint format (recipe_engine/io/exporters): compressed-tensors (packed int, vLLM/SGLang), "
         "gptq (GPTQ v1 qweight/qzeros/scales/g_idx), dequantized (model-dtype weights on the grid)"))
+    overrides: list[Override] = Field([], description=(
+        "other grids for some linears: [{layers: [0, -1], targets: [down_proj], bits: 8}]; a linear takes the "
+        "last entry naming its layer and role, else the step's grid"))
 
     @field_validator("targets")
     @classmethod
@@ -251,10 +303,25 @@ class GridParameters(BaseModel):
     def quantizes(self) -> bool:  # packed weights must stay on their grid; dequantized ones may change
         return checkpoint_exporter(self.export).packs
 
-    def grid(self, weight_dtype: torch.dtype | None = None) -> Grid:
-        """The grid; with the weights' dtype, its scales rounded to what the export stores."""
+    def override_for(self, layer: int, layers: int, role: str) -> Override | None:
+        """The last of ``overrides`` naming ``layer`` (of ``layers``) and ``role`` (a fused linear's: its members),
+        None where the step's grid applies."""
+        members = FUSED_ROLES.get(role, (role,))
+        return next((entry for entry in reversed(self.overrides) if layer in {i % layers for i in entry.layers}
+                     and any(m in (entry.targets or self.targets) for m in members)), None)
+
+    def grid(self, weight_dtype: torch.dtype | None = None, at: tuple[int, int, str] | None = None) -> Grid:
+        """The grid (``at``: of the linear ``(layer, layers, role)``, its override's where one names it); with the
+        weights' dtype, its scales rounded to what the export stores."""
         scale_dtype = checkpoint_exporter(self.export).scale_dtype(weight_dtype) if weight_dtype else None
-        return Grid(self.bits, self.group_size, self.sym, scale_dtype)
+        return self._grid_of(self.override_for(*at) if at is not None else None, scale_dtype)
+
+    def _grid_of(self, entry: Override | None, scale_dtype: torch.dtype | None = None) -> Grid:
+        """The grid of one of ``overrides`` (None: the step's): what it leaves out is the step's."""
+        if entry is None:
+            return Grid(self.bits, self.group_size, self.sym, scale_dtype)
+        return Grid(entry.bits, entry.group_size or self.group_size, self.sym if entry.sym is None else entry.sym,
+                    scale_dtype)
 
     def mark(self, session, linear: torch.nn.Module, grid: Grid, scale: torch.Tensor, zero: torch.Tensor,
              parameter: str = "weight") -> None:
@@ -263,14 +330,23 @@ class GridParameters(BaseModel):
         if self.quantizes:
             session.outputs.mark_quantized(linear, grid, scale, zero, self.export, parameter)
 
-    def format_line(self) -> str:
-        """The number format the weights are left in, one line (a step result's ``format``)."""
-        groups = f"groups of {self.group_size} columns" if self.group_size else "one group per row"
+    def format_line(self, layers: int, roles: list[str]) -> str:
+        """The number format the weights are left in, one line (a step result's ``format``): the step's grid,
+        then each override's grid with how many of the step's linears (``roles`` in each of ``layers``) take it."""
         stored = f"packed ({self.export})" if self.quantizes else "stored dequantized in the model dtype"
-        return f"int{self.bits} {'symmetric' if self.sym else 'asymmetric'}, {groups}, {stored}"
+        line = f"{_grid_words(self.grid())}, {stored}"
+        counts: dict[Grid, int] = {}
+        for layer in range(layers):
+            for role in roles:
+                grid = self.grid(at=(layer, layers, role))
+                if grid != self.grid():
+                    counts[grid] = counts.get(grid, 0) + 1
+        return "; ".join([line] + [f"{_grid_words(grid, self.grid())} for {count} linears (overrides)"
+                                   for grid, count in counts.items()])
 
     def check(self, shape: ModelShape) -> None:
-        problem = checkpoint_exporter(self.export).grid_problem(self.bits, self.sym)
+        exporter = checkpoint_exporter(self.export)
+        problem = exporter.grid_problem(self.bits, self.sym)
         if problem:
             raise self.fail(problem, "bits" if "bits" in problem else "sym")
         experts = expert_targets(shape.model_type, self.targets)
@@ -281,3 +357,43 @@ class GridParameters(BaseModel):
         problem = grid_problem(shape, self.targets, self.group_size)
         if problem:
             raise self.fail(*problem)
+        if self.overrides and exporter.mixed_grids_problem(sym=True):
+            raise self.fail(exporter.mixed_grids_problem(sym=True), "overrides")
+        asymmetric = ["sym"] * (not self.sym) + [f"overrides.{index}.sym" for index, entry in enumerate(self.overrides)
+                                                 if not self._grid_of(entry).sym]
+        problem = self.overrides and asymmetric and exporter.mixed_grids_problem(sym=False)
+        if problem:
+            raise self.fail(problem, asymmetric[0])
+        for index, entry in enumerate(self.overrides):
+            grid = self._grid_of(entry)
+            problem = override_problem(entry, self.targets, shape) or exporter.grid_problem(grid.bits, grid.sym)
+            if isinstance(problem, str):
+                problem = problem, "bits" if "bits" in problem else "sym"
+            if problem:
+                raise self.fail(problem[0], f"overrides.{index}.{problem[1]}")
+
+
+def _grid_words(grid: Grid, main: Grid | None = None) -> str:
+    """``int4 symmetric, groups of 128 columns``; with the step's ``main`` grid, the bits and only what else
+    differs from it (``int8``)."""
+    words = f"int{grid.bits}"
+    if main is None or grid.sym != main.sym:
+        words += " symmetric" if grid.sym else " asymmetric"
+    if main is None or grid.group_size != main.group_size:
+        words += f", groups of {grid.group_size} columns" if grid.group_size else ", one group per row"
+    return words
+
+
+def bits_per_weight(rows: list[dict], export: str, dtype: torch.dtype) -> float:
+    """Stored bits per weight of the linears of ``rows`` (the step's :data:`LOG_FILE` rows, values as read back:
+    strings) in ``export`` with model ``dtype``: ``Σ bits of the tensors written for a linear / Σ rows · columns``
+    (``Exporter.stored_bits``: compressed-tensors' codes, scales and zero points as packed)."""
+    exporter = checkpoint_exporter(export)
+    stored = weights = 0
+    for row in rows:
+        shape = int(row["rows"]), int(row["columns"])
+        grid = Grid(int(row["bits"]), int(row["group_size"]), str(row["sym"]) == "True",
+                    exporter.scale_dtype(dtype))
+        stored += exporter.stored_bits(shape, grid, dtype)
+        weights += shape[0] * shape[1]
+    return round(stored / weights, 4) if weights else 0.0

@@ -14,8 +14,8 @@ from recipe_engine.api import (InputCovariance, LayerModifier, ModifierSession, 
                                position, register)
 
 from ._experts import FALLBACK, MoEInputs, budgets, expert_grams, quantize_experts, solve_bytes
-from ._quant import (LOG_FILE, Grid, GridParameters, QuantizedWeight, Seconds, expert_targets, log_row,
-                     output_errors, rtn, settle_rows)
+from ._quant import (LOG_FILE, Grid, GridParameters, QuantizedWeight, Seconds, bits_per_weight, expert_targets,
+                     log_row, output_errors, rtn, settle_rows)
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -381,7 +381,7 @@ class GPTQ(GridParameters, LayerModifier):
                 statistic = self._gram(source)
                 staged.inputs_of(source, statistic)
             gram = statistic.gram
-            grid = self.grid(stacked.dtype)
+            grid = self.grid(stacked.dtype, (layer_index, len(session.layers), targets[0]))  # one for the stack
             factored = self._factor(gram[None], stacked.device)
             result = gptq_quantize(stacked, factored, grid, self.act_order, self.damp, self.block_size,
                                    programs=self._programs(session))
@@ -454,12 +454,13 @@ class GPTQ(GridParameters, LayerModifier):
 
     def finish(self, session: ModifierSession) -> dict[str, Any]:
         adapter = session.adapter
-        per_layer = len(adapter.module_roles(self.targets, experts=True))
-        result = {"quantized_linears": per_layer * len(session.layers), "export": self.export, "log": LOG_FILE,
-                  "format": self.format_line()}
-        if adapter.expert_roles(self.targets):  # from the log: a resumed run's earlier layers included
-            fallbacks = [f"model.layers.{row['layer']}.{row['module']}" for row in
-                         session.outputs.rows(LOG_FILE, step=self) if row["method"] == FALLBACK]
+        roles = adapter.module_roles(self.targets, experts=True)
+        rows = session.outputs.rows(LOG_FILE, step=self)  # a resumed run's earlier layers included
+        result = {"quantized_linears": len(roles) * len(session.layers), "export": self.export, "log": LOG_FILE,
+                  "format": self.format_line(len(session.layers), roles),
+                  "bits_per_weight": bits_per_weight(rows, self.export, session.model.dtype)}
+        if adapter.expert_roles(self.targets):
+            fallbacks = [f"model.layers.{row['layer']}.{row['module']}" for row in rows if row["method"] == FALLBACK]
             experts = sum(adapter.experts.units(layer) for layer in session.layers)
             quantized = experts * len(adapter.expert_roles(self.targets))
             result["experts"] = {"calibration": self.experts, "quantized": quantized,

@@ -10,7 +10,7 @@ import torch
 from recipe_engine.api import Modifier, ModifierSession, register
 
 from ._experts import quantize_experts
-from ._quant import LOG_FILE, GridParameters, log_row, rtn, settle_rows
+from ._quant import LOG_FILE, GridParameters, bits_per_weight, log_row, rtn, settle_rows
 
 
 @register
@@ -34,7 +34,7 @@ class Quantize(GridParameters, Modifier):
                 for target in session.adapter.module_roles(self.targets, experts=True):
                     started = time.perf_counter()
                     linear = session.adapter.linear(session.layers[index], target)
-                    grid = self.grid(linear.weight.dtype)
+                    grid = self.grid(linear.weight.dtype, (index, len(session.layers), target))
                     result = rtn(linear.weight, grid)
                     rows.append(log_row(index, session.adapter.path(target), linear.weight, grid,
                                         result.dequantized, method="rtn", seconds=time.perf_counter() - started))
@@ -47,4 +47,8 @@ class Quantize(GridParameters, Modifier):
                     rows += done
                     count += len(done)
                 session.outputs.add_rows(LOG_FILE, settle_rows(rows), step=self)
-        return {"quantized_linears": count, "export": self.export, "log": LOG_FILE, "format": self.format_line()}
+        roles = session.adapter.module_roles(self.targets, experts=True)
+        return {"quantized_linears": count, "export": self.export, "log": LOG_FILE,
+                "format": self.format_line(len(session.layers), roles),
+                "bits_per_weight": bits_per_weight(session.outputs.rows(LOG_FILE, step=self), self.export,
+                                                   session.model.dtype)}

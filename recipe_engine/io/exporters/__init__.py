@@ -50,6 +50,11 @@ class Exporter:
         """Why this format cannot hold a grid of ``bits`` (and ``sym``), or None."""
         return None
 
+    def mixed_grids_problem(self, sym: bool) -> str | None:
+        """Why this format cannot hold linears on several grids (a step's ``overrides``), all symmetric or (not
+        ``sym``) some asymmetric, or None."""
+        return None
+
     def scale_dtype(self, weight_dtype: torch.dtype) -> torch.dtype | None:
         """The dtype the file stores scales in (the grid rounds its scales to it), None when not packed."""
         return None
@@ -62,32 +67,49 @@ class Exporter:
         """The packed tensors of one linear's on-grid ``weight`` (keys and order as :meth:`layout`)."""
         raise NotImplementedError
 
-    def quantization_config(self, grid: Grid, ignore: list[str]) -> dict:
-        """``config.json``'s ``quantization_config`` (``ignore``: the linears left unquantized)."""
+    def stored_bits(self, shape: tuple[int, int], grid: Grid, dtype: torch.dtype) -> int:
+        """Bits the file holds for one quantized linear of ``shape`` on ``grid`` in a model of ``dtype``: those of
+        the tensors of :meth:`layout` (``numel · element bits``), or every weight in ``dtype`` where the format
+        does not pack."""
+        rows, columns = shape
+        if not self.packs:
+            return rows * columns * torch.finfo(dtype).bits
+        groups = -(-columns // grid.width(columns))
+        record = QuantizedLinear(grid, torch.empty(rows, groups, device="meta"),
+                                 torch.empty(rows, groups, dtype=torch.int16, device="meta"), self.name)
+        layout = self.layout(torch.empty(rows, columns, dtype=dtype, device="meta"), record)
+        return sum(t.numel() * t.element_size() * 8 for t in layout.values())
+
+    def quantization_config(self, grids: dict[str, Grid], ignore: list[str]) -> dict:
+        """``config.json``'s ``quantization_config`` for the packed linears ``grids`` (on-disk module name →
+        grid, in file order; ``ignore``: the linears left unquantized)."""
         raise NotImplementedError
 
     def reads(self, quantization_config: dict) -> bool:
         """This format wrote a checkpoint with this ``quantization_config``."""
         return False
 
-    def weight_shape(self, shapes: dict[str, tuple[int, ...]], quantization_config: dict) -> tuple[int, int]:
-        """One packed linear's weight shape ``(rows, columns)`` from its packed tensors' shapes (by suffix)."""
+    def weight_shape(self, name: str, shapes: dict[str, tuple[int, ...]],
+                     quantization_config: dict) -> tuple[int, int]:
+        """The packed linear ``name``'s (``<linear>.weight``) shape ``(rows, columns)`` from its packed tensors'
+        shapes (by suffix)."""
         raise NotImplementedError
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int], quantization_config: dict,
-                   dtype: torch.dtype) -> torch.Tensor:
-        """One linear's weight ``[rows, columns]`` in ``dtype`` from its packed tensors (by suffix)."""
+    def dequantize(self, name: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+                   quantization_config: dict, dtype: torch.dtype) -> torch.Tensor:
+        """The linear ``name``'s weight ``[rows, columns]`` in ``dtype`` from its packed tensors (by suffix)."""
         raise NotImplementedError
 
-    def record(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+    def record(self, name: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
                quantization_config: dict) -> QuantizedLinear | None:
-        """The grid, scale and zero point of one packed linear (its :attr:`record_parts` by suffix; ``shape``: its
-        weight's), as a quantizing step records them (so the writer packs the same bytes again); None where this
-        format's layout says more than a record holds."""
+        """The grid, scale and zero point of the packed linear ``name`` (its :attr:`record_parts` by suffix;
+        ``shape``: its weight's), as a quantizing step records them (so the writer packs the same bytes again);
+        None where this format's layout says more than a record holds."""
         return None
 
     def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:
-        """The grid's bits and group size (None: one group per row) that ``quantization_config`` records."""
+        """The bits and group size (None: one group per row) of the grid ``quantization_config`` records for
+        most linears."""
         raise NotImplementedError
 
     def describe(self, quantization_config: dict) -> str:

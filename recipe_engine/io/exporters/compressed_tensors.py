@@ -11,24 +11,69 @@ compressed-tensors 0.20) builds each linear's ``weight_zero_point`` on the meta 
 leaves it unpacked (``[rows, groups]`` int8), so it refuses the packed zero point of every asymmetric
 pack-quantized checkpoint, compressed-tensors' own included, as a size mismatch; its ``dequantize`` route runs the
 library's ``PackedQuantizationCompressor.decompress`` on the file's tensors instead, the weights the engine reads
-bit for bit (tests/test_asym_packed.py)."""
+bit for bit (tests/test_asym_packed.py).
+
+Linears on several grids (a step's ``overrides``) are written as one config group per grid: the grid most linears
+take targets ``Linear``, each other one names its linears by ``re:`` patterns of their exact names. A module takes
+the group of its most specific match, as compressed-tensors' ``apply_quantization_config`` (``match_targets``: an
+exact name, then a ``re:`` pattern, then a class) and vLLM's ``find_matched_target`` (a name or pattern before a
+class) choose; the readers here choose so too (:func:`weights_args`). vLLM serves q/k/v and gate/up as one fused
+linear (``qkv_proj``, ``gate_up_proj``) matched by its own name before its class, so their pattern names the fused
+linear too."""
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 
 import torch
 
+from ...architectures.adapters import FUSED_ROLES
+from ...errors import SourceError
 from ...numerics.quantization import Grid, QuantizedLinear, grid_codes
 from . import Exporter, register
 
 
-def scheme(grid: Grid):
-    """The compressed-tensors ``QuantizationScheme`` of ``grid`` (weights only, every Linear)."""
+def scheme(grid: Grid, targets: tuple[str, ...] = ("Linear",)):
+    """The compressed-tensors ``QuantizationScheme`` of ``grid`` (weights only) for the modules ``targets``."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # deferred: imports transformers
 
     args = QuantizationArgs(num_bits=grid.bits, type="int", symmetric=grid.sym,
                             strategy="group" if grid.group_size else "channel", group_size=grid.group_size)
-    return QuantizationScheme(targets=["Linear"], weights=args)
+    return QuantizationScheme(targets=list(targets), weights=args)
+
+
+def name_patterns(names: list[str]) -> list[str]:
+    """``re:`` targets matching exactly the modules ``names``; the members of a fused linear under one parent
+    (``FUSED_ROLES``: q/k/v, gate/up) share one that matches vLLM's fused name too:
+    ``re:^model\\.layers\\.0\\.self_attn\\.(q_proj|k_proj|v_proj|qkv_proj)$``."""
+    present, patterns, done = set(names), [], set()
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        fused = next((f for f, members in FUSED_ROLES.items() if leaf in members
+                      and all(f"{parent}.{m}" in present for m in members)), None)
+        if fused is None:
+            patterns.append(f"re:^{re.escape(name)}$")
+        elif (parent, fused) not in done:
+            done.add((parent, fused))
+            patterns.append(f"re:^{re.escape(parent)}\\.({'|'.join((*FUSED_ROLES[fused], fused))})$")
+    return patterns
+
+
+def weights_args(quantization_config: dict, name: str) -> dict:
+    """The ``weights`` arguments of the config group that quantizes the packed linear ``name`` (its weight,
+    ``<linear>.weight``): of the most specific target matching the module, as compressed-tensors' ``match_targets``
+    orders them (an exact name, then a ``re:`` pattern by ``re.match``, then the class ``Linear``); the last group
+    naming a target wins, as in its ``apply_quantization_config``."""
+    module = name.removesuffix(".weight")
+    groups = {target: group for group in quantization_config["config_groups"].values()
+              for target in group["targets"]}
+    for target in sorted(groups, key=lambda t: ("re:" in t, t)):
+        if target == module or target.startswith("re:") and re.match(target.removeprefix("re:"), module):
+            return groups[target]["weights"]
+    if "Linear" in groups:
+        return groups["Linear"]["weights"]
+    raise SourceError(f"{module}: packed, but no config group of quantization_config targets it")
 
 
 @register
@@ -44,6 +89,13 @@ class CompressedTensors(Exporter):
 
     def grid_problem(self, bits: int, sym: bool) -> str | None:
         return None if bits in (4, 8) else f"compressed-tensors export needs bits 4 or 8 (got {bits})"
+
+    def mixed_grids_problem(self, sym: bool) -> str | None:
+        if sym:
+            return None
+        return ("overrides need symmetric grids in compressed-tensors: transformers reads an asymmetric checkpoint's "
+                "packed zero points only by dequantizing every linear with one config group (5.24, get_dense_scheme); "
+                "use sym: true, or export: dequantized")
 
     def scale_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         return weight_dtype
@@ -77,30 +129,42 @@ class CompressedTensors(Exporter):
             packed["weight_zero_point"] = pack_to_int32(zero, grid.bits, packed_dim=0)
         return packed
 
-    def quantization_config(self, grid: Grid, ignore: list[str]) -> dict:
+    def quantization_config(self, grids: dict[str, Grid], ignore: list[str]) -> dict:
+        """One config group per grid (bits, group size, symmetry): ``group_0`` the grid of most linears (the first
+        in file order among equals) targeting ``Linear``, then the others in file order, each naming its
+        linears (:func:`name_patterns`)."""
         from compressed_tensors.quantization import QuantizationConfig  # deferred: imports transformers
 
-        config = QuantizationConfig(config_groups={"group_0": scheme(grid)}, format="pack-quantized",
+        kinds = {name: (grid.bits, grid.group_size, grid.sym) for name, grid in grids.items()}
+        grid_of = {kind: grid for kind, grid in zip(kinds.values(), grids.values())}
+        main = Counter(kinds.values()).most_common(1)[0][0]  # ties: the first counted
+        others = [kind for kind in dict.fromkeys(kinds.values()) if kind != main]
+        groups = {"group_0": scheme(grid_of[main])}
+        for index, kind in enumerate(others, 1):
+            groups[f"group_{index}"] = scheme(grid_of[kind],
+                                              name_patterns([name for name in kinds if kinds[name] == kind]))
+        config = QuantizationConfig(config_groups=groups, format="pack-quantized",
                                     quantization_status="compressed", ignore=sorted(ignore))
         dumped = config.model_dump(mode="json", exclude_none=True)
-        return dumped if grid.sym else {**dumped, "dequantize": True}  # see the module docstring
+        symmetric = all(grid.sym for grid in grids.values())
+        return dumped if symmetric else {**dumped, "dequantize": True}  # see the module docstring
 
     def reads(self, quantization_config: dict) -> bool:
         return quantization_config.get("quant_method") == "compressed-tensors" \
             and quantization_config.get("format") == "pack-quantized"
 
-    def weight_shape(self, shapes: dict[str, tuple[int, ...]], quantization_config: dict) -> tuple[int, int]:
-        (group,) = quantization_config["config_groups"].values()
-        return shapes["weight_scale"][0], shapes["weight_packed"][1] * 32 // group["weights"]["num_bits"]
+    def weight_shape(self, name: str, shapes: dict[str, tuple[int, ...]],
+                     quantization_config: dict) -> tuple[int, int]:
+        bits = weights_args(quantization_config, name)["num_bits"]
+        return shapes["weight_scale"][0], shapes["weight_packed"][1] * 32 // bits
 
-    def record(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+    def record(self, name: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
                quantization_config: dict) -> QuantizedLinear:
         """Signed codes and zero points back on the unsigned grid (``+ 2^(b-1)``); a symmetric grid's zero
         point is ``2^(b-1)``; the scale's stored dtype is the grid's ``scale_dtype``."""
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # deferred: as above
 
-        (group,) = quantization_config["config_groups"].values()
-        args = group["weights"]
+        args = weights_args(quantization_config, name)
         bits, stored = args["num_bits"], tensors["weight_scale"]
         grid = Grid(bits, args.get("group_size"), args["symmetric"], stored.dtype)
         offset = 2 ** (bits - 1)
@@ -111,16 +175,22 @@ class CompressedTensors(Exporter):
         return QuantizedLinear(grid, stored.to(torch.float32), zero.to(torch.int16), self.name)
 
     def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:
-        (group,) = quantization_config["config_groups"].values()
-        return group["weights"]["num_bits"], group["weights"].get("group_size")
+        args = next(iter(quantization_config["config_groups"].values()))["weights"]  # group_0: most linears
+        return args["num_bits"], args.get("group_size")
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int], quantization_config: dict,
-                   dtype: torch.dtype) -> torch.Tensor:
+    def describe(self, quantization_config: dict) -> str:
+        """``compressed-tensors, 4-bit, groups of 64``, and the other groups' bits: ``; 8-bit (group_1) for some``."""
+        line = super().describe(quantization_config)
+        others = list(quantization_config["config_groups"].items())[1:]
+        return line + "".join(f"; {group['weights']['num_bits']}-bit ({name}) for some linears"
+                              for name, group in others)
+
+    def dequantize(self, name: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+                   quantization_config: dict, dtype: torch.dtype) -> torch.Tensor:
         """``s (q - z)`` in fp32 (exact: ≤ 24 significant bits), then ``dtype``."""
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # deferred: as above
 
-        (group,) = quantization_config["config_groups"].values()
-        bits = group["weights"]["num_bits"]
+        bits = weights_args(quantization_config, name)["num_bits"]
         codes = unpack_from_int32(tensors["weight_packed"], bits, torch.Size(shape)).to(torch.float32)
         scale = tensors["weight_scale"].to(torch.float32)
         width = shape[1] // scale.shape[1]

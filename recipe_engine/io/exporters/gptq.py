@@ -60,6 +60,10 @@ class GPTQv1(Exporter):
             return "gptq export stores zero points minus one, so it needs sym: true (or export: compressed-tensors)"
         return None
 
+    def mixed_grids_problem(self, sym: bool) -> str | None:
+        return ("export gptq stores one grid for every linear (one bits and group_size in its quantization_config), "
+                "so it cannot hold overrides; use export: compressed-tensors or dequantized")
+
     def scale_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         return torch.float16
 
@@ -83,7 +87,11 @@ class GPTQv1(Exporter):
                 "scales": record.scale.t().to(torch.float16).contiguous(),
                 "g_idx": (torch.arange(columns) // width).to(torch.int32)}
 
-    def quantization_config(self, grid: Grid, ignore: list[str]) -> dict:
+    def quantization_config(self, grids: dict[str, Grid], ignore: list[str]) -> dict:
+        kinds = {(grid.bits, grid.group_size, grid.sym) for grid in grids.values()}
+        if len(kinds) > 1:
+            raise RuntimeError(f"gptq export stores one grid, and the linears are on {len(kinds)}: {sorted(kinds)}")
+        grid = next(iter(grids.values()))
         return {"quant_method": "gptq", "bits": grid.bits, "group_size": grid.group_size or -1,
                 "desc_act": False, "sym": grid.sym, "checkpoint_format": "gptq", "true_sequential": True,
                 "lm_head": False}
@@ -92,10 +100,11 @@ class GPTQv1(Exporter):
         return quantization_config.get("quant_method") == "gptq" \
             and quantization_config.get("checkpoint_format", "gptq") == "gptq"
 
-    def weight_shape(self, shapes: dict[str, tuple[int, ...]], quantization_config: dict) -> tuple[int, int]:
+    def weight_shape(self, name: str, shapes: dict[str, tuple[int, ...]],
+                     quantization_config: dict) -> tuple[int, int]:
         return shapes["scales"][1], shapes["g_idx"][0]
 
-    def record(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+    def record(self, name: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
                quantization_config: dict) -> QuantizedLinear | None:
         """Scales and zero points (``unpack(qzeros) + 1``) as ``[rows, groups]``; None when ``g_idx`` is not
         consecutive groups (act-order checkpoints that reorder groups)."""
@@ -112,8 +121,8 @@ class GPTQv1(Exporter):
         group = quantization_config.get("group_size", -1)
         return quantization_config["bits"], None if group in (None, -1) else group
 
-    def dequantize(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int], quantization_config: dict,
-                   dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, name: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+                   quantization_config: dict, dtype: torch.dtype) -> torch.Tensor:
         """``scales[g_idx] · (q − (unpack(qzeros) + 1)[g_idx])`` in fp32 (exact), then ``dtype``."""
         bits = quantization_config["bits"]
         codes = unpack_words(tensors["qweight"], bits)[: shape[1]]                 # [columns, rows]
