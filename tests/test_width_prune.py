@@ -203,6 +203,9 @@ REFUSALS = [  # model type, config changes, step, field, phrase
     ("llama", {}, "WidthPrune<kv_groups_keep:2>", "kv_groups_keep", "not below the current 2 KV groups"),
     ("llama", {"num_key_value_heads": 1}, "WidthPrune<kv_groups_keep:1>", "kv_groups_keep", "current 1 KV groups"),
     ("gemma3_text", {}, "WidthPrune<target:original>", "target", "normalizes the MLP output"),
+    ("llama", {}, "WidthPrune<parameters:80>", "parameters", "a percentage of the decoder layers' parameters"),
+    ("llama", {}, {"WidthPrune": {"parameters": "80%", "mlp_keep": 0.5}}, "parameters", "not both"),
+    ("llama", {}, "WidthPrune<parameters:1%,multiple_of:32>", "parameters", "no MLP width fits 1%"),
 ]
 
 
@@ -268,3 +271,21 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_bytes(tmp_path):
         assert recipe_engine.load_report(tmp_path / "out" / point).resumed.group == (0 if point == "pass" else 1)
     config = AutoConfig.from_pretrained(reference)
     assert (config.intermediate_size, config.num_attention_heads, config.num_key_value_heads) == (72, 2, 1)
+
+
+@pytest.mark.parametrize("groups", [None, 1])
+def test_a_parameter_share_keeps_the_widest_multiple_that_fits(tmp_path, groups):
+    """``parameters: 70%``: the MLP width is the largest multiple of 8 whose model holds at most 70 % of the
+    decoder layers' parameters, counted on models HF builds from configs (the output, and the next multiple)."""
+    model = tiny_model()
+    before = sum(p.numel() for p in model.model.layers.parameters())
+    step = "WidthPrune<parameters:70%,multiple_of:8" + (f",kv_groups_keep:{groups}>" if groups else ">")
+    result, _ = recipe_engine.apply(calibration_recipe(tmp_path, [step]), model=model, tokenizer=CharTokenizer(),
+                                    progress=False, write=False)
+    width = result.config.intermediate_size
+    kept = sum(p.numel() for p in result.model.layers.parameters())
+    wider = tiny_config(intermediate_size=width + 8, **({"num_key_value_heads": groups,
+                                                          "num_attention_heads": result.config.num_attention_heads}
+                                                         if groups else {}))
+    next_multiple = sum(p.numel() for p in AutoModelForCausalLM.from_config(wider).model.layers.parameters())
+    assert width % 8 == 0 and kept <= 0.7 * before < next_multiple

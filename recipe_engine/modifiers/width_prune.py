@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, PrivateAttr, field_validator
 
 from recipe_engine.api import (ADAPTERS, InputCovariance, LayerModifier, LayerShape, ModelShape, ModifierSession,
                                best_groups_by_error, eq12_group_scores, group_channels, mean_eigenvalue,
@@ -34,6 +34,11 @@ class WidthPrune(LayerModifier):
                                                           "(rounded half up; 1 keeps them all)")
     intermediate_size: int | None = Field(None, ge=1, description="MLP width kept in every layer, below the "
                                                                   "current one (instead of mlp_keep)")
+    parameters: str | None = Field(None, description=(
+        "instead of mlp_keep / intermediate_size: keep at most this share of the decoder layers' parameters "
+        "(80%: a 20 % depth cut's size); the MLP width is the largest multiple of `multiple_of` that fits, after "
+        "kv_groups_keep"))
+    multiple_of: int = Field(32, ge=1, description="parameters: the MLP width is a multiple of this")
     kv_groups_keep: int | None = Field(None, ge=1, description="KV groups (a KV head and its query heads) kept "
                                                                "in every layer (None: keep all)")
     lambda_scale: float = Field(10.0, gt=0, description="leverage and Theorem 3.1 ridge λ as a multiple of the "
@@ -59,9 +64,46 @@ class WidthPrune(LayerModifier):
     def needs_reference(self) -> bool:  # auto may resolve to none (Gemma 3): a reference is then unused
         return self.target != "none"
 
+    #: ``parameters``: the width ``check`` resolved on the shape this step receives.
+    _resolved_width: int | None = PrivateAttr(None)
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _percentage(cls, value: Any) -> str | None:
+        if value is None:
+            return value
+        try:
+            share = float(value[:-1]) if isinstance(value, str) and value.endswith("%") else -1.0
+        except ValueError:
+            share = -1.0
+        if not 0 < share < 100:
+            raise ValueError(f"expected a percentage of the decoder layers' parameters such as 80%, got {value!r}")
+        return value
+
     def mlp_width(self, current: int) -> int:
         """The MLP width every layer keeps, given the config's ``current`` one."""
+        if self.parameters is not None:
+            if self._resolved_width is None:
+                raise RuntimeError("WidthPrune<parameters> runs after its check resolved the width")
+            return self._resolved_width
         return self.intermediate_size if self.intermediate_size is not None else int(self.mlp_keep * current + 0.5)
+
+    def width_for_parameters(self, shape: ModelShape, heads: int | None, kv: int | None) -> int:
+        """The largest multiple of ``multiple_of`` whose layers (with ``heads``/``kv`` when given) hold at most
+        ``parameters`` of the decoder layers' parameters of ``shape``: ``Σ_l P(heads, kv, w) ≤ p · Σ_l P_l``."""
+        before = sum(shape.layer_parameters(layer) for layer in shape.layers)
+        limit = float(self.parameters[:-1]) / 100 * before
+
+        def total(width: int) -> int:
+            return sum(shape.layer_parameters(LayerShape(heads or layer.num_heads, kv or layer.num_kv_heads, width,
+                                                         layer.origin)) for layer in shape.layers)
+        width = min(layer.intermediate_size for layer in shape.layers) // self.multiple_of * self.multiple_of
+        while width > 0 and total(width) > limit:
+            width -= self.multiple_of
+        if width < 1:
+            raise self.fail(f"no MLP width fits {self.parameters} of the decoder layers' parameters "
+                            f"({before:,}) in multiples of {self.multiple_of}", field="parameters")
+        return width
 
     def refit_target(self, model_type: str) -> str:
         """``target`` resolved for the architecture: ``auto`` is ``none`` where a norm sits on the MLP output."""
@@ -87,6 +129,11 @@ class WidthPrune(LayerModifier):
             raise self.fail(f"{shape.model_type} normalizes the MLP output ({norm}) before the residual add, so "
                             f"down_proj's refit towards a hidden state is no least-squares fit; use target: none "
                             f"(or auto)", field="target")
+        if self.parameters is not None:
+            if self.intermediate_size is not None or self.mlp_keep != type(self).model_fields["mlp_keep"].default:
+                raise self.fail("give parameters, or mlp_keep or intermediate_size, not both", field="parameters")
+            self._resolved_width = self.width_for_parameters(
+                shape, *(self._head_counts(shape) if self.kv_groups_keep is not None else (None, None)))
         current, width = shape.intermediate_size, self.mlp_width(shape.intermediate_size)
         if self.intermediate_size is not None:
             if self.mlp_keep != type(self).model_fields["mlp_keep"].default:
