@@ -292,6 +292,8 @@ class BestOf(Modifier):
         final = next(final for final, _ in outcomes if final is not None)
         shape.layers, shape.pinned, shape.quantized_by = final.layers, final.pinned, final.quantized_by
         shape.linear_bits = final.linear_bits
+        shape.intermediate_size, shape.num_heads, shape.num_kv_heads = \
+            final.intermediate_size, final.num_heads, final.num_kv_heads
         finals = [final for final, _ in outcomes if final is not None]
         if self.budget is not None and any((f.layers, f.linear_bits) != (final.layers, final.linear_bits)
                                            for f in finals):
