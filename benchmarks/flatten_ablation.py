@@ -28,6 +28,7 @@ from recipe_engine.evaluation.perplexity import perplexity
 from recipe_engine.io.models import load_model
 from recipe_engine.execution.steps import run_steps
 from recipe_engine.recipe.schema import CalibrationConfig, parse_step
+from recipe_engine.execution.context import RunContext
 from recipe_engine.execution.session import Session
 from recipe_engine.system.progress import Progress
 
@@ -70,7 +71,7 @@ VARIANTS = {
 def calibration_session(model, tokenizer, windows, propagate: str, original=None) -> Session:
     config = CalibrationConfig(dataset="wikitext2", split="validation", samples=windows.shape[0],
                                seq_len=windows.shape[1], batch_size=4, propagate=propagate)
-    return Session(model, tokenizer, adapter_for(model.config), windows, config, torch.device("cpu"),
+    return Session(RunContext(tokenizer, adapter_for(model.config), config, torch.device("cpu")), model, windows,
                    reference_loader=(lambda: original) if original is not None else None)
 
 
@@ -91,10 +92,10 @@ def drop_lowest_block_influence(session: Session, count: int) -> list[int]:
         cos = [torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1) for x, y in zip(inputs, outputs)]
         influence[index] = 1.0 - float(torch.cat([c.flatten() for c in cos]).double().mean())
 
-    session.layer_pass(record, "block influence")
+    session.view.layer_pass(record, "block influence")
     dropped = sorted(sorted(influence, key=influence.get)[:count])
     kept = [i for i in range(len(session.layers)) if i not in dropped]
-    session.set_layers([session.layers[i] for i in kept], [(i,) for i in kept], kept)
+    session.view.set_layers([session.layers[i] for i in kept], [(i,) for i in kept], kept)
     return dropped
 
 

@@ -32,6 +32,7 @@ from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.io.data import load_text, sample_windows, tokenize
 from recipe_engine.io.models import load_model
 from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.context import RunContext
 from recipe_engine.execution.session import Session
 
 RESULTS = Path(__file__).parent / "results" / "raw"   # raw output (ignored by git)
@@ -98,11 +99,11 @@ def main() -> None:
                                seq_len=args.seq_len, batch_size=args.samples, seed=0)
     ids = tokenize(tokenizer, load_text("wikipedia-sample", "train").text)
     windows = sample_windows(ids, args.samples, args.seq_len, 0, "wikipedia-sample")
-    session = Session(model, tokenizer, adapter_for(model.config), windows, config, torch.device("cpu"))
+    session = Session(RunContext(tokenizer, adapter_for(model.config), config, torch.device("cpu")), model, windows)
     inputs: dict[int, torch.Tensor] = {}
-    session.layer_pass(lambda index, x, _out: inputs.__setitem__(index, x[0]), "layer inputs")
-    kwargs = session.capture_inputs()[1][0]
-    adapter, layers = session.adapter, session.layers
+    session.pipeline.layer_pass(lambda index, x, _out: inputs.__setitem__(index, x[0]), "layer inputs")
+    kwargs = session.pipeline.capture_inputs()[1][0]
+    adapter, layers = session.context.adapter, session.layers
     rows = []
     for i in range(len(layers) - 1):
         row = {"pair": [i, i + 1], **measure_pair(adapter, [layers[i], layers[i + 1]], inputs[i], kwargs)}

@@ -64,10 +64,11 @@ def llmcompressor_side(args) -> None:
 def session_for(model, tokenizer, ids, batch_size: int):
     from recipe_engine.architectures.adapters import adapter_for
     from recipe_engine.recipe.schema import CalibrationConfig
+    from recipe_engine.execution.context import RunContext
     from recipe_engine.execution.session import Session
 
     config = CalibrationConfig(samples=ids.shape[0], seq_len=ids.shape[1], batch_size=batch_size)
-    return Session(model, tokenizer, adapter_for(model.config), ids, config, torch.device("cpu"))
+    return Session(RunContext(tokenizer, adapter_for(model.config), config, torch.device("cpu")), model, ids)
 
 
 #: our variants: name → GPTQ parameters besides bits 4, sym, the group size and the export
@@ -84,7 +85,7 @@ def ours(model, tokenizer, ids, group_size: int, options: dict, batch_size: int)
     session = session_for(model, tokenizer, ids, batch_size)
     step = GPTQ(bits=4, group_size=group_size, sym=True, export="compressed-tensors", **options)
     start, cpu = time.perf_counter(), time.process_time()
-    session.run_layer_modifiers([step])
+    session.pipeline.run_layer_modifiers([step])
     return time.perf_counter() - start, time.process_time() - cpu, session
 
 

@@ -28,6 +28,7 @@ def child(mode: str, samples: int, seq_len: int) -> dict:
     from recipe_engine.io.data import load_text, sample_windows, tokenize
     from recipe_engine.io.models import load_model
     from recipe_engine.recipe.schema import CalibrationConfig
+    from recipe_engine.execution.context import RunContext
     from recipe_engine.execution.session import Session
 
     torch.manual_seed(0)
@@ -41,8 +42,9 @@ def child(mode: str, samples: int, seq_len: int) -> dict:
             for batch in windows.split(config.batch_size):
                 model(input_ids=batch, use_cache=False)
         elif mode == "layer_pass":
-            session = Session(model, tokenizer, adapter_for(model.config), windows, config, torch.device("cpu"))
-            session.layer_pass(lambda *_: None)
+            context = RunContext(tokenizer, adapter_for(model.config), config, torch.device("cpu"))
+            session = Session(context, model, windows)
+            session.pipeline.layer_pass(lambda *_: None)
         else:
             recipe = {"version": 1, "name": "overhead", "model": "smollm2-135m", "output": "unused",
                       "calibration": config.model_dump(), "modifiers": ["FuseNorm"]}

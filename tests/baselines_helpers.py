@@ -7,15 +7,17 @@ import torch
 
 from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.context import RunContext
+from recipe_engine.execution.modifier_view import ModifierView
 from recipe_engine.execution.session import Session
 
 
-def make_session(model, tokens, batch_size: int = 2, tokenizer=None) -> Session:
-    """A CPU session whose reference model is a copy of ``model`` taken now."""
+def make_session(model, tokens, batch_size: int = 2, tokenizer=None) -> ModifierView:
+    """A CPU session (as a modifier sees it) whose reference model is a copy of ``model`` taken now."""
     snapshot = copy.deepcopy(model)
     config = CalibrationConfig(samples=tokens.shape[0], seq_len=tokens.shape[1], batch_size=batch_size)
-    return Session(model, tokenizer, adapter_for(model.config), tokens, config, torch.device("cpu"),
-                   reference_loader=lambda: snapshot)
+    return Session(RunContext(tokenizer, adapter_for(model.config), config, torch.device("cpu")),
+                   model, tokens, reference_loader=lambda: snapshot).view
 
 
 def without_layers(model, remove: list[int]):

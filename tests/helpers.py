@@ -88,6 +88,12 @@ def random_tokens(batch: int = 2, length: int = 32, vocab: int = 128, seed: int 
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def run_pass(session, steps: list, checkpoints=None) -> dict:
+    """One layer-sequential pass of layer ``steps`` over a session given as a modifier sees it (the engine's
+    ``LayerPipeline.run_layer_modifiers``, as the steps runner makes it)."""
+    return session.session.pipeline.run_layer_modifiers(list(steps), checkpoints)
+
+
 def layer_kwargs(model, x: torch.Tensor) -> dict:
     """Keyword arguments a decoder layer of ``model`` needs to run causal attention on hidden states ``x``."""
     positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)

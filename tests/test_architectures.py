@@ -14,6 +14,7 @@ from recipe_engine.modifiers.gptq import GPTQ
 from recipe_engine.architectures.adapters import ADAPTERS, adapter_for
 from recipe_engine.errors import RecipeError
 from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.context import RunContext
 from recipe_engine.execution.session import Session
 from recipe_engine.architectures.shape import ModelShape
 from tests.helpers import ARCHITECTURES, CharTokenizer, hf_model_with_layers, random_tokens, tiny_config, tiny_model
@@ -57,7 +58,7 @@ def test_layer_sequential_nll_equals_hf_loss(model_type):
     model = tiny_model(model_type, num_hidden_layers=6)
     tokens = random_tokens(4, 32)
     config = CalibrationConfig(samples=4, seq_len=32, batch_size=2)
-    session = Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"))
+    session = Session(RunContext(None, adapter_for(model.config), config, torch.device("cpu")), model, tokens).view
     with torch.no_grad():
         expected = sum(float(model(b, labels=b).loss) for b in tokens.split(2)) / 2
     assert session.calibration_nll() == pytest.approx(expected, rel=1e-5)
@@ -67,8 +68,9 @@ def test_gemma3_sliding_layers_get_their_own_kwargs():
     """Without the per-type kwargs every layer would get layer 0's sliding mask: the loss would differ."""
     model = tiny_model("gemma3_text", num_hidden_layers=3)
     tokens = random_tokens(2, 32)
-    session = Session(model, None, adapter_for(model.config), tokens,
-                      CalibrationConfig(samples=2, seq_len=32, batch_size=2), torch.device("cpu"))
+    session = Session(RunContext(None, adapter_for(model.config),
+                                 CalibrationConfig(samples=2, seq_len=32, batch_size=2), torch.device("cpu")),
+                      model, tokens).view
     kwargs = session.capture_inputs().kwargs[0]
     by_type = kwargs["_recipe_layer_type_kwargs"]
     assert set(by_type) == {"sliding_attention", "full_attention"}

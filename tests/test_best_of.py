@@ -18,7 +18,8 @@ from recipe_engine.modifiers.nystrom_mlp import NystromMLP
 from recipe_engine.execution.steps import run_steps
 from recipe_engine.system.progress import Progress
 from recipe_engine.recipe.schema import parse_step, recipe_from_dict
-from recipe_engine.execution.session import Session
+from recipe_engine.execution.modifier_view import ModifierView
+from recipe_engine.execution.pipeline import LayerPipeline
 from recipe_engine.architectures.shape import ModelShape
 from recipe_engine.recipe.split import heldout_split
 from recipe_engine.plan.preflight import check_against_config
@@ -88,11 +89,11 @@ def test_heldout_search_equals_brute_force_on_the_score_windows(monkeypatch):
     fit_tokens, score_tokens = tokens[list(split.fit[:2]), :16], tokens[list(split.score[:2]), :16]
 
     fitted_on, scored_on = [], []
-    real_prune, real_nll = flatten_adjacent.prune_to_config, Session.final_nll
+    real_prune, real_nll = flatten_adjacent.prune_to_config, LayerPipeline.final_nll
     monkeypatch.setattr(flatten_adjacent, "prune_to_config", lambda probe, *args: (
         fitted_on.append(probe.calibration.clone()), real_prune(probe, *args))[1])
-    monkeypatch.setattr(Session, "final_nll", lambda self, finals, *args: (
-        scored_on.append(self.calibration.clone()), real_nll(self, finals, *args))[1])
+    monkeypatch.setattr(LayerPipeline, "final_nll", lambda self, finals, *args: (
+        scored_on.append(self.session.calibration.clone()), real_nll(self, finals, *args))[1])
     session = make_session(model, tokens)
     report = step.apply(session)
     monkeypatch.undo()
@@ -119,7 +120,7 @@ def standalone(original, steps, fit_tokens, score_tokens):
     by HF's forward (with any patch hooks) on the score windows."""
     model = copy.deepcopy(original)
     session = make_session(model, fit_tokens)
-    run_steps(session, [parse_step(s, i) for i, s in enumerate(steps)], Progress(enabled=False))
+    run_steps(session.session, [parse_step(s, i) for i, s in enumerate(steps)], Progress(enabled=False))
     with torch.no_grad():
         return model, float(model(score_tokens, labels=score_tokens).loss)
 
@@ -151,9 +152,9 @@ def test_best_of_equals_the_alternatives_run_alone(monkeypatch, refit):
     step = parse_step({"BestOf": {"alternatives": ALTERNATIVES, "refit": refit}}, 0)
     session = make_session(model, tokens)
     walked = []
-    capture = Session.capture_inputs
-    monkeypatch.setattr(Session, "capture_inputs", lambda self: (walked.append(self.calibration.clone()),
-                                                                 capture(self))[1])
+    capture = LayerPipeline.capture_inputs
+    monkeypatch.setattr(LayerPipeline, "capture_inputs", lambda self: (walked.append(self.session.calibration.clone()),
+                                                                       capture(self))[1])
     report = step.apply(session)
     monkeypatch.undo()
     split = heldout_split(8, 0)
@@ -240,7 +241,7 @@ def test_best_of_frees_each_losing_copy_before_the_next_alternative_copies_the_m
     step = parse_step({"BestOf": {"alternatives": [["ShortGPT<n:1>"], ["SLEB<n:1>"],
                                                    ["ShortGPT<n:1>", "LinearPatch"]]}}, 0)
     copies, alive_at_copy = [], []
-    real_branch = Session.branch
+    real_branch = ModifierView.branch
 
     def branch(self, calibration, steps=(), *, copy=True, memo=None):
         if not copy:
@@ -250,7 +251,7 @@ def test_best_of_frees_each_losing_copy_before_the_next_alternative_copies_the_m
         copies.append(weakref.ref(made.model))
         return made
 
-    monkeypatch.setattr(Session, "branch", branch)
+    monkeypatch.setattr(ModifierView, "branch", branch)
     gc.disable()
     try:
         step.apply(make_session(model, random_tokens(8, 16, seed=2)))

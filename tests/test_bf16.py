@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import recipe_engine
 from recipe_engine.recipe.registry import REGISTRY
-from recipe_engine.execution.session import Session
+from recipe_engine.execution.pipeline import LayerPipeline
 from recipe_engine.execution.stats import Statistic
 from tests.helpers import BYTE_VOCAB, random_tokens, save_tiny_model
 
@@ -89,7 +89,7 @@ def statistics_checked(monkeypatch, seen: list[str]):
             seen.append(self.key.split(":")[0])
 
         monkeypatch.setattr(cls, "update", update)
-    layer_pass = Session.layer_pass
+    layer_pass = LayerPipeline.layer_pass
 
     def checked_pass(self, visit, *args, **kwargs):
         def guarded(*a):
@@ -98,7 +98,7 @@ def statistics_checked(monkeypatch, seen: list[str]):
                 return visit(*a)
         return layer_pass(self, guarded, *args, **kwargs)
 
-    monkeypatch.setattr(Session, "layer_pass", checked_pass)
+    monkeypatch.setattr(LayerPipeline, "layer_pass", checked_pass)
     yield
 
 

@@ -43,6 +43,7 @@ import recipe_engine
 from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.recipe.registry import REGISTRY
 from recipe_engine.recipe.schema import recipe_from_dict
+from recipe_engine.execution.context import RunContext
 from recipe_engine.execution.session import Session
 from recipe_engine.execution.stats import InputCovariance
 from tests.helpers import BYTE_VOCAB, CharTokenizer, byte_tokenizer, tiny_model
@@ -174,8 +175,8 @@ def test_a_statistic_kept_on_the_host_fails_a_session_run():
 
     model = tiny_model(num_hidden_layers=2)
     recipe = recipe_from_dict(example_recipe_dict())
-    session = Session(model, None, adapter_for(model.config),
-                      torch.randint(0, 128, (4, 16)), recipe.calibration, torch.device(ACCELERATOR))
+    session = Session(RunContext(None, adapter_for(model.config), recipe.calibration, torch.device(ACCELERATOR)),
+                      model, torch.randint(0, 128, (4, 16))).view
     with AcceleratorStandIn():
         inputs = session.capture_inputs()
         assert inputs[0].device.type == "cpu"  # offloaded between layers

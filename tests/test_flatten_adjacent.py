@@ -8,14 +8,15 @@ from recipe_engine.modifiers.flatten_adjacent import FlattenAdjacent, merge_laye
 from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.errors import RecipeError
 from recipe_engine.recipe.schema import CalibrationConfig
-from recipe_engine.execution.session import Session
+from recipe_engine.execution.context import RunContext
+from recipe_engine.execution.session import Session, oversized_layers
 from recipe_engine.architectures.shape import ModelShape
-from tests.helpers import random_tokens, tiny_config, tiny_model
+from tests.helpers import random_tokens, run_pass, tiny_config, tiny_model
 
 
 def make_session(model, tokens):
     config = CalibrationConfig(samples=tokens.shape[0], seq_len=tokens.shape[1], batch_size=2)
-    return Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"))
+    return Session(RunContext(None, adapter_for(model.config), config, torch.device("cpu")), model, tokens).view
 
 
 def hand_similarity(entries: dict, size: int) -> torch.Tensor:
@@ -95,7 +96,7 @@ def test_flatten_reproduces_the_parallel_model(model_type):
     assert model.config.num_hidden_layers == 3 == len(model.model.layers)
     assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1, 2]
     assert session.layer_origin == [tuple(b) for b in blocks]
-    assert session.oversized_layers() == [i for i, b in enumerate(blocks) if len(b) > 1]
+    assert oversized_layers(session.session) == [i for i, b in enumerate(blocks) if len(b) > 1]
     artifacts = session.outputs.artifacts
     assert "similarity.png" in artifacts and artifacts["similarity.png"][:4] == b"\x89PNG"
 
@@ -263,7 +264,7 @@ def test_pruned_candidates_equal_the_pipeline_on_each_pair(model_type):
         blocks = [[i] for i in range(j)] + [[j, j + 1]] + [[i] for i in range(j + 2, 5)]
         session.set_layers([merge_layers([layers[i] for i in b], session.adapter) if len(b) > 1 else layers[b[0]]
                             for b in blocks], [tuple(b) for b in blocks], [b[0] for b in blocks])
-        session.run_layer_modifiers([HeadPrune(), NystromMLP(criterion="energy", target="merged")])
+        run_pass(session, [HeadPrune(), NystromMLP(criterion="energy", target="merged")])
         with torch.no_grad():
             expected.append(float(reference(probe_tokens, labels=probe_tokens).loss))
     session = make_session(model, tokens)
@@ -272,7 +273,7 @@ def test_pruned_candidates_equal_the_pipeline_on_each_pair(model_type):
     assert list(report["rounds"][0]["candidates"].values()) == pytest.approx(expected, rel=1e-5)
     best = min(range(4), key=lambda j: expected[j])
     assert report["rounds"][0]["merged"] == [best, best + 1]
-    assert session.oversized_layers() == [best]
+    assert oversized_layers(session.session) == [best]
 
 
 def test_nll_rounds_are_shared_as_a_prefix():
@@ -284,11 +285,11 @@ def test_nll_rounds_are_shared_as_a_prefix():
     rounds: list = []
     blocks_one, _ = select_blocks_by_nll(session, 1, rounds, pruned=False)
     first = dict(rounds[0])
-    runs = session.layer_runs
+    runs = session.session.work.runs
     blocks_two, rounds_two = select_blocks_by_nll(session, 2, rounds, pruned=False)
     assert rounds_two[0] == first and len(rounds_two) == 2
     # round 2 alone: one prefix walk (≤ 4 block runs) plus the candidates' suffixes, not round 1 again
-    assert session.layer_runs - runs <= 4 + sum(range(1, 5))
+    assert session.session.work.runs - runs <= 4 + sum(range(1, 5))
     fresh, _ = select_blocks_by_nll(make_session(copy.deepcopy(model), random_tokens(2, 16, seed=6)), 2,
                                     pruned=False)
     assert fresh == blocks_two

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from recipe_engine.modifiers.nystrom_mlp import NystromMLP
+from tests.helpers import run_pass
 from tests.test_flatten_pruning import merged_session, ridge_fit, run_layer_with_hook
 
 
@@ -28,7 +29,7 @@ def test_energy_criterion_keeps_the_channels_with_most_output_energy(model_type,
     expected = ridge_fit(act, weight, keep, ridge)[0] if compensate else weight[:, keep]
 
     step = NystromMLP(criterion="energy", compensate=compensate, target="merged")
-    report = session.run_layer_modifiers([step])["0"]["layers"]["1"]
+    report = run_pass(session, [step])["0"]["layers"]["1"]
     mlp = session.layers[1].mlp
     torch.testing.assert_close(mlp.gate_proj.weight, layer.mlp.gate_proj.weight[keep])
     torch.testing.assert_close(mlp.up_proj.weight, layer.mlp.up_proj.weight[keep])

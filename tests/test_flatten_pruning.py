@@ -12,9 +12,10 @@ from recipe_engine.modifiers.nystrom_mlp import NystromMLP
 from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.errors import RecipeError
 from recipe_engine.recipe.schema import CalibrationConfig
-from recipe_engine.execution.session import Session
+from recipe_engine.execution.context import RunContext
+from recipe_engine.execution.session import Session, oversized_layers
 from recipe_engine.architectures.shape import ModelShape
-from tests.helpers import layer_kwargs, random_tokens, tiny_config, tiny_model
+from tests.helpers import layer_kwargs, random_tokens, run_pass, tiny_config, tiny_model
 
 HEAD_DIM, QUERIES_PER_GROUP = 16, 2
 
@@ -29,8 +30,8 @@ def merged_session(model_type="llama", tokens=None, edit=None):
     tokens = random_tokens(4, 24) if tokens is None else tokens
     config = CalibrationConfig(samples=4, seq_len=24, batch_size=2)
     original = copy.deepcopy(model)
-    session = Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"),
-                      reference_loader=lambda: original)
+    session = Session(RunContext(None, adapter_for(model.config), config, torch.device("cpu")),
+                      model, tokens, reference_loader=lambda: original).view
     layers = list(model.model.layers)
     merged = merge_layers(layers[1:3], session.adapter)
     session.set_layers([layers[0], merged, layers[3]], [(0,), (1, 2), (3,)], [0, 1, 3])
@@ -70,7 +71,7 @@ def test_pruned_heads_keep_their_kv_groups(model_type, compensate):
     replaced by the refit), so every kept query head still reads its own KV head (and q/k/v biases)."""
     session, tokens = merged_session(model_type)
     reference = copy.deepcopy(session.layers[1])
-    report = session.run_layer_modifiers([HeadPrune(compensate=compensate)])["0"]["layers"]["1"]
+    report = run_pass(session, [HeadPrune(compensate=compensate)])["0"]["layers"]["1"]
     pruned = session.layers[1]
     assert pruned.self_attn.q_proj.out_features == 4 * HEAD_DIM and pruned.self_attn.k_proj.out_features == 2 * HEAD_DIM
     keep = kept_query_channels(report["kv_groups_kept"])
@@ -82,7 +83,7 @@ def test_pruned_heads_keep_their_kv_groups(model_type, compensate):
         kwargs = layer_kwargs(session.model, x)
         torch.testing.assert_close(pruned(x, **kwargs), reference(x, **kwargs),
                                    rtol=1e-5, atol=1e-5)
-    assert session.oversized_layers() == [1]  # the MLP is still wide
+    assert oversized_layers(session.session) == [1]  # the MLP is still wide
 
 
 def test_eq12_keeps_the_groups_with_largest_head_importance():
@@ -93,7 +94,7 @@ def test_eq12_keeps_the_groups_with_largest_head_importance():
     per_head = (z * row_norms).reshape(z.shape[0], 8, HEAD_DIM).pow(2).sum(-1).mean(0).sqrt()
     expected = sorted(per_head.reshape(4, 2).sum(1).topk(2).indices.tolist())
     o_weight = layer.self_attn.o_proj.weight.double().clone()
-    report = session.run_layer_modifiers([HeadPrune(criterion="eq12", compensate=False)])["0"]["layers"]["1"]
+    report = run_pass(session, [HeadPrune(criterion="eq12", compensate=False)])["0"]["layers"]["1"]
     assert report["kv_groups_kept"] == expected
     torch.testing.assert_close(session.layers[1].self_attn.o_proj.weight.double(),
                                o_weight[:, kept_query_channels(expected)])
@@ -118,7 +119,7 @@ def test_reconstruction_choice_and_refit_match_lstsq(exhaustive_limit):
             kept = min(([g for g in kept if g != d] for d in kept), key=error)
         expected = kept
     head_prune = HeadPrune(lambda_scale=0.01, exhaustive_limit=exhaustive_limit)
-    report = session.run_layer_modifiers([head_prune])["0"]["layers"]["1"]
+    report = run_pass(session, [head_prune])["0"]["layers"]["1"]
     assert report["kv_groups_kept"] == expected
     refit, fit_error = ridge_fit(z, weight, kept_query_channels(expected), ridge)
     torch.testing.assert_close(session.layers[1].self_attn.o_proj.weight.double(), refit, rtol=1e-4, atol=1e-5)
@@ -135,13 +136,13 @@ def test_nystrom_matches_leverage_and_stacked_lstsq():
     leverage = torch.diagonal(gram @ torch.linalg.inv(gram + ridge * torch.eye(192, dtype=torch.float64)))
     keep = leverage.topk(96).indices.sort().values
     refit, _ = ridge_fit(act, layer.mlp.down_proj.weight.double(), keep, ridge)
-    report = session.run_layer_modifiers([NystromMLP(target="merged")])["0"]["layers"]["1"]
+    report = run_pass(session, [NystromMLP(target="merged")])["0"]["layers"]["1"]
     mlp = session.layers[1].mlp
     assert report["channels_kept"] == 96 and report["channels_before"] == 192
     torch.testing.assert_close(mlp.gate_proj.weight, layer.mlp.gate_proj.weight[keep])
     torch.testing.assert_close(mlp.up_proj.weight, layer.mlp.up_proj.weight[keep])
     torch.testing.assert_close(mlp.down_proj.weight.double(), refit, rtol=1e-4, atol=1e-5)
-    assert session.oversized_layers() == [1]  # the heads are still wide
+    assert oversized_layers(session.session) == [1]  # the heads are still wide
 
 
 @pytest.mark.parametrize("target", ["serial", "original"])
@@ -149,11 +150,11 @@ def test_nystrom_refit_towards_target_matches_stacked_lstsq(target):
     """After Nyström, down_proj is refitted so the pruned layer reproduces the original layers 1 → 2 run
     serially (layer 0 is unchanged, so the serial and the original-model targets coincide here)."""
     session, tokens = merged_session()
-    original = session.reference_session().model
+    original = session.reference.model
     with torch.no_grad():
         wanted = original(tokens, output_hidden_states=True).hidden_states[3].reshape(-1, 64).double()
     pruned, _ = merged_session(tokens=tokens)  # the same seeded model
-    pruned.run_layer_modifiers([NystromMLP(target="merged")])
+    run_pass(pruned, [NystromMLP(target="merged")])
     x, out, act = run_layer_with_hook(pruned, tokens, pruned.layers[1], "mlp.down_proj")
     nystrom = pruned.layers[1].mlp.down_proj.weight.double()
     residual = wanted - out.reshape(-1, 64).double() + act @ nystrom.T  # y* − h (h: after attention)
@@ -162,7 +163,7 @@ def test_nystrom_refit_towards_target_matches_stacked_lstsq(target):
     rhs = torch.cat([residual, ridge ** 0.5 * nystrom.T])
     expected = torch.linalg.lstsq(lhs, rhs).solution.T
 
-    report = session.run_layer_modifiers([NystromMLP(target=target, target_scale=0.5)])["0"]["layers"]["1"]
+    report = run_pass(session, [NystromMLP(target=target, target_scale=0.5)])["0"]["layers"]["1"]
     down = session.layers[1].mlp.down_proj.weight.double()
     torch.testing.assert_close(down, expected, rtol=1e-4, atol=1e-5)
     _, refitted, _ = run_layer_with_hook(session, tokens, session.layers[1], "mlp.down_proj")
@@ -190,11 +191,11 @@ def test_nystrom_target_scale_by_cross_validation_matches_brute_force():
     fits (lstsq) on the other fold; the chosen multiple is the brute-force minimiser and the final
     down_proj the stacked lstsq refit on all tokens with it."""
     session, tokens = merged_session()
-    original = session.reference_session().model
+    original = session.reference.model
     with torch.no_grad():
         wanted = original(tokens, output_hidden_states=True).hidden_states[3].reshape(-1, 64).double()
     pruned, _ = merged_session(tokens=tokens)
-    pruned.run_layer_modifiers([NystromMLP(target="merged")])
+    run_pass(pruned, [NystromMLP(target="merged")])
     x, out, act = run_layer_with_hook(pruned, tokens, pruned.layers[1], "mlp.down_proj")
     nystrom = pruned.layers[1].mlp.down_proj.weight.double()
     residual = wanted - out.reshape(-1, 64).double() + act @ nystrom.T  # y* − h
@@ -211,7 +212,7 @@ def test_nystrom_target_scale_by_cross_validation_matches_brute_force():
                  for held, other in (folds, folds[::-1])) for s in scales]
     best = scales[brute.index(min(brute))]
 
-    report = session.run_layer_modifiers([NystromMLP(target_scales=scales)])["0"]["layers"]["1"]
+    report = run_pass(session, [NystromMLP(target_scales=scales)])["0"]["layers"]["1"]
     assert report["target_scale_chosen"] == best
     torch.testing.assert_close(torch.tensor(list(report["heldout_error"].values())), torch.tensor(brute),
                                rtol=1e-4, atol=0.0)
@@ -231,11 +232,11 @@ def test_fallback_keeps_the_candidate_with_least_refitted_error(model_type, edit
     down_proj refitted towards the original model by lstsq; the step must keep the brute-force best and
     its layer must compute that candidate's refitted output."""
     session, tokens = merged_session(model_type, edit=edit)
-    original = session.reference_session().model
+    original = session.reference.model
     with torch.no_grad():
         wanted = original(tokens, output_hidden_states=True).hidden_states[3].reshape(-1, 64).double()
     pruned, _ = merged_session(model_type, tokens=tokens, edit=edit)
-    pruned.run_layer_modifiers([NystromMLP(target="merged")])
+    run_pass(pruned, [NystromMLP(target="merged")])
     candidates = {"merged": pruned.layers[1], "1": original.model.layers[1], "2": original.model.layers[2]}
     outputs, errors = {}, {}
     for name, layer in candidates.items():
@@ -251,7 +252,7 @@ def test_fallback_keeps_the_candidate_with_least_refitted_error(model_type, edit
     if edit is weaken_layer_2:
         assert best == "1"
 
-    report = session.run_layer_modifiers([NystromMLP(fallback=True)])["0"]["layers"]["1"]
+    report = run_pass(session, [NystromMLP(fallback=True)])["0"]["layers"]["1"]
     assert report["kept"] == best
     for name, error in errors.items():
         assert report["candidates"][name] == pytest.approx(error, rel=1e-4)

@@ -7,13 +7,14 @@ import torch
 from recipe_engine.modifiers.fuse_norm import FuseNorm
 from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.context import RunContext
 from recipe_engine.execution.session import Session
 from tests.helpers import random_tokens, requires_smollm2, tiny_model
 
 
 def run_fuse(model, tokens, **params):
-    session = Session(model, None, adapter_for(model.config), tokens,
-                      CalibrationConfig(samples=tokens.shape[0], seq_len=tokens.shape[1]), torch.device("cpu"))
+    config = CalibrationConfig(samples=tokens.shape[0], seq_len=tokens.shape[1])
+    session = Session(RunContext(None, adapter_for(model.config), config, torch.device("cpu")), model, tokens).view
     return FuseNorm(**params).apply(session)
 
 

@@ -147,7 +147,8 @@ def helper(probe: "ModifierSession | None", layers):
 
 
 def test_the_modifier_session_is_small_and_the_session_implements_it():
-    """At most twelve methods (the module docstring names each); the engine's ``Session`` has every member,
+    """At most twelve methods (the module docstring names each); the engine's view of a session
+    (``Session.view``, a ``ModifierView``) has every member,
     a method with the protocol's parameters (names, kinds, defaults), a fact as a property or attribute."""
     import inspect
 
@@ -155,6 +156,7 @@ def test_the_modifier_session_is_small_and_the_session_implements_it():
 
     import recipe_engine.execution.modifier_session as protocol_module
     from recipe_engine.architectures.adapters import adapter_for
+    from recipe_engine.execution.context import RunContext
     from recipe_engine.execution.session import Session
     from recipe_engine.recipe.schema import CalibrationConfig
     from tests.helpers import random_tokens, tiny_model
@@ -162,8 +164,8 @@ def test_the_modifier_session_is_small_and_the_session_implements_it():
     assert len(PROTOCOL_METHODS) <= 12, PROTOCOL_METHODS
     assert all(f"~ModifierSession.{name}`" in protocol_module.__doc__ for name in PROTOCOL_METHODS)
     model = tiny_model()
-    session = Session(model, None, adapter_for(model.config), random_tokens(4, 16), CalibrationConfig(),
-                      torch.device("cpu"))
+    session = Session(RunContext(None, adapter_for(model.config), CalibrationConfig(), torch.device("cpu")),
+                      model, random_tokens(4, 16)).view
     for name in sorted(PROTOCOL):
         declared = vars(ModifierSession)[name]
         actual = inspect.getattr_static(session, name)  # a property is not evaluated

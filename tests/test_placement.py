@@ -49,14 +49,15 @@ def test_the_resolved_value_is_the_sessions_own_field_and_the_recipe_keeps_auto(
     """The runner resolves ``auto`` into ``Session.offload``; the calibration config (saved with the output as the
     recipe was written) is not rewritten, and siblings (the reference model, branches) share the decision."""
     from recipe_engine.architectures.adapters import adapter_for
+    from recipe_engine.execution.context import RunContext
     from recipe_engine.execution.session import Session
 
     model = tiny_model(num_hidden_layers=2)
     config = CalibrationConfig()
-    on_device = Session(model, None, adapter_for(model.config), torch.zeros(2, 8, dtype=torch.long), config,
-                        torch.device("meta"), offload=False)
-    assert on_device.storage == torch.device("meta") and config.offload == "auto"
-    assert on_device.sibling(model, None).storage == torch.device("meta")
-    default = Session(model, None, adapter_for(model.config), torch.zeros(2, 8, dtype=torch.long), config,
-                      torch.device("meta"))
-    assert default.offload is True and default.storage == torch.device("cpu")
+    on_device = Session(RunContext(None, adapter_for(model.config), config, torch.device("meta"), offload=False),
+                        model, torch.zeros(2, 8, dtype=torch.long))
+    assert on_device.context.storage == torch.device("meta") and config.offload == "auto"
+    assert on_device.sibling(model, None).context.storage == torch.device("meta")
+    default = Session(RunContext(None, adapter_for(model.config), config, torch.device("meta")),
+                      model, torch.zeros(2, 8, dtype=torch.long))
+    assert default.context.offload is True and default.context.storage == torch.device("cpu")

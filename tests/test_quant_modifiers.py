@@ -11,7 +11,7 @@ from recipe_engine.io.checkpoint_writer import write_checkpoint
 from recipe_engine.errors import RecipeError
 from recipe_engine.recipe.schema import recipe_from_dict
 from recipe_engine.plan.preflight import check_against_config
-from tests.helpers import CharTokenizer, random_tokens, tiny_config, tiny_model
+from tests.helpers import CharTokenizer, random_tokens, run_pass, tiny_config, tiny_model
 from tests.test_session import make_session
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -82,7 +82,7 @@ def test_gptq_step_uses_layer_hessians_and_beats_rtn():
             from recipe_engine.modifiers.quantize import Quantize
             Quantize(group_size=16).apply(make_session(model, tokens))
         else:
-            make_session(model, tokens).run_layer_modifiers([step])
+            run_pass(make_session(model, tokens), [step])
         with torch.no_grad():
             results[name] = model(tokens).logits
     reference = tiny_model()(tokens).logits.detach()
@@ -120,7 +120,7 @@ def test_fusenorm_gptq_recipe_exports_compressed_tensors(tmp_path, sym):
 def test_export_refuses_weights_moved_off_grid(tmp_path):
     model = tiny_model()
     session = make_session(model, random_tokens(4, 32))
-    session.run_layer_modifiers([GPTQ(group_size=16, export="compressed-tensors")])
+    run_pass(session, [GPTQ(group_size=16, export="compressed-tensors")])
     with torch.no_grad():
         weight = model.model.layers[1].mlp.up_proj.weight
         weight.add_(1e-3 * torch.randn_like(weight))
@@ -180,7 +180,7 @@ def test_gptq_step_equals_gptq_on_each_linear_with_its_own_gram():
         for batch in tokens.split(2):
             reference(batch)
     model = tiny_model()
-    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16, sym=False, act_order=True,
+    run_pass(make_session(model, tokens), [GPTQ(group_size=16, sym=False, act_order=True,
                                                                   sequential=False)])
     for target in LINEARS:
         original = reference.model.layers[0].get_submodule(target).weight
@@ -218,8 +218,8 @@ def test_sequential_gptq_requantizes_from_refreshed_hessians():
                 linear.weight.copy_(quantized.dequantized)
     model, one_pass = tiny_model(), tiny_model()
     # sequential, act_order: the defaults; the reference's scales rounded to the model dtype, as every format
-    make_session(model, tokens).run_layer_modifiers([GPTQ(group_size=16, export="dequantized")])
-    make_session(one_pass, tokens).run_layer_modifiers([GPTQ(group_size=16, sequential=False, export="dequantized")])
+    run_pass(make_session(model, tokens), [GPTQ(group_size=16, export="dequantized")])
+    run_pass(make_session(one_pass, tokens), [GPTQ(group_size=16, sequential=False, export="dequantized")])
     for index, target in ((i, t) for i in range(len(model.model.layers)) for t in LINEARS):
         torch.testing.assert_close(model.model.layers[index].get_submodule(target).weight,
                                    reference.model.layers[index].get_submodule(target).weight, rtol=0, atol=1e-5)

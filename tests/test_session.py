@@ -7,14 +7,15 @@ import torch
 from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.recipe.modifier import LayerModifier
 from recipe_engine.recipe.schema import CalibrationConfig
+from recipe_engine.execution.context import RunContext
 from recipe_engine.execution.session import Session
 from recipe_engine.execution.stats import InputCovariance
-from tests.helpers import layer_kwargs, random_tokens, tiny_model
+from tests.helpers import layer_kwargs, random_tokens, run_pass, tiny_model
 
 
 def make_session(model, tokens, **cal):
     config = CalibrationConfig(samples=tokens.shape[0], seq_len=tokens.shape[1], batch_size=2, **cal)
-    return Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"))
+    return Session(RunContext(None, adapter_for(model.config), config, torch.device("cpu")), model, tokens).view
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
@@ -92,7 +93,7 @@ def test_layer_group_statistics_follow_propagation(propagate):
             reference_model.model.layers[1].mlp.down_proj.weight.zero_()
     expected = _down_input_gram(reference_model, tokens, 2)
     modifier = RecordingModifier(layers=[1, 2])
-    report = make_session(model, tokens, propagate=propagate).run_layer_modifiers([modifier])
+    report = run_pass(make_session(model, tokens, propagate=propagate), [modifier])
     assert report["0"]["layers"]["2"]["tokens"] == tokens.numel()
     assert report["0"]["layers"]["2"]["trace"] == pytest.approx(float(expected.trace()), rel=1e-6)
 
@@ -129,12 +130,12 @@ def test_compress_layer_sees_inputs_serial_and_original_targets():
     with torch.no_grad():
         hidden = original(tokens, output_hidden_states=True).hidden_states
     config = CalibrationConfig(samples=4, seq_len=16, batch_size=2)
-    session = Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"),
-                      reference_loader=lambda: original)
+    session = Session(RunContext(None, adapter_for(model.config), config, torch.device("cpu")),
+                      model, tokens, reference_loader=lambda: original).view
     layers = list(model.model.layers)
     session.set_layers([layers[0], layers[1], layers[3]], [(0,), (1, 2), (3,)], [0, 1, 3])
     probe = TargetProbe(layers=[0, 1, 2])
-    session.run_layer_modifiers([probe])
+    run_pass(session, [probe])
     torch.testing.assert_close(probe.seen[0][0], hidden[0])
     torch.testing.assert_close(probe.seen[0][2], hidden[1], rtol=1e-5, atol=1e-5)
     inputs, serial, reference = probe.seen[1]
@@ -204,7 +205,7 @@ def test_released_statistic_is_freed_and_recollected_for_a_later_step():
     tokens = random_tokens(4, 16)
     expected = float(_down_input_gram(copy.deepcopy(model), tokens, 1).trace())
     first, second = ReleasingModifier(layers=[1]), RecordingModifier(layers=[1])
-    report = make_session(model, tokens).run_layer_modifiers([first, second])
+    report = run_pass(make_session(model, tokens), [first, second])
     assert report["0"]["layers"]["1"]["trace"] == pytest.approx(expected, rel=1e-6)
     # the second step got a freshly collected Gram, not the released (None) one
     assert report["1"]["layers"]["1"]["trace"] == pytest.approx(expected, rel=1e-6)
@@ -275,7 +276,7 @@ def test_a_statistics_only_run_stops_after_the_last_block_it_reads():
     mlp_ran = []
     handle = layer.mlp.register_forward_hook(lambda *_: mlp_ran.append(True))
     try:
-        returned = session.pipeline.run_layer(layer, inputs, hooks=[early], stop_after=last_block([early]))
+        returned = session.session.pipeline.run_layer(layer, inputs, hooks=[early], stop_after=last_block([early]))
     finally:
         handle.remove()
     assert torch.equal(full.gram, early.gram) and full.count == early.count

@@ -5,7 +5,7 @@ import torch
 from recipe_engine.recipe.modifier import LayerModifier
 from recipe_engine.execution.staged import StagedLayer
 from recipe_engine.execution.stats import Statistic
-from tests.helpers import random_tokens, tiny_model
+from tests.helpers import random_tokens, run_pass, tiny_model
 from tests.test_session import make_session
 
 SOURCES = ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"]
@@ -129,7 +129,7 @@ class RecordsInputs(LayerModifier):
 def layer1_inputs(steps):
     session = make_session(tiny_model(), random_tokens(4, 24))
     RECORDED_INPUTS.clear()
-    session.run_layer_modifiers([*steps, RecordsInputs()])
+    run_pass(session, [*steps, RecordsInputs()])
     return RECORDED_INPUTS[-1]
 
 

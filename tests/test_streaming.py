@@ -163,6 +163,7 @@ def streamed_session(tmp_path):
     """A session on a tiny 6-layer checkpoint streamed from ``tmp_path / "model"`` (staging in
     ``tmp_path / "staging"``), on CPU; returns it and the checkpoint's directory."""
     from recipe_engine.architectures.adapters import adapter_for
+    from recipe_engine.execution.context import RunContext
     from recipe_engine.execution.session import Session
     from recipe_engine.execution.streaming import open_stream
     from recipe_engine.io.models import load_model
@@ -172,8 +173,9 @@ def streamed_session(tmp_path):
     saved_model(model_dir)
     model, tokenizer, source = load_model(str(model_dir), skeleton=True)
     adapter = adapter_for(model.config)
-    session = Session(model, tokenizer, adapter, random_tokens(vocab=BYTE_VOCAB), CalibrationConfig(batch_size=2),
-                      torch.device("cpu"), stream=open_stream(model, adapter, source.location, tmp_path / "staging"))
+    session = Session(RunContext(tokenizer, adapter, CalibrationConfig(batch_size=2), torch.device("cpu")),
+                      model, random_tokens(vocab=BYTE_VOCAB),
+                      stream=open_stream(model, adapter, source.location, tmp_path / "staging"))
     return session, model_dir
 
 
@@ -185,7 +187,7 @@ def test_release_stages_only_changed_units(tmp_path, monkeypatch):
 
     trims = []  # the heap is trimmed once per block, after its units are released
     monkeypatch.setattr(streaming, "trim_heap", lambda: trims.append(is_materialized(session.layers[0])))
-    with session.loaded(0, 1):
+    with session.residency.loaded(0, 1):
         layer = session.layers[0]
         torch.testing.assert_close(layer.mlp.up_proj.weight, reference.model.layers[0].mlp.up_proj.weight,
                                    rtol=0, atol=0)
@@ -194,7 +196,7 @@ def test_release_stages_only_changed_units(tmp_path, monkeypatch):
     assert not is_materialized(session.layers[0]) and not is_materialized(session.layers[1])
     session.stream.drain()  # the changed layer's file is written behind the compute
     assert len(list((tmp_path / "staging").iterdir())) == 1 and trims == [False]
-    with session.loaded(0):
+    with session.residency.loaded(0):
         torch.testing.assert_close(session.layers[0].mlp.up_proj.weight,
                                    2 * reference.model.layers[0].mlp.up_proj.weight, rtol=0, atol=0)
         with torch.no_grad():
@@ -527,8 +529,8 @@ def test_memory_estimate_with_the_activations_on_a_device(tmp_path, capsys, stre
                                     "Quantize<group_size:32,sym:false,export:compressed-tensors>"]])
 def test_packed_export_streamed_equals_in_memory_without_the_whole_model(tmp_path, monkeypatch, steps):
     """The engine's writer packs quantized linears unit by unit: a streamed run never makes the whole
-    model resident (``Session.resident`` is refused), and its packed files equal the in-memory run's."""
-    from recipe_engine.execution.session import Session
+    model resident (``Residency.resident`` is refused), and its packed files equal the in-memory run's."""
+    from recipe_engine.execution.residency import Residency
 
     model_dir = tmp_path / "model"
     saved_model(model_dir)
@@ -536,7 +538,7 @@ def test_packed_export_streamed_equals_in_memory_without_the_whole_model(tmp_pat
 
     def refuse(_session):
         raise AssertionError("the whole model was made resident")
-    monkeypatch.setattr(Session, "resident", refuse)
+    monkeypatch.setattr(Residency, "resident", refuse)
     recipe_engine.apply(recipe(tmp_path, model_dir, steps, "on", "out-on"), progress=False)
     assert_same_weights(tmp_path / "out-off", tmp_path / "out-on")
     configs = [json.loads((tmp_path / f"out-{s}" / "config.json").read_text()) for s in ("off", "on")]
@@ -682,13 +684,13 @@ def test_a_staging_write_behind_the_compute_is_read_whole_or_its_error_raised(tm
         real_save(tensors, path)
 
     monkeypatch.setattr(streaming, "save_file", slow_save)
-    with session.loaded(0):
+    with session.residency.loaded(0):
         expected = session.layers[0].mlp.up_proj.weight.detach().clone() * 3
         with torch.no_grad():
             session.layers[0].mlp.up_proj.weight.mul_(3)
     assert not is_materialized(session.layers[0]) and not list((tmp_path / "staging").glob("*.safetensors"))
     release.set()
-    with session.loaded(0):  # waits for the write, then reads the changed weights
+    with session.residency.loaded(0):  # waits for the write, then reads the changed weights
         assert torch.equal(session.layers[0].mlp.up_proj.weight, expected)
     assert writers and writers[0].startswith("recipe-staging")
 
@@ -696,16 +698,16 @@ def test_a_staging_write_behind_the_compute_is_read_whole_or_its_error_raised(tm
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(streaming, "save_file", full_disk)
-    with session.loaded(1):
+    with session.residency.loaded(1):
         with torch.no_grad():
             session.layers[1].mlp.up_proj.weight.mul_(2)
     with pytest.raises(OSError, match="No space left"):
         session.stream.drain()
-    with session.loaded(2):
+    with session.residency.loaded(2):
         with torch.no_grad():
             session.layers[2].mlp.up_proj.weight.mul_(2)
     with pytest.raises(OSError, match="No space left"):
-        with session.loaded(2):
+        with session.residency.loaded(2):
             pass
 
 
@@ -746,18 +748,18 @@ def test_a_pass_reads_each_next_layer_ahead_once_and_never_from_a_stale_home(tmp
 
     monkeypatch.setattr(CheckpointReader, "read", counted)
     for i in range(6):
-        with session.placed(i):
+        with session.view.placed(i):
             torch.testing.assert_close(session.layers[i].state_dict(), reference.model.layers[i].state_dict(),
                                        rtol=0, atol=0)
     assert [layer for _, layer in reads] == [0, 1, 2, 3, 4, 5]
     assert reads[0][0] == "MainThread" and all(name.startswith("recipe-read-ahead") for name, _ in reads[1:])
 
     reads.clear()
-    with session.placed(0):   # reads layer 1 ahead ...
+    with session.view.placed(0):   # reads layer 1 ahead ...
         pass
-    with session.loaded(3):   # ... which is not used next: dropped, layer 3 read here
+    with session.residency.loaded(3):   # ... which is not used next: dropped, layer 3 read here
         pass
-    with session.placed(1):   # reads layer 2 ahead: wait for that read before counting
+    with session.view.placed(1):   # reads layer 2 ahead: wait for that read before counting
         pass
     session.stream._ahead[2].result()
     assert [layer for _, layer in reads] == [0, 1, 3, 1, 2]
@@ -767,7 +769,7 @@ def test_a_pass_reads_each_next_layer_ahead_once_and_never_from_a_stale_home(tmp
     save_file(changed, str(tmp_path / "layer4.safetensors"))
     session.stream.read_ahead(layer)
     session.stream.adopt(layer, tmp_path / "layer4.safetensors", {name: name for name in changed})
-    with session.loaded(4):
+    with session.residency.loaded(4):
         torch.testing.assert_close(session.layers[4].state_dict(), changed, rtol=0, atol=0)
 
 
@@ -825,7 +827,7 @@ def test_a_streamed_whole_model_forward_reads_each_next_unit_ahead(tmp_path, mon
     ids = torch.randint(0, BYTE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), forward_streamed(session, torch.device("cpu")):
         logits = [session.model(input_ids=ids).logits for _ in range(2)]
-    units = len(session.stream_units())
+    units = len(session.residency.stream_units())
     session.stream._reader.submit(lambda: None).result()  # one reader thread: the reads queued before are done
     assert len(threads) == 2 * units + 1  # the wrap-around read of a third forward's embeddings ...
     assert session.stream._ahead is None  # ... dropped when the block ends

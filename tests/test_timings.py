@@ -81,11 +81,11 @@ def test_timings_path_option_and_no_log_without_an_output(tmp_path, monkeypatch)
     recipe_engine.apply({**again, "output": str(tmp_path / "second")}, progress=False, write=False)
     assert not (tmp_path / "second.timings.jsonl").exists() and not (tmp_path / "second").exists()
     # a run that fails after it started its log leaves nothing beside the output; a named log stays
-    from recipe_engine.execution.session import Session
+    from recipe_engine.execution.pipeline import LayerPipeline
 
     def fail(*_args, **_kwargs):
         raise RuntimeError("a step failed")
-    monkeypatch.setattr(Session, "run_layer_modifiers", fail)
+    monkeypatch.setattr(LayerPipeline, "run_layer_modifiers", fail)
     failing = {**again, "output": str(tmp_path / "third"), "modifiers": ["FuseNorm", "GPTQ<group_size:16>"]}
     with pytest.raises(RuntimeError, match="a step failed"):
         recipe_engine.apply(failing, progress=False)

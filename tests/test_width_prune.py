@@ -23,10 +23,12 @@ from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.architectures.shape import ModelShape
 from recipe_engine.cli import main as cli_main
 from recipe_engine.errors import RecipeError
-from recipe_engine.execution.session import Session
+from recipe_engine.execution.context import RunContext
+from recipe_engine.execution.session import Session, oversized_layers
 from recipe_engine.modifiers.width_prune import WidthPrune
 from recipe_engine.recipe.schema import CalibrationConfig
-from tests.helpers import TINY, CharTokenizer, layer_kwargs, random_tokens, save_tiny_model, tiny_config, tiny_model
+from tests.helpers import (TINY, CharTokenizer, layer_kwargs, random_tokens, run_pass, save_tiny_model, tiny_config,
+                           tiny_model)
 
 HEAD_DIM, HIDDEN = 16, 64
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 60
@@ -37,8 +39,8 @@ def session_of(model, tokens):
     """A session over ``model`` calibrated on ``tokens`` (batches of 2), with a copy of it as the original."""
     original = copy.deepcopy(model)
     config = CalibrationConfig(samples=tokens.shape[0], seq_len=tokens.shape[1], batch_size=2)
-    return Session(model, None, adapter_for(model.config), tokens, config, torch.device("cpu"),
-                   reference_loader=lambda: original), original
+    return Session(RunContext(None, adapter_for(model.config), config, torch.device("cpu")),
+                   model, tokens, reference_loader=lambda: original).view, original
 
 
 @torch.no_grad()
@@ -76,7 +78,7 @@ def test_channels_are_the_top_ridge_leverage_and_down_proj_the_ridge_solve():
     model = tiny_model("llama", attn_implementation="eager")
     tokens = random_tokens(4, 24)
     session, original = session_of(model, tokens)
-    report = session.run_layer_modifiers([WidthPrune(target="none")])["0"]
+    report = run_pass(session, [WidthPrune(target="none")])["0"]
     with torch.no_grad():
         states = model(tokens, output_hidden_states=True).hidden_states  # the stream the pass calibrated on
     for i, layer in enumerate(model.model.layers):
@@ -88,7 +90,7 @@ def test_channels_are_the_top_ridge_leverage_and_down_proj_the_ridge_solve():
         refit, _ = ridge_fit(act, source.mlp.down_proj.weight, keep, ridge)
         torch.testing.assert_close(layer.mlp.down_proj.weight.double(), refit, rtol=1e-4, atol=1e-5)
         assert report["layers"][str(i)]["channels_kept"] == 72
-    assert model.config.intermediate_size == 72 and session.oversized_layers() == []
+    assert model.config.intermediate_size == 72 and oversized_layers(session.session) == []
 
 
 @pytest.mark.parametrize("target", ["original", "layer"])
@@ -97,9 +99,9 @@ def test_target_refit_is_the_closed_form_ridge_solve(target):
     targets coincide at the first layer): lstsq on ``[σ_K; √λ I] Wᵀ = [y* − h; √λ W'ᵀ]``, λ = 0.5 × mean eig."""
     tokens = random_tokens(4, 24)
     nystrom, _ = session_of(tiny_model("llama", attn_implementation="eager"), tokens)
-    nystrom.run_layer_modifiers([WidthPrune(target="none")])
+    run_pass(nystrom, [WidthPrune(target="none")])
     session, original = session_of(tiny_model("llama", attn_implementation="eager"), tokens)
-    entry = session.run_layer_modifiers([WidthPrune(target=target, target_scale=0.5)])["0"]["layers"]["0"]
+    entry = run_pass(session, [WidthPrune(target=target, target_scale=0.5)])["0"]["layers"]["0"]
     with torch.no_grad():
         states = original(tokens, output_hidden_states=True).hidden_states
     wanted = states[1].reshape(-1, HIDDEN).double()
@@ -122,7 +124,7 @@ def test_kept_kv_groups_and_o_proj_are_the_brute_force_ridge_best():
     model = tiny_model("qwen2", attn_implementation="eager")
     tokens = random_tokens(4, 24)
     session, original = session_of(model, tokens)
-    report = session.run_layer_modifiers([WidthPrune(kv_groups_keep=1, mlp_keep=1, target="none")])["0"]
+    report = run_pass(session, [WidthPrune(kv_groups_keep=1, mlp_keep=1, target="none")])["0"]
     with torch.no_grad():
         states = model(tokens, output_hidden_states=True).hidden_states
     for i, layer in enumerate(model.model.layers):

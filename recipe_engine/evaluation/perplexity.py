@@ -58,9 +58,9 @@ def streamed_perplexity(session, text: str, seq_len: int, limit: int | None, sou
     """``perplexity`` of a streamed model, computed layer by layer over the windows (one layer's weights and
     the windows' hidden states in memory): the session's ``calibration_nll`` on the evaluation windows,
     the same token-weighted next-token NLL as ``window_nll``."""
-    ids = tokenize(session.tokenizer, text)
+    ids = tokenize(session.context.tokenizer, text)
     windows = make_windows(ids, seq_len, limit, source)
-    nll = session.sibling(session.model, session.stream, calibration=windows).calibration_nll()
+    nll = session.sibling(session.model, session.stream, calibration=windows).view.calibration_nll()
     return {"ppl": math.exp(nll), "nll": nll, "tokens": windows.shape[0] * (seq_len - 1),
             "windows": windows.shape[0], "windows_available": ids.numel() // seq_len, "seq_len": seq_len,
             "fingerprint": fingerprint(windows)}

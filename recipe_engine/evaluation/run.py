@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..architectures.adapters import adapter_for
 from ..errors import RecipeError, SourceError
+from ..execution.context import RunContext
 from ..execution.session import Session
 from ..execution.streaming import forward_streamed, open_stream
 from ..io.data import load_text
@@ -52,7 +53,7 @@ def evaluation_session(spec: str, dtype: str, device, stream: str = "auto", prog
     model, tokenizer, source = load_model(spec, dtype, skeleton=streamed)
     adapter = adapter_for(model.config) if streamed else None  # in memory: any architecture evaluates
     stream = open_stream(model, adapter, source.location, None) if streamed else None
-    session = Session(model, tokenizer, adapter, None, CalibrationConfig(batch_size=1), device, progress,
+    session = Session(RunContext(tokenizer, adapter, CalibrationConfig(batch_size=1), device, progress), model, None,
                       stream=stream)
     return session, source
 
@@ -61,7 +62,7 @@ def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
     """``evaluate_model`` on the session's model; a streamed model gets layer-streamed perplexity
     (``streamed_perplexity``) and zero-shot tasks with one unit resident at a time (``forward_streamed``)."""
     if session.stream is None:
-        return evaluate_model(session.model, session.tokenizer, config, session.device, progress)
+        return evaluate_model(session.model, session.context.tokenizer, config, session.context.device, progress)
     if generation_tasks(config.tasks):
         raise RecipeError(f"generation tasks ({', '.join(generation_tasks(config.tasks))}) need the model in memory; "
                           f"this one is streamed from disk (--stream off / stream: off to load it whole)")
@@ -72,9 +73,9 @@ def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
         results["perplexity"] = {"dataset": source.name, "origin": source.origin, **streamed_perplexity(
             session, source.text, ppl.seq_len, ppl.limit, source.origin)}
     if config.tasks:
-        with forward_streamed(session, session.device):
-            results["zero_shot"] = zero_shot(session.model, session.tokenizer, config.tasks, config.limit,
-                                             session.device, config.task_data)
+        with forward_streamed(session, session.context.device):
+            results["zero_shot"] = zero_shot(session.model, session.context.tokenizer, config.tasks, config.limit,
+                                             session.context.device, config.task_data)
     return results
 
 

@@ -7,7 +7,7 @@ gloo on CPU, NCCL on CUDA (device ``cuda:LOCAL_RANK``). Rank 0 writes the output
 Design (no modifier needs to know; llm-compressor's DDP oneshot splits the dataset the same way):
 
 * **Split layer runs, replicated activations.** Every rank holds the same calibration tokens and the same
-  activations. ``Session.run_layer`` runs rank r's contiguous share of the batches (``share``: batches
+  activations. ``LayerPipeline.run_layer`` runs rank r's contiguous share of the batches (``share``: batches
   ``[r·B/N, (r+1)·B/N)``, deterministic), then all-gathers the outputs (``gather``), so every rank goes on
   with every batch's output in the global order: bit-identical to a one-process run (same per-batch
   arithmetic). Anything a step computes from activations (similarities, Block Influence, targets, solves)
@@ -20,7 +20,7 @@ Design (no modifier needs to know; llm-compressor's DDP oneshot splits the datas
 * **Replicated where the engine cannot reduce.** A run with a per-batch callback (``on_batch``: the caller
   accumulates itself), a run with fewer batches than ranks and steps that build their own session run every
   batch on every rank: correct, no speed-up. ``StagedLayer``'s piecewise runs are split like layer runs.
-* **Spread solves.** ``map`` (``Session.map``) gives each rank a share of independent items (e.g. HeadPrune's
+* **Spread solves.** ``map`` (``ModifierSession.map``) gives each rank a share of independent items (e.g. HeadPrune's
   candidate subsets, one ridge solve each) and all-gathers the results.
 * **Guard.** After each compressed layer and each model-scope step the ranks compare a sha256 of the layer's
   weights (of the step's report, the layer structure and the materialized weights): a mismatch stops every

@@ -1,6 +1,7 @@
 """What a modifier may do with the session it is handed: the :class:`ModifierSession` protocol.
 
-The engine's :class:`~recipe_engine.execution.session.Session` implements it and more (residency of a
+The engine implements it as :class:`~recipe_engine.execution.modifier_view.ModifierView`, the view of a
+:class:`~recipe_engine.execution.session.Session` a step is handed (the session has more: residency of a
 streamed model, data-parallel ranks, resume checkpoints, the sweep memo, the pass over layer steps); a
 modifier sees only this. ``tests/test_modifier_api.py`` checks every built-in modifier uses nothing else.
 

@@ -24,7 +24,7 @@ def carry_source_grids(session, reader) -> set[str]:
     none), ``"layout"`` (a packed layout a record cannot hold, e.g. GPTQ v1 groups reordered by act-order),
     ``"scales"`` (the format stores scales in the model dtype, and this run's is not the source's: the scales
     would be rounded, and the packed weights would not be the run's)."""
-    if session.adapter.experts is not None:  # its experts are 3-D tensors; an output packs all of them or none
+    if session.context.adapter.experts is not None:  # its experts are 3-D tensors; an output packs all of them or none
         return {"experts"}
     modules = dict(session.model.named_modules())
     records = reader.quantization_records()
@@ -50,7 +50,7 @@ def drop_changed_grids(session) -> tuple[int, bool]:
     present = set(session.model.modules())
     units, read = {}, {}
     if session.stream is not None:
-        units = {module: (unit, prefix) for unit in session.stream_units()
+        units = {module: (unit, prefix) for unit in session.residency.stream_units()
                  for prefix, module in unit.named_modules()}
     changed = 0
     for key in list(quantized):

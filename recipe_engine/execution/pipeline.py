@@ -99,8 +99,8 @@ class _Recorder(nn.Module):
 
 
 class LayerPipeline:
-    """The layer-sequential execution of one session (its model, calibration, device and residency). Calls
-    between its parts go through the session's methods of the same names, as a step's do."""
+    """The layer-sequential execution of one session (its model, calibration windows and residency, over the
+    run's context). Its parts call one another directly; steps reach them through the session's view."""
 
     def __init__(self, session: "Session"):
         # a weak reference: no cycle with the session, so a dropped session (a BestOf branch's copy of the
@@ -123,11 +123,12 @@ class LayerPipeline:
         the sweep memo when the embedding matrix is unchanged; callers never modify them in place). Starts a
         calibration pass (``passes.count()``)."""
         s = self.session
-        s.passes.count()
-        embedding = s.adapter.embeddings(s.model).weight
+        ctx = s.context
+        ctx.passes.count()
+        embedding = ctx.adapter.embeddings(s.model).weight
         if s.memo is None or s.stream is not None or embedding.is_meta:
             return self._capture()
-        return s.memo.capture(embedding, self._capture).copy(s.timings.moved)
+        return s.memo.capture(embedding, self._capture).copy(ctx.timings.moved)
 
     @torch.no_grad()
     def _capture(self) -> Activations:
@@ -136,22 +137,23 @@ class LayerPipeline:
         (``config.layer_types``: Gemma 3's sliding / global attention masks and rotary embeddings) the first
         layer of each type records its own under ``LAYER_TYPE_KWARGS`` (``ArchitectureAdapter.layer_kwargs``)."""
         s = self.session
+        ctx = s.context
         count, windows = len(s.layers), s.batches
-        capture = _Capture(s.storage, list(getattr(s.model.config, "layer_types", None) or []), count,
-                           s.timings.moved)
+        capture = _Capture(ctx.storage, list(getattr(s.model.config, "layer_types", None) or []), count,
+                           ctx.timings.moved)
         layers = s.layers
-        s.adapter.set_layer_list(s.model, nn.ModuleList([_Recorder(i, capture) for i in range(count)]))
+        ctx.adapter.set_layer_list(s.model, nn.ModuleList([_Recorder(i, capture) for i in range(count)]))
         try:
-            with s.using(s.adapter.embeddings(s.model)), s.on_device(s.adapter.rotary(s.model)), \
-                    s.timings.phase("forward"):
+            with s.residency.using(ctx.adapter.embeddings(s.model)), \
+                    s.residency.on_device(ctx.adapter.rotary(s.model)), ctx.timings.phase("forward"):
                 for batch in windows:
                     try:
-                        s.model.model(input_ids=load(batch, s.device, s.timings.moved), use_cache=False)
+                        s.model.model(input_ids=load(batch, ctx.device, ctx.timings.moved), use_cache=False)
                     except _Captured:
                         pass
         finally:
-            s.adapter.set_layer_list(s.model, layers)
-        return Activations(capture.inputs, capture.kwargs, windows, s.storage, s.timings.moved)
+            ctx.adapter.set_layer_list(s.model, layers)
+        return Activations(capture.inputs, capture.kwargs, windows, ctx.storage, ctx.timings.moved)
 
     @torch.no_grad()
     def run_layer(self, layer: nn.Module, inputs: Activations, hooks: list[Statistic] = (),
@@ -165,7 +167,8 @@ class LayerPipeline:
         Data-parallel (``session.parallel``): without ``on_batch`` each rank runs its share of the batches,
         the hooks' sums are all-reduced in fp64 and the outputs all-gathered (every rank returns all)."""
         s = self.session
-        share = s.parallel.share(len(inputs)) if on_batch is None else None
+        ctx = s.context
+        share = ctx.parallel.share(len(inputs)) if on_batch is None else None
         handles = []
         for stat in hooks:
             module = layer.get_submodule(stat.module) if stat.module else layer
@@ -180,73 +183,43 @@ class LayerPipeline:
         def before(_position: int, k: int) -> None:
             for stat in hooks:
                 stat.batch = k
-            s.count_layer_work(batches=1)
+            s.work.count(batches=1)
 
         try:
-            with s.timings.phase("forward"):
-                outputs = inputs.run(layer, s.device, share, kwargs_of=partial(s.adapter.layer_kwargs, layer),
+            with ctx.timings.phase("forward"):
+                outputs = inputs.run(layer, ctx.device, share, kwargs_of=partial(ctx.adapter.layer_kwargs, layer),
                                      before=before, after=on_batch, stops=(_Collected,))
         finally:
             for handle in handles:
                 handle.remove()
-        s.count_layer_work(runs=1)
+        s.work.count(runs=1)
         if share is not None:
-            s.parallel.reduce_statistics(hooks)
+            ctx.parallel.reduce_statistics(hooks)
             if stop_after is None:
-                outputs = inputs.gather(s.parallel, outputs)
+                outputs = inputs.gather(ctx.parallel, outputs)
         return None if stop_after is not None else inputs.replace(outputs)
 
     def layer_pass(self, visit: Callable[[int, Activations, Activations], None],
-                   description: str = "calibration pass", skip: tuple[int, ...] = (), *,
-                   as_received: bool = False, keep: bool = False) -> None:
+                   description: str = "calibration pass", skip: tuple[int, ...] = (), *, keep: bool = False) -> None:
         """Whole-model pass: ``visit(index, inputs, outputs)`` for every layer (skipped layers pass
-        their inputs through unchanged and are not visited).
-
-        ``as_received`` (the step has not changed the model): when ``session.keep_reference_states`` and the
-        activations live on the host, the reference session makes the pass instead with ``keep``: the
-        same function up to rounding (only output-preserving steps ran), and the very computation a later
-        ``reference_outputs`` would repeat, so its kept states are bit for bit what that walk gives (a
-        resumed run, which has none kept, walks to the same result). ``keep``: the outputs after each
-        layer are kept (``ReferenceWalk.start_keeping``)."""
-        s = self.session
-        if as_received and not skip and s.keep_reference_states and s.storage.type == "cpu":
-            s.reference_session().pipeline.layer_pass(visit, description, keep=True)
-            return
-        inputs = s.capture_inputs()
+        their inputs through unchanged and are not visited). ``keep``: the outputs after each layer are kept
+        (``ReferenceWalk.start_keeping``; a reference session's pass for an ``as_received`` one, see
+        ``ModifierView.layer_pass``)."""
+        s, ctx = self.session, self.session.context
+        inputs = self.capture_inputs()
         kept = self.walk.start_keeping() if keep else None
-        for index in s.progress.track(range(len(s.layers)), description):
+        for index in ctx.progress.track(range(len(s.layers)), description):
             if index in skip:
                 continue
-            with s.using(index):
-                outputs = s.run_layer(s.layers[index], inputs)
+            with s.residency.using(index):
+                outputs = self.run_layer(s.layers[index], inputs)
             visit(index, inputs, outputs)
             if kept is not None:
                 kept.add(index + 1, outputs)
             inputs = outputs
-            s.timings.record(**{"pass": description, "layer": index, "layers": len(s.layers)})
+            ctx.timings.record(**{"pass": description, "layer": index, "layers": len(s.layers)})
 
     # -- calibration loss --------------------------------------------------------------------------
-    @torch.no_grad()
-    def calibration_nll(self, skip: tuple[int, ...] = (), finals: Activations | None = None,
-                        per_window: bool = False) -> float | list[float]:
-        """Token-weighted mean next-token NLL of the calibration windows (layers in ``skip`` bypassed;
-        at least one layer must run). With ``finals``, the last decoder layer's outputs (e.g. of a model
-        assembled by the step), no pass is made: see ``final_nll``. ``per_window``: each window's mean NLL
-        instead, in window order (windows are equally long: their mean is the former)."""
-        if finals is not None:
-            if skip:
-                raise ValueError("calibration_nll: skip and finals exclude each other")
-            return self.session.final_nll(finals, per_window)
-        last: list[Activations] = []
-
-        def keep_last(index: int, _inputs, outputs: Activations) -> None:
-            last[:] = [outputs]
-
-        self.session.layer_pass(keep_last, "calibration NLL", skip=skip)
-        if not last:
-            raise ValueError("calibration_nll: every layer is skipped (at least one must run)")
-        return self.session.final_nll(last[0], per_window)
-
     @torch.no_grad()
     def final_nll(self, finals: Activations, per_window: bool = False) -> float | list[float]:
         """Token-weighted mean next-token NLL of the calibration windows given the last decoder layer's
@@ -256,15 +229,16 @@ class LayerPipeline:
         logits once in the model dtype and one window's twice in fp32, not B windows' three times (the
         same values: each window's rows are computed as in the batch)."""
         s = self.session
+        ctx = s.context
         sums = torch.zeros(s.calibration.shape[0], dtype=torch.float64)
-        norm, head = s.adapter.final_norm(s.model), s.adapter.lm_head(s.model)
-        share = s.parallel.share(len(finals))
+        norm, head = ctx.adapter.final_norm(s.model), ctx.adapter.lm_head(s.model)
+        share = ctx.parallel.share(len(finals))
         ends = [0]
         for window in finals.windows:
             ends.append(ends[-1] + window.shape[0])  # each batch's windows
         own = list(share if share is not None else range(len(finals)))
-        with s.using(norm, head):
-            for k, hidden, window in zip(own, finals.on(s.device, own), finals.windows_on(s.device, own)):
+        with s.residency.using(norm, head):
+            for k, hidden, window in zip(own, finals.on(ctx.device, own), finals.windows_on(ctx.device, own)):
                 logits = head(norm(hidden))
                 rows = [torch.nn.functional.cross_entropy(logits[row:row + 1, :-1].float().transpose(1, 2),
                                                           window[row:row + 1, 1:], reduction="none").sum(dim=1)
@@ -272,7 +246,7 @@ class LayerPipeline:
                 del logits
                 sums[ends[k]:ends[k + 1]] = torch.cat(rows).double().cpu()  # one host read per batch
         if share is not None:
-            sums = torch.tensor(s.parallel.sum(sums.tolist()), dtype=torch.float64)
+            sums = torch.tensor(ctx.parallel.sum(sums.tolist()), dtype=torch.float64)
         tokens = s.calibration.shape[1] - 1
         if per_window:
             return (sums / tokens).tolist()
@@ -281,9 +255,9 @@ class LayerPipeline:
     # -- outputs handed over by a step ------------------------------------------------------------
     def sum_over_ranks(self, batches: int, statistics: list) -> bool:
         """``CurrentLayer.sum_over_ranks``: all-reduce the statistics when the ranks split the ``batches``."""
-        if self.session.parallel.share(batches) is None:
+        if self.session.context.parallel.share(batches) is None:
             return False
-        self.session.parallel.reduce_statistics(list(statistics))
+        self.session.context.parallel.reduce_statistics(list(statistics))
         return True
 
     def provide_outputs(self, outputs: Activations) -> None:
@@ -309,14 +283,15 @@ class LayerPipeline:
         finished layer, and every finished layer is checkpointed.
         """
         s = self.session
+        ctx = s.context
         own = [0.0] * len(group)
         state = self._start(group, checkpoints)
         last = max((max(t) for t in state.targets if t), default=-1)
-        for index in s.progress.track(range(state.next_layer, last + 1), PASS):
+        for index in ctx.progress.track(range(state.next_layer, last + 1), PASS):
             active = [k for k, t in enumerate(state.targets) if index in t]
-            with s.using(index):
+            with s.residency.using(index):
                 if not active:
-                    state.inputs = s.run_layer(s.layers[index], state.inputs)
+                    state.inputs = self.run_layer(s.layers[index], state.inputs)
                     self._layer_done(state, index, last, checkpoints)
                     continue
                 state.inputs = self._compress_layer(group, active, index, state, own)
@@ -324,7 +299,7 @@ class LayerPipeline:
         self.walk.states = None
         for k, modifier in enumerate(group):
             started = time.perf_counter()
-            state.reports[k].update(modifier.finish(s))
+            state.reports[k].update(modifier.finish(s.view))
             state.reports[k]["own_s"] = own[k] + time.perf_counter() - started
         return {str(k): r for k, r in enumerate(state.reports)}
 
@@ -332,12 +307,12 @@ class LayerPipeline:
         """The pass's state before its first layer: fresh, or where a checkpoint left it (``--resume``: its saved
         activations with the keyword arguments captured now, and the original model's states likewise)."""
         s = self.session
-        inputs = s.capture_inputs()
+        inputs = self.capture_inputs()
         resumed = None if checkpoints is None else checkpoints.pass_state(
-            inputs, lambda: s.reference_session().capture_inputs())
+            inputs, lambda: s.reference_session().pipeline.capture_inputs())
         self.walk.states = None
         if resumed is None:
-            return PassState(0, inputs, [{"layers": {}} for _ in group], [set(m.target_layers(s)) for m in group])
+            return PassState(0, inputs, [{"layers": {}} for _ in group], [set(m.target_layers(s.view)) for m in group])
         self.walk.states = resumed.reference
         return resumed
 
@@ -347,7 +322,7 @@ class LayerPipeline:
             trim_heap()  # the layer's statistics, solves and replaced weights are freed: give their pages back
         if checkpoints is not None:
             checkpoints.layer_done(self.session, index, state)
-        self.session.timings.record(**{"pass": PASS, "layer": index, "layers": last + 1})
+        self.session.context.timings.record(**{"pass": PASS, "layer": index, "layers": last + 1})
 
     def _compress_layer(self, group: list[LayerModifier], active: list[int], index: int, state: PassState,
                         own: list[float]) -> Activations:
@@ -355,25 +330,26 @@ class LayerPipeline:
         the next layer's inputs. Statistics are collected by the forwards the modifiers need and reused
         until a modifier changes what they read (``change_position``)."""
         s = self.session
+        ctx = s.context
         layer, inputs = s.layers[index], state.inputs
-        keep_original = s.config.propagate == "original"
+        keep_original = ctx.config.propagate == "original"
         original_outputs = provided = None
         cache: dict[str, Statistic] = {}
         for k in active:
             modifier, started = group[k], time.perf_counter()
-            s.timings.split("shared")
-            needed = modifier.statistics(s, index)
+            ctx.timings.split("shared")
+            needed = modifier.statistics(s.view, index)
             missing = [stat for stat in needed if stat.key not in cache]
             if keep_original and original_outputs is None:  # the unchanged layer's outputs go on
-                original_outputs = s.run_layer(layer, inputs, hooks=missing)
+                original_outputs = self.run_layer(layer, inputs, hooks=missing)
             elif missing:  # statistics only: each forward stops after the last block they read
                 self.run_layer(layer, inputs, hooks=missing, stop_after=last_block(missing))
             cache.update({stat.key: stat for stat in missing})
             self.current, self._provided = CurrentLayer(inputs, self.provide_outputs,
                                                         partial(self.sum_over_ranks, len(inputs))), None
             try:
-                with s.timings.phase("compress"):
-                    entry = modifier.compress_layer(s, index, {stat.key: cache[stat.key] for stat in needed})
+                with ctx.timings.phase("compress"):
+                    entry = modifier.compress_layer(s.view, index, {stat.key: cache[stat.key] for stat in needed})
                 provided = self._provided
             finally:
                 self.current = self._provided = None
@@ -381,12 +357,12 @@ class LayerPipeline:
             changed = min((change_position(m) for m in modifier.modifies), default=99)
             cache = {key: stat for key, stat in cache.items() if stat.position <= changed and not stat.released}
             own[k] += time.perf_counter() - started
-            s.timings.split(modifier.step_name())
-        if s.parallel.active:  # the guard: every rank compressed this layer alike
+            ctx.timings.split(modifier.step_name())
+        if ctx.parallel.active:  # the guard: every rank compressed this layer alike
             entries = [r["layers"].get(str(index)) for r in state.reports]
-            s.parallel.agree(f"layer {index}", module_digest(s.layers[index], entries))
+            ctx.parallel.agree(f"layer {index}", module_digest(s.layers[index], entries))
         if keep_original:
             return original_outputs
         if provided is not None:
             return provided
-        return s.run_layer(s.layers[index], inputs)
+        return self.run_layer(s.layers[index], inputs)

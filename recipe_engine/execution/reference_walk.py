@@ -67,15 +67,6 @@ class ReferenceWalk:
         return self.kept
 
     @torch.no_grad()
-    def original_outputs(self, index: int, inputs: Activations | None = None) -> Activations:
-        """The original layers that layer ``index`` stands for (``layer_origin``), run one after another
-        on ``inputs``: the serial computation a merged layer approximates. Without ``inputs``: the original
-        model's own hidden states after them (``reference_outputs``)."""
-        if inputs is None:
-            return self.session.reference_outputs(index)
-        return self.run_original(self.session.layer_origin[index], inputs)
-
-    @torch.no_grad()
     def reference_outputs(self, index: int) -> Activations:
         """Hidden states of the original model after the last original layer that layer ``index`` covers,
         computed from the original model's own inputs. The original layers advance in lockstep with the
@@ -90,7 +81,7 @@ class ReferenceWalk:
         if kept is not None:
             self.states = kept.take(last + 1, self.states.next if self.states is not None else 0) or self.states
         if self.states is None:
-            self.states = ReferenceStates(0, reference.capture_inputs())
+            self.states = ReferenceStates(0, reference.pipeline.capture_inputs())
         self.states.states = self.run_original(range(self.states.next, last + 1), self.states.states)
         self.states.next = last + 1
         return self.states.states
@@ -99,6 +90,6 @@ class ReferenceWalk:
         """Original layers ``indices`` (of the reference model), one after another, over all batches."""
         reference = self.session.reference_session()
         for original in indices:
-            with reference.using(original):
-                states = reference.run_layer(reference.layers[original], states)
+            with reference.residency.using(original):
+                states = reference.pipeline.run_layer(reference.layers[original], states)
         return states

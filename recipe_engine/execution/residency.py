@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
-import tempfile
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -43,7 +41,7 @@ class Residency:
     def units_of(self, items) -> list[nn.Module]:
         """Streamed units behind ``items``: a tied ``lm_head`` is the embeddings' unit; each unit once."""
         s = self.session
-        embeddings, head = s.adapter.embeddings(s.model), s.adapter.lm_head(s.model)
+        embeddings, head = s.context.adapter.embeddings(s.model), s.context.adapter.lm_head(s.model)
         units = [embeddings if m is head and head.weight is embeddings.weight else m
                  for m in self._modules(items)]
         return list({id(m): m for m in units}.values())
@@ -63,7 +61,7 @@ class Residency:
             return self.on_device(*self._modules(items))
         after = max((i for i in items if isinstance(i, int)), default=None)
         following = s.layers[after + 1] if after is not None and after + 1 < len(s.layers) else None
-        return self._reading_ahead(self._timed(s.stream.loaded(self.units_of(items), s.device)), following)
+        return self._reading_ahead(self._timed(s.stream.loaded(self.units_of(items), s.context.device)), following)
 
     @contextlib.contextmanager
     def _reading_ahead(self, block: contextlib.AbstractContextManager, following: nn.Module | None) -> Iterator[None]:
@@ -71,13 +69,13 @@ class Residency:
         computes (a pass goes on to it next: ``WeightStream.read_ahead``)."""
         with block:
             if following is not None:
-                self.session.stream.read_ahead(following, self.session.device)
+                self.session.stream.read_ahead(following, self.session.context.device)
             yield
 
     @contextlib.contextmanager
     def _timed(self, block: contextlib.AbstractContextManager) -> Iterator[None]:
         """``block`` with its entry timed as ``load`` and its exit as ``write`` (``timings``)."""
-        timings = self.session.timings
+        timings = self.session.context.timings
         stack = contextlib.ExitStack()
         with timings.phase("load"):
             stack.enter_context(block)
@@ -90,46 +88,9 @@ class Residency:
         with timings.phase("write"):
             stack.close()
 
-    def placed(self, *items: int | nn.Module, on_device: bool = True) -> contextlib.AbstractContextManager:
-        """The protocol's residency block. ``on_device``: layers named by current index are the model's own
-        (``using``: read from disk onto the device when streamed, else moved there and back); modules given
-        as objects are moved to the device and back (``on_device``: a module a step built, another model, a
-        layer the block already holds). ``on_device=False``: layers or model parts (embeddings, final norm,
-        ``lm_head``) materialized in host memory for the block (``loaded``; a no-op in memory)."""
-        if not on_device:
-            return self.loaded(*items)
-        indices = [item for item in items if isinstance(item, int)]
-        modules = [item for item in items if not isinstance(item, int)]
-        if not modules:
-            return self.using(*indices)
-        if not indices:
-            return self.on_device(*modules)
-        block = contextlib.ExitStack()
-        block.enter_context(self.using(*indices))
-        block.enter_context(self.on_device(*modules))
-        return block
-
-    def release(self, module: nn.Module) -> None:
-        """Stage a module built by a step (e.g. a merged layer) and free its weights (streamed models)."""
-        if self.session.stream is not None:
-            self.session.stream.release(module)
-
-    @property
-    def scratch_directory(self) -> Path | None:
-        """Where a step of a streamed run may spill large working data to disk (the staging directory,
-        inside the output's temporary directory, so it goes with it; a temporary directory for a read-only
-        stream); ``None`` for an in-memory model (keep it in memory)."""
-        stream = self.session.stream
-        if stream is None:
-            return None
-        if stream.staging is None:
-            return Path(tempfile.gettempdir())
-        stream.staging.mkdir(parents=True, exist_ok=True)
-        return stream.staging
-
     def stream_units(self) -> list[nn.Module]:
         """What a streamed model loads and releases whole (``streaming.stream_units``)."""
-        return stream_units(self.session.model, self.session.adapter)
+        return stream_units(self.session.model, self.session.context.adapter)
 
     def resident(self) -> contextlib.AbstractContextManager:
         """The whole model materialized on CPU for the block (for steps that need every weight at once,
@@ -140,7 +101,7 @@ class Residency:
     def on_device(self, *modules: nn.Module) -> Iterator[None]:
         """Move modules to the session device for the duration of the block, then back where each was (a
         module already on the device, e.g. the layer a pass is using, stays there)."""
-        device, timings = self.session.device, self.session.timings
+        device, timings = self.session.context.device, self.session.context.timings
         if device.type == "cpu":
             yield
             return

@@ -180,9 +180,9 @@ class Checkpoints:
                 fill_module(layer, load_file(str(self.directory / entry["file"])))
             layers.append(layer)
             origins.append(origin)
-        session.set_layers(layers, origins, [min(o) for o in origins])
+        session.view.set_layers(layers, origins, [min(o) for o in origins])
         if stream is not None:
-            rest = session.stream_units()[len(layers):]
+            rest = session.residency.stream_units()[len(layers):]
             if len(rest) != len(state["rest"]):
                 raise RecipeError(f"cannot resume: the checkpoint has {len(state['rest'])} units besides the "
                                   f"layers, the model {len(rest)}", file=self.file)
@@ -312,7 +312,7 @@ class Checkpoints:
         ``lm_head``): files of this directory (in memory) or homes (streamed: ``_home``)."""
         stream = session.stream
         if stream is not None:
-            units = session.stream_units()
+            units = session.residency.stream_units()
             layers = [{"origin": list(origin), "home": self._home(stream, layer)}
                       for layer, origin in zip(units, session.layer_origin)]
             return layers, [self._home(stream, unit) for unit in units[len(layers):]]

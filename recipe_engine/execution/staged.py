@@ -55,10 +55,12 @@ class StagedLayer:
     """
 
     def __init__(self, session, layer: nn.Module, inputs: Activations):
-        self.session, self.layer, self.inputs = session, layer, inputs
+        # ``session``: the step's view (``ModifierView``); the run's context and work counter are its session's
+        self.context, self.work = session.session.context, session.session.work
+        self.layer, self.inputs = layer, inputs
         #: block path → (its output linear, that linear's recorded inputs, output wrapper)
         self._finished: dict[str, tuple[nn.Module, list[torch.Tensor], Callable]] = {}
-        self._share = session.parallel.share(len(inputs))
+        self._share = self.context.parallel.share(len(inputs))
         #: Batches this process runs (a data-parallel rank: its share); ``_batch`` indexes this list.
         self._own = list(self._share if self._share is not None else range(len(inputs)))
         self._batch = 0
@@ -73,7 +75,7 @@ class StagedLayer:
         if block in self._finished or position(path) < self._position:
             raise RuntimeError(f"{path}: asked for after a module downstream of it (dataflow order only)")
         self._position = position(path)
-        output_linear = self.session.adapter.output_linears.get(block)  # an MoE block has none
+        output_linear = self.context.adapter.output_linears.get(block)  # an MoE block has none
         finishing = path == output_linear
         target, block_module = self.layer.get_submodule(path), self.layer.get_submodule(block)
         recorded: list[torch.Tensor] = []
@@ -105,21 +107,21 @@ class StagedLayer:
                 handle.remove()
             self._statistic = None
         if self._share is not None:
-            self.session.parallel.reduce_statistics([statistic])
+            self.context.parallel.reduce_statistics([statistic])
         if finishing:
             self._finished[block] = (target, recorded, seen["wrapper"])
 
     def outputs(self) -> Activations:
         """The layer's outputs for every batch (finished blocks replayed); counts as one layer run."""
         outputs = self._run()
-        self.session.count_layer_work(runs=1)
+        self.work.count(runs=1)
         if self._share is not None:
-            outputs = self.inputs.gather(self.session.parallel, outputs)
+            outputs = self.inputs.gather(self.context.parallel, outputs)
         return self.inputs.replace(outputs)
 
     @torch.no_grad()
     def _run(self) -> list[torch.Tensor]:
-        device, replayed = self.session.device, []
+        device, replayed = self.context.device, []
         for block, (linear, recorded, wrap) in self._finished.items():
             module = self.layer.get_submodule(block)
             module.forward = lambda *_a, _linear=linear, _recorded=recorded, _wrap=wrap, **_k: \
@@ -130,12 +132,12 @@ class StagedLayer:
             self._batch = position
             if self._statistic is not None:
                 self._statistic.batch = k
-            self.session.count_layer_work(batches=1)
+            self.work.count(batches=1)
 
         try:
-            with self.session.timings.phase("forward"):
+            with self.context.timings.phase("forward"):
                 return self.inputs.run(self.layer, device, self._own, before=before, stops=(_Stop,),
-                                       kwargs_of=partial(self.session.adapter.layer_kwargs, self.layer))
+                                       kwargs_of=partial(self.context.adapter.layer_kwargs, self.layer))
         finally:
             for module in replayed:
                 del module.forward

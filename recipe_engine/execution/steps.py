@@ -65,29 +65,29 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
             checkpoints.begin_group(number, [step for _, step in group], records, report)
         watch.start()
         session.outputs.label_steps(group)
-        start, passes_before = time.perf_counter(), session.passes.value
+        start, passes_before = time.perf_counter(), session.context.passes.value
         names = ", ".join(step.step_name() for _, step in group)
         bar.phase(f"step {group[0][0]}: {names}")
         numbers = f"{group[0][0]}" + (f"-{group[-1][0]}" if len(group) > 1 else "")
-        outer = session.timings.begin_step(f"{numbers} {names}")
+        outer = session.context.timings.begin_step(f"{numbers} {names}")
         session.begin_group(later)
         # a named range in a torch.profiler trace (benchmarks/pipeline_overhead.py splits host time by step)
-        with torch.profiler.record_function(f"recipe step {session.timings.step}"):
+        with torch.profiler.record_function(f"recipe step {session.context.timings.step}"):
             if group[0][1].scope == "layer":
                 layer_steps: list[LayerModifier] = [step for _, step in group]  # type: ignore[misc]
-                outputs = session.run_layer_modifiers(layer_steps, checkpoints)
+                outputs = session.pipeline.run_layer_modifiers(layer_steps, checkpoints)
                 results = [outputs[str(k)] for k in range(len(group))]
             else:
                 step = group[0][1]
-                with _whole_model(session, step), session.timings.phase("compress"):
-                    results = [step.apply(session)]
+                with _whole_model(session, step), session.context.timings.phase("compress"):
+                    results = [step.apply(session.view)]
         elapsed = time.perf_counter() - start
         session.end_group(steps_here, later)
-        session.timings.record(event="step", wall_s=round(elapsed, 3))
-        session.timings.end_step(outer)
-        session.mark_completed([json.dumps(step_to_dict(step), sort_keys=True) for _, step in group])
-        if session.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
-            session.parallel.agree(f"step {group[0][0]} ({names})",
+        session.context.timings.record(event="step", wall_s=round(elapsed, 3))
+        session.context.timings.end_step(outer)
+        session.completed_steps.extend([json.dumps(step_to_dict(step), sort_keys=True) for _, step in group])
+        if session.context.parallel.active and group[0][1].scope == "model":  # the guard: every rank did the same
+            session.context.parallel.agree(f"step {group[0][0]} ({names})",
                                    module_digest(session.model, [list(o) for o in session.layer_origin]))
         peak = watch.stop()
         own = [result.pop("own_s", elapsed) for result in results]
@@ -98,11 +98,11 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
             records.append({"index": index, "modifier": step.step_name(), "group": number,
                             "params": step.model_dump(mode="json"), "wall_s": own_s,
                             "shared_pass": len(group) > 1, "pass_shared_s": elapsed - sum(own),
-                            "calibration_passes": session.passes.value - passes_before,
+                            "calibration_passes": session.context.passes.value - passes_before,
                             "layers_after": len(session.layers), **memory, "result": result})
         if checkpoints is not None:
             checkpoints.group_done(session, number, records, report)
-            session.timings.record(event="checkpoint")  # its own line: not charged to the next step
+            session.context.timings.record(event="checkpoint")  # its own line: not charged to the next step
     return records
 
 
@@ -113,6 +113,6 @@ def _whole_model(session: Session, step: Modifier) -> Iterator[None]:
     if session.stream is None or step.streams:
         yield
         return
-    reference = session.reference.resident() if step.needs_reference else contextlib.nullcontext()
-    with session.resident(), reference:
+    reference = session.reference_session().residency.resident() if step.needs_reference else contextlib.nullcontext()
+    with session.residency.resident(), reference:
         yield

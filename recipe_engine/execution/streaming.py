@@ -376,15 +376,16 @@ def forward_streamed(session, device: torch.device) -> Iterator[None]:
             open_blocks.pop().__exit__(None, None, None)
             return output
 
-    model, adapter = session.model, session.adapter
+    model, adapter = session.model, session.context.adapter
     head = adapter.lm_head(model)
-    units = session.stream_units()
+    units = session.residency.stream_units()
     modules = units + ([head] if head not in units else [])
     # forward order; after the head comes the next forward's embeddings
     order = [adapter.embeddings(model), *adapter.layers(model), adapter.final_norm(model), head]
-    following = {id(module): session.units_of([order[(i + 1) % len(order)]])[0] for i, module in enumerate(order)}
+    units_of = session.residency.units_of
+    following = {id(module): units_of([order[(i + 1) % len(order)]])[0] for i, module in enumerate(order)}
     for module in modules:
-        add_hook_to_module(module, UnitOnDevice(session.units_of([module]), following[id(module)]))
+        add_hook_to_module(module, UnitOnDevice(units_of([module]), following[id(module)]))
     try:
         yield
     finally:

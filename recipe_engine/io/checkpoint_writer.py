@@ -38,7 +38,7 @@ def _groups(session) -> list[tuple[torch.nn.Module | None, dict[str, str]]]:
     model = session.model
     prefixes = {id(m): name + "." for name, m in model.named_modules()}
     unit_of = {}
-    for unit in session.stream_units():
+    for unit in session.residency.stream_units():
         for local in unit.state_dict(keep_vars=True):
             unit_of[prefixes[id(unit)] + local] = (unit, local)
     groups: list[tuple[torch.nn.Module | None, dict[str, str]]] = []
@@ -323,7 +323,7 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     # vLLM reads them); packed attention beside dense experts keeps the fused names (transformers' compressed-
     # tensors loading does not convert dense per-expert names: 5.24 fails on them)
     experts_packed = any(record.parameter != "weight" for record in quantized.values())
-    per_expert = session.adapter.experts is not None and (experts_packed or not quantized)
+    per_expert = session.context.adapter.experts is not None and (experts_packed or not quantized)
     rename = saved_names(model) if per_expert else _as_is
     layout_of = {name: _stored(name, tensor.to("meta"), quantized, rename) for name, tensor in state.items()}
     shards: list[list[tuple[torch.nn.Module | None, dict[str, str]]]] = [[]]
@@ -342,7 +342,7 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     units = [unit for shard in shards for unit, _ in shard if unit is not None]
     following = dict(zip(units, units[1:]))  # the unit written after each: read ahead while this one is packed
 
-    clock = session.timings  # the output's record: ``read`` and ``pack`` inside the runner's ``write``
+    clock = session.context.timings  # the output's record: ``read`` and ``pack`` inside the runner's ``write``
 
     def chunks(shard):
         for unit, names in shard:
@@ -356,10 +356,10 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
                     unit_values = _unit_values(session, unit)  # this unit's read ahead is taken first
                 values = {name: unit_values[local] for name, local in names.items()}
                 if session.stream is not None and unit in following:
-                    session.stream.read_ahead(following[unit], session.device)  # packed there
+                    session.stream.read_ahead(following[unit], session.context.device)  # packed there
             with clock.phase("pack"):
                 stored = {key: tensor.detach().to("cpu").contiguous() for name, value in values.items()
-                          for key, tensor in _stored(name, value, quantized, rename, session.device).items()}
+                          for key, tensor in _stored(name, value, quantized, rename, session.context.device).items()}
             yield stored
             if unit is not None and session.stream is not None and not is_materialized(unit):
                 session.stream.discard_staged(unit)  # written: its staging file is no longer needed
@@ -384,7 +384,7 @@ def _unquantized(session, quantized: dict[str, QuantizedLinear], rename) -> list
     ``nn.Linear`` not recorded, and an MoE layer's router (vLLM builds it as a linear; transformers' is not)."""
     model = session.model
     names = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    experts = session.adapter.experts
+    experts = session.context.adapter.experts
     if experts is not None:
         names |= {f"{name}.weight" for name, _ in model.named_modules() if name.endswith(f".{experts.router}")}
     state = model.state_dict(keep_vars=True)

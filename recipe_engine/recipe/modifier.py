@@ -162,7 +162,7 @@ class LayerModifier(Modifier):
 
 
 def calibration_nll_bytes(shape: ModelShape, windows: int, length: int) -> int:
-    """The logits of a calibration NLL over ``windows`` windows of ``length`` tokens (``Session.final_nll``): one
+    """The logits of a calibration NLL over ``windows`` windows of ``length`` tokens (``LayerPipeline.final_nll``): one
     batch's in the model dtype (``shape.calibration_batch`` windows at most), and one window's at a time in
     fp32 (a copy unless the model is fp32), made contiguous for ``cross_entropy`` and its log-softmax: 8 or 12
     bytes per position and word (at 4 × 2048 tokens of a 151,936-word vocabulary in fp32: 5 GB and 2.5 GB)."""

@@ -21,7 +21,8 @@ from ..execution.unit_files import model_fingerprint
 from ..execution.outputs import RunOutputs
 from ..execution.packed_source import carry_source_grids, drop_changed_grids, output_note, plan_note
 from ..execution.placement import largest_layer_bytes, offload_activations
-from ..execution.session import Session
+from ..execution.context import RunContext
+from ..execution.session import Session, oversized_layers
 from ..execution.steps import run_steps
 from ..execution.timings import PROFILE_KIND, Timings, profiled
 from ..execution.streaming import open_stream
@@ -178,11 +179,11 @@ def _apply(loaded: LoadedRecipe, parallel: Parallel, model, tokenizer, force: bo
                        keep_checkpoints=write and keep_checkpoints, memo=memo, file=file, timings=timings,
                        profile=profile)
         model, session = run.model, run.session
-        with session.timings.phase("write"):
+        with session.context.timings.phase("write"):
             final = (_write(recipe, model, run.tokenizer, session, run.outputs, report, workdir) if writing
                      else report.to_report())
-        session.timings.record(event="output written" if writing else "done")
-        session.timings.close()
+        session.context.timings.record(event="output written" if writing else "done")
+        session.context.timings.close()
         if writing and timings is not None and timings.is_file():
             shutil.copyfile(timings, workdir / TIMINGS)
         parallel.barrier()  # renamed into place only when every rank finished
@@ -258,10 +259,10 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
     clock = None
     if timings is not None and parallel.rank == 0:  # a resumed run appends to its log; a fresh one replaces it
         clock = Timings(timings, parallel.device, append=resume)
-    session = Session(model, tokenizer, adapter, windows, cal, parallel.device, bar, offload=offload,
-                      reference_loader=_reference_loader(recipe, model, source, lambda: session),
-                      stream=stream, parallel=parallel, memo=memo, outputs=outputs, timings=clock,
-                      matches_reference=True, stock_only=recipe.export is not None)
+    context = RunContext(tokenizer, adapter, cal, parallel.device, bar, parallel, timings=clock, offload=offload,
+                         stock_only=recipe.export is not None)
+    session = Session(context, model, windows, stream=stream, memo=memo, outputs=outputs, matches_reference=True,
+                      reference_loader=_reference_loader(recipe, model, source, lambda: session))
     uncarried = None  # a packed source's linears no step changes are written packed again (``packed_source``)
     if report.model.packed and not recipe.quantizes:
         uncarried = carry_source_grids(session, stream.source if stream else CheckpointReader(source.location, model))
@@ -270,8 +271,8 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
     if recipe.evaluate is not None and report.evaluation is None:  # a resumed run has it
         bar.phase("evaluating the model before compression", evaluating=True)
         report.evaluation = {"before": evaluate_session(session, recipe.evaluate, bar)}
-        session.timings.record(event="evaluation before")
-    with profiled(session.timings, profile):
+        session.context.timings.record(event="evaluation before")
+    with profiled(session.context.timings, profile):
         report.steps = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
     _check_uniform(session)
     report.after = ModelSize(parameters=count_parameters(model), layers=model.config.num_hidden_layers,
@@ -287,7 +288,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
     if recipe.evaluate is not None:
         bar.phase("evaluating the compressed model", evaluating=True)
         after = evaluate_session(session, recipe.evaluate, bar)
-        session.timings.record(event="evaluation after")
+        session.context.timings.record(event="evaluation after")
         report.evaluation.update(after=after, retained=retained(report.evaluation["before"], after))
         gate = _quality_gate(recipe, report.evaluation["retained"])
         report.evaluation["quality_gate"] = "failed" if gate else "passed"
@@ -295,13 +296,13 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
         report.checkpoints = CheckpointsRecord(written=checkpoints.count, seconds=checkpoints.seconds,
                                                   bytes=checkpoints.bytes_written, skipped=checkpoints.skipped)
     report.calibration_passes = sum({step["group"]: step["calibration_passes"] for step in report.steps}.values())
-    report.calibration_layer_runs = session.layer_runs
-    report.calibration_layer_batches = session.layer_batches  # this rank's share under torchrun
+    report.calibration_layer_runs = session.work.runs
+    report.calibration_layer_batches = session.work.batches  # this rank's share under torchrun
     if stream is not None:
         report.stream = StreamRecord(bytes_read=stream.bytes_read, bytes_staged=stream.bytes_staged)
     peaks = peak_memory(watch)
-    if session.timings.peak_device_bytes():  # the timings log resets torch's counter per record
-        peaks["cuda_mib"] = max(peaks.get("cuda_mib") or 0, session.timings.peak_device_bytes() / 2**20)
+    if session.context.timings.peak_device_bytes():  # the timings log resets torch's counter per record
+        peaks["cuda_mib"] = max(peaks.get("cuda_mib") or 0, session.context.timings.peak_device_bytes() / 2**20)
     report.peak_memory = PeakMemory(**peaks, estimate_rss_mib=memory.host_peak_bytes / 2**20,
                                        estimate_device_mib=(memory.device_peak_bytes or 0) / 2**20 or None)
     return Executed(model, tokenizer, session, outputs, checkpoints, gate)
@@ -338,7 +339,7 @@ def _reference_loader(recipe: Recipe, model, source, current: Callable[[], Sessi
     def load() -> Session:
         skeleton = load_model(recipe.model, recipe.dtype, skeleton=True)[0]
         # a streamed run's own stream already bounds the heap; an in-memory run keeps its speed
-        return current().sibling(skeleton, open_stream(skeleton, current().adapter, source.location, None,
+        return current().sibling(skeleton, open_stream(skeleton, current().context.adapter, source.location, None,
                                                        bound_heap=False))
     return load
 
@@ -349,7 +350,7 @@ def _checkpoints(recipe: Recipe, report: RunReport, source, resume: bool, write:
     streamed session stages its units there); None when this run keeps none (not written, model passed in
     memory). Data-parallel: rank 0 writes them; with ``resume`` every rank restores them and the ranks check
     that they adopted the same manifest (its sha256)."""
-    parallel = session.parallel
+    parallel = session.context.parallel
     if not write or source is None or (parallel.rank > 0 and not resume):
         return None
     identity = {"recipe": report.recipe.resolved_sha256, "model": model_fingerprint(source.location),
@@ -366,7 +367,7 @@ def _checkpoints(recipe: Recipe, report: RunReport, source, resume: bool, write:
 
 
 def _check_uniform(session: Session) -> None:
-    odd = session.oversized_layers()
+    odd = oversized_layers(session)
     if odd:
         raise RecipeError(f"layers {odd} are wider than the config after the last step; "
                           f"not a stock checkpoint (add pruning steps)", field="modifiers")
@@ -395,7 +396,7 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
     """The output files, into the workspace that ``apply`` renames into place; staging data is removed.
     Returns the report as written."""
     written = WeightsFingerprint()  # hashed as the engine's writer writes the files
-    if session.streamed or outputs.quantized:
+    if session.stream is not None or outputs.quantized:
         files = write_checkpoint(session, tmp, fingerprint=written)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
