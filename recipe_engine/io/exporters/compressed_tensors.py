@@ -14,12 +14,12 @@ library's ``PackedQuantizationCompressor.decompress`` on the file's tensors inst
 bit for bit (tests/test_asym_packed.py).
 
 Linears on several grids (a step's ``overrides``) are written as one config group per grid: the grid most linears
-take targets ``Linear``, each other one names its linears by ``re:`` patterns of their exact names. A module takes
-the group of its most specific match, as compressed-tensors' ``apply_quantization_config`` (``match_targets``: an
-exact name, then a ``re:`` pattern, then a class) and vLLM's ``find_matched_target`` (a name or pattern before a
-class) choose; the readers here choose so too (:func:`weights_args`). vLLM serves q/k/v and gate/up as one fused
-linear (``qkv_proj``, ``gate_up_proj``) matched by its own name before its class, so their pattern names the fused
-linear too."""
+take targets ``Linear`` (the last group), each other one names its linears by ``re:`` patterns of their exact
+names. A module takes the group of its most specific match, as compressed-tensors' ``apply_quantization_config``
+(``match_targets``: an exact name, then a ``re:`` pattern, then a class) and vLLM's ``find_matched_target`` (a
+name or pattern before a class) choose; the readers here choose so too (:func:`weights_args`). vLLM serves q/k/v
+and gate/up as one fused linear (``qkv_proj``, ``gate_up_proj``) matched by its own name before its class, so
+their pattern names the fused linear too."""
 from __future__ import annotations
 
 import math
@@ -58,6 +58,13 @@ def name_patterns(names: list[str]) -> list[str]:
             done.add((parent, fused))
             patterns.append(f"re:^{re.escape(parent)}\\.({'|'.join((*FUSED_ROLES[fused], fused))})$")
     return patterns
+
+
+def _main_group(quantization_config: dict) -> tuple[str, dict]:
+    """The config group targeting ``Linear`` (the grid of most linears), else the first: ``(name, group)``."""
+    groups = quantization_config["config_groups"]
+    return next(((name, group) for name, group in groups.items() if "Linear" in group["targets"]),
+                next(iter(groups.items())))
 
 
 def weights_args(quantization_config: dict, name: str) -> dict:
@@ -130,19 +137,19 @@ class CompressedTensors(Exporter):
         return packed
 
     def quantization_config(self, grids: dict[str, Grid], ignore: list[str]) -> dict:
-        """One config group per grid (bits, group size, symmetry): ``group_0`` the grid of most linears (the first
-        in file order among equals) targeting ``Linear``, then the others in file order, each naming its
-        linears (:func:`name_patterns`)."""
+        """One config group per grid (bits, group size, symmetry): the grids other than the one most linears take
+        (the first in file order among equals) in file order, each naming its linears (:func:`name_patterns`), then
+        that one targeting ``Linear`` (last, so that compressed-tensors' ``match_named_modules``, which stops at a
+        module's first target in config order, meets every pattern and warns of none unmatched)."""
         from compressed_tensors.quantization import QuantizationConfig  # deferred: imports transformers
 
         kinds = {name: (grid.bits, grid.group_size, grid.sym) for name, grid in grids.items()}
         grid_of = {kind: grid for kind, grid in zip(kinds.values(), grids.values())}
         main = Counter(kinds.values()).most_common(1)[0][0]  # ties: the first counted
         others = [kind for kind in dict.fromkeys(kinds.values()) if kind != main]
-        groups = {"group_0": scheme(grid_of[main])}
-        for index, kind in enumerate(others, 1):
-            groups[f"group_{index}"] = scheme(grid_of[kind],
-                                              name_patterns([name for name in kinds if kinds[name] == kind]))
+        groups = {f"group_{index}": scheme(grid_of[kind], name_patterns([n for n in kinds if kinds[n] == kind]))
+                  for index, kind in enumerate(others)}
+        groups[f"group_{len(others)}"] = scheme(grid_of[main])
         config = QuantizationConfig(config_groups=groups, format="pack-quantized",
                                     quantization_status="compressed", ignore=sorted(ignore))
         dumped = config.model_dump(mode="json", exclude_none=True)
@@ -175,15 +182,16 @@ class CompressedTensors(Exporter):
         return QuantizedLinear(grid, stored.to(torch.float32), zero.to(torch.int16), self.name)
 
     def bits_and_group(self, quantization_config: dict) -> tuple[int, int | None]:
-        args = next(iter(quantization_config["config_groups"].values()))["weights"]  # group_0: most linears
+        args = _main_group(quantization_config)[1]["weights"]
         return args["num_bits"], args.get("group_size")
 
     def describe(self, quantization_config: dict) -> str:
-        """``compressed-tensors, 4-bit, groups of 64``, and the other groups' bits: ``; 8-bit (group_1) for some``."""
-        line = super().describe(quantization_config)
-        others = list(quantization_config["config_groups"].items())[1:]
-        return line + "".join(f"; {group['weights']['num_bits']}-bit ({name}) for some linears"
-                              for name, group in others)
+        """``compressed-tensors, 4-bit, groups of 64``, and the other groups' bits: ``; 8-bit (group_0) for some
+        linears``."""
+        main = _main_group(quantization_config)[0]
+        return super().describe(quantization_config) + "".join(
+            f"; {group['weights']['num_bits']}-bit ({name}) for some linears"
+            for name, group in quantization_config["config_groups"].items() if name != main)
 
     def dequantize(self, name: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
                    quantization_config: dict, dtype: torch.dtype) -> torch.Tensor:
