@@ -27,13 +27,15 @@ TINY_PARAMS = {"GPTQ": {"group_size": 16}, "LaCo": {"samples": 2}, "SLEB": {"n":
 
 #: The same for steps inside a step's alternatives (BestOf), which must keep their sizes equal.
 TINY_NESTED = {"SLEB": {"search_samples": None, "search_length": None},
-               "ReplaceMe": {"ridge": 0.1}}  # one 16-token fit window: MᵀM is singular without a ridge
+               "ReplaceMe": {"ridge": 0.1},  # one 16-token fit window: MᵀM is singular without a ridge
+               "WidthPrune": {"multiple_of": 8}}  # 80 % of a 48-wide MLP's layer: no multiple of 32 fits
 
 
 def tiny_step(step):
-    if "alternatives" in type(step).model_fields:
+    if "alternatives" in type(step).model_fields:  # scored by the held-out windows: the byte tokenizer writes no code
         return step.model_copy(update={"alternatives": [[s.model_copy(update=TINY_NESTED.get(s.step_name(), {}))
-                                                          for s in steps] for steps in step.alternatives]})
+                                                          for s in steps] for steps in step.alternatives],
+                                       "score": step.score.model_copy(update={"task": None})})
     return step.model_copy(update=TINY_PARAMS.get(step.step_name(), {}))
 
 
