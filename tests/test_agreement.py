@@ -61,6 +61,12 @@ def test_eval_agreement_scores_a_reference_record(tmp_path, capsys):
     assert scored["problems"] == 2 and 0 <= scored["token_agreement"] <= 1 and scored["nll"] > 0
     assert record["reference"]["file"] == str(tmp_path / "ref.json")
     assert "humaneval agreement NLL" in capsys.readouterr().out
+    last = tmp_path / "last.json"
+    assert main(["eval", str(tmp_path / "m"), "--no-ppl", "--agreement", str(tmp_path / "ref.json"),
+                 "--agreement-problems", "1", "--device", "cpu", "--json", str(last)]) == 0
+    only = json.loads(last.read_text())["agreement"]["tasks"]["humaneval"]
+    assert list(only["per_problem"]) == ["HumanEval/1"] and only["per_problem"]["HumanEval/1"] == \
+        scored["per_problem"]["HumanEval/1"]
     rows = record_completions(reference, "humaneval", "ref")
     assert [r[0] for r in rows] == ["HumanEval/0", "HumanEval/1"] and rows[0][1].startswith("from typing")
 

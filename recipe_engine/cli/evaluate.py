@@ -167,7 +167,7 @@ def eval_table(results: dict, baseline: dict | None) -> Table:
             base = (baseline or {}).get("generation", {}).get("average")
             row("generation avg.", "", generated["average"], base, retained.get("generation"))
     for task, res in (results.get("agreement") or {}).get("tasks", {}).items():
-        rows = f"{res['problems']} ({res['tokens']:,} tok)"
+        rows = f"{res['problems']} ({res['tokens']:,} tok)"  # the record's last problems with --agreement-problems
         row(f"{task} agreement NLL (lower: closer)", rows, res["nll"], None, None)
         row(f"{task} token agreement", rows, res["token_agreement"], None, None)
     return table
@@ -184,6 +184,8 @@ def cmd_eval(args) -> int:
                                                     max_new_tokens=args.max_new_tokens,
                                                     generation_batch=args.generation_batch),
                             allow_code_execution=args.allow_code_execution)
+    if args.agreement_problems and not args.agreement:
+        raise RecipeError("--agreement-problems needs --agreement REFERENCE_JSON")
     if ppl is None and not config.tasks and not args.agreement:
         raise RecipeError("--no-ppl with no --tasks leaves nothing to evaluate; give --tasks or drop --no-ppl")
     baseline = read_baseline(args.baseline)
@@ -199,7 +201,7 @@ def cmd_eval(args) -> int:
         session, source = evaluation_session(args.model, args.dtype, device, args.stream, bar)
         results = evaluate_session(session, config, bar)
         if reference is not None:
-            results["agreement"] = agreement(session, reference, args.agreement, args.task_limit, bar)
+            results["agreement"] = agreement(session, reference, args.agreement, args.agreement_problems, bar)
     results = {"model": model_record(args.model, source.location, weights=True), **results,
                "lm_eval_version": version("lm_eval"), "dtype": args.dtype,
                "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.perf_counter() - start}
@@ -228,16 +230,17 @@ def read_reference(path: str | None) -> dict | None:
     return record
 
 
-def agreement(session, reference: dict, path: str, limit: int | None, progress) -> dict:
+def agreement(session, reference: dict, path: str, last: int | None, progress) -> dict:
     """Per generation task of the ``reference`` record: the model's NLL and token agreement of its completions
-    (``evaluation.agreement``), over its first ``limit`` problems when given."""
+    (``evaluation.agreement``), over its ``last`` problems when given (those BestOf's ``score.problems`` holds
+    out)."""
     if session.stream is not None:
         raise RecipeError("--agreement needs the model in memory; this one is streamed from disk (--stream off)")
     model = session.model.to(session.context.device)
     try:
         tasks = {}
         for task in reference["generation"]["tasks"]:
-            completions = record_completions(reference, task, f"--agreement {path}")[:limit]
+            completions = record_completions(reference, task, f"--agreement {path}")[-(last or 0):]
             tasks[task] = completion_scores(model, session.context.tokenizer, completions, session.context.device,
                                             progress, f"{task} agreement")
     finally:
@@ -282,6 +285,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--agreement", metavar="REFERENCE_JSON",
                    help="score the model by its NLL of the completions in a `recipe eval --tasks humaneval --json` "
                         "record of the dense model (one forward per problem; nothing generated or run)")
+    p.add_argument("--agreement-problems", type=positive_int, metavar="N",
+                   help="--agreement: score the record's last N problems only (as BestOf's score.problems)")
     p.add_argument("--dtype", default=Recipe.model_fields["dtype"].default, choices=dtypes)
     p.add_argument("--device", default=Recipe.model_fields["device"].default)
     p.add_argument("--stream", choices=["auto", "on", "off"], default=Recipe.model_fields["stream"].default,
