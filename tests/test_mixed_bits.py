@@ -112,6 +112,9 @@ def test_mixed_bits_gptq_is_written_one_group_per_grid_and_loads_in_transformers
     sizes, shapes = packed_bytes(directory)
     assert result["bits_per_weight"] == round(8 * sum(sizes.values()) / sum(r * c for r, c in shapes.values()), 4)
     assert 4.5 < result["bits_per_weight"] < 8
+    # the validation's symbolic figure (a budget's) is the same bytes, before any weight is touched
+    planned = check_against_config(recipe_from_dict(recipe(tmp_path, [step])), tiny_config()).linear_bits
+    assert planned == pytest.approx(8 * sum(sizes.values()) / sum(r * c for r, c in shapes.values()), rel=1e-12)
 
     reader = CheckpointReader(directory)
     records = reader.quantization_records()
@@ -196,3 +199,24 @@ def test_a_mixed_checkpoint_is_carried_byte_for_byte_and_refused_by_the_int4_ben
     with pytest.raises(SourceError, match="config group group_0 is not int4 weight-only in groups") as error:
         check_packed("mixed", config, torch.device("cpu"), "float32", str(source))
     assert "\n" not in str(error.value)
+
+
+def test_the_symbolic_bits_count_unquantized_linears_in_the_model_dtype_and_bound_a_budget(tmp_path):
+    """GPTQ on the MLP only: its linears at their grid's written bits, attention's at 32 (fp32), as the
+    file holds them; a BestOf bits budget refuses what is over it with the figure."""
+    step = {"GPTQ": {"bits": 4, "group_size": 32, "targets": ["gate_proj", "up_proj", "down_proj"]}}
+    recipe_engine.apply(recipe(tmp_path, [step]), model=tiny_model(), tokenizer=CharTokenizer(), progress=False)
+    sizes, shapes = packed_bytes(tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as handle:
+        dense = {k: handle.get_slice(k).get_shape() for k in handle.keys()
+                 if k.startswith("model.layers.") and k.endswith("_proj.weight")}
+    written = 8 * sum(sizes.values()) + 32 * sum(r * c for r, c in dense.values())
+    weights = sum(r * c for r, c in shapes.values()) + sum(r * c for r, c in dense.values())
+    planned = check_against_config(recipe_from_dict(recipe(tmp_path, [step])), tiny_config()).linear_bits
+    assert planned == pytest.approx(written / weights, rel=1e-12)
+    budget = [{"BestOf": {"budget": {"bits_per_weight": 8}, "alternatives": [["GPTQ<bits:8,group_size:32>"],
+                                                                            ["GPTQ<bits:4,group_size:32>"]]}}]
+    shape = check_against_config(recipe_from_dict(recipe(tmp_path, budget)), tiny_config())
+    assert any("skips alternative 0" in note and "bits per weight > 8" in note for note in shape.notes)
+    alone = check_against_config(recipe_from_dict(recipe(tmp_path, ["GPTQ<bits:4,group_size:32>"])), tiny_config())
+    assert shape.linear_bits == alone.linear_bits < 8  # the kept alternative's figure

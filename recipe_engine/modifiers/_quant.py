@@ -157,6 +157,21 @@ def input_width(shape: ModelShape, layer: int, target: str) -> int:
     return shape.hidden_size
 
 
+#: The model dtype of ``ModelShape.dtype_bytes``.
+_DTYPES = {4: torch.float32, 2: torch.bfloat16}
+
+
+def output_width(shape: ModelShape, layer: int, target: str) -> int:
+    """Output width (rows) of a target role's linear of ``layer`` in the symbolic shape."""
+    if target in ("gate_proj", "up_proj"):
+        return shape.layers[layer].intermediate_size
+    if target == "q_proj":
+        return shape.layers[layer].num_heads * shape.head_dim
+    if target in ("k_proj", "v_proj"):
+        return shape.layers[layer].num_kv_heads * shape.head_dim
+    return shape.hidden_size
+
+
 def linear_path(model_type: str, role: str) -> str:
     """Path inside a decoder layer of the linear holding ``role`` (a fused one for its members)."""
     if model_type not in ADAPTERS:
@@ -344,7 +359,31 @@ class GridParameters(BaseModel):
         return "; ".join([line] + [f"{_grid_words(grid, self.grid())} for {count} linears (overrides)"
                                    for grid, count in counts.items()])
 
+    def stored_linear_bits(self, shape: ModelShape) -> float | None:
+        """Average stored bits per weight of the decoder's dense linears once this step has run (``Σ stored
+        bits / Σ rows · columns`` over every layer's q … down_proj: the targeted ones on their grid as the export
+        writes them, ``Exporter.stored_bits``; the others in the model dtype); None on mixture-of-experts
+        layers, whose expert tensors this does not count."""
+        if shape.num_experts:
+            return None
+        exporter, dtype = checkpoint_exporter(self.export), _DTYPES[shape.dtype_bytes]
+        stored = weights = 0
+        for layer in range(shape.num_layers):
+            for role in LINEARS:
+                size = output_width(shape, layer, role), input_width(shape, layer, role)
+                weights += size[0] * size[1]
+                if role in self.targets:
+                    grid = self.grid(dtype, at=(layer, shape.num_layers, role))
+                    stored += exporter.stored_bits(size, grid, dtype)
+                else:
+                    stored += size[0] * size[1] * torch.finfo(dtype).bits
+        return stored / weights
+
     def check(self, shape: ModelShape) -> None:
+        self._check_grids(shape)
+        shape.linear_bits = self.stored_linear_bits(shape)
+
+    def _check_grids(self, shape: ModelShape) -> None:
         exporter = checkpoint_exporter(self.export)
         problem = exporter.grid_problem(self.bits, self.sym)
         if problem:
