@@ -28,7 +28,7 @@ JOBS = {
     "sleb": (["SLEB<n:2>"], 8),
     "gptq": (["GPTQ<group_size:32>"], 8),
     "gptq_onepass": (["GPTQ<group_size:32,sequential:false>"], 8),
-    "widthprune": (["WidthPrune<kv_groups_keep:1>"], 6),
+    "widthprune": (["WidthPrune<kv_groups_keep:1,criterion:fluctuation>"], 6),  # FLAP: its mean reduced too
 }
 #: Jobs only run data-parallel: LoRARecovery trains with the HF Trainer's DDP (a different data order than
 #: one process, so not compared with it); the ranks' checksums must still agree.

@@ -291,3 +291,25 @@ def test_a_parameter_share_keeps_the_widest_multiple_that_fits(tmp_path, groups)
                                                          if groups else {}))
     next_multiple = sum(p.numel() for p in AutoModelForCausalLM.from_config(wider).model.layers.parameters())
     assert width % 8 == 0 and kept <= 0.7 * before < next_multiple
+
+
+def test_fluctuation_keeps_flaps_channels_and_compensates_as_leverage_does():
+    """``criterion: fluctuation``: every layer keeps the 72 channels of highest FLAP score, the variance of the
+    original layer's down_proj input (on the stream the pass calibrated on) times its column's squared norm,
+    computed here from a hook; down_proj is the same lstsq Theorem 3.1 refit on them."""
+    model = tiny_model("llama", attn_implementation="eager")
+    tokens = random_tokens(4, 24)
+    session, original = session_of(model, tokens)
+    report = run_pass(session, [WidthPrune(target="none", criterion="fluctuation")])["0"]
+    with torch.no_grad():
+        states = model(tokens, output_hidden_states=True).hidden_states
+    for i, layer in enumerate(model.model.layers):
+        source = original.model.layers[i]
+        _, act = run_with_hook(original, source, states[i], "mlp.down_proj")
+        flap = act.var(0, unbiased=False) * source.mlp.down_proj.weight.detach().double().pow(2).sum(0)
+        keep = flap.topk(72).indices.sort().values
+        torch.testing.assert_close(layer.mlp.gate_proj.weight, source.mlp.gate_proj.weight[keep])
+        _, ridge = leverage_top(act, 72)
+        refit, _ = ridge_fit(act, source.mlp.down_proj.weight, keep, ridge)
+        torch.testing.assert_close(layer.mlp.down_proj.weight.double(), refit, rtol=1e-4, atol=1e-5)
+        assert report["layers"][str(i)]["fluctuation_kept"] < report["layers"][str(i)]["fluctuation_total"]

@@ -8,9 +8,33 @@ import torch
 from pydantic import Field, PrivateAttr, field_validator
 
 from recipe_engine.api import (ADAPTERS, InputCovariance, LayerModifier, LayerShape, ModelShape, ModifierSession,
-                               best_groups_by_error, eq12_group_scores, group_channels, mean_eigenvalue,
+                               Statistic, best_groups_by_error, eq12_group_scores, group_channels, mean_eigenvalue,
                                reconstruction_error, refit_down_proj, register, ridge_compensation,
                                ridge_leverage_scores, set_linear_weight, submatrix, target_moments)
+
+
+class InputMean(Statistic):
+    """``Σ_t x_t`` (fp64) of a module's input and the token count: the centre of FLAP's fluctuation."""
+
+    sums = ("total", "count")
+
+    def __init__(self, module: str):
+        super().__init__(module)
+        self.total: torch.Tensor | None = None
+        self.count = 0
+
+    def update(self, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        x = inputs.reshape(-1, inputs.shape[-1]).to(torch.float64)
+        self.total = x.sum(0) if self.total is None else self.total + x.sum(0)
+        self.count += x.shape[0]
+
+
+def fluctuation_scores(gram: torch.Tensor, mean: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """FLAP's channel score ``Var(σ_j) · ‖W_down[:, j]‖²`` (An et al., AAAI 2024, Eq. 5; the population
+    variance ``G_jj / N − μ_j²``, the ranking of the paper's ``1 / (N − 1)``) from the input Gram ``G`` of
+    ``N`` tokens (``G / N`` given) and the mean ``μ``."""
+    variance = (torch.diagonal(gram) - mean ** 2).clamp(min=0)
+    return variance * down.detach().double().pow(2).sum(0)
 
 
 @register
@@ -28,6 +52,12 @@ class WidthPrune(LayerModifier):
     ((G_KK + λ_t I)⁻¹ Σ σ_K eᵀ)ᵀ`` with ``e = y* − layer(x)``. Every layer gets the same widths and the
     config follows (``intermediate_size``, head counts), so the output is a stock checkpoint. Deviations:
     one width in all layers (the paper's D.4 takes ModeGPT's per-layer sparsities), and the target refit.
+
+    ``criterion: fluctuation`` keeps FLAP's channels instead (An et al., AAAI 2024: ``Var(σ_j) · ‖W_:,j‖²``,
+    :func:`fluctuation_scores`), as the published training-free width method to compare with; deviations from
+    FLAP: one width in all layers (FLAP's adaptive structure varies it), and the same ridge compensation and
+    target refit instead of FLAP's bias (these architectures' down_proj has none, and a stock checkpoint
+    cannot add one).
     """
 
     mlp_keep: float = Field(0.75, gt=0, le=1, description="fraction of the MLP channels kept in every layer "
@@ -41,6 +71,9 @@ class WidthPrune(LayerModifier):
     multiple_of: int = Field(32, ge=1, description="parameters: the MLP width is a multiple of this")
     kv_groups_keep: int | None = Field(None, ge=1, description="KV groups (a KV head and its query heads) kept "
                                                                "in every layer (None: keep all)")
+    criterion: Literal["leverage", "fluctuation"] = Field("leverage", description=(
+        "MLP channels kept: leverage (ridge leverage of the down_proj input's Gram, FlattenGPT Algorithm 3) or "
+        "fluctuation (FLAP's variance × squared down_proj column norm; the same ridge compensation)"))
     lambda_scale: float = Field(10.0, gt=0, description="leverage and Theorem 3.1 ridge λ as a multiple of the "
                                                         "mean eigenvalue")
     head_criterion: Literal["reconstruction", "eq12"] = Field(
@@ -185,30 +218,43 @@ class WidthPrune(LayerModifier):
     def statistics(self, session: ModifierSession, layer_index: int) -> list[InputCovariance]:
         if self.kv_groups_keep is not None:  # the MLP's Gram follows once the attention is pruned
             return [InputCovariance(session.adapter.path("o_proj"))]
-        return [InputCovariance(session.adapter.path("down_proj"), products=torch.float32)]
+        return self._mlp_statistics(session)
+
+    def _mlp_statistics(self, session: ModifierSession) -> list[Statistic]:
+        """The down_proj input's Gram (and with ``criterion: fluctuation`` its mean)."""
+        path = session.adapter.path("down_proj")
+        gram = [InputCovariance(path, products=torch.float32)]
+        return gram + [InputMean(path)] if self.criterion == "fluctuation" else gram
 
     @torch.no_grad()
     def compress_layer(self, session: ModifierSession, layer_index: int, stats: dict[str, Any]) -> dict[str, Any]:
         adapter, layer = session.adapter, session.layers[layer_index]
-        statistic, entry = stats[self.statistics(session, layer_index)[0].key], {}
+        wanted, entry = self.statistics(session, layer_index), {}
+        statistic, mean = stats[wanted[0].key], stats[wanted[1].key] if len(wanted) > 1 else None
         width = self.mlp_width(session.model.config.intermediate_size)
         target = self.refit_target(session.model.config.model_type)
         if self.kv_groups_keep is not None:
             entry.update(self._prune_heads(session, layer, statistic))
             if width == adapter.linear(layer, "down_proj").in_features and target == "none":
                 return entry  # the MLP keeps every channel and is not refitted
-            statistic = InputCovariance(adapter.path("down_proj"), products=torch.float32)
-            session.run_layer(layer, session.current_layer.inputs, hooks=[statistic])
+            recollected = self._mlp_statistics(session)
+            session.run_layer(layer, session.current_layer.inputs, hooks=recollected)
+            statistic, mean = recollected[0], recollected[1] if len(recollected) > 1 else None
         gram, down = statistic.gram, adapter.linear(layer, "down_proj")
         keep = torch.arange(gram.shape[0], device=gram.device)
         if width < gram.shape[0]:  # else every channel is kept (mlp_keep rounds to all): nothing to compensate
             ridge = self.lambda_scale * mean_eigenvalue(gram)
-            score = ridge_leverage_scores(gram, ridge)
+            if mean is not None:
+                score = fluctuation_scores(gram / statistic.count, mean.total / mean.count, down.weight)
+                mean.release()
+            else:
+                score = ridge_leverage_scores(gram, ridge)
             keep = score.topk(width).indices.sort().values
             new_down = ridge_compensation(down.weight, gram, keep, ridge)
             adapter.keep_rows(layer, {"gate_proj": keep, "up_proj": keep}, session.shape.head_dim)
             set_linear_weight(down, new_down, down.bias)
-            entry.update(leverage_kept=float(score[keep].sum()), leverage_total=float(score.sum()))
+            entry.update({f"{self.criterion}_kept": float(score[keep].sum()),
+                          f"{self.criterion}_total": float(score.sum())})
         entry.update(channels_before=gram.shape[0], channels_kept=len(keep))
         kept_gram = submatrix(gram, keep, keep) if target != "none" else None
         del gram
