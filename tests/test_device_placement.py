@@ -181,10 +181,10 @@ def test_a_statistic_kept_on_the_host_fails_a_session_run():
         inputs = session.capture_inputs()
         assert inputs[0].device.type == "cpu"  # offloaded between layers
         good = InputCovariance("mlp.down_proj")
-        with session.using(0):
+        with session.session.residency.using(0):
             session.run_layer(session.layers[0], inputs, hooks=[good])
         assert good.gram.device.type == ACCELERATOR and good.gram.dtype == torch.float64
-        with session.using(0), pytest.raises(MixedDevices, match="aten::add_"):
+        with session.session.residency.using(0), pytest.raises(MixedDevices, match="aten::add_"):
             session.run_layer(session.layers[0], inputs, hooks=[HostGram("mlp.down_proj")])
 
 

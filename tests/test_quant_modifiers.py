@@ -125,7 +125,7 @@ def test_export_refuses_weights_moved_off_grid(tmp_path):
         weight = model.model.layers[1].mlp.up_proj.weight
         weight.add_(1e-3 * torch.randn_like(weight))
     with pytest.raises(RuntimeError, match=r"model\.layers\.1\.mlp\.up_proj: weights are .* off"):
-        write_checkpoint(session, tmp_path)
+        write_checkpoint(session.session, tmp_path)
 
 
 def test_dequantized_output_is_stock_checkpoint(tmp_path):

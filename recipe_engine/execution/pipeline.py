@@ -284,6 +284,7 @@ class LayerPipeline:
         """
         s = self.session
         ctx = s.context
+        view = s.view  # held here: the pass's steps see one view, which the session keeps weakly
         own = [0.0] * len(group)
         state = self._start(group, checkpoints)
         last = max((max(t) for t in state.targets if t), default=-1)
@@ -299,7 +300,7 @@ class LayerPipeline:
         self.walk.states = None
         for k, modifier in enumerate(group):
             started = time.perf_counter()
-            state.reports[k].update(modifier.finish(s.view))
+            state.reports[k].update(modifier.finish(view))
             state.reports[k]["own_s"] = own[k] + time.perf_counter() - started
         return {str(k): r for k, r in enumerate(state.reports)}
 

@@ -18,6 +18,7 @@ from .distributed import module_digest
 
 if TYPE_CHECKING:
     from ..plan.estimates import MemoryPlan
+    from .modifier_view import ModifierView
     from .session import Session
 
 
@@ -38,9 +39,11 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
     """Run the steps (consecutive layer steps share one pass); each record has the step's own wall time,
     and with ``watch``/``plan`` the measured peak RSS of its group beside ``recipe plan``'s estimate. With
     ``checkpoints``, finished groups of an interrupted run are skipped and each group (and each layer of a
-    pass) is checkpointed when done."""
+    pass) is checkpointed when done. Every step sees the same view of the session (``session.view``, held here
+    for the run): a step may key what it keeps across layers and steps by it."""
+    view = session.view  # held here: the session keeps its view weakly
     try:
-        records = _run_groups(session, steps, bar, watch, plan, checkpoints, report)
+        records = _run_groups(session, view, steps, bar, watch, plan, checkpoints, report)
     except BaseException:
         if session.stream is not None:
             session.stream.drain(quietly=True)  # no staging write outlives the run's files
@@ -50,7 +53,7 @@ def run_steps(session: Session, steps: list[Modifier], bar: Progress, watch: Pea
     return records
 
 
-def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: PeakWatch | None,
+def _run_groups(session: Session, view: ModifierView, steps: list[Modifier], bar: Progress, watch: PeakWatch | None,
                 plan: MemoryPlan | None, checkpoints, report: RunReport | None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = checkpoints.records if checkpoints is not None else []
     watch = watch or PeakWatch()
@@ -80,7 +83,7 @@ def _run_groups(session: Session, steps: list[Modifier], bar: Progress, watch: P
             else:
                 step = group[0][1]
                 with _whole_model(session, step), session.context.timings.phase("compress"):
-                    results = [step.apply(session.view)]
+                    results = [step.apply(view)]
         elapsed = time.perf_counter() - start
         session.end_group(steps_here, later)
         session.context.timings.record(event="step", wall_s=round(elapsed, 3))
