@@ -36,10 +36,10 @@ import torch
 
 import recipe_engine
 from recipe_engine.architectures.adapters import count_parameters
-from recipe_engine.io.data import data_dir, load_text
+from recipe_engine.sources.text import data_dir, load_text
 from recipe_engine.errors import RecipeError
 from recipe_engine.evaluation.perplexity import perplexity
-from recipe_engine.io.models import load_model
+from recipe_engine.sources.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rowstore  # noqa: E402  (the benchmarks' own helper, beside this script)

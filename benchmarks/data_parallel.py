@@ -68,9 +68,9 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from recipe_engine.io.data import load_text
+    from recipe_engine.sources.text import load_text
     from recipe_engine.evaluation.perplexity import perplexity
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.models import load_model
 
     text = load_text("wikitext2", "test").text
     ppl = {}

@@ -9,7 +9,7 @@ import torch
 
 import recipe_engine
 from compare_methods import CALIBRATIONS, MODELS, methods
-from recipe_engine.io.models import load_model
+from recipe_engine.sources.models import load_model
 
 
 def parser(description: str, default_methods: list[str]) -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from recipe_engine.evaluation import evaluate_model
 from recipe_engine.evaluation.zeroshot import PAPER_TASKS
-from recipe_engine.io.models import load_model
+from recipe_engine.sources.models import load_model
 from recipe_engine.recipe.schema import EvaluateConfig, PerplexityConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "raw"   # raw output (ignored by git)

@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from recipe_engine.architectures.adapters import adapter_for, count_parameters
-from recipe_engine.io.data import load_text, sample_windows, tokenize
+from recipe_engine.sources.text import load_text
+from recipe_engine.sources.windows import sample_windows, tokenize
 from recipe_engine.evaluation.perplexity import perplexity
-from recipe_engine.io.models import load_model
+from recipe_engine.sources.models import load_model
 from recipe_engine.execution.steps import run_steps
 from recipe_engine.recipe.schema import CalibrationConfig, parse_step
 from recipe_engine.execution.context import RunContext

@@ -33,7 +33,8 @@ import torch
 
 from recipe_engine.modifiers.flatten_adjacent import merge_layers
 from recipe_engine.modifiers.head_prune import best_groups_by_error, eq12_group_scores, group_channels
-from recipe_engine.io.data import load_text, sample_windows, tokenize
+from recipe_engine.sources.text import load_text
+from recipe_engine.sources.windows import sample_windows, tokenize
 from recipe_engine.evaluation.perplexity import make_windows
 from recipe_engine.numerics.linalg import mean_eigenvalue, ridge_compensation, ridge_leverage_scores, set_linear_weight
 
@@ -197,7 +198,7 @@ def layer_error(layers, inputs, kwargs, targets):
 
 @torch.no_grad()
 def main() -> None:
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.models import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-0.5b")

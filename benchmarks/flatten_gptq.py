@@ -24,10 +24,10 @@ import torch
 
 import recipe_engine
 from recipe_engine.architectures.adapters import count_parameters
-from recipe_engine.io.data import load_text
-from recipe_engine.io.models import checkpoint_bytes
+from recipe_engine.sources.text import load_text
+from recipe_engine.sources.sizes import checkpoint_bytes
 from recipe_engine.evaluation.perplexity import perplexity
-from recipe_engine.io.models import load_model
+from recipe_engine.sources.models import load_model
 
 CALIBRATION = {"dataset": "wikitext2", "split": "validation", "samples": 32, "seq_len": 512, "seed": 0}
 FLATTEN = ["FuseNorm", {"FlattenAdjacent": {"n": 6}}, "HeadPrune", "NystromMLP"]

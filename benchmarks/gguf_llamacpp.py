@@ -60,7 +60,7 @@ TINY_EXTRA = {
 
 
 def smollm2_dense(out: Path) -> Path:
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.models import load_model
 
     directory = out / "dense"
     if not (directory / "config.json").is_file():
@@ -88,10 +88,11 @@ def build_tiny(out: Path, tokenizer) -> dict[str, Path]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from recipe_engine.architectures.adapters import ADAPTERS
+    from recipe_engine.formats.gguf.layout import LAYOUTS
 
     dirs = {}
     for model_type, adapter in ADAPTERS.items():
-        if adapter.gguf is None:
+        if model_type not in LAYOUTS:
             continue
         dirs[f"tiny_{model_type}"] = directory = out / f"tiny_{model_type}"
         if (directory / "config.json").is_file():
@@ -111,7 +112,7 @@ def build_tiny(out: Path, tokenizer) -> dict[str, Path]:
 
 def build_gemma(out: Path) -> dict[str, Path]:
     from recipe_engine import apply
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.models import load_model
 
     dirs = {"gemma3_270m_18": out / "gemma3_270m", "gemma3_270m_sleb_14": out / "gemma3_270m_sleb"}
     if not (dirs["gemma3_270m_18"] / "config.json").is_file():
@@ -259,8 +260,8 @@ def main() -> None:
         sys.exit("llama-cpp-python is not installed: pip install '.[gguf]' (it builds llama.cpp with cmake)")
     from transformers import AutoTokenizer
 
-    from recipe_engine.io.data import load_text
-    from recipe_engine.io.gguf_export import export_gguf
+    from recipe_engine.sources.text import load_text
+    from recipe_engine.formats.gguf.writer import export_gguf
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)

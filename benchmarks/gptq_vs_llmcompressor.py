@@ -96,15 +96,16 @@ def ppl(model, tokenizer, text: str, windows: int) -> float:
 
 
 def disk_mb(directory: Path) -> float:
-    from recipe_engine.io.models import checkpoint_bytes
+    from recipe_engine.sources.sizes import checkpoint_bytes
 
     return checkpoint_bytes(directory) / 2 ** 20
 
 
 def prepare(args, out: Path):
     """Dense checkpoint (for llm-compressor) and the shared calibration ids, saved under ``out``."""
-    from recipe_engine.io.data import load_text, sample_windows, tokenize
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.text import load_text
+    from recipe_engine.sources.windows import sample_windows, tokenize
+    from recipe_engine.sources.models import load_model
 
     dense, tokenizer, _ = load_model("smollm2-135m", "float32")
     dense.save_pretrained(out / "dense")
@@ -122,8 +123,8 @@ def main_side(args) -> None:
     import copy
 
     from recipe_engine.modifiers.quantize import Quantize
-    from recipe_engine.io.checkpoint_writer import write_checkpoint
-    from recipe_engine.io.data import load_text
+    from recipe_engine.checkpoint.writer import write_checkpoint
+    from recipe_engine.sources.text import load_text
     from safetensors.torch import load_file
 
     out = Path(args.out)

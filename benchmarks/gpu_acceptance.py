@@ -373,7 +373,7 @@ def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
     import torch
 
     import scale
-    from recipe_engine.io.models import load_config
+    from recipe_engine.sources.models import load_config
 
     started = time.perf_counter()
     shape, layers = (TINY_SHAPE, TINY_LAYERS) if args.tiny else (scale.LLAMA3_8B, args.layers)

@@ -56,7 +56,7 @@ def write_moe_checkpoint(directory: Path, layers: int, device: str, tokenizer: s
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
-    from recipe_engine.io.models import resolve_model
+    from recipe_engine.sources.models import resolve_model
 
     if (directory / "config.json").is_file():
         return directory
@@ -89,8 +89,8 @@ def packed_on_device_equal_host(device: str) -> bool:
     bit for bit, for every packing format."""
     import torch
 
-    from recipe_engine.io.checkpoint_writer import _stored
-    from recipe_engine.io.exporters import checkpoint_exporter, checkpoint_formats
+    from recipe_engine.checkpoint.writer import _stored
+    from recipe_engine.formats import checkpoint_exporter, checkpoint_formats
     from recipe_engine.numerics.quantization import Grid, QuantizedLinear
 
     def split(name, tensor):  # stacked experts → one linear per expert (the Hub's per-expert names)
@@ -205,7 +205,7 @@ def pass_figures(result: dict, total_layers: int, write_s: float, write_share: f
 def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list[dict]]:
     """``apply_recipe`` and ``device_estimate``: gpu_acceptance's (one run in a logged subprocess; the plan's
     device share)."""
-    from recipe_engine.io.models import load_config
+    from recipe_engine.sources.models import load_config
 
     started = time.perf_counter()
     shape, layers = (TINY_MOE, TINY_MOE_LAYERS) if args.tiny else (QWEN3_30B_A3B, args.moe_layers)

@@ -114,7 +114,7 @@ def leg_bench(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
 
 
 def leg_w4(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
-    from recipe_engine.io.models import checkpoint_bytes
+    from recipe_engine.sources.sizes import checkpoint_bytes
 
     outputs = stream8b_outputs(work, state)
     dense, packed = outputs["dense"], outputs["compressed"]

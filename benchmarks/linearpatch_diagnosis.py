@@ -35,7 +35,7 @@ from compare_methods import EVALS, ROW_FILES, RESULTS  # noqa: E402
 from diagnosis_common import heldout_run, load_dense, parser  # noqa: E402
 from recipe_engine.architectures.adapters import ADAPTERS  # noqa: E402
 from recipe_engine.evaluation.perplexity import perplexity  # noqa: E402
-from recipe_engine.io.data import load_text  # noqa: E402
+from recipe_engine.sources.text import load_text  # noqa: E402
 from recipe_engine.modifiers.linear_patch import Patch  # noqa: E402
 from recipe_engine.numerics.hadamard import rotation  # noqa: E402
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_acceptance_moe import QWEN3_30B_A3B, output_write_s, write_moe_checkpoint  # noqa: E402 (the path above)
 
-from recipe_engine.io.report import whole_files_sha256  # noqa: E402
+from recipe_engine.records.fingerprints import whole_files_sha256  # noqa: E402
 
 
 def write_seconds(engine: Path, recipe: Path, timings: Path) -> float:

@@ -7,7 +7,7 @@ dequantized, bit for bit the weights the step left: ``tests/test_exporters.py``)
 ``save_pretrained`` — what ``export: dequantized`` writes (both round their scales to the model dtype, so the
 weights are bit for bit the same; GPTQ v1 stores fp16 scales, so its grid differs). ``--separate`` adds the
 recipe run again with ``export: dequantized`` and ``export: gptq`` (GPTQ v1), three GPTQ runs in all. Each output
-is loaded from disk with ``recipe_engine.io.models.load_model`` (what ``recipe eval`` does) and evaluated on the
+is loaded from disk with ``recipe_engine.sources.models.load_model`` (what ``recipe eval`` does) and evaluated on the
 first ``--windows`` windows × 1024 tokens of WikiText-2 test. "ratio": safetensors bytes over the dequantized
 row's.
 
@@ -28,8 +28,9 @@ import yaml
 
 import recipe_engine
 from recipe_engine.evaluation.perplexity import perplexity
-from recipe_engine.io.data import load_text
-from recipe_engine.io.models import checkpoint_bytes, load_model
+from recipe_engine.sources.text import load_text
+from recipe_engine.sources.sizes import checkpoint_bytes
+from recipe_engine.sources.models import load_model
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "gptq4_smollm2.yaml"
 

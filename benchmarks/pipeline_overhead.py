@@ -42,8 +42,9 @@ GOAL_HOST_SHARE = 0.15
 def child_forward(samples: int, seq_len: int) -> dict:
     import torch
 
-    from recipe_engine.io.data import load_text, sample_windows, tokenize
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.text import load_text
+    from recipe_engine.sources.windows import sample_windows, tokenize
+    from recipe_engine.sources.models import load_model
 
     model, tokenizer, _ = load_model("smollm2-135m")
     windows = sample_windows(tokenize(tokenizer, load_text("wikipedia-sample", "train").text), samples, seq_len,

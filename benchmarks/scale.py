@@ -30,7 +30,7 @@ import torch
 import yaml
 
 import recipe_engine
-from recipe_engine.io.models import checkpoint_bytes
+from recipe_engine.sources.sizes import checkpoint_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "raw"   # raw output (ignored by git)
@@ -49,7 +49,7 @@ def write_synthetic(directory: Path, layers: int, dtype: torch.dtype = torch.flo
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig
 
-    from recipe_engine.io.models import resolve_model
+    from recipe_engine.sources.models import resolve_model
 
     if (directory / "model.safetensors.index.json").is_file():
         return directory
@@ -207,7 +207,7 @@ def bench_equal(workdir: Path, samples: int) -> list[dict]:
         output = workdir / f"out-smollm2-{stream}"
         result = apply(base_recipe(f"smollm2_{stream}", Path("smollm2-135m"), output, steps, samples, 512, stream),
                        workdir, f"smollm2-{stream}.log")
-        from recipe_engine.io.models import resolve_model
+        from recipe_engine.sources.models import resolve_model
 
         r = row(f"SmolLM2 stream {stream}", result, checkpoint_bytes(Path(resolve_model("smollm2-135m").location)))
         digests.append(file_digest(output))

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_methods import CALIBRATIONS, RAW, RESULTS, ROW_FILES  # noqa: E402
 from diagnosis_common import heldout_model, load_dense, parser  # noqa: E402
-from recipe_engine.io.data import load_text, tokenize  # noqa: E402
+from recipe_engine.sources.text import load_text  # noqa: E402
+from recipe_engine.sources.windows import tokenize
 
 ROW_NAMES = {"ReplaceMe": "ReplaceMe", "ReplaceMe+FlattenGPT": "ReplaceMe, then FlattenGPT",
              "FlattenGPT": "FlattenGPT (ours)", "ShortGPT+LinearPatch": "ShortGPT + LinearPatch",

@@ -25,8 +25,9 @@ def child(mode: str, samples: int, seq_len: int) -> dict:
 
     import recipe_engine
     from recipe_engine.architectures.adapters import adapter_for
-    from recipe_engine.io.data import load_text, sample_windows, tokenize
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.text import load_text
+    from recipe_engine.sources.windows import sample_windows, tokenize
+    from recipe_engine.sources.models import load_model
     from recipe_engine.recipe.schema import CalibrationConfig
     from recipe_engine.execution.context import RunContext
     from recipe_engine.execution.session import Session

@@ -4,7 +4,7 @@ takes while it runs.
     OMP_NUM_THREADS=2 python benchmarks/tokenize_memory.py [--models smollm2-135m qwen2.5-0.5b gemma3-270m]
 
 For each shipped model's tokenizer and each local text (WikiText-2 validation and test, the Wikipedia, C4 and
-code samples' train splits): the ids of ``recipe_engine.io.data.tokenize`` (a fast tokenizer's backend,
+code samples' train splits): the ids of ``recipe_engine.sources.windows.tokenize`` (a fast tokenizer's backend,
 ``encode_batch_fast``: no character offsets) against the tokenizer called as transformers documents it
 (``tokenizer(text, add_special_tokens=False)["input_ids"]``), which must be equal; and for each way, its
 transient: the process's high-water mark while it runs (``host_memory.PeakWatch``: ``VmHWM``, reset before)
@@ -46,8 +46,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from recipe_engine.io.data import load_text, tokenize
-    from recipe_engine.io.models import resolve_model
+    from recipe_engine.sources.text import load_text
+    from recipe_engine.sources.windows import tokenize
+    from recipe_engine.sources.models import resolve_model
 
     rows = []
     for model in args.models:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_methods import EVALS, RAW  # noqa: E402
 from diagnosis_common import heldout_model, load_dense, parser  # noqa: E402
 from recipe_engine.evaluation.perplexity import perplexity  # noqa: E402
-from recipe_engine.io.data import load_text  # noqa: E402
+from recipe_engine.sources.text import load_text  # noqa: E402
 
 
 def main() -> None:

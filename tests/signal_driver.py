@@ -88,7 +88,7 @@ def install(point: str, kind: str, ready: Path) -> None:
         transformers.PreTrainedModel.save_pretrained = save_pretrained
 
     elif point == "exporting":
-        from recipe_engine.io import gguf_export
+        from recipe_engine.formats.gguf import writer as gguf_export
 
         encoding = gguf_export._encoding
 

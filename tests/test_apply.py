@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import recipe_engine
 from recipe_engine.recipe.modifier import LayerModifier
 from recipe_engine.recipe.registry import REGISTRY
-from recipe_engine.io.data import sample_windows
+from recipe_engine.sources.windows import sample_windows
 from tests.helpers import CharTokenizer, random_tokens, tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 200

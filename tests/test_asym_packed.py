@@ -3,7 +3,7 @@ bits, in groups and one group per row, load with stock ``transformers.AutoModelF
 child process that never imports the engine) to the very weights, and logits, of the same recipe written with
 ``export: dequantized``; the engine's ``load_model`` reads them back bit for bit. The zero points stay what
 compressed-tensors' compressor writes and vLLM reads (packed along rows); the ``quantization_config``'s
-``dequantize: true`` is what lets transformers load them (``recipe_engine/io/exporters/compressed_tensors.py``)."""
+``dequantize: true`` is what lets transformers load them (``recipe_engine/formats/compressed_tensors.py``)."""
 import json
 import math
 import subprocess
@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 
 import recipe_engine
-from recipe_engine.io.exporters import checkpoint_exporter
-from recipe_engine.io.models import load_model
+from recipe_engine.formats import checkpoint_exporter
+from recipe_engine.sources.models import load_model
 from recipe_engine.numerics.quantization import Grid
 
 CASES = [(method, bits, group) for method in ("GPTQ", "Quantize") for bits in (4, 8) for group in (32, None)]

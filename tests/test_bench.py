@@ -262,7 +262,7 @@ def test_the_planned_weights_are_the_weights_bench_holds(gptq_outputs, name):
     from recipe_engine.cli.bench import load_for_bench
     from recipe_engine.evaluation.bench import packed_config, planned_weight_bytes
     from recipe_engine.evaluation.bench.run import held_weights
-    from recipe_engine.io.models import load_config
+    from recipe_engine.sources.models import load_config
 
     location = str(gptq_outputs / name)
     for dtype in ("float32", "bfloat16"):

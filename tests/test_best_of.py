@@ -410,7 +410,7 @@ def test_depth20_auto_validates_on_every_shipped_model_config():
 
     from transformers import Gemma3TextConfig, Qwen2Config
 
-    from recipe_engine.io.models import load_config
+    from recipe_engine.sources.models import load_config
     from recipe_engine.recipe.files import load_recipe
 
     configs = {

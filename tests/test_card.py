@@ -13,7 +13,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from recipe_engine.cli import main
-from recipe_engine.io.report import load_report
+from recipe_engine.records.report import load_report
 from tests.helpers import save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 80
@@ -112,8 +112,8 @@ def evaluate(directory, record, text):
 
 
 def test_card_shows_zero_shot_accuracy_and_what_it_retained(outputs):
-    from recipe_engine.io.card import model_card
-    from recipe_engine.io.report import load_report
+    from recipe_engine.records.card import model_card
+    from recipe_engine.records.report import load_report
 
     report = load_report(outputs / "quant")
     zero = lambda value: {"tasks": {"arc_easy": {"metric": "acc_norm", "value": value}}, "average": value}
@@ -130,8 +130,8 @@ def test_card_shows_zero_shot_accuracy_and_what_it_retained(outputs):
 
 
 def test_card_shows_generation_pass_at_1_and_what_it_retained(outputs):
-    from recipe_engine.io.card import model_card
-    from recipe_engine.io.report import load_report
+    from recipe_engine.records.card import model_card
+    from recipe_engine.records.report import load_report
 
     report = load_report(outputs / "quant")
     run = lambda passed: {"tasks": {"humaneval": {"metric": "pass@1", "value": passed / 24, "passed": passed,
@@ -153,8 +153,9 @@ def test_a_gguf_sources_license_is_read_once_per_file(tmp_path, monkeypatch):
     array, seconds for a real vocabulary) and then read from beside the converted checkpoint."""
     import gguf
 
-    from recipe_engine.io.card import source_license
-    from recipe_engine.io.models import ModelSource, converted_gguf
+    from recipe_engine.sources.record import source_license
+    from recipe_engine.sources.models import ModelSource
+    from recipe_engine.formats.gguf.source import converted_gguf
     from tests.helpers import write_tiny_gguf
 
     monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
@@ -194,8 +195,9 @@ def test_weights_fingerprint_is_the_sha256_of_the_written_safetensors_segments(o
 def test_a_builtin_alias_output_names_its_hub_id_and_no_machine_path(outputs, alias):
     """The report of an alias-sourced output (written before the report kept ``base_model``: found from the
     alias), its calibration text from the package's file: the card links the hub id, shows files by name."""
-    from recipe_engine.io.card import model_card
-    from recipe_engine.io.models import BUILTIN_HUB_IDS, builtin_names
+    from recipe_engine.records.card import model_card
+    from recipe_engine.formats.gguf.source import BUILTIN_HUB_IDS
+    from recipe_engine.sources.models import builtin_names
 
     assert sorted(BUILTIN_HUB_IDS) == sorted(builtin_names())  # every shipped alias has its hub id
     report = load_report(outputs / "quant")
@@ -212,7 +214,7 @@ def test_a_builtin_alias_output_names_its_hub_id_and_no_machine_path(outputs, al
 
 
 def test_a_hub_source_and_an_output_used_as_source_carry_the_hub_id(outputs, tmp_path):
-    from recipe_engine.io.card import model_card
+    from recipe_engine.records.card import model_card
 
     report = load_report(outputs / "quant")
     hub = report.model_copy(update={"model": report.model.model_copy(update={

@@ -9,7 +9,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from recipe_engine.cli import main
-from recipe_engine.io.checkpoint_reader import check_checkpoint
+from recipe_engine.checkpoint.reader import check_checkpoint
 from tests.helpers import forbid_loading, save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
@@ -126,7 +126,7 @@ def test_loading_refuses_what_transformers_would_initialize(broken, case, capfd)
     """The last line of defence (a hub model's files arrive only when it loads): ``load_model`` turns
     transformers' loading report into one error instead of random weights, and its table is not printed."""
     from recipe_engine.errors import SourceError
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.models import load_model
 
     capfd.readouterr()
     with pytest.raises(SourceError, match="do not match its config.json") as caught:

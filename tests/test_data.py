@@ -4,8 +4,9 @@ import json
 import pytest
 import torch
 
-from recipe_engine.io import data
+from recipe_engine.sources import text as data
 from recipe_engine.errors import SourceError
+from recipe_engine.sources import windows as sampling
 from tests.helpers import have_smollm2, shared_data
 
 
@@ -71,13 +72,13 @@ def test_local_files_and_save_to_disk(tmp_path):
 
 def test_sample_windows_are_distinct_seeded_and_checked():
     ids = torch.arange(1000)
-    a = data.sample_windows(ids, 5, 100, seed=0, source="s")
+    a = sampling.sample_windows(ids, 5, 100, seed=0, source="s")
     assert a.shape == (5, 100)
     assert len({int(row[0]) for row in a}) == 5 and all(int(row[0]) % 100 == 0 for row in a)
-    assert torch.equal(a, data.sample_windows(ids, 5, 100, seed=0, source="s"))
-    assert not torch.equal(a, data.sample_windows(ids, 5, 100, seed=1, source="s"))
+    assert torch.equal(a, sampling.sample_windows(ids, 5, 100, seed=0, source="s"))
+    assert not torch.equal(a, sampling.sample_windows(ids, 5, 100, seed=1, source="s"))
     with pytest.raises(SourceError, match="has 1000 tokens = 10 windows of 100"):
-        data.sample_windows(ids, 11, 100, seed=0, source="s")
+        sampling.sample_windows(ids, 11, 100, seed=0, source="s")
 
 
 def test_fingerprint_is_sha256_of_ids():
@@ -85,11 +86,11 @@ def test_fingerprint_is_sha256_of_ids():
 
     ids = torch.tensor([[1, 2], [3, 4]])
     expected = hashlib.sha256(torch.tensor([1, 2, 3, 4], dtype=torch.int64).numpy().tobytes()).hexdigest()
-    assert data.fingerprint(ids) == expected
+    assert sampling.fingerprint(ids) == expected
 
 
 def test_data_dir_unset_reads_hub_and_task_file_says_so(monkeypatch):
-    from recipe_engine.io.data import data_dir, is_hub_source
+    from recipe_engine.sources.text import data_dir, is_hub_source
     from recipe_engine.evaluation.task_data import data_file
 
     monkeypatch.delenv("RECIPE_DATA_DIR", raising=False)
@@ -100,7 +101,7 @@ def test_data_dir_unset_reads_hub_and_task_file_says_so(monkeypatch):
 
 
 def test_data_dir_that_is_not_a_directory_is_one_line(monkeypatch, tmp_path):
-    from recipe_engine.io.data import load_text
+    from recipe_engine.sources.text import load_text
 
     monkeypatch.setenv("RECIPE_DATA_DIR", str(tmp_path / "missing"))
     with pytest.raises(SourceError, match=r"RECIPE_DATA_DIR=.*missing is not a directory"):
@@ -119,8 +120,8 @@ def test_mixed_calibration_shares_windows_among_sources_in_order():
 
     cal = CalibrationConfig(dataset=["wikipedia-sample", "c4-sample"], samples=5, seq_len=64, split="train")
     assert cal.shares() == [3, 2]
-    loaded = data.load_calibration(cal)
-    windows, available = data.calibration_windows(ByteTokenizer(), loaded, cal)
+    loaded = sampling.load_calibration(cal)
+    windows, available = sampling.calibration_windows(ByteTokenizer(), loaded, cal)
     texts = [data.load_text(name, "train").text for name in cal.sources]
     assert windows.shape == (5, 64)
     assert available == sum(len(t.encode("utf-8")) for t in texts)
@@ -128,7 +129,7 @@ def test_mixed_calibration_shares_windows_among_sources_in_order():
         span = bytes(row.tolist())
         assert span in texts[source].encode("utf-8") and span not in texts[1 - source].encode("utf-8")
     single = CalibrationConfig(dataset="wikipedia-sample", samples=3, seq_len=64, split="train")
-    alone, _ = data.calibration_windows(ByteTokenizer(), data.load_calibration(single), single)
+    alone, _ = sampling.calibration_windows(ByteTokenizer(), sampling.load_calibration(single), single)
     assert torch.equal(windows[:3], alone)  # a source draws the same windows alone or in a mix
 
 
@@ -136,7 +137,7 @@ def test_mixed_calibration_shares_windows_among_sources_in_order():
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from recipe_engine.io.models import resolve_model
+    from recipe_engine.sources.models import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m").location)
 
@@ -153,8 +154,8 @@ SPECIAL_TEXT = " = Title = \n<|im_start|>user\nHello,   world!\t2024 ünïcödé
                     reason="needs the SmolLM2 package and ../shared/data")
 def test_tokenize_equals_the_tokenizer_called_on_real_text(smollm2_tokenizer):
     text = data.load_text("wikitext2", "validation").text[:200_000] + SPECIAL_TEXT
-    assert data._fast_ids(smollm2_tokenizer, text) is not None  # the backend path is the one checked
-    assert data.tokenize(smollm2_tokenizer, text).tolist() == _called(smollm2_tokenizer, text)
+    assert sampling._fast_ids(smollm2_tokenizer, text) is not None  # the backend path is the one checked
+    assert sampling.tokenize(smollm2_tokenizer, text).tolist() == _called(smollm2_tokenizer, text)
 
 
 @pytest.mark.skipif(not have_smollm2(), reason="needs the SmolLM2 package")
@@ -165,11 +166,11 @@ def test_tokenize_calls_the_tokenizer_when_its_backend_would_differ(smollm2_toke
 
     truncating = copy.deepcopy(smollm2_tokenizer)
     truncating.backend_tokenizer.enable_truncation(max_length=8)
-    assert data._fast_ids(truncating, SPECIAL_TEXT) is None
-    assert data.tokenize(truncating, SPECIAL_TEXT).tolist() == _called(smollm2_tokenizer, SPECIAL_TEXT)
+    assert sampling._fast_ids(truncating, SPECIAL_TEXT) is None
+    assert sampling.tokenize(truncating, SPECIAL_TEXT).tolist() == _called(smollm2_tokenizer, SPECIAL_TEXT)
     splitting = copy.deepcopy(smollm2_tokenizer)
     splitting.split_special_tokens = True
-    assert data._fast_ids(splitting, SPECIAL_TEXT) is None
-    split_ids = data.tokenize(splitting, SPECIAL_TEXT).tolist()
+    assert sampling._fast_ids(splitting, SPECIAL_TEXT) is None
+    split_ids = sampling.tokenize(splitting, SPECIAL_TEXT).tolist()
     assert split_ids == _called(splitting, SPECIAL_TEXT)
     assert split_ids != _called(smollm2_tokenizer, SPECIAL_TEXT)  # the special tokens did split

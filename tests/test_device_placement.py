@@ -56,12 +56,12 @@ ACCELERATOR = "meta"
 def meta_is_a_device(monkeypatch):
     """The engine refuses devices other than CPU and CUDA for users; here ``meta`` must pass its device check
     so that it can play the accelerator."""
-    import recipe_engine.io.models as models
+    import recipe_engine.sources.devices as devices
     import recipe_engine.plan.preflight as preflight
 
-    strict = models.parse_device
+    strict = devices.parse_device
     lenient = lambda name: torch.device(name) if str(name).startswith(ACCELERATOR) else strict(name)
-    monkeypatch.setattr(models, "parse_device", lenient)
+    monkeypatch.setattr(devices, "parse_device", lenient)
     monkeypatch.setattr(preflight, "parse_device", lenient)
 #: ops that take device data and CPU indices on CUDA (the indices are moved by the kernel)
 INDEXING = {"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}

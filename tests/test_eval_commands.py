@@ -48,7 +48,7 @@ def test_eval_cli_writes_json_record(saved, tmp_path, capsys):
     assert (ppl["windows"], ppl["windows_available"], ppl["seq_len"], ppl["tokens"]) == (3, 7, 64, 3 * 63)
     assert len(ppl["fingerprint"]) == 64 and ppl["origin"] == str(text)
     assert record["lm_eval_version"] == version("lm_eval")
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.models import load_model
 
     model, tokenizer, _ = load_model(str(dense))
     assert ppl["ppl"] == pytest.approx(perplexity(model, tokenizer, TEXT, 64, 3)["ppl"], rel=1e-6)

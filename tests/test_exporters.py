@@ -1,4 +1,4 @@
-"""Output formats (``recipe_engine.io.exporters``): every checkpoint format through the registry packs and reads
+"""Output formats (``recipe_engine.formats``): every checkpoint format through the registry packs and reads
 back the quantized weights bit for bit; quantizing steps write compressed-tensors by default; GPTQ v1 is
 checked against the published reference's unpacking; packed outputs load with the engine, with plain
 transformers + compressed-tensors, as a later recipe's model, and export to the same GGUF as their
@@ -12,8 +12,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import recipe_engine
-from recipe_engine.io.exporters import checkpoint_exporter, checkpoint_formats, exporters, file_formats
-from recipe_engine.io.models import load_model
+from recipe_engine.formats import checkpoint_exporter, checkpoint_formats, exporters, file_formats
+from recipe_engine.sources.models import load_model
 from recipe_engine.numerics.quantization import Grid, QuantizedLinear
 from tests.helpers import CharTokenizer, random_tokens, tiny_model
 from tests.test_gguf_export import VOCAB, saved
@@ -347,7 +347,7 @@ def test_formats_refuse_what_they_cannot_hold_before_anything_runs(tmp_path, cha
 
 
 def test_packing_moves_to_the_gpu_only_when_the_tensor_and_its_fp64_copies_fit(monkeypatch):
-    from recipe_engine.io.checkpoint_writer import PACK_DEVICE_SHARE, pack_device
+    from recipe_engine.checkpoint.writer import PACK_DEVICE_SHARE, pack_device
 
     experts = torch.zeros(8, 64, 32, dtype=torch.bfloat16)   # 8 experts of 64 × 32
     need = experts.numel() * 2 + 6 * 8 * 64 * 32               # the stack, six fp64 copies of one expert
@@ -390,9 +390,9 @@ def test_stacked_experts_pack_as_one_matrix_into_each_experts_bytes(monkeypatch,
     chunk of experts; here all at once, one expert per chunk, or three with a shorter last chunk) gives every
     expert linear the names, order and bytes of packing that linear alone on the Hub's name (what
     ``PackedQuantizationCompressor`` writes, checked above), gate and up split from the fused tensor."""
-    from recipe_engine.io import checkpoint_writer
-    from recipe_engine.io.checkpoint_names import saved_names
-    from recipe_engine.io.checkpoint_writer import _packed, _stored
+    from recipe_engine.checkpoint import writer as checkpoint_writer
+    from recipe_engine.checkpoint.names import saved_names
+    from recipe_engine.checkpoint.writer import _packed, _stored
     from recipe_engine.numerics.quantization import Grid, QuantizedLinear
     from recipe_engine.modifiers._quant import rtn
     from tests.helpers import tiny_model

@@ -66,7 +66,8 @@ def test_flatten_smollm2_end_to_end(tmp_path, smollm2):
     the full protocol, 32 × 512 calibration, measures +0.51 on WikiText-2 test, ShortGPT's drop +1.11)."""
     import copy
 
-    from recipe_engine.io.data import load_text, tokenize
+    from recipe_engine.sources.text import load_text
+    from recipe_engine.sources.windows import tokenize
 
     dense, tokenizer = smollm2
     recipe = flatten_recipe(tmp_path / "smol", ["FlattenAdjacent<n:6>", "HeadPrune", "NystromMLP"],

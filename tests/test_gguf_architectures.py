@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 
-from recipe_engine.architectures.adapters import ADAPTERS, GGUFLayout
+from recipe_engine.architectures.adapters import ADAPTERS
 from recipe_engine.errors import RecipeError
-from recipe_engine.io.gguf_export import check_config, export_gguf
+from recipe_engine.formats.gguf.writer import check_config, export_gguf
+from recipe_engine.formats.gguf.layout import GGUFLayout, LAYOUTS, gguf_tensors
 from tests.helpers import ARCHITECTURES, tiny_config, tiny_model
 from tests.test_gguf_export import VOCAB, bpe_tokenizer, read_back, relative_error
 
@@ -81,7 +82,7 @@ def test_transformers_reads_back_the_same_logits(tmp_path, arch, kind, tolerance
     and sqrt(hidden)-scaled embeddings amplify it)."""
     model, directory = saved(tmp_path, arch, **READABLE[arch])
     summary = export_gguf(directory, tmp_path / "m.gguf", kind, name="tiny")
-    assert summary["architecture"] == ADAPTERS[arch].gguf.arch
+    assert summary["architecture"] == LAYOUTS.get(arch).arch
     assert relative_error(model, read_back(tmp_path / "m.gguf")) < tolerance
 
 
@@ -91,7 +92,7 @@ def test_a_gguf_source_keeps_its_head_width(tmp_path, monkeypatch, arch, head_di
     it builds Qwen3 with its default head width 128 and the others with hidden / heads (64 / 4 = 16 here), so
     the engine's source path (``load_model`` of a ``.gguf``) takes the width from the file. The model it builds
     computes the exported model's logits (f32), where transformers' own reading of the file fails."""
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.models import load_model
 
     monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
     model, directory = saved(tmp_path, arch, head_dim=head_dim,
@@ -135,7 +136,7 @@ def test_gemma3_file_holds_what_llama_cpp_reads(tmp_path):
         assert torch.equal(written[name].reshape(value.shape), expected), hf_name
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if ADAPTERS[a].gguf is not None])
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if LAYOUTS.get(a) is not None])
 def test_adapter_name_maps_cover_every_tensor_once(arch):
     """Every tensor of a tiny model has GGUF names from its adapter (one; an MoE layer's stacked gate_up_proj
     two), no two share one, each is a tensor llama.cpp's architecture declares (``gguf.MODEL_TENSORS``), and it
@@ -144,13 +145,13 @@ def test_adapter_name_maps_cover_every_tensor_once(arch):
     import gguf
 
     adapter = ADAPTERS[arch]
-    assert adapter.gguf is not None, f"{arch} has no GGUF facts"
+    assert LAYOUTS.get(adapter.model_type) is not None, f"{arch} has no GGUF facts"
     state = tiny_model(arch).state_dict()
-    names = adapter.gguf_tensors(tiny_config(arch).num_hidden_layers)
+    names = gguf_tensors(adapter, tiny_config(arch).num_hidden_layers)
     mapped = [(hf, name, role) for hf in state for name, role in names[hf]]  # KeyError: a tensor without a name
     assert len({name for _, name, _ in mapped}) == len(mapped)
     assert all(len(names[hf]) == (2 if hf.endswith("experts.gate_up_proj") else 1) for hf in state)
-    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == adapter.gguf.arch)
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == LAYOUTS.get(adapter.model_type).arch)
     declared = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
     reference = gguf.get_tensor_name_map(arch_id, tiny_config(arch).num_hidden_layers)
     merged = {"gate_exps": "gate_proj.weight", "up_exps": "up_proj.weight", "down_exps": "down_proj.weight"}
@@ -213,7 +214,7 @@ def test_unsupported_architecture_is_one_line(tmp_path, monkeypatch):
         export_gguf(tmp_path / "gpt2", tmp_path / "a.gguf")
     assert "\n" not in str(caught.value)
     _, directory = saved(tmp_path, "qwen3")
-    monkeypatch.setitem(ADAPTERS, "qwen3", ADAPTERS["qwen3"].__class__("qwen3", norms=ADAPTERS["qwen3"].norms))
+    monkeypatch.delitem(LAYOUTS, "qwen3")
     with pytest.raises(RecipeError, match="model_type 'qwen3' is not supported") as caught:
         export_gguf(directory, tmp_path / "b.gguf")
     assert "\n" not in str(caught.value) and "qwen3," not in caught.value.detail.split("supported:")[1]
@@ -243,8 +244,8 @@ def test_per_architecture_refusals(arch, change, message):
 
 def test_gemma3_sliding_windows_and_soft_cap_pass_the_checks():
     check_config(tiny_config("gemma3_text", final_logit_softcapping=30.0))
-    assert ADAPTERS["gemma3_text"].gguf.sliding_window and not ADAPTERS["qwen3"].gguf.sliding_window
-    assert isinstance(ADAPTERS["phi3"].gguf, GGUFLayout)
+    assert LAYOUTS.get("gemma3_text").sliding_window and not LAYOUTS.get("qwen3").sliding_window
+    assert isinstance(LAYOUTS.get("phi3"), GGUFLayout)
 
 
 def test_refused_tokenizer_shape(tmp_path):

@@ -10,7 +10,7 @@ import torch
 import recipe_engine
 from recipe_engine.cli import main
 from recipe_engine.errors import RecipeError
-from recipe_engine.io.gguf_export import export_gguf
+from recipe_engine.formats.gguf.writer import export_gguf
 from tests.helpers import requires_smollm2, tiny_model
 
 VOCAB = 259  # 256 byte symbols, "he" (one merge: llama.cpp needs merges), "<|eos|>" (special), "<tool>"
@@ -112,7 +112,7 @@ def test_refusals_are_one_line(tmp_path):
 
 def test_write_is_atomic(tmp_path, monkeypatch):
     """A failure while tensors are written leaves neither the file nor its temporary sibling."""
-    import recipe_engine.io.gguf_export as module
+    import recipe_engine.formats.gguf.writer as module
 
     _, directory = saved(tmp_path)
     calls = []
@@ -188,7 +188,7 @@ def test_smollm2_output_exports_the_source_gguf_vocabulary(tmp_path):
     import gguf
     from transformers import AutoTokenizer
 
-    from recipe_engine.io.models import builtin_gguf
+    from recipe_engine.formats.gguf.source import builtin_gguf
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"version: 1\nname: smol-gguf\nmodel: smollm2-135m\ndevice: cpu\noutput: {tmp_path / 'out'}\n"

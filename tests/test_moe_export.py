@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 import recipe_engine
 from recipe_engine.errors import RecipeError
-from recipe_engine.io.checkpoint_reader import CheckpointReader
+from recipe_engine.checkpoint.reader import CheckpointReader
 from tests.helpers import BYTE_VOCAB, random_tokens, save_tiny_model
 from tests.test_moe import recipe
 
@@ -88,7 +88,7 @@ def test_expert_codes_are_compressed_tensors_own(tmp_path):
     the same weight and scales (an independent packer)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
 
-    from recipe_engine.io.exporters.compressed_tensors import scheme
+    from recipe_engine.formats.compressed_tensors import scheme
     from recipe_engine.numerics.quantization import Grid
 
     save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=1)
@@ -151,7 +151,7 @@ def gguf_file(tmp_path, model_type, kind="f32", **overrides):
     """A tiny MoE model saved with a byte-level tokenizer and exported to GGUF; returns (model, GGUFReader)."""
     import gguf
 
-    from recipe_engine.io.gguf_export import export_gguf
+    from recipe_engine.formats.gguf.writer import export_gguf
     from tests.test_gguf_architectures import saved
 
     model, directory = saved(tmp_path, model_type, **overrides)
@@ -189,7 +189,7 @@ def test_gguf_of_mixtral_holds_llama_cpp_s_tensors(tmp_path):
     read back by ``gguf.GGUFReader`` — the router as ``ffn_gate_inp``, each expert tensor stacked
     ``[experts, rows, columns]`` (GGML's dimensions reversed), gate and up apart, q/k rows in llama.cpp's
     adjacent-pair rope order."""
-    from recipe_engine.io.gguf_export import permute_rope
+    from recipe_engine.formats.gguf.writer import permute_rope
 
     model, reader = gguf_file(tmp_path, "mixtral")
     fields = {key: field.contents() for key, field in reader.fields.items()}
@@ -213,7 +213,7 @@ def test_gguf_of_a_packed_moe_output_holds_its_dequantized_experts(tmp_path):
     weights, read from the per-expert packed tensors and stacked."""
     import gguf
 
-    from recipe_engine.io.gguf_export import export_gguf
+    from recipe_engine.formats.gguf.writer import export_gguf
 
     save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=2, norm_topk_prob=True)
     from tests.test_gguf_export import bpe_tokenizer
@@ -234,7 +234,7 @@ def test_gguf_of_a_packed_moe_output_holds_its_dequantized_experts(tmp_path):
     ("gpt_oss", {}, r"model_type 'gpt_oss' is not supported \(supported: .*qwen3_moe, mixtral\)"),
 ])
 def test_gguf_moe_refusals_are_one_line(tmp_path, model_type, overrides, message):
-    from recipe_engine.io.gguf_export import export_gguf
+    from recipe_engine.formats.gguf.writer import export_gguf
     from tests.test_gguf_architectures import saved
 
     _, directory = saved(tmp_path, model_type, **overrides)

@@ -17,7 +17,7 @@ import yaml
 
 from recipe_engine.cli import main
 from recipe_engine.recipe.modifier import LayerModifier
-from recipe_engine.io.output_lock import lock_path, output_lock
+from recipe_engine.paths.lock import lock_path, output_lock
 from recipe_engine.recipe.registry import REGISTRY
 from tests.helpers import start_signal_driver
 

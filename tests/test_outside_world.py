@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from recipe_engine.cli import main, stdio
-from recipe_engine.io.models import parse_device
+from recipe_engine.sources.devices import parse_device
 from tests.helpers import save_tiny_model, write_tiny_gguf
 from tests.test_hardening import TEXT, one_line_error, work  # noqa: F401  (work: a fixture)
 

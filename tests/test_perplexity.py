@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from recipe_engine.io.data import load_text, wikitext_rows
+from recipe_engine.sources.text import load_text, wikitext_rows
 from recipe_engine.errors import SourceError
 from recipe_engine.evaluation import perplexity
 from tests.helpers import CharTokenizer, shared_data, tiny_model

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import recipe_engine
-from recipe_engine.io.models import load_config
+from recipe_engine.sources.models import load_config
 from recipe_engine.execution.reference_walk import KeptStates
 from recipe_engine.plan.compiled import compile_plan
 from recipe_engine.plan.estimates import kept_states_bytes

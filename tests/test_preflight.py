@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
-from recipe_engine.io import gguf_export, gguf_vocabulary
-from recipe_engine.io import output
+from recipe_engine.formats.gguf import writer as gguf_export, vocabulary as gguf_vocabulary
+from recipe_engine.paths import output
 from recipe_engine.cli import main
 from recipe_engine.evaluation import zeroshot
 from tests.helpers import forbid_loading

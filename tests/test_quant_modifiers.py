@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 import recipe_engine
 from recipe_engine.modifiers.gptq import GPTQ
-from recipe_engine.io.checkpoint_writer import write_checkpoint
+from recipe_engine.checkpoint.writer import write_checkpoint
 from recipe_engine.errors import RecipeError
 from recipe_engine.recipe.schema import recipe_from_dict
 from recipe_engine.plan.preflight import check_against_config

@@ -19,6 +19,7 @@ from recipe_engine.workflows import runner
 from recipe_engine.cli import main
 from recipe_engine.errors import RecipeError
 from recipe_engine.recipe.schema import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES, parse_step, safe_load
+from recipe_engine.sources import packages
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,7 +238,7 @@ def test_numbers_and_booleans_where_they_belong_still_validate():
 # --- model sources ---------------------------------------------------------------------------------------
 
 def test_a_misspelt_builtin_model_gets_did_you_mean_without_the_hub(work, capsys, monkeypatch):
-    from recipe_engine.io import models
+    from recipe_engine.sources import models
 
     monkeypatch.setattr(models, "hub_unreachable", lambda *a: pytest.fail("the hub was probed"))
     _, recipe = work
@@ -251,7 +252,7 @@ def test_a_misspelt_builtin_model_gets_did_you_mean_without_the_hub(work, capsys
 def test_a_missing_model_path_is_not_found(work, capsys, monkeypatch, spec):
     """A path-like model that does not exist is "not found" (``models/`` exists here: ``models/mine`` is a
     path, not a hub id), never a hub connection error."""
-    from recipe_engine.io import models
+    from recipe_engine.sources import models
 
     monkeypatch.setattr(models, "hub_unreachable", lambda *a: pytest.fail("the hub was probed"))
     tmp, recipe = work
@@ -284,7 +285,6 @@ def test_a_truncated_source_checkpoint_is_named_before_loading(work, capsys, mod
 
 
 def test_recipe_cache_that_is_a_file_is_one_line(work, capsys, monkeypatch, tmp_path):
-    from recipe_engine.io import models
     from tests.helpers import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
@@ -297,6 +297,6 @@ def test_recipe_cache_that_is_a_file_is_one_line(work, capsys, monkeypatch, tmp_
         refused(capsys, path, f"the model cache $RECIPE_CACHE={cache} is not a directory{detail}; set "
                               f"RECIPE_CACHE to a directory")
         with pytest.raises(RecipeError):
-            models.cache_root()
+            packages.cache_root()
     monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "new" / "cache"))
-    assert models.cache_root() == tmp_path / "new" / "cache"  # not there yet: created when first written
+    assert packages.cache_root() == tmp_path / "new" / "cache"  # not there yet: created when first written

@@ -6,7 +6,8 @@ import pytest
 from transformers import LlamaConfig, Qwen2Config
 
 from recipe_engine.errors import SourceError
-from recipe_engine.io.models import BUILTIN_SPLIT_MODELS, load_config
+from recipe_engine.formats.gguf.source import BUILTIN_SPLIT_MODELS
+from recipe_engine.sources.models import load_config
 from recipe_engine.recipe.files import load_recipe
 from recipe_engine.plan.preflight import check_against_config
 from tests.helpers import have_smollm2

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import recipe_engine
-from recipe_engine.io.report import FORMAT_VERSION, Report, ReportError, RunReport, load_report
+from recipe_engine.records.report import FORMAT_VERSION, Report, ReportError, RunReport, load_report
 from tests.helpers import CharTokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_every_field_is_documented():
 
 
 def test_force_replaces_a_format0_output_only_as_a_recipe_output(tmp_path):
-    from recipe_engine.io.output import is_recipe_output
+    from recipe_engine.records.report import is_recipe_output
 
     shutil.copytree(FORMAT0, tmp_path / "old")
     assert not is_recipe_output(tmp_path / "old")  # no recipe.yaml beside it
@@ -121,7 +121,7 @@ def test_weights_fingerprint_of_files_that_are_not_safetensors_hashes_each_whole
     an empty file) is one segment: sha256 over its name, a NUL and the sha256 of all its bytes."""
     import hashlib
 
-    from recipe_engine.io.report import weights_fingerprint
+    from recipe_engine.records.fingerprints import weights_fingerprint
 
     contents = {"a.safetensors": b"", "b.safetensors": b"short", "c.safetensors": (10**6).to_bytes(8, "little"),
                 "d.safetensors": (4).to_bytes(8, "little") + b"{not"}

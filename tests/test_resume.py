@@ -327,7 +327,7 @@ def test_a_run_keeping_resume_checkpoints_needs_room_for_them_too(monkeypatch):
     place: the free-space check asks for twice the output's size, and says so."""
     from transformers import LlamaConfig
 
-    from recipe_engine.io import output
+    from recipe_engine.paths import output
     from recipe_engine.plan.preflight import check_free_space
     from recipe_engine.errors import RecipeError
     from recipe_engine.plan.compiled import compile_plan

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipe_engine.io import models
+from recipe_engine.formats.gguf import source as gguf_source
 from tests.helpers import BYTE_VOCAB, byte_tokenizer, start_signal_driver, tiny_model, write_tiny_gguf
 
 POINTS = ("loading", "pass", "writing")
@@ -91,5 +91,5 @@ def test_signals_at_every_point_leave_nothing(tmp_path, monkeypatch):
     # the conversion cache holds neither a temporary nor a partial entry, and converts cleanly next time
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
     monkeypatch.setenv("RECIPE_CACHE", str(tmp_path / "cache"))
-    converted = models.converted_gguf(gguf)
+    converted = gguf_source.converted_gguf(gguf)
     assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [converted.name]

@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import recipe_engine
-from recipe_engine.io.checkpoint_writer import write_checkpoint
+from recipe_engine.checkpoint.writer import write_checkpoint
 from recipe_engine.errors import RecipeError
 from recipe_engine.recipe.registry import REGISTRY
-from recipe_engine.io.checkpoint_reader import CheckpointReader, is_materialized
-from recipe_engine.io.report import WeightsFingerprint, weights_fingerprint
+from recipe_engine.checkpoint.reader import CheckpointReader, is_materialized
+from recipe_engine.records.fingerprints import WeightsFingerprint, weights_fingerprint
 from tests.helpers import (BYTE_VOCAB, byte_tokenizer, random_tokens, reference_fingerprint, save_tiny_model,
                            shared_data, tiny_model)
 
@@ -166,7 +166,7 @@ def streamed_session(tmp_path):
     from recipe_engine.execution.context import RunContext
     from recipe_engine.execution.session import Session
     from recipe_engine.execution.streaming import open_stream
-    from recipe_engine.io.models import load_model
+    from recipe_engine.sources.models import load_model
     from recipe_engine.recipe.schema import CalibrationConfig
 
     model_dir = tmp_path / "model"
@@ -315,11 +315,11 @@ def test_incremental_safetensors_writer_matches_the_library(tmp_path, monkeypatc
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from recipe_engine.io import checkpoint_writer
-    from recipe_engine.io.checkpoint_writer import write_safetensors_incrementally
+    from recipe_engine.checkpoint import safetensors_file
+    from recipe_engine.checkpoint.safetensors_file import write_safetensors_incrementally
 
-    monkeypatch.setattr(checkpoint_writer, "WRITE_BEHIND_BYTES", behind)
-    monkeypatch.setattr(checkpoint_writer, "HASH_BATCH_BYTES", batch)
+    monkeypatch.setattr(safetensors_file, "WRITE_BEHIND_BYTES", behind)
+    monkeypatch.setattr(safetensors_file, "HASH_BATCH_BYTES", batch)
 
     generator = torch.Generator().manual_seed(0)
     tensors = {"b.weight": torch.randn(3, 5, generator=generator).to(torch.bfloat16),
@@ -348,7 +348,7 @@ def test_incremental_safetensors_writer_matches_the_library(tmp_path, monkeypatc
 def test_a_failed_write_behind_the_packing_is_raised(tmp_path, monkeypatch):
     """A write that fails on the writing thread (here: the disk full at the second tensor) ends the file's
     writing with that error, not with a file that looks complete."""
-    from recipe_engine.io.checkpoint_writer import write_safetensors_incrementally
+    from recipe_engine.checkpoint.safetensors_file import write_safetensors_incrementally
 
     tensors = {f"t{i}.weight": torch.full((64,), float(i)) for i in range(4)}
     real_open, writes = open, []
@@ -553,8 +553,8 @@ def test_packed_layout_is_what_the_compressor_returns(bits, group, sym, rows):
     be the library's ``PackedQuantizationCompressor.compress`` output."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
 
-    from recipe_engine.io.exporters import checkpoint_exporter
-    from recipe_engine.io.exporters.compressed_tensors import scheme
+    from recipe_engine.formats import checkpoint_exporter
+    from recipe_engine.formats.compressed_tensors import scheme
     from recipe_engine.numerics.quantization import Grid, QuantizedLinear
 
     grid = Grid(bits, group, sym, torch.float32)

@@ -49,7 +49,7 @@ def test_shared_work_is_computed_once_and_rows_equal_plain_runs(recipes, tmp_pat
     plain, _ = recipe_engine.apply(variants(recipes[0], [("modifiers.1.n", [2])])[0][1], write=False,
                                    progress=False)
     from recipe_engine.evaluation import perplexity
-    from recipe_engine.io.data import load_text
+    from recipe_engine.sources.text import load_text
 
     tokenizer = byte_tokenizer()
     text = load_text(str(tmp_path / "text.txt"), "train").text
@@ -123,7 +123,7 @@ def test_sleb_rounds_are_shared_across_n(recipes, tmp_path):
         plain, report = recipe_engine.apply(variants(recipes[2], [("n", [row["params"]["modifiers.0.n"]])])[0][1],
                                             write=False, progress=False)
         assert plain.config.num_hidden_layers == row["layers"]
-        from recipe_engine.io.data import load_text
+        from recipe_engine.sources.text import load_text
         from recipe_engine.evaluation import perplexity
 
         text = load_text(str(tmp_path / "text.txt"), "train").text

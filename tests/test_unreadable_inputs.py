@@ -165,7 +165,7 @@ def test_a_gguf_file_that_cannot_be_read_is_one_line(tmp_path):
     """An unreadable GGUF (here a directory by that name; as another user, a root-owned 0600 cache file) is a
     SourceError naming it, not a traceback."""
     from recipe_engine.errors import SourceError
-    from recipe_engine.io.models import gguf_cache_dir
+    from recipe_engine.formats.gguf.source import gguf_cache_dir
 
     unreadable = tmp_path / "model.gguf"
     unreadable.mkdir()

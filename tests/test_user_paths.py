@@ -1,4 +1,4 @@
-"""Every path a user names for a command to write follows one rule (``recipe_engine.io.user_paths``): never an
+"""Every path a user names for a command to write follows one rule (``recipe_engine.paths.targets``): never an
 input, a device node, FIFO, socket or symbolic link, never inside another path of the same run, never a file
 or directory that is not ours; refused in one line naming the option, before any weight loads, with every
 victim left as it was (bytes, inode, type) and nothing written."""
@@ -13,7 +13,7 @@ import yaml
 
 from recipe_engine.cli import main
 from recipe_engine.execution.timings import Timings, read_timings
-from recipe_engine.io.user_paths import Target, check_target, is_json_record, is_timings_log
+from recipe_engine.paths.targets import Target, check_target, is_json_record, is_timings_log
 from tests.helpers import forbid_loading, save_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40

@@ -13,9 +13,9 @@ Norm roles: ``attention_norm`` (read by q/k/v), ``mlp_norm`` (read by gate/up), 
 The adapter also keeps the config consistent after a change of layer count (``num_hidden_layers``,
 ``layer_types``, ``max_window_layers``, each attention module's ``layer_idx`` / ``layer_type``).
 
-GGUF facts (:class:`GGUFLayout`, an adapter's ``gguf``, in ``gguf_layout``): how llama.cpp names and computes
-the architecture; ``recipe_engine.io.gguf_export`` reads only these. MoE facts (:class:`ExpertLayout`, an
-adapter's ``experts``, in ``experts``): where the expert tensors and the router are and how they are laid out.
+MoE facts (:class:`ExpertLayout`, an adapter's ``experts``, in ``experts``): where the expert tensors and the
+router are and how they are laid out. What an export format needs of an architecture beyond these (the tensor
+names and graph of another runtime) lives with that format, keyed by ``model_type``.
 """
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ from torch import nn
 from ..errors import RecipeError
 from ..numerics.linalg import set_linear_weight
 from .experts import UNHANDLED, ExpertLayout, layout_problem
-from .gguf_layout import (GGUF_EXPERT_TENSORS, GGUF_LAYER_TENSORS, GGUFLayout, gemma3_gguf_problem,
-                          phi3_gguf_problem, routing_problem)
 
 #: Linear roles in dataflow order with their stage (0: reads the attention norm, 1: attention output,
 #: 2: reads the MLP norm, 3: MLP output). Fused roles list the roles they stack (output rows in order).
@@ -71,8 +69,6 @@ class ArchitectureAdapter:
     model_paths: dict[str, str] = field(default_factory=lambda: {
         "layers": "model.layers", "embeddings": "model.embed_tokens", "final_norm": "model.norm",
         "lm_head": "lm_head", "rotary": "model.rotary_emb"})
-    #: how llama.cpp reads this architecture from a GGUF file (None: GGUF export refuses it)
-    gguf: GGUFLayout | None = None
     #: the MLP is a mixture of experts (3-D expert tensors and a router; None: a dense gated MLP of linears)
     experts: ExpertLayout | None = None
     #: ``o_proj`` has a bias and each attention head a learned sink logit (gpt-oss)
@@ -183,32 +179,8 @@ class ArchitectureAdapter:
         return [name for name, members in (("gate_up_proj", {"gate_proj"}), ("down_proj", {"down_proj"}))
                 if members & wanted]
 
-    def gguf_tensors(self, num_layers: int) -> dict[str, list[tuple[str, str]]]:
-        """HF state-dict tensor name → ``[(GGUF tensor name, role)]``, for the ``.weight`` and ``.bias`` of every
-        role of the model and of each of ``num_layers`` layers (role paths + ``gguf``'s names); an MoE layer's
-        router, shared expert and expert tensors too (``GGUF_EXPERT_TENSORS``: the fused ``gate_up_proj`` gives
-        two, roles ``gate_exps`` and ``up_exps``). An adapter without GGUF facts is one line."""
-        if self.gguf is None:
-            raise RecipeError(f"{self.model_type} has no GGUF layout")
-        layers = self.model_paths["layers"]
-        bases = {self.model_paths[role]: [(name, role)] for role, name in self.gguf.model_tensors.items()}
-        stacked: dict[str, list[tuple[str, str]]] = {}  # parameters of the experts module: no .weight suffix
-        for index in range(num_layers):
-            block = f"{layers}.{index}"
-            for role, name in self.gguf.layer_tensors.items():
-                if role in self.linears or role in self.norms:
-                    bases[f"{block}.{self.path(role)}"] = [(f"blk.{index}.{name}", role)]
-            for path, roles in self._expert_paths().items():
-                parts = [(f"blk.{index}.{GGUF_EXPERT_TENSORS[role]}", role) for role in roles]
-                if path.startswith(f"{self.experts.path}."):
-                    stacked[f"{block}.{path}"] = [(f"{name}.weight", role) for name, role in parts]
-                else:
-                    bases[f"{block}.{path}"] = parts
-        return {**{f"{hf}.{suffix}": [(f"{name}.{suffix}", role) for name, role in parts]
-                   for hf, parts in bases.items() for suffix in ("weight", "bias")}, **stacked}
-
-    def _expert_paths(self) -> dict[str, tuple[str, ...]]:
-        """Path inside a decoder layer → ``GGUF_EXPERT_TENSORS`` roles: the router, the stacked expert tensors, a
+    def expert_paths(self) -> dict[str, tuple[str, ...]]:
+        """Path inside a decoder layer → expert roles: the router, the stacked expert tensors, a
         shared expert's linears and its gate (none on a dense architecture)."""
         if self.experts is None:
             return {}
@@ -414,36 +386,22 @@ QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 GEMMA3_NORMS = {"attention_norm": "input_layernorm", "attention_output_norm": "post_attention_layernorm",
                 "mlp_norm": "pre_feedforward_layernorm", "mlp_output_norm": "post_feedforward_layernorm", **QK_NORMS}
 ADAPTERS = {
-    "llama": ArchitectureAdapter("llama", gguf=GGUFLayout("llama", rope_adjacent_pairs=True)),
-    # llama.cpp has no mistral graph: Mistral without sliding windows is its llama graph
-    "mistral": ArchitectureAdapter("mistral", gguf=GGUFLayout("llama", rope_adjacent_pairs=True)),
-    "qwen2": ArchitectureAdapter("qwen2", qkv_bias=True, gguf=GGUFLayout("qwen2")),
-    "qwen3": ArchitectureAdapter("qwen3", norms={**LLAMA_NORMS, **QK_NORMS}, gguf=GGUFLayout("qwen3")),
+    "llama": ArchitectureAdapter("llama"),
+    "mistral": ArchitectureAdapter("mistral"),
+    "qwen2": ArchitectureAdapter("qwen2", qkv_bias=True),
+    "qwen3": ArchitectureAdapter("qwen3", norms={**LLAMA_NORMS, **QK_NORMS}),
     "gemma3_text": ArchitectureAdapter(
-        "gemma3_text", norm_offset=1.0, scaled_embeddings=True, norms=GEMMA3_NORMS,
-        gguf=GGUFLayout("gemma3", layer_tensors={**GGUF_LAYER_TENSORS, "attention_output_norm": "post_attention_norm",
-                                                 "mlp_output_norm": "post_ffw_norm"},
-                        sliding_window=True, final_logit_softcapping=True, activation="gelu_pytorch_tanh",
-                        config_problem=gemma3_gguf_problem)),
-    # llama.cpp's phi3 keeps HF's fusions: attn_qkv (q, k, v rows) and ffn_up holding [gate; up]
+        "gemma3_text", norm_offset=1.0, scaled_embeddings=True, norms=GEMMA3_NORMS),
     "phi3": ArchitectureAdapter("phi3", linears={"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
-                                                 "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"},
-                                gguf=GGUFLayout("phi3", layer_tensors={**GGUF_LAYER_TENSORS, "qkv_proj": "attn_qkv",
-                                                                       "gate_up_proj": "ffn_up"},
-                                                config_problem=phi3_gguf_problem)),
+                                                 "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"}),
     # transformers 5 fuses each layer's experts into 3-D tensors (the Hub's per-expert names are converted at load)
-    # llama.cpp: qwen2moe, qwen3moe, and Mixtral as llama with experts (ffn_*_exps, ffn_gate_inp)
     "qwen2_moe": ArchitectureAdapter("qwen2_moe", linears=dict(ATTENTION_LINEARS), qkv_bias=True,
-                                     experts=ExpertLayout(width="moe_intermediate_size", shared="mlp.shared_expert"),
-                                     gguf=GGUFLayout("qwen2moe", config_problem=routing_problem(False))),
+                                     experts=ExpertLayout(width="moe_intermediate_size", shared="mlp.shared_expert")),
     "qwen3_moe": ArchitectureAdapter("qwen3_moe", norms={**LLAMA_NORMS, **QK_NORMS},
                                      linears=dict(ATTENTION_LINEARS),
-                                     experts=ExpertLayout(width="moe_intermediate_size"),
-                                     gguf=GGUFLayout("qwen3moe", config_problem=routing_problem(True))),
+                                     experts=ExpertLayout(width="moe_intermediate_size")),
     "mixtral": ArchitectureAdapter("mixtral", linears=dict(ATTENTION_LINEARS),
-                                   experts=ExpertLayout(),
-                                   gguf=GGUFLayout("llama", rope_adjacent_pairs=True,
-                                                   config_problem=routing_problem(True))),
+                                   experts=ExpertLayout()),
     "gpt_oss": ArchitectureAdapter("gpt_oss", linears=dict(ATTENTION_LINEARS),
                                    qkv_bias=True, attention_sinks=True,
                                    experts=ExpertLayout(router="mlp.router", transposed=True, interleaved=True,

@@ -63,7 +63,7 @@ class ModelShape:
     #: batch's logits at once, ``recipe.modifier.calibration_nll_bytes``).
     calibration_batch: int = 4
     calibration_seq_len: int = 2048
-    #: The result must be a stock checkpoint (the recipe exports it, e.g. to GGUF): a step that chooses between
+    #: The result must be a stock checkpoint (the recipe exports it to a file format): a step that chooses between
     #: alternatives (``BestOf``) skips those whose output is not (``Modifier.output_is_stock``).
     stock_only: bool = False
     #: Experts per MoE layer (0: dense MLPs; ``intermediate_size`` is then one expert's width), and the

@@ -12,7 +12,8 @@ from ..architectures.adapters import adapter_for
 from ..errors import RecipeError
 from ..evaluation.bench import (MODES, BenchPlan, bench, check_memory, check_packed, load_packed, packed_config,
                                 planned_weight_bytes, protocol_note, ratios, shapes)
-from ..io.models import DTYPES, checkpoint_bytes, load_model, packed_description, resolve_model
+from ..sources.models import DTYPES, load_model, packed_description, resolve_model
+from ..sources.sizes import checkpoint_bytes
 from ..plan.preflight import check_device, check_model, check_seq_len, located
 from ..recipe.schema import Recipe
 from ..system.progress import Console

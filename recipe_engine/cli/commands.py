@@ -15,11 +15,11 @@ from rich.table import Table
 from ..errors import OutOfMemory, QualityGateError, RecipeError, one_line
 from ..execution.distributed import DistributedError
 from ..execution.resume import DEFAULT_CHECKPOINT_BUDGET
-from ..io.card import check_card_target, write_card
-from ..io.eval_record import read_evaluation
-from ..io.exporters import exporters, file_export, file_formats
-from ..io.output import SWEEP_FILE
-from ..io.report import load_report
+from ..records.card import check_card_target, write_card
+from ..records.eval_record import read_evaluation
+from ..formats import exporters, file_export, file_formats
+from ..paths.output import SWEEP_FILE
+from ..records.report import load_report
 from ..plan.preflight import check_device, located, validate_recipe
 from ..plan.steps import compile_for_plan, memory_plan, plan_rows, print_plan, rank_memory
 from ..recipe.files import diff_recipes, load_recipe, yaml_scalar
@@ -270,14 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list-modifiers", help="every registered modifier with its parameters")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("export", help="convert an output directory to another format (gguf for llama.cpp)")
+    formats = [exporters()[name] for name in file_formats()]
+    p = sub.add_parser("export", help="convert an output directory to another format ("
+                                      + ", ".join(f"{e.name} for {e.reader}" for e in formats) + ")")
     p.add_argument("directory", help="a recipe output or any HF model directory")
     p.add_argument("--format", choices=file_formats(), required=True)
     p.add_argument("--output", required=True,
-                   help="the file to write (atomically), e.g. model.gguf; never the input, a link, a device, FIFO "
-                        "or socket")
+                   help=f"the file to write (atomically), e.g. {', '.join(e.default_file for e in formats)}; never "
+                        f"the input, a link, a device, FIFO or socket")
     p.add_argument("--type", choices=list(dict.fromkeys(t for e in exporters().values() for t in e.types)),
-                   help="2-D weights' type (gguf: f16 default, f32, bf16, q8_0); norms and biases stay f32")
+                   help="2-D weights' type (" + "; ".join(f"{e.name}: {e.types[0]} default, {', '.join(e.types[1:])}"
+                                                           for e in formats) + "); norms and biases stay f32")
     p.add_argument("--force", action="store_true", help="replace an existing regular file (not a directory)")
     p.set_defaults(func=cmd_export)
 

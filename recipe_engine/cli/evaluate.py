@@ -15,8 +15,9 @@ from rich.table import Table
 from ..errors import RecipeError
 from ..evaluation.agreement import completion_scores, record_completions
 from ..evaluation.run import evaluate_session, evaluation_session, retained
-from ..io.user_paths import Target, check_targets, is_json_record, replace_text
-from ..io.report import REPORT_FILE, load_report, weights_fingerprint
+from ..paths.targets import Target, check_targets, is_json_record, replace_text
+from ..records.report import REPORT_FILE, load_report
+from ..records.fingerprints import weights_fingerprint
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, Recipe
 from ..system.progress import Console, Progress

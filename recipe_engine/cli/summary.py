@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..io.report import Report, StepRecord
+from ..records.report import Report, StepRecord
 
 
 def _ppl(results: dict | None) -> str:

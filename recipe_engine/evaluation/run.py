@@ -6,8 +6,9 @@ from ..errors import RecipeError, SourceError
 from ..execution.context import RunContext
 from ..execution.session import Session
 from ..execution.streaming import forward_streamed, open_stream
-from ..io.data import load_text
-from ..io.models import exceeds_memory, load_model
+from ..sources.text import load_text
+from ..sources.sizes import exceeds_memory
+from ..sources.models import load_model
 from ..recipe.schema import CalibrationConfig, EvaluateConfig
 from .perplexity import perplexity, streamed_perplexity
 from .generation import generation_tasks, run_generation

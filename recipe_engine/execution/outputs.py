@@ -18,7 +18,7 @@ class RunOutputs:
     """The extras collector of one run (or of one branch of it, until the branch is adopted)."""
 
     def __init__(self) -> None:
-        #: Non-stock additions saved beside the checkpoint (``recipe_engine.io.extras``), in step order.
+        #: Non-stock additions saved beside the checkpoint (``recipe_engine.records.extras``), in step order.
         self.extras: list[dict[str, Any]] = []
         #: Files for the output directory, by name (``dir/file`` at most one level down): bytes, or a
         #: function drawing them, called once the files are wanted (``artifacts``).
@@ -34,7 +34,7 @@ class RunOutputs:
         self.step_labels.update({id(step): f"{index} {step.step_name()}" for index, step in steps})
 
     def add_extra(self, modifier: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.io.extras``)."""
+        """Record a non-stock addition to save beside the checkpoint (see ``recipe_engine.records.extras``)."""
         self.extras.append({"modifier": modifier, "config": config, "tensors": tensors})
 
     @property
@@ -97,7 +97,7 @@ class RunOutputs:
         """Record that ``linear``'s weight (or its tensor ``parameter``: an MoE layer's stacked experts, scale and
         zero ``[experts, rows, groups]``) lies on ``grid`` with per-group ``[rows, groups]`` ``scale`` and
         ``zero`` (codes ``0 … 2^b − 1``): the checkpoint stores it packed in ``format`` (a checkpoint
-        format of ``recipe_engine.io.exporters``). One format per checkpoint; each linear has its own grid (a
+        format of ``recipe_engine.formats``). One format per checkpoint; each linear has its own grid (a
         step's ``overrides``)."""
         self.restore_quantized(linear, QuantizedLinear(grid, scale.detach().to("cpu", torch.float32),
                                                        zero.detach().to("cpu", torch.int16), format, parameter))

@@ -1,6 +1,6 @@
 """A packed source through a run that quantizes nothing: the linears no step changes are written packed again.
 
-A packed checkpoint (``recipe_engine.io.exporters``) is read dequantized, ``s (q - z)`` in the model dtype. When no
+A packed checkpoint (``recipe_engine.formats``) is read dequantized, ``s (q - z)`` in the model dtype. When no
 step of the recipe quantizes, the source's own records (grid, scale, zero point per linear,
 ``CheckpointReader.quantization_records``) are put on the run's outputs before the steps, as a quantizing step
 would record them; the writer then packs those linears into the same bytes. Before the write, a record goes
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..io.exporters import checkpoint_exporter
+from ..formats import checkpoint_exporter
 from ..numerics.quantization import on_grid
 
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import RecipeError
-from ..io.report import RunReport
+from ..records.report import RunReport
 from ..numerics.quantization import Grid, QuantizedLinear
 from ..recipe.registry import REGISTRY
 from ..system.cleanup import process_alive, process_identity, track, untrack

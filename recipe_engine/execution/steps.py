@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from ..io.report import RunReport
+from ..records.report import RunReport
 from ..recipe.modifier import LayerModifier, Modifier
 from ..recipe.schema import step_to_dict
 from ..system.host_memory import PeakWatch

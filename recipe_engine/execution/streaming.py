@@ -41,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from ..io.checkpoint_reader import CheckpointReader, is_materialized
+from ..checkpoint.reader import CheckpointReader, is_materialized
 from ..system.host_memory import PAGE_BYTES, release_freed_memory_eagerly, trim_heap
 
 

@@ -43,7 +43,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..io.user_paths import is_timings_log, open_fresh, replace_text
+from ..paths.targets import is_timings_log, open_fresh, replace_text
 from ..system.cleanup import write_marker
 from ..system.host_memory import current_rss, high_water_bytes
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..errors import RecipeError
-from ..io.checkpoint_reader import safetensors_header
-from ..io.checkpoint_writer import SAFETENSORS_DTYPES
+from ..checkpoint.reader import safetensors_header
+from ..checkpoint.safetensors_file import SAFETENSORS_DTYPES
 
 
 def model_fingerprint(location: str) -> str:

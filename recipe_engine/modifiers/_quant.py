@@ -296,7 +296,7 @@ class GridParameters(BaseModel):
         "linear roles inside each decoder layer (q_proj … down_proj); a fused linear (Phi-3 qkv_proj, "
         "gate_up_proj) is targeted by naming all its members"))
     export: str = Field("compressed-tensors", description=(
-        "checkpoint format (recipe_engine/io/exporters): compressed-tensors (packed int, vLLM/SGLang), "
+        "checkpoint format (recipe_engine/formats): compressed-tensors (packed int, vLLM/SGLang), "
         "gptq (GPTQ v1 qweight/qzeros/scales/g_idx), dequantized (model-dtype weights on the grid)"))
     overrides: list[Override] = Field([], description=(
         "other grids for some linears: [{layers: [0, -1], targets: [down_proj], bits: 8}]; a linear takes the "

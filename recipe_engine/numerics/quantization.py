@@ -9,7 +9,7 @@ with ``x⁺ = max(x, 0)``, ``x⁻ = min(x, 0)`` and ``z = round(-min(x⁻) / s)`
 ``scale_dtype``: the dtype a packed checkpoint stores the scales in; the scale is rounded to it before any
 weight is rounded, so ``s (q - z)`` computed from the stored scale is the quantized weight bit for bit
 (one rounding of an exact product either way). A quantizing step records each linear it quantized with
-``RunOutputs.mark_quantized``; the checkpoint format it names (``recipe_engine.io.exporters``) packs it.
+``RunOutputs.mark_quantized``; the checkpoint format it names (``recipe_engine.formats``) packs it.
 """
 from __future__ import annotations
 

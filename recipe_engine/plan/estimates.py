@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..architectures.shape import ModelShape
-from ..io.data import calibration_windows, load_calibration
-from ..io.models import resolve_model
+from ..sources.windows import calibration_windows, load_calibration
+from ..sources.models import resolve_model
 from ..recipe.modifier import calibration_nll_bytes, kept_original_sets
 from ..recipe.schema import Recipe
 from ..system.host_memory import available_memory, current_rss

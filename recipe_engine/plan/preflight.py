@@ -5,9 +5,9 @@
 first load; ``recipe eval`` checks its device, model and evaluation with :func:`check_device`,
 :func:`check_model` and :func:`check_evaluation`, ``recipe bench`` its device and models. Outputs:
 :func:`output.check_output_free` (``apply``'s directory), :func:`output.check_file_output` (``export``'s file),
-:func:`check_sweep_output` (``sweep``'s directory), all on the one rule of ``recipe_engine.io.user_paths`` (which
+:func:`check_sweep_output` (``sweep``'s directory), all on the one rule of ``recipe_engine.paths.targets`` (which
 also checks ``--timings``, ``--profile`` and ``--json``); each writer then holds the output's lock
-(``recipe_engine.io.output_lock``) until its output is in place.
+(``recipe_engine.paths.lock``) until its output is in place.
 
 A recipe's steps are checked by compiling it once (``compiled.compile_plan``, in :func:`check_plan`): the
 :class:`~recipe_engine.plan.compiled.Plan` it returns is what ``validate`` reports, what ``apply`` runs
@@ -29,18 +29,30 @@ from ..architectures.shape import ModelShape
 from ..errors import RecipeError, SourceError
 from ..evaluation.generation import check_generation
 from ..evaluation.zeroshot import check_tasks
-from ..io.data import check_text, is_hub_source, load_text
-from ..io.exporters import file_export
-from ..io.gguf_vocabulary import check_source_vocabulary
-from ..io.models import exceeds_memory, load_config, parse_device, require_weights, resolve_device
-from ..io.output import SWEEP_FILE, SWEEP_KIND, name_problem, space_problem
-from ..io.user_paths import Target, check_target, marked
+from ..sources.text import check_text, is_hub_source, load_text
+from ..formats import file_export, file_exporter
+from ..sources.sizes import exceeds_memory
+from ..sources.models import load_config, require_weights
+from ..sources.devices import parse_device, resolve_device
+from ..paths.output import SWEEP_FILE, SWEEP_KIND, space_problem
+from ..paths.targets import name_problem
+from ..paths.targets import Target, check_target, marked
 from ..recipe.schema import Recipe
 from .compiled import Plan, compile_plan
 from .estimates import plan_output_bytes
 
 #: Fields of a recipe that :func:`check_evaluation` names.
 RECIPE_FIELDS = {"tasks": "evaluate.tasks", "dataset": "evaluate.perplexity.dataset"}
+
+
+def check_export_source(recipe: Recipe, config, file: str | None) -> None:
+    """What the recipe's file format needs of its model source (``Exporter.check_source``); an unknown format is
+    left to :func:`check_plan`, which names the field."""
+    try:
+        exporter = file_exporter(recipe.export.format)
+    except RecipeError:
+        return
+    located(lambda: exporter.check_source(recipe.model, config), file, "export")
 
 
 def check_device(name: str, here: bool = True):
@@ -126,8 +138,8 @@ def check_recipe(recipe, file: str | None = None, config=None, here: bool = True
     located(lambda: check_device(recipe.device, here), file, "device")
     if config is None:
         config = check_model(recipe.model, file, weights=False)
-        if recipe.export is not None:  # the tokenizer the run saves is the source's
-            located(lambda: check_source_vocabulary(recipe.model, config.vocab_size), file, "export")
+        if recipe.export is not None:
+            check_export_source(recipe, config, file)
     if calibration:
         check_calibration(recipe.calibration, file, unchecked)
     check_evaluation(recipe.evaluate, file, unchecked=unchecked)

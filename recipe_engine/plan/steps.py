@@ -11,7 +11,8 @@ from ..errors import RecipeError
 from ..execution.packed_source import plan_note
 from ..execution.placement import DEVICE_SHARE
 from ..execution.steps import group_steps
-from ..io.models import exceeds_memory, load_config, local_packed_description
+from ..sources.sizes import exceeds_memory
+from ..sources.models import load_config, local_packed_description
 from ..recipe.schema import Recipe
 from .compiled import Passes, Plan, compile_plan
 from .estimates import plan_memory

@@ -128,7 +128,8 @@ class Modifier(StrictParameters):
 
     @classmethod
     def restore_extra(cls, model, config: dict[str, Any], tensors: dict[str, Any]) -> None:
-        """Re-apply a non-stock addition saved with ``session.outputs.add_extra`` (see ``recipe_engine.io.extras``)."""
+        """Re-apply a non-stock addition saved with ``session.outputs.add_extra`` (see
+        ``recipe_engine.records.extras``)."""
         raise NotImplementedError(f"{cls.step_name()} saved no extras it can restore")
 
 

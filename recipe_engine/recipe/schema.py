@@ -127,7 +127,7 @@ class EvaluateConfig(StrictModel):
 
 class ExportConfig(StrictModel):
     """An extra file written into the output directory from the finished checkpoint, by a file format of
-    ``recipe_engine.io.exporters`` (checked against the registry before anything loads)."""
+    ``recipe_engine.formats`` (checked against the registry before anything loads)."""
 
     format: str = Field(description="a file format: gguf (one file for llama.cpp / Ollama / LM Studio)")
     type: str | None = Field(None, description="the format's weight type (gguf: f16 default, f32, bf16, q8_0; "

@@ -26,19 +26,22 @@ from ..execution.session import Session, oversized_layers
 from ..execution.steps import run_steps
 from ..execution.timings import PROFILE_KIND, Timings, profiled
 from ..execution.streaming import open_stream
-from ..io.card import hub_origin, source_license, write_card
-from ..io.checkpoint_writer import write_checkpoint
-from ..io.data import calibration_windows, fingerprint, load_calibration
-from ..io.extras import save_extras
-from ..io.exporters import file_export
-from ..io.checkpoint_reader import CheckpointReader
-from ..io.models import gguf_origin, load_model, packed_description
-from ..io.output import atomic_directory, check_output_free, git_info, package_versions, peak_memory
-from ..io.output_lock import output_lock
-from ..io.user_paths import Target, check_targets, is_timings_log, marked
-from ..io.report import Checkpoints as CheckpointsRecord
-from ..io.report import (DataRecord, ExportRecord, ModelRecord, ModelSize, PeakMemory, RecipeRecord, Report,
-                         RunReport, StreamRecord, WeightsFingerprint, weights_fingerprint)
+from ..sources.record import model_record
+from ..records.card import write_card
+from ..checkpoint.writer import write_checkpoint
+from ..sources.windows import calibration_windows, fingerprint, load_calibration
+from ..records.extras import save_extras
+from ..formats import file_export
+from ..checkpoint.reader import CheckpointReader
+from ..sources.models import load_model
+from ..paths.output import atomic_directory, check_output_free
+from ..records.provenance import git_info, package_versions, peak_memory
+from ..paths.lock import output_lock
+from ..paths.targets import Target, check_targets, is_timings_log, marked
+from ..records.report import Checkpoints as CheckpointsRecord
+from ..records.report import (DataRecord, ExportRecord, ModelRecord, ModelSize, PeakMemory, RecipeRecord, Report,
+                              RunReport, StreamRecord)
+from ..records.fingerprints import WeightsFingerprint, weights_fingerprint
 from ..plan.compiled import Plan
 from ..plan.estimates import plan_memory, unmeasured_accelerator_runtime
 from ..plan.preflight import check_device, located, preflight_apply
@@ -63,7 +66,7 @@ def apply(recipe: Recipe | str | Path | dict, model=None, tokenizer=None, *, ove
           force: bool = False, write: bool = True, progress: bool = True, resume: bool = False,
           memo=None, checkpoints: bool | float = True, timings: str | Path | None = None,
           profile: str | Path | None = None) -> tuple[Any, Report]:
-    """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.io.report.Report``, as written to
+    """Run a recipe; returns ``(model, report)`` (a ``recipe_engine.records.report.Report``, as written to
     ``report.json``). Writes the output directory unless ``write=False``.
 
     ``model``/``tokenizer`` may be passed in memory (then ``recipe.model`` only names it in the report).
@@ -150,7 +153,7 @@ def _read(loaded: LoadedRecipe) -> list[str]:
 
 def _inputs(loaded: LoadedRecipe) -> list[str]:
     """What the run reads while its output is being written, which the output may not replace: the model (a
-    directory or a ``.gguf`` file; texts and the recipe are read in full before anything is written)."""
+    directory or a model file; texts and the recipe are read in full before anything is written)."""
     model = loaded.recipe.model
     return [model] if model and Path(model).expanduser().exists() else []
 
@@ -222,10 +225,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
         loaded = adapter_for(model.config)
         if not streamed and not parallel.active:  # ranks on one host share the files' unchanged pages instead
             own_mapped_weights(loaded.layers(model))  # a layer a step replaces is freed with it
-        report.model = ModelRecord(spec=recipe.model, kind=source.kind, location=source.location,
-                                      license=source_license(source), gguf=gguf_origin(source),
-                                      base_model=hub_origin(source.spec, source.kind, source.location),
-                                      packed=packed_description(source.location))
+        report.model = model_record(recipe.model, source)
         if report.model.packed:
             bar.log(f"the source's weights are packed ({report.model.packed}): read dequantized" if recipe.quantizes
                     else plan_note(report.model.packed, recipe.dtype, loaded.experts is not None))
@@ -411,8 +411,8 @@ def _write(recipe: Recipe, model, tokenizer, session: Session, outputs: RunOutpu
     (tmp / "recipe.yaml").write_text(dump_recipe(recipe))
     if recipe.export is not None:  # from the finished files, so it sees exactly what was written
         exporter, kind, file = file_export(recipe.export.format, recipe.export.type, recipe.export.file)
-        exported = exporter.write_file(tmp, tmp / file, kind, name=recipe.name, origin=report.model.gguf)
-        report.export = ExportRecord(**{**exported, "file": file})
+        exported = exporter.write_file(tmp, tmp / file, kind, name=recipe.name, source=report.model)
+        report.export = ExportRecord(**{**exported, "file": file, "format": recipe.export.format})
     # what `recipe card --eval` matches records against: hashed while written when those are all the weights
     hashed = files is not None and sorted(p.name for p in tmp.glob("*.safetensors")) == files
     report.weights_sha256 = written.hexdigest() if hashed else weights_fingerprint(tmp)

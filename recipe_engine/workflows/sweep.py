@@ -26,10 +26,11 @@ from ..architectures.adapters import count_parameters
 from ..errors import RecipeError
 from ..evaluation import evaluate_model
 from ..execution.memo import SharedWork
-from ..io.models import load_model, resolve_device
-from ..io.output import SWEEP_FILE, SWEEP_KIND
-from ..io.user_paths import replace_text
-from ..io.output_lock import output_lock
+from ..sources.models import load_model
+from ..sources.devices import resolve_device
+from ..paths.output import SWEEP_FILE, SWEEP_KIND
+from ..paths.targets import replace_text
+from ..paths.lock import output_lock
 from ..plan.preflight import check_calibration, check_evaluation, check_model, check_recipe, check_sweep_output
 from ..recipe.files import load_recipe, yaml_scalar
 from ..recipe.schema import EvaluateConfig, PerplexityConfig, dump_recipe, safe_load, yaml_problem

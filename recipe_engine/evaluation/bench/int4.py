@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ...errors import SourceError
-from ...io.checkpoint_reader import checkpoint_shapes
-from ...io.models import skeleton_model
+from ...checkpoint.reader import checkpoint_shapes
+from ...sources.models import skeleton_model
 
 #: group sizes and the tile of the input dimension PyTorch's int4 kernel accepts
 KERNEL_GROUPS = (32, 64, 128, 256)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ...errors import OutOfMemory
-from ...io.checkpoint_reader import checkpoint_shapes, logical_shapes, meta_model, packed_weights
+from ...checkpoint.reader import checkpoint_shapes, logical_shapes, meta_model, packed_weights
 from ...system.host_memory import available_memory
 from .int4 import held_int4_bytes
 from .protocol import Shape

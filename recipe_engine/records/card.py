@@ -20,19 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RecipeError
+from ..formats import file_exporter, source_formats
+from ..paths.targets import replace_text
 from ..recipe.files import load_recipe
 from ..recipe.registry import RegistryError
+from ..sources.record import CARD_FILE, hub_origin
 from ..system.cleanup import MARKER
-from .data import hub_unreachable
+from ..system.file_kinds import special_kind
 from .extras import EXTRAS_JSON
-from .models import BUILTIN_HUB_IDS, gguf_cache_dir, resolve_model
-from .output import is_recipe_output, special_kind
-from .user_paths import replace_text
-from .report import ModelRecord, Report, ReportError, load_report
+from .report import ModelRecord, Report, is_recipe_output, load_report
 
-CARD_FILE = "README.md"
-#: A source GGUF's license, in its converted checkpoint's cache directory.
-LICENSE_FILE = "source_license.json"
 #: The tag that names this tool on the hub.
 TOOL_TAG = "recipe"
 
@@ -59,81 +56,18 @@ def public(value: str) -> str:
     return Path(text).name if os.path.isabs(os.path.expanduser(text)) else text
 
 
-def hub_origin(spec: str, kind: str, location: str | None, seen: tuple = ()) -> str | None:
-    """The hub id a source comes from: a hub source's own, a builtin alias's (``BUILTIN_HUB_IDS``), or for a
-    local directory that is a recipe output, its own source's; None otherwise (a local directory or GGUF
-    file of unknown origin, a model passed in memory)."""
-    if kind == "hub":
-        return spec
-    if kind == "builtin":
-        return BUILTIN_HUB_IDS.get(spec)
-    directory = Path(location) if kind == "local" and location else None
-    if directory is None or directory in seen or not directory.is_dir() or not is_recipe_output(directory):
-        return None
-    try:
-        model = load_report(directory).model
-    except ReportError:  # an output this engine cannot read: no known origin
-        return None
-    return model.base_model or hub_origin(model.spec, model.kind, model.location, (*seen, directory))
-
-
 def base_model(model: ModelRecord) -> str | None:
     """The hub id the card names as ``base_model`` (the report's, else found from its model record)."""
     return model.base_model or hub_origin(model.spec, model.kind, model.location)
 
 
 def source_name(model: ModelRecord) -> str:
-    """How the body names the source: its hub id, else the alias, the GGUF file's or the directory's name."""
+    """How the body names the source: its hub id, else the alias, the model file's or the directory's name."""
     known = base_model(model)
     if known or model.kind in ("builtin", "in-memory"):
         return known or model.spec
     path = Path(model.spec).expanduser()
-    return path.stem if model.kind == "gguf" else path.resolve().name
-
-
-def source_license(source) -> str | None:
-    """The license of a source model (``io.models.ModelSource``): its card's ``license`` (a local
-    directory; a hub model's card from the local HF cache, else downloaded when the hub answers), or a GGUF
-    file's ``general.license``. None when it has none or it cannot be read."""
-    # deferred: the hub client is only needed when an output is written
-    import huggingface_hub
-
-    try:
-        if source.kind in ("builtin", "gguf"):
-            return _gguf_license(Path(resolve_model(source.spec, convert=False).location))
-        if source.kind == "local":
-            card = Path(source.location) / CARD_FILE
-        else:
-            card = huggingface_hub.try_to_load_from_cache(source.spec, CARD_FILE)
-            if not isinstance(card, str):
-                card = None if hub_unreachable() else huggingface_hub.hf_hub_download(source.spec, CARD_FILE)
-        if card is None or not Path(card).is_file():
-            return None
-        value = huggingface_hub.ModelCard.load(card).data.license
-        return value if isinstance(value, str) else None
-    except Exception:  # noqa: BLE001 - a missing or malformed card of someone else's model: no license to carry
-        return None
-
-
-def _gguf_license(path: Path) -> str | None:
-    """A GGUF file's ``general.license``, kept in ``LICENSE_FILE`` beside its converted checkpoint (the cache
-    is keyed by the file's content): ``GGUFReader`` parses every metadata array (the vocabulary) to find it,
-    about 3 s for SmolLM2's file on every run."""
-    kept = gguf_cache_dir(path) / LICENSE_FILE
-    if kept.is_file():
-        return json.loads(kept.read_text())["license"]
-    import gguf  # deferred: read once per file, as above
-
-    field = gguf.GGUFReader(path).get_field("general.license")
-    value = None if field is None else str(field.contents())
-    if kept.parent.is_dir():  # converted already (a builtin always is by now)
-        partial = kept.with_name(f".{LICENSE_FILE}.{os.getpid()}")
-        try:
-            partial.write_text(json.dumps({"license": value}))
-            os.replace(partial, kept)
-        except OSError:  # a read-only cache: read the file again next time
-            partial.unlink(missing_ok=True)
-    return value
+    return path.stem if model.kind in source_formats() else path.resolve().name
 
 
 def _params(params: dict[str, Any]) -> str:
@@ -277,8 +211,7 @@ def _loading(report: Report, directory: Path) -> list[str]:
                   "", "```python", "import recipe_engine", "",
                   'model, tokenizer = recipe_engine.load_model("path/to/this/directory")', "```"]
     if report.export is not None:
-        lines += ["", f"`{report.export.file}`: the same model as one GGUF file ({report.export.type}) for "
-                      f"llama.cpp, Ollama or LM Studio."]
+        lines += ["", file_exporter(report.export.format).card_line(report.export)]
     return lines
 
 

@@ -5,10 +5,10 @@ GGUF file, that file's metadata, and writes one GGUF file with the ``gguf`` pack
 metadata, the vocabulary (``gguf_vocabulary``) and the weights under llama.cpp's tensor names. Tensors are
 streamed: tensor infos first (sizes from the shapes), then the data one tensor at a time, into a temporary sibling
 renamed into place.
-A packed checkpoint (``recipe_engine.io.exporters``) is read through ``CheckpointReader``, which dequantizes
+A packed checkpoint (``recipe_engine.formats``) is read through ``CheckpointReader``, which dequantizes
 each packed linear into the checkpoint's dtype as it is read.
 
-Every architecture fact comes from the model's adapter (``adapters.GGUFLayout``: llama.cpp's architecture
+Every architecture fact comes from the model's layout (``layout.LAYOUTS``: llama.cpp's architecture
 name, the tensor name of each role, rope row order, sliding windows, soft-capping, activation, further
 config checks); this module names no architecture. Conventions followed (llama.cpp's
 ``convert_hf_to_gguf.py``, read, not copied): 1-D tensors (norms, biases) stay F32 whatever ``--type``;
@@ -34,16 +34,20 @@ import gguf
 import numpy as np
 import torch
 
-from ..architectures.adapters import ADAPTERS, ArchitectureAdapter, adapter_for
-from ..errors import RecipeError, reading
-from ..system.cleanup import track, untrack
-from .checkpoint_reader import CheckpointReader, check_checkpoint, in_memory_shapes, meta_model
-from .extras import EXTRAS_JSON
-from .gguf_vocabulary import vocabulary
-from .output import check_file_output, check_free_bytes
-from .output_lock import output_lock
+from ...architectures.adapters import ADAPTERS, ArchitectureAdapter, adapter_for
+from ...checkpoint.reader import CheckpointReader, check_checkpoint, in_memory_shapes, meta_model
+from ...errors import RecipeError, reading
+from ...paths.lock import output_lock
+from ...paths.output import check_file_output, check_free_bytes
+from ...records.extras import EXTRAS_JSON
+from ...system.cleanup import track, untrack
+from .. import Exporter, register
+from .layout import LAYOUTS, gguf_tensors
+from .vocabulary import check_source_vocabulary, vocabulary
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
 def _fail(message: str, field: str | None = None) -> RecipeError:
     return RecipeError(f"GGUF export: {message}", field=field)
 
@@ -78,8 +82,8 @@ def check_exportable(directory: Path, config) -> None:
 def gguf_adapter(config) -> ArchitectureAdapter:
     """The adapter of ``config.model_type`` if it has GGUF facts; anything else is one line."""
     adapter = ADAPTERS.get(getattr(config, "model_type", None))
-    if adapter is None or adapter.gguf is None:
-        supported = ", ".join(t for t, a in ADAPTERS.items() if a.gguf is not None)
+    if adapter is None or adapter.model_type not in LAYOUTS:
+        supported = ", ".join(t for t in ADAPTERS if t in LAYOUTS)
         raise _fail(f"model_type {getattr(config, 'model_type', None)!r} is not supported (supported: {supported})")
     try:
         adapter_for(config)  # the variants the engine refuses (attention or MLP biases it does not model)
@@ -113,7 +117,7 @@ def _activation(config) -> str | None:
 
 def check_config(config) -> None:
     """The architecture (its adapter has GGUF facts) and the attention variants its llama.cpp graph computes."""
-    layout = gguf_adapter(config).gguf
+    layout = LAYOUTS[gguf_adapter(config).model_type]
     for kind, rope in rope_parameters(config).items():
         if rope.get("rope_type", "default") != "default":
             raise _fail(f"rope scaling {rope.get('rope_type')!r} is not exported (needs llama.cpp's rope_freqs)")
@@ -149,7 +153,7 @@ def _tensor_plan(directory: Path, config, kind: str, adapter,
     the config: ``check_checkpoint``; named as ``model``, the config's model on the meta device, holds them: a
     packed linear as its ``weight``, per-expert tensors stacked, an MoE layer's ``gate_up_proj`` giving its gate
     and up halves); refuses tensors llama.cpp has no name for and rows Q8_0 cannot block."""
-    names = adapter.gguf_tensors(config.num_hidden_layers)
+    names = gguf_tensors(adapter, config.num_hidden_layers)
     plan = []
     for hf_name, stored in in_memory_shapes(directory, model if model is not None else meta_model(config)).items():
         if hf_name not in names:
@@ -179,7 +183,7 @@ def gguf_tensor(tensor: torch.Tensor, role: str, adapter, config) -> torch.Tenso
     """An HF tensor as llama.cpp reads it: q/k rows in adjacent-pair rope order where the graph rotates pairs,
     a norm's weight ``w`` as its gain ``norm_offset + w`` (fp32), the gate or up half of stacked experts, a
     shared expert's gate ``Linear(hidden, 1)`` as its vector."""
-    if adapter.gguf.rope_adjacent_pairs and role in ("q_proj", "k_proj"):
+    if LAYOUTS[adapter.model_type].rope_adjacent_pairs and role in ("q_proj", "k_proj"):
         heads = config.num_attention_heads
         return permute_rope(tensor,
                             heads if role == "q_proj" else getattr(config, "num_key_value_heads", None) or heads)
@@ -247,7 +251,7 @@ def export_gguf(directory: str | Path, output: str | Path, kind: str = "f16", fo
     ``system.progress.Progress`` that tracks the tensors written; ``vocabulary_from``: the source GGUF whose
     vocabulary to write (default: the one ``report.json`` records).
 
-    Before a byte is written (``recipe_engine.io.output.check_file_output``): the output is not a directory (not even
+    Before a byte is written (``recipe_engine.paths.output.check_file_output``): the output is not a directory (not even
     with ``force``), not an existing file without ``force``, its directory is writable and has room for the
     file (tensor sizes from the safetensors headers). The output's lock (``output_lock``) is held while
     writing; temporaries of a killed export of the same file are removed. Atomic: a temporary sibling
@@ -272,7 +276,7 @@ def _export(directory: Path, output: Path, kind: str, name: str | None, origin: 
     check_exportable(directory, config)
     check_checkpoint(directory, config)  # a GGUF must hold every block its metadata counts
     adapter = gguf_adapter(config)
-    arch_name = adapter.gguf.arch
+    arch_name = LAYOUTS[adapter.model_type].arch
     model = meta_model(config)
     plan = _tensor_plan(directory, config, kind, adapter, model)
     vocab = vocabulary(directory, config.vocab_size, origin)
@@ -331,3 +335,30 @@ def _remove_stale_temporaries(output: Path) -> None:
         if path.is_file() and not path.is_symlink():
             path.unlink(missing_ok=True)
             print(f"note: removed {path}, left by an interrupted export", file=sys.stderr)
+
+
+@register
+class GGUF(Exporter):
+    """The file format ``gguf``: what the pre-flight, the run and the card ask of it."""
+
+    name = "gguf"
+    summary = "one file for llama.cpp, Ollama, LM Studio (f32, f16, bf16, q8_0)"
+    types = ("f16", "f32", "bf16", "q8_0")  # the first is the default; TYPES in another order
+    default_file = "model.gguf"
+    reader = "llama.cpp"
+
+    def write_file(self, directory: Path, output: Path, kind: str, *, force: bool = False, name: str | None = None,
+                   source=None, progress=None) -> dict:
+        origin = getattr(source, "gguf", None)  # the GGUF file the run's weights were converted from
+        return export_gguf(directory, output, kind, force=force, name=name, progress=progress,
+                           vocabulary_from=Path(origin) if origin else None)
+
+    def check_recipe(self, steps, shapes, config) -> None:
+        check_recipe_exportable(steps, shapes, config)
+
+    def check_source(self, spec: str, config) -> None:
+        """The tokenizer the run saves is the source's: its vocabulary must be one GGUF can hold."""
+        check_source_vocabulary(spec, config.vocab_size)
+
+    def card_line(self, export) -> str:
+        return f"`{export.file}`: the same model as one GGUF file ({export.type}) for llama.cpp, Ollama or LM Studio."

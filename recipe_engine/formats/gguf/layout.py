@@ -1,11 +1,15 @@
-"""GGUF facts of the architectures: how llama.cpp names and computes each one (an adapter's ``gguf``).
+"""GGUF facts of the architectures: how llama.cpp names and computes each one (:data:`LAYOUTS`, by the adapter's
+``model_type``), and the GGUF name of every tensor of a model (:func:`gguf_tensors`).
 
-``recipe_engine.io.gguf_export`` reads only these; an adapter without them is not exported.
+The writer reads only these; an architecture without a layout is not exported.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from ...architectures.adapters import ArchitectureAdapter
+from ...errors import RecipeError
 
 #: GGUF tensor names of the roles every exported architecture shares (``gguf.TENSOR_NAMES``).
 GGUF_MODEL_TENSORS = {"embeddings": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
@@ -88,3 +92,50 @@ def routing_problem(normalized: bool) -> Callable[[Any], str | None]:
                     f"{'renormalizes' if normalized else 'does not renormalize'} the chosen experts' weights")
         return None
     return problem
+
+
+#: ``model_type`` → how llama.cpp reads the architecture from a GGUF file (absent: GGUF export refuses it).
+LAYOUTS = {
+    "llama": GGUFLayout("llama", rope_adjacent_pairs=True),
+    # llama.cpp has no mistral graph: Mistral without sliding windows is its llama graph
+    "mistral": GGUFLayout("llama", rope_adjacent_pairs=True),
+    "qwen2": GGUFLayout("qwen2"),
+    "qwen3": GGUFLayout("qwen3"),
+    "gemma3_text": GGUFLayout("gemma3", layer_tensors={**GGUF_LAYER_TENSORS, "mlp_output_norm": "post_ffw_norm",
+                                                       "attention_output_norm": "post_attention_norm"},
+                              sliding_window=True, final_logit_softcapping=True, activation="gelu_pytorch_tanh",
+                              config_problem=gemma3_gguf_problem),
+    # llama.cpp's phi3 keeps HF's fusions: attn_qkv (q, k, v rows) and ffn_up holding [gate; up]
+    "phi3": GGUFLayout("phi3", layer_tensors={**GGUF_LAYER_TENSORS, "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"},
+                       config_problem=phi3_gguf_problem),
+    # llama.cpp: qwen2moe, qwen3moe, and Mixtral as llama with experts (ffn_*_exps, ffn_gate_inp)
+    "qwen2_moe": GGUFLayout("qwen2moe", config_problem=routing_problem(False)),
+    "qwen3_moe": GGUFLayout("qwen3moe", config_problem=routing_problem(True)),
+    "mixtral": GGUFLayout("llama", rope_adjacent_pairs=True, config_problem=routing_problem(True)),
+}
+
+
+def gguf_tensors(adapter: ArchitectureAdapter, num_layers: int) -> dict[str, list[tuple[str, str]]]:
+    """HF state-dict tensor name → ``[(GGUF tensor name, role)]``, for the ``.weight`` and ``.bias`` of every
+    role of the model and of each of ``num_layers`` layers (role paths + its layout's names); an MoE layer's
+    router, shared expert and expert tensors too (``GGUF_EXPERT_TENSORS``: the fused ``gate_up_proj`` gives
+    two, roles ``gate_exps`` and ``up_exps``). An adapter without GGUF facts is one line."""
+    if adapter.model_type not in LAYOUTS:
+        raise RecipeError(f"{adapter.model_type} has no GGUF layout")
+    layout = LAYOUTS[adapter.model_type]
+    layers = adapter.model_paths["layers"]
+    bases = {adapter.model_paths[role]: [(name, role)] for role, name in layout.model_tensors.items()}
+    stacked: dict[str, list[tuple[str, str]]] = {}  # parameters of the experts module: no .weight suffix
+    for index in range(num_layers):
+        block = f"{layers}.{index}"
+        for role, name in layout.layer_tensors.items():
+            if role in adapter.linears or role in adapter.norms:
+                bases[f"{block}.{adapter.path(role)}"] = [(f"blk.{index}.{name}", role)]
+        for path, roles in adapter.expert_paths().items():
+            parts = [(f"blk.{index}.{GGUF_EXPERT_TENSORS[role]}", role) for role in roles]
+            if path.startswith(f"{adapter.experts.path}."):
+                stacked[f"{block}.{path}"] = [(f"{name}.weight", role) for name, role in parts]
+            else:
+                bases[f"{block}.{path}"] = parts
+    return {**{f"{hf}.{suffix}": [(f"{name}.{suffix}", role) for name, role in parts]
+               for hf, parts in bases.items() for suffix in ("weight", "bias")}, **stacked}

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import gguf
 
-from ..errors import RecipeError
-from .models import gguf_origin, hub_file, recorded_gguf, resolve_model
+from ...errors import RecipeError
+from ...sources.models import hub_file, resolve_model
+from .source import gguf_origin, recorded_gguf
 
 #: tokenizer.json pre-tokenizer → llama.cpp ``tokenizer.ggml.pre`` (the regex llama.cpp applies before BPE).
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"

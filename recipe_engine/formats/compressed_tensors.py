@@ -28,9 +28,9 @@ from collections import Counter
 
 import torch
 
-from ...architectures.adapters import FUSED_ROLES
-from ...errors import SourceError
-from ...numerics.quantization import Grid, QuantizedLinear, grid_codes
+from ..architectures.adapters import FUSED_ROLES
+from ..errors import SourceError
+from ..numerics.quantization import Grid, QuantizedLinear, grid_codes
 from . import Exporter, register
 
 

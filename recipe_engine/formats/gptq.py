@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ...numerics.quantization import Grid, QuantizedLinear, grid_codes
+from ..numerics.quantization import Grid, QuantizedLinear, grid_codes
 from . import Exporter, register
 
 BITS = (2, 4, 8)

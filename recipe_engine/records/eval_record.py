@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RecipeError
-from .output import special_kind
-from .report import Report, weights_fingerprint, whole_files_sha256
+from ..system.file_kinds import special_kind
+from .fingerprints import weights_fingerprint, whole_files_sha256
+from .report import Report
 
 #: The largest record read (a real one is a few KiB).
 MAX_RECORD_BYTES = 16 << 20

@@ -18,21 +18,16 @@ Rows are joined with ``"\\n\\n"`` (the WikiText-2 perplexity convention).
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
-
-import torch
 
 from ..errors import SourceError
 from ..suggest import did_you_mean
-from ..system.host_memory import trim_heap
+from .hub import hub_unreachable, names_a_local_path, offline_mode, valid_hub_id
 
 EXLLAMA_INSTALL = "pip install --no-deps exllamav2==0.3.2"
 SAMPLE_FILES = {"wikipedia-sample": "wiki.utf8", "c4-sample": "c4.utf8", "code-sample": "code.utf8"}
@@ -126,12 +121,6 @@ def _read_for(source: str, dataset: str) -> str:
     return "" if source == dataset else f" (read for '{source}')"
 
 
-def offline_mode(*variables: str) -> bool:
-    """Is HF offline mode set by any of ``variables`` (default: both the hub's and datasets')?"""
-    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
-               for v in variables or ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
 def require_hub(name: str, timeout_s: float = 3.0, *, split: str | None = None) -> None:
     """Fail in seconds, not after ``datasets``' retries, when the HF hub cannot be reached; the message says
     why source ``name`` (its ``split``, when given) is read from the hub.
@@ -170,20 +159,6 @@ def _missing_wikitext(split: str) -> str:
         return f"not in ${DATA_DIR_VARIABLE} (no {folder}/wiki.*.raw)"
     return (f"not in ${DATA_DIR_VARIABLE} ({folder} has {', '.join(have)} only, no "
             f"{WIKITEXT_SPLITS.get(split, split)})")
-
-
-def hub_unreachable(timeout_s: float = 3.0) -> str | None:
-    """None when the HF hub answers a TCP connection (or offline mode is set: the caches are used without
-    retries), else why not, in a few words. One connection attempt instead of the libraries' retries."""
-    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        return None
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        socket.create_connection((endpoint.hostname, port), timeout=timeout_s).close()
-    except OSError as exc:
-        return f"the HF hub ({endpoint.hostname}) cannot be reached: {exc.strerror or type(exc).__name__}"
-    return None
 
 
 def require_hub_dataset(name: str) -> None:
@@ -241,25 +216,6 @@ def source_kind(name: str, split: str = "train") -> str:
     return "hub"
 
 
-def names_a_local_path(name: str) -> bool:
-    """Is ``name`` written as a path on this machine (``./x``, ``/x``, ``~/x``, or under a directory that
-    exists here), so that, when it does not exist, it is "not found" rather than a hub id?"""
-    parent = Path(name).parent
-    return name.startswith((".", "/", "~")) or (parent != Path(".") and parent.expanduser().is_dir())
-
-
-def valid_hub_id(name: str) -> bool:
-    """Could ``name`` be an HF hub repository id (``huggingface_hub``'s own rules; no request)?"""
-    # deferred: the hub client (~0.2 s) is needed only for hub sources
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
 def is_hub_source(name: str, split: str = "train") -> bool:
     """Would :func:`load_text` read ``name`` from the HF hub (rather than a file on this machine)?"""
     return source_kind(name, split) == "hub"
@@ -281,35 +237,6 @@ def check_text(name: str, split: str, text_field: str, tokens: int) -> str | Non
         return None
     check_length(load_text(name, split, text_field), tokens)
     return None
-
-
-def load_calibration(cal) -> list[tuple[TextSource, int]]:
-    """Each calibration source's text with the number of windows drawn from it (``cal.shares()``); a source
-    too short for its share is a ``SourceError``."""
-    loaded = [(load_text(name, cal.split, cal.text_field), share)
-              for name, share in zip(cal.sources, cal.shares())]
-    for text, share in loaded:
-        check_length(text, share * cal.seq_len)
-    return loaded
-
-
-def calibration_windows(tokenizer, loaded: list[tuple[TextSource, int]], cal) -> tuple[torch.Tensor, int]:
-    """The calibration windows (each source's seeded ``sample_windows`` share, sources in order) and the
-    number of tokens the sources hold."""
-    windows, available = [], 0
-    for text, share in loaded:
-        ids = tokenize(tokenizer, text.text)
-        available += ids.numel()
-        windows.append(sample_windows(ids, share, cal.seq_len, cal.seed, text.origin))
-        del ids
-    return torch.cat(windows), available
-
-
-def check_length(text: "TextSource", tokens: int) -> None:
-    size = len(text.text.encode("utf-8"))
-    if size < tokens:
-        raise SourceError(f"calibration data {text.origin} has {size} bytes of text; samples × seq_len = "
-                          f"{tokens} tokens need at least {tokens} bytes (a token covers at least one byte)")
 
 
 def _column(table, field: str, name: str) -> list[str]:
@@ -400,48 +327,8 @@ def _disk_rows(path: Path, split: str, field: str) -> list[str]:
     return _column(table, field, str(path))
 
 
-def tokenize(tokenizer, text: str) -> torch.Tensor:
-    """Token ids of the whole text as one 1-D tensor (no special tokens added); the tokenizer's transient
-    encodings are returned to the OS (``host_memory.trim_heap``).
-
-    A fast tokenizer's backend encodes without character offsets (``tokenizers``' ``encode_batch_fast``: the
-    same ids as calling the tokenizer): SmolLM2's tokenizer on WikiText-2 validation (268 k tokens) took
-    106 MiB while it ran instead of 179 (``benchmarks/tokenize_memory.py``). Where that path does not apply
-    (:func:`_fast_ids`), the tokenizer is called as usual."""
-    ids = _fast_ids(tokenizer, text)
-    if ids is None:
-        ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    tensor = torch.tensor(ids, dtype=torch.long)
-    del ids
-    trim_heap()
-    return tensor
-
-
-def _fast_ids(tokenizer, text: str) -> list[int] | None:
-    """The ids of ``text`` from a fast tokenizer's backend without offsets, or None where that does not apply:
-    no ``tokenizers`` backend, one too old for ``encode_batch_fast`` or ``encode_special_tokens``, one set to
-    truncate or pad, or one whose special-token splitting differs from the tokenizer's (``split_special_tokens``,
-    which a call sets first)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode_batch_fast") or backend.truncation or backend.padding:
-        return None
-    if getattr(backend, "encode_special_tokens", None) != bool(getattr(tokenizer, "split_special_tokens", False)):
-        return None
-    return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
-
-
-def sample_windows(ids: torch.Tensor, samples: int, seq_len: int, seed: int, source: str) -> torch.Tensor:
-    """``samples`` distinct non-overlapping windows of ``seq_len`` tokens, chosen by seeded permutation."""
-    available = ids.numel() // seq_len
-    if available < samples:
-        raise SourceError(f"calibration data {source} has {ids.numel()} tokens = {available} windows of "
-                          f"{seq_len}; need samples × seq_len = {samples} × {seq_len} = {samples * seq_len}")
-    generator = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(available, generator=generator)[:samples].sort().values
-    windows = ids[: available * seq_len].view(available, seq_len)
-    return windows[chosen].clone()
-
-
-def fingerprint(ids: torch.Tensor) -> str:
-    """sha256 of the int64 token ids (little-endian bytes)."""
-    return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+def check_length(text: "TextSource", tokens: int) -> None:
+    size = len(text.text.encode("utf-8"))
+    if size < tokens:
+        raise SourceError(f"calibration data {text.origin} has {size} bytes of text; samples × seq_len = "
+                          f"{tokens} tokens need at least {tokens} bytes (a token covers at least one byte)")

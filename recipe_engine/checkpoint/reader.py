@@ -15,10 +15,9 @@ from safetensors import safe_open
 from torch import nn
 
 from ..errors import RecipeError, SourceError, library_reason, reading
+from ..formats import packed_reader
 from ..numerics.quantization import QuantizedLinear
-from .checkpoint_names import converted_names, converted_shapes
-from .exporters import packed_reader
-
+from .names import converted_names, converted_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -29,7 +28,7 @@ class CheckpointReader:
 
     ``read(names)`` opens each shard with ``safe_open`` only for the duration of the call; the returned
     tensors are memory-mapped views (copy-on-write), valid after the file is closed. A packed checkpoint (a
-    ``quantization_config`` a registered format reads, ``recipe_engine.io.exporters``) is read by its
+    ``quantization_config`` a registered format reads, ``recipe_engine.formats``) is read by its
     logical names: ``<linear>.weight`` is dequantized from its packed tensors into the checkpoint's dtype.
     Given the ``model`` the checkpoint is for, it also reads the in-memory names of tensors transformers
     converts at load (a Mixtral's fused experts from the per-expert tensors on disk, packed ones dequantized

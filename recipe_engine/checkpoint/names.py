@@ -54,8 +54,13 @@ def converted_names(model: nn.Module, disk_names: list[str]) -> dict[str, Conver
     ``model``'s checkpoint (empty when the checkpoint already has the in-memory names)."""
     # deferred: transformers' loading machinery (seconds) is needed only when a checkpoint is checked or streamed
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, dot_natural_key,
-                                                 rename_source_key)
+    from transformers.core_model_loading import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        dot_natural_key,
+        rename_source_key,
+    )
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]

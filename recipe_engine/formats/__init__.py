@@ -1,12 +1,16 @@
-"""Output formats as plug-ins: one :class:`Exporter` interface and one registry, one module per format.
+"""Formats as plug-ins: the interfaces and registries, one module (or package) per format, found by scanning this
+package.
 
-Two kinds of format share the interface. A *checkpoint format* is what a quantizing step's ``export:`` names:
+An :class:`Exporter` writes a format. A *checkpoint format* is what a quantizing step's ``export:`` names:
 how the linears it quantized are stored in the output's safetensors files (``pack``/``layout``), the
 ``quantization_config`` that ``config.json`` carries, and how a reader gets the weights back
 (``dequantize``), so every command that reads an output (``eval``, ``bench``, a later recipe, resume,
-streaming, the GGUF export) works on any of them. A *file format* (``recipe export --format``, a recipe's
-``export:`` block) writes one more file from a finished output directory (``write_file``). A new format is
-one module here with a ``@register``-decorated class, and one test.
+streaming, a file export) works on any of them. A *file format* (``recipe export --format``, a recipe's
+``export:`` block) writes one more file from a finished output directory (``write_file``), and states its own
+checks (``check_recipe``, ``check_source``) and its line in the model card (``card_line``). A
+:class:`SourceFormat` reads a model file the engine converts once into a cached checkpoint (and the builtin
+aliases that name such files). A new format is one module here (or a package, for one that reads and writes)
+with ``@register``-decorated classes, and one test.
 """
 from __future__ import annotations
 
@@ -17,8 +21,8 @@ from typing import ClassVar
 
 import torch
 
-from ...errors import RecipeError
-from ...numerics.quantization import Grid, QuantizedLinear
+from ..errors import RecipeError
+from ..numerics.quantization import Grid, QuantizedLinear
 
 
 class Exporter:
@@ -44,6 +48,8 @@ class Exporter:
     #: File formats: the accepted ``type`` values (the first is the default) and the default file name.
     types: ClassVar[tuple[str, ...]] = ()
     default_file: ClassVar[str] = ""
+    #: File formats: the program a file is written for (``recipe export --help``).
+    reader: ClassVar[str] = ""
 
     # -- checkpoint formats ------------------------------------------------------------------------
     def grid_problem(self, bits: int, sym: bool) -> str | None:
@@ -119,37 +125,92 @@ class Exporter:
 
     # -- file formats ------------------------------------------------------------------------------
     def write_file(self, directory: Path, output: Path, kind: str, *, force: bool = False, name: str | None = None,
-                   origin: str | None = None, progress=None) -> dict:
+                   source=None, progress=None) -> dict:
         """Write ``output`` from the output directory ``directory``; returns ``{"file", "type", ...}``
-        (``report.json``'s ``export``). ``origin``: the GGUF file the model was converted from, if any."""
+        (``report.json``'s ``export``). ``source``: the model record (``report.ModelRecord``) of the run that
+        wrote the directory, if known."""
         raise NotImplementedError
 
     def check_recipe(self, steps, shapes, config) -> None:
         """Before anything loads: refuse (``RecipeError``) what this file format cannot hold."""
 
+    def check_source(self, spec: str, config) -> None:
+        """Before anything loads: refuse (``RecipeError``) a model source ``spec`` (its ``config``) whose files
+        this format cannot carry over (the tokenizer a run saves is the source's)."""
+
+    def card_line(self, export) -> str:
+        """The model card's line on the file written (``export``: the report's ``ExportRecord``)."""
+        return f"`{export.file}`: the same model as one {self.name} file ({export.type})."
+
+
+class SourceFormat:
+    """A model file format the engine reads: a file (or a builtin alias naming one) converted once into a cached
+    HF checkpoint, which every command then reads as a local directory."""
+
+    #: ``ModelSource.kind`` of a file of this format, and the ``report.ModelRecord`` field recording the file.
+    name: ClassVar[str]
+    #: The file name's suffix (``.name``).
+    suffix: ClassVar[str]
+    #: Builtin alias → the hub repository its file was converted from (a model card's ``base_model``).
+    builtins: ClassVar[dict[str, str]] = {}
+
+    def builtin_file(self, alias: str) -> Path:
+        """The file a builtin alias names (assembled or located once)."""
+        raise NotImplementedError
+
+    def convert(self, path: Path) -> Path:
+        """The cached HF checkpoint directory of the file ``path`` (converted on the first call)."""
+        raise NotImplementedError
+
+    def config(self, path: Path):
+        """The HF config of the file ``path``, read from its metadata without converting its weights."""
+        raise NotImplementedError
+
+    def license(self, path: Path) -> str | None:
+        """The license the file ``path`` states, or None."""
+        return None
+
+    def origin(self, source) -> str | None:
+        """The file of this format a ``ModelSource``'s weights were converted from (for a local directory, the
+        one its ``report.json`` records), or None."""
+        return None
+
 
 _EXPORTERS: dict[str, Exporter] = {}
+_SOURCES: dict[str, SourceFormat] = {}
 _discovered: list[bool] = []
 
 
-def register(cls: type[Exporter]) -> type[Exporter]:
-    """Class decorator: add one instance of ``cls`` to the registry under ``cls.name``."""
-    if cls.name in _EXPORTERS:
-        raise RuntimeError(f"exporter {cls.name!r} registered twice ({type(_EXPORTERS[cls.name]).__name__}, "
+def register(cls: type) -> type:
+    """Class decorator: add one instance of ``cls`` (an :class:`Exporter` or a :class:`SourceFormat`) to its
+    registry under ``cls.name``."""
+    registry = _SOURCES if issubclass(cls, SourceFormat) else _EXPORTERS
+    if cls.name in registry:
+        raise RuntimeError(f"format {cls.name!r} registered twice ({type(registry[cls.name]).__name__}, "
                            f"{cls.__name__})")
-    _EXPORTERS[cls.name] = cls()
+    registry[cls.name] = cls()
     return cls
 
 
-def exporters() -> dict[str, Exporter]:
-    """Every format by name; the package's modules are imported on the first call (each registers its
-    format; a failing import raises), not when the package is, so a format module may import any ``io``
-    module."""
+def _discover() -> None:
+    """Import every module and package here once (each registers its formats; a failing import raises), on the
+    first call, not when this package is imported, so a format may import any module below the engine's run."""
     if not _discovered:
         _discovered.append(True)
         for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
             importlib.import_module(f"{__name__}.{module.name}")
+
+
+def exporters() -> dict[str, Exporter]:
+    """Every format written, by name."""
+    _discover()
     return _EXPORTERS
+
+
+def source_formats() -> dict[str, SourceFormat]:
+    """Every model file format read, by name."""
+    _discover()
+    return _SOURCES
 
 
 def checkpoint_formats() -> list[str]:

@@ -19,9 +19,11 @@ command's pre-flight, before a weight loads, and refused in one line naming the 
 * is of the wrong type (a directory where a file goes, a file where a directory goes), or its directory
   cannot take a new entry (read-only, missing permission, a file in the way).
 
-Files are written atomically: to a temporary sibling, renamed into place (:func:`open_fresh`,
-:func:`replace_text`). ``apply``'s output directory has its own checks (``output.check_output_free``); it
-takes part here as one of the run's paths that no other may lie in.
+``apply``'s output directory follows the same rule as a directory the run *replaces* whole (``replaced``,
+``output.check_output_free``): an existing one only with ``--force`` and only when it is empty or an earlier
+recipe output, never the working directory or one holding it; it takes part in :func:`check_targets` as one of
+the run's paths that no other may lie in. Files are written atomically: to a temporary sibling, renamed into
+place (:func:`open_fresh`, :func:`replace_text`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from typing import Callable, Iterable
 
 from ..errors import RecipeError
 from ..system.cleanup import MARKER, read_marker
-from ..system.file_kinds import special_kind_of
+from ..system.file_kinds import special_kind, special_kind_of
 
 #: The longest suffix written beside an output ``NAME``: ``.NAME.tmp-XXXXXXXX`` (also ``.old-``, ``.resume``,
 #: ``.lock``, an export's ``.tmp-PID``): the leading dot and 13 characters.
@@ -43,16 +45,6 @@ SIBLING_EXTRA = 14
 
 #: The most bytes read to recognise a file of ours (a record or a log's first line).
 RECOGNISE_BYTES = 1 << 20
-
-
-def special_kind(target: Path) -> str | None:
-    """``"a character device"`` etc. when ``target`` exists and is neither a regular file, a directory nor a
-    symbolic link, else None."""
-    try:
-        mode = os.lstat(target).st_mode
-    except OSError:
-        return None
-    return special_kind_of(mode)
 
 
 def link_kind(target: Path) -> str | None:
@@ -141,13 +133,32 @@ class Target:
     force: bool = False
     #: What the user can do instead (a path the user did not name: the default timings log)
     instead: str = ""
+    #: A directory the run replaces whole (``apply``'s output, a recipe field: refusals name the recipe ``file``)
+    replaced: bool = False
+    file: str | None = None
 
     @property
     def path(self) -> Path:
         return Path(self.value).expanduser()
 
-    def fail(self, message: str) -> RecipeError:
+    def fail(self, message: str, sep: str = " ") -> RecipeError:
+        if self.replaced:
+            return RecipeError(f"output '{self.value}'{sep}{message}", file=self.file, field="output")
         return RecipeError(f"{self.option} {self.value}: {message}")
+
+    def parent_fail(self, message: str) -> RecipeError:
+        """A refusal of the directory that would hold the path."""
+        if self.replaced:
+            return RecipeError(message, file=self.file, field="output")
+        return RecipeError(f"{self.option}: {message}")
+
+    def empty(self) -> RecipeError:
+        return RecipeError(f"{self.option} is empty; give a {self.noun}" + ("" if self.replaced else " name"),
+                           **({"file": self.file, "field": "output"} if self.replaced else {}))
+
+    @property
+    def another(self) -> str:
+        return f"another {self.option}" if self.replaced else f"another {self.noun}"
 
     @property
     def noun(self) -> str:
@@ -160,7 +171,7 @@ def check_targets(targets: list[Target], inputs: Iterable = (), others: dict[str
     inputs = [Path(i) for i in inputs if Path(i).expanduser().exists()]
     for target in targets:
         if not str(target.value).strip():
-            raise RecipeError(f"{target.option} is empty; give a {target.noun} name")
+            raise target.empty()
     check_apart({**{t.option: t.path for t in targets}, **(others or {})})
     for target in targets:
         check_target(target, inputs)
@@ -190,22 +201,49 @@ def check_target(target: Target, inputs: Iterable = ()) -> Path:
     """The rule for one path (module docstring); returns it."""
     path = target.path
     if not str(target.value).strip():
-        raise RecipeError(f"{target.option} is empty; give a {target.noun} name")
+        raise target.empty()
     problem = input_problem(path, inputs)
     if problem:
-        raise target.fail(f"{problem}; not replaced (choose another {target.noun})")
+        raise target.fail(f"{problem}; not replaced (choose {target.another})")
     if name_problem(path):
-        raise target.fail(name_problem(path))
-    if link_kind(path):
-        raise target.fail(f"is {link_kind(path)}; not replaced, nor written through (choose another {target.noun})")
-    if special_kind(path):
-        raise target.fail(f"is {special_kind(path)}, not a regular {target.noun}; not replaced (choose another "
-                          f"{target.noun})")
-    if path.exists():
-        _check_existing(target, path)
-    probe = path / MARKER if target.directory and path.is_dir() else path
-    check_writable_parent(probe, lambda message: RecipeError(f"{target.option}: {message}"))
+        raise target.fail(name_problem(path), sep=": ")
+    if target.replaced:
+        _check_replaced(target, path)
+    else:
+        if link_kind(path):
+            raise target.fail(f"is {link_kind(path)}; not replaced, nor written through (choose {target.another})")
+        if special_kind(path):
+            raise target.fail(f"is {special_kind(path)}, not a regular {target.noun}; not replaced (choose "
+                              f"{target.another})")
+        if path.exists():
+            _check_existing(target, path)
+    probe = path / MARKER if target.directory and path.is_dir() and not target.replaced else path
+    check_writable_parent(probe, target.parent_fail)
     return path
+
+
+def _check_replaced(target: Target, path: Path) -> None:
+    """A directory replaced whole: not the working directory (or one holding it); an existing one is a directory
+    (no link), replaced only with ``force`` and only when empty or ``ours``."""
+    here = Path.cwd().resolve()
+    if path.resolve() == here or path.resolve() in here.parents:
+        what = "the current directory" if path.resolve() == here else "a directory holding the current one"
+        raise target.fail(f"is {what}; a run replaces its output directory whole, which it cannot do to the "
+                          f"directory it runs in (give a new directory, e.g. --output ./out)")
+    if not (path.is_symlink() or path.exists()):
+        return
+    if not path.is_dir() or path.is_symlink():
+        kind = link_kind(path) or special_kind(path) or "not a directory"
+        raise target.fail(f"exists and is {kind}; not replaced (choose {target.another})")
+    if not target.force:
+        raise target.fail("already exists (use --force to replace it)")
+    try:
+        occupied = any(path.iterdir())
+    except OSError as exc:
+        raise target.parent_fail(f"cannot read output '{target.value}': {exc.strerror or exc}") from None
+    if occupied and not target.ours(path):
+        raise target.fail(f"exists and is not {target.what} (no {MARKER}); --force replaces only earlier "
+                          f"{target.what[2:]}s: move it away yourself or choose {target.another}")
 
 
 def _check_existing(target: Target, path: Path) -> None:

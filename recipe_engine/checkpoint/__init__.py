@@ -1,0 +1,1 @@
+"""The checkpoint the engine reads and writes: tensor names, the reader (packed formats dequantized), the writer."""
