@@ -220,3 +220,40 @@ def test_the_symbolic_bits_count_unquantized_linears_in_the_model_dtype_and_boun
     assert any("skips alternative 0" in note and "bits per weight > 8" in note for note in shape.notes)
     alone = check_against_config(recipe_from_dict(recipe(tmp_path, ["GPTQ<bits:4,group_size:32>"])), tiny_config())
     assert shape.linear_bits == alone.linear_bits < 8  # the kept alternative's figure
+
+
+def test_overrides_from_a_log_promote_the_largest_errors_within_the_budget(tmp_path):
+    """benchmarks/mixed_bits_from_log.py on a log of 2 layers: units by error, largest first, each promoted to
+    W8 while the average written bits (codes, fp32 scales per group of 32, the 128-bit weight_shape) stays within
+    the budget, recounted here from the layout."""
+    import csv
+    import subprocess
+    import sys
+
+    import yaml
+
+    sizes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+             "gate_proj": (96, 64), "up_proj": (96, 64), "down_proj": (64, 96)}
+    errors = {(0, "down_proj"): 0.9, (1, "o_proj"): 0.8, (0, "gate_proj"): 0.7, (1, "q_proj"): 0.1}
+    block = {m: "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn" for m in sizes}
+    rows = [{"step": "0 GPTQ", "layer": layer, "module": f"{block[m]}.{m}", "method": "gptq", "rows": r,
+             "columns": c, "bits": 4, "group_size": 32, "sym": True, "error": errors.get((layer, m), 0.01)}
+            for layer in range(2) for m, (r, c) in sizes.items()]
+    with open(tmp_path / "log.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    def written(bits, r, c):
+        return r * c * bits + r * (c // 32) * 32 + 128
+
+    weights = sum(r * c for r, c in sizes.values()) * 2
+    base = 2 * sum(written(4, r, c) for r, c in sizes.values())
+    budget = (base + written(8, 64, 96) - written(4, 64, 96) + written(8, 64, 64) - written(4, 64, 64)) / weights
+    done = subprocess.run([sys.executable, "benchmarks/mixed_bits_from_log.py", str(tmp_path / "log.csv"),
+                           "--budget", str(budget + 1e-9)], capture_output=True, text=True, check=True)
+    overrides = yaml.safe_load(done.stdout)["overrides"]
+    # down_proj of layer 0 (0.9) and o_proj of layer 1 (0.8) fit; gate/up of layer 0 (0.7) would not
+    assert overrides == [{"layers": [0], "targets": ["down_proj"], "bits": 8},
+                         {"layers": [1], "targets": ["o_proj"], "bits": 8}]
+    assert f"{budget:.4f} bits per weight" in done.stderr
