@@ -11,7 +11,6 @@ batch moves between host and device in a pass (``tests/test_activation_moves.py`
 - ``keep``: a layer's output back to ``storage`` (into pinned host memory when it comes from an accelerator).
 - ``run``: one layer over the batches, the per-batch loop every layer run shares (``LayerPipeline.run_layer``,
   ``StagedLayer``, the original model's walk).
-- ``gather``: the outputs of a data-parallel rank's share, all-gathered in batch order.
 
 Prefetch: with host storage and a CUDA device, ``run`` and ``on`` load batch ``k + 1`` on a side copy stream
 while batch ``k`` computes (:class:`CopyStream`); the compute stream waits for that copy before it reads the
@@ -152,10 +151,6 @@ class Activations:
                 after(len(outputs), out)
             outputs.append(self.keep(out))
         return outputs
-
-    def gather(self, parallel, local: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every data-parallel rank's ``local`` outputs (its ``parallel.share(len(self))``), in batch order."""
-        return parallel.gather(local, len(self))
 
 
 class CopyStream:

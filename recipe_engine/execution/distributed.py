@@ -85,6 +85,11 @@ class Parallel:
             return None
         return range(self.rank * batches // self.world, (self.rank + 1) * batches // self.world)
 
+    def split(self, batches: int, shared: bool = True) -> "Split":
+        """A run over ``batches`` calibration batches, this rank's share of them and what follows it
+        (:class:`Split`); ``shared=False``: every rank runs every batch (e.g. a run with a per-batch callback)."""
+        return Split(self, batches, self.share(batches) if shared else None)
+
     # -- failure protocol ----------------------------------------------------------------------
     def _status(self, failure: str | None = None) -> None:
         """All-reduce who failed; a rank that did not fail raises :class:`RankFailed` if any did."""
@@ -203,6 +208,37 @@ class Parallel:
             self._stopped = True  # every rank saw the same gather: all stop here, no status needed
             raise RanksDiverged(f"ranks {[0] + differ} computed different weights for {what} after the fp64 "
                                 f"all-reduce (non-deterministic kernels or different library versions?)")
+
+
+class Split:
+    """One run over ``batches`` batches shared out over the ranks: ``share`` (this rank's batches; None: every rank
+    runs all of them) and, after the run, the one reduction of what the share computed: statistics all-reduced
+    (:meth:`reduce`), numbers summed (:meth:`sum`), outputs all-gathered (:meth:`gather`), each a no-op when the
+    batches were not split. Every caller that shares a run (the layer pass, staged layers, the calibration loss,
+    a step's own statistics) goes through it."""
+
+    def __init__(self, parallel: Parallel, batches: int, share: range | None):
+        self.parallel, self.batches, self.share = parallel, batches, share
+
+    @property
+    def own(self) -> list[int]:
+        """The batches this process runs, in order."""
+        return list(self.share if self.share is not None else range(self.batches))
+
+    def reduce(self, statistics: Iterable) -> bool:
+        """All-reduce the statistics' sums (fp64) when the batches were split; whether they were."""
+        if self.share is None:
+            return False
+        self.parallel.reduce_statistics(list(statistics))
+        return True
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise fp64 sum of ``values`` over the ranks when the batches were split."""
+        return values if self.share is None else self.parallel.sum(values)
+
+    def gather(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's outputs of its share, in batch order, when the batches were split."""
+        return outputs if self.share is None else self.parallel.gather(outputs, self.batches)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

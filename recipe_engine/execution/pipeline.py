@@ -168,7 +168,7 @@ class LayerPipeline:
         the hooks' sums are all-reduced in fp64 and the outputs all-gathered (every rank returns all)."""
         s = self.session
         ctx = s.context
-        share = ctx.parallel.share(len(inputs)) if on_batch is None else None
+        split = ctx.parallel.split(len(inputs), shared=on_batch is None)
         handles = []
         for stat in hooks:
             module = layer.get_submodule(stat.module) if stat.module else layer
@@ -187,16 +187,15 @@ class LayerPipeline:
 
         try:
             with ctx.timings.phase("forward"):
-                outputs = inputs.run(layer, ctx.device, share, kwargs_of=partial(ctx.adapter.layer_kwargs, layer),
+                outputs = inputs.run(layer, ctx.device, split.share, kwargs_of=partial(ctx.adapter.layer_kwargs, layer),
                                      before=before, after=on_batch, stops=(_Collected,))
         finally:
             for handle in handles:
                 handle.remove()
         s.work.count(runs=1)
-        if share is not None:
-            ctx.parallel.reduce_statistics(hooks)
-            if stop_after is None:
-                outputs = inputs.gather(ctx.parallel, outputs)
+        split.reduce(hooks)
+        if stop_after is None:
+            outputs = split.gather(outputs)
         return None if stop_after is not None else inputs.replace(outputs)
 
     def layer_pass(self, visit: Callable[[int, Activations, Activations], None],
@@ -232,11 +231,11 @@ class LayerPipeline:
         ctx = s.context
         sums = torch.zeros(s.calibration.shape[0], dtype=torch.float64)
         norm, head = ctx.adapter.final_norm(s.model), ctx.adapter.lm_head(s.model)
-        share = ctx.parallel.share(len(finals))
+        split = ctx.parallel.split(len(finals))
         ends = [0]
         for window in finals.windows:
             ends.append(ends[-1] + window.shape[0])  # each batch's windows
-        own = list(share if share is not None else range(len(finals)))
+        own = split.own
         with s.residency.using(norm, head):
             for k, hidden, window in zip(own, finals.on(ctx.device, own), finals.windows_on(ctx.device, own)):
                 logits = head(norm(hidden))
@@ -245,8 +244,8 @@ class LayerPipeline:
                         for row in range(logits.shape[0])]
                 del logits
                 sums[ends[k]:ends[k + 1]] = torch.cat(rows).double().cpu()  # one host read per batch
-        if share is not None:
-            sums = torch.tensor(ctx.parallel.sum(sums.tolist()), dtype=torch.float64)
+        if split.share is not None:
+            sums = torch.tensor(split.sum(sums.tolist()), dtype=torch.float64)
         tokens = s.calibration.shape[1] - 1
         if per_window:
             return (sums / tokens).tolist()
@@ -255,10 +254,7 @@ class LayerPipeline:
     # -- outputs handed over by a step ------------------------------------------------------------
     def sum_over_ranks(self, batches: int, statistics: list) -> bool:
         """``CurrentLayer.sum_over_ranks``: all-reduce the statistics when the ranks split the ``batches``."""
-        if self.session.context.parallel.share(batches) is None:
-            return False
-        self.session.context.parallel.reduce_statistics(list(statistics))
-        return True
+        return self.session.context.parallel.split(batches).reduce(statistics)
 
     def provide_outputs(self, outputs: Activations) -> None:
         """``CurrentLayer.provide_outputs``: the layer's outputs on its inputs as the step leaves it."""

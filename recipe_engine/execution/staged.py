@@ -60,9 +60,9 @@ class StagedLayer:
         self.layer, self.inputs = layer, inputs
         #: block path → (its output linear, that linear's recorded inputs, output wrapper)
         self._finished: dict[str, tuple[nn.Module, list[torch.Tensor], Callable]] = {}
-        self._share = self.context.parallel.share(len(inputs))
+        self._split = self.context.parallel.split(len(inputs))
         #: Batches this process runs (a data-parallel rank: its share); ``_batch`` indexes this list.
-        self._own = list(self._share if self._share is not None else range(len(inputs)))
+        self._own = self._split.own
         self._batch = 0
         self._statistic: Statistic | None = None
         self._position = -1
@@ -106,8 +106,7 @@ class StagedLayer:
             for handle in handles:
                 handle.remove()
             self._statistic = None
-        if self._share is not None:
-            self.context.parallel.reduce_statistics([statistic])
+        self._split.reduce([statistic])
         if finishing:
             self._finished[block] = (target, recorded, seen["wrapper"])
 
@@ -115,8 +114,7 @@ class StagedLayer:
         """The layer's outputs for every batch (finished blocks replayed); counts as one layer run."""
         outputs = self._run()
         self.work.count(runs=1)
-        if self._share is not None:
-            outputs = self.inputs.gather(self.context.parallel, outputs)
+        outputs = self._split.gather(outputs)
         return self.inputs.replace(outputs)
 
     @torch.no_grad()
