@@ -386,7 +386,7 @@ def test_grid_codes_equal_each_values_own_division(columns, group):
 @pytest.mark.parametrize("model_type,per_chunk", [("qwen3_moe", None), ("qwen3_moe", 1), ("qwen3_moe", 3),
                                                    ("mixtral", None)])
 def test_stacked_experts_pack_as_one_matrix_into_each_experts_bytes(monkeypatch, model_type, per_chunk):
-    """A stacked experts tensor packed as one matrix (``_packed_experts``: one division, check and host copy per
+    """A stacked experts tensor packed as one matrix (``_packed_stack``: one division, check and host copy per
     chunk of experts; here all at once, one expert per chunk, or three with a shorter last chunk) gives every
     expert linear the names, order and bytes of packing that linear alone on the Hub's name (what
     ``PackedQuantizationCompressor`` writes, checked above), gate and up split from the fused tensor."""
@@ -404,7 +404,7 @@ def test_stacked_experts_pack_as_one_matrix_into_each_experts_bytes(monkeypatch,
     if per_chunk is not None:  # a budget of exactly per_chunk experts' fp64 work
         monkeypatch.setattr(checkpoint_writer, "HOST_PACK_BYTES",
                             per_chunk * checkpoint_writer.PACK_BYTES_PER_ELEMENT * stacked[0].numel())
-        assert checkpoint_writer.experts_per_chunk(stacked) == per_chunk < len(stacked)
+        assert checkpoint_writer.stack_per_chunk(stacked) == per_chunk < len(stacked)
     grid = Grid(4, 16, True, scale_dtype=stacked.dtype)
     parts = [rtn(expert, grid) for expert in stacked]
     on_grid = torch.stack([p.dequantized for p in parts]).to(stacked.dtype)

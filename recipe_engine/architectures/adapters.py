@@ -179,18 +179,46 @@ class ArchitectureAdapter:
         return [name for name, members in (("gate_up_proj", {"gate_proj"}), ("down_proj", {"down_proj"}))
                 if members & wanted]
 
-    def expert_paths(self) -> dict[str, tuple[str, ...]]:
-        """Path inside a decoder layer → expert roles: the router, the stacked expert tensors, a
+    def expert_paths(self) -> dict[str, tuple[tuple[str, ...], bool]]:
+        """Path inside a decoder layer → (expert roles, stacked): the router, the stacked expert tensors
+        (``stacked``: parameters of the experts module, ``[experts, rows, columns]``, no ``.weight`` suffix), a
         shared expert's linears and its gate (none on a dense architecture)."""
         if self.experts is None:
             return {}
-        paths = {self.experts.router: ("router",), f"{self.experts.path}.gate_up_proj": ("gate_exps", "up_exps"),
-                 f"{self.experts.path}.down_proj": ("down_exps",)}
+        experts = self.experts.path
+        paths = {self.experts.router: (("router",), False),
+                 f"{experts}.gate_up_proj": (("gate_exps", "up_exps"), True),
+                 f"{experts}.down_proj": (("down_exps",), True)}
         if self.experts.shared:
             shared = self.experts.shared
-            paths.update({f"{shared}.{p}": (f"shared_{p}",) for p in ("gate_proj", "up_proj", "down_proj")})
-            paths[f"{shared}_gate"] = ("shared_gate",)
+            paths.update({f"{shared}.{p}": ((f"shared_{p}",), False) for p in ("gate_proj", "up_proj", "down_proj")})
+            paths[f"{shared}_gate"] = (("shared_gate",), False)
         return paths
+
+    def moe_sizes(self, config) -> dict[str, int]:
+        """An MoE architecture's sizes from ``config``, in this order: ``count`` (experts per layer), ``used`` (experts
+        per token), ``width`` (one expert's intermediate size) and, where there is a shared expert, ``shared_width``;
+        empty on a dense architecture."""
+        return self.experts.sizes(config) if self.experts is not None else {}
+
+    def router_names(self, model: nn.Module) -> list[str]:
+        """Module names of the routers of ``model``'s MoE layers (none on a dense architecture)."""
+        router = self.experts.router if self.experts is not None else None
+        return [name for name, _ in model.named_modules() if router and name.endswith(f".{router}")]
+
+    @property
+    def carries_linear_grids(self) -> bool:
+        """Whether a packed source's grids can be carried to the output linear by linear: not on a mixture of
+        experts, whose experts are fused into 3-D tensors at load (an output packs every one of them or none)."""
+        return self.experts is None
+
+    def writes_hub_names(self, quantized: bool, stacks_packed: bool) -> bool:
+        """Whether the writer writes ``save_pretrained``'s on-disk names (the Hub's per-expert names of an MoE
+        layer) rather than the in-memory ones: on an MoE architecture, unquantized or with packed experts
+        (``stacks_packed``: transformers dequantizes them at load, vLLM reads them); packed attention beside dense
+        experts keeps the fused names (transformers' compressed-tensors loading does not convert dense
+        per-expert names: 5.24 fails on them)."""
+        return self.experts is not None and (stacks_packed or not quantized)
 
     # -- navigation -------------------------------------------------------------------------------
     def _model_part(self, model: nn.Module, role: str) -> nn.Module:

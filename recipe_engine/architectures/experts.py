@@ -54,6 +54,12 @@ class ExpertLayout:
         """The shared expert's intermediate size (0: none)."""
         return int(getattr(config, self.shared_width)) if self.shared else 0
 
+    def sizes(self, config) -> dict[str, int]:
+        """``ArchitectureAdapter.moe_sizes``: experts per layer and per token, one expert's width, a shared one's."""
+        sizes = {"count": self.num_experts(config), "used": config.num_experts_per_tok,
+                 "width": self.intermediate_size(config)}
+        return {**sizes, "shared_width": self.shared_size(config)} if self.shared else sizes
+
     def experts(self, layer: nn.Module) -> nn.Module:
         return layer.get_submodule(self.path)
 
@@ -183,6 +189,12 @@ class ExpertLayout:
         logits = nn.functional.linear(x.to(router.weight.dtype), router.weight, getattr(router, "bias", None))
         picked = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
         return picked.scatter_(1, logits.topk(router.top_k, dim=-1).indices, True)
+
+
+def packed_expert_names(names) -> list[str]:
+    """The packed expert linears (``….experts.<e>.<linear>.weight_packed``: the Hub's per-expert names) among a
+    checkpoint's tensor ``names``."""
+    return [name for name in names if name.endswith(".weight_packed") and ".experts." in name]
 
 
 #: What the engine refuses by name: MoE (and other) architectures whose layers hold something it cannot

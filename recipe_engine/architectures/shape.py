@@ -89,6 +89,25 @@ class ModelShape:
                    qkv_bias=_has_qkv_bias(config), num_experts=experts.num_experts(config) if experts else 0,
                    shared_expert_size=experts.shared_size(config) if experts else 0)
 
+    def moe_refusal(self, *, channels: str | None = None, unpaired: str | None = None,
+                    why: str = "") -> str | None:
+        """The one-line reason a step that needs a dense MLP refuses this model, or None on a dense model:
+        ``channels``: it cuts (the verb) one ``down_proj``'s channels; ``unpaired``: it combines two layers'
+        MLPs (what would not hold); else ``why``, after the expert count."""
+        if not self.num_experts:
+            return None
+        if channels is not None:
+            why = f" (3-D expert tensors and a router): there is no one down_proj whose channels could be {channels}"
+        elif unpaired is not None:
+            why = (f": the experts of two layers have no natural pairing, so {unpaired} (use ShortGPT, SLEB, "
+                   f"ReplaceMe or LinearPatch on this architecture)")
+        return f"{self.model_type}'s MLP is a mixture of {self.num_experts} experts{why}"
+
+    def token_mlp_width(self, width: int, routed: int) -> int:
+        """The MLP width a token's activations span in a layer of intermediate size ``width``: ``width``, or on
+        an MoE model that of up to ``routed`` experts and the shared expert's."""
+        return width * min(self.num_experts, routed) + self.shared_expert_size if self.num_experts else width
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

@@ -98,9 +98,9 @@ def pack_device(device: torch.device, tensor: torch.Tensor) -> torch.device:
 def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinear],
             rename=_as_is, device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
     """The file entries of one state tensor: itself (``rename``: under ``save_pretrained``'s on-disk names), or
-    its packed tensors when it is a quantized weight; an MoE layer's stacked experts are split by ``rename``
-    into each expert's linears (the Hub's names), their scales and zero points split the same way, and each
-    linear packed. ``device``: the run's device; a quantized weight is packed where ``pack_device`` says."""
+    its packed tensors when it is a quantized weight; a stacked ``[n, rows, cols]`` tensor (an MoE layer's) is
+    split by ``rename`` into its linears (the Hub's names), their scales and zero points split the same way, and
+    each linear packed. ``device``: the run's device; a quantized weight is packed where ``pack_device`` says."""
     record = quantized.get(name)
     if record is None:
         return rename(name, tensor)
@@ -109,7 +109,7 @@ def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinea
         tensor, record = tensor.to(on), replace(record, scale=record.scale.to(on), zero=record.zero.to(on))
     if record.parameter != "weight":
         if tensor.device.type != "meta" and _packs_by_rows(record):
-            return _packed_experts(name, tensor, record, rename)
+            return _packed_stack(name, tensor, record, rename)
         scales, zeros = rename(name, record.scale), rename(name, record.zero)
         return {key: value for linear, weight in rename(name, tensor).items()
                 for key, value in _packed(linear, weight, replace(record, scale=scales[linear],
@@ -119,21 +119,21 @@ def _stored(name: str, tensor: torch.Tensor, quantized: dict[str, QuantizedLinea
 
 def _packs_by_rows(record: QuantizedLinear) -> bool:
     """Whether the format packs each row of a linear on its own (compressed-tensors with a symmetric grid: codes
-    packed along the columns, no zero points packed along the rows), so the rows of stacked experts can be
+    packed along the columns, no zero points packed along the rows), so the rows of a stacked tensor can be
     packed as one matrix."""
     return record.format == "compressed-tensors" and record.grid.sym
 
 
-#: fp64 working memory of packing one chunk of stacked experts (:data:`PACK_BYTES_PER_ELEMENT`), on the
+#: fp64 working memory of packing one chunk of a stacked tensor (:data:`PACK_BYTES_PER_ELEMENT`), on the
 #: host and on a GPU (there also at most what ``PACK_DEVICE_SHARE`` of its free memory leaves beside the tensor:
 #: below a GPTQ pass's own working memory on an MoE model, so the write does not raise the run's peak).
 HOST_PACK_BYTES = 1 << 30
 DEVICE_PACK_BYTES = 4 << 30
 
 
-def experts_per_chunk(tensor: torch.Tensor) -> int:
-    """How many experts of a stacked ``[experts, rows, cols]`` tensor :func:`_packed_experts` packs at once, where
-    the tensor is (at least one)."""
+def stack_per_chunk(tensor: torch.Tensor) -> int:
+    """How many matrices of a stacked ``[n, rows, cols]`` tensor :func:`_packed_stack` packs at once, where the
+    tensor is (at least one)."""
     per_expert = PACK_BYTES_PER_ELEMENT * tensor[0].numel()
     budget = HOST_PACK_BYTES
     if tensor.device.type == "cuda":
@@ -142,17 +142,17 @@ def experts_per_chunk(tensor: torch.Tensor) -> int:
     return max(1, min(len(tensor), budget // per_expert))
 
 
-def _packed_experts(name: str, tensor: torch.Tensor, record: QuantizedLinear, rename) -> dict[str, torch.Tensor]:
-    """The packed tensors of every expert of a stacked ``[experts, rows, cols]`` weight, its experts packed a chunk
-    at a time as one ``[chunk · rows, cols]`` matrix (:func:`experts_per_chunk`: one division, on-grid check and
-    copy to the host per chunk: 19 and 10 chunks on the host, 5 and 3 on a GPU, for Qwen3-30B-A3B's gate/up
-    and down_proj) and then split into each expert's linears
-    by ``rename``: the bytes of packing each linear alone (``tests/test_exporters.py``), without a kernel launch,
-    host read and copy per expert (3 × 128 per Qwen3-30B-A3B layer)."""
-    experts, rows, columns = tensor.shape
-    exporter, chunk, pieces = checkpoint_exporter(record.format), experts_per_chunk(tensor), {}
-    for first in range(0, experts, chunk):
-        part = slice(first, min(first + chunk, experts))
+def _packed_stack(name: str, tensor: torch.Tensor, record: QuantizedLinear, rename) -> dict[str, torch.Tensor]:
+    """The packed tensors of every matrix of a stacked ``[n, rows, cols]`` weight (an MoE layer's experts), packed
+    a chunk at a time as one ``[chunk · rows, cols]`` matrix (:func:`stack_per_chunk`: one division, on-grid check
+    and copy to the host per chunk: 19 and 10 chunks on the host, 5 and 3 on a GPU, for Qwen3-30B-A3B's gate/up
+    and down_proj) and then split into its linears by ``rename``: the bytes of packing each linear alone
+    (``tests/test_exporters.py``), without a kernel launch, host read and copy per linear (3 × 128 per
+    Qwen3-30B-A3B layer)."""
+    stacked, rows, columns = tensor.shape
+    exporter, chunk, pieces = checkpoint_exporter(record.format), stack_per_chunk(tensor), {}
+    for first in range(0, stacked, chunk):
+        part = slice(first, min(first + chunk, stacked))
         count = part.stop - part.start
         flat = replace(record, scale=record.scale[part].reshape(count * rows, -1),
                        zero=record.zero[part].reshape(count * rows, -1))
@@ -189,12 +189,9 @@ def write_checkpoint(session, directory: Path, max_shard_bytes: int = MAX_SHARD_
     model = session.model
     state = model.state_dict(keep_vars=True)
     quantized = _quantized_weights(session)
-    # MoE: save_pretrained's per-expert names, also for packed experts (transformers dequantizes them at load,
-    # vLLM reads them); packed attention beside dense experts keeps the fused names (transformers' compressed-
-    # tensors loading does not convert dense per-expert names: 5.24 fails on them)
-    experts_packed = any(record.parameter != "weight" for record in quantized.values())
-    per_expert = session.context.adapter.experts is not None and (experts_packed or not quantized)
-    rename = saved_names(model) if per_expert else _as_is
+    stacks_packed = any(record.parameter != "weight" for record in quantized.values())
+    rename = saved_names(model) if session.context.adapter.writes_hub_names(bool(quantized), stacks_packed) \
+        else _as_is
     layout_of = {name: _stored(name, tensor.to("meta"), quantized, rename) for name, tensor in state.items()}
     shards: list[list[tuple[torch.nn.Module | None, dict[str, str]]]] = [[]]
     size = 0
@@ -254,9 +251,7 @@ def _unquantized(session, quantized: dict[str, QuantizedLinear], rename) -> list
     ``nn.Linear`` not recorded, and an MoE layer's router (vLLM builds it as a linear; transformers' is not)."""
     model = session.model
     names = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    experts = session.context.adapter.experts
-    if experts is not None:
-        names |= {f"{name}.weight" for name, _ in model.named_modules() if name.endswith(f".{experts.router}")}
+    names |= {f"{name}.weight" for name in session.context.adapter.router_names(model)}
     state = model.state_dict(keep_vars=True)
     return [stored[: -len(".weight")] for name in names - quantized.keys()
             for stored in rename(name, state[name].to("meta"))]
@@ -267,7 +262,7 @@ def _save_configs(session, directory: Path, quantized: dict[str, QuantizedLinear
     if quantized:
         state = model.state_dict(keep_vars=True)
         grids = {stored[: -len(".weight")]: quantized[name].grid for name in state if name in quantized
-                 for stored in rename(name, state[name].to("meta"))}  # in model order; an MoE layer's experts: each
+                 for stored in rename(name, state[name].to("meta"))}  # in model order; a stacked tensor: each linear
         ignore = _unquantized(session, quantized, rename)
         format_ = next(iter(quantized.values())).format  # one per checkpoint (RunOutputs.restore_quantized)
         model.config.quantization_config = checkpoint_exporter(format_).quantization_config(grids, ignore)

@@ -19,13 +19,13 @@ from ..numerics.quantization import on_grid
 
 def carry_source_grids(session, reader) -> set[str]:
     """Record each packed linear of ``reader`` (the source checkpoint) that the model holds as a linear on
-    ``session.outputs``; returns what was not carried: ``"experts"`` (a mixture-of-experts model: nothing is
-    carried, its experts being fused into 3-D tensors at load, and the writer packs either every expert or
-    none), ``"layout"`` (a packed layout a record cannot hold, e.g. GPTQ v1 groups reordered by act-order),
+    ``session.outputs``; returns what was not carried: ``"fused"`` (nothing is carried where the architecture
+    cannot carry grids linear by linear: ``ArchitectureAdapter.carries_linear_grids``), ``"layout"`` (a packed
+    layout a record cannot hold, e.g. GPTQ v1 groups reordered by act-order),
     ``"scales"`` (the format stores scales in the model dtype, and this run's is not the source's: the scales
     would be rounded, and the packed weights would not be the run's)."""
-    if session.context.adapter.experts is not None:  # its experts are 3-D tensors; an output packs all of them or none
-        return {"experts"}
+    if not session.context.adapter.carries_linear_grids:
+        return {"fused"}
     modules = dict(session.model.named_modules())
     records = reader.quantization_records()
     stored_as = reader.format.scale_dtype(session.model.dtype)
@@ -86,7 +86,7 @@ def _current(session, module: nn.Module, parameter: str, units: dict, read: dict
 
 
 #: What a packed source's linears not carried were (``carry_source_grids``), as the notes say it.
-UNCARRIED = {"experts": "the engine holds a mixture-of-experts model's experts as fused 3-D tensors, not the "
+UNCARRIED = {"fused": "the engine holds a mixture-of-experts model's experts as fused 3-D tensors, not the "
                         "per-expert linears its packed files hold",
              "layout": "the linears whose packed layout the engine does not write (groups reordered by act-order)",
              "scales": "the linears whose scales the format would store in the run's dtype, not the source's"}
@@ -99,17 +99,17 @@ def _read_note(packed: str, done: bool) -> str:
     return f"the source's weights are packed ({packed}) and {verbs[0]} read dequantized; no step {verbs[1]}"
 
 
-def _experts_note(packed: str, dtype: str, done: bool) -> str:
-    return (f"{_read_note(packed, done)}, and {UNCARRIED['experts']}, so the output is written unpacked in {dtype}: "
+def _fused_note(packed: str, dtype: str, done: bool) -> str:
+    return (f"{_read_note(packed, done)}, and {UNCARRIED['fused']}, so the output is written unpacked in {dtype}: "
             f"{REPACK}")
 
 
-def plan_note(packed: str, dtype: str, experts: bool) -> str:
-    """What a recipe that quantizes nothing will do with a source packed as ``packed`` (``packed_description``);
-    ``experts``: a mixture-of-experts model."""
+def plan_note(packed: str, dtype: str, adapter) -> str:
+    """What a recipe that quantizes nothing will do with a source packed as ``packed`` (``packed_description``),
+    on a model of ``adapter``'s architecture (None: not known)."""
     read = _read_note(packed, done=False)
-    if experts:
-        return _experts_note(packed, dtype, done=False)
+    if adapter is not None and not adapter.carries_linear_grids:
+        return _fused_note(packed, dtype, done=False)
     return (f"{read}, so the linears no step changes are written packed again on their source grids (in the dtype "
             f"the source stores its scales in), and those a step changes unpacked in {dtype}")
 
@@ -121,8 +121,8 @@ def output_note(packed: str, dtype: str, kept: int, changed: int, left: set[str]
     if not changed and not left:
         return None
     read = _read_note(packed, done=True)
-    if "experts" in left:
-        return _experts_note(packed, dtype, done=True)
+    if "fused" in left:
+        return _fused_note(packed, dtype, done=True)
     unpacked = " and ".join([f"the {changed} linears a step changed"] * bool(changed)
                             + [UNCARRIED[k] for k in sorted(left)])
     if kept:

@@ -444,10 +444,8 @@ class FlattenAdjacent(Modifier):
             raise self.fail(f"{shape.model_type} normalizes each layer's attention and MLP output on its own "
                             f"(post-attention/post-feedforward norms): a parallel sum of such layers is not one "
                             f"stock layer (best one-norm form: see docs/methods/flattengpt.md)")
-        if shape.num_experts:
-            raise self.fail(f"{shape.model_type}'s MLP is a mixture of {shape.num_experts} experts: the experts of "
-                            f"two layers have no natural pairing, so their parallel sum is not one stock MoE layer "
-                            f"(use ShortGPT, SLEB, ReplaceMe or LinearPatch on this architecture)")
+        if refusal := shape.moe_refusal(unpaired="their parallel sum is not one stock MoE layer"):
+            raise self.fail(refusal)
         blocks = symbolic_blocks(shape.num_layers, self.merges_for(shape.num_layers))
         shape.layers = [LayerShape(sum(shape.layers[i].num_heads for i in block),
                                    sum(shape.layers[i].num_kv_heads for i in block),

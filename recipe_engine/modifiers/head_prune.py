@@ -38,9 +38,9 @@ class HeadPrune(LayerModifier):
     needs = ("o_proj input Gram (fp64)",)
 
     def check(self, shape: ModelShape) -> None:
-        if shape.num_experts:
-            raise self.fail(f"{shape.model_type}'s MLP is a mixture of {shape.num_experts} experts: no step widens "
-                            f"its layers (FlattenAdjacent refuses them), so there are no merged heads to prune")
+        if refusal := shape.moe_refusal(why=": no step widens its layers (FlattenAdjacent refuses them), so there "
+                                            "are no merged heads to prune"):
+            raise self.fail(refusal)
         targets = self.layers if self.layers is not None else shape.oversized_layers("attention")
         if not targets:
             raise self.fail("no layer has more heads than the config: put HeadPrune after FlattenAdjacent "

@@ -123,10 +123,8 @@ class LaCo(Modifier):
                             f"(D is the first N of them)", field="samples")
 
     def check(self, shape) -> None:
-        if shape.num_experts:
-            raise self.fail(f"{shape.model_type}'s MLP is a mixture of {shape.num_experts} experts: the experts of "
-                            f"two layers have no natural pairing, so their parameter differences cannot be added "
-                            f"(use ShortGPT, SLEB, ReplaceMe or LinearPatch on this architecture)")
+        if refusal := shape.moe_refusal(unpaired="their parameter differences cannot be added"):
+            raise self.fail(refusal)
         top = self.top if self.top is not None else shape.num_layers
         if top > shape.num_layers:
             raise self.fail(f"H={self.top} exceeds the {shape.num_layers} layers at this step", field="top")

@@ -249,7 +249,7 @@ class LoRARecovery(Modifier):
         saved = adapters = 0
         for layer in shape.layers:
             q, kv, width = layer.num_heads * d, layer.num_kv_heads * d, layer.intermediate_size
-            mlp = width * min(shape.num_experts, 8) + shape.shared_expert_size if shape.num_experts else width
+            mlp = shape.token_mlp_width(width, routed=8)
             saved += 8 * h + 6 * mlp + 1.5 * q + 2 * r * adapted
             sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
                      "gate_proj": h + width, "up_proj": h + width, "down_proj": width + h}

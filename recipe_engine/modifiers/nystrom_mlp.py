@@ -70,9 +70,8 @@ class NystromMLP(LayerModifier):
                             "propagate: original", field="target")
 
     def check(self, shape: ModelShape) -> None:
-        if shape.num_experts:
-            raise self.fail(f"{shape.model_type}'s MLP is a mixture of {shape.num_experts} experts (3-D expert "
-                            f"tensors and a router): there is no one down_proj whose channels could be pruned")
+        if refusal := shape.moe_refusal(channels="pruned"):
+            raise self.fail(refusal)
         targets = self.layers if self.layers is not None else shape.oversized_layers("mlp")
         if not targets:
             raise self.fail("no layer has a wider MLP than the config: put NystromMLP after FlattenAdjacent "

@@ -154,9 +154,8 @@ class WidthPrune(LayerModifier):
                             "it); use target: layer or none with propagate: original", field="target")
 
     def check(self, shape: ModelShape) -> None:
-        if shape.num_experts:
-            raise self.fail(f"{shape.model_type}'s MLP is a mixture of {shape.num_experts} experts (3-D expert "
-                            f"tensors and a router): there is no one down_proj whose channels could be cut")
+        if refusal := shape.moe_refusal(channels="cut"):
+            raise self.fail(refusal)
         norm = ADAPTERS[shape.model_type].norms.get("mlp_output_norm") if shape.model_type in ADAPTERS else None
         if norm and self.target in ("original", "layer"):
             raise self.fail(f"{shape.model_type} normalizes the MLP output ({norm}) before the residual add, so "

@@ -6,6 +6,7 @@ import math
 from rich.console import Console
 from rich.table import Table
 
+from ..architectures.adapters import ADAPTERS
 from ..architectures.shape import ModelShape
 from ..errors import RecipeError
 from ..execution.packed_source import plan_note
@@ -135,8 +136,8 @@ def print_plan(recipe: Recipe, console: Console, ranks: int = 1) -> None:
                   + (f" (unavailable: {problem})" if total is None else ""))
     packed = local_packed_description(recipe.model)
     if packed and not recipe.quantizes:
-        experts = plan.shapes[0].num_experts > 0 if plan is not None and plan.shapes else False
-        console.print(f"note: {plan_note(packed, recipe.dtype, experts)}")
+        adapter = ADAPTERS.get(plan.shapes[0].model_type) if plan is not None and plan.shapes else None
+        console.print(f"note: {plan_note(packed, recipe.dtype, adapter)}")
     memory = memory_plan(recipe, plan, problem)
     if "unavailable" in memory:
         console.print(f"memory estimate: unavailable ({memory['unavailable']})")

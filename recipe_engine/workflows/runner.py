@@ -228,7 +228,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
         report.model = model_record(recipe.model, source)
         if report.model.packed:
             bar.log(f"the source's weights are packed ({report.model.packed}): read dequantized" if recipe.quantizes
-                    else plan_note(report.model.packed, recipe.dtype, loaded.experts is not None))
+                    else plan_note(report.model.packed, recipe.dtype, loaded))
     else:
         source = None
         report.model = ModelRecord(spec=recipe.model, kind="in-memory")

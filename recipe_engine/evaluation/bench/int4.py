@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ...architectures.experts import packed_expert_names
 from ...errors import SourceError
 from ...checkpoint.reader import checkpoint_shapes
 from ...sources.models import skeleton_model
@@ -113,10 +114,9 @@ def check_packed(spec: str, config: dict, device: torch.device, dtype: str, loca
     """One line for what the int4 kernel cannot time: another width, groups it lacks, act-order indices, and
     (from the headers of the checkpoint in ``location``) a mixture-of-experts layer's packed experts, which are
     no linears of transformers' model."""
-    experts = [name for name in checkpoint_shapes(Path(location))
-               if name.endswith(".weight_packed") and ".experts." in name] if location else []
-    if experts:
-        raise SourceError(f"{spec}: packed mixture-of-experts experts ({experts[0].removesuffix('.weight_packed')}, "
+    stacked = packed_expert_names(checkpoint_shapes(Path(location))) if location else []
+    if stacked:
+        raise SourceError(f"{spec}: packed mixture-of-experts experts ({stacked[0].removesuffix('.weight_packed')}, "
                           f"...): recipe bench times packed linears with PyTorch's int4 kernel, and transformers "
                           f"holds the experts as 3-D tensors; bench the export: dequantized output, or serve "
                           f"this one with vLLM")

@@ -25,6 +25,9 @@ GGUF_EXPERT_TENSORS = {"router": "ffn_gate_inp", "gate_exps": "ffn_gate_exps", "
                        "down_exps": "ffn_down_exps", "shared_gate": "ffn_gate_inp_shexp",
                        "shared_gate_proj": "ffn_gate_shexp", "shared_up_proj": "ffn_up_shexp",
                        "shared_down_proj": "ffn_down_shexp"}
+#: ``ArchitectureAdapter.moe_sizes`` → the ``GGUFWriter`` method that writes it (``{arch}.expert_count`` ...).
+GGUF_MOE_KEYS = {"count": "add_expert_count", "used": "add_expert_used_count",
+                 "width": "add_expert_feed_forward_length", "shared_width": "add_expert_shared_feed_forward_length"}
 
 #: Config attributes of mixture-of-experts widths → the ``{arch}.*`` GGUF key that holds them (llama.cpp's names;
 #: transformers' GGUF reader leaves them out, so a model read from GGUF gets them from here).
@@ -131,9 +134,9 @@ def gguf_tensors(adapter: ArchitectureAdapter, num_layers: int) -> dict[str, lis
         for role, name in layout.layer_tensors.items():
             if role in adapter.linears or role in adapter.norms:
                 bases[f"{block}.{adapter.path(role)}"] = [(f"blk.{index}.{name}", role)]
-        for path, roles in adapter.expert_paths().items():
+        for path, (roles, is_stack) in adapter.expert_paths().items():
             parts = [(f"blk.{index}.{GGUF_EXPERT_TENSORS[role]}", role) for role in roles]
-            if path.startswith(f"{adapter.experts.path}."):
+            if is_stack:
                 stacked[f"{block}.{path}"] = [(f"{name}.weight", role) for name, role in parts]
             else:
                 bases[f"{block}.{path}"] = parts

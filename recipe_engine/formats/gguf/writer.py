@@ -42,7 +42,7 @@ from ...paths.output import check_file_output, check_free_bytes
 from ...records.extras import EXTRAS_JSON
 from ...system.cleanup import track, untrack
 from .. import Exporter, register
-from .layout import LAYOUTS, gguf_tensors
+from .layout import GGUF_MOE_KEYS, LAYOUTS, gguf_tensors
 from .vocabulary import check_source_vocabulary, vocabulary
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -229,13 +229,8 @@ def _metadata(writer, config, kind: str, name: str) -> None:
         writer.add_rope_freq_base_swa(float(rope.get("sliding_attention", full)["rope_theta"]))
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
-    experts = gguf_adapter(config).experts
-    if experts is not None:
-        writer.add_expert_count(experts.num_experts(config))
-        writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(experts.intermediate_size(config))
-        if experts.shared:
-            writer.add_expert_shared_feed_forward_length(experts.shared_size(config))
+    for size, value in gguf_adapter(config).moe_sizes(config).items():  # none on a dense architecture
+        getattr(writer, GGUF_MOE_KEYS[size])(value)
     writer.add_vocab_size(config.vocab_size)
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                   "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
