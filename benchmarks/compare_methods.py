@@ -185,9 +185,8 @@ def zero_shot(model, tokenizer, limit: int) -> dict:
     from recipe_engine.recipe.schema import EvaluateConfig
 
     config = EvaluateConfig(perplexity=None, tasks=PAPER_TASKS, limit=limit)
-    result = evaluate_model(model, tokenizer, config, torch.device("cpu"), None)["zero_shot"]
-    return {"limit": limit, "average": result["average"],
-            "tasks": {task: r["value"] for task, r in result["tasks"].items()}}
+    result = evaluate_model(model, tokenizer, config, torch.device("cpu"), None).zero_shot
+    return {"limit": limit, "average": result.average, "tasks": {task: r.value for task, r in result.tasks.items()}}
 
 
 def run_method(name: str, args, dense, tokenizer, texts: dict[str, str]) -> dict:

@@ -80,7 +80,7 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for name, config in phases:
         start = time.perf_counter()
-        record[name] = evaluate_model(model, tokenizer, config, torch.device("cpu"), LogProgress())[name]
+        record[name] = evaluate_model(model, tokenizer, config, torch.device("cpu"), LogProgress()).to_json()[name]
         record["wall_s"][name] = time.perf_counter() - start
         args.json.write_text(json.dumps(record, indent=2))
         Console().print(table(record))

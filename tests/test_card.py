@@ -117,10 +117,11 @@ def test_card_shows_zero_shot_accuracy_and_what_it_retained(outputs):
 
     report = load_report(outputs / "quant")
     zero = lambda value: {"tasks": {"arc_easy": {"metric": "acc_norm", "value": value}}, "average": value}
-    evaluation = report.evaluation.model_copy(update={
-        "before": {**report.evaluation.before, "zero_shot": zero(0.5)},
-        "after": {**report.evaluation.after, "zero_shot": zero(0.4)},
-        "retained": {**report.evaluation.retained, "zero_shot": 0.4 / 0.5}})
+    measured = report.evaluation.model_dump()  # the JSON of report.json's evaluation, read back typed
+    evaluation = report.evaluation.model_validate({
+        **measured, "before": {**measured["before"], "zero_shot": zero(0.5)},
+        "after": {**measured["after"], "zero_shot": zero(0.4)},
+        "retained": {**measured["retained"], "zero_shot": 0.4 / 0.5}})
     card = model_card(report.model_copy(update={"evaluation": evaluation}), outputs / "quant")
     lines = card.text.splitlines()
     assert "| arc_easy acc_norm | 0.5000 | 0.4000 | |" in lines
@@ -136,10 +137,11 @@ def test_card_shows_generation_pass_at_1_and_what_it_retained(outputs):
     report = load_report(outputs / "quant")
     run = lambda passed: {"tasks": {"humaneval": {"metric": "pass@1", "value": passed / 24, "passed": passed,
                                                    "samples": 24}}, "average": passed / 24}
-    evaluation = report.evaluation.model_copy(update={
-        "before": {**report.evaluation.before, "generation": run(17)},
-        "after": {**report.evaluation.after, "generation": run(3)},
-        "retained": {**report.evaluation.retained, "generation": 3 / 17}})
+    measured = report.evaluation.model_dump()  # the JSON of report.json's evaluation, read back typed
+    evaluation = report.evaluation.model_validate({
+        **measured, "before": {**measured["before"], "generation": run(17)},
+        "after": {**measured["after"], "generation": run(3)},
+        "retained": {**measured["retained"], "generation": 3 / 17}})
     card = model_card(report.model_copy(update={"evaluation": evaluation}), outputs / "quant")
     lines = card.text.splitlines()
     assert "| humaneval pass@1 | 0.7083 | 0.1250 | |" in lines

@@ -226,4 +226,4 @@ def test_evaluation_places_its_tensors_on_the_session_device(tmp_path):
     with mode:
         _, report = recipe_engine.apply(recipe, model=tiny_model(num_hidden_layers=6, vocab_size=BYTE_VOCAB),
                                         tokenizer=byte_tokenizer(), write=False, progress=False)
-    assert report.evaluation.before["perplexity"]["windows"] == report.evaluation.after["perplexity"]["windows"] == 2
+    assert report.evaluation.before.perplexity.windows == report.evaluation.after.perplexity.windows == 2

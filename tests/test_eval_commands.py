@@ -115,8 +115,8 @@ def test_evaluate_block_before_after_and_gate(saved):
     _, report = recipe_engine.apply(recipe, model=tiny_model(), tokenizer=CharTokenizer(), write=False,
                                     progress=False)
     evaluation = report.evaluation
-    assert evaluation.retained["perplexity"] == pytest.approx(1.0, abs=1e-4)  # FuseNorm preserves outputs
-    assert evaluation.quality_gate == "passed" and evaluation.after["perplexity"]["windows"] == 7
+    assert evaluation.retained.perplexity == pytest.approx(1.0, abs=1e-4)  # FuseNorm preserves outputs
+    assert evaluation.quality_gate == "passed" and evaluation.after.perplexity.windows == 7
 
     recipe = recipe_from_dict(tiny_recipe(text, "FuseNorm", 0.9)).model_copy(update={"modifiers": [NoisyHead()]})
     with pytest.raises(QualityGateError, match="retained perplexity=0.* below min_retained=0.9"):
@@ -135,5 +135,5 @@ def test_apply_cli_quality_gate_exit_code_3(saved, tmp_path):
     report = recipe_engine.load_report(tmp_path / "out")
     assert (tmp_path / "out" / "QUALITY_GATE_FAILED").is_file()
     assert report.evaluation.quality_gate == "failed"
-    assert report.evaluation.retained["perplexity"] == pytest.approx(
-        report.evaluation.before["perplexity"]["ppl"] / report.evaluation.after["perplexity"]["ppl"])
+    assert report.evaluation.retained.perplexity == pytest.approx(
+        report.evaluation.before.perplexity.ppl / report.evaluation.after.perplexity.ppl)

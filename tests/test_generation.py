@@ -14,6 +14,7 @@ from recipe_engine.errors import RecipeError
 from recipe_engine.evaluation.generation import check_generation, cut, generate
 from recipe_engine.evaluation.generation_tasks import TASKS, Problem
 from recipe_engine.evaluation.run import retained
+from recipe_engine.records.evaluation import Evaluation
 from recipe_engine.evaluation.sandbox import Limits
 from recipe_engine.recipe.schema import EvaluateConfig
 from tests.helpers import (ARCHITECTURES, BYTE_VOCAB, byte_tokenizer, forbid_loading, refused_in_one_line,
@@ -120,7 +121,7 @@ def test_eval_runs_humaneval_on_a_tiny_model(tmp_path, capsys, monkeypatch):
 
 def test_retained_generation_is_after_over_before():
     before, after = {"generation": {"average": 0.4}}, {"generation": {"average": 0.1}}
-    assert retained(before, after)["generation"] == pytest.approx(0.25)
+    assert retained(Evaluation.from_json(before), Evaluation.from_json(after)).generation == pytest.approx(0.25)
 
 
 # Completions: the canonical solution (passes), and wrong ones of three kinds.
@@ -170,7 +171,8 @@ def test_evaluate_block_records_generation_before_and_after(tmp_path):
                                     write=False, progress=False)
     evaluation = report.evaluation
     for side in (evaluation.before, evaluation.after):
-        record = side["generation"]["tasks"]["humaneval"]
-        assert (record["samples"], record["passed"], record["max_new_tokens"]) == (1, 0, 2)
-    assert evaluation.retained["generation"] is None  # 0 of 0: no ratio, and the gate does not count it
+        record = side.generation.tasks["humaneval"]
+        assert (record.samples, record.passed, record.max_new_tokens) == (1, 0, 2)
+    # 0 of 0: no ratio, and the gate does not count it
+    assert evaluation.retained.generation is None and "generation" in evaluation.retained.to_json()
     assert evaluation.quality_gate == "passed"

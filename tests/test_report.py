@@ -62,7 +62,7 @@ def test_format0_report_is_read_and_upgraded():
     assert report.format_version == FORMAT_VERSION and report.calibration_passes is None
     assert [s.modifier for s in report.steps] == [s["modifier"] for s in old["steps"]]
     assert report.steps[2].result == old["steps"][2]["result"]
-    assert report.evaluation.before["perplexity"]["ppl"] == old["evaluation"]["before"]["perplexity"]["ppl"]
+    assert report.evaluation.before.perplexity.ppl == old["evaluation"]["before"]["perplexity"]["ppl"]
 
 
 def test_newer_format_is_refused(tmp_path):

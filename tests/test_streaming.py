@@ -153,10 +153,10 @@ def test_streamed_evaluation_matches_in_memory_perplexity(tmp_path):
         data = recipe(tmp_path, model_dir, ["FuseNorm", "ShortGPT<n:2>"], stream, f"eval-{stream}")
         reports.append(recipe_engine.apply({**data, "evaluate": evaluate}, progress=False)[1].evaluation)
     for when in ("before", "after"):
-        a, b = getattr(reports[0], when)["perplexity"], getattr(reports[1], when)["perplexity"]
-        assert a["fingerprint"] == b["fingerprint"] and a["tokens"] == b["tokens"]
-        assert b["ppl"] == pytest.approx(a["ppl"], rel=1e-5)
-    assert reports[1].after["perplexity"]["ppl"] != reports[1].before["perplexity"]["ppl"]
+        a, b = getattr(reports[0], when).perplexity, getattr(reports[1], when).perplexity
+        assert a.fingerprint == b.fingerprint and a.tokens == b.tokens
+        assert b.ppl == pytest.approx(a.ppl, rel=1e-5)
+    assert reports[1].after.perplexity.ppl != reports[1].before.perplexity.ppl
 
 
 def streamed_session(tmp_path):
@@ -644,8 +644,8 @@ def test_streamed_zero_shot_equals_in_memory_with_one_unit_resident(tmp_path, mo
     monkeypatch.setattr(WeightStream, "release", counting_release)
     for stream in ("off", "on"):
         session, _ = evaluation_session(str(model_dir), "float32", torch.device("cpu"), stream)
-        results[stream] = evaluate_session(session, config)["zero_shot"]
-    assert results["on"]["tasks"] == results["off"]["tasks"]
+        results[stream] = evaluate_session(session, config).zero_shot
+    assert results["on"].tasks == results["off"].tasks
     assert most["max"] == 1 and most["now"] == 0
 
 

@@ -137,9 +137,9 @@ def test_offline_arc_easy_and_piqa_match_hand_scoring(smollm2):
     summary = summarize(run_harness(model, tokenizer, ["arc_easy", "piqa"], n, "local"), ["arc_easy", "piqa"],
                         "local")
     for task, (acc, acc_norm) in reference.items():
-        got = summary["tasks"][task]
-        assert got["samples"] == n
-        assert (got["acc"], got["acc_norm"]) == pytest.approx((acc, acc_norm), abs=1e-9), task
-        assert got["metric"] == "acc_norm" and got["value"] == got["acc_norm"]
+        got = summary.tasks[task]
+        assert got.samples == n
+        assert (got.acc, got.acc_norm) == pytest.approx((acc, acc_norm), abs=1e-9), task
+        assert got.metric == "acc_norm" and got.value == got.acc_norm
     assert reference["arc_easy"][1] > 0.3  # not a degenerate model: above chance (0.25); 0.40 observed
-    assert summary["average"] == pytest.approx((reference["arc_easy"][1] + reference["piqa"][1]) / 2)
+    assert summary.average == pytest.approx((reference["arc_easy"][1] + reference["piqa"][1]) / 2)

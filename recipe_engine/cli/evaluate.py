@@ -8,6 +8,7 @@ import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any, Callable
 
 from rich.markup import escape
 from rich.table import Table
@@ -16,6 +17,7 @@ from ..errors import RecipeError
 from ..evaluation.agreement import completion_scores, record_completions
 from ..evaluation.run import evaluate_session, evaluation_session, retained
 from ..paths.targets import Target, check_targets, is_json_record, replace_text
+from ..records.evaluation import Evaluation, GenerationResult, Retained, ZeroShotResult
 from ..records.report import REPORT_FILE, load_report
 from ..records.fingerprints import weights_fingerprint
 from ..plan.preflight import check_device, check_evaluation, check_model, check_seq_len
@@ -129,45 +131,45 @@ def read_baseline(path: str | None, option: str = "--baseline") -> dict | None:
     return baseline
 
 
-def eval_table(results: dict, baseline: dict | None) -> Table:
+def eval_table(spec: str, measured: Evaluation, baseline: Evaluation | None, kept: Retained | None,
+               agreement: dict | None) -> Table:
     """Metric rows (PPL, each task, Avg.) with baseline and retained columns when a baseline is given."""
-    table = Table(title=escape(f"evaluation of {results['model']['spec']}"))
+    table = Table(title=escape(f"evaluation of {spec}"))
     for column in ["metric", "rows", "value"] + (["baseline", "retained"] if baseline else []):
         table.add_column(column, justify="left" if column == "metric" else "right")
 
-    def row(name: str, rows: str, value: float, base: float | None, kept: float | None) -> None:
+    def row(name: str, rows: str, value: float, base: float | None, fraction: float | None) -> None:
         cells = [escape(name), rows, f"{value:.4f}"]
         if baseline:
-            cells += [f"{base:.4f}" if base is not None else "-", f"{100 * kept:.1f}%" if kept is not None else "-"]
+            cells += [f"{base:.4f}" if base is not None else "-",
+                      f"{100 * fraction:.1f}%" if fraction is not None else "-"]
         table.add_row(*cells)
 
-    retained = results.get("retained", {})
-    ppl = results.get("perplexity")
+    base, kept = baseline or Evaluation(), kept or Retained()
+    ppl = measured.perplexity
     if ppl:
-        limited = " (--limit)" if ppl["windows"] < ppl["windows_available"] else ""
-        base = baseline.get("perplexity", {}).get("ppl") if baseline else None
-        row(f"PPL {ppl['dataset']} seq {ppl['seq_len']}{limited}", f"{ppl['windows']}/{ppl['windows_available']} win",
-            ppl["ppl"], base, retained.get("perplexity"))
-    zero = results.get("zero_shot")
+        limited = " (--limit)" if ppl.limited else ""
+        row(f"PPL {ppl.dataset} seq {ppl.seq_len}{limited}", f"{ppl.windows}/{ppl.windows_available} win",
+            ppl.ppl, base.perplexity.ppl if base.perplexity else None, kept.perplexity)
+
+    def tasks(result: ZeroShotResult | GenerationResult, dense: ZeroShotResult | GenerationResult | None,
+              name: Callable[[str, Any], str]) -> None:
+        for task, res in result.tasks.items():
+            value = dense.value_of(task) if dense else None
+            row(name(task, res), f"{res.samples}/{res.samples_available}", res.value, value,
+                res.value / value if value else None)
+
+    zero = measured.zero_shot
     if zero:
-        base_tasks = (baseline or {}).get("zero_shot", {}).get("tasks", {})
-        for task, res in zero["tasks"].items():
-            base = base_tasks.get(task, {}).get("value")
-            row(f"{task} {res['metric']}", f"{res['samples']}/{res['samples_available']}", res["value"], base,
-                res["value"] / base if base else None)
-        base = (baseline or {}).get("zero_shot", {}).get("average")
-        row("Avg.", "", zero["average"], base, retained.get("zero_shot"))
-    generated = results.get("generation")
+        tasks(zero, base.zero_shot, lambda task, res: f"{task} {res.metric}")
+        row("Avg.", "", zero.average, base.zero_shot.average if base.zero_shot else None, kept.zero_shot)
+    generated = measured.generation
     if generated:
-        base_tasks = (baseline or {}).get("generation", {}).get("tasks", {})
-        for task, res in generated["tasks"].items():
-            base = base_tasks.get(task, {}).get("value")
-            row(f"{task} {res['metric']} ({res['passed']} passed)", f"{res['samples']}/{res['samples_available']}",
-                res["value"], base, res["value"] / base if base else None)
-        if len(generated["tasks"]) > 1:
-            base = (baseline or {}).get("generation", {}).get("average")
-            row("generation avg.", "", generated["average"], base, retained.get("generation"))
-    for task, res in (results.get("agreement") or {}).get("tasks", {}).items():
+        tasks(generated, base.generation, lambda task, res: f"{task} {res.metric} ({res.passed} passed)")
+        if len(generated.tasks) > 1:
+            row("generation avg.", "", generated.average, base.generation.average if base.generation else None,
+                kept.generation)
+    for task, res in (agreement or {}).get("tasks", {}).items():
         rows = f"{res['problems']} ({res['tokens']:,} tok)"  # the record's last problems with --agreement-problems
         row(f"{task} agreement NLL (lower: closer)", rows, res["nll"], None, None)
         row(f"{task} token agreement", rows, res["token_agreement"], None, None)
@@ -189,7 +191,8 @@ def cmd_eval(args) -> int:
         raise RecipeError("--agreement-problems needs --agreement REFERENCE_JSON")
     if ppl is None and not config.tasks and not args.agreement:
         raise RecipeError("--no-ppl with no --tasks leaves nothing to evaluate; give --tasks or drop --no-ppl")
-    baseline = read_baseline(args.baseline)
+    baseline_record = read_baseline(args.baseline)
+    baseline = Evaluation.from_json(baseline_record) if baseline_record else None
     reference = read_reference(args.agreement)
     check_json_path(args.json, [args.model, *filter(None, [args.baseline, args.agreement]), *(args.dataset or [])])
     device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
@@ -200,20 +203,20 @@ def cmd_eval(args) -> int:
     start = time.perf_counter()
     with quiet_libraries(False), Progress() as bar:
         session, source = evaluation_session(args.model, args.dtype, device, args.stream, bar)
-        results = evaluate_session(session, config, bar)
-        if reference is not None:
-            results["agreement"] = agreement(session, reference, args.agreement, args.agreement_problems, bar)
-    results = {"model": model_record(args.model, source.location, weights=True), **results,
-               "lm_eval_version": version("lm_eval"), "dtype": args.dtype,
-               "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.perf_counter() - start}
-    if baseline:
-        results["baseline"] = {"file": args.baseline, "model": baseline.get("model")}
-        results["retained"] = retained(baseline, results)
-    out.print(eval_table(results, baseline))
-    if ppl and results["perplexity"]["windows"] < results["perplexity"]["windows_available"]:
-        out.print(f"note: --limit {args.limit}: perplexity over the first {results['perplexity']['windows']} of "
-                  f"{results['perplexity']['windows_available']} windows only", markup=False)
-    write_json(args.json, results)
+        measured = evaluate_session(session, config, bar)
+        scores = agreement(session, reference, args.agreement, args.agreement_problems, bar) \
+            if reference is not None else None
+    kept = retained(baseline, measured) if baseline else None
+    record = {"model": model_record(args.model, source.location, weights=True), **measured.to_json(),
+              **({"agreement": scores} if scores is not None else {}), "lm_eval_version": version("lm_eval"),
+              "dtype": args.dtype, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.perf_counter() - start}
+    if baseline_record:
+        record.update(baseline={"file": args.baseline, "model": baseline_record.get("model")}, retained=kept.to_json())
+    out.print(eval_table(args.model, measured, baseline, kept, scores))
+    if measured.perplexity and measured.perplexity.limited:
+        out.print(f"note: --limit {args.limit}: perplexity over the first {measured.perplexity.windows} of "
+                  f"{measured.perplexity.windows_available} windows only", markup=False)
+    write_json(args.json, record)
     return 0
 
 
@@ -222,11 +225,11 @@ def read_reference(path: str | None) -> dict | None:
     if path is None:
         return None
     record = read_baseline(path, "--agreement")
-    tasks = list((record.get("generation") or {}).get("tasks", {}))
-    if not tasks:
+    generation = Evaluation.from_json(record).generation
+    if not (generation and generation.tasks):
         raise RecipeError(f"--agreement {path}: the record has no generation task completions (make it with "
                           f"`recipe eval DENSE --tasks humaneval --allow-code-execution --json {path}`)")
-    for task in tasks:
+    for task in generation.tasks:
         record_completions(record, task, f"--agreement {path}")
     return record
 
@@ -240,7 +243,7 @@ def agreement(session, reference: dict, path: str, last: int | None, progress) -
     model = session.model.to(session.context.device)
     try:
         tasks = {}
-        for task in reference["generation"]["tasks"]:
+        for task in Evaluation.from_json(reference).generation.tasks:
             completions = record_completions(reference, task, f"--agreement {path}")[-(last or 0):]
             tasks[task] = completion_scores(model, session.context.tokenizer, completions, session.context.device,
                                             progress, f"{task} agreement")

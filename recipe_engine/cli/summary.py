@@ -5,12 +5,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..records.report import Report, StepRecord
+from ..records.evaluation import Evaluation
+from ..records.report import EvaluationRecord, Report, StepRecord
 
 
-def _ppl(results: dict | None) -> str:
-    ppl = (results or {}).get("perplexity")
-    return f"{ppl['ppl']:.2f}" if ppl else "-"
+def _ppl(results: Evaluation | None) -> str:
+    return f"{results.perplexity.ppl:.2f}" if results is not None and results.perplexity else "-"
 
 
 def print_summary(report: Report, console: Console) -> None:
@@ -23,29 +23,8 @@ def print_summary(report: Report, console: Console) -> None:
     table.add_row("parameters", f"{before.parameters / 1e6:.2f}M", f"{after.parameters / 1e6:.2f}M",
                   f"{after.parameters / before.parameters:.3f}")
     table.add_row("layers", str(before.layers), str(after.layers), f"{after.layers / before.layers:.3f}")
-    evaluation = report.evaluation
-    if evaluation is not None:
-        ppl = evaluation.before.get("perplexity")
-        if ppl:
-            note = escape(f" [{ppl['dataset']}, {ppl['windows']}×{ppl['seq_len']} tokens]")
-            ratio = (evaluation.retained or {}).get("perplexity")
-            table.add_row("perplexity" + note, _ppl(evaluation.before), _ppl(evaluation.after),
-                          f"{1 / ratio:.3f}" if ratio else "-")
-        zs_before = evaluation.before.get("zero_shot")
-        if zs_before:
-            zs_after = (evaluation.after or {}).get("zero_shot", {})
-            for task, res in zs_before["tasks"].items():
-                value = zs_after.get("tasks", {}).get(task, {}).get("value", float("nan"))
-                table.add_row(f"{task} {res['metric']}", f"{res['value']:.4f}", f"{value:.4f}", "")
-            table.add_row("zero-shot average", f"{zs_before['average']:.4f}",
-                          f"{zs_after.get('average', float('nan')):.4f}", "")
-        generated = evaluation.before.get("generation")
-        if generated:
-            after_tasks = (evaluation.after or {}).get("generation", {}).get("tasks", {})
-            for task, res in generated["tasks"].items():
-                value = after_tasks.get(task, {}).get("value", float("nan"))
-                table.add_row(f"{task} {res['metric']} [{res['samples']} problems]", f"{res['value']:.4f}",
-                              f"{value:.4f}", f"{value / res['value']:.3f}" if res["value"] else "-")
+    if report.evaluation is not None:
+        _evaluation_rows(table, report.evaluation)
     steps = report.steps
     for step, following in zip(steps, steps[1:] + [None]):
         peak = f" (peak {step.peak_rss_mib / 1024:.2f} GiB)" if step.peak_rss_mib else ""
@@ -66,6 +45,31 @@ def print_summary(report: Report, console: Console) -> None:
             console.print(escape(f"step {step.index} {step.modifier}: {step.result['headline']}"), soft_wrap=True)
     for note in report.notes:
         console.print(escape(f"note: {note}"), soft_wrap=True)
+
+
+def _evaluation_rows(table: Table, evaluation: EvaluationRecord) -> None:
+    """Perplexity, each zero-shot and generation task, before and after."""
+    dense, compressed = evaluation.before, evaluation.after or Evaluation()
+    ppl = dense.perplexity
+    if ppl:
+        note = escape(f" [{ppl.dataset}, {ppl.windows}×{ppl.seq_len} tokens]")
+        ratio = evaluation.retained.perplexity if evaluation.retained else None
+        table.add_row("perplexity" + note, _ppl(dense), _ppl(compressed), f"{1 / ratio:.3f}" if ratio else "-")
+    nan = float("nan")
+    if dense.zero_shot:
+        after = compressed.zero_shot
+        for task, res in dense.zero_shot.tasks.items():
+            value = after.value_of(task) if after else None
+            table.add_row(f"{task} {res.metric}", f"{res.value:.4f}", f"{nan if value is None else value:.4f}", "")
+        table.add_row("zero-shot average", f"{dense.zero_shot.average:.4f}",
+                      f"{after.average if after else nan:.4f}", "")
+    if dense.generation:
+        after = compressed.generation
+        for task, res in dense.generation.tasks.items():
+            value = after.value_of(task) if after else None
+            value = nan if value is None else value
+            table.add_row(f"{task} {res.metric} [{res.samples} problems]", f"{res.value:.4f}",
+                          f"{value:.4f}", f"{value / res.value:.3f}" if res.value else "-")
 
 
 def _same_pass(step: StepRecord, following: StepRecord | None) -> bool:

@@ -24,6 +24,7 @@ import time
 import torch
 
 from ..errors import RecipeError
+from ..records.evaluation import Evaluation
 from .generation import generate
 from .generation_tasks import TASKS
 
@@ -31,7 +32,9 @@ from .generation_tasks import TASKS
 def record_completions(record: dict, task: str, origin: str) -> list[tuple[str, str, str]]:
     """``(problem id, prompt, completion)`` of ``task`` from a ``recipe eval --json`` record (``origin`` names it
     in errors), in the task's problem order."""
-    problems = (record.get("generation") or {}).get("tasks", {}).get(task, {}).get("problems")
+    generation = Evaluation.from_json(record).generation
+    scored = generation.tasks.get(task) if generation else None
+    problems = scored.problems if scored else None
     if not problems:
         raise RecipeError(f"{origin}: no {task} completions (a `recipe eval --tasks {task} --json` record of the "
                           f"reference model has them)")
@@ -41,7 +44,7 @@ def record_completions(record: dict, task: str, origin: str) -> list[tuple[str, 
         raise RecipeError(f"{origin}: {task} problem {unknown[0]} is not in the installed task's rows (another "
                           f"version of the task?)")
     order = [pid for pid in prompts if pid in problems]
-    return [(pid, prompts[pid], problems[pid]["completion"]) for pid in order]
+    return [(pid, prompts[pid], problems[pid].completion) for pid in order]
 
 
 def reference_completions(model, tokenizer, task: str, problems: list, max_new_tokens: int, batch_size: int,

@@ -19,8 +19,10 @@ from typing import Callable
 import torch
 
 from ..errors import RecipeError
+from ..records.evaluation import Completion, GenerationResult, GenerationScore
 from ..system.progress import interval_s
 
+from . import registry
 from .generation_tasks import TASKS, GenerationTask
 from .sandbox import Limits, isolation
 
@@ -136,8 +138,8 @@ def generate(model, tokenizer, prompts: list[str], stop: tuple[str, ...], max_ne
 
 
 def run_task(model, tokenizer, task: GenerationTask, limit: int | None, max_new_tokens: int, batch_size: int,
-             device, progress=None, limits: Limits = Limits()) -> dict:
-    """Generate and score one task's first ``limit`` problems; the record of ``report.json``."""
+             device, progress=None, limits: Limits = Limits()) -> GenerationScore:
+    """Generate and score one task's first ``limit`` problems."""
     problems = task.problems()
     chosen = problems[:limit] if limit else problems
     start = time.perf_counter()
@@ -150,12 +152,10 @@ def run_task(model, tokenizer, task: GenerationTask, limit: int | None, max_new_
     passed = sum(results)
     if progress is not None:
         progress.log(f"{task.name}: {passed}/{len(chosen)} {task.metric} = {passed / len(chosen):.4f}")
-    return {"metric": task.metric, "value": passed / len(chosen), "passed": passed, "samples": len(chosen),
-            "samples_available": len(problems), "max_new_tokens": max_new_tokens, "stop": list(task.stop),
-            "fingerprint": task.fingerprint(), "generation_s": generated,
-            "check_s": time.perf_counter() - start - generated,
-            "sandbox": isolation() if task.executes_code else None,
-            "problems": {p.id: {"passed": ok, "completion": c} for p, c, ok in zip(chosen, completions, results)}}
+    return GenerationScore(task.metric, passed / len(chosen), passed, len(chosen), len(problems), max_new_tokens,
+                           list(task.stop), task.fingerprint(), generated, time.perf_counter() - start - generated,
+                           isolation() if task.executes_code else None,
+                           {p.id: Completion(ok, c) for p, c, ok in zip(chosen, completions, results)})
 
 
 #: Set to 1 to allow running model-written code without the flag or recipe field.
@@ -167,13 +167,14 @@ def code_execution_allowed(config) -> bool:
     return config.allow_code_execution or os.environ.get(CODE_EVAL_ENV, "").strip() == "1"
 
 
-def check_generation(config, option: str | None = None) -> None:
+def check_generation(config, option: str | None = None, names: list[str] | None = None) -> None:
     """Before any model is loaded: each generation task's rows are installed, and a task that executes
     model-written code has the opt-in. The message names the opt-in the command takes: ``option``, a flag of
     its own (``recipe eval``'s ``--allow-code-execution``), or with none the recipe's
     ``evaluate.allow_code_execution`` (``apply``, ``validate``, ``sweep``: in the file or by ``--set``);
-    ``$RECIPE_ALLOW_CODE_EVAL=1`` in either case."""
-    names = generation_tasks(list(config.tasks))
+    ``$RECIPE_ALLOW_CODE_EVAL=1`` in either case. ``names``: the generation tasks (default: those of ``config``)."""
+    if names is None:
+        names = [name for name in config.tasks if registry.kind_of(name).name == registry.GENERATION]
     for name in names:
         TASKS[name].path()
     executing = [n for n in names if TASKS[n].executes_code]
@@ -215,15 +216,26 @@ def check_scoring_task(name: str, allowed: bool, field: str = "allow_code_execut
         isolation()
 
 
-def generation_tasks(names: list[str]) -> list[str]:
-    """The generation tasks among ``names`` (the rest are lm-eval's)."""
-    return [n for n in names if n in TASKS]
-
-
 def run_generation(model, tokenizer, names: list[str], limit: int | None, max_new_tokens: int, batch_size: int,
-                   device, progress=None) -> dict:
-    """``{"tasks": {name: record}, "average": mean headline value}`` over the generation tasks ``names``."""
+                   device, progress=None) -> GenerationResult:
+    """The generation tasks ``names`` and the mean of their headline values."""
     records = {name: run_task(model, tokenizer, TASKS[name], limit, max_new_tokens, batch_size, device, progress)
                for name in names}
-    return {"tasks": records, "average": sum(r["value"] for r in records.values()) / len(records),
-            "limit": limit, "device": str(device), "batch_size": batch_size}
+    return GenerationResult(records, sum(r.value for r in records.values()) / len(records), limit, str(device),
+                            batch_size)
+
+
+class Generation(registry.TaskKind):
+    """Generation tasks: greedy completions of each problem, scored by what they do; the model in memory."""
+
+    name, section, streams = registry.GENERATION, "generation", False
+
+    def check(self, names: list[str], config, option: str | None) -> None:
+        check_generation(config, option, names)
+
+    def run(self, model, tokenizer, names: list[str], config, device, progress=None) -> GenerationResult:
+        return run_generation(model, tokenizer, names, config.limit, config.max_new_tokens, config.generation_batch,
+                              device, progress)
+
+
+registry.register_kind(Generation())

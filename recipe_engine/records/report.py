@@ -6,20 +6,22 @@ older report (format 0: written before the field existed, without the per-step `
 format 1: without ``weights_sha256`` and ``model.base_model``; format 2: ``weights_sha256`` of the whole files'
 bytes, which ``fingerprints.weights_fingerprint`` no longer computes, so it is dropped) is read and upgraded, the
 missing fields ``None``; a newer format is refused with one line.
-Modifier-specific parts (a step's ``result``, evaluation results) stay JSON objects: their keys belong to
-the modifier or the evaluation, documented beside them.
+A step's ``result`` stays a JSON object: its keys belong to the modifier, documented beside it. The evaluation's
+``before`` / ``after`` / ``retained`` are read as the typed results of ``evaluation.py`` and written by their own
+``to_json``.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError
 
 from ..errors import RecipeError
 from ..system.cleanup import read_marker
+from .evaluation import Evaluation, Retained
 
 #: Version of the report layout written by this engine.
 FORMAT_VERSION = 3
@@ -98,10 +100,17 @@ class StepRecord(_Section):
                                                "apply's summary table")
 
 
-class Evaluation(_Section):
-    before: dict[str, Any]
-    after: dict[str, Any] | None = None
-    retained: dict[str, float | None] | None = None
+def _typed(kind: type):
+    """A field holding ``kind`` (a typed evaluation result): read from its JSON by ``from_json`` (or given typed),
+    written by its ``to_json``."""
+    return Annotated[kind, PlainValidator(lambda value: value if isinstance(value, kind) else kind.from_json(value)),
+                     PlainSerializer(lambda value: value.to_json())]
+
+
+class EvaluationRecord(_Section):
+    before: _typed(Evaluation)
+    after: _typed(Evaluation) | None = None
+    retained: _typed(Retained) | None = None
     quality_gate: Literal["passed", "failed"] | None = None
 
 
@@ -161,7 +170,7 @@ class Report(_Section):
     activations_on: str | None = Field(None, description="where calibration activations lived between layers "
                                                          "(calibration.offload resolved): cpu or the device")
     peak_memory: PeakMemory
-    evaluation: Evaluation | None = None
+    evaluation: EvaluationRecord | None = None
     checkpoints: Checkpoints | None = None
     resumed: Resumed | None = None
     stream: StreamRecord | None = None
@@ -226,7 +235,7 @@ class RunReport:
     data: DataRecord | None = None
     before: ModelSize | None = None
     activations_on: str | None = None
-    evaluation: dict[str, Any] | None = None
+    evaluation: dict[str, Any] | None = None  # EvaluationRecord's JSON (a resume checkpoint keeps it)
     steps: list[dict[str, Any]] | None = None
     after: ModelSize | None = None
     stock_checkpoint: bool | None = None

@@ -28,6 +28,7 @@ from ..execution.timings import PROFILE_KIND, Timings, profiled
 from ..execution.streaming import open_stream
 from ..sources.record import model_record
 from ..records.card import write_card
+from ..records.evaluation import Evaluation, Retained
 from ..checkpoint.writer import write_checkpoint
 from ..sources.windows import calibration_windows, fingerprint, load_calibration
 from ..records.extras import save_extras
@@ -270,7 +271,7 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
     owned.append(checkpoints)
     if recipe.evaluate is not None and report.evaluation is None:  # a resumed run has it
         bar.phase("evaluating the model before compression", evaluating=True)
-        report.evaluation = {"before": evaluate_session(session, recipe.evaluate, bar)}
+        report.evaluation = {"before": evaluate_session(session, recipe.evaluate, bar).to_json()}
         session.context.timings.record(event="evaluation before")
     with profiled(session.context.timings, profile):
         report.steps = run_steps(session, list(plan.steps), bar, watch, memory, checkpoints, report)
@@ -289,9 +290,10 @@ def _execute(plan: Plan, texts, parallel: Parallel, model, tokenizer, report: Ru
         bar.phase("evaluating the compressed model", evaluating=True)
         after = evaluate_session(session, recipe.evaluate, bar)
         session.context.timings.record(event="evaluation after")
-        report.evaluation.update(after=after, retained=retained(report.evaluation["before"], after))
-        gate = _quality_gate(recipe, report.evaluation["retained"])
-        report.evaluation["quality_gate"] = "failed" if gate else "passed"
+        kept = retained(Evaluation.from_json(report.evaluation["before"]), after)  # this run's, or a resumed one's
+        gate = _quality_gate(recipe, kept)
+        report.evaluation.update(after=after.to_json(), retained=kept.to_json(),
+                                 quality_gate="failed" if gate else "passed")
     if checkpoints is not None:
         report.checkpoints = CheckpointsRecord(written=checkpoints.count, seconds=checkpoints.seconds,
                                                   bytes=checkpoints.bytes_written, skipped=checkpoints.skipped)
@@ -373,11 +375,11 @@ def _check_uniform(session: Session) -> None:
                           f"not a stock checkpoint (add pruning steps)", field="modifiers")
 
 
-def _quality_gate(recipe: Recipe, retained: dict) -> str | None:
+def _quality_gate(recipe: Recipe, kept: Retained) -> str | None:
     floor = recipe.evaluate.min_retained if recipe.evaluate else None
     if floor is None:
         return None
-    low = {k: v for k, v in retained.items() if v is not None and v < floor}
+    low = {k: v for k, v in kept.fractions().items() if v < floor}
     if not low:
         return None
     return (f"quality gate failed: retained {', '.join(f'{k}={v:.3f}' for k, v in low.items())} "

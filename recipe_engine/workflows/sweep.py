@@ -26,6 +26,7 @@ from ..architectures.adapters import count_parameters
 from ..errors import RecipeError
 from ..evaluation import evaluate_model
 from ..execution.memo import SharedWork
+from ..records.evaluation import Evaluation, ZeroShotResult
 from ..sources.models import load_model
 from ..sources.devices import resolve_device
 from ..paths.output import SWEEP_FILE, SWEEP_KIND
@@ -91,9 +92,12 @@ def recipe_sha(recipe) -> str:
     return hashlib.sha256(dump_recipe(recipe.model_copy(update={"output": "-", "overrides": []})).encode()).hexdigest()
 
 
-def summarize(model, evaluation: dict) -> dict[str, Any]:
+def summarize(model, evaluation: Evaluation) -> dict[str, Any]:
+    """A row's sizes and scores (``sweep.json``: the perplexity, the zero-shot section's JSON)."""
+    zero = evaluation.zero_shot
     return {"layers": model.config.num_hidden_layers, "parameters": count_parameters(model),
-            "ppl": evaluation.get("perplexity", {}).get("ppl"), "zero_shot": evaluation.get("zero_shot")}
+            "ppl": evaluation.perplexity.ppl if evaluation.perplexity else None,
+            "zero_shot": zero.to_json() if zero else None}
 
 
 class Sweep:
@@ -195,7 +199,7 @@ class Sweep:
             del pruned
         return self.rows
 
-    def _evaluate(self, model, tokenizer, evaluation, device, label: str) -> dict:
+    def _evaluate(self, model, tokenizer, evaluation, device, label: str) -> Evaluation:
         """``evaluate_model`` with its own progress display (``apply`` holds one while it compresses)."""
         with Progress(enabled=self.progress) as bar:
             bar.phase(label, evaluating=True)
@@ -218,8 +222,10 @@ class Sweep:
 
 
 def mean_accuracy(row: dict[str, Any]) -> float | None:
-    """Mean over tasks of each task's headline metric (acc_norm when reported, else acc)."""
-    return (row.get("zero_shot") or {}).get("average")
+    """Mean over tasks of each task's headline metric (acc_norm when reported, else acc): the row's zero-shot
+    section read back."""
+    zero = row.get("zero_shot")
+    return ZeroShotResult.from_json(zero).average if zero else None
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
