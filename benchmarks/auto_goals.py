@@ -16,7 +16,7 @@ some windows equal one single method's on every source (the recipe chose that me
 method run alone), that identity is stated and the method's rows stand for the auto recipe's on the windows it
 was not run on.
 
-Run: python benchmarks/auto_goals.py   (prints the table, upserts it into benchmarks/results/auto_goals.json;
+Run: python -m benchmarks.auto_goals   (prints the table, upserts it into benchmarks/results/auto_goals.json;
      python benchmarks/report.py then renders it into BENCHMARKS.md)
 """
 from __future__ import annotations
@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rowstore import load_file, run_record, save  # noqa: E402
+from benchmarks.rowstore import load_file, run_record, save
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL_FILES = {"SmolLM2-135M": "quality_smollm2.json", "Qwen2.5-0.5B": "quality_qwen2_5_0_5b.json",

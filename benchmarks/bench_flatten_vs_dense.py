@@ -1,7 +1,7 @@
 """Speed and size of the FlattenGPT-20% SmolLM2 output against the dense model (``recipe bench``).
 
     recipe apply recipes/flatten20_smollm2.yaml          # once: writes out/flatten20_smollm2
-    nice -n 10 python benchmarks/bench_flatten_vs_dense.py > bench_flatten_vs_dense.log 2>&1
+    nice -n 10 python -m benchmarks.bench_flatten_vs_dense > bench_flatten_vs_dense.log 2>&1
 
 CPU defaults (the paper's GPU protocol is batch 64 × 128 generated tokens and a 2048-token prefill,
 ``--paper`` restores it): batch 8 × 32 generated tokens, 512-token prefill, 1 warm-up, median of 5

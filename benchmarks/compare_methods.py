@@ -14,7 +14,7 @@ committed tables' windows: 16 8 8 for Qwen2.5-0.5B on a 2-core CPU). Each method
 ``recipe_engine.apply(recipe, write=False)`` on a fresh copy of the dense model; "compress s" is the sum of the
 steps' wall times.
 
-Run: nice -n 10 python benchmarks/compare_methods.py --model qwen2.5-0.5b [--calibration wikipedia]
+Run: nice -n 10 python -m benchmarks.compare_methods --model qwen2.5-0.5b [--calibration wikipedia]
      [--n 5] [--only NAME ...] [--task-limit 200]
 It prints a table and merges each finished row into the raw file
 benchmarks/results/raw/compare_methods_<model>.json (keyed by method, calibration and n, so runs with --only
@@ -29,20 +29,17 @@ import argparse
 import copy
 import datetime
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 import recipe_engine
+from benchmarks import rowstore
 from recipe_engine.architectures.adapters import count_parameters
 from recipe_engine.sources.text import data_dir, load_text
 from recipe_engine.errors import RecipeError
 from recipe_engine.evaluation.perplexity import perplexity
 from recipe_engine.sources.models import load_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rowstore  # noqa: E402  (the benchmarks' own helper, beside this script)
 
 MODELS = {"smollm2-135m": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}   # default n: ~20 % of the depth (4 of 18)
 CALIBRATIONS = {"wikipedia": ("wikipedia-sample", "train"), "wikitext2": ("wikitext2", "validation"),
@@ -171,7 +168,7 @@ def methods(n: int, layers: int) -> dict[str, tuple[list, dict]]:
         "FlattenGPT +fallback": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "fallback": True}}], {}),
         "FlattenGPT +cv+fallback": (flatten + ["HeadPrune", {"NystromMLP": {
             **plain, "target_scales": CV_SCALES, "fallback": True}}], {}),
-        # MLP channels by output energy, not leverage (benchmarks/flatten_diagnosis.py)
+        # MLP channels by output energy, not leverage (benchmarks/diagnosis/flatten.py)
         "FlattenGPT energy": (flatten + ["HeadPrune", {"NystromMLP": {**plain, "criterion": "energy"}}], {}),
         "FlattenGPT energy +cv": (flatten + ["HeadPrune", {"NystromMLP": {
             **plain, "criterion": "energy", "target_scales": CV_SCALES}}], {}),

@@ -1,6 +1,6 @@
 """Data-parallel calibration: 1 process × 1 torch thread vs ``torchrun --nproc-per-node 2`` × 1 thread each.
 
-    nice -n 10 python benchmarks/data_parallel.py [--ranks 2] [--samples 16] [--seq-len 256]
+    nice -n 10 python -m benchmarks.data_parallel [--ranks 2] [--samples 16] [--seq-len 256]
 
 Runs ``recipes/flatten20_smollm2.yaml`` (SmolLM2-135M FlattenGPT) on WikiText-2 validation windows
 (``samples × seq_len`` tokens; the recipe's own evaluation is switched off so both runs time calibration and
@@ -112,8 +112,7 @@ def main() -> None:
 
 def write_rows(record: dict, ranks: int) -> None:
     """The committed table rows (benchmarks/results/data_parallel.json), this run as their run."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import rowstore
+    from benchmarks import rowstore
 
     load = record["load_average"]
     run = rowstore.run_record(f"load average {load['before'][0]} before, {load['after'][0]} after the two runs")

@@ -1,6 +1,6 @@
 """Dense SmolLM2-135M quality baseline: WikiText-2 perplexity and the paper's five zero-shot accuracies.
 
-    nice -n 10 python benchmarks/eval_dense.py > eval_dense.log 2>&1 &
+    nice -n 10 python -m benchmarks.eval_dense > eval_dense.log 2>&1 &
 
 Perplexity: the full WikiText-2 raw test set (``--ppl-limit`` windows to cut it). Zero-shot: the offline
 lm-eval tasks (``recipe_engine/evaluation/tasks``), first ``--task-limit`` rows of each (full sets do not fit

@@ -2,8 +2,8 @@
 (``gptq_quantize_batch``) of several experts, on CPU or a GPU; the batched results are checked against the
 one-at-a-time ones (bit for bit on CPU).
 
-    OMP_NUM_THREADS=1 python benchmarks/expert_batch.py --experts 8 --batches 1 2 4 8
-    python benchmarks/expert_batch.py --device cuda --experts 128 --batches 1 8 16 32
+    OMP_NUM_THREADS=1 python -m benchmarks.expert_batch --experts 8 --batches 1 2 4 8
+    python -m benchmarks.expert_batch --device cuda --experts 128 --batches 1 8 16 32
 
 Shape: Qwen3-30B-A3B's expert ``down_proj`` (2048 × 768, bf16; random weights, std 0.02), Hessians ``XᵀX`` of
 1024 random tokens each; the grid of the MoE benchmark (4 bits, groups of 128, symmetric, act_order). Each

@@ -5,7 +5,7 @@ windows × 1024 tokens of WikiText-2 test. FlattenAdjacent runs once; every prun
 copy of the flattened model, so its wall time is the flatten time plus its own pruning pass. The reference
 row drops the 6 layers with the lowest Block Influence (ShortGPT: BI = 1 − mean cos(input, output)).
 
-Run: python benchmarks/flatten_ablation.py [--only NAME ...]   (merges its rows into
+Run: python -m benchmarks.flatten_ablation [--only NAME ...]   (merges its rows into
 benchmarks/results/raw/flatten_ablation.json, each row dated;
 ``--table``  prints the Markdown table of that file)
 """

@@ -15,7 +15,7 @@ For each pair (i, i+1), on the inputs ``x`` of layer i (calibration: Wikipedia s
   error of the summed attention output when both layers use the mean gains (what ``merge_layers`` does for
   Qwen3): ``‖Σ_j u_j(mean gains) − Σ_j u_j‖ / ‖Σ_j u_j‖``.
 
-Run: nice -n 10 python benchmarks/flatten_architectures.py [--samples 4 --seq-len 256]
+Run: nice -n 10 python -m benchmarks.flatten_architectures [--samples 4 --seq-len 256]
 (prints a table; writes benchmarks/results/raw/flatten_architectures.json)
 """
 from __future__ import annotations

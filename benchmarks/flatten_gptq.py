@@ -9,7 +9,7 @@ default), packed with ``export: compressed-tensors`` (the format vLLM loads). Ea
 written there, "compress s" the sum of the steps' wall times. The dense row is written through
 ``FuseNorm`` (output-preserving) to get a checkpoint.
 
-Run: python benchmarks/flatten_gptq.py   (prints a table, writes --out/results.json)
+Run: python -m benchmarks.flatten_gptq   (prints a table, writes --out/results.json)
 """
 from __future__ import annotations
 

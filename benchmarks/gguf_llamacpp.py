@@ -22,7 +22,7 @@ tokenizer splits the passage into the ids the HF tokenizer gives.
 Run (repository root, main venv with ``pip install '.[gguf]'``; ~10 CPU minutes for ``smollm2``, most in
 FlattenGPT; ``tiny`` seconds; ``gemma`` a few minutes; ``depth20`` the three recipes, 15–70 minutes each at one
 thread, or seconds when OUT/depth20_<model> holds their outputs already):
-    nice -n 10 python benchmarks/gguf_llamacpp.py --out benchmarks/results/raw/gguf_llamacpp [--models tiny gemma]
+    nice -n 10 python -m benchmarks.gguf_llamacpp --out benchmarks/results/raw/gguf_llamacpp [--models tiny gemma]
 """
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def table_row(name: str, kind: str, row: dict) -> dict:
 def write_rows(path: Path, results: dict, names: list[str], conditions: str) -> None:
     """Upsert the measured rows into the committed result file (SmolLM2 rows into its table, the others into
     the per-architecture one)."""
-    from rowstore import run_record, upsert_table_row
+    from benchmarks.rowstore import run_record, upsert_table_row
 
     run = run_record(conditions=conditions)
     for key, row in results["models"].items():
@@ -252,8 +252,6 @@ def main() -> None:
     parser.add_argument("--rows", default=str(ROOT / "benchmarks" / "results" / "gguf_llamacpp.json"),
                         help="committed result file the measured rows are upserted into ('' to skip)")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import llama_cpp
     except ImportError:

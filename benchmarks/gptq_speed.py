@@ -8,7 +8,7 @@
    block: the reference code's loop), on a ``gate_proj``-shaped weight (``--rows`` × ``--columns``), with and
    without act_order; the grid points must agree.
 
-  python benchmarks/gptq_speed.py [--size 8192] [--rows 14336 --columns 2048] [--threads 2] [--repeat 2]
+  python -m benchmarks.gptq_speed [--size 8192] [--rows 14336 --columns 2048] [--threads 2] [--repeat 2]
 
 Each pair runs alternately ``--repeat`` times and the fastest of each is kept (the CPU is shared).
 

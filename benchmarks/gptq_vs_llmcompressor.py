@@ -8,7 +8,7 @@ llm-compressor runs in its own venv (``.venv-llmc``, its pins differ) as a subpr
 (``--side llmcompressor``); its dequantized weights come back as a safetensors file.
 
 Run (from the repository root, main venv; a few CPU minutes per side):
-    nice -n 10 python benchmarks/gptq_vs_llmcompressor.py --out benchmarks/results/gptq_vs_llmc
+    nice -n 10 python -m benchmarks.gptq_vs_llmcompressor --out benchmarks/results/gptq_vs_llmc
 ``--llmc-ppl X`` compares with llm-compressor's recorded PPL for the same seed instead
 (its side is deterministic for a given sample), for machines without ``.venv-llmc``.
 ``--seed`` draws another calibration sample (GPTQ's PPL moves by ~1 % with the sample, and even with
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -196,7 +195,6 @@ def main() -> None:
     if args.side == "llmcompressor":
         llmcompressor_side(args)
     else:
-        sys.path.insert(0, str(ROOT))
         main_side(args)
 
 

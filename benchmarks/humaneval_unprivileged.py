@@ -1,6 +1,6 @@
 """``recipe eval`` run as an unprivileged user (``nobody``), so its sandbox runs in the ``user-namespaces`` mode.
 
-    python benchmarks/humaneval_unprivileged.py WORKDIR -- eval qwen2.5-0.5b --no-ppl --tasks humaneval \\
+    python -m benchmarks.humaneval_unprivileged WORKDIR -- eval qwen2.5-0.5b --no-ppl --tasks humaneval \\
         --allow-code-execution --generation-batch 16 --device cpu --json WORKDIR/dense_nobody.json
 
 Needs root (to become ``nobody``), ``unshare`` and ``setpriv``. The command runs in a private mount namespace
@@ -18,10 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tests.test_sandbox import unprivileged_command
 
-from tests.test_sandbox import unprivileged_command  # noqa: E402  (after the checkout is on the path)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def verdicts(path: Path) -> dict[str, bool]:

@@ -18,21 +18,18 @@ input-norm gains, and the median per-token relative error to the hidden state th
 raw hidden state and of what that layer reads (after its input RMSNorm with its gains), for no map, the fitted
 ``P`` and the per-channel ratio.
 
-Run: python benchmarks/linearpatch_diagnosis.py [--model gemma3-270m] [--threads 1] [--windows 8]
+Run: python -m benchmarks.linearpatch_diagnosis [--model gemma3-270m] [--threads 1] [--windows 8]
 It prints a table and upserts it into the model's committed result file (a free-form table).
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import rowstore  # noqa: E402
-from compare_methods import EVALS, ROW_FILES, RESULTS  # noqa: E402
-from diagnosis_common import heldout_run, load_dense, parser  # noqa: E402
+from benchmarks import rowstore
+from benchmarks.compare_methods import EVALS, ROW_FILES, RESULTS
+from benchmarks.diagnosis.common import heldout_run, load_dense, parser
 from recipe_engine.architectures.adapters import ADAPTERS  # noqa: E402
 from recipe_engine.evaluation.perplexity import perplexity  # noqa: E402
 from recipe_engine.sources.text import load_text  # noqa: E402

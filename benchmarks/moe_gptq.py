@@ -1,7 +1,7 @@
 """GPTQ on every expert of a Qwen3-30B-A3B-shaped mixture-of-experts checkpoint: per-layer time and peak memory
 against ``recipe plan``'s estimate.
 
-    OMP_NUM_THREADS=2 python benchmarks/moe_gptq.py --work /tmp/moe --layers 2 --samples 8 --seq-len 512
+    OMP_NUM_THREADS=2 python -m benchmarks.moe_gptq --work /tmp/moe --layers 2 --samples 8 --seq-len 512
 
 The checkpoint is synthetic bf16 (random weights, std 0.02, written by ``save_pretrained`` with the Hub's
 per-expert names): Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts of width 768, top-8, 32 query / 4 KV
@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from gpu_acceptance_moe import QWEN3_30B_A3B, write_moe_checkpoint
+from benchmarks.acceptance.moe import QWEN3_30B_A3B, write_moe_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,6 @@ def main() -> None:
     if child.returncode:
         sys.exit(f"recipe apply exited with {child.returncode}")
     wall = time.perf_counter() - started
-    sys.path.insert(0, str(ROOT))
     import recipe_engine
 
     report = recipe_engine.load_report(args.work / "out")

@@ -1,13 +1,13 @@
 """How long `recipe apply` takes to write its output, for one or more engines side by side.
 
 A streamed `ShortGPT<n:1>` of a synthetic bf16 Qwen3-MoE checkpoint with Qwen3-30B-A3B's layer shape
-(benchmarks/gpu_acceptance_moe.py's writer; `--layers` of them, SmolLM2's vocabulary) writes every kept layer and
+(benchmarks/acceptance/moe.py's writer; `--layers` of them, SmolLM2's vocabulary) writes every kept layer and
 the unquantized embeddings and head from the source: the run's `output written` record in its timings log
 (its `read`, `pack` and `write` seconds: the units read, packed, the files written and `report.json`'s
 `weights_sha256` made), interleaved engine by engine,
 `--repeats` times. Each engine is a repository root (this one by default; an older commit in a `git worktree`).
 
-    python benchmarks/output_write.py [--engines . ../before] [--layers 3] [--repeats 3] [--work DIR]
+    python -m benchmarks.output_write [--engines . ../before] [--layers 3] [--repeats 3] [--work DIR]
                                       [--output-dir /dev/shm] [--json FILE]
 
 Prints a table (median and each run's seconds per engine, the output's bytes and their sha256, read after each
@@ -26,10 +26,9 @@ import sys
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.acceptance.moe import QWEN3_30B_A3B, output_write_s, write_moe_checkpoint
 
-from gpu_acceptance_moe import QWEN3_30B_A3B, output_write_s, write_moe_checkpoint  # noqa: E402 (the path above)
+ROOT = Path(__file__).resolve().parents[1]
 
 from recipe_engine.records.fingerprints import whole_files_sha256  # noqa: E402
 

@@ -11,7 +11,7 @@ is loaded from disk with ``recipe_engine.sources.models.load_model`` (what ``rec
 first ``--windows`` windows × 1024 tokens of WikiText-2 test. "ratio": safetensors bytes over the dequantized
 row's.
 
-Run: OMP_NUM_THREADS=2 python benchmarks/packed_export.py   (prints a table, writes --out/results.json;
+Run: OMP_NUM_THREADS=2 python -m benchmarks.packed_export   (prints a table, writes --out/results.json;
 ``--reuse`` keeps a packed output already in --out instead of running the recipe again)
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the layer pipeline costs beyond its compute, on CPU (no GPU needed): how host-side costs are found
 and removed between GPU leases.
 
-    python benchmarks/pipeline_overhead.py [--threads 2] [--parts smollm2 stream8b]
+    python -m benchmarks.pipeline_overhead [--threads 2] [--parts smollm2 stream8b]
 
 smollm2   `recipes/flatten20_smollm2.yaml`'s steps (FuseNorm, FlattenAdjacent, HeadPrune, NystromMLP; 32 × 512
           Wikipedia-sample tokens; no evaluation) against one plain forward of the model (`model(batch)`,
@@ -75,10 +75,8 @@ def child_stream8b(work: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import scale
-
     import recipe_engine
+    from benchmarks import scale
 
     model = scale.write_synthetic(Path(work) / "llama3-8b-4", 4, torch.bfloat16, **scale.LLAMA3_8B)
     recipe = {"version": 1, "name": "overhead8b", "model": str(model), "dtype": "bfloat16", "stream": "on",

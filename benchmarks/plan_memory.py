@@ -4,7 +4,7 @@ Each case is one `recipe apply` in its own process (the peak is that process's o
 both figures from the run's report.json (`peak_memory.rss_mib`, `peak_memory.estimate_rss_mib`, the estimate
 `apply` makes in its own process), per step too.
 
-    python benchmarks/plan_memory.py [--cases sleb_qwen smollm2_streamed smollm2_memory flatten_memory] [--work DIR]
+    python -m benchmarks.plan_memory [--cases sleb_qwen smollm2_streamed smollm2_memory flatten_memory] [--work DIR]
 
 Cases:
   sleb_qwen         SLEB<n:1> on Qwen2.5-0.5B (fp32, in memory), 4 × 512 WikiText-2 tokens, batch 4: its 24

@@ -1,6 +1,6 @@
 """Resume after SIGKILL: an uninterrupted run, the same run killed at ~60 % of its wall time, then ``--resume``.
 
-    nice -n 10 python benchmarks/resume.py [--kill-at 0.6] [--samples 16] [--seq-len 256] [--streamed]
+    nice -n 10 python -m benchmarks.resume [--kill-at 0.6] [--samples 16] [--seq-len 256] [--streamed]
 
 Recipe ``recipes/flatten20_smollm2.yaml`` (SmolLM2-135M FlattenGPT) on WikiText-2 validation windows, the
 recipe's own evaluation switched off, one torch thread per process (``OMP_NUM_THREADS=1``). Reports the
@@ -98,8 +98,7 @@ def main() -> None:
 
 def write_row(record: dict, kill_at: float, written: dict) -> None:
     """This mode's row of the committed table (benchmarks/results/resume.json), this run as its run."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import rowstore
+    from benchmarks import rowstore
 
     load = record["load_average"]
     run = rowstore.run_record(f"load average {load['before'][0]} before, {load['after'][0]} after; one sample")

@@ -39,10 +39,14 @@ def machine_description() -> str:
 
 
 def run_record(conditions: str | None = None, argv: list[str] | None = None) -> dict:
-    """This process's run: its command line (script path relative to the repository), machine and date."""
+    """This process's run: its command line (``python -m benchmarks.NAME ...`` for a module run with ``-m``, else
+    the script path relative to the repository), machine and date."""
     argv = list(sys.argv if argv is None else argv)
     script = Path(argv[0]).resolve()
-    if script.is_relative_to(ROOT):
+    module = getattr(sys.modules["__main__"].__spec__, "name", None)
+    if module and script == Path(sys.modules["__main__"].__file__).resolve():
+        argv[:1] = ["-m", module.removesuffix(".__main__")]
+    elif script.is_relative_to(ROOT):
         argv[0] = str(script.relative_to(ROOT))
     run = {"command": "python " + shlex.join(argv), "machine": machine_description(),
            "date": datetime.date.today().isoformat()}

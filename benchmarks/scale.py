@@ -4,9 +4,9 @@ Synthetic checkpoints have a real architecture's shapes and seeded random weight
 written shard by shard (one layer per file) so that writing one never holds the model. Their quality
 means nothing; their memory and time are real. The tokenizer is SmolLM2's (ids < 49152 fit every vocab).
 
-  python benchmarks/scale.py depth            # 1: hidden 1024, 8/16/32 layers, FlattenGPT n = L/8
-  python benchmarks/scale.py large            # 2: Llama-3-8B shapes in fp32 (~32 GB), FlattenGPT n=1 + GPTQ
-  python benchmarks/scale.py equal            # 3: SmolLM2 in memory vs streamed: identical weights
+  python -m benchmarks.scale depth            # 1: hidden 1024, 8/16/32 layers, FlattenGPT n = L/8
+  python -m benchmarks.scale large            # 2: Llama-3-8B shapes in fp32 (~32 GB), FlattenGPT n=1 + GPTQ
+  python -m benchmarks.scale equal            # 3: SmolLM2 in memory vs streamed: identical weights
 
 Each run is a subprocess (`python -m recipe_engine.cli apply`); its peak RSS is read from /proc while it
 runs (VmHWM) and from report.json; `recipe plan`'s estimate is recorded beside it. Results go to

@@ -3,7 +3,7 @@
 Each measurement runs in its own child process (peak RSS is per process), in alternating order, and the
 table reports medians and ratios against the plain forward pass over the same calibration tokens.
 
-    python benchmarks/session_overhead.py [--samples 32 --seq-len 512 --repeats 3]
+    python -m benchmarks.session_overhead [--samples 32 --seq-len 512 --repeats 3]
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ calibration capture, FlattenAdjacent's similarity, ShortGPT's block influence an
 windows × 1024 tokens (and zero-shot on ``--tasks`` with the same row limit, if given).
 
 Run (repository root; resumable: rerunning skips finished rows):
-    nice -n 10 python benchmarks/sweep_smollm2.py --out benchmarks/results/sweep_smollm2
+    nice -n 10 python -m benchmarks.sweep_smollm2 --out benchmarks/results/sweep_smollm2
 It writes ``sweep.json`` and ``pareto.png`` under ``--out`` and copies the plot to docs/images/, and upserts
 this run's rows into the SmolLM2 quality-against-budget table of the committed
 ``benchmarks/results/quality_smollm2.json`` (``--no-rows`` to skip); ``python benchmarks/report.py`` then
@@ -35,8 +35,7 @@ METHODS = {"shortgpt_smollm2.yaml": "ShortGPT", "flatten20_smollm2.yaml": "Flatt
 
 def write_rows(rows: list[dict], recipes: list[str], samples: int, eval_limit: int) -> None:
     """This run's rows (the chosen recipes and the dense baseline) into quality_smollm2.json's ``sweep``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import rowstore
+    from benchmarks import rowstore
 
     protocol = "in-domain, small" if (samples, eval_limit) == (16, 8) else \
         f"in-domain, {samples} calibration windows, {eval_limit} test windows"
@@ -68,7 +67,6 @@ def main() -> None:
                         help="a subset of the four recipes (rows accumulate in --out; the plot shows all)")
     parser.add_argument("--no-rows", action="store_true", help="do not write the committed result rows")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     import torch
     from rich.console import Console
 

@@ -1,7 +1,7 @@
 """Tokenizing a calibration or evaluation text: the same ids as calling the tokenizer, and the host memory it
 takes while it runs.
 
-    OMP_NUM_THREADS=2 python benchmarks/tokenize_memory.py [--models smollm2-135m qwen2.5-0.5b gemma3-270m]
+    OMP_NUM_THREADS=2 python -m benchmarks.tokenize_memory [--models smollm2-135m qwen2.5-0.5b gemma3-270m]
 
 For each shipped model's tokenizer and each local text (WikiText-2 validation and test, the Wikipedia, C4 and
 code samples' train splits): the ids of ``recipe_engine.sources.windows.tokenize`` (a fast tokenizer's backend,
@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 TEXTS = [("wikitext2", "validation"), ("wikitext2", "test"), ("wikipedia-sample", "train"),
          ("c4-sample", "train"), ("code-sample", "train")]

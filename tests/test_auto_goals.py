@@ -2,12 +2,8 @@
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-import auto_goals  # noqa: E402
+from benchmarks import auto_goals
 
 
 def row(method: str, layers: int, wt: float, c4: float, code: float, protocol: str = "held-out", **extra) -> dict:

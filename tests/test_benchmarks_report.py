@@ -2,22 +2,17 @@
 and the tables and plots follow the data (a new method row appears without a code change)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import compare_methods, report, rowstore
 from tests.test_repo_language import WORK_WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-import report  # noqa: E402
-import rowstore  # noqa: E402
 
 RUN_ENTRY = re.compile(r"^- (\*\*([a-z]+)\*\*: )?`[^`]+`; machine: [^;]+; date: \d{4}-\d{2}-\d{2}")
 
@@ -88,7 +83,7 @@ def quality_section(page: str, model: str) -> str:
 
 def test_a_new_method_row_appears_in_quality_cost_and_plot(tmp_path):
     rows = copy_rows(tmp_path)
-    run = {"command": "python benchmarks/compare_methods.py --model qwen2.5-0.5b --only NewMethod",
+    run = {"command": "python -m benchmarks.compare_methods --model qwen2.5-0.5b --only NewMethod",
            "machine": "test machine", "date": "2026-11-25"}
     row = {"protocol": "held-out", "method": "NewMethod", "layers": 19, "params_pct": 88.2,
            "ppl": {"wikitext2": 40.12, "c4": 70.5, "code": 7.1}, "compress_s": 321}
@@ -160,13 +155,6 @@ def test_plots_are_byte_stable_and_committed(tmp_path):
             f"{name} is stale: run python benchmarks/report.py"
 
 
-def load_compare_methods():
-    spec = importlib.util.spec_from_file_location("compare_methods", BENCHMARKS / "compare_methods.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("model, calibration, windows, sweep, protocol", [
     ("smollm2-135m", "wikipedia", {"wikitext2": 24, "c4": 16, "code": 16}, False, "held-out"),
     ("qwen2.5-0.5b", "wikipedia", {"wikitext2": 16, "c4": 8, "code": 8}, False, "held-out"),
@@ -176,15 +164,14 @@ def load_compare_methods():
 ])
 def test_compare_methods_rows_land_in_the_committed_tables(model, calibration, windows, sweep, protocol):
     """A raw compare_methods row becomes a row of the protocol and method names the committed tables use."""
-    compare = load_compare_methods()
-    raw = {"method": "FlattenGPT", "n": 2 if sweep else compare.MODELS[model], "calibration": calibration,
+    raw = {"method": "FlattenGPT", "n": 2 if sweep else compare_methods.MODELS[model], "calibration": calibration,
            "eval_windows": windows, "layers": 16, "params_pct": 88.21, "ppl": {k: 12.3456 for k in windows},
            "compress_s": 100.4, "peak_rss_mib": 2048.0, "calibration_config": {"samples": 32, "seq_len": 512}}
-    row = compare.committed_row(raw, model, sweep)
+    row = compare_methods.committed_row(raw, model, sweep)
     assert row["protocol"] == protocol and row["method"] == "FlattenGPT (ours)"
     assert row["params_pct"] == 88.2 and set(row["ppl"].values()) == {12.35}
     assert row["compress_s"] == 100 and row["peak_rss_gib"] == 2.0
     assert ("n" in row) == sweep
-    committed = json.loads((report.ROWS / compare.ROW_FILES[model][0]).read_text())
+    committed = json.loads((report.ROWS / compare_methods.ROW_FILES[model][0]).read_text())
     assert protocol in {r["protocol"] for r in committed.get("rows", []) + committed.get("sweep", [])}
     assert any(r["method"] == "FlattenGPT (ours)" for r in committed.get("rows", []) + committed.get("sweep", []))

@@ -21,7 +21,7 @@ run here too.
 What it cannot catch: anything that depends on values (the device side has none and the host copies are
 noise, so a branch the data would take, a NaN, a wrong result, a failed solve is not seen, and steps may
 choose differently than on a GPU); speed (a host round trip per layer, a synchronising ``.item()`` in a loop, a
-slow fp64 solve on the GPU: ``benchmarks/gpu_acceptance.py`` measures those on a GPU); placement decided by
+slow fp64 solve on the GPU: ``benchmarks/acceptance/`` measures those on a GPU); placement decided by
 device *type* that treats ``meta`` unlike ``cuda`` (``device.type == "cuda"`` checks: ``torch.cuda`` memory
 calls, CUDA-only kernels and dtypes, NCCL); kernels with no ``meta`` implementation (their op fails here with
 NotImplementedError rather than passing); memory (``meta`` allocates nothing; the acceptance command

@@ -13,19 +13,20 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from benchmarks import scale
+from benchmarks.acceptance import carry, driver, runs, smollm2, stream8b
 from recipe_engine.execution.distributed import launched
 from recipe_engine.execution.stats import InputCovariance
 from tests.helpers import byte_tokenizer, free_port, shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.py"
 
 
 def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     base.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**base, **(env or {})}, timeout=900)
+    return subprocess.run([sys.executable, "-m", "benchmarks.acceptance", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**base, **(env or {})}, timeout=900)
 
 
 def test_tiny_acceptance_on_cpu_writes_every_leg_with_its_goal(tmp_path):
@@ -122,7 +123,6 @@ def test_detached_serving_calls_carry_b_alone_and_a_later_call_times_the_output(
 
 
 def test_the_detached_child_is_handed_the_carried_tokenizer():
-    carry = _carry()
     argv = ["--carry", ".gpu", "--device", "cuda", "--detach", "--follow", "570", "--legs", "bench", "w4",
             "--tokenizer=smollm2-135m"]
     assert carry.child_arguments(argv, "/tmp/c/b/tokenizer") == [
@@ -131,9 +131,6 @@ def test_the_detached_child_is_handed_the_carried_tokenizer():
 
 
 def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_acceptance
-
     ran = []
 
     def broken(*_args):
@@ -143,14 +140,14 @@ def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
     def fine(name):
         def leg(*_args):
             ran.append(name)
-            return {"x": 1}, [gpu_acceptance.row(name, "a figure", 1.0, "s", "<= 2", True)]
+            return {"x": 1}, [driver.row(name, "a figure", 1.0, "s", "<= 2", True)]
         return leg
 
-    monkeypatch.setattr(gpu_acceptance, "leg_smollm2", broken)
+    monkeypatch.setattr(driver, "leg_smollm2", broken)
     for name in ("graphs", "stream8b", "bench", "dp", "offload", "w4", "moe"):
-        monkeypatch.setattr(gpu_acceptance, f"leg_{name}", fine(name))
-    monkeypatch.setattr(gpu_acceptance, "disk_write_speed", lambda _directory: 1.0)
-    assert gpu_acceptance.main(["--device", "cpu", "--out", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
+        monkeypatch.setattr(driver, f"leg_{name}", fine(name))
+    monkeypatch.setattr(driver, "disk_write_speed", lambda _directory: 1.0)
+    assert driver.main(["--device", "cpu", "--out", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
     assert ran == ["graphs", "smollm2", "dp", "offload", "stream8b", "bench", "w4", "moe"]
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"]
@@ -164,9 +161,9 @@ def test_missing_package_is_one_line_before_any_work(tmp_path):
     # as on the GPU image before the wheels are carried: pydantic and gguf are not found
     code = ("import sys, importlib.util; real = importlib.util.find_spec\n"
             "importlib.util.find_spec = lambda n, *a: None if n in ('pydantic', 'gguf') else real(n, *a)\n"
-            f"sys.argv = ['gpu_acceptance.py', '--device', 'cpu', '--tiny', '--out', {str(tmp_path / 'out')!r}]\n"
-            f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import gpu_acceptance\n"
-            "sys.exit(gpu_acceptance.main())")
+            f"sys.argv = ['acceptance', '--device', 'cpu', '--tiny', '--out', {str(tmp_path / 'out')!r}]\n"
+            "from benchmarks.acceptance import driver\n"
+            "sys.exit(driver.main())")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert run.returncode == 2
@@ -208,20 +205,6 @@ def test_without_a_launcher_no_process_group(monkeypatch):
         assert not parallel.active and not dist.is_initialized()
 
 
-def _acceptance():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_acceptance
-
-    return gpu_acceptance
-
-
-def _carry():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_acceptance_carry
-
-    return gpu_acceptance_carry
-
-
 def test_full_size_recipes_are_valid_for_their_models(tmp_path):
     """What a GPU runs without --tiny: the SmolLM2 leg's two recipes and the 8B-shaped recipe validate
     against their configs (group sizes divide, merges fit), before any GPU time is spent on them."""
@@ -233,28 +216,24 @@ def test_full_size_recipes_are_valid_for_their_models(tmp_path):
     from recipe_engine.recipe.schema import recipe_from_dict
     from recipe_engine.plan.preflight import check_against_config
 
-    acceptance = _acceptance()
-    import scale
-
-    for recipe in acceptance.smollm2_recipes("cuda", tmp_path, tiny=False).values():
+    for recipe in smollm2.smollm2_recipes("cuda", tmp_path, tiny=False).values():
         assert recipe["model"] == "smollm2-135m" and recipe["device"] == "cuda"
         check_against_config(recipe_from_dict(recipe), load_config("smollm2-135m"))
     args = Namespace(device="cuda", tiny=False, samples=128, seq_len=2048)
-    recipe = acceptance.stream8b_recipe(args, tmp_path / "llama3-8b-bf16", tmp_path)
-    config = LlamaConfig(num_hidden_layers=acceptance.LLAMA3_8B_LAYERS, **scale.LLAMA3_8B)
+    recipe = stream8b.stream8b_recipe(args, tmp_path / "llama3-8b-bf16", tmp_path)
+    config = LlamaConfig(num_hidden_layers=stream8b.LLAMA3_8B_LAYERS, **scale.LLAMA3_8B)
     shape = check_against_config(recipe_from_dict(recipe), config)
     assert shape.num_layers == 25 and recipe["dtype"] == "bfloat16" and recipe["stream"] == "on"
 
 
 def test_smollm2_leg_judges_against_the_committed_cpu_reference(tmp_path, monkeypatch):
-    acceptance = _acceptance()
-    reference = json.loads(acceptance.REFERENCE.read_text())["figures"]
+    reference = json.loads(smollm2.REFERENCE.read_text())["figures"]
     assert reference["flatten"]["merges"] == [[3, 4], [9, 10], [12, 13], [14, 15], [17, 18], [26, 27]]
 
     def leg(figures):
-        monkeypatch.setattr(acceptance, "smollm2_figures", lambda *_a: figures)
+        monkeypatch.setattr(smollm2, "smollm2_figures", lambda *_a: figures)
         args = type("Args", (), {"device": "cuda", "tiny": False})
-        return {r["figure"]: r["met"] for r in acceptance.leg_smollm2(args, tmp_path)[1]}
+        return {r["figure"]: r["met"] for r in smollm2.leg_smollm2(args, tmp_path)[1]}
 
     close = json.loads(json.dumps(reference))
     close["flatten"]["ppl_after"] *= 1.009
@@ -269,12 +248,11 @@ def test_smollm2_leg_judges_against_the_committed_cpu_reference(tmp_path, monkey
 
 
 def test_gpu_gaps_charges_each_idle_gap_to_its_phase_and_host_operation():
-    """``benchmarks/gpu_gaps.py`` on a hand-built trace: kernels (two overlapping) busy 0-10, 12-20 (a copy), 20-30
-    and 80-100 µs; phases ``compress`` 0-50 and ``write`` 50-100 on the engine's thread, a host read at 30-80
-    and an operation on another thread that must not be charged. Busy 48 of 100 µs; the gaps 10-12 (2 µs, too short
-    to name an operation) and 30-80 (50 µs, in ``compress``, charged to the read)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_gaps import format_summary, gap_summary
+    """``benchmarks/diagnosis/gpu_gaps.py`` on a hand-built trace: kernels (two overlapping) busy 0-10, 12-20 (a
+    copy), 20-30 and 80-100 µs; phases ``compress`` 0-50 and ``write`` 50-100 on the engine's thread, a host read at
+    30-80 and an operation on another thread that must not be charged. Busy 48 of 100 µs; the gaps 10-12 (2 µs, too
+    short to name an operation) and 30-80 (50 µs, in ``compress``, charged to the read)."""
+    from benchmarks.diagnosis.gpu_gaps import format_summary, gap_summary
 
     def span(cat, name, start, end, tid=1):
         return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": end - start, "tid": tid}
@@ -298,29 +276,25 @@ def test_gpu_gaps_charges_each_idle_gap_to_its_phase_and_host_operation():
 def test_runs_use_the_engine_named_by_engine(tmp_path, monkeypatch):
     """``--engine DIR``: a run's ``python -m recipe_engine.cli`` is DIR's package, not this checkout's (here a
     package that only prints where it is), and the default is this checkout's."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_acceptance_carry as carry
-
     fake = tmp_path / "engine" / "recipe_engine" / "cli"
     fake.mkdir(parents=True)
     (fake.parent / "__init__.py").write_text("")
     (fake / "__init__.py").write_text("")
     (fake / "__main__.py").write_text("import recipe_engine; print('engine at', recipe_engine.__file__)\n")
     command = [sys.executable, "-m", "recipe_engine.cli"]
-    monkeypatch.setattr(carry, "ENGINE", tmp_path / "engine")
-    carry.run_logged(command, tmp_path / "other.log", 60)
+    monkeypatch.setattr(runs, "ENGINE", tmp_path / "engine")
+    runs.run_logged(command, tmp_path / "other.log", 60)
     assert (tmp_path / "other.log").read_text().strip() == f"engine at {fake.parent / '__init__.py'}"
-    monkeypatch.setattr(carry, "ENGINE", ROOT)
-    carry.run_logged([*command, "--version"], tmp_path / "this.log", 60)
+    monkeypatch.setattr(runs, "ENGINE", ROOT)
+    runs.run_logged([*command, "--version"], tmp_path / "this.log", 60)
     assert "engine at" not in (tmp_path / "this.log").read_text()
 
 
 def test_host_samples_charge_wall_time_to_threads_and_to_the_frames_under_a_phase(tmp_path):
-    """``benchmarks/host_samples.py`` on py-spy's raw lines: seconds = samples / rate per thread (the first
+    """``benchmarks/diagnosis/host_samples.py`` on py-spy's raw lines: seconds = samples / rate per thread (the first
     frame), and under a frame only the samples through it, each frame below counted once per sample (inclusive),
     checked against the counts written here."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from host_samples import breakdown, read_samples, summarize
+    from benchmarks.diagnosis.host_samples import breakdown, read_samples, summarize
 
     raw = tmp_path / "samples.txt"
     raw.write_text("thread (1): MainThread;cmd_apply (c.py:1);write_checkpoint (w.py:2);pack (p.py:3) 30\n"
@@ -340,11 +314,10 @@ def test_host_samples_charge_wall_time_to_threads_and_to_the_frames_under_a_phas
 
 
 def test_host_work_counts_each_launch_once_and_a_block_program_as_one_replay():
-    """``benchmarks/gptq_host_work.py``'s ``Launches``: an operation that runs a kernel counts once (a product, a
-    copy, a reduction), a view, an allocation and a host read count nothing, and a block program's run counts
+    """``benchmarks/diagnosis/gptq_host_work.py``'s ``Launches``: an operation that runs a kernel counts once (a
+    product, a copy, a reduction), a view, an allocation and a host read count nothing, and a block program's run counts
     once as a graph replay, whatever it holds."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gptq_host_work import Launches
+    from benchmarks.diagnosis.gptq_host_work import Launches
 
     a = torch.arange(16.0).reshape(4, 4)
     launches = Launches()
@@ -362,16 +335,15 @@ def test_host_work_counts_each_launch_once_and_a_block_program_as_one_replay():
 
 
 def test_the_whole_run_is_extrapolated_by_what_grows_with_the_layers(tmp_path):
-    """``gpu_acceptance_moe.pass_figures`` on a made-up run: 3 layers (the first slow, warming up; then 2 s
+    """``benchmarks.acceptance.moe.pass_figures`` on a made-up run: 3 layers (the first slow, warming up; then 2 s
     each), a trace 20 % busy in the first layer and 90 % after, a 40 s run 50 % busy, a 4 s write of which the
     layers are 75 %. Extrapolated to 9 layers: the 6 added layers at 2 s and 90 %, the write's layer part
     twice more; by hand, not by the code's formula. The written layer share comes from the safetensors headers."""
     from datetime import datetime
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from safetensors.torch import save_file
 
-    from gpu_acceptance_moe import layer_bytes_share, pass_figures
+    from benchmarks.acceptance.moe import layer_bytes_share, pass_figures
 
     t0 = 1_800_000_000.0
     ends = [t0 + 5, t0 + 7, t0 + 9]  # layer 0: t0 .. t0+5 (warm-up); layers 1, 2: 2 s each

@@ -6,7 +6,6 @@ Hessians equal ``XᵀX`` computed by hand from the MoE block's inputs; an expert
 fused experts is refused in one line (the other families' packed experts: ``test_moe_export.py``)."""
 import csv
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -247,8 +246,7 @@ def test_gptq_layer_reads_the_host_once_per_factorization_and_once_for_its_log(t
     without waiting); the Hessian every expert's gate/up shares is factored once per layer, not per stack."""
     from recipe_engine.modifiers import _experts, gptq
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from gptq_host_work import HostReads  # what benchmarks/gptq_host_work.py counts
+    from benchmarks.diagnosis.gptq_host_work import HostReads  # what it counts
 
     save_tiny_model(tmp_path / "model", "qwen3_moe", num_hidden_layers=2)
     monkeypatch.setattr(_experts, "STACK_ROWS", 1)  # a stack per expert: 4 gate/up stacks per layer

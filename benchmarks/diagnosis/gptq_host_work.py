@@ -1,7 +1,7 @@
 """The host's share of GPTQ on a mixture-of-experts layer: what it asks of the host per layer, counted on CPU.
 
-    OMP_NUM_THREADS=2 python benchmarks/gptq_host_work.py --work /tmp/hostwork [--shape qwen3-30b-a3b --layers 1
-        --samples 128 --seq-len 256 --batch-size 4] [--out FILE.json]
+    OMP_NUM_THREADS=2 python -m benchmarks.diagnosis.gptq_host_work --work /tmp/hostwork [--shape qwen3-30b-a3b
+        --layers 1 --samples 128 --seq-len 256 --batch-size 4] [--out FILE.json]
 
 On a GPU a layer's expert solves are hundreds of thousands of small kernels; the GPU stays busy only while the
 host queues work faster than the GPU runs it. Three things stop the host from running ahead: a host read of a
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,11 +36,9 @@ from pathlib import Path
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.acceptance.moe import QWEN3_30B_A3B, write_moe_checkpoint
 
-from gpu_acceptance_moe import QWEN3_30B_A3B, write_moe_checkpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 HOST_READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "nonzero", "equal"}
 

@@ -1,4 +1,4 @@
-"""The GPU acceptance's mixture-of-experts leg (``benchmarks/gpu_acceptance.py --legs moe``).
+"""The GPU acceptance's mixture-of-experts leg (``python -m benchmarks.acceptance --legs moe``).
 
   moe   a Qwen3-30B-A3B-shaped bf16 synthetic checkpoint (hidden 2048, 128 experts of width 768, top-8, 32 / 4
         heads of 128; ``--moe-layers`` of its 48 layers, all 128 experts each), streamed through
@@ -31,7 +31,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from gpu_acceptance_carry import GOAL_GPU_BUSY, GOAL_GPU_OVER_ESTIMATE, LegError, busy_between, row
+from benchmarks.acceptance.runs import GOAL_GPU_BUSY, GOAL_GPU_OVER_ESTIMATE, LegError, apply_recipe, busy_between, row
+from benchmarks.acceptance.stream8b import device_estimate
 
 QWEN3_30B_A3B_LAYERS = 48
 QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
@@ -202,9 +203,7 @@ def pass_figures(result: dict, total_layers: int, write_s: float, write_share: f
     return figures
 
 
-def leg_moe(args, work: Path, apply_recipe, device_estimate) -> tuple[dict, list[dict]]:
-    """``apply_recipe`` and ``device_estimate``: gpu_acceptance's (one run in a logged subprocess; the plan's
-    device share)."""
+def leg_moe(args, work: Path) -> tuple[dict, list[dict]]:
     from recipe_engine.sources.models import load_config
 
     started = time.perf_counter()

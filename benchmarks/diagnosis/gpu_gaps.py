@@ -1,7 +1,7 @@
 """Where a GPU waits: the idle gaps between its kernels in a ``recipe apply --profile`` trace, by phase and by the
 host operation running when each gap began.
 
-    python benchmarks/gpu_gaps.py PROFILE_DIR/trace.json [--out gaps.txt]
+    python -m benchmarks.diagnosis.gpu_gaps PROFILE_DIR/trace.json [--out gaps.txt]
 
 ``nvidia-smi`` says how busy a GPU was; this says why it was not. From the profiler's Chrome trace: the device's
 busy time (the union of its kernels, copies and memsets) over the profiled window, and every gap between them,

@@ -7,7 +7,7 @@ measures every model on the same tokens cut into windows of 512 and of 1024 toke
 sample, the code sample: the first ``--tokens`` tokens of each), so a ranking that flips between the two
 lengths shows the positions beyond the calibration length at work.
 
-Run: python benchmarks/window_length_diagnosis.py [--model smollm2-135m] [--methods ReplaceMe FlattenGPT ...]
+Run: python -m benchmarks.diagnosis.window_length [--model smollm2-135m] [--methods ReplaceMe FlattenGPT ...]
 It prints a table and writes benchmarks/results/raw/window_length_<model>.json.
 """
 from __future__ import annotations
@@ -15,14 +15,9 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import sys
-from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from compare_methods import EVALS, RAW  # noqa: E402
-from diagnosis_common import heldout_model, load_dense, parser  # noqa: E402
+from benchmarks.compare_methods import EVALS, RAW
+from benchmarks.diagnosis.common import heldout_model, load_dense, parser
 from recipe_engine.evaluation.perplexity import perplexity  # noqa: E402
 from recipe_engine.sources.text import load_text  # noqa: E402
 

@@ -2,11 +2,11 @@
 wall-clock shares by thread, and for the main thread by the engine phase a sample was in (the innermost
 ``recipe_engine`` frame of a listed phase function) and by the frames under it that held the most samples.
 
-    python benchmarks/host_samples.py SAMPLES.txt [--rate 50] [--under write_checkpoint] [--top 30]
+    python -m benchmarks.diagnosis.host_samples SAMPLES.txt [--rate 50] [--under write_checkpoint] [--top 30]
 
-``gpu_acceptance.py --sample-host PY_SPY`` runs its ``recipe apply`` runs under py-spy and writes this summary
-beside the samples (``host-NAME.txt``): with ``--idle`` a thread waiting on the GPU, a lock or the disk
-is counted, so the shares are of wall time, not of CPU time."""
+``python -m benchmarks.acceptance --sample-host PY_SPY`` runs its ``recipe apply`` runs under py-spy and writes this
+summary beside the samples (``host-NAME.txt``): with ``--idle`` a thread waiting on the GPU, a lock or the disk is
+counted, so the shares are of wall time, not of CPU time."""
 from __future__ import annotations
 
 import argparse

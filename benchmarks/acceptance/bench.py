@@ -1,5 +1,5 @@
-"""The GPU acceptance's serving legs (``benchmarks/gpu_acceptance.py``), on the stream8b leg's output: the
-Llama-3-8B-shaped FlattenGPT + GPTQ W4 g128 checkpoint (32 → 25 layers, compressed-tensors pack-quantized).
+"""The GPU acceptance's bench leg, on the stream8b leg's output: the Llama-3-8B-shaped FlattenGPT + GPTQ W4 g128
+checkpoint (32 → 25 layers, compressed-tensors pack-quantized). Its served timing (``timed``) serves the w4 leg too.
 
   bench  `recipe bench` in its served mode (static KV cache, the decode step compiled as CUDA graphs; batch 64
          × 64-token prompts + 128 new tokens, and batch 1 after a 2048-token prefill) of the dense checkpoint
@@ -7,8 +7,6 @@ Llama-3-8B-shaped FlattenGPT + GPTQ W4 g128 checkpoint (32 → 25 layers, compre
          tokens/s ≥ 0.95 × the weight-bytes limit (dense bytes read per token / the output's, 1.255 for
          32 → 25 with the head) at both batches, the GPU ≥ 90 % busy while decoding, the two invocations
          within 3 %.
-  w4     the packed output itself: its checkpoint bytes ≤ 0.31 × the dense bf16 checkpoint's, and its batch-1
-         decode tokens/s (PyTorch's int4 kernel) ≥ 2.0 × dense.
 """
 from __future__ import annotations
 
@@ -18,14 +16,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from gpu_acceptance_carry import LegError, row, run_logged
+from benchmarks.acceptance.runs import LegError, row, run_logged
+from benchmarks.acceptance.stream8b import STREAM8B_STATE
 
-STREAM8B_STATE = "stream8b-output.json"  # in the stream8b leg's work directory: its checkpoints for bench and w4
 GOAL_OF_LIMIT = 0.95        # tokens/s of the 25 layers against the weight-bytes limit
 GOAL_DECODE_BUSY = 0.90     # the GPU's busy share while decoding
 GOAL_REPEATABLE = 0.03      # two invocations' tokens/s apart at most
-GOAL_W4_BYTES = 0.31        # packed checkpoint / dense bf16 checkpoint
-GOAL_W4_DECODE = 2.0        # batch-1 decode tokens/s, packed / dense
 
 
 def stream8b_outputs(work: Path, state: dict) -> dict:
@@ -111,23 +107,3 @@ def leg_bench(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
     rows.append(row("bench", "two invocations' median tokens/s apart (worst model and request)", round(apart, 4), "",
                     f"<= {GOAL_REPEATABLE}", apart <= GOAL_REPEATABLE if on_gpu else None))
     return figures, rows
-
-
-def leg_w4(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
-    from recipe_engine.sources.sizes import checkpoint_bytes
-
-    outputs = stream8b_outputs(work, state)
-    dense, packed = outputs["dense"], outputs["compressed"]
-    size = checkpoint_bytes(packed) / checkpoint_bytes(dense)
-    record = timed(args, work, "w4", dense, packed, ("latency",))
-    ratio = record["ratio_b_over_a"]["latency"]["decode_tokens_per_s_median"]
-    limit = 1 / record["ratio_b_over_a"]["bytes_per_token"]
-    on_gpu = args.device.startswith("cuda")
-    figures = {"checkpoint_bytes": [checkpoint_bytes(dense), checkpoint_bytes(packed)], "bytes_ratio": size,
-               "decode_ratio": ratio, "limit": limit, "weights": [m["weights"] for m in record["models"]],
-               "decode_tokens_per_s": [m["requests"]["latency"]["decode_tokens_per_s"] for m in record["models"]]}
-    return figures, [
-        row("w4", "packed W4 g128 checkpoint bytes / dense bf16", round(size, 4), "x", f"<= {GOAL_W4_BYTES}",
-            size <= GOAL_W4_BYTES if not args.tiny else None),
-        row("w4", f"batch-1 decode tokens/s, packed W4 (int4 kernel) / dense (bytes limit {limit:.2f})",
-            round(ratio, 3), "x", f">= {GOAL_W4_DECODE}", ratio >= GOAL_W4_DECODE if on_gpu else None)]

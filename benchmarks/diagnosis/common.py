@@ -8,7 +8,7 @@ import copy
 import torch
 
 import recipe_engine
-from compare_methods import CALIBRATIONS, MODELS, methods
+from benchmarks.compare_methods import CALIBRATIONS, MODELS, methods
 from recipe_engine.sources.models import load_model
 
 

@@ -1,7 +1,5 @@
-"""The GPU acceptance's set-up and processes (``benchmarks/gpu_acceptance.py``): what a lent machine lacks,
-carried there and unpacked (``--prepare-carry`` here, ``--carry`` there), each engine run in its own logged
-process under the shared budget, the GPU's utilisation trace, the detached child and its log, and the row a
-leg records per figure."""
+"""The GPU acceptance's set-up (``python -m benchmarks.acceptance``): what a lent machine lacks, carried there and
+unpacked (``--prepare-carry`` here, ``--carry`` there), and the detached child and its log."""
 from __future__ import annotations
 
 import hashlib
@@ -11,11 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULT = "gpu_acceptance.json"
 LOG = "acceptance.log"
 #: where ``--carry`` installs the wheels (``RECIPE_CARRY_SITE`` moves it, e.g. in a test)
@@ -31,9 +28,6 @@ CARRY_WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspecti
 NEEDED = {"torch": "torch", "transformers": "transformers", "pydantic": "pydantic pydantic-core annotated-types "
           "typing-inspection", "yaml": "pyyaml", "safetensors": "safetensors", "accelerate": "accelerate",
           "rich": "rich", "numpy": "numpy", "gguf": "gguf", "compressed_tensors": "compressed-tensors loguru"}
-#: Goals every leg that runs a recipe on the GPU shares: the GPU busy over the run, peak GPU over the plan.
-GOAL_GPU_BUSY = 0.60
-GOAL_GPU_OVER_ESTIMATE = 1.5
 PART_BYTES = 56 * 2**20  # the first GGUF part; the repository (~1.3 MiB) travels beside it under 64 MiB
 
 
@@ -48,7 +42,7 @@ def check_imports() -> str | None:
     if missing:
         wheels = " ".join(dict.fromkeys(w for m in missing for w in NEEDED[m].split()))
         return (f"missing Python packages: {', '.join(missing)}; carry them as wheels ({wheels}): run "
-                f"`python benchmarks/gpu_acceptance.py --prepare-carry .gpu` where pip works and pass "
+                f"`python -m benchmarks.acceptance --prepare-carry .gpu` where pip works and pass "
                 f"`--carry .gpu` here (this file's docstring has the calls)")
     try:
         import recipe_engine.cli  # noqa: F401
@@ -144,127 +138,6 @@ def unpack_carry(directory: Path) -> str:
     return str((b / "tokenizer").resolve())
 
 
-# -- processes ---------------------------------------------------------------------------------------
-class LegError(Exception):
-    """A leg's one-line failure."""
-
-
-#: The repository root whose ``recipe_engine`` every run uses (``--engine``; this one by default): an older
-#: engine's package beside this harness, for an A/B on one lent machine.
-ENGINE = ROOT
-
-
-def engine_env() -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ENGINE), os.environ.get("PYTHONPATH")) if p)}
-    return {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                       "MASTER_PORT")}
-
-
-#: time.monotonic() by which every run must have ended (``--budget``); set by ``gpu_acceptance.run``
-DEADLINE = float("inf")
-
-
-def run_logged(command: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[float, float | None]:
-    """Run ``command`` (output to ``log``), watching its peak RSS; returns (wall seconds, peak MiB).
-    A non-zero exit or the timeout (the smaller of ``timeout`` and what is left of ``--budget``):
-    :class:`LegError` with the log's last line."""
-    import scale
-
-    timeout = min(timeout, DEADLINE - time.monotonic())
-    if timeout <= 0:
-        raise LegError("no time left of --budget")
-    with log.open("w") as out:
-        start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ENGINE,  # -m finds it first
-                                   env=env or engine_env())
-        peak: dict = {}
-        stop = threading.Event()
-        threading.Thread(target=scale._watch_rss, args=(process.pid, peak, stop), daemon=True).start()
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise LegError(f"{' '.join(command[:4])} ... ran past {timeout:.0f} s; see {log}") from None
-        finally:
-            stop.set()
-    if code != 0:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        raise LegError(f"exit {code}: {lines[-1] if lines else '(no output)'} (log {log})")
-    return time.perf_counter() - start, peak.get("hwm_mib")
-
-
-def gpu_trace(path: Path):
-    """``nvidia-smi`` sampling utilisation, power and memory every 0.5 s into ``path`` (None without it)."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    handle = path.open("w")
-    process = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,power.draw,memory.used",
-                                "--format=csv,noheader,nounits", "-lms", "500"], stdout=handle,
-                               stderr=subprocess.DEVNULL)
-    return process, handle, path
-
-
-def stop_trace(sampler) -> float | None:
-    """Stop a :func:`gpu_trace`; the mean utilisation (0–1) of its samples."""
-    if sampler is None:
-        return None
-    process, handle, path = sampler
-    process.terminate()
-    process.wait()
-    handle.close()
-    busy = [utilisation for _, utilisation in trace_samples(path)]
-    return round(sum(busy) / len(busy), 3) if busy else None
-
-
-def trace_samples(path: Path) -> list[tuple[float, float]]:
-    """A :func:`gpu_trace`'s samples as ``(unix seconds, utilisation 0–1)`` (``nvidia-smi`` stamps local time)."""
-    from datetime import datetime
-
-    samples = []
-    for line in path.read_text().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 2 and parts[1].replace(".", "", 1).isdigit():
-            try:
-                stamp = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            except ValueError:
-                continue
-            samples.append((stamp, float(parts[1]) / 100))
-    return samples
-
-
-def busy_between(path: Path | None, start: float, end: float) -> tuple[float | None, float]:
-    """The mean utilisation of a trace's samples between the unix times ``start`` and ``end``, and the busy
-    seconds in that window (the mean times its length); ``(None, 0.0)`` without samples there."""
-    if path is None or not path.is_file():
-        return None, 0.0
-    inside = [busy for stamp, busy in trace_samples(path) if start <= stamp <= end]
-    if not inside:
-        return None, 0.0
-    mean = sum(inside) / len(inside)
-    return round(mean, 3), mean * (end - start)
-
-
-def disk_write_speed(directory: Path, mib: int = 256) -> float:
-    """MB/s of writing ``mib`` MiB to ``directory`` and syncing it (the machine's disk write-back speed)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / ".write-speed"
-    block = os.urandom(2**20)
-    started = time.perf_counter()
-    with path.open("wb") as handle:
-        for _ in range(mib):
-            handle.write(block)
-        handle.flush()
-        os.fsync(handle.fileno())
-    seconds = time.perf_counter() - started
-    path.unlink()
-    return round(mib * 2**20 / seconds / 1e6, 1)
-
-
-def row(leg: str, figure: str, value, unit: str, goal: str, met: bool | None, **extra) -> dict:
-    return {"leg": leg, "figure": figure, "value": value, "unit": unit, "goal": goal, "met": met, **extra}
-
-
 # -- the detached run ---------------------------------------------------------------------------------
 def follow(out: Path, seconds: float) -> int:
     """Print the detached run's log as it grows until it finishes (its table) or ``seconds`` pass (exit 75)."""
@@ -280,7 +153,7 @@ def follow(out: Path, seconds: float) -> int:
         if result.is_file() and json.loads(result.read_text()).get("complete"):
             return 0
         if time.monotonic() > deadline:
-            print(f"\n(still running; follow again: python3 benchmarks/gpu_acceptance.py --out {out} --follow N)")
+            print(f"\n(still running; follow again: python3 -m benchmarks.acceptance --out {out} --follow N)")
             return 75
         time.sleep(5)
 
@@ -303,12 +176,12 @@ def child_arguments(argv: list[str], tokenizer: str | None) -> list[str]:
     return keep + (["--tokenizer", tokenizer] if tokenizer else [])
 
 
-def detach(script: Path, argv: list[str], out: Path, tokenizer: str | None, seconds: float) -> int:
-    """Run ``script`` with :func:`child_arguments` in a new process session (it outlives this call; its log is
-    ``OUT/acceptance.log``), then :func:`follow` it for ``seconds``."""
+def detach(argv: list[str], out: Path, tokenizer: str | None, seconds: float) -> int:
+    """Run ``python -m benchmarks.acceptance`` with :func:`child_arguments` in a new process session (it outlives
+    this call; its log is ``OUT/acceptance.log``), then :func:`follow` it for ``seconds``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULT).unlink(missing_ok=True)
     with (out / LOG).open("w") as log:
-        subprocess.Popen([sys.executable, "-u", str(script), *child_arguments(argv, tokenizer)], stdout=log,
-                         stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=os.environ)
+        subprocess.Popen([sys.executable, "-u", "-m", "benchmarks.acceptance", *child_arguments(argv, tokenizer)],
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=os.environ)
     return follow(out, seconds)

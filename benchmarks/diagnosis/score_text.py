@@ -11,7 +11,7 @@ best one (windows as the unit), and the mean KL divergence from the dense model'
 it fits the text. The last column is the held-out protocol's geometric mean over WikiText-2 / C4 / code,
 read from the committed rows, so the three rankings can be compared.
 
-Run: python benchmarks/score_text_diagnosis.py [--model smollm2-135m] [--methods ...] [--extra 64]
+Run: python -m benchmarks.diagnosis.score_text [--model smollm2-135m] [--methods ...] [--extra 64]
 It prints a table and writes benchmarks/results/raw/score_text_<model>.json.
 """
 from __future__ import annotations
@@ -19,15 +19,11 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from compare_methods import CALIBRATIONS, RAW, RESULTS, ROW_FILES  # noqa: E402
-from diagnosis_common import heldout_model, load_dense, parser  # noqa: E402
+from benchmarks.compare_methods import CALIBRATIONS, RAW, RESULTS, ROW_FILES
+from benchmarks.diagnosis.common import heldout_model, load_dense, parser
 from recipe_engine.sources.text import load_text  # noqa: E402
 from recipe_engine.sources.windows import tokenize
 

@@ -17,7 +17,7 @@ the variants below replace *every* pair at once; perplexity is measured on a few
 * ``+heads+mlp+target λ``: then the down_proj refit towards the dense output of the pair (``target:
   original``/``serial`` coincide here) with λ_t = λ × mean eig.
 
-Run: nice -n 10 python benchmarks/flatten_diagnosis.py [--model qwen2.5-0.5b] [--pairs 10,11 13,14 ...]
+Run: nice -n 10 python -m benchmarks.diagnosis.flatten [--model qwen2.5-0.5b] [--pairs 10,11 13,14 ...]
      [--samples 8] [--windows 2 2 4 2]
 (prints a table, writes benchmarks/results/raw/flatten_diagnosis_<model>_s<samples>.json)
 """
@@ -38,7 +38,7 @@ from recipe_engine.sources.windows import sample_windows, tokenize
 from recipe_engine.evaluation.perplexity import make_windows
 from recipe_engine.numerics.linalg import mean_eigenvalue, ridge_compensation, ridge_leverage_scores, set_linear_weight
 
-RESULTS = Path(__file__).parent / "results" / "raw"   # raw output (ignored by git)
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "raw"   # raw output (ignored by git)
 SOURCES = {"wikitext2": ("wikitext2", "test"), "c4": ("c4-sample", "all"), "code": ("code-sample", "all"),
            "wiki-heldout": ("wikipedia-sample", "test")}
 
