@@ -268,7 +268,7 @@ def world_size() -> int:
 def launched_by_torchrun() -> bool:
     """Started by a distributed launcher (torchrun sets ``WORLD_SIZE`` and the rendezvous ``MASTER_ADDR``),
     even with one rank: ``torchrun --nproc-per-node 1`` runs every collective through a one-rank group, so
-    one GPU checks the NCCL path end to end (``benchmarks/gpu_acceptance.py``)."""
+    one GPU checks the NCCL path end to end (``benchmarks/acceptance``)."""
     return "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 

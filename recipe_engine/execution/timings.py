@@ -95,7 +95,7 @@ class Timings:
             return
         self._switch()
         self._stack.append(name)
-        # under --profile the trace marks the phase (benchmarks/gpu_gaps.py charges the GPU's idle gaps to it)
+        # under --profile the trace marks the phase (benchmarks/diagnosis/gpu_gaps.py charges the GPU's idle gaps to it)
         mark = contextlib.nullcontext() if self.profiler is None else torch.profiler.record_function(f"phase:{name}")
         try:
             with mark:
@@ -188,7 +188,7 @@ PROFILE_SCHEDULE = dict(wait=1, warmup=1, active=3, repeat=1)
 def profiled(timings: Timings, directory: Path | None) -> Iterator[None]:
     """``recipe apply --profile DIR``: a ``torch.profiler`` trace of a few layers (``PROFILE_SCHEDULE``, one
     profiler step per timings record) written to ``DIR/trace.json`` (Chrome / Perfetto format; each phase marked
-    ``phase:NAME``, see ``benchmarks/gpu_gaps.py``), and the top operations by host and by device time in
+    ``phase:NAME``, see ``benchmarks/diagnosis/gpu_gaps.py``), and the top operations by host and by device time in
     ``DIR/top_operations.txt``. A no-op without a directory."""
     if directory is None or not timings.enabled:
         yield
