@@ -42,8 +42,8 @@ from .compiled import Plan, compile_plan
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: Host memory a CUDA GPU's runtime adds to a process: a bare process that imported torch and ran a Cholesky
-#: and a matmul on one H200 (torch 2.11, CUDA 13) was resident at 0.85 GiB (``benchmarks/gpu_acceptance_moe
-#: .bare_runtime_host_gib``); counted whole, though the planning process's runtime already holds torch's import.
+#: and a matmul on one H200 (torch 2.11, CUDA 13) was resident at 0.85 GiB (``benchmarks/acceptance/moe.py``'s
+#: ``bare_runtime_host_gib``); counted whole, though the planning process's runtime already holds torch's import.
 ACCELERATOR_RUNTIME_BYTES = int(0.85 * 2**30)
 
 
