@@ -3,11 +3,11 @@ how well the cheap agreement score ranks it.
 
     # one row: a compressed output, its `recipe eval --tasks humaneval --json` record and its
     # `recipe eval --agreement dense.json --json` record
-    python benchmarks/humaneval_frontier.py row "WidthPrune<intermediate_size:3744>" --kind width \\
+    python -m benchmarks.humaneval_frontier row "WidthPrune<intermediate_size:3744>" --kind width \\
         --calibration "code sample" --output OUT --eval OUT.json --agreement OUT.agree.json \\
         --command "recipe apply w20code.yaml && ..." --conditions "..."
     # the rank correlation and the plot (docs/images/humaneval_frontier.png) from the stored rows
-    python benchmarks/humaneval_frontier.py render
+    python -m benchmarks.humaneval_frontier render
 
 Sizes come from the checkpoint's safetensors headers and its small ``weight_shape`` tensors (no weight is
 loaded), **counted as served in bf16**: every floating-point tensor at 2 bytes (the checkpoints hold fp32, the
@@ -33,10 +33,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import rowstore
 
-import rowstore  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "benchmarks" / "results" / "humaneval_frontier.json"
 IMAGE = ROOT / "docs" / "images" / "humaneval_frontier.png"

@@ -1,6 +1,6 @@
 """More bits where a W4 run lost most: GPTQ overrides chosen from its quantization log, under a bits budget.
 
-    python benchmarks/mixed_bits_from_log.py OUT/quantization_log.csv --budget 4.5 [--bits 8] > overrides.yaml
+    python -m benchmarks.mixed_bits_from_log OUT/quantization_log.csv --budget 4.5 [--bits 8] > overrides.yaml
 
 The log of a uniform GPTQ run (``quantization_log.csv``: every linear's ``error``, the relative output error
 ``‖(W − Q) X‖² / ‖W X‖²`` on the calibration inputs) ranks the linears. The units an override can name are those
@@ -15,16 +15,12 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-from pathlib import Path
 
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from recipe_engine.formats import checkpoint_exporter  # noqa: E402
-from recipe_engine.numerics.quantization import Grid  # noqa: E402
+from recipe_engine.formats import checkpoint_exporter
+from recipe_engine.numerics.quantization import Grid
 
 UNITS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
          "o_proj": "o_proj", "down_proj": "down_proj"}

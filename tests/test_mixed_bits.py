@@ -250,7 +250,7 @@ def test_overrides_from_a_log_promote_the_largest_errors_within_the_budget(tmp_p
     weights = sum(r * c for r, c in sizes.values()) * 2
     base = 2 * sum(written(4, r, c) for r, c in sizes.values())
     budget = (base + written(8, 64, 96) - written(4, 64, 96) + written(8, 64, 64) - written(4, 64, 64)) / weights
-    done = subprocess.run([sys.executable, "benchmarks/mixed_bits_from_log.py", str(tmp_path / "log.csv"),
+    done = subprocess.run([sys.executable, "-m", "benchmarks.mixed_bits_from_log", str(tmp_path / "log.csv"),
                            "--budget", str(budget + 1e-9)], capture_output=True, text=True, check=True)
     overrides = yaml.safe_load(done.stdout)["overrides"]
     # down_proj of layer 0 (0.9) and o_proj of layer 1 (0.8) fit; gate/up of layer 0 (0.7) would not
