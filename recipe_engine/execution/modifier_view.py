@@ -23,12 +23,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..architectures.adapters import ArchitectureAdapter
 from ..architectures.shape import ModelShape
-from ..recipe.schema import CalibrationConfig
-from ..system.progress import Progress
 from .activations import Activations
-from .modifier_session import CurrentLayer, PassCounter
+from .modifier_session import CurrentLayer
 from .outputs import RunOutputs
 from .steps import run_steps
 
@@ -36,6 +33,11 @@ if TYPE_CHECKING:
     from ..recipe.modifier import Modifier
     from .session import Session
     from .stats import Statistic
+
+
+def _run_fact(name: str) -> property:
+    """A read-only property of the view returning the run's ``RunContext.<name>``."""
+    return property(lambda view: getattr(view.session.context, name), doc=f"The run's ``{name}``.")
 
 
 class ModifierView:
@@ -47,34 +49,14 @@ class ModifierView:
         #: Report records of the steps this view ran as a branch (``branch``).
         self.records: list[dict[str, Any]] = []
 
-    # -- facts: the run's ----------------------------------------------------------------------
-    @property
-    def tokenizer(self) -> Any:
-        return self.session.context.tokenizer
-
-    @property
-    def adapter(self) -> ArchitectureAdapter:
-        return self.session.context.adapter
-
-    @property
-    def config(self) -> CalibrationConfig:
-        return self.session.context.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.session.context.device
-
-    @property
-    def storage(self) -> torch.device:
-        return self.session.context.storage
-
-    @property
-    def progress(self) -> Progress:
-        return self.session.context.progress
-
-    @property
-    def passes(self) -> PassCounter:
-        return self.session.context.passes
+    # -- facts: the run's (``RunContext``'s; typed in ``ModifierSession``) ----------------------
+    tokenizer = _run_fact("tokenizer")
+    adapter = _run_fact("adapter")
+    config = _run_fact("config")
+    device = _run_fact("device")
+    storage = _run_fact("storage")
+    progress = _run_fact("progress")
+    passes = _run_fact("passes")
 
     # -- facts: the session's ------------------------------------------------------------------
     @property
