@@ -13,7 +13,7 @@ A step's ``result`` stays a JSON object: its keys belong to the modifier, docume
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import field, fields, make_dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -219,41 +219,40 @@ class Report(_Section):
         return self.model_dump_json(indent=2, fallback=str)
 
 
-@dataclass
-class RunReport:
-    """The sections of ``report.json`` as a run makes them (each set when the run reaches it; a resumed run
-    restores ``evaluation`` and sets ``resumed``), made the validated :class:`Report` by :meth:`to_report`."""
+#: ``Report``'s sections that a run keeps as JSON until the end (a resume checkpoint saves them as such).
+_KEPT_AS_JSON = {"evaluation": dict[str, Any], "steps": list[dict[str, Any]], "resumed": dict[str, Any]}
+#: ``Report``'s sections a run knows from its start (``RunReport`` requires them).
+_GIVEN_AT_START = ("recipe", "packages", "device", "dtype", "streamed", "rank", "ranks")
 
-    recipe: RecipeRecord
-    packages: dict[str, str]
-    device: str
-    dtype: str
-    streamed: bool
-    rank: int
-    ranks: int
-    model: ModelRecord | None = None
-    data: DataRecord | None = None
-    before: ModelSize | None = None
-    activations_on: str | None = None
-    evaluation: dict[str, Any] | None = None  # EvaluationRecord's JSON (a resume checkpoint keeps it)
-    steps: list[dict[str, Any]] | None = None
-    after: ModelSize | None = None
-    stock_checkpoint: bool | None = None
-    checkpoints: Checkpoints | None = None
-    calibration_passes: int | None = None
-    calibration_layer_runs: int | None = None
-    calibration_layer_batches: int | None = None
-    stream: StreamRecord | None = None
-    peak_memory: PeakMemory | None = None
-    resumed: dict[str, Any] | None = None
-    export: ExportRecord | None = None
-    weights_sha256: str | None = None
-    notes: list[str] = field(default_factory=list)
 
-    def to_report(self) -> Report:
-        """The finished report (a section never set is left out, as pydantic then requires or defaults it)."""
-        return Report.model_validate({f.name: getattr(self, f.name) for f in fields(self)
-                                      if getattr(self, f.name) is not None})
+def _draft_fields() -> list[tuple]:
+    """``Report``'s sections as dataclass fields: those given at the start required, every other one ``None``
+    until the run reaches it (``notes``: an empty list), with ``Report``'s types."""
+    given, later = [], []
+    for name, info in Report.model_fields.items():
+        if name == "format_version":
+            continue
+        kind = _KEPT_AS_JSON.get(name, info.annotation)
+        if name in _GIVEN_AT_START:
+            given.append((name, kind))
+        elif name == "notes":
+            later.append((name, kind, field(default_factory=list)))
+        else:
+            later.append((name, kind | None, field(default=None)))
+    return given + later
+
+
+def _to_report(self) -> Report:
+    """The finished report (a section never set is left out, as pydantic then requires or defaults it)."""
+    return Report.model_validate({f.name: getattr(self, f.name) for f in fields(self)
+                                  if getattr(self, f.name) is not None})
+
+
+#: The sections of ``report.json`` as a run makes them (each set when the run reaches it; a resumed run restores
+#: ``evaluation`` and sets ``resumed``), made the validated :class:`Report` by ``to_report``: ``Report``'s own
+#: fields (:func:`_draft_fields`), so the two cannot drift apart.
+RunReport = make_dataclass("RunReport", _draft_fields(), namespace={"to_report": _to_report,
+                                                                    "__module__": __name__})
 
 
 def load_report(directory: str | Path) -> Report:
