@@ -139,7 +139,12 @@ def cells(raw: dict, dense: dict | None) -> dict:
 
 
 def add_row(args) -> None:
-    record = json.loads(Path(args.eval).read_text())["generation"]["tasks"]["humaneval"]
+    if args.eval:
+        record = json.loads(Path(args.eval).read_text())["generation"]["tasks"]["humaneval"]
+    elif args.passed is not None:  # measured before, by the HumanEval table's run (named in --conditions)
+        record = {"passed": args.passed, "samples": 164}
+    else:
+        sys.exit("give --eval (a humaneval record) or --passed (pass count measured by another run)")
     raw = {"model": args.name, "kind": args.kind, "calibration": args.calibration, "passed": record["passed"],
            "problems": record["samples"], **checkpoint_sizes(Path(args.output))}
     if args.agreement:
@@ -178,8 +183,9 @@ def rebuild(data: dict) -> None:
     frontier = table(data, TITLE)
     frontier.update(intro=INTRO, columns=[{"key": k, "label": label} for k, label in COLUMNS],
                     rows=[{**cells(r, dense), "run": r["run"]} for r in ordered])
-    frontier["notes"] = [f"pass@1 against the bytes a decoded token reads: "
-                         f"![pass@1 against bytes read per token]({IMAGE.relative_to(ROOT).as_posix()})"]
+    image = (f"pass@1 against the bytes a decoded token reads: "
+             f"![pass@1 against bytes read per token]({IMAGE.relative_to(ROOT).as_posix()})")
+    frontier["notes"] = [image] + [n for n in frontier.get("notes", []) if not n.startswith("pass@1 against")]
     if sum(r.get("nll") is not None for r in raws) >= 3:
         rho, p, n = spearman(raws)
         score = table(data, SCORE_TITLE)
@@ -227,7 +233,9 @@ def main(argv=None) -> None:
     row.add_argument("--kind", required=True, help="dense, depth, width, bits, width + bits, mixed bits, ...")
     row.add_argument("--calibration", default="–")
     row.add_argument("--output", required=True, help="the checkpoint directory")
-    row.add_argument("--eval", required=True, help="its `recipe eval --tasks humaneval --json` record")
+    row.add_argument("--eval", help="its `recipe eval --tasks humaneval --json` record")
+    row.add_argument("--passed", type=int, help="instead of --eval: the problems (of 164) it passed when the "
+                                                "same recipe was measured before (say which run in --conditions)")
     row.add_argument("--agreement", help="its `recipe eval --agreement DENSE.json --json` record")
     row.add_argument("--command", help="the commands that made the row (stored as the run's command)")
     row.add_argument("--conditions", help="what else ran, thread counts")
