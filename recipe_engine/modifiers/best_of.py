@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 
 from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, calibration_nll_bytes,
                                check_scoring_task, check_steps, heldout_agreement, heldout_failures, heldout_reference,
-                               heldout_split, kept_original_sets, parse_step, register, step_to_dict, steps_passes)
+                               heldout_split, kept_original_sets, parse_step, percentage_field, register, share_of,
+                               step_to_dict, steps_passes)
 
 
 class HeldoutScore(BaseModel):
@@ -65,16 +66,16 @@ class SizeBudget(BaseModel):
     @field_validator("parameters")
     @classmethod
     def _count_or_percent(cls, value: int | str | None) -> int | str | None:
-        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            return value
-        if isinstance(value, str) and value.endswith("%") and _positive_float(value[:-1]) \
-                and float(value[:-1]) <= 100:
+        if value is None or isinstance(value, str):
+            return value if value is None else percentage_field(
+                value, what="a parameter count or a percentage", example="80%", up_to_100=True)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
         raise ValueError(f"expected a parameter count or a percentage such as 80%, got {value!r}")
 
     def parameter_limit(self, received: int) -> int | None:
         if isinstance(self.parameters, str):
-            return math.floor(float(self.parameters[:-1]) / 100 * received)
+            return math.floor(share_of(self.parameters, received))
         return self.parameters
 
     def sizes(self, received, final) -> dict[str, Any]:
@@ -93,13 +94,6 @@ class SizeBudget(BaseModel):
         if self.bits_per_weight is not None and sizes["bits_per_weight"] > self.bits_per_weight + 1e-9:
             over.append(f"{sizes['bits_per_weight']:.3f} bits per weight > {self.bits_per_weight:g}")
         return f"over the budget: {'; '.join(over)}" if over else None
-
-
-def _positive_float(text: str) -> bool:
-    try:
-        return float(text) > 0
-    except ValueError:
-        return False
 
 
 def describe(steps: list[Modifier]) -> str:

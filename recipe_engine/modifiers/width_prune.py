@@ -9,8 +9,8 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from recipe_engine.api import (ADAPTERS, InputCovariance, LayerModifier, LayerShape, ModelShape, ModifierSession,
                                Statistic, best_groups_by_error, eq12_group_scores, group_channels, mean_eigenvalue,
-                               reconstruction_error, refit_down_proj, register, ridge_compensation,
-                               ridge_leverage_scores, set_linear_weight, submatrix, target_moments)
+                               percentage_field, reconstruction_error, refit_down_proj, register, ridge_compensation,
+                               ridge_leverage_scores, set_linear_weight, share_of, submatrix, target_moments)
 
 
 class InputMean(Statistic):
@@ -103,15 +103,8 @@ class WidthPrune(LayerModifier):
     @field_validator("parameters", mode="before")
     @classmethod
     def _percentage(cls, value: Any) -> str | None:
-        if value is None:
-            return value
-        try:
-            share = float(value[:-1]) if isinstance(value, str) and value.endswith("%") else -1.0
-        except ValueError:
-            share = -1.0
-        if not 0 < share < 100:
-            raise ValueError(f"expected a percentage of the decoder layers' parameters such as 80%, got {value!r}")
-        return value
+        return value if value is None else percentage_field(
+            value, what="a percentage of the decoder layers' parameters", example="80%")
 
     def mlp_width(self, current: int) -> int:
         """The MLP width every layer keeps, given the config's ``current`` one."""
@@ -125,7 +118,7 @@ class WidthPrune(LayerModifier):
         """The largest multiple of ``multiple_of`` whose layers (with ``heads``/``kv`` when given) hold at most
         ``parameters`` of the decoder layers' parameters of ``shape``: ``Σ_l P(heads, kv, w) ≤ p · Σ_l P_l``."""
         before = sum(shape.layer_parameters(layer) for layer in shape.layers)
-        limit = float(self.parameters[:-1]) / 100 * before
+        limit = share_of(self.parameters, before)
 
         def total(width: int) -> int:
             return sum(shape.layer_parameters(LayerShape(heads or layer.num_heads, kv or layer.num_kv_heads, width,

@@ -32,6 +32,28 @@ class BudgetMarker:
         return "LayerBudget"
 
 
+def percentage(value: Any) -> Fraction | None:
+    """``"20%"`` (or ``"12.5 %"``) as the exact number ``Fraction(20)``; None for anything else. The one reader
+    of percentages in recipes: layer budgets here, BestOf's size budget, WidthPrune's ``parameters``."""
+    match = _PERCENT.match(value) if isinstance(value, str) else None
+    return Fraction(match.group(1)) if match else None
+
+
+def share_of(value: str, total: int) -> Fraction:
+    """``value`` (a percentage) of ``total``, exactly: ``p · total / 100``."""
+    return percentage(value) * total / 100
+
+
+def percentage_field(value: Any, *, what: str, example: str, up_to_100: bool = False) -> str:
+    """A validator's check that ``value`` is a percentage in (0, 100) (``up_to_100``: (0, 100]); returns it
+    written plainly (``"80%"``). ``what``/``example`` name it in the error."""
+    share = percentage(value)
+    if share is None or not 0 < share <= 100 or (share == 100 and not up_to_100):
+        bound = "(0%, 100%]" if up_to_100 else "(0%, 100%)"
+        raise ValueError(f"expected {what} such as {example}, a percentage in {bound}, got {value!r}")
+    return f"{_PERCENT.match(value).group(1)}%"
+
+
 def _valid(value: int | str) -> int | str:
     if isinstance(value, bool):
         raise ValueError("expected a layer count or a percentage such as 20%")
@@ -39,13 +61,7 @@ def _valid(value: int | str) -> int | str:
         if value < 1:
             raise ValueError("a layer count must be at least 1")
         return value
-    match = _PERCENT.match(value)
-    if not match:
-        raise ValueError(f"expected a layer count or a percentage such as 20%, got {value!r}")
-    percent = Fraction(match.group(1))
-    if not 0 < percent < 100:
-        raise ValueError(f"a percentage of layers must lie strictly between 0% and 100%, got {value!r}")
-    return f"{match.group(1)}%"
+    return percentage_field(value, what="a layer count or a percentage of layers", example="20%")
 
 
 #: A number of layers: a count (``6``) or a percentage of the model's decoder layers (``"20%"``).
@@ -56,8 +72,7 @@ def resolve_budget(value: int | str, num_layers: int) -> int:
     """``value`` as a count of layers of a model with ``num_layers`` decoder layers (see the module)."""
     if isinstance(value, int):
         return value
-    percent = Fraction(_PERCENT.match(value).group(1))
-    return math.floor(percent * num_layers / 100 + Fraction(1, 2))
+    return math.floor(share_of(value, num_layers) + Fraction(1, 2))
 
 
 def _is_budget(annotation: Any) -> bool:
