@@ -62,7 +62,12 @@ class Exporter:
         return None
 
     def scale_dtype(self, weight_dtype: torch.dtype) -> torch.dtype | None:
-        """The dtype the file stores scales in (the grid rounds its scales to it), None when not packed."""
+        """The dtype the file stores scales in by default (the grid rounds its scales to it), None when not
+        packed."""
+        return None
+
+    def scale_dtype_problem(self, dtype: torch.dtype) -> str | None:
+        """Why this format cannot store scales in ``dtype`` (a step's ``scale_dtype``), or None."""
         return None
 
     def layout(self, weight: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:

@@ -113,7 +113,7 @@ class CompressedTensors(Exporter):
         grid, groups = record.grid, record.scale.shape[1]
         per_word = 32 // grid.bits
         layout = {"weight_packed": ((rows, math.ceil(columns / per_word)), torch.int32),
-                  "weight_scale": ((rows, groups), weight.dtype),
+                  "weight_scale": ((rows, groups), grid.scale_dtype or weight.dtype),
                   "weight_shape": ((2,), torch.int64)}
         if not grid.sym:
             layout["weight_zero_point"] = ((math.ceil(rows / per_word), groups), torch.int32)
@@ -129,7 +129,7 @@ class CompressedTensors(Exporter):
         grid, offset = record.grid, 2 ** (record.grid.bits - 1)
         codes = grid_codes(name, weight, record)
         packed = {"weight_packed": pack_to_int32((codes - offset).to(torch.int8), grid.bits),
-                  "weight_scale": record.scale.to(codes.device, weight.dtype),
+                  "weight_scale": record.scale.to(codes.device, grid.scale_dtype or weight.dtype),
                   "weight_shape": torch.tensor(list(weight.shape), dtype=torch.int64)}
         if not grid.sym:
             zero = (record.zero.to(codes.device) - offset).to(torch.int8)

@@ -67,6 +67,12 @@ class GPTQv1(Exporter):
     def scale_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         return torch.float16
 
+    def scale_dtype_problem(self, dtype: torch.dtype) -> str | None:
+        if dtype == torch.float16:
+            return None
+        return ("export gptq stores its scales in float16; use scale_dtype: float16 or model "
+                "(or export: compressed-tensors)")
+
     def layout(self, weight: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:
         rows, columns = weight.shape
         groups, bits = record.scale.shape[1], record.grid.bits

@@ -6,6 +6,7 @@ rows of the per-linear log (:data:`LOG_FILE`), and the grids of some linears set
 from __future__ import annotations
 
 import time
+from typing import Literal
 from dataclasses import dataclass
 
 import torch
@@ -301,6 +302,10 @@ class GridParameters(BaseModel):
     overrides: list[Override] = Field([], description=(
         "other grids for some linears: [{layers: [0, -1], targets: [down_proj], bits: 8}]; a linear takes the "
         "last entry naming its layer and role, else the step's grid"))
+    scale_dtype: Literal["model", "bfloat16", "float16"] = Field("model", description=(
+        "the dtype the scales are rounded to and stored in: model (the model's dtype, as llm-compressor "
+        "writes them), or bfloat16/float16: a float32 run writes the 16-bit scales a bf16/fp16 model would "
+        "(4 + 16/group_size bits per weight at 4 bits), exact when the checkpoint is served in that dtype"))
 
     @field_validator("targets")
     @classmethod
@@ -328,8 +333,15 @@ class GridParameters(BaseModel):
     def grid(self, weight_dtype: torch.dtype | None = None, at: tuple[int, int, str] | None = None) -> Grid:
         """The grid (``at``: of the linear ``(layer, layers, role)``, its override's where one names it); with the
         weights' dtype, its scales rounded to what the export stores."""
-        scale_dtype = checkpoint_exporter(self.export).scale_dtype(weight_dtype) if weight_dtype else None
-        return self._grid_of(self.override_for(*at) if at is not None else None, scale_dtype)
+        return self._grid_of(self.override_for(*at) if at is not None else None, self.stored_scale_dtype(weight_dtype))
+
+    def stored_scale_dtype(self, weight_dtype: torch.dtype | None) -> torch.dtype | None:
+        """The dtype the export stores this step's scales in for a model of ``weight_dtype`` (None: unknown)."""
+        if weight_dtype is None:
+            return None
+        if self.scale_dtype != "model":
+            return getattr(torch, self.scale_dtype)
+        return checkpoint_exporter(self.export).scale_dtype(weight_dtype)
 
     def _grid_of(self, entry: Override | None, scale_dtype: torch.dtype | None = None) -> Grid:
         """The grid of one of ``overrides`` (None: the step's): what it leaves out is the step's."""
@@ -388,6 +400,9 @@ class GridParameters(BaseModel):
         problem = exporter.grid_problem(self.bits, self.sym)
         if problem:
             raise self.fail(problem, "bits" if "bits" in problem else "sym")
+        problem = self.scale_dtype != "model" and exporter.scale_dtype_problem(getattr(torch, self.scale_dtype))
+        if problem:
+            raise self.fail(problem, "scale_dtype")
         experts = expert_targets(shape.model_type, self.targets)
         problem = self.quantizes and experts and packed_experts_problem(shape.model_type, experts, self.export,
                                                                          self.sym)
@@ -423,16 +438,16 @@ def _grid_words(grid: Grid, main: Grid | None = None) -> str:
     return words
 
 
-def bits_per_weight(rows: list[dict], export: str, dtype: torch.dtype) -> float:
+def bits_per_weight(rows: list[dict], step: GridParameters, dtype: torch.dtype) -> float:
     """Stored bits per weight of the linears of ``rows`` (the step's :data:`LOG_FILE` rows, values as read back:
-    strings) in ``export`` with model ``dtype``: ``Σ bits of the tensors written for a linear / Σ rows · columns``
-    (``Exporter.stored_bits``: compressed-tensors' codes, scales and zero points as packed)."""
-    exporter = checkpoint_exporter(export)
+    strings) in the step's export with model ``dtype``: ``Σ bits of the tensors written for a linear / Σ rows ·
+    columns`` (``Exporter.stored_bits``: compressed-tensors' codes, scales and zero points as packed)."""
+    exporter = checkpoint_exporter(step.export)
     stored = weights = 0
     for row in rows:
         shape = int(row["rows"]), int(row["columns"])
         grid = Grid(int(row["bits"]), int(row["group_size"]), str(row["sym"]) == "True",
-                    exporter.scale_dtype(dtype))
+                    step.stored_scale_dtype(dtype))
         stored += exporter.stored_bits(shape, grid, dtype)
         weights += shape[0] * shape[1]
     return round(stored / weights, 4) if weights else 0.0

@@ -458,7 +458,7 @@ class GPTQ(GridParameters, LayerModifier):
         rows = session.outputs.rows(LOG_FILE, step=self)  # a resumed run's earlier layers included
         result = {"quantized_linears": len(roles) * len(session.layers), "export": self.export, "log": LOG_FILE,
                   "format": self.format_line(len(session.layers), roles),
-                  "bits_per_weight": bits_per_weight(rows, self.export, session.model.dtype)}
+                  "bits_per_weight": bits_per_weight(rows, self, session.model.dtype)}
         if adapter.expert_roles(self.targets):
             fallbacks = [f"model.layers.{row['layer']}.{row['module']}" for row in rows if row["method"] == FALLBACK]
             experts = sum(adapter.experts.units(layer) for layer in session.layers)

@@ -50,5 +50,5 @@ class Quantize(GridParameters, Modifier):
         roles = session.adapter.module_roles(self.targets, experts=True)
         return {"quantized_linears": count, "export": self.export, "log": LOG_FILE,
                 "format": self.format_line(len(session.layers), roles),
-                "bits_per_weight": bits_per_weight(session.outputs.rows(LOG_FILE, step=self), self.export,
+                "bits_per_weight": bits_per_weight(session.outputs.rows(LOG_FILE, step=self), self,
                                                    session.model.dtype)}
