@@ -45,21 +45,25 @@ SCORE_TITLE = "The agreement score against pass@1"
 DENSE = "dense"
 
 COLUMNS = [("model", "model"), ("kind", "kind"), ("calibration", "calibration"), ("params", "decoder params"),
-           ("bits", "bits / weight (linears)"), ("read_mb", "MB read / token (bf16)"),
+           ("bits", "bits / weight (linears)"), ("written_bits", "bits / weight as written"),
+           ("read_mb", "MB read / token (bf16)"),
            ("checkpoint_mb", "checkpoint MB (bf16)"), ("passed", "passed"), ("share", "share of dense"),
            ("nll", "agreement NLL"), ("agree", "token agreement")]
 INTRO = ("Qwen2.5-Coder-0.5B-Instruct (builtin `qwen2.5-0.5b`), every output measured on all 164 HumanEval "
          "problems (greedy, 300 new tokens, our sandbox; OpenAI's checker agrees on every row). Sizes from the "
          "checkpoint's safetensors headers, counted as served in bf16 (floating-point tensors at 2 bytes, packed "
          "integers as stored): decoder parameters as a share of the dense model's, stored bits per weight of the "
-         "decoder's linears (codes, 16-bit scales, zero points; the checkpoints themselves hold fp32 scales, "
-         "0.125 bits more at groups of 128, which the goal figures below count), and bytes a decode step reads "
+         "decoder's linears (codes, 16-bit scales, zero points) and, beside it, as written in the file (the "
+         "figure the bits goal counts: fp32 scales where a float32 run kept the default `scale_dtype: model`, "
+         "0.125 bits more at groups of 128; `weight_shape` included; unquantized fp32 rows are 32, shown only "
+         "for the rows measured since the column was added), and bytes a decode step reads "
          "(every weight but the input embeddings). Agreement: each model's NLL of the dense model's own "
          "completions of the last 40 problems, and the share of those tokens it would pick greedily "
          "(`recipe eval --agreement dense.json --agreement-problems 40`, one forward per problem, nothing "
          "generated or run). Made by `benchmarks/humaneval_frontier.py`.")
 
 FLOATS = {"F64": 2, "F32": 2, "F16": 2, "BF16": 2}  # bytes per element as served in bf16
+WRITTEN = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # bytes per element in the file
 INTS = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -80,17 +84,17 @@ def checkpoint_sizes(directory: Path) -> dict:
                 if name.endswith(".weight_shape"):
                     shapes[name[:-len(".weight_shape")]] = handle.get_tensor(name).tolist()
 
-    def stored(name: str) -> int:
+    def stored(name: str, floats: dict[str, int] = FLOATS) -> int:
         dtype, shape = tensors[name]
         count = 1
         for size in shape:
             count *= size
-        return count * (FLOATS.get(dtype) or INTS[dtype])
+        return count * (floats.get(dtype) or INTS[dtype])
 
     total = sum(stored(name) for name in tensors)
     embeddings = stored("model.embed_tokens.weight") if "model.embed_tokens.weight" in tensors else 0
     read = total - (0 if tied else embeddings)
-    decoder_parameters, linear_bits, linear_weights = 0, 0, 0
+    decoder_parameters, linear_bits, linear_weights, written_bits = 0, 0, 0, 0
     for name, (dtype, shape) in tensors.items():
         if not name.startswith("model.layers."):
             continue
@@ -102,6 +106,7 @@ def checkpoint_sizes(directory: Path) -> dict:
                 linear_weights += rows * columns
             if part != "weight_shape":
                 linear_bits += 8 * stored(name)
+            written_bits += 8 * stored(name, WRITTEN)
             continue
         count = 1
         for size in shape:
@@ -110,7 +115,9 @@ def checkpoint_sizes(directory: Path) -> dict:
         if part == "weight" and len(shape) == 2:
             linear_weights += count
             linear_bits += 8 * stored(name)
+            written_bits += 8 * stored(name, WRITTEN)
     return {"decoder_parameters": decoder_parameters, "bits_per_weight": linear_bits / linear_weights,
+            "written_bits_per_weight": written_bits / linear_weights,
             "checkpoint_bytes": total, "read_bytes": read}
 
 
@@ -132,6 +139,7 @@ def cells(raw: dict, dense: dict | None) -> dict:
     params = raw["decoder_parameters"] / dense["decoder_parameters"] if dense else 1.0
     return {"model": raw["model"], "kind": raw["kind"], "calibration": raw["calibration"],
             "params": f"{100 * params:.1f} %", "bits": f"{raw['bits_per_weight']:.2f}",
+            "written_bits": f"{raw['written_bits_per_weight']:.2f}" if "written_bits_per_weight" in raw else "–",
             "read_mb": f"{raw['read_bytes'] / 1e6:,.0f}", "checkpoint_mb": f"{raw['checkpoint_bytes'] / 1e6:,.0f}",
             "passed": f"{raw['passed']} / {raw['problems']}", "share": f"{100 * share:.0f} %",
             "nll": "–" if raw.get("nll") is None else f"{raw['nll']:.3f}",

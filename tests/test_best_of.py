@@ -577,3 +577,23 @@ def test_a_step_after_a_budgeted_choice_of_different_shapes_is_refused(tmp_path)
         with pytest.raises(RecipeError, match=why):
             parse_step({"BestOf": {"budget": {"parameters": wrong}, "alternatives": [["ShortGPT<n:1>"],
                                                                                        ["SLEB<n:1>"]]}}, 0)
+
+
+def test_the_card_lists_every_candidate_with_its_size_score_and_fate(tmp_path):
+    """report.json's candidates table and the model card's: one row per alternative, the refused one with its
+    reason, the scored ones with their recorded share and score, the chosen one marked."""
+    model = tiny_model(num_hidden_layers=6, vocab_size=BYTE_VOCAB)
+    alternatives = [["ShortGPT<n:1>"], ["ShortGPT<n:2>"], ["WidthPrune<intermediate_size:48,kv_groups_keep:1>"]]
+    steps = [{"BestOf": {"budget": {"parameters": "70%"}, "alternatives": alternatives, "refit": False}}]
+    recipe_engine.apply(recipe(tmp_path, steps), model=model, tokenizer=byte_tokenizer(), progress=False)
+    result = recipe_engine.load_report(tmp_path / "out").steps[0].result
+    card = (tmp_path / "out" / "README.md").read_text()
+    records = result["alternatives"]
+    assert [row[0] for row in result["table"]["rows"]] == [0, 1, 2]
+    for record, row in zip(records, result["table"]["rows"]):
+        line = next(line for line in card.splitlines() if line.startswith(f"  | {record['alternative']} | "))
+        if "refused" in record:
+            assert record["refused"].split(":")[0] in line and row[4] == ""
+        else:
+            assert f"{100 * record['share_of_parameters']:.2f} %" in line and f"{record['nll']:.4f}" in line
+            assert ("chosen" in line) == (record["alternative"] == result["chosen"])

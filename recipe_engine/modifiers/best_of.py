@@ -406,6 +406,20 @@ class BestOf(Modifier):
                 return record["alternative"]
         return lowest
 
+    def _candidates(self, records: list[dict[str, Any]], chosen: int) -> dict[str, list]:
+        """Every alternative's size and score, or why it was not scored, as the card's table of this step."""
+        key, _, unit = self.score.measure
+        columns = ["alternative", "steps", "decoder parameters", "bits / weight", f"score ({key}, {unit})", ""]
+        rows = []
+        for record in records:
+            share, bits = record.get("share_of_parameters"), record.get("bits_per_weight")
+            score = record.get(key)
+            status = ("chosen" if record["alternative"] == chosen else record.get("refused")
+                      or (f"same as alternative {record['same_as']}" if "same_as" in record else ""))
+            rows.append([record["alternative"], record["steps"], "" if share is None else f"{100 * share:.2f} %",
+                         "" if bits is None else f"{bits:.3f}", "" if score is None else f"{score:.4f}", status])
+        return {"columns": columns, "rows": rows}
+
     def _headline(self, records: list[dict[str, Any]], lowest: int, chosen: int,
                   runner_up: dict[str, Any] | None, tied: list[int]) -> str:
         """One line: what was chosen, its score and its margin (apply's summary prints it under its table)."""
@@ -538,6 +552,7 @@ class BestOf(Modifier):
                 "ppl": records[chosen].get("ppl"), "pass_rate": records[chosen].get("pass_rate"),
                 "agreement_nll": records[chosen].get("agreement_nll"),
                 "runner_up": runner_up, "tied": tied, "headline": headline,
+                "table": self._candidates(records, chosen),
                 "refit": refit, "shared_work": shared,
                 "budget": self.budget.model_dump(mode="json", exclude_none=True) if self.budget else None,
                 "layers": len(session.layers)}

@@ -95,11 +95,21 @@ def _steps(report: Report, directory: Path) -> list[str]:
     for step in report.steps:
         if step.result.get("headline"):
             notes.append(f"- step {step.index} {md(step.modifier)}: {md(step.result['headline'])}")
+        if step.result.get("table"):
+            notes += _result_table(step.result["table"])
         if step.result.get("log") and (directory / step.result["log"]).is_file():
             notes.append(f"- step {step.index} {step.modifier} logged each layer in [`{step.result['log']}`]"
                          f"({step.result['log']})")
     notes += [f"- note: {md(note)}" for note in report.notes]
     return lines + ([""] + notes if notes else [])
+
+
+def _result_table(table: dict[str, list]) -> list[str]:
+    """A step result's ``table`` (``columns``, ``rows``) as an indented Markdown table under its headline."""
+    lines = ["", "  | " + " | ".join(md(c) for c in table["columns"]) + " |",
+             "  |" + "---|" * len(table["columns"])]
+    lines += ["  | " + " | ".join(md(cell) for cell in row) + " |" for row in table["rows"]]
+    return lines + [""]
 
 
 def _sizes(report: Report) -> list[str]:
