@@ -597,3 +597,30 @@ def test_the_card_lists_every_candidate_with_its_size_score_and_fate(tmp_path):
         else:
             assert f"{100 * record['share_of_parameters']:.2f} %" in line and f"{record['nll']:.4f}" in line
             assert ("chosen" in line) == (record["alternative"] == result["chosen"])
+
+
+def test_a_task_score_fits_every_alternative_on_all_windows_as_it_would_run_alone(monkeypatch, tmp_path):
+    """With ``score.task`` no calibration window is held out: the kept model is bit for bit the chosen
+    alternative run alone by a plain recipe on the same calibration (the independent reference), and the
+    refit, which would repeat that run, is skipped with its reason."""
+    from recipe_engine.evaluation.agreement import heldout_reference
+    from recipe_engine.modifiers import best_of
+
+    monkeypatch.delenv("RECIPE_ALLOW_CODE_EVAL", raising=False)
+    model, tokenizer = tiny_model(vocab_size=BYTE_VOCAB, num_hidden_layers=6, seed=1), byte_tokenizer()
+    reference = heldout_reference(copy.deepcopy(model), tokenizer, "humaneval", 2, 6, 8, "cpu")
+    monkeypatch.setattr(best_of, "heldout_reference", lambda *a, **k: reference)
+    alternatives = [["WidthPrune<intermediate_size:48>"], ["ShortGPT<n:2>", "LinearPatch"]]
+    steps = [{"BestOf": {"alternatives": alternatives, "budget": {"parameters": "90%"},
+                         "score": {"task": "humaneval", "by": "agreement", "problems": 2, "max_new_tokens": 6}}}]
+    kept, report = recipe_engine.apply(recipe(tmp_path, steps), model=copy.deepcopy(model), tokenizer=tokenizer,
+                                       write=False, progress=False)
+    result = report.steps[0].result
+    samples = recipe(tmp_path, steps)["calibration"]["samples"]
+    assert result["score"]["fit_windows"] == list(range(samples)) and result["score"]["score_windows"] == []
+    assert "would repeat the chosen one's run" in result["refit"]["skipped"]
+    alone, _ = recipe_engine.apply(recipe(tmp_path, alternatives[result["chosen"]]), model=copy.deepcopy(model),
+                                   tokenizer=tokenizer, write=False, progress=False)
+    assert kept.state_dict().keys() == alone.state_dict().keys()
+    for name, tensor in alone.state_dict().items():
+        assert torch.equal(kept.state_dict()[name], tensor), name

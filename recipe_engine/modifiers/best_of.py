@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
-from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, calibration_nll_bytes,
+from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, WindowSplit, calibration_nll_bytes,
                                check_scoring_task, check_steps, heldout_agreement, heldout_failures, heldout_reference,
                                heldout_split, kept_original_sets, parse_step, percentage_field, register, share_of,
                                step_to_dict, steps_passes)
@@ -156,7 +156,9 @@ class BestOf(Modifier):
     the calibration windows and that model is kept, as cross-validation refits the chosen model on all the
     data: the score windows only decide, so the step gives exactly what the chosen alternative gives run
     alone, with nothing lost to the held-out quarter. ``refit: false`` keeps the fit-window model (no
-    extra run).
+    extra run). With ``score.task`` the task's problems are the held-out set, so no calibration window is
+    held out: every alternative fits on all of them and there is nothing to refit (``refit`` is not run,
+    and the report says so).
 
     Cost: the sum of the alternatives' own costs on the fit windows, plus one pass over the score windows per
     alternative, plus (refit) the winner's own cost once more on all windows; work shared between alternatives
@@ -315,7 +317,7 @@ class BestOf(Modifier):
 
     def check_calibration(self, calibration) -> None:
         try:
-            split = heldout_split(calibration.samples, self._seed(calibration.seed), self.score.fraction)
+            split = self._split(calibration.samples, calibration.seed)
         except ValueError as exc:
             raise self.fail(f"{exc} (calibration.samples)", field="score") from None
         fit = calibration.model_copy(update={"samples": len(split.fit)})
@@ -351,9 +353,9 @@ class BestOf(Modifier):
             own = first.passes(copy.deepcopy(shape)) if key in first_steps else 0
             first_steps.add(key)
             low, high = low + count[0] - (own if isinstance(own, int) else own[0]) + 1, high + count[1] + 1
-        if own_counts and (self.refit or self.score.prefer_earlier_within):
+        if own_counts and (self.refits or self.score.prefer_earlier_within):
             # the refit, or (no refit) the chosen one built again when it is not the lowest score
-            low = low + (min(c[0] for c in own_counts) if self.refit else 0)
+            low = low + (min(c[0] for c in own_counts) if self.refits else 0)
             high = high + max(c[1] for c in own_counts)
         return low, high
 
@@ -386,14 +388,26 @@ class BestOf(Modifier):
         """The most any alternative keeps of the original model's states (``kept_original_sets`` over its
         steps, on the shape this step receives): on the fit windows while the alternatives run, on all of them
         when the chosen one is refitted (an upper bound: the chosen one may keep none)."""
-        if not self.refit:
-            windows = len(heldout_split(windows, 0, self.score.fraction).fit)
+        if not self.refits:
+            windows = len(self._split(windows, 0).fit)
         return max((max(kept_original_sets(steps, shapes, windows, later_reads))
                     for steps, shapes in self._received(shape)), default=0)
 
     # -- run -------------------------------------------------------------------------------------
     def _seed(self, calibration_seed: int) -> int:
         return calibration_seed if self.score.seed is None else self.score.seed
+
+    def _split(self, samples: int, calibration_seed: int) -> WindowSplit:
+        """The fit and score windows: a held-out split for a calibration-NLL score; with ``score.task`` every
+        window fits (the task's problems score) and none is held out."""
+        if self.score.task is not None:
+            return WindowSplit(tuple(range(samples)), ())
+        return heldout_split(samples, self._seed(calibration_seed), self.score.fraction)
+
+    @property
+    def refits(self) -> bool:
+        """Whether the chosen alternative runs again on all windows: ``refit``, unless it already fit on all."""
+        return self.refit and self.score.task is None
 
     def _choose(self, records: list[dict[str, Any]], lowest: int) -> int:
         """The lowest score, or with ``prefer_earlier_within: k`` the first listed alternative whose margin
@@ -492,7 +506,7 @@ class BestOf(Modifier):
         return rate
 
     def apply(self, session) -> dict[str, Any]:
-        split = heldout_split(session.calibration.shape[0], self._seed(session.config.seed), self.score.fraction)
+        split = self._split(session.calibration.shape[0], session.config.seed)
         fit, scored = session.calibration[list(split.fit)], session.calibration[list(split.score)]
         outcomes = self._outcomes(session.shape)
         fit_memo, score_memo = SharedWork(), SharedWork()  # one per set of windows
@@ -528,12 +542,14 @@ class BestOf(Modifier):
         tied = self._tied(records, chosen)
         headline = self._headline(records, lowest, chosen, runner_up, tied)
         session.progress.log(f"BestOf: {headline}")
-        if chosen != lowest and not self.refit:  # the chosen one's fit-window model was freed: build it again
+        if chosen != lowest and not self.refits:  # the chosen one's fit-window model was freed: build it again
             branch = best = None
             gc.collect()
             branch = session.branch(fit, self.alternatives[chosen], memo=fit_memo)
-        refit = None
-        if self.refit:
+        refit = None if self.refits or not self.refit else {
+            "skipped": f"the alternatives fit on all {session.calibration.shape[0]} calibration windows (the score "
+                       f"is {self.score.task}'s), so a refit would repeat the chosen one's run"}
+        if self.refits:
             branch = best = None  # the fit-window model is freed before the refit copies the model
             gc.collect()
             started, passes = time.perf_counter(), session.passes.value
