@@ -55,8 +55,8 @@ INTRO = ("Qwen2.5-Coder-0.5B-Instruct (builtin `qwen2.5-0.5b`), every output mea
          "integers as stored): decoder parameters as a share of the dense model's, stored bits per weight of the "
          "decoder's linears (codes, 16-bit scales, zero points) and, beside it, as written in the file (the "
          "figure the bits goal counts: fp32 scales where a float32 run kept the default `scale_dtype: model`, "
-         "0.125 bits more at groups of 128; `weight_shape` included; unquantized fp32 rows are 32, shown only "
-         "for the rows measured since the column was added), and bytes a decode step reads "
+         "0.125 bits more at groups of 128; as the report's `bits_per_weight`; unquantized fp32 rows are 32, "
+         "shown only for the rows measured since the column was added), and bytes a decode step reads "
          "(every weight but the input embeddings). Agreement: each model's NLL of the dense model's own "
          "completions of the last 40 problems, and the share of those tokens it would pick greedily "
          "(`recipe eval --agreement dense.json --agreement-problems 40`, one forward per problem, nothing "
@@ -104,9 +104,9 @@ def checkpoint_sizes(directory: Path) -> dict:
                 rows, columns = shapes[module]
                 decoder_parameters += rows * columns
                 linear_weights += rows * columns
-            if part != "weight_shape":
+            if part != "weight_shape":  # a shape record, not the weight (``Exporter.metadata``)
                 linear_bits += 8 * stored(name)
-            written_bits += 8 * stored(name, WRITTEN)
+                written_bits += 8 * stored(name, WRITTEN)
             continue
         count = 1
         for size in shape:

@@ -69,16 +69,18 @@ def test_malformed_overrides_are_refused_by_the_schema_in_one_line(tmp_path, ent
 
 
 def packed_bytes(directory) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
-    """Bytes of every packed linear's tensors in the file, and its weight shape, by module name."""
+    """Bytes of every packed linear's weight tensors in the file (codes, scales, zero points; not the
+    ``weight_shape`` record), and its weight shape, by module name."""
     sizes, shapes = {}, {}
     with safe_open(str(directory / "model.safetensors"), "pt") as handle:
         for key in handle.keys():
             module, _, suffix = key.rpartition(".")
             if suffix.startswith("weight_"):
                 tensor = handle.get_tensor(key)
-                sizes[module] = sizes.get(module, 0) + tensor.numel() * tensor.element_size()
                 if suffix == "weight_shape":
                     shapes[module] = tuple(tensor.tolist())
+                else:
+                    sizes[module] = sizes.get(module, 0) + tensor.numel() * tensor.element_size()
     return sizes, shapes
 
 
@@ -162,7 +164,7 @@ def test_quantize_takes_overrides_and_its_output_loads_in_transformers(tmp_path)
 
 def test_without_overrides_one_group_and_the_grid_bits_per_weight(tmp_path):
     """No overrides: one config group targeting Linear, as before; int4 in groups of 32 with fp32 scales is
-    4 + 32/32 bits per weight, plus each linear's 16-byte weight_shape."""
+    4 + 32/32 bits per weight (each linear's 16-byte weight_shape records its shape, not its weight)."""
     out, report = recipe_engine.apply(recipe(tmp_path, ["Quantize<group_size:32>"]), model=tiny_model(),
                                       tokenizer=CharTokenizer(), progress=False)
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
@@ -171,7 +173,7 @@ def test_without_overrides_one_group_and_the_grid_bits_per_weight(tmp_path):
     assert result["format"] == "int4 symmetric, groups of 32 columns, packed (compressed-tensors)"
     shapes = [tuple(out.get_submodule(f"model.layers.{i}.{m}").weight.shape) for i in range(4) for m in LINEARS]
     weights = sum(r * c for r, c in shapes)
-    assert result["bits_per_weight"] == round((5 * weights + 128 * len(shapes)) / weights, 4)
+    assert result["bits_per_weight"] == sum(4 * r * c + 32 * r * (c // 32) for r, c in shapes) / weights == 5.0
 
 
 def test_a_mixed_checkpoint_is_carried_byte_for_byte_and_refused_by_the_int4_bench(tmp_path):
@@ -224,7 +226,7 @@ def test_the_symbolic_bits_count_unquantized_linears_in_the_model_dtype_and_boun
 
 def test_overrides_from_a_log_promote_the_largest_errors_within_the_budget(tmp_path):
     """benchmarks/mixed_bits_from_log.py on a log of 2 layers: units by error, largest first, each promoted to
-    W8 while the average written bits (codes, fp32 scales per group of 32, the 128-bit weight_shape) stays within
+    W8 while the average written bits (codes, fp32 scales per group of 32) stays within
     the budget, recounted here from the layout."""
     import csv
     import subprocess
@@ -245,7 +247,7 @@ def test_overrides_from_a_log_promote_the_largest_errors_within_the_budget(tmp_p
         writer.writerows(rows)
 
     def written(bits, r, c):
-        return r * c * bits + r * (c // 32) * 32 + 128
+        return r * c * bits + r * (c // 32) * 32
 
     weights = sum(r * c for r, c in sizes.values()) * 2
     base = 2 * sum(written(4, r, c) for r, c in sizes.values())

@@ -26,12 +26,12 @@ def test_bfloat16_scales_from_a_float32_run_are_written_counted_and_loaded(tmp_p
         scales = {key: handle.get_tensor(key) for key in handle.keys() if key.endswith(".weight_scale")}
     assert len(scales) == 4 * len(LINEARS) and {s.dtype for s in scales.values()} == {torch.bfloat16}
 
-    # bits per weight: 4 + 16/32 plus each linear's 16-byte weight_shape, equal to the bytes in the file and to
-    # the validation's symbolic figure
+    # bits per weight: 4 + 16/32, equal to the bytes of the weight tensors in the file and to the validation's
+    # symbolic figure
     sizes, shapes = packed_bytes(directory)
     weights = sum(r * c for r, c in shapes.values())
     written = 8 * sum(sizes.values()) / weights
-    assert written == pytest.approx((4.5 * weights + 128 * len(shapes)) / weights, rel=1e-12)
+    assert written == 4.5
     assert report.steps[0].result["bits_per_weight"] == round(written, 4)
     planned = check_against_config(recipe_from_dict(recipe(tmp_path, [step])), tiny_config()).linear_bits
     assert planned == pytest.approx(written, rel=1e-12)

@@ -45,6 +45,8 @@ class Exporter:
     suffixes: ClassVar[tuple[str, ...]] = ()
     #: Those of :attr:`suffixes` that :meth:`record` reads (not the packed codes).
     record_parts: ClassVar[tuple[str, ...]] = ()
+    #: suffixes of :attr:`suffixes` that record a linear's shape, not its weight (not counted in its bits)
+    metadata: ClassVar[tuple[str, ...]] = ()
     #: File formats: the accepted ``type`` values (the first is the default) and the default file name.
     types: ClassVar[tuple[str, ...]] = ()
     default_file: ClassVar[str] = ""
@@ -79,9 +81,9 @@ class Exporter:
         raise NotImplementedError
 
     def stored_bits(self, shape: tuple[int, int], grid: Grid, dtype: torch.dtype) -> int:
-        """Bits the file holds for one quantized linear of ``shape`` on ``grid`` in a model of ``dtype``: those of
-        the tensors of :meth:`layout` (``numel · element bits``), or every weight in ``dtype`` where the format
-        does not pack."""
+        """Bits the file holds for one quantized linear's weight of ``shape`` on ``grid`` in a model of
+        ``dtype``: those of the tensors of :meth:`layout` (``numel · element bits``) but the shape records of
+        :attr:`metadata`, or every weight in ``dtype`` where the format does not pack."""
         rows, columns = shape
         if not self.packs:
             return rows * columns * torch.finfo(dtype).bits
@@ -89,7 +91,7 @@ class Exporter:
         record = QuantizedLinear(grid, torch.empty(rows, groups, device="meta"),
                                  torch.empty(rows, groups, dtype=torch.int16, device="meta"), self.name)
         layout = self.layout(torch.empty(rows, columns, dtype=dtype, device="meta"), record)
-        return sum(t.numel() * t.element_size() * 8 for t in layout.values())
+        return sum(t.numel() * t.element_size() * 8 for key, t in layout.items() if key not in self.metadata)
 
     def quantization_config(self, grids: dict[str, Grid], ignore: list[str]) -> dict:
         """``config.json``'s ``quantization_config`` for the packed linears ``grids`` (on-disk module name →

@@ -93,6 +93,7 @@ class CompressedTensors(Exporter):
     leaves_linears_out = True  # quantization_config's ignore
     suffixes = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
     record_parts = ("weight_scale", "weight_zero_point")
+    metadata = ("weight_shape",)
 
     def grid_problem(self, bits: int, sym: bool) -> str | None:
         return None if bits in (4, 8) else f"compressed-tensors export needs bits 4 or 8 (got {bits})"
