@@ -25,7 +25,7 @@ import torch
 
 from ..errors import RecipeError
 from ..records.evaluation import Evaluation
-from .generation import _forward_options, generate
+from .generation import forward_options, generate
 from .generation_tasks import TASKS
 
 
@@ -59,8 +59,8 @@ def reference_completions(model, tokenizer, task: str, problems: list, max_new_t
 
 def _forward_logits(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
     """The logits of the last ``keep`` positions of one sequence ``ids`` [1, n] (only those computed where the
-    forward takes ``logits_to_keep``: ``generation._forward_options``)."""
-    supported, _ = _forward_options(model)
+    forward takes ``logits_to_keep``: ``generation.forward_options``)."""
+    supported, _ = forward_options(model)
     if supported:
         return model(input_ids=ids, logits_to_keep=keep).logits[0]
     return model(input_ids=ids).logits[0, -keep:]

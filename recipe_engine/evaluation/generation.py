@@ -41,13 +41,13 @@ def cut(text: str, stop: tuple[str, ...]) -> str:
     return text[:min(ends)] if ends else text
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
+def eos_ids(model, tokenizer) -> list[int]:
     ids = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
     ids = ids if ids is not None else tokenizer.eos_token_id
     return [ids] if isinstance(ids, int) else list(ids or [])
 
 
-def _forward_options(model) -> tuple[dict, str]:
+def forward_options(model) -> tuple[dict, str]:
     """``logits_to_keep=1`` where the model's forward takes it (the prompt's other positions need no logits),
     and the name of its KV-cache argument and output (``cache`` in recent transformers, ``past_key_values`` in
     5.17 and earlier)."""
@@ -65,7 +65,7 @@ def greedy_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ma
     (their generated ``tokens``) have finished; a finished row (or one that emitted ``eos``) leaves
     the batch and its KV-cache rows are dropped. Positions as ``generate``'s: ``cumsum(mask) − 1``.
     ``alive(tokens_so_far, running)`` is called after each step (progress)."""
-    extra, cache_name = _forward_options(model)
+    extra, cache_name = forward_options(model)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                 **extra)
@@ -105,7 +105,7 @@ def generate(model, tokenizer, prompts: list[str], stop: tuple[str, ...], max_ne
              device, progress=None, label: str = "generation") -> list[str]:
     """Greedy completions of ``prompts`` (in their order), cut at ``stop``; with ``progress``, a line every
     ``interval_s()`` seconds (tokens generated, rows still running) so a long batch shows it is alive."""
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     pad_token, side = tokenizer.pad_token, tokenizer.padding_side
     if pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

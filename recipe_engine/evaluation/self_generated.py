@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from ..sources.windows import fingerprint
 from ..sources.packages import cache_root
-from .generation import _eos_ids, _forward_options
+from .generation import eos_ids, forward_options
 
 FORMAT = 1
 
@@ -63,7 +63,7 @@ def _next_tokens(logits: torch.Tensor, eos: list[int], temperature: float, gener
 def complete(model, prompts: torch.Tensor, new_tokens: int, temperature: float, batch_size: int, seed: int,
              eos: list[int], progress=None) -> torch.Tensor:
     """``prompts`` (equal lengths) each followed by ``new_tokens`` tokens the model writes."""
-    extra, cache_name = _forward_options(model)
+    extra, cache_name = forward_options(model)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -108,7 +108,7 @@ def self_generated_windows(model, tokenizer, windows: torch.Tensor, config, seed
         model.eval()
         try:
             written = complete(model, prompts, new_tokens, config.temperature, config.batch_size, seed,
-                               _eos_ids(model, tokenizer), progress)
+                               eos_ids(model, tokenizer), progress)
         finally:
             model.train(was_training)
         path.parent.mkdir(parents=True, exist_ok=True)

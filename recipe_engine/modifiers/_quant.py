@@ -335,13 +335,16 @@ class GridParameters(BaseModel):
         weights' dtype, its scales rounded to what the export stores."""
         return self._grid_of(self.override_for(*at) if at is not None else None, self.stored_scale_dtype(weight_dtype))
 
+    @property
+    def requested_scale_dtype(self) -> torch.dtype | None:
+        """``scale_dtype`` as a torch dtype; None for ``model`` (the export's default for the model dtype)."""
+        return None if self.scale_dtype == "model" else getattr(torch, self.scale_dtype)
+
     def stored_scale_dtype(self, weight_dtype: torch.dtype | None) -> torch.dtype | None:
         """The dtype the export stores this step's scales in for a model of ``weight_dtype`` (None: unknown)."""
         if weight_dtype is None:
             return None
-        if self.scale_dtype != "model":
-            return getattr(torch, self.scale_dtype)
-        return checkpoint_exporter(self.export).scale_dtype(weight_dtype)
+        return self.requested_scale_dtype or checkpoint_exporter(self.export).scale_dtype(weight_dtype)
 
     def _grid_of(self, entry: Override | None, scale_dtype: torch.dtype | None = None) -> Grid:
         """The grid of one of ``overrides`` (None: the step's): what it leaves out is the step's."""
@@ -400,7 +403,7 @@ class GridParameters(BaseModel):
         problem = exporter.grid_problem(self.bits, self.sym)
         if problem:
             raise self.fail(problem, "bits" if "bits" in problem else "sym")
-        problem = self.scale_dtype != "model" and exporter.scale_dtype_problem(getattr(torch, self.scale_dtype))
+        problem = self.requested_scale_dtype and exporter.scale_dtype_problem(self.requested_scale_dtype)
         if problem:
             raise self.fail(problem, "scale_dtype")
         experts = expert_targets(shape.model_type, self.targets)

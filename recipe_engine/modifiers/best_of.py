@@ -546,9 +546,10 @@ class BestOf(Modifier):
             branch = best = None
             gc.collect()
             branch = session.branch(fit, self.alternatives[chosen], memo=fit_memo)
-        refit = None if self.refits or not self.refit else {
-            "skipped": f"the alternatives fit on all {session.calibration.shape[0]} calibration windows (the score "
-                       f"is {self.score.task}'s), so a refit would repeat the chosen one's run"}
+        refit = None
+        if self.refit and not self.refits:  # asked for, but every alternative already fit on all windows
+            refit = {"skipped": f"the alternatives fit on all {session.calibration.shape[0]} calibration windows "
+                                f"(the score is {self.score.task}'s), so a refit would repeat the chosen one's run"}
         if self.refits:
             branch = best = None  # the fit-window model is freed before the refit copies the model
             gc.collect()
