@@ -64,7 +64,7 @@ from .numerics.linalg import (heldout_ridge_scale, lower_triangular_inverse, mea
 from .numerics.ops import fold_norm_into, top_k_kl
 from .numerics.quantization import Grid
 from .plan.steps import steps_passes
-from .recipe.budget import LayerBudget, budget_field, percentage_field, share_of
+from .recipe.budget import LayerBudget, budget_field, byte_count, percentage, percentage_field, share_of
 from .recipe.modifier import LayerModifier, Modifier, calibration_nll_bytes, kept_original_sets
 from .recipe.registry import register
 from .recipe.schema import parse_step, step_to_dict
@@ -72,7 +72,7 @@ from .recipe.split import SCORE_FRACTION, WindowSplit, heldout_split
 from .recipe.validate import check_steps
 
 __all__ = ["check_scoring_task", "heldout_failures", "heldout_agreement", "heldout_reference", "kept_original_sets",
-           "LayerBudget", "budget_field", "percentage_field", "share_of", "SharedWork",
+           "LayerBudget", "budget_field", "byte_count", "percentage", "percentage_field", "share_of", "SharedWork",
            "steps_passes", "parse_step", "step_to_dict", "SCORE_FRACTION", "calibration_nll_bytes", "WindowSplit",
            "heldout_split", "check_steps", "ADAPTERS", "FUSED_ROLES", "UNFUSED_ROLES", "install_linear",
            "replace_linear", "roles_problem", "Grid", "checkpoint_exporter", "checkpoint_formats", "InputCovariance",

@@ -564,6 +564,49 @@ def test_a_budget_refuses_what_is_over_it_and_lets_sizes_differ(tmp_path):
     assert len(sizes) == 2  # different shapes, allowed under a budget
 
 
+def written_layer_bytes(directory) -> int:
+    """Bytes of the decoder layers' tensors in a written checkpoint, read from the safetensors headers (the
+    budget's independent reference); compressed-tensors' ``weight_shape`` records (a linear's shape, not its
+    weight) are left out, as bits per weight leaves them out."""
+    total = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        total += sum(entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()
+                     if name.startswith("model.layers.") and not name.endswith("weight_shape"))
+    return total
+
+
+@pytest.mark.parametrize("kept", ["ShortGPT<n:4>", "GPTQ<bits:4,group_size:16>"])
+def test_a_weight_bytes_budget_is_the_written_layers_bytes(tmp_path, kept):
+    """``budget.weight_bytes: 50%`` on six fp32 layers: one layer cut (83 %) is refused with its figures; a
+    depth cut (fp32) and a 4-bit quantization (codes, scales and zero points) fit, and the recorded bytes of
+    the kept one are those of the decoder-layer tensors in the checkpoint written, its share of those of the
+    model received counted on that model."""
+    model = tiny_model(num_hidden_layers=6, vocab_size=BYTE_VOCAB)
+    before = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    steps = [{"BestOf": {"budget": {"weight_bytes": "50%"}, "alternatives": [["ShortGPT<n:1>"], [kept]],
+                         "refit": False}}]
+    recipe_engine.apply(recipe(tmp_path, steps), model=model, tokenizer=byte_tokenizer(), progress=False)
+    result = recipe_engine.load_report(tmp_path / "out").steps[0].result
+    refused = result["alternatives"][0]["refused"]
+    assert refused.startswith("over the budget: ") and "bytes of decoder-layer weights (83.33 %)" in refused
+    assert f"> {before // 2:,} (50%)" in refused
+    chosen = result["alternatives"][1]
+    assert result["chosen"] == 1 and chosen["decoder_weight_bytes"] == written_layer_bytes(tmp_path / "out")
+    assert chosen["share_of_weight_bytes"] == pytest.approx(chosen["decoder_weight_bytes"] / before)
+    assert chosen["share_of_weight_bytes"] <= 0.5
+    assert f"{chosen['decoder_weight_bytes'] / 1e6:,.1f} MB" in result["table"]["rows"][1]
+
+
+@pytest.mark.parametrize("wrong", ["120%", "0MB", "4 XB", 0, "x"])
+def test_a_weight_bytes_budget_refuses_what_is_not_a_size_in_one_line(wrong):
+    with pytest.raises(RecipeError, match="byte count") as caught:
+        parse_step({"BestOf": {"budget": {"weight_bytes": wrong}, "alternatives": [["ShortGPT<n:1>"],
+                                                                                  ["SLEB<n:1>"]]}}, 0)
+    assert "\n" not in str(caught.value)
+
+
 def test_a_step_after_a_budgeted_choice_of_different_shapes_is_refused(tmp_path):
     steps = [{"BestOf": {"budget": {"parameters": "70%"}, "alternatives": [
         ["ShortGPT<n:2>"], ["WidthPrune<intermediate_size:48,kv_groups_keep:1>"]]}}, "GPTQ<bits:4,group_size:16>"]
@@ -593,7 +636,7 @@ def test_the_card_lists_every_candidate_with_its_size_score_and_fate(tmp_path):
     for record, row in zip(records, result["table"]["rows"]):
         line = next(line for line in card.splitlines() if line.startswith(f"  | {record['alternative']} | "))
         if "refused" in record:
-            assert record["refused"].split(":")[0] in line and row[4] == ""
+            assert record["refused"].split(":")[0] in line and row[5] == "" and row[4] == ""
         else:
             assert f"{100 * record['share_of_parameters']:.2f} %" in line and f"{record['nll']:.4f}" in line
             assert ("chosen" in line) == (record["alternative"] == result["chosen"])

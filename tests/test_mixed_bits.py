@@ -203,18 +203,23 @@ def test_a_mixed_checkpoint_is_carried_byte_for_byte_and_refused_by_the_int4_ben
     assert "\n" not in str(error.value)
 
 
-def test_the_symbolic_bits_count_unquantized_linears_in_the_model_dtype_and_bound_a_budget(tmp_path):
-    """GPTQ on the MLP only: its linears at their grid's written bits, attention's at 32 (fp32), as the
-    file holds them; a BestOf bits budget refuses what is over it with the figure."""
+@pytest.mark.parametrize("dtype,dense_bits", [("float32", 32), ("bfloat16", 16)])
+def test_the_symbolic_bits_count_unquantized_linears_in_the_model_dtype_and_bound_a_budget(tmp_path, dtype,
+                                                                                            dense_bits):
+    """GPTQ on the MLP only: its linears at their grid's written bits (a bfloat16 run's scales in bfloat16),
+    attention's in the recipe's dtype, as the file holds them; a BestOf bits budget refuses what is over it
+    with the figure."""
     step = {"GPTQ": {"bits": 4, "group_size": 32, "targets": ["gate_proj", "up_proj", "down_proj"]}}
-    recipe_engine.apply(recipe(tmp_path, [step]), model=tiny_model(), tokenizer=CharTokenizer(), progress=False)
+    model = tiny_model().to(getattr(torch, dtype))  # an in-memory model runs in its own dtype
+    recipe_engine.apply(recipe(tmp_path, [step], dtype=dtype), model=model, tokenizer=CharTokenizer(), progress=False)
     sizes, shapes = packed_bytes(tmp_path / "out")
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as handle:
         dense = {k: handle.get_slice(k).get_shape() for k in handle.keys()
                  if k.startswith("model.layers.") and k.endswith("_proj.weight")}
-    written = 8 * sum(sizes.values()) + 32 * sum(r * c for r, c in dense.values())
+        assert {handle.get_slice(k).get_dtype() for k in dense} == {"F32" if dense_bits == 32 else "BF16"}
+    written = 8 * sum(sizes.values()) + dense_bits * sum(r * c for r, c in dense.values())
     weights = sum(r * c for r, c in shapes.values()) + sum(r * c for r, c in dense.values())
-    planned = check_against_config(recipe_from_dict(recipe(tmp_path, [step])), tiny_config()).linear_bits
+    planned = check_against_config(recipe_from_dict(recipe(tmp_path, [step], dtype=dtype)), tiny_config()).linear_bits
     assert planned == pytest.approx(written / weights, rel=1e-12)
     budget = [{"BestOf": {"budget": {"bits_per_weight": 8}, "alternatives": [["GPTQ<bits:8,group_size:32>"],
                                                                             ["GPTQ<bits:4,group_size:32>"]]}}]

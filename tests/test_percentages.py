@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from recipe_engine.api import share_of
-from recipe_engine.recipe.budget import percentage, resolve_budget
+from recipe_engine.recipe.budget import byte_count, percentage, resolve_budget
 from recipe_engine.modifiers.best_of import SizeBudget
 from recipe_engine.modifiers.width_prune import WidthPrune
 from recipe_engine.modifiers.shortgpt import ShortGPT
@@ -28,7 +28,17 @@ def test_share_of_is_exact_where_floats_fall_below_the_integer():
     assert SizeBudget(parameters="57.5%").parameter_limit(200) == 115
 
 
+def test_byte_counts_read_decimal_and_binary_units_down_to_whole_bytes():
+    assert byte_count(400_000_000) == byte_count("400MB") == byte_count(" 0.4 GB ") == 400_000_000
+    assert byte_count("381.5MiB") == 381 * 2**20 + 2**19 and byte_count("1.0000001KiB") == 1024
+    assert SizeBudget(weight_bytes="50%").byte_limit(1001) == 500
+    assert SizeBudget(weight_bytes="1GiB").byte_limit(10) == 2**30  # a count does not depend on the model
+    for text in ("0", "0.1B", "-5MB", "5 XB", "5mb", 0, -3, True, None, 1.5):
+        assert byte_count(text) is None
+
+
 @pytest.mark.parametrize("make", [lambda v: ShortGPT(n=v), lambda v: SizeBudget(parameters=v),
+                                  lambda v: SizeBudget(weight_bytes=v),
                                   lambda v: WidthPrune(parameters=v)])
 def test_every_percentage_field_refuses_the_same_way(make):
     for bad in ("0%", "abc", "1e1%", "150%"):
@@ -51,4 +61,4 @@ def test_layer_budget_rounds_half_up_on_the_exact_share():
 
 
 def _written(step):
-    return getattr(step, "n", None) or getattr(step, "parameters")
+    return getattr(step, "n", None) or getattr(step, "parameters", None) or getattr(step, "weight_bytes")

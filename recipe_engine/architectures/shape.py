@@ -12,6 +12,8 @@ from typing import Literal
 from .adapters import ADAPTERS
 
 WidthPart = Literal["attention", "mlp"]
+#: Bytes per value of each of a recipe's ``dtype``s (:attr:`ModelShape.dtype_bytes`).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: Which of (query heads, KV heads, intermediate size) each part compares with the config.
 WIDTH_INDEX: dict[WidthPart | None, tuple[int, ...]] = {"attention": (0,), "mlp": (2,), None: (0, 1, 2)}
 
@@ -146,6 +148,19 @@ class ModelShape:
     def layer_parameters(self, layer: LayerShape) -> int:
         """Parameters of one decoder layer of these widths (:meth:`layer_tensors`)."""
         return sum(self.layer_tensors(layer))
+
+    def layer_linear_weights(self, layer: LayerShape) -> int:
+        """Weights of one decoder layer's dense linears, q, k, v, o and the MLP's gate, up and down: those whose
+        average stored bits :attr:`linear_bits` counts (an MoE layer: its attention's only)."""
+        attention = 2 * (layer.num_heads + layer.num_kv_heads) * self.head_dim * self.hidden_size
+        return attention + (0 if self.num_experts else 3 * self.hidden_size * layer.intermediate_size)
+
+    def layer_weight_bytes(self, layer: LayerShape) -> float:
+        """Bytes of one decoder layer's weights as stored: its dense linears at :attr:`linear_bits` per weight
+        (codes, scales and zero points), everything else (norms, biases, experts) in the run's dtype."""
+        linear = self.layer_linear_weights(layer)
+        bits = self.linear_bits if self.linear_bits is not None else 8.0 * self.dtype_bytes
+        return (self.layer_parameters(layer) - linear) * self.dtype_bytes + linear * bits / 8
 
 
 def _has_qkv_bias(config) -> bool:

@@ -119,6 +119,7 @@ class Session:
                         for layer, origin in zip(self.layers, self.layer_origin)]
         shape.streamed = self.stream is not None
         shape.stock_only = self.context.stock_only
+        shape.dtype_bytes = self.model.dtype.itemsize
         return shape
 
     def begin_group(self, later: list[Modifier]) -> None:

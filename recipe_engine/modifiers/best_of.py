@@ -10,10 +10,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
-from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, WindowSplit, calibration_nll_bytes,
-                               check_scoring_task, check_steps, heldout_agreement, heldout_failures, heldout_reference,
-                               heldout_split, kept_original_sets, parse_step, percentage_field, register, share_of,
-                               step_to_dict, steps_passes)
+from recipe_engine.api import (SCORE_FRACTION, Modifier, RecipeError, SharedWork, WindowSplit, byte_count,
+                               calibration_nll_bytes, check_scoring_task, check_steps, heldout_agreement,
+                               heldout_failures, heldout_reference, heldout_split, kept_original_sets, parse_step,
+                               percentage, percentage_field, register, share_of, step_to_dict, steps_passes)
 
 
 class HeldoutScore(BaseModel):
@@ -62,6 +62,10 @@ class SizeBudget(BaseModel):
     bits_per_weight: float | None = Field(None, gt=0, le=32, description=(
         "average stored bits per weight of the decoder's linears at most: codes, scales and zero points as "
         "written; an unquantized weight counts its dtype's bits"))
+    weight_bytes: int | str | None = Field(None, description=(
+        "bytes of the decoder layers' weights as stored at most (what each decoded token reads from them and "
+        "what they take on disk): a count (400000000, 400MB, 381.5MiB) or a percentage of those of the model "
+        "the step receives; the linears at their stored bits per weight, norms and biases in the run's dtype"))
 
     @field_validator("parameters")
     @classmethod
@@ -73,26 +77,53 @@ class SizeBudget(BaseModel):
             return value
         raise ValueError(f"expected a parameter count or a percentage such as 80%, got {value!r}")
 
+    @field_validator("weight_bytes")
+    @classmethod
+    def _bytes_or_percent(cls, value: int | str | None) -> int | str | None:
+        if value is None:
+            return None
+        if percentage(value) is not None:
+            return percentage_field(value, what="a byte count or a percentage", example="50%", up_to_100=True)
+        if byte_count(value) is None:
+            raise ValueError(f"expected a byte count (400000000, 400MB, 381.5MiB) or a percentage in (0%, 100%] "
+                             f"such as 50%, got {value!r}")
+        return value
+
     def parameter_limit(self, received: int) -> int | None:
-        if isinstance(self.parameters, str):
-            return math.floor(share_of(self.parameters, received))
-        return self.parameters
+        """The most decoder-layer parameters allowed, given those of the model the step receives."""
+        return _limit(self.parameters, received)
+
+    def byte_limit(self, received: int) -> int | None:
+        """The most bytes of decoder-layer weights allowed, given those of the model the step receives."""
+        return _limit(self.weight_bytes, received)
 
     def sizes(self, received, final) -> dict[str, Any]:
-        """The alternative's decoder-layer parameters, their share of the received model's and its bits/weight."""
+        """The alternative's decoder-layer parameters and weight bytes, their shares of the received model's,
+        and its bits per weight."""
         parameters, before = _layer_parameters(final), _layer_parameters(received)
+        weight_bytes, bytes_before = _layer_weight_bytes(final), _layer_weight_bytes(received)
         bits = final.linear_bits if final.linear_bits is not None else 8.0 * final.dtype_bytes
-        return {"decoder_parameters": parameters, "share_of_parameters": parameters / before, "bits_per_weight": bits}
+        return {"decoder_parameters": parameters, "share_of_parameters": parameters / before,
+                "decoder_weight_bytes": weight_bytes, "share_of_weight_bytes": weight_bytes / bytes_before,
+                "bits_per_weight": bits}
 
     def problem(self, received, final) -> str | None:
         """Why ``final`` (an alternative's shape) is over the budget, or None."""
-        sizes, limit = self.sizes(received, final), self.parameter_limit(_layer_parameters(received))
+        if self.weight_bytes is not None and final.num_experts and final.quantized_by is not None:
+            return (f"a weight-bytes budget does not count {final.quantized_by}'s quantized expert tensors "
+                    f"(budget parameters or bits_per_weight instead)")
+        sizes = self.sizes(received, final)
         over = []
+        limit = self.parameter_limit(_layer_parameters(received))
         if limit is not None and sizes["decoder_parameters"] > limit:
             over.append(f"{sizes['decoder_parameters']:,} decoder-layer parameters "
                         f"({100 * sizes['share_of_parameters']:.2f} %) > {limit:,} ({self.parameters})")
         if self.bits_per_weight is not None and sizes["bits_per_weight"] > self.bits_per_weight + 1e-9:
             over.append(f"{sizes['bits_per_weight']:.3f} bits per weight > {self.bits_per_weight:g}")
+        limit = self.byte_limit(_layer_weight_bytes(received))
+        if limit is not None and sizes["decoder_weight_bytes"] > limit:
+            over.append(f"{sizes['decoder_weight_bytes']:,} bytes of decoder-layer weights "
+                        f"({100 * sizes['share_of_weight_bytes']:.2f} %) > {limit:,} ({self.weight_bytes})")
         return f"over the budget: {'; '.join(over)}" if over else None
 
 
@@ -107,6 +138,18 @@ def describe(steps: list[Modifier]) -> str:
 
 def _layer_parameters(shape) -> int:
     return sum(shape.layer_parameters(layer) for layer in shape.layers)
+
+
+def _limit(value: int | str | None, received: int) -> int | None:
+    """A budget's bound: a percentage of ``received`` (rounded down), a count, or None (no bound)."""
+    if value is None:
+        return None
+    return math.floor(share_of(value, received)) if percentage(value) is not None else byte_count(value)
+
+
+def _layer_weight_bytes(shape) -> int:
+    """Bytes of the decoder layers' weights as stored (``ModelShape.layer_weight_bytes``), rounded up."""
+    return math.ceil(sum(shape.layer_weight_bytes(layer) for layer in shape.layers))
 
 
 def paired_margins(records: list[dict[str, Any]], lowest: int, key: str = "window_nlls") -> dict[str, Any] | None:
@@ -423,15 +466,17 @@ class BestOf(Modifier):
     def _candidates(self, records: list[dict[str, Any]], chosen: int) -> dict[str, list]:
         """Every alternative's size and score, or why it was not scored, as the card's table of this step."""
         key, _, unit = self.score.measure
-        columns = ["alternative", "steps", "decoder parameters", "bits / weight", f"score ({key}, {unit})", ""]
+        columns = ["alternative", "steps", "decoder parameters", "bits / weight", "decoder weights",
+                   f"score ({key}, {unit})", ""]
         rows = []
         for record in records:
             share, bits = record.get("share_of_parameters"), record.get("bits_per_weight")
-            score = record.get(key)
+            weights, score = record.get("decoder_weight_bytes"), record.get(key)
             status = ("chosen" if record["alternative"] == chosen else record.get("refused")
                       or (f"same as alternative {record['same_as']}" if "same_as" in record else ""))
             rows.append([record["alternative"], record["steps"], "" if share is None else f"{100 * share:.2f} %",
-                         "" if bits is None else f"{bits:.3f}", "" if score is None else f"{score:.4f}", status])
+                         "" if bits is None else f"{bits:.3f}", "" if weights is None else f"{weights / 1e6:,.1f} MB",
+                         "" if score is None else f"{score:.4f}", status])
         return {"columns": columns, "rows": rows}
 
     def _headline(self, records: list[dict[str, Any]], lowest: int, chosen: int,

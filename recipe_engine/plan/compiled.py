@@ -15,7 +15,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from ..architectures.shape import ModelShape
+from ..architectures.shape import DTYPE_BYTES, ModelShape
 from ..errors import RecipeError
 from ..execution.steps import group_steps
 from ..recipe.modifier import Modifier
@@ -66,7 +66,7 @@ def compile_plan(recipe: Recipe, config, file: str | None = None) -> Plan:
     steps = bound_steps(recipe, config, file)
     received: list[ModelShape] = []
     shape = ModelShape.from_config(config)
-    shape.stock_only = recipe.export is not None
+    shape.stock_only, shape.dtype_bytes = recipe.export is not None, DTYPE_BYTES[recipe.dtype]
     check_steps(steps, shape, recipe.calibration, file, received=received)
     passes: list[Passes] = []
     for index, (step, shape) in enumerate(zip(steps, received)):

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..architectures.shape import ModelShape
+from ..architectures.shape import DTYPE_BYTES, ModelShape
 from ..sources.windows import calibration_windows, load_calibration
 from ..sources.models import resolve_model
 from ..recipe.modifier import calibration_nll_bytes, kept_original_sets
@@ -39,7 +39,6 @@ from ..recipe.schema import Recipe
 from ..system.host_memory import available_memory, current_rss
 from .compiled import Plan, compile_plan
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: Host memory a CUDA GPU's runtime adds to a process: a bare process that imported torch and ran a Cholesky
 #: and a matmul on one H200 (torch 2.11, CUDA 13) was resident at 0.85 GiB (``benchmarks/acceptance/moe.py``'s

@@ -44,6 +44,23 @@ def share_of(value: str, total: int) -> Fraction:
     return percentage(value) * total / 100
 
 
+_BYTE_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|kB|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
+_BYTE_UNITS = {"B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def byte_count(value: Any) -> int | None:
+    """A positive byte count: an integer, or ``"400MB"`` / ``"381.5 MiB"`` (decimal and binary units, rounded
+    down to whole bytes); None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value > 0 else None
+    match = _BYTE_COUNT.match(value) if isinstance(value, str) else None
+    if match is None:
+        return None
+    count = math.floor(Fraction(match.group(1)) * _BYTE_UNITS[match.group(2) or "B"])
+    return count if count > 0 else None
+
+
 def percentage_field(value: Any, *, what: str, example: str, up_to_100: bool = False) -> str:
     """A validator's check that ``value`` is a percentage in (0, 100) (``up_to_100``: (0, 100]); returns it
     written plainly (``"80%"``). ``what``/``example`` name it in the error."""
