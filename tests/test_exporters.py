@@ -194,11 +194,12 @@ def test_a_packed_output_is_a_later_recipes_model_streamed_or_not(tmp_path):
     torch.testing.assert_close(logits["on"], logits["off"], rtol=0, atol=0)
 
 
-def packed_source(tmp_path, export):
+def packed_source(tmp_path, export, scale_dtype="model"):
     """A tiny model quantized by GPTQ into ``export`` (the source of a later recipe), and its config's
     ``quantization_config``."""
     _, directory = saved(tmp_path)
-    recipe_engine.apply(recipe(tmp_path, directory, [f"GPTQ<group_size:32,export:{export}>"]), progress=False)
+    step = {"GPTQ": {"group_size": 32, "export": export, "scale_dtype": scale_dtype}}
+    recipe_engine.apply(recipe(tmp_path, directory, [step]), progress=False)
     return tmp_path / "out", json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
 
 
@@ -442,6 +443,24 @@ def test_a_packed_source_run_resumed_after_running_out_of_memory_writes_the_same
     assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == \
         (tmp_path / "reference" / "model.safetensors").read_bytes()
     assert "ignore" in json.loads((tmp_path / "resumed" / "config.json").read_text())["quantization_config"]
+
+
+@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16"])
+def test_16_bit_scales_of_a_packed_source_are_carried_through_a_float32_run(tmp_path, scale_dtype):
+    """A float32 run holds ``(q − z) · s`` of 16-bit scales exactly: a recipe that only drops a layer of such a
+    source writes every tensor it keeps byte for byte the source's, with its quantization_config, and notes
+    nothing."""
+    source, qconfig = packed_source(tmp_path, "compressed-tensors", scale_dtype)
+    original = stored(source)
+    assert {t.dtype for k, t in original.items() if k.endswith("weight_scale")} == {getattr(torch, scale_dtype)}
+    recipe_engine.apply(recipe(tmp_path, source, ["ShortGPT<n:1>"], "later"), progress=False)
+    report = recipe_engine.load_report(tmp_path / "later")
+    assert report.notes == [] and report.model.packed.startswith("compressed-tensors, 4-bit, groups of 32")
+    assert json.loads((tmp_path / "later" / "config.json").read_text())["quantization_config"] == qconfig
+    written = stored(tmp_path / "later")
+    assert written and all(torch.equal(tensor, original[source_name(k, report.after.layer_origin)])
+                           and tensor.dtype == original[source_name(k, report.after.layer_origin)].dtype
+                           for k, tensor in written.items())
 
 
 def test_a_packed_source_run_in_another_dtype_is_written_unpacked_and_says_why(tmp_path):

@@ -11,6 +11,7 @@ output's quantization itself, so nothing is carried then.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..formats import checkpoint_exporter
@@ -22,23 +23,33 @@ def carry_source_grids(session, reader) -> set[str]:
     ``session.outputs``; returns what was not carried: ``"fused"`` (nothing is carried where the architecture
     cannot carry grids linear by linear: ``ArchitectureAdapter.carries_linear_grids``), ``"layout"`` (a packed
     layout a record cannot hold, e.g. GPTQ v1 groups reordered by act-order),
-    ``"scales"`` (the format stores scales in the model dtype, and this run's is not the source's: the scales
-    would be rounded, and the packed weights would not be the run's)."""
+    ``"scales"`` (the source's scales are not exact in the run's dtype, or the format would store them in
+    another: the packed weights would not be the run's, :func:`_scales_kept`)."""
     if not session.context.adapter.carries_linear_grids:
         return {"fused"}
     modules = dict(session.model.named_modules())
     records = reader.quantization_records()
-    stored_as = reader.format.scale_dtype(session.model.dtype)
     left = set()
     for name in reader.packed:
         module = modules.get(name.removesuffix(".weight"))
         if not isinstance(module, nn.Linear) or name not in records:
             left.add("layout")
-        elif records[name].grid.scale_dtype != stored_as:
+        elif not _scales_kept(records[name].grid.scale_dtype, session.model.dtype, reader.format):
             left.add("scales")
         else:
             session.outputs.restore_quantized(module, records[name])
     return left
+
+
+def _scales_kept(scale_dtype: torch.dtype, run_dtype: torch.dtype, format) -> bool:
+    """Whether a grid whose scales the source stores in ``scale_dtype`` is exactly the run's weights, and the
+    format writes it so again: the format's default scales for the run's dtype, or 16-bit scales in a float32
+    run (``(q − z) · s`` of a 16-bit ``s`` and an integer of at most 8 bits is exact in float32, and the writer
+    stores each grid's own scale dtype)."""
+    if scale_dtype == format.scale_dtype(run_dtype):
+        return True
+    return run_dtype == torch.float32 and scale_dtype in (torch.bfloat16, torch.float16) \
+        and format.scale_dtype_problem(scale_dtype) is None
 
 
 def drop_changed_grids(session) -> tuple[int, bool]:
