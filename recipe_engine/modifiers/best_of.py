@@ -123,7 +123,8 @@ class SizeBudget(BaseModel):
         limit = self.byte_limit(_layer_weight_bytes(received))
         if limit is not None and sizes["decoder_weight_bytes"] > limit:
             over.append(f"{sizes['decoder_weight_bytes']:,} bytes of decoder-layer weights "
-                        f"({100 * sizes['share_of_weight_bytes']:.2f} %) > {limit:,} ({self.weight_bytes})")
+                        f"({100 * sizes['share_of_weight_bytes']:.2f} % of those received) > {limit:,} "
+                        f"({self.weight_bytes})")
         return f"over the budget: {'; '.join(over)}" if over else None
 
 
