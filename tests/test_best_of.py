@@ -590,7 +590,8 @@ def test_a_weight_bytes_budget_is_the_written_layers_bytes(tmp_path, kept):
     recipe_engine.apply(recipe(tmp_path, steps), model=model, tokenizer=byte_tokenizer(), progress=False)
     result = recipe_engine.load_report(tmp_path / "out").steps[0].result
     refused = result["alternatives"][0]["refused"]
-    assert refused.startswith("over the budget: ") and "bytes of decoder-layer weights (83.33 % of those received)" in refused
+    assert refused.startswith("over the budget: ")
+    assert "bytes of decoder-layer weights (83.33 % of those received)" in refused
     assert f"> {before // 2:,} (50%)" in refused
     chosen = result["alternatives"][1]
     assert result["chosen"] == 1 and chosen["decoder_weight_bytes"] == written_layer_bytes(tmp_path / "out")
