@@ -598,6 +598,12 @@ def test_a_weight_bytes_budget_is_the_written_layers_bytes(tmp_path, kept):
     assert chosen["share_of_weight_bytes"] == pytest.approx(chosen["decoder_weight_bytes"] / before)
     assert chosen["share_of_weight_bytes"] <= 0.5
     assert f"{chosen['decoder_weight_bytes'] / 1e6:,.1f} MB" in result["table"]["rows"][1]
+    # validation says each alternative's figures before any weight loads: the refused one's, and the kept one's
+    notes = check_against_config(recipe_from_dict(recipe(tmp_path, steps)),
+                                 tiny_config(num_hidden_layers=6, vocab_size=BYTE_VOCAB)).notes
+    assert notes[0] == f"BestOf skips alternative 0 [ShortGPT]: {refused}"  # n: 1 is the default
+    assert notes[1].startswith("BestOf alternative 1 [") and " fits its budget: " in notes[1]
+    assert f"{chosen['decoder_weight_bytes']:,} bytes of decoder-layer weights" in notes[1]
 
 
 @pytest.mark.parametrize("wrong", ["120%", "0MB", "4 XB", 0, "x"])

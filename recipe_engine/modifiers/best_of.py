@@ -112,20 +112,26 @@ class SizeBudget(BaseModel):
         if self.weight_bytes is not None and final.num_experts and final.quantized_by is not None:
             return (f"a weight-bytes budget does not count {final.quantized_by}'s quantized expert tensors "
                     f"(budget parameters or bits_per_weight instead)")
-        sizes = self.sizes(received, final)
+        sizes, figures = self.sizes(received, final), self.figures(received, final)
         over = []
         limit = self.parameter_limit(_layer_parameters(received))
         if limit is not None and sizes["decoder_parameters"] > limit:
-            over.append(f"{sizes['decoder_parameters']:,} decoder-layer parameters "
-                        f"({100 * sizes['share_of_parameters']:.2f} %) > {limit:,} ({self.parameters})")
+            over.append(f"{figures['parameters']} > {limit:,} ({self.parameters})")
         if self.bits_per_weight is not None and sizes["bits_per_weight"] > self.bits_per_weight + 1e-9:
-            over.append(f"{sizes['bits_per_weight']:.3f} bits per weight > {self.bits_per_weight:g}")
+            over.append(f"{figures['bits']} > {self.bits_per_weight:g}")
         limit = self.byte_limit(_layer_weight_bytes(received))
         if limit is not None and sizes["decoder_weight_bytes"] > limit:
-            over.append(f"{sizes['decoder_weight_bytes']:,} bytes of decoder-layer weights "
-                        f"({100 * sizes['share_of_weight_bytes']:.2f} % of those received) > {limit:,} "
-                        f"({self.weight_bytes})")
+            over.append(f"{figures['bytes']} > {limit:,} ({self.weight_bytes})")
         return f"over the budget: {'; '.join(over)}" if over else None
+
+    def figures(self, received, final) -> dict[str, str]:
+        """The alternative's sizes in words, by bound: parameters, bits per weight and bytes of weights."""
+        sizes = self.sizes(received, final)
+        return {"parameters": f"{sizes['decoder_parameters']:,} decoder-layer parameters "
+                              f"({100 * sizes['share_of_parameters']:.2f} %)",
+                "bits": f"{sizes['bits_per_weight']:.3f} bits per weight",
+                "bytes": f"{sizes['decoder_weight_bytes']:,} bytes of decoder-layer weights "
+                         f"({100 * sizes['share_of_weight_bytes']:.2f} % of those received)"}
 
 
 def describe(steps: list[Modifier]) -> str:
@@ -329,6 +335,10 @@ class BestOf(Modifier):
 
     def check(self, shape) -> None:
         outcomes = self._outcomes(shape)
+        notes = [f"{self.step_name()} skips alternative {a} {describe(self.alternatives[a])}: {why}" if final is None
+                 else f"{self.step_name()} alternative {a} {describe(self.alternatives[a])} fits its budget: "
+                      + ", ".join(self.budget.figures(shape, final).values())
+                 for a, (final, why) in enumerate(outcomes) if final is None or self.budget is not None]
         final = next(final for final, _ in outcomes if final is not None)
         shape.layers, shape.pinned, shape.quantized_by = final.layers, final.pinned, final.quantized_by
         shape.linear_bits = final.linear_bits
@@ -338,8 +348,7 @@ class BestOf(Modifier):
         if self.budget is not None and any((f.layers, f.linear_bits) != (final.layers, final.linear_bits)
                                            for f in finals):
             shape.chosen_by = f"{self.step_name()} (under its budget)"
-        shape.notes.extend(f"{self.step_name()} skips alternative {a} {describe(self.alternatives[a])}: {why}"
-                           for a, (final, why) in enumerate(outcomes) if final is None)
+        shape.notes.extend(notes)
         shape.notes.extend(f"{self.step_name()} runs alternative {a} {describe(self.alternatives[a])} once: the same "
                            f"steps as alternative {earlier}" for a, earlier in self._repeats().items()
                            if outcomes[a][0] is not None)
