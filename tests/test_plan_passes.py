@@ -28,7 +28,8 @@ TINY_PARAMS = {"GPTQ": {"group_size": 16}, "LaCo": {"samples": 2}, "SLEB": {"n":
 #: The same for steps inside a step's alternatives (BestOf), which must keep their sizes equal.
 TINY_NESTED = {"SLEB": {"search_samples": None, "search_length": None},
                "ReplaceMe": {"ridge": 0.1},  # one 16-token fit window: MᵀM is singular without a ridge
-               "WidthPrune": {"multiple_of": 8}}  # 80 % of a 48-wide MLP's layer: no multiple of 32 fits
+               "WidthPrune": {"multiple_of": 8},  # 80 % of a 48-wide MLP's layer: no multiple of 32 fits
+               "GPTQ": {"group_size": 8}}  # divides the tiny widths, narrowed ones included
 
 
 def tiny_step(step):
