@@ -91,11 +91,11 @@ class SizeBudget(BaseModel):
 
     def parameter_limit(self, received: int) -> int | None:
         """The most decoder-layer parameters allowed, given those of the model the step receives."""
-        return _limit(self.parameters, received)
+        return _limit(self.parameters, received, int)
 
     def byte_limit(self, received: int) -> int | None:
         """The most bytes of decoder-layer weights allowed, given those of the model the step receives."""
-        return _limit(self.weight_bytes, received)
+        return _limit(self.weight_bytes, received, byte_count)
 
     def sizes(self, received, final) -> dict[str, Any]:
         """The alternative's decoder-layer parameters and weight bytes, their shares of the received model's,
@@ -112,7 +112,8 @@ class SizeBudget(BaseModel):
         if self.weight_bytes is not None and final.num_experts and final.quantized_by is not None:
             return (f"a weight-bytes budget does not count {final.quantized_by}'s quantized expert tensors "
                     f"(budget parameters or bits_per_weight instead)")
-        sizes, figures = self.sizes(received, final), self.figures(received, final)
+        sizes = self.sizes(received, final)
+        figures = self.figures(sizes)
         over = []
         limit = self.parameter_limit(_layer_parameters(received))
         if limit is not None and sizes["decoder_parameters"] > limit:
@@ -124,9 +125,9 @@ class SizeBudget(BaseModel):
             over.append(f"{figures['bytes']} > {limit:,} ({self.weight_bytes})")
         return f"over the budget: {'; '.join(over)}" if over else None
 
-    def figures(self, received, final) -> dict[str, str]:
-        """The alternative's sizes in words, by bound: parameters, bits per weight and bytes of weights."""
-        sizes = self.sizes(received, final)
+    @staticmethod
+    def figures(sizes: dict[str, Any]) -> dict[str, str]:
+        """An alternative's :meth:`sizes` in words, by bound: parameters, bits per weight and bytes of weights."""
         return {"parameters": f"{sizes['decoder_parameters']:,} decoder-layer parameters "
                               f"({100 * sizes['share_of_parameters']:.2f} %)",
                 "bits": f"{sizes['bits_per_weight']:.3f} bits per weight",
@@ -147,11 +148,11 @@ def _layer_parameters(shape) -> int:
     return sum(shape.layer_parameters(layer) for layer in shape.layers)
 
 
-def _limit(value: int | str | None, received: int) -> int | None:
-    """A budget's bound: a percentage of ``received`` (rounded down), a count, or None (no bound)."""
+def _limit(value: int | str | None, received: int, count) -> int | None:
+    """A budget's bound: a percentage of ``received`` (rounded down), a count (read by ``count``), or None."""
     if value is None:
         return None
-    return math.floor(share_of(value, received)) if percentage(value) is not None else byte_count(value)
+    return math.floor(share_of(value, received)) if percentage(value) is not None else count(value)
 
 
 def _layer_weight_bytes(shape) -> int:
@@ -335,10 +336,15 @@ class BestOf(Modifier):
 
     def check(self, shape) -> None:
         outcomes = self._outcomes(shape)
-        notes = [f"{self.step_name()} skips alternative {a} {describe(self.alternatives[a])}: {why}" if final is None
-                 else f"{self.step_name()} alternative {a} {describe(self.alternatives[a])} fits its budget: "
-                      + ", ".join(self.budget.figures(shape, final).values())
-                 for a, (final, why) in enumerate(outcomes) if final is None or self.budget is not None]
+        notes = []  # said before the shape becomes the kept alternative's: each alternative against the received one
+        for a, (final, why) in enumerate(outcomes):
+            steps = describe(self.alternatives[a])
+            if final is None:
+                notes.append(f"{self.step_name()} skips alternative {a} {steps}: {why}")
+            elif self.budget is not None:
+                figures = self.budget.figures(self.budget.sizes(shape, final))
+                notes.append(f"{self.step_name()} alternative {a} {steps} fits its budget: "
+                             f"{', '.join(figures.values())}")
         final = next(final for final, _ in outcomes if final is not None)
         shape.layers, shape.pinned, shape.quantized_by = final.layers, final.pinned, final.quantized_by
         shape.linear_bits = final.linear_bits
