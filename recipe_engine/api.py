@@ -58,9 +58,9 @@ from .sources.windows import tokenize
 from .formats import checkpoint_exporter, checkpoint_formats
 from .numerics.hadamard import rotation
 from .numerics.head_groups import best_groups_by_error, eq12_group_scores, greedy_group_elimination, group_channels
-from .numerics.linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, reconstruction_error,
-                              refit_error, ridge_compensation, ridge_leverage_scores, ridge_refit, set_linear_weight,
-                              submatrix)
+from .numerics.linalg import (heldout_ridge_scale, lower_triangular_inverse, mean_eigenvalue, obs_kept_columns,
+                              reconstruction_error, refit_error, ridge_compensation, ridge_leverage_scores, ridge_refit,
+                              set_linear_weight, submatrix)
 from .numerics.ops import fold_norm_into, top_k_kl
 from .numerics.quantization import Grid
 from .plan.steps import steps_passes
@@ -80,7 +80,8 @@ __all__ = ["check_scoring_task", "heldout_failures", "heldout_agreement", "heldo
            "LayerShape", "ModelShape", "Modifier", "RecipeError", "ModifierSession", "Activations", "keep_activations",
            "load_activations", "CurrentLayer", "PassCounter", "RunOutputs", "remove_layers", "StagedLayer",
            "Statistic", "adapter_for", "fold_norm_into", "heldout_ridge_scale",
-           "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "position", "reconstruction_error",
+           "check_text", "load_text", "lower_triangular_inverse", "mean_eigenvalue", "obs_kept_columns", "position",
+           "reconstruction_error",
            "refit_error", "register",
            "ridge_compensation", "ridge_leverage_scores", "ridge_refit", "rotation", "set_linear_weight",
            "submatrix", "tokenize", "top_k_kl", "best_groups_by_error", "eq12_group_scores",

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipe_engine.numerics.linalg import (mean_eigenvalue, reconstruction_error, ridge_compensation,
-                                  ridge_leverage_scores, ridge_refit, spd_solve_)
+from recipe_engine.numerics.linalg import (mean_eigenvalue, obs_kept_columns, reconstruction_error,
+                                          ridge_compensation, ridge_leverage_scores, ridge_refit, spd_solve_)
 
 
 def correlated_inputs(tokens=200, channels=12, seed=0):
@@ -188,3 +188,39 @@ def test_spd_solve_overwrite_solves_in_the_callers_right_hand_side():
     solved = spd_solve_(system.clone(), given, block=5, overwrite=True)
     assert solved.data_ptr() == given.data_ptr()
     torch.testing.assert_close(given, expected, rtol=1e-10, atol=1e-10)
+
+
+def ridge_objective(x, weight, keep, ridge):
+    """``min_{W'_K} ‖X_K W'_Kᵀ − X Wᵀ‖² + λ‖W'_K − W_K‖² + λ‖W_D‖²`` (``W'_D = 0``) by lstsq on the stacked
+    problem: the cost OBS elimination charges, ``tr((W' − W)(G + λI)(W' − W)ᵀ)``."""
+    drop = torch.tensor([c for c in range(x.shape[1]) if c not in set(keep)], dtype=torch.long)
+    lhs = torch.cat([x[:, keep], ridge ** 0.5 * torch.eye(len(keep), dtype=torch.float64)])
+    rhs = torch.cat([x[:, drop] @ weight[:, drop].T, torch.zeros(len(keep), weight.shape[0], dtype=torch.float64)])
+    residual = lhs @ torch.linalg.lstsq(lhs, rhs).solution - rhs
+    return float(residual.pow(2).sum()) + ridge * float(weight[:, drop].pow(2).sum())
+
+
+def brute_force_greedy(x, weight, keep_count, ridge):
+    """Backward elimination by trying every single drop with a full lstsq refit: the kept columns."""
+    kept = list(range(x.shape[1]))
+    while len(kept) > keep_count:
+        costs = [ridge_objective(x, weight, [c for c in kept if c != j], ridge) for j in kept]
+        kept.remove(kept[min(range(len(kept)), key=costs.__getitem__)])
+    return kept
+
+
+def test_obs_elimination_is_the_brute_force_greedy_and_its_weight_the_ridge_refit():
+    """``block: 1`` drops, step by step, the column whose removal (with a full ridge refit of the rest) costs
+    least; a single block of every drop is the top of the first step's costs ``‖W_:,j‖² / [(G + λI)⁻¹]_jj``."""
+    x = correlated_inputs(tokens=60, channels=14, seed=3)
+    weight = torch.randn(6, 14, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    gram, ridge = x.T @ x, 0.5 * mean_eigenvalue(x.T @ x)
+    kept = obs_kept_columns(weight, gram, 6, ridge, block=1)
+    assert kept.tolist() == brute_force_greedy(x, weight, 6, ridge)
+    assert kept.tolist() != ridge_leverage_scores(gram, ridge).topk(6).indices.sort().values.tolist()
+    inverse = torch.linalg.inv(gram + ridge * torch.eye(14, dtype=torch.float64))
+    first = weight.pow(2).sum(0) / torch.diagonal(inverse)
+    one_block = obs_kept_columns(weight, gram, 6, ridge, block=8)
+    assert one_block.tolist() == first.topk(6).indices.sort().values.tolist()
+    two_blocks = obs_kept_columns(weight, gram, 6, ridge, block=5)  # 5 then 3 dropped
+    assert len(two_blocks) == 6 and two_blocks.tolist() == sorted(set(two_blocks.tolist()))

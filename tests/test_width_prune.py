@@ -26,6 +26,7 @@ from recipe_engine.errors import RecipeError
 from recipe_engine.execution.context import RunContext
 from recipe_engine.execution.session import Session, oversized_layers
 from recipe_engine.modifiers.width_prune import WidthPrune
+from recipe_engine.numerics.linalg import obs_kept_columns
 from recipe_engine.recipe.schema import CalibrationConfig
 from tests.helpers import (TINY, CharTokenizer, layer_kwargs, random_tokens, run_pass, save_tiny_model, tiny_config,
                            tiny_model)
@@ -313,3 +314,24 @@ def test_fluctuation_keeps_flaps_channels_and_compensates_as_leverage_does():
         refit, _ = ridge_fit(act, source.mlp.down_proj.weight, keep, ridge)
         torch.testing.assert_close(layer.mlp.down_proj.weight.double(), refit, rtol=1e-4, atol=1e-5)
         assert report["layers"][str(i)]["fluctuation_kept"] < report["layers"][str(i)]["fluctuation_total"]
+
+
+def test_obs_keeps_the_greedy_surgeons_channels_on_the_hooked_activations():
+    """``criterion: obs``: every layer keeps the channels greedy OBS elimination leaves on the Gram of the original
+    layer's down_proj input (from a hook, on the stream the pass calibrated on), one channel per step; down_proj
+    is the lstsq Theorem 3.1 refit on them (tests/test_flatten_linalg.py checks the elimination by brute force)."""
+    model = tiny_model("llama", attn_implementation="eager")
+    tokens = random_tokens(4, 24)
+    session, original = session_of(model, tokens)
+    run_pass(session, [WidthPrune(target="none", criterion="obs", obs_block=1)])
+    with torch.no_grad():
+        states = model(tokens, output_hidden_states=True).hidden_states
+    for i, layer in enumerate(model.model.layers):
+        source = original.model.layers[i]
+        _, act = run_with_hook(original, source, states[i], "mlp.down_proj")
+        _, ridge = leverage_top(act, 72)
+        keep = obs_kept_columns(source.mlp.down_proj.weight, act.T @ act, 72, ridge, block=1)
+        assert keep.tolist() != leverage_top(act, 72)[0].tolist()
+        torch.testing.assert_close(layer.mlp.gate_proj.weight, source.mlp.gate_proj.weight[keep])
+        refit, _ = ridge_fit(act, source.mlp.down_proj.weight, keep, ridge)
+        torch.testing.assert_close(layer.mlp.down_proj.weight.double(), refit, rtol=1e-4, atol=1e-5)

@@ -9,8 +9,9 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from recipe_engine.api import (ADAPTERS, InputCovariance, LayerModifier, LayerShape, ModelShape, ModifierSession,
                                Statistic, best_groups_by_error, eq12_group_scores, group_channels, mean_eigenvalue,
-                               percentage_field, reconstruction_error, refit_down_proj, register, ridge_compensation,
-                               ridge_leverage_scores, set_linear_weight, share_of, submatrix, target_moments)
+                               obs_kept_columns, percentage_field, reconstruction_error, refit_down_proj, register,
+                               ridge_compensation, ridge_leverage_scores, set_linear_weight, share_of, submatrix,
+                               target_moments)
 
 
 class InputMean(Statistic):
@@ -58,6 +59,13 @@ class WidthPrune(LayerModifier):
     FLAP: one width in all layers (FLAP's adaptive structure varies it), and the same ridge compensation and
     target refit instead of FLAP's bias (these architectures' down_proj has none, and a stock checkpoint
     cannot add one).
+
+    ``criterion: obs`` keeps the channels greedy Optimal Brain Surgeon elimination leaves (ZipLM; SlimGPT's
+    structured OBS, Ling et al. NeurIPS 2024, :func:`obs_kept_columns`): each drop costs ``‖W_:,j‖² / [H⁻¹]_jj``
+    with ``H = G + λI`` and the survivors compensated as it goes, so the choice weighs what ``down_proj`` reads
+    from a channel and what the others can take over; the kept weights are the same Theorem 3.1 refit.
+    Deviations from SlimGPT: one width in all layers (its incremental ratio varies it), ``obs_block`` channels
+    per step instead of its dynamic group size, and the same target refit.
     """
 
     mlp_keep: float = Field(0.75, gt=0, le=1, description="fraction of the MLP channels kept in every layer "
@@ -71,9 +79,12 @@ class WidthPrune(LayerModifier):
     multiple_of: int = Field(32, ge=1, description="parameters: the MLP width is a multiple of this")
     kv_groups_keep: int | None = Field(None, ge=1, description="KV groups (a KV head and its query heads) kept "
                                                                "in every layer (None: keep all)")
-    criterion: Literal["leverage", "fluctuation"] = Field("leverage", description=(
-        "MLP channels kept: leverage (ridge leverage of the down_proj input's Gram, FlattenGPT Algorithm 3) or "
-        "fluctuation (FLAP's variance × squared down_proj column norm; the same ridge compensation)"))
+    criterion: Literal["leverage", "fluctuation", "obs"] = Field("leverage", description=(
+        "MLP channels kept: leverage (ridge leverage of the down_proj input's Gram, FlattenGPT Algorithm 3), "
+        "fluctuation (FLAP's variance × squared down_proj column norm) or obs (greedy Optimal Brain Surgeon "
+        "elimination on down_proj, SlimGPT's structured OBS); the same ridge compensation"))
+    obs_block: int = Field(16, ge=1, description="criterion obs: channels dropped per elimination step (1: exact "
+                                                 "greedy)")
     lambda_scale: float = Field(10.0, gt=0, description="leverage and Theorem 3.1 ridge λ as a multiple of the "
                                                         "mean eigenvalue")
     head_criterion: Literal["reconstruction", "eq12"] = Field(
@@ -200,10 +211,12 @@ class WidthPrune(LayerModifier):
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
         """fp64: the widest ``o_proj`` input Gram and two solve buffers (with ``kv_groups_keep``), or at the
         Theorem 3.1 refit the widest ``down_proj`` input Gram, ``G_KK`` factored in place, two ``n × 512``
-        panels and the solved right-hand side (as NystromMLP's)."""
+        panels and the solved right-hand side (as NystromMLP's); with ``criterion: obs`` the ridge Gram's copy,
+        factor and inverse and ``down_proj`` in fp64."""
         n = max(layer.intermediate_size for layer in shape.layers)
         k, hidden = self.mlp_width(shape.intermediate_size), shape.hidden_size
-        mlp = 8 * max(n * n + k * k + 2 * n * 512 + k * hidden, 2 * k * k + 2 * k * hidden)
+        mlp = 8 * max(n * n + k * k + 2 * n * 512 + k * hidden, 2 * k * k + 2 * k * hidden,
+                      3 * n * n + n * hidden if self.criterion == "obs" else 0)
         attention = max(layer.num_heads for layer in shape.layers) * shape.head_dim
         return max(mlp, 3 * attention * attention * 8 if self.kv_groups_keep is not None else 0)
 
@@ -236,17 +249,20 @@ class WidthPrune(LayerModifier):
         keep = torch.arange(gram.shape[0], device=gram.device)
         if width < gram.shape[0]:  # else every channel is kept (mlp_keep rounds to all): nothing to compensate
             ridge = self.lambda_scale * mean_eigenvalue(gram)
-            if mean is not None:
-                score = fluctuation_scores(gram / statistic.count, mean.total / mean.count, down.weight)
-                mean.release()
+            if self.criterion == "obs":
+                keep = obs_kept_columns(down.weight, gram, width, ridge, self.obs_block)
             else:
-                score = ridge_leverage_scores(gram, ridge)
-            keep = score.topk(width).indices.sort().values
+                if mean is not None:
+                    score = fluctuation_scores(gram / statistic.count, mean.total / mean.count, down.weight)
+                    mean.release()
+                else:
+                    score = ridge_leverage_scores(gram, ridge)
+                keep = score.topk(width).indices.sort().values
+                entry.update({f"{self.criterion}_kept": float(score[keep].sum()),
+                              f"{self.criterion}_total": float(score.sum())})
             new_down = ridge_compensation(down.weight, gram, keep, ridge)
             adapter.keep_rows(layer, {"gate_proj": keep, "up_proj": keep}, session.shape.head_dim)
             set_linear_weight(down, new_down, down.bias)
-            entry.update({f"{self.criterion}_kept": float(score[keep].sum()),
-                          f"{self.criterion}_total": float(score.sum())})
         entry.update(channels_before=gram.shape[0], channels_kept=len(keep))
         kept_gram = submatrix(gram, keep, keep) if target != "none" else None
         del gram

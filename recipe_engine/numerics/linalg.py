@@ -165,6 +165,36 @@ def ridge_compensation(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Ten
     return weight[:, keep].to(torch.float64).add_(delta.T)
 
 
+def obs_kept_columns(weight: torch.Tensor, gram: torch.Tensor, keep_count: int, ridge: float,
+                     block: int = 16) -> torch.Tensor:
+    """The ``keep_count`` input columns of ``weight`` left by greedy Optimal Brain Surgeon elimination (ZipLM,
+    Kurtic et al. 2023; SlimGPT's structured OBS, Ling et al. 2024), ascending.
+
+    With ``H = G + λI`` and the current compensated weight ``W``, removing column ``j`` (and refitting the rest)
+    raises ``tr((W' − W) H (W' − W)ᵀ)`` by ``‖W_:,j‖² / [H⁻¹]_jj``. Each step drops the ``block`` columns of least
+    increase at once, then ``W −= W_:,S ([H⁻¹]_SS)⁻¹ [H⁻¹]_S,:`` and ``H⁻¹ −= [H⁻¹]_:,S ([H⁻¹]_SS)⁻¹ [H⁻¹]_S,:``
+    (the inverse over the survivors). ``block: 1`` is exact greedy; the compensated kept columns are
+    :func:`ridge_compensation`'s. Unlike ridge leverage, the choice weighs each column by the weight reading
+    it. Working memory: ``H⁻¹`` (``n × n`` fp64) and ``W`` in fp64."""
+    size = gram.shape[0]
+    inverse = gram.to(torch.float64, copy=True)
+    inverse.diagonal().add_(ridge)
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(inverse))
+    current = weight.detach().to(torch.float64, copy=True)
+    alive = torch.ones(size, dtype=torch.bool, device=gram.device)
+    for removed in range(0, size - keep_count, block):
+        count = min(block, size - keep_count - removed)
+        cost = current.pow(2).sum(0) / inverse.diagonal()
+        cost[~alive] = torch.inf
+        step = cost.topk(count, largest=False).indices
+        # ([H⁻¹]_SS)⁻¹ [H⁻¹]_S,: by Cholesky (SPD: a principal block of an SPD matrix)
+        rows = torch.cholesky_solve(inverse[step], torch.linalg.cholesky(submatrix(inverse, step, step)))
+        current.addmm_(current[:, step], rows, alpha=-1)
+        inverse.addmm_(inverse[:, step], rows, alpha=-1)
+        alive[step] = False
+    return alive.nonzero().flatten()
+
+
 def spd_solve_(system: torch.Tensor, rhs: torch.Tensor, block: int = 512,
                overwrite: bool = False) -> torch.Tensor:
     """``A⁻¹ B`` for a symmetric positive definite fp64 ``A`` by Cholesky, overwriting ``A`` with its factor:
