@@ -14,6 +14,11 @@ from .adapters import ADAPTERS
 WidthPart = Literal["attention", "mlp"]
 #: Bytes per value of each of a recipe's ``dtype``s (:attr:`ModelShape.dtype_bytes`).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+#: The linear roles of a decoder layer's attention and MLP (:meth:`ModelShape.linear_sizes`).
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
 #: Which of (query heads, KV heads, intermediate size) each part compares with the config.
 WIDTH_INDEX: dict[WidthPart | None, tuple[int, ...]] = {"attention": (0,), "mlp": (2,), None: (0, 1, 2)}
 
@@ -123,6 +128,14 @@ class ModelShape:
                 if [(layer.num_heads, layer.num_kv_heads, layer.intermediate_size)[k] for k in picked]
                 != [standard[k] for k in picked]]
 
+    def linear_sizes(self, layer: LayerShape) -> dict[str, tuple[int, int]]:
+        """``(rows, columns)`` of one decoder layer's linears by role: q, k, v, o and the MLP's gate, up and down
+        (on a mixture-of-experts layer, one expert's)."""
+        h, query, kv, mlp = (self.hidden_size, layer.num_heads * self.head_dim, layer.num_kv_heads * self.head_dim,
+                             layer.intermediate_size)
+        return {"q_proj": (query, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, query),
+                "gate_proj": (mlp, h), "up_proj": (mlp, h), "down_proj": (h, mlp)}
+
     def layer_tensors(self, layer: LayerShape) -> list[int]:
         """Elements of each tensor of one decoder layer of these widths: q, k, v, o (and q/k/v biases when
         present), attention sinks and the ``o_proj`` bias where present, the MLP's gate, up and down (an MoE
@@ -130,8 +143,8 @@ class ModelShape:
         four around attention and MLP; else two)."""
         h, d = self.hidden_size, self.head_dim
         adapter = ADAPTERS.get(self.model_type)
-        tensors = [layer.num_heads * d * h, layer.num_kv_heads * d * h, layer.num_kv_heads * d * h,
-                   h * layer.num_heads * d]
+        sizes = self.linear_sizes(layer)
+        tensors = [rows * columns for rows, columns in (sizes[role] for role in _ATTENTION)]
         if self.qkv_bias:
             tensors += [layer.num_heads * d, layer.num_kv_heads * d, layer.num_kv_heads * d]
         if adapter is not None:
@@ -140,7 +153,7 @@ class ModelShape:
             tensors += adapter.experts.mlp_tensors(h, layer.intermediate_size, self.num_experts,
                                                    self.shared_expert_size)
         else:
-            tensors += [h * layer.intermediate_size] * 3
+            tensors += [rows * columns for rows, columns in (sizes[role] for role in _MLP)]
         if adapter is None:
             return tensors + [h, h]
         return tensors + [d if role in adapter.head_norms else h for role in adapter.norms]
@@ -152,8 +165,9 @@ class ModelShape:
     def layer_linear_weights(self, layer: LayerShape) -> int:
         """Weights of one decoder layer's dense linears, q, k, v, o and the MLP's gate, up and down: those whose
         average stored bits :attr:`linear_bits` counts (an MoE layer: its attention's only)."""
-        attention = 2 * (layer.num_heads + layer.num_kv_heads) * self.head_dim * self.hidden_size
-        return attention + (0 if self.num_experts else 3 * self.hidden_size * layer.intermediate_size)
+        roles = _ATTENTION if self.num_experts else _ATTENTION + _MLP
+        sizes = self.linear_sizes(layer)
+        return sum(sizes[role][0] * sizes[role][1] for role in roles)
 
     def layer_weight_bytes(self, layer: LayerShape) -> float:
         """Bytes of one decoder layer's weights as stored: its dense linears at :attr:`linear_bits` per weight

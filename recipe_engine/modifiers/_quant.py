@@ -149,28 +149,8 @@ def log_row(layer: int, module: str, weight: torch.Tensor, grid: Grid, quantized
             "weight_error": weight_error(weight, quantized), "hessian_tokens": tokens, "seconds": seconds}
 
 
-def input_width(shape: ModelShape, layer: int, target: str) -> int:
-    """Input width of a target role's linear of ``layer`` in the symbolic shape."""
-    if target == "down_proj":
-        return shape.layers[layer].intermediate_size
-    if target == "o_proj":
-        return shape.layers[layer].num_heads * shape.head_dim
-    return shape.hidden_size
-
-
 #: The model dtype of ``ModelShape.dtype_bytes``.
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
-
-
-def output_width(shape: ModelShape, layer: int, target: str) -> int:
-    """Output width (rows) of a target role's linear of ``layer`` in the symbolic shape."""
-    if target in ("gate_proj", "up_proj"):
-        return shape.layers[layer].intermediate_size
-    if target == "q_proj":
-        return shape.layers[layer].num_heads * shape.head_dim
-    if target in ("k_proj", "v_proj"):
-        return shape.layers[layer].num_kv_heads * shape.head_dim
-    return shape.hidden_size
 
 
 def linear_path(model_type: str, role: str) -> str:
@@ -229,7 +209,7 @@ def grid_problem(shape: ModelShape, targets: list[str], group_size: int | None,
         return None
     for layer in range(shape.num_layers) if layers is None else layers:
         for target in targets:
-            width = input_width(shape, layer, target)
+            width = shape.linear_sizes(shape.layers[layer])[target][1]
             if width % group_size:
                 divisors = [d for d in (256, 128, 64, 32, 16) if width % d == 0][:2]
                 hint = f"; divisors of {width}: {', '.join(map(str, divisors))}" if divisors else ""
@@ -384,8 +364,9 @@ class GridParameters(BaseModel):
         exporter, dtype = checkpoint_exporter(self.export), _DTYPES[shape.dtype_bytes]
         stored = weights = 0
         for layer in range(shape.num_layers):
+            sizes = shape.linear_sizes(shape.layers[layer])
             for role in LINEARS:
-                size = output_width(shape, layer, role), input_width(shape, layer, role)
+                size = sizes[role]
                 weights += size[0] * size[1]
                 if role in self.targets:
                     grid = self.grid(dtype, at=(layer, shape.num_layers, role))
