@@ -296,7 +296,9 @@ def sandbox_processes() -> set[int]:
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "term", "kill"])
 def test_no_process_of_the_program_outlives_the_engine(tmp_path, how):
     before = sandbox_processes()
-    driver = ("import sys, time\nsys.path.insert(0, %r)\n"
+    # ctrl-c as in a terminal: a background launcher (nohup ... &) starts children with SIGINT ignored
+    driver = ("import signal, sys, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "sys.path.insert(0, %r)\n"
               "from recipe_engine.evaluation.sandbox import Limits, run_program\n"
               "print('engine', flush=True)\nrun_program('import os, time\\ntry:\\n    os.fork()\\nexcept OSError:\\n"
               "    pass\\ntime.sleep(60)', Limits(wall_s=60, cpu_s=60))\n" % str(REPO))
