@@ -211,8 +211,8 @@ class WidthPrune(LayerModifier):
     def working_memory(self, shape: ModelShape, tokens: int) -> int:
         """fp64: the widest ``o_proj`` input Gram and two solve buffers (with ``kv_groups_keep``), or at the
         Theorem 3.1 refit the widest ``down_proj`` input Gram, ``G_KK`` factored in place, two ``n × 512``
-        panels and the solved right-hand side (as NystromMLP's); with ``criterion: obs`` the ridge Gram's copy,
-        factor and inverse and ``down_proj`` in fp64."""
+        panels and the solved right-hand side (as NystromMLP's); with ``criterion: obs`` the Gram, the factor of
+        its ridge and the inverse (:func:`obs_kept_columns`) and ``down_proj`` in fp64."""
         n = max(layer.intermediate_size for layer in shape.layers)
         k, hidden = self.mlp_width(shape.intermediate_size), shape.hidden_size
         mlp = 8 * max(n * n + k * k + 2 * n * 512 + k * hidden, 2 * k * k + 2 * k * hidden,

@@ -175,11 +175,15 @@ def obs_kept_columns(weight: torch.Tensor, gram: torch.Tensor, keep_count: int, 
     increase at once, then ``W −= W_:,S ([H⁻¹]_SS)⁻¹ [H⁻¹]_S,:`` and ``H⁻¹ −= [H⁻¹]_:,S ([H⁻¹]_SS)⁻¹ [H⁻¹]_S,:``
     (the inverse over the survivors). ``block: 1`` is exact greedy; the compensated kept columns are
     :func:`ridge_compensation`'s. Unlike ridge leverage, the choice weighs each column by the weight reading
-    it. Working memory: ``H⁻¹`` (``n × n`` fp64) and ``W`` in fp64."""
+    it. Working memory beside ``G``: the factor of ``H`` then ``H⁻¹`` (``n × n`` fp64 each) and ``W`` in fp64."""
     size = gram.shape[0]
-    inverse = gram.to(torch.float64, copy=True)
-    inverse.diagonal().add_(ridge)
-    inverse = torch.cholesky_inverse(torch.linalg.cholesky(inverse))
+    factor = gram.to(torch.float64, copy=True)
+    factor.diagonal().add_(ridge)
+    info = torch.empty((), dtype=torch.int32, device=factor.device)
+    torch.linalg.cholesky_ex(factor, out=(factor, info))  # in place: beside G only the factor, then H⁻¹
+    _check_factored(int(info))
+    inverse = torch.cholesky_inverse(factor)
+    del factor
     current = weight.detach().to(torch.float64, copy=True)
     alive = torch.ones(size, dtype=torch.bool, device=gram.device)
     for removed in range(0, size - keep_count, block):
