@@ -4,8 +4,10 @@ In-process calls of the CLI's ``main`` on a tiny random model saved to a tempora
 """
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -425,6 +427,33 @@ def test_quiet_apply_runs_where_datasets_is_not_installed(work, capsys, monkeypa
     assert main(["apply", recipe(), "--quiet", "--force"]) == 0
     assert capsys.readouterr().err == ""
 
+
+
+def test_a_quiet_run_from_local_text_never_imports_datasets(work):
+    """Every command starts without ``datasets`` (about 0.7 s): a run from local text never imports it."""
+    _, recipe = work
+    probe = ("import sys; from recipe_engine.cli import main; code = main(sys.argv[1:]); "
+             "print(code, 'datasets' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", probe, "apply", recipe(), "--quiet", "--force"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert run.stdout.splitlines()[-1].split() == ["0", "False"], run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_datasets_imported_inside_a_quiet_block_starts_with_its_bars_off(monkeypatch):
+    """An import inside the block (a hub dataset, lm-eval's tasks) reads datasets' own switch, set for the block
+    only; a switch the user set is left as it is."""
+    from recipe_engine.cli.evaluate import DATASETS_BARS, quiet_libraries
+
+    monkeypatch.delenv(DATASETS_BARS, raising=False)
+    monkeypatch.delitem(sys.modules, "datasets", raising=False)
+    with quiet_libraries(True):
+        assert os.environ[DATASETS_BARS] == "1"
+    assert DATASETS_BARS not in os.environ
+    monkeypatch.setenv(DATASETS_BARS, "0")
+    with quiet_libraries(True):
+        assert os.environ[DATASETS_BARS] == "0"
+    assert os.environ[DATASETS_BARS] == "0"
 
 @pytest.mark.parametrize("step", ["FlattenAdjacent<n:3>", "ShortGPT<n:3>"])
 def test_a_one_layer_result_is_refused(work, capsys, step):
