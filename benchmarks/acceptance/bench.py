@@ -1,9 +1,9 @@
-"""The GPU acceptance's bench leg, on the stream8b leg's output: the Llama-3-8B-shaped FlattenGPT + GPTQ W4 g128
-checkpoint (32 → 25 layers, compressed-tensors pack-quantized). Its served timing (``timed``) serves the w4 leg too.
+"""The GPU acceptance's bench leg, on checkpoints it builds itself (``serving.py``: Llama-3-8B-shaped, bf16, 32
+layers and the 25 of FlattenGPT's 32 → 25 cut). Its served timing (``timed``) serves the w4 leg too.
 
   bench  `recipe bench` in its served mode (static KV cache, the decode step compiled as CUDA graphs; batch 64
          × 64-token prompts + 128 new tokens, and batch 1 after a 2048-token prefill) of the dense checkpoint
-         against the output's 25 layers in bf16 (its packed weights dequantized: the layer cut alone), twice:
+         against the 25-layer one (the layer cut alone), twice:
          tokens/s ≥ 0.95 × the weight-bytes limit (dense bytes read per token / the output's, 1.255 for
          32 → 25 with the head) at both batches, the GPU ≥ 90 % busy while decoding, the two invocations
          within 3 %.
@@ -11,57 +11,15 @@ checkpoint (32 → 25 layers, compressed-tensors pack-quantized). Its served tim
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
-from benchmarks.acceptance.runs import LegError, row, run_logged
-from benchmarks.acceptance.stream8b import STREAM8B_STATE
+from benchmarks.acceptance.runs import row, run_logged
+from benchmarks.acceptance.serving import serving_checkpoints
 
 GOAL_OF_LIMIT = 0.95        # tokens/s of the 25 layers against the weight-bytes limit
 GOAL_DECODE_BUSY = 0.90     # the GPU's busy share while decoding
 GOAL_REPEATABLE = 0.03      # two invocations' tokens/s apart at most
-
-
-def stream8b_outputs(work: Path, state: dict) -> dict:
-    """The stream8b leg's checkpoints, from this call or an earlier one with the same --work."""
-    earlier = work.parent / "stream8b" / STREAM8B_STATE
-    if "stream8b" not in state and earlier.is_file():
-        state["stream8b"] = json.loads(earlier.read_text())
-    if "stream8b" not in state or not all(Path(state["stream8b"][k], "config.json").is_file()
-                                          for k in ("dense", "compressed")):
-        raise LegError("needs the stream8b leg's output (that leg did not run or failed, in this call or an "
-                       "earlier one with the same --work)")
-    return state["stream8b"]
-
-
-def dequantized_copy(packed: Path, target: Path) -> Path:
-    """``target``: the packed checkpoint with every packed linear dequantized to bf16 (``(q − z) · s``, what
-    ``export: dequantized`` writes), the same layers and shapes; kept for a later call."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from recipe_engine.evaluation.bench.int4 import dequantize, pop_packed
-
-    if (target / "config.json").is_file():
-        return target
-    tensors = {}
-    for path in sorted(packed.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as handle:
-            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
-    for name in [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]:
-        tensors[f"{name}.weight"] = dequantize(*pop_packed(tensors, name)).to(torch.bfloat16)
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(packed, partial, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
-    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((partial / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (partial / "config.json").write_text(json.dumps(config, indent=2))
-    os.replace(partial, target)
-    return target
 
 
 def bench_command(args, a: str, b: str, out: Path, requests: tuple[str, ...]) -> list[str]:
@@ -78,10 +36,9 @@ def timed(args, work: Path, name: str, a: str, b: str, requests: tuple[str, ...]
     return json.loads(out.read_text())
 
 
-def leg_bench(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
-    outputs = stream8b_outputs(work, state)
-    plain = dequantized_copy(Path(outputs["compressed"]), work / "dequantized")
-    records = [timed(args, work, f"bench-{i}", outputs["dense"], str(plain), ("throughput", "latency"))
+def leg_bench(args, work: Path) -> tuple[dict, list[dict]]:
+    outputs = serving_checkpoints(args, work)
+    records = [timed(args, work, f"bench-{i}", outputs["dense"], outputs["cut"], ("throughput", "latency"))
                for i in (1, 2)]
     first = records[0]
     limit = 1 / first["ratio_b_over_a"]["bytes_per_token"]

@@ -15,7 +15,6 @@ LLAMA3_8B_LAYERS = 32
 #: 7 on one H800), GPTQ within 2 (llm-compressor: 12).
 GOAL_FLATTEN_S = 3 * 60
 GOAL_GPTQ_S = 2 * 60
-STREAM8B_STATE = "stream8b-output.json"  # in the stream8b leg's work directory: its checkpoints for bench and w4
 
 
 def stream8b_merges(layers: int) -> int:
@@ -70,7 +69,7 @@ def device_estimate(recipe: dict, config, activations_on_device: bool = False) -
             "steps_bytes": {s["step"]: s["bytes"] for s in on_device}}
 
 
-def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
+def leg_stream8b(args, work: Path) -> tuple[dict, list[dict]]:
     import torch
 
     from benchmarks import scale
@@ -98,8 +97,6 @@ def leg_stream8b(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
     scale_up = LLAMA3_8B_LAYERS / layers if not args.tiny else 1.0  # ``--layers``: per-layer figures × 32 / L
     gpu_mib = report.peak_memory.cuda_mib
     host_gib = (result["watched_peak_mib"] or report.peak_memory.rss_mib) / 1024
-    state["stream8b"] = {"dense": str(model), "compressed": recipe["output"], "layers": (layers, report.after.layers)}
-    (work / STREAM8B_STATE).write_text(json.dumps(state["stream8b"]))  # a later call's bench leg finds them
     figures = {"checkpoint_gib": round(sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**30, 3),
                "checkpoint_written_s": round(written_s, 1), "apply_wall_s": round(result["wall_s"], 1),
                "steps_own_s": steps, "pass_shared_s": round(shared, 2),

@@ -1,21 +1,23 @@
-"""The w4 leg, on the stream8b leg's packed output: its checkpoint bytes ≤ 0.31 × the dense bf16 checkpoint's, and
-its batch-1 decode tokens/s (PyTorch's int4 kernel) ≥ 2.0 × dense (``recipe bench`` in its served mode)."""
+"""The w4 leg, on the packed W4 g128 25-layer checkpoint it builds itself (``serving.py``): its checkpoint
+bytes ≤ 0.31 × the dense bf16 checkpoint's, and its batch-1 decode tokens/s (PyTorch's int4 kernel) ≥ 2.0 × dense
+(``recipe bench`` in its served mode)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.acceptance.bench import stream8b_outputs, timed
+from benchmarks.acceptance.bench import timed
 from benchmarks.acceptance.runs import row
+from benchmarks.acceptance.serving import serving_checkpoints
 
 GOAL_W4_BYTES = 0.31        # packed checkpoint / dense bf16 checkpoint
 GOAL_W4_DECODE = 2.0        # batch-1 decode tokens/s, packed / dense
 
 
-def leg_w4(args, work: Path, state: dict) -> tuple[dict, list[dict]]:
+def leg_w4(args, work: Path) -> tuple[dict, list[dict]]:
     from recipe_engine.sources.sizes import checkpoint_bytes
 
-    outputs = stream8b_outputs(work, state)
-    dense, packed = outputs["dense"], outputs["compressed"]
+    outputs = serving_checkpoints(args, work)
+    dense, packed = outputs["dense"], outputs["packed"]
     size = checkpoint_bytes(packed) / checkpoint_bytes(dense)
     record = timed(args, work, "w4", dense, packed, ("latency",))
     ratio = record["ratio_b_over_a"]["latency"]["decode_tokens_per_s_median"]
