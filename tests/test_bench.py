@@ -9,7 +9,8 @@ import torch
 from recipe_engine.cli import main
 from recipe_engine.evaluation.bench import (Int4Linear, alternate, load_packed, percentile, protocol_note, ratios,
                                             shapes, spread)
-from recipe_engine.evaluation.bench.generate import generate_options, greedy, prompt_ids
+from recipe_engine.evaluation.bench.generate import StaticGreedy, generate_options, greedy, prompt_ids, time_request
+from recipe_engine.evaluation.bench.timing import Clock
 from recipe_engine.evaluation.bench.int4 import dequantize, unpack_int4
 from recipe_engine.evaluation.bench.protocol import PAPER, Shape
 from tests.helpers import BYTE_VOCAB, byte_tokenizer, tiny_model
@@ -18,10 +19,11 @@ TIMES = [0.91, 1.30, 0.88, 1.02, 0.95, 1.71, 0.99, 1.05, 0.93, 1.12, 0.97]
 
 
 def test_alternate_interleaves_after_warmup():
-    calls = []
-    samples = alternate(["A", "B"], lambda m: calls.append(m) or len(calls), warmup=2, repeats=3)
+    calls, warmed = [], []
+    samples = alternate(["A", "B"], lambda m: calls.append(m) or len(calls), warmup=2, repeats=3, warmed=warmed)
     assert calls == ["A", "A", "B", "B"] + ["A", "B"] * 3
     assert samples == [[5, 7, 9], [6, 8, 10]]  # each model's own timed runs, in order
+    assert warmed == [[1, 2], [3, 4]]
 
 
 @pytest.mark.parametrize("values", [TIMES, TIMES[:4], [3.0], list(range(30))])
@@ -63,10 +65,79 @@ def test_static_cache_generation_equals_eager_greedy_tokens():
     model = tiny_model(vocab_size=BYTE_VOCAB, num_hidden_layers=2).eval()
     device = torch.device("cpu")
     ids = prompt_ids(BYTE_VOCAB, Shape("t", 3, 9, 12), device)
-    eager = greedy(model, ids, 12, generate_options(False, False, device))
-    static = greedy(model, ids, 12, generate_options(True, False, device))
+    eager = greedy(model, ids, 12, generate_options(False, "eager", device))
+    static = greedy(model, ids, 12, generate_options(True, "eager", device))
     assert static.shape == (3, 21) and torch.equal(static, eager)
     assert len(set(eager[:, 9:].flatten().tolist())) > 1  # not a degenerate repeat of one token
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_the_graph_ready_decode_step_gives_generates_tokens(model_type):
+    """``StaticGreedy`` (the step a CUDA graph captures, run eagerly here: no GPU) against transformers' own
+    ``generate`` over a dynamic cache: the same tokens, request after request on the same buffers, for a longer
+    prompt after a shorter one and a shorter after a longer (the cache and the mask emptied by each prefill)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    device = torch.device("cpu")
+    decoder = StaticGreedy(model, 3, 9 + 12, device, capture=False)
+    for prompt, new in ((9, 12), (4, 10), (9, 12)):
+        ids = prompt_ids(BYTE_VOCAB, Shape("t", 3, prompt, new), device)
+        expected = greedy(model, ids, new, generate_options(False, "eager", device))
+        clock = Clock()
+        assert torch.equal(decoder(ids, new, clock), expected), (prompt, new)
+        assert clock.first_token is not None
+    assert len(set(expected[:, 9:].flatten().tolist())) > 1  # not a degenerate repeat of one token
+
+
+#: ATen operators that read a tensor's value on the host (``.item()``, ``bool(t)``, data-dependent shapes): each
+#: waits for the device, which a CUDA graph capture forbids
+HOST_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default",
+              "aten.nonzero.default", "aten.masked_select.default", "aten.unique_consecutive.default"}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_the_captured_decode_step_reads_nothing_on_the_host(model_type):
+    """What a capture needs of the step, checked without a GPU: every ATen operator the eager step dispatches
+    (seen by a ``TorchDispatchMode``), none of which may read a value back to the host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    config = AutoConfig.for_model(model_type, vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config).eval().to(torch.bfloat16)
+    decoder = StaticGreedy(model, 2, 16, torch.device("cpu"), capture=False)
+    with torch.no_grad():
+        decoder.prefill(prompt_ids(BYTE_VOCAB, Shape("t", 2, 6, 4), torch.device("cpu")))
+        with Dispatched() as seen:
+            decoder.step()
+        assert "aten.mm.default" in seen.ops and not seen.ops & HOST_READS, seen.ops & HOST_READS
+        with Dispatched() as control:  # the check can fail: a value read back, as ``if (mask == 1).all():`` does
+            bool((decoder.mask[..., :4] == 0).all())
+        assert control.ops & HOST_READS
+
+
+def test_graphs_requests_keep_one_decoder_per_model_and_shape():
+    model = tiny_model(vocab_size=BYTE_VOCAB, num_hidden_layers=2).eval()
+    device, options = torch.device("cpu"), generate_options(True, "graphs", device=torch.device("cpu"))
+    shape = Shape("t", 2, 5, 4)
+    runs = [time_request(model, shape, device, options) for _ in range(2)]
+    assert len(options["graphs"]) == 1 and all(r["first_token_s"] <= r["seconds"] for r in runs)
+    time_request(model, Shape("u", 1, 7, 4), device, options)
+    assert len(options["graphs"]) == 2
 
 
 # -- packed int4 -----------------------------------------------------------------------------------------
@@ -163,6 +234,9 @@ def test_bench_cli_served_reports_median_p90_and_ratios(pair, tmp_path, capsys):
     assert "GPU busy while decoding" in text and "B/A" in text
     assert "not measured: peak device memory (device cpu), GPU busy share while decoding (no GPU)" in text
     assert "served mode (static KV cache, decode step not compiled)" in text
+    assert all(len(r["warmup_s"]) == 1 for run in (a, b) for r in run["requests"].values())
+    assert record["decode_step"] == "eager" and "warm-up (untimed; the first run of each compiles or captures): " \
+        f"{dense}: throughput {a['requests']['throughput']['warmup_s'][0]:.1f} s" in text
     limit = a["bytes_per_token"] / b["bytes_per_token"]
     assert record["ratio_b_over_a"]["bytes_per_token"] == pytest.approx(1 / limit) and limit > 1.2
     assert f"limit of decode tokens/s B/A (weight bytes read per token, A/B): {limit:.3f}×" in text
@@ -376,6 +450,13 @@ def test_bench_integer_options_accept_their_least_values(pair, tmp_path):
     record = json.loads(out.read_text())
     assert (record["warmup"], record["repeats"]) == (0, 1)
     assert [r["batch"] + r["prompt_tokens"] + r["gen_tokens"] for r in record["requests"]] == [3, 3]
+
+
+def test_bench_cli_refuses_graphs_without_a_gpu_before_loading(pair, capsys):
+    assert main(["bench", str(pair[0]), *SMALL, "--compile", "graphs"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --compile graphs captures the decode step as a CUDA graph: it needs a CUDA device, not "
+                   "cpu; use --compile off (or on) here")
 
 
 def test_bench_cli_refuses_a_request_the_mode_lacks(pair, capsys):

@@ -104,6 +104,9 @@ def test_the_serving_call_carries_b_alone_and_builds_what_it_times(tmp_path):
     bench = legs["bench"]["figures"]
     assert bench["layers"] == [8, 6] and bench["limit"] > 1 and bench["compiled"] is False  # the head dominates
     assert len(bench["throughput"]["ratio"]) == 2 and bench["invocations_apart"] >= 0  # two invocations
+    assert bench["decode_step"] == "eager" and all(len(w["throughput"]) == 1 for w in bench["warmup_s"])  # on CPU
+    warmup = next(r for r in result["rows"] if r["figure"].startswith("decode step warm-up (eager)"))
+    assert warmup["value"] == round(max(s for w in bench["warmup_s"] for q in w.values() for s in q), 1)
     w4 = legs["w4"]["figures"]
     assert w4["weights"] == ["bfloat16", "int4 (packed)"] and w4["bytes_ratio"] < 1 and w4["limit"] > 1
     assert all(r["met"] is None for r in result["rows"])  # time goals are judged on a GPU only
@@ -396,3 +399,15 @@ def test_the_packed_serving_checkpoint_holds_each_linears_round_to_nearest_w4_co
         assert zero is None and scales.dtype == torch.bfloat16
         assert torch.equal(dequantize(values, scales, zero).to(torch.bfloat16), expected), name
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_serving_legs_capture_the_decode_step_on_a_gpu_and_run_eager_elsewhere():
+    from argparse import Namespace
+
+    from benchmarks.acceptance.bench import bench_command
+
+    def step(device, choice="graphs"):
+        argv = bench_command(Namespace(tiny=False, bench_repeats=30, device=device, bench_compile=choice), "a", "b",
+                             Path("o.json"), ("latency",))
+        return argv[argv.index("--compile") + 1]
+    assert (step("cuda"), step("cuda:1", "on"), step("cpu")) == ("graphs", "on", "off")

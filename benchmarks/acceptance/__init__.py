@@ -3,16 +3,18 @@
     python -m benchmarks.acceptance [--device cuda|cpu] [--tiny] --out DIR
                                     [--legs bench w4 graphs smollm2 dp offload stream8b moe] [--layers 32]
                                     [--moe-layers 8] [--work DIR]
-                                    [--budget MINUTES] [--bench-repeats 30]
+                                    [--budget MINUTES] [--bench-repeats 30] [--bench-compile graphs|on]
 
 Legs, run in this order whatever order --legs names them (a failing leg records its error line; the next leg
 still runs):
 
-  bench     `recipe bench` in its served mode (static KV cache, decode step as CUDA graphs) of a dense
-            Llama-3-8B-shaped bf16 checkpoint (32 layers) against the same shapes with 25 layers (FlattenGPT's
-            32 → 25 cut, the layer cut alone), batch 64 × 64-token prompts + 128 new and batch 1 after a
-            2048-token prefill, two invocations: tokens/s ≥ 0.95 × the weight-bytes limit (1.255 for 32 → 25)
-            at both, the GPU ≥ 90 % busy while decoding, the invocations within 3 % (benchmarks/acceptance/bench.py).
+  bench     `recipe bench` in its served mode (static KV cache, decode step as CUDA graphs: `--bench-compile
+            graphs` captures its eager kernels, a warm-up of seconds; `on` compiles it with inductor, minutes) of
+            a dense Llama-3-8B-shaped bf16 checkpoint (32 layers) against the same shapes with 25 layers
+            (FlattenGPT's 32 → 25 cut, the layer cut alone), batch 64 × 64-token prompts + 128 new and batch 1
+            after a 2048-token prefill, two invocations: tokens/s ≥ 0.95 × the weight-bytes limit (1.255 for
+            32 → 25) at both, the GPU ≥ 90 % busy while decoding, the invocations within 3 %, the warm-up ≤ 60 s
+            per model and request (benchmarks/acceptance/bench.py).
   w4        the 25 layers packed W4 g128 (compressed-tensors pack-quantized, GPTQ's default grid and format):
             checkpoint bytes ≤ 0.31 × dense bf16, batch-1 decode tokens/s with PyTorch's int4 kernel ≥ 2.0 × dense.
             bench and w4 build the three checkpoints they time themselves (benchmarks/acceptance/serving.py:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import benchmarks.acceptance as package
 from benchmarks.acceptance import carry, runs
-from benchmarks.acceptance.bench import GOAL_DECODE_BUSY, GOAL_OF_LIMIT, GOAL_REPEATABLE, leg_bench
+from benchmarks.acceptance.bench import GOAL_DECODE_BUSY, GOAL_OF_LIMIT, GOAL_REPEATABLE, GOAL_WARMUP_S, leg_bench
 from benchmarks.acceptance.dp import leg_dp
 from benchmarks.acceptance.graphs import leg_graphs
 from benchmarks.acceptance.moe import leg_moe
@@ -40,7 +40,7 @@ def default_work(out: Path, tiny: bool) -> Path:
 
 #: Every leg's goals, recorded in the result
 GOALS = {"flatten_s": GOAL_FLATTEN_S, "gptq_s": GOAL_GPTQ_S, "gpu_over_estimate": GOAL_GPU_OVER_ESTIMATE,
-         "ppl_relative": GOAL_PPL_RELATIVE, "tokens_per_s_of_bytes_limit": GOAL_OF_LIMIT,
+         "ppl_relative": GOAL_PPL_RELATIVE, "tokens_per_s_of_bytes_limit": GOAL_OF_LIMIT, "warmup_s": GOAL_WARMUP_S,
          "decode_busy": GOAL_DECODE_BUSY, "invocations_apart": GOAL_REPEATABLE, "w4_bytes": GOAL_W4_BYTES,
          "w4_decode": GOAL_W4_DECODE}
 
@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the 8B-shaped checkpoint's tokenizer: a model alias or directory (--carry sets it)")
     parser.add_argument("--bench-repeats", type=int, default=30,
                         help="bench and w4: timed iterations per model and request (30 or more)")
+    parser.add_argument("--bench-compile", choices=["graphs", "on"], default="graphs",
+                        help="bench and w4 on a GPU: the decode step captured as CUDA graphs from its eager kernels "
+                             "(graphs, seconds of warm-up) or torch.compile'd (on: inductor too, minutes)")
     parser.add_argument("--profile", action="store_true",
                         help="moe: profile a few layers of its run (torch.profiler; the top operations by host "
                              "and device time in runs.tar.gz; those layers' timings are slower)")

@@ -111,6 +111,20 @@ def dequantized_line(names: list[str], runs: list[dict], dtype: str) -> str | No
             f"packed file's") if which else None
 
 
+#: ``--compile``'s values as the served decode step (``auto`` resolved by the device)
+DECODE_STEP_OF = {"on": "compiled", "graphs": "graphs", "off": "eager"}
+STEP_WORDS = {"compiled": "compiled", "graphs": "captured as a CUDA graph, no inductor", "eager": "not compiled"}
+
+
+def warmup_line(names: list[str], runs: list[dict]) -> str | None:
+    """The untimed warm-up runs' seconds per model and request (the first compiles or captures the decode step);
+    None without warm-up."""
+    parts = [f"{name}: " + ", ".join(f"{request} {' + '.join(f'{s:.1f}' for s in r['warmup_s'])} s"
+                                      for request, r in run["requests"].items())
+             for name, run in zip(names, runs) if any(r.get("warmup_s") for r in run["requests"].values())]
+    return f"warm-up (untimed; the first run of each compiles or captures): {'; '.join(parts)}" if parts else None
+
+
 def preflight(args, device, used) -> None:
     """What ``cmd_bench`` checks of each model before loading any: its config and architecture (the check of
     ``recipe validate``), its longest request against the context, a packed checkpoint against the int4
@@ -137,7 +151,11 @@ def cmd_bench(args) -> int:
     check_json_path(args.json, args.dirs)
     device = check_device(args.device)  # the pre-flight of every command (``preflight``), before loading
     on_gpu = device.type == "cuda"
-    compiled = args.mode == "served" and (on_gpu if args.compile == "auto" else args.compile == "on")
+    decode_step = DECODE_STEP_OF[args.compile] if args.compile != "auto" else "compiled" if on_gpu else "eager"
+    if args.mode == "served" and decode_step == "graphs" and not on_gpu:
+        raise RecipeError(f"--compile graphs captures the decode step as a CUDA graph: it needs a CUDA device, not "
+                          f"{device}; use --compile off (or on) here")
+    compiled = args.mode == "served" and decode_step == "compiled"
     used = shapes(args.mode, on_gpu, args.batch, args.prompt_tokens, args.gen_tokens, args.prefill_tokens)
     if args.requests:
         unknown = sorted(set(args.requests) - {s.name for s in used})
@@ -147,26 +165,28 @@ def cmd_bench(args) -> int:
         used = tuple(s for s in used if s.name in args.requests)
     preflight(args, device, used)
     loaded = [load_for_bench(spec, args.dtype, device) for spec in args.dirs]
-    plan = BenchPlan(args.mode, used, args.warmup, args.repeats, compiled, device)
+    plan = BenchPlan(args.mode, used, args.warmup, args.repeats, decode_step, device)
     runs = bench([m for m, _, _ in loaded], plan)
     for run, spec, (_, location, weights) in zip(runs, args.dirs, loaded):
         run.update(model=model_record(spec, location), checkpoint_bytes=checkpoint_bytes(location), weights=weights,
                    packed=packed_description(location))
     ratio = ratios(runs[0], runs[1]) if len(runs) == 2 else None
-    note = protocol_note(args.mode, used, device.type, compiled, args.repeats)
+    note = protocol_note(args.mode, used, device.type, decode_step != "eager", args.repeats)
     out.print(bench_table(args.dirs, runs, ratio))
     sizes = "; ".join(f"{s.name}: batch {s.batch} × {s.prompt_tokens}-token prompts"
                       + (f" + {s.gen_tokens} new tokens" if s.gen_tokens else " (one forward pass)") for s in used)
     out.print(f"{args.mode} mode ({'static KV cache, ' if args.mode == 'served' else 'eager generate, '}"
-              f"decode step {'compiled' if compiled else 'not compiled'}); {sizes}; median and p90 of "
+              f"decode step {STEP_WORDS[decode_step]}); {sizes}; median and p90 of "
               f"{args.repeats} interleaved iterations after {args.warmup} warm-up; {device}, {args.dtype}",
               markup=False, highlight=False, soft_wrap=True)
     for line in (dequantized_line(args.dirs, runs, args.dtype), limit_line(ratio), unmeasured(runs, device),
+                 warmup_line(args.dirs, runs),
                  f"note: {note}" if note else None):
         if line:
             out.print(line, markup=False, highlight=False, soft_wrap=True)
     write_json(args.json, {"models": runs, "ratio_b_over_a": ratio, "protocol_note": note, "mode": args.mode,
-                           "compiled": compiled, "device": str(device), "dtype": args.dtype,
+                           "compiled": compiled, "decode_step": decode_step if args.mode == "served" else None,
+                           "device": str(device), "dtype": args.dtype,
                            "requests": [vars(s) for s in used], "warmup": args.warmup, "repeats": args.repeats,
                            "torch_version": version("torch"), "date": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return 0
@@ -179,8 +199,10 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=MODES, default="served",
                    help="served: static KV cache, the decode step compiled as CUDA graphs on a GPU, SLEB's "
                         "shapes and batch-1 latency; eager: eager generate and one prefill forward")
-    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="compile the served decode step (auto: on a GPU only; on CPU compiling takes minutes)")
+    p.add_argument("--compile", choices=["auto", "on", "off", "graphs"], default="auto",
+                   help="the served decode step: on = torch.compile (inductor + CUDA graphs; minutes of warm-up on "
+                        "an 8B model), graphs = its eager kernels captured as a CUDA graph (no inductor; seconds of "
+                        "warm-up; CUDA only), off = eager (auto: on on a GPU; on CPU compiling takes minutes)")
     p.add_argument("--batch", type=positive_int,
                    help="first request's batch (paper 64; CPU default 8); every request's memory is checked against "
                         "what is free before loading (exit 4)")

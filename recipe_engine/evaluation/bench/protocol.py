@@ -50,7 +50,7 @@ def shapes(mode: str, on_gpu: bool, batch: int | None = None, prompt_tokens: int
     return first, second
 
 
-def protocol_differences(mode: str, used: tuple[Shape, Shape], device_type: str, compiled: bool,
+def protocol_differences(mode: str, used: tuple[Shape, Shape], device_type: str, graphs: bool,
                          repeats: int) -> list[str]:
     """Each way this run differs from the paper's protocol of ``mode`` (empty: it matches)."""
     notes = [f"device {device_type} (paper: GPU)"] if device_type != "cuda" else []
@@ -61,16 +61,17 @@ def protocol_differences(mode: str, used: tuple[Shape, Shape], device_type: str,
             if getattr(ours, field) != getattr(paper, field):
                 notes.append(f"{ours.name} {field.replace('_', ' ')} {getattr(ours, field)} "
                              f"(paper {getattr(paper, field)})")
-    if mode == "served" and not compiled:
+    if mode == "served" and not graphs:
         notes.append("decode step not compiled (served: CUDA graphs of the decode step)")
     if repeats < 30:
         notes.append(f"{repeats} timed iterations (30 or more for a median and p90)")
     return notes
 
 
-def protocol_note(mode: str, used: tuple[Shape, Shape], device_type: str, compiled: bool,
+def protocol_note(mode: str, used: tuple[Shape, Shape], device_type: str, graphs: bool,
                   repeats: int) -> str | None:
-    """One line saying how the run differs from the paper's protocol (None when it matches)."""
-    notes = protocol_differences(mode, used, device_type, compiled, repeats)
+    """One line saying how the run differs from the paper's protocol (None when it matches); ``graphs``: the
+    decode step replayed as CUDA graphs (compiled, or captured from the eager kernels)."""
+    notes = protocol_differences(mode, used, device_type, graphs, repeats)
     paper = "SLEB / FlattenGPT Table 2" if mode == "served" else "FlattenGPT C.2"
     return f"differs from {paper}: " + ", ".join(notes) if notes else None

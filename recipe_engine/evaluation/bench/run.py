@@ -4,7 +4,8 @@ Per request shape: ``warmup`` untimed runs per model, then ``repeats`` timed run
 reported are the median and the p90 (the slow tail) of its seconds, tokens/s = batch × new tokens / seconds
 (at the median and at the p90 time), the time to the first token and the decode tokens/s after it
 (batch × (new − 1) / decode seconds), the peak device memory (the model's weights plus the most any run
-allocated beyond what was allocated before it) and, on a GPU, its mean utilisation over the decode windows.
+allocated beyond what was allocated before it) and, on a GPU, its mean utilisation over the decode windows;
+each untimed warm-up run's seconds too (the first includes a compile or a capture).
 Ratios are B relative to A (> 1: B is faster; latency as A/B). Size: parameters (a packed linear's rows ×
 columns), the ``*.safetensors`` bytes and the weight bytes held, which one decode step reads.
 """
@@ -29,7 +30,7 @@ class BenchPlan:
     shapes: tuple[Shape, ...]
     warmup: int
     repeats: int
-    compiled: bool                  # the decode step compiled (served mode)
+    decode_step: str                # served mode: compiled | graphs | eager (generate.DECODE_STEPS)
     device: torch.device
 
 
@@ -101,19 +102,21 @@ def bench(models: list, plan: BenchPlan) -> list[dict]:
     peak device memory and one record per shape; the models are moved to the plan's device."""
     for model in models:
         model.to(plan.device).eval()
-    options = generate_options(plan.mode == "served", plan.compiled, plan.device)
+    options = generate_options(plan.mode == "served", plan.decode_step, plan.device)
     records = [{"parameters": logical_parameters(m), "layers": m.config.num_hidden_layers,
                 "weight_bytes": weight_bytes(m), "bytes_per_token": bytes_read_per_token(m), "requests": {}}
                for m in models]
     peaks: dict = {}
     for shape in plan.shapes:
         measure = peak_measure(lambda m: time_request(m, shape, plan.device, options), plan.device, peaks)
+        warmed: list[list] = []
         with BusySampler(plan.device) as sampler:
-            samples = alternate(models, measure, plan.warmup, plan.repeats)
-        for record, runs in zip(records, samples):
+            samples = alternate(models, measure, plan.warmup, plan.repeats, warmed)
+        for record, runs, warmups in zip(records, samples, warmed):
             windows = [r["decode_window"] for r in runs if "decode_window" in r]
             busy = sampler.share(windows) if sampler.source else None
             record["requests"][shape.name] = summarize(shape, runs, busy)
+            record["requests"][shape.name]["warmup_s"] = [r["seconds"] for r in warmups]
             record["gpu_busy_source"] = sampler.source
     for record, model in zip(records, models):
         record["peak_device_mib"] = (record["weight_bytes"] + peaks[id(model)]) / 2**20 if id(model) in peaks else None

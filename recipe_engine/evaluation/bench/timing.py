@@ -17,12 +17,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def alternate(models: list, measure, warmup: int, repeats: int) -> list[list]:
-    """Samples per model: ``warmup`` untimed runs of each model in turn, then ``repeats`` rounds of A, B, A, B,
-    ... so drift in the machine's load hits every model alike."""
+def alternate(models: list, measure, warmup: int, repeats: int, warmed: list | None = None) -> list[list]:
+    """Samples per model: ``warmup`` untimed runs of each model in turn (their results appended per model to
+    ``warmed``, when given), then ``repeats`` rounds of A, B, A, B, ... so drift in the machine's load hits every
+    model alike."""
     for model in models:
-        for _ in range(warmup):
-            measure(model)
+        runs = [measure(model) for _ in range(warmup)]
+        if warmed is not None:
+            warmed.append(runs)
     samples: list[list] = [[] for _ in models]
     for _ in range(repeats):
         for i, model in enumerate(models):
