@@ -77,7 +77,11 @@ The serving goals need only [".gpu/b"] (the tokenizer travels in it and is passe
 (`--out DIR --follow N` in a later call prints the rest):
 
     python3 -m benchmarks.acceptance --carry .gpu --device cuda --out /dev/shm/serve --work /dev/shm/accw \
-        --pack --legs bench w4 --budget 9.5 --detach --follow 570; cp /dev/shm/serve/*.* $OUT/
+        --pack --legs bench w4 --bench-repeats 20 --budget 9.5 --detach --follow 570; cp /dev/shm/serve/*.* $OUT/
+
+(Expected, not yet measured: the three checkpoints written from the GPU's random draws into /dev/shm in about a
+minute, then each timed request well under a second per run with the decode step replayed, so bench's two
+invocations of 2 models × 2 requests × 23 runs and w4's one fit about 4 and 1 minutes.)
 
 A detached run's --out lies outside $OUT (the device tool empties $OUT before each call); each call copies
 its files there. On one H200 the served bench of both 8B-shaped models was still compiling its decode steps
