@@ -459,6 +459,24 @@ def test_bench_cli_refuses_graphs_without_a_gpu_before_loading(pair, capsys):
                    "cpu; use --compile off (or on) here")
 
 
+def test_bench_cli_refuses_graphs_for_sliding_window_layers_before_loading(tmp_path, capsys, monkeypatch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from recipe_engine.cli import bench as bench_cli
+
+    config = AutoConfig.for_model("gemma3_text", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "g")
+    byte_tokenizer().save_pretrained(tmp_path / "g")
+    capsys.readouterr()
+    monkeypatch.setattr(bench_cli, "check_device", lambda _device: torch.device("cuda"))  # graphs need CUDA
+    monkeypatch.setattr(bench_cli, "load_for_bench", lambda *_a: pytest.fail("loaded a model"))
+    assert main(["bench", str(tmp_path / "g"), "--compile", "graphs", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {tmp_path / 'g'}: --compile graphs keeps one mask for every layer, and this model has "
+                   f"sliding_attention layers; use --compile on")
+
+
 def test_bench_cli_refuses_a_request_the_mode_lacks(pair, capsys):
     assert main(["bench", str(pair[0]), *SMALL, "--requests", "prefill"]) == 2
     assert "error: --requests prefill: the served mode times throughput and latency" in capsys.readouterr().err

@@ -140,6 +140,11 @@ def preflight(args, device, used) -> None:
         packed = packed_config(location)
         if packed is not None:
             check_packed(spec, packed, device, args.dtype, location)
+        if args.mode == "served" and args.compile == "graphs":
+            sliding = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention"})
+            if sliding or getattr(config, "use_sliding_window", False):
+                raise RecipeError(f"{spec}: --compile graphs keeps one mask for every layer, and this model has "
+                                  f"{', '.join(sliding) or 'sliding-window'} layers; use --compile on")
         configs.append(config)
         weights.append(planned_weight_bytes(config, location, DTYPES[args.dtype], packed is not None))
     check_memory(configs, weights, used, DTYPES[args.dtype], device, args.mode == "served")
