@@ -17,16 +17,11 @@ def prompt_ids(vocab_size: int, shape: Shape, device: torch.device) -> torch.Ten
     return torch.randint(0, vocab_size, (shape.batch, shape.prompt_tokens), generator=generator).to(device)
 
 
-#: How the served mode runs its one-token decode step: ``compiled`` (``torch.compile(mode="reduce-overhead")``:
-#: inductor's kernels, replayed as CUDA graphs), ``graphs`` (the eager kernels captured once as a CUDA graph and
-#: replayed, :class:`StaticGreedy`: no inductor, a warm-up of seconds) or ``eager``.
-DECODE_STEPS = ("compiled", "graphs", "eager")
-
-
 def generate_options(served: bool, decode_step: str, device: torch.device) -> dict:
-    """``generate``'s arguments for the mode: served = static cache, its decode step compiled when
-    ``decode_step`` is ``compiled`` (``mode="reduce-overhead"`` on CUDA: the step is captured once as a CUDA graph
-    and replayed); ``graphs``: ``{"graphs": {}}``, each request shape's :class:`StaticGreedy` kept there."""
+    """``generate``'s arguments for the mode. Served = static cache, its one-token decode step ``decode_step``:
+    ``compiled`` (``torch.compile(mode="reduce-overhead")`` on CUDA: inductor's kernels, captured once as a CUDA
+    graph and replayed), ``graphs`` (``{"graphs": {}}``: the eager kernels captured as a CUDA graph by a
+    :class:`StaticGreedy` per request shape, kept there; no inductor, a warm-up of seconds) or ``eager``."""
     if not served:
         return {"disable_compile": True}
     if decode_step == "graphs":

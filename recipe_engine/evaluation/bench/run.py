@@ -30,7 +30,7 @@ class BenchPlan:
     shapes: tuple[Shape, ...]
     warmup: int
     repeats: int
-    decode_step: str                # served mode: compiled | graphs | eager (generate.DECODE_STEPS)
+    decode_step: str                # served mode: compiled | graphs | eager (generate_options)
     device: torch.device
 
 
