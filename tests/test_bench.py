@@ -388,7 +388,7 @@ def test_the_kv_cache_estimate_is_what_generate_allocates(model_type, mode):
 
     model = tiny_model(model_type, vocab_size=BYTE_VOCAB, num_hidden_layers=3)
     shape, device = Shape("throughput", 3, 11, 6), torch.device("cpu")
-    options = {**generate_options(mode == "served", False, device), "return_dict_in_generate": True}
+    options = {**generate_options(mode == "served", "eager", device), "return_dict_in_generate": True}
     cache = greedy(model, prompt_ids(BYTE_VOCAB, shape, device), shape.gen_tokens, options).past_key_values
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     config = tiny_config(model_type, vocab_size=BYTE_VOCAB, num_hidden_layers=3)
