@@ -72,9 +72,10 @@ def packed_copy(source: Path, target: Path, group_size: int, device: str = "cpu"
                 continue
             weight = weight.to(device)
             rows, columns = weight.shape
-            scale, zero = grid.params(weight.float().view(rows, columns // group_size, group_size))
+            groups = weight.float().view(rows, columns // group_size, group_size)
+            scale, zero = grid.params(groups)
             record = QuantizedLinear(grid, scale, zero.to(torch.int16))
-            rounded = grid.fake(weight.float().view(rows, -1, group_size), scale[..., None], zero[..., None])
+            rounded = grid.fake(groups, scale[..., None], zero[..., None])
             linear = name.removesuffix(".weight")
             packed = exporter.pack(linear, rounded.view(rows, columns).to(torch.bfloat16), record)
             tensors.update({f"{linear}.{key}": value.cpu() for key, value in packed.items()})
