@@ -14,7 +14,8 @@ pause points are two test steps in the recipes, active only when the child's ``R
 ``PauseStep`` (model-scope, between steps) and ``PauseInPass`` (inside a shared pass, in ``compress_layer`` of
 layer 2, after layers 0-1 are finished; with ``out of memory on rank R`` it raises torch's ``OutOfMemoryError``
 there instead, on rank R of a data-parallel run), plus ``writing`` (``save_pretrained`` or the engine's
-``write_checkpoint`` has written the checkpoint files into the temporary output directory).
+``write_checkpoint`` has written the checkpoint files into the temporary output directory). Independent cases
+run two at a time.
 """
 from __future__ import annotations
 
@@ -160,17 +161,55 @@ def run(case: dict, base: Path, paused: bool) -> int:
     return code
 
 
+def run_chain(case: dict, base: Path) -> None:
+    """A case, then its ``then`` runs in order."""
+    run(case, base, paused=bool(case.get("pause")))
+    for follow in case.get("then", []):
+        if follow.get("touch"):  # a changed source: a newer modification time
+            os.utime(follow["touch"], ns=(time.time_ns(), time.time_ns() + 10**9))
+        run(follow, base, paused=False)
+
+
+def run_chains(chains: list[dict], base: Path, workers: int) -> None:
+    """Each chain in a forked worker, at most ``workers`` at once (chains write disjoint outputs)."""
+    running: dict[int, str] = {}
+    failed = []
+
+    def reap() -> None:
+        pid, status = os.wait()
+        if status != 0:
+            failed.append(running[pid])
+        del running[pid]
+
+    for case in chains:
+        if len(running) >= workers:
+            reap()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                run_chain(case, base)
+                code = 0
+            finally:
+                os._exit(code)
+        running[pid] = case["name"]
+    while running:
+        reap()
+    if failed:
+        raise SystemExit(f"driver failed in the chains of {failed}")
+
+
 def main() -> int:
+    """Chains run two at a time (one torch thread each); a chain that touches a source file runs after the
+    others, alone, since a changed modification time would make a concurrent ``--resume`` refuse."""
     cases_file = Path(sys.argv[1])
     base = cases_file.parent
     torch.set_num_threads(1)
     install()
-    for case in json.loads(cases_file.read_text()):
-        run(case, base, paused=bool(case.get("pause")))
-        for follow in case.get("then", []):
-            if follow.get("touch"):  # a changed source: a newer modification time
-                os.utime(follow["touch"], ns=(time.time_ns(), time.time_ns() + 10**9))
-            run(follow, base, paused=False)
+    chains = json.loads(cases_file.read_text())
+    touching = [case for case in chains if any(follow.get("touch") for follow in case.get("then", []))]
+    run_chains([case for case in chains if case not in touching], base, workers=2)
+    run_chains(touching, base, workers=1)
     return 0
 
 

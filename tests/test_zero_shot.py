@@ -124,7 +124,7 @@ def hand_accuracy(model, tokenizer, docs: list[tuple[str, list[str], int]]) -> t
 @requires_smollm2
 def test_offline_arc_easy_and_piqa_match_hand_scoring(smollm2):
     model, tokenizer = smollm2
-    n = 20
+    n = 10
     arc = task_data.local_dataset("arc_easy")["test"].select(range(n))
     piqa = task_data.local_dataset("piqa")["validation"].select(range(n))
     reference = {
