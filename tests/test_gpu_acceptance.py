@@ -20,6 +20,7 @@ from recipe_engine.execution.stats import InputCovariance
 from tests.helpers import byte_tokenizer, free_port, shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
+ACCEPTANCE = [sys.executable, "-m", "benchmarks.acceptance"]
 
 
 def script_environment(env: dict | None = None) -> dict:
@@ -28,8 +29,8 @@ def script_environment(env: dict | None = None) -> dict:
 
 
 def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.acceptance", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=script_environment(env), timeout=900)
+    return subprocess.run([*ACCEPTANCE, *args], capture_output=True, text=True, cwd=ROOT,
+                          env=script_environment(env), timeout=900)
 
 
 def run_scripts_side_by_side(*argvs: list[str], logs: Path) -> list[tuple[int, str]]:
@@ -39,8 +40,8 @@ def run_scripts_side_by_side(*argvs: list[str], logs: Path) -> list[tuple[int, s
     processes = []
     for i, argv in enumerate(argvs):
         with open(logs / f"{i}.log", "w") as log:
-            processes.append(subprocess.Popen([sys.executable, "-m", "benchmarks.acceptance", *argv], cwd=ROOT,
-                                              env=script_environment(), stdout=log, stderr=subprocess.STDOUT))
+            processes.append(subprocess.Popen([*ACCEPTANCE, *argv], cwd=ROOT, env=script_environment(), stdout=log,
+                                              stderr=subprocess.STDOUT))
     return [(process.wait(timeout=900), (logs / f"{i}.log").read_text()) for i, process in enumerate(processes)]
 
 
