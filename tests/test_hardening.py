@@ -359,7 +359,44 @@ def test_validate_reads_gguf_metadata_without_converting(work, gguf_file, capsys
     monkeypatch.setattr(gguf_source, "converted_gguf", refuse)
     assert main(["validate", recipe(model=str(gguf_file), modifiers=["FuseNorm", "ShortGPT<n:1>"])]) == 0
     assert "ok (llama, 3 → 2 layers)" in capsys.readouterr().out
-    assert not (tmp / "cache").exists()
+    kept = gguf_source.cache_root() / "gguf-config" / gguf_source.gguf_cache_dir(gguf_file).name
+    assert sorted(p.relative_to(tmp / "cache").as_posix() for p in (tmp / "cache").rglob("*") if p.is_file()) \
+        == [f"gguf-config/{kept.name}/config.json"]  # the metadata's config kept, no weights converted
+
+
+def test_a_gguf_files_config_is_read_from_its_metadata_once(work, gguf_file, capsys, monkeypatch):
+    """The second read takes the kept config.json, equal to transformers' own reading of the metadata (its
+    ``_name_or_path`` aside), and parses nothing; a cache that cannot be written is read around."""
+    from transformers import AutoConfig
+
+    tmp, recipe = work
+    reference = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).to_dict()
+    first = gguf_source.gguf_config(gguf_file).to_dict()
+    read_config = AutoConfig.from_pretrained.__func__
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the GGUF metadata was parsed again")
+
+    def from_pretrained(*args, **kwargs):
+        return refuse() if "gguf_file" in kwargs else read_config(AutoConfig, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf_source, "_gguf_fields", refuse)
+        patched.setattr(AutoConfig, "from_pretrained", from_pretrained)
+        second = gguf_source.gguf_config(gguf_file).to_dict()
+        assert main(["validate", recipe(model=str(gguf_file), modifiers=["ShortGPT<n:1>"])]) == 0
+    for values in (reference, first, second):
+        values.pop("_name_or_path")
+    assert first == reference and second == reference
+
+    def unwritable(*_a, **_k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setenv("RECIPE_CACHE", str(tmp / "other-cache"))
+    monkeypatch.setattr(gguf_source, "temporary_directory", unwritable)
+    third = gguf_source.gguf_config(gguf_file).to_dict()
+    third.pop("_name_or_path")
+    assert third == reference and not list((tmp / "other-cache" / "gguf-config").iterdir())
 
 
 def test_gguf_apply_converts_once_into_the_cache(work, gguf_file, capsys):
