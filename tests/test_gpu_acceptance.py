@@ -435,3 +435,24 @@ def test_the_serving_legs_capture_the_decode_step_on_a_gpu_and_run_eager_elsewhe
                              Path("o.json"), ("latency",))
         return argv[argv.index("--compile") + 1]
     assert (step("cuda"), step("cuda:1", "on"), step("cpu")) == ("graphs", "on", "off")
+
+
+def test_the_recorded_runs_split_sums_to_their_wall_and_the_stored_table_is_the_scripts():
+    """``benchmarks.diagnosis.apply_split``: each recorded run's parts (every step's logged phases, the output's
+    write, the rest) add up to its ``apply_wall_s`` (the rest is the difference, so no part may be negative or
+    counted twice), and the table BENCHMARKS renders is what the script makes of the raw runs now."""
+    from benchmarks.diagnosis import apply_split
+
+    for spec in (apply_split.BEFORE, apply_split.AFTER):
+        figures = apply_split.recorded_run(spec)[0]
+        parts = apply_split.split(figures)
+        whole = parts.pop("the whole `recipe apply`")
+        logged = sum(sum(s.values()) for s in figures["timings"]["seconds_by_step"].values())
+        assert whole == figures["apply_wall_s"] and abs(sum(parts.values()) - whole) < 1e-9
+        assert all(value >= 0 for value in parts.values()), parts
+        assert abs(parts["the rest (imports, loading, calibration text)"] - (whole - logged)) < 1e-9
+    stored = json.loads((apply_split.RESULTS / apply_split.AFTER.partition(":")[0]).read_text())
+    (table,) = [t for t in stored["tables"] if t["title"] == apply_split.TITLE]
+    made = apply_split.table(apply_split.BEFORE, apply_split.AFTER)
+    assert {key: table[key] for key in made} == made
+    assert stored["runs"]["full"] == apply_split.recorded_run(apply_split.BEFORE)[3]
