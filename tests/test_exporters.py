@@ -363,25 +363,31 @@ def test_packing_moves_to_the_gpu_only_when_the_tensor_and_its_fp64_copies_fit(m
     assert pack_device(gpu, experts.to("meta")).type == "meta"  # a layout is never moved
 
 
+@pytest.mark.parametrize("block_rows", [None, 5])
 @pytest.mark.parametrize("columns, group", [(128, 32), (112, 32), (100, None)])
-def test_grid_codes_equal_each_values_own_division(columns, group):
-    """The codes (groups broadcast, a last partial group padded) equal ``clamp(round(w / s) + z)`` computed for
-    every value with its own group's scale and zero point; a weight moved off its grid is refused."""
+def test_grid_codes_equal_each_values_own_division(monkeypatch, columns, group, block_rows):
+    """The codes (groups broadcast, a last partial group padded; the rows in blocks, a last partial one too)
+    equal ``clamp(round(w / s) + z)`` computed for every value with its own group's scale and zero point; a
+    weight moved off its grid is refused, in any block."""
+    from recipe_engine.numerics import quantization
     from recipe_engine.numerics.quantization import grid_codes
 
+    if block_rows is not None:  # 24 rows: blocks of 5, 5, 5, 5 and 4
+        monkeypatch.setattr(quantization, "HOST_BLOCK_BYTES", block_rows * 8 * columns)
     grid = Grid(4, group, False, torch.bfloat16)
     weight = (0.05 * torch.randn(24, columns, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
     fake, record = on_grid(weight, grid)
     width = group or columns
-    expected = torch.empty(24, columns, dtype=torch.float64)
+    expected = torch.empty(24, columns, dtype=torch.int16)
     for c in range(columns):
         s, z = record.scale[:, c // width].double(), record.zero[:, c // width].double()
-        expected[:, c] = torch.clamp(torch.round(fake[:, c].double() / s) + z, 0, 15)
+        expected[:, c] = torch.clamp(torch.round(fake[:, c].double() / s) + z, 0, 15).to(torch.int16)
     assert torch.equal(grid_codes("layer", fake, record), expected)
-    moved = fake.clone()
-    moved[3, 5] += record.scale[3, 5 // width].to(torch.bfloat16) * 0.4
-    with pytest.raises(RuntimeError, match="off their quantization grid"):
-        grid_codes("layer", moved, record)
+    for row in (3, 22):  # the first block and the last, partial one
+        moved = fake.clone()
+        moved[row, 5] += record.scale[row, 5 // width].to(torch.bfloat16) * 0.4
+        with pytest.raises(RuntimeError, match="off their quantization grid"):
+            grid_codes("layer", moved, record)
 
 
 @pytest.mark.parametrize("model_type,per_chunk", [("qwen3_moe", None), ("qwen3_moe", 1), ("qwen3_moe", 3),

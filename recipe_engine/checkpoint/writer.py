@@ -77,8 +77,9 @@ def _as_is(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
 
 #: Share of a GPU's free memory that packing one quantized tensor may take.
 PACK_DEVICE_SHARE = 0.5
-#: fp64 working memory of packing, per element of the weight packed at once (``grid_codes``: the weight, its
-#: codes, the rounded-back check and their temporaries, counted as 6 × 8 bytes).
+#: fp64 working memory of packing on a GPU, per element of the weight packed at once (``grid_codes``: the weight,
+#: its codes, the rounded-back check and their temporaries, counted as 6 × 8 bytes); the host takes a block of
+#: rows at a time (``HOST_BLOCK_BYTES``), so there it bounds the work of a chunk of stacked experts from above.
 PACK_BYTES_PER_ELEMENT = 6 * 8
 
 
