@@ -546,16 +546,22 @@ def test_packed_export_streamed_equals_in_memory_without_the_whole_model(tmp_pat
     assert any(name.endswith("weight_packed") for name in weights(tmp_path / "out-on"))
 
 
+@pytest.mark.parametrize("in_blocks", [False, True])
 @pytest.mark.parametrize("bits, group, sym, rows", [(4, 32, True, 96), (4, None, False, 100), (8, 16, False, 64),
                                                     (8, None, True, 72), (4, 64, False, 13)])
-def test_packed_layout_is_what_the_compressor_returns(bits, group, sym, rows):
+def test_packed_layout_is_what_the_compressor_returns(monkeypatch, bits, group, sym, rows, in_blocks):
     """The writer fixes each file's header before packing: its layout, and the packed tensors themselves, must
-    be the library's ``PackedQuantizationCompressor.compress`` output."""
+    be the library's ``PackedQuantizationCompressor.compress`` output; also when the host takes the rows in blocks
+    (here 7 rows for the codes and 14 for the packing, a last block shorter)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
 
     from recipe_engine.formats import checkpoint_exporter
     from recipe_engine.formats.compressed_tensors import scheme
+    from recipe_engine.numerics import quantization
     from recipe_engine.numerics.quantization import Grid, QuantizedLinear
+
+    if in_blocks:
+        monkeypatch.setattr(quantization, "HOST_BLOCK_BYTES", 7 * 8 * 128)
 
     grid = Grid(bits, group, sym, torch.float32)
     weight = torch.randn(rows, 128, dtype=torch.float32)

@@ -30,7 +30,7 @@ import torch
 
 from ..architectures.adapters import FUSED_ROLES
 from ..errors import SourceError
-from ..numerics.quantization import Grid, QuantizedLinear, grid_codes
+from ..numerics.quantization import Grid, QuantizedLinear, block_rows, grid_codes
 from . import Exporter, register
 
 
@@ -123,13 +123,19 @@ class CompressedTensors(Exporter):
     def pack(self, name: str, weight: torch.Tensor, record: QuantizedLinear) -> dict[str, torch.Tensor]:
         """Codes from the weight in fp64 (a bf16 weight divided in bf16 can land on the next code), moved to
         the signed compressed-tensors grid (``q - 2^(b-1)``, zero points likewise), packed by the library's
-        ``pack_to_int32``: what ``PackedQuantizationCompressor.compress`` writes (checked in the tests)."""
+        ``pack_to_int32`` (on the host a block of rows at a time, as :func:`grid_codes` computes them): what
+        ``PackedQuantizationCompressor.compress`` writes (checked in the tests)."""
         # deferred: imports transformers
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
         grid, offset = record.grid, 2 ** (record.grid.bits - 1)
         codes = grid_codes(name, weight, record)
-        packed = {"weight_packed": pack_to_int32((codes - offset).to(torch.int8), grid.bits),
+        rows, columns = codes.shape
+        words = torch.empty((rows, math.ceil(columns * grid.bits / 32)), dtype=torch.int32, device=codes.device)
+        block = block_rows(codes, 4)  # pack_to_int32's int32 temporaries
+        for first in range(0, rows, block):  # each row packs on its own: on the host, a block of rows at a time
+            words[first:first + block] = pack_to_int32((codes[first:first + block] - offset).to(torch.int8), grid.bits)
+        packed = {"weight_packed": words,
                   "weight_scale": record.scale.to(codes.device, grid.scale_dtype or weight.dtype),
                   "weight_shape": torch.tensor(list(weight.shape), dtype=torch.int64)}
         if not grid.sym:

@@ -105,9 +105,19 @@ def on_grid(weight: torch.Tensor, record: QuantizedLinear) -> bool:
 
 
 #: Bytes of one fp64 temporary of :func:`grid_codes` on the host: a weight is taken a block of rows at a time
-#: so that its eight or so temporaries stay in the cores' caches (2 MiB: 64 rows of 4096 columns). On a 2-core VM
-#: a 14336 × 4096 bf16 linear takes 1.7 s so, 3.7 s whole (the same codes); a GPU takes the whole weight at once.
-HOST_BLOCK_BYTES = 2 << 20
+#: (512 KiB: 16 rows of 4096 columns), so that its eight or so temporaries stay in the cores' caches and, below
+#: the 1 MiB mmap threshold a streamed run fixes (``host_memory.release_freed_memory_eagerly``), come from the
+#: heap and are reused instead of being mapped and zeroed anew. A 14336 × 4096 bf16 linear on a 2-core VM with
+#: that threshold: 0.5-1.0 s, against 3.4 s whole and 4.4 s in blocks of 2 MiB (the same codes). A GPU takes the
+#: whole weight at once.
+HOST_BLOCK_BYTES = 512 << 10
+
+
+def block_rows(tensor: torch.Tensor, bytes_per_element: int = 8) -> int:
+    """Rows of the matrix ``tensor`` to take at once: on the host those whose temporaries of ``bytes_per_element``
+    each fit :data:`HOST_BLOCK_BYTES` (at least one), on a GPU all of them."""
+    rows, columns = tensor.shape
+    return max(1, HOST_BLOCK_BYTES // (bytes_per_element * columns)) if tensor.device.type == "cpu" else rows
 
 
 def grid_codes(name: str, weight: torch.Tensor, record: QuantizedLinear) -> torch.Tensor:
@@ -118,7 +128,7 @@ def grid_codes(name: str, weight: torch.Tensor, record: QuantizedLinear) -> torc
     its columns (a view ``[rows, groups, width]``), not expanded to the weight's size; on the host a block of
     rows at a time (:data:`HOST_BLOCK_BYTES`: every value's code depends on its own row only)."""
     rows, columns = weight.shape
-    block = max(1, HOST_BLOCK_BYTES // (8 * columns)) if weight.device.type == "cpu" else rows
+    block = block_rows(weight)
     codes = torch.empty((rows, columns), dtype=torch.int16, device=weight.device)
     off = torch.zeros((), dtype=torch.float64, device=weight.device)
     for first in range(0, rows, block):
